@@ -1,0 +1,20 @@
+"""The emulated computational SSD: device, namespaces, step transactions, media, commands.
+
+Synchronous and importable without FUSE; imports only cossd.kernels, numpy and the
+standard library. fs/ drives it from its event loop; tests drive it directly.
+"""
+
+from .errors import DeviceError, Status
+from .device import Device, DeviceConfig
+from .namespace import Namespace, NamespaceSpec, TensorSpec, CommitResult
+
+__all__ = [
+    "CommitResult",
+    "Device",
+    "DeviceConfig",
+    "DeviceError",
+    "Namespace",
+    "NamespaceSpec",
+    "Status",
+    "TensorSpec",
+]

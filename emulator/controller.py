@@ -1,0 +1,175 @@
+"""The controller: decode, validate and dispatch commands; exactly one completion each."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import struct
+from typing import Any, Callable
+
+import numpy as np
+
+from .device import Device
+from .errors import DeviceError, Status
+from .namespace import Namespace
+from .protocol import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
+from .spec import NamespaceSpec
+
+log = logging.getLogger(__name__)
+
+IDENTIFY_BYTES = 4096
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True).encode()
+
+
+def _payload_json(command: Command) -> Any:
+    try:
+        return json.loads(command.payload.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DeviceError(Status.INVALID_FIELD, f"payload is not valid JSON: {exc}") from None
+
+
+def _ascii_field(text: str, size: int) -> bytes:
+    """NVMe ASCII identify fields: left-justified, space padded."""
+    return text.encode("ascii", "replace")[:size].ljust(size, b" ")
+
+
+class Controller:
+    """Executes commands against a Device. Synchronous; safe to call from worker threads."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.commands_completed = 0
+        self.commands_failed = 0
+        self._handlers: dict[int, Callable[[Command], Completion]] = {
+            Opcode.IDENTIFY: self._identify,
+            Opcode.VENDOR_IDENTIFY: self._vendor_identify,
+            Opcode.CREATE_NAMESPACE: self._create_namespace,
+            Opcode.DELETE_NAMESPACE: self._delete_namespace,
+            Opcode.BEGIN_STEP: self._begin_step,
+            Opcode.COMMIT_STEP: self._commit_step,
+            Opcode.ABORT_STEP: self._abort_step,
+            Opcode.SET_HYPERPARAMETERS: self._set_hyperparameters,
+            Opcode.NAMESPACE_STATISTICS: self._namespace_statistics,
+            Opcode.FLUSH: self._flush,
+        }
+
+    def submit(self, raw: bytes) -> Completion:
+        """Execute one raw submission. Raises SubmissionError if it is malformed."""
+        return self.execute(decode_submission(raw))
+
+    def execute(self, command: Command) -> Completion:
+        handler = self._handlers.get(command.opcode)
+        if handler is None:
+            completion = Completion(
+                command.cid, Status.INVALID_OPCODE,
+                data=f"opcode {command.opcode:#04x} is not supported".encode(),
+            )
+        else:
+            try:
+                completion = handler(command)
+            except DeviceError as exc:
+                completion = Completion(command.cid, exc.status, data=exc.message.encode())
+            except Exception as exc:  # a bug must not take the device down
+                log.exception("opcode %#04x failed", command.opcode)
+                completion = Completion(
+                    command.cid, Status.INTERNAL_ERROR, data=f"internal error: {exc}".encode()
+                )
+        if completion.status in (Status.SUCCESS, Status.STEP_SKIPPED_NONFINITE):
+            self.commands_completed += 1
+        else:
+            self.commands_failed += 1
+        return completion
+
+    def _namespace(self, command: Command) -> Namespace:
+        return self.device.namespace_by_id(command.nsid)
+
+    # ------------------------------------------------------------------ identify
+
+    def _identify(self, command: Command) -> Completion:
+        cns = command.cdw10 & 0xFF
+        page = bytearray(IDENTIFY_BYTES)
+        identity = self.device.identity
+        if cns == IdentifyCns.CONTROLLER:
+            struct.pack_into("<HH", page, 0, identity["vid"], identity["vid"])
+            page[4:24] = _ascii_field(identity["serial"], 20)
+            page[24:64] = _ascii_field(identity["model"], 40)
+            page[64:72] = _ascii_field(identity["firmware_revision"], 8)
+            capacity = self.device.capacity_bytes
+            unallocated = max(0, capacity - self.device.allocated_bytes)
+            page[280:296] = capacity.to_bytes(16, "little")
+            page[296:312] = unallocated.to_bytes(16, "little")
+            struct.pack_into("<I", page, 516, 1024)  # nn: namespaces supported
+            vendor = _json({"kernels": ["adamw", "adam"], "grad_dtypes": ["fp16", "bf16"],
+                            "param_dtypes": ["fp16", "bf16"], "state_dtypes": ["fp32", "bf16"]})
+            page[3072 : 3072 + len(vendor)] = vendor[:1024]
+        elif cns == IdentifyCns.NAMESPACE:
+            namespace = self._namespace(command)
+            stats = namespace.statistics()
+            size = 2 * stats["state_bytes_per_copy"] // 4096
+            struct.pack_into("<QQQ", page, 0, size, size, size)  # nsze, ncap, nuse in 4 KiB blocks
+            struct.pack_into("<I", page, 128 + 0, 12 << 16)  # lbaf0: 2^12 byte blocks
+        elif cns == IdentifyCns.ACTIVE_NAMESPACES:
+            ids = sorted(ns.nsid for ns in self.device.namespaces.values() if ns.nsid > command.nsid)
+            struct.pack_into(f"<{min(len(ids), 1024)}I", page, 0, *ids[:1024])
+        else:
+            raise DeviceError(Status.INVALID_FIELD, f"identify CNS {cns:#04x} is not supported")
+        return Completion(command.cid, Status.SUCCESS, data=bytes(page))
+
+    def _vendor_identify(self, command: Command) -> Completion:
+        return Completion(command.cid, Status.SUCCESS, data=_json(self.device.describe()))
+
+    # ------------------------------------------------------------------ namespaces
+
+    def _create_namespace(self, command: Command) -> Completion:
+        spec = NamespaceSpec.from_json(_payload_json(command))
+        namespace = self.device.create_namespace(spec)
+        return Completion(command.cid, Status.SUCCESS, result=namespace.nsid,
+                          data=_json(namespace.config()))
+
+    def _delete_namespace(self, command: Command) -> Completion:
+        namespace = self._namespace(command)
+        self.device.delete_namespace(namespace.name)
+        return Completion(command.cid, Status.SUCCESS, result=namespace.nsid)
+
+    # ------------------------------------------------------------------ steps
+
+    def _begin_step(self, command: Command) -> Completion:
+        namespace = self._namespace(command)
+        step = command.cdw10_11 or None
+        grad_scale = command.cdw12_13_f64 if (command.cdw12 or command.cdw13) else 1.0
+        opened = namespace.begin_step(step, grad_scale)
+        return Completion(command.cid, Status.SUCCESS, result=opened & 0xFFFFFFFF,
+                          data=_json({"step": opened, "grad_scale": grad_scale}))
+
+    def _commit_step(self, command: Command) -> Completion:
+        result = self._namespace(command).commit_step()
+        status = Status.STEP_SKIPPED_NONFINITE if result.skipped else Status.SUCCESS
+        return Completion(command.cid, status, result=result.committed_step & 0xFFFFFFFF,
+                          data=_json(dataclasses.asdict(result)))
+
+    def _abort_step(self, command: Command) -> Completion:
+        step = self._namespace(command).abort_step()
+        return Completion(command.cid, Status.SUCCESS, result=step & 0xFFFFFFFF,
+                          data=_json({"aborted_step": step}))
+
+    def _set_hyperparameters(self, command: Command) -> Completion:
+        changes = _payload_json(command)
+        if not isinstance(changes, dict):
+            raise DeviceError(Status.INVALID_FIELD, "payload must be a JSON object")
+        hyper = self._namespace(command).set_hyperparameters(**changes)
+        return Completion(command.cid, Status.SUCCESS, data=_json(dataclasses.asdict(hyper)))
+
+    def _namespace_statistics(self, command: Command) -> Completion:
+        return Completion(command.cid, Status.SUCCESS,
+                          data=_json(self._namespace(command).statistics()))
+
+    def _flush(self, command: Command) -> Completion:
+        if command.nsid == NSID_ALL:
+            for namespace in list(self.device.namespaces.values()):
+                namespace.flush()
+            return Completion(command.cid, Status.SUCCESS)
+        durable = self._namespace(command).flush()
+        return Completion(command.cid, Status.SUCCESS, result=durable & 0xFFFFFFFF)

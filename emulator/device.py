@@ -1,0 +1,277 @@
+"""The device: identity, the namespace registry and its superblock, open/format/close."""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import DeviceError, Status
+from .layout import FORMAT_VERSION, plan_layout
+from .media import atomic_write_json, fsync_dir, read_json
+from .names import MAX_NAMESPACES
+from .namespace import Namespace
+from .spec import NamespaceSpec
+
+log = logging.getLogger(__name__)
+
+MODEL = "cossd computational SSD emulator"
+FIRMWARE_REVISION = "0.1.0"
+VENDOR_ID = 0x1D1D  # not a PCI-SIG assignment: the emulator's own
+SUPERBLOCK_FILE = "superblock.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    """How a device is opened (not stored on the media)."""
+
+    # True: every commit is flushed before it is acknowledged. False (default): the device
+    # acts like a drive with power-loss protection; a commit is acknowledged once it would
+    # survive a daemon crash and reaches the media in the background (lag: one step).
+    sync: bool = False
+
+
+class Device:
+    """A formatted backing directory, opened exclusively by one process."""
+
+    def __init__(self, path: Path, superblock: dict[str, Any], config: DeviceConfig, lock_fd: int) -> None:
+        self.path = path
+        self.config = config
+        self._superblock = superblock
+        self._lock_fd = lock_fd
+        self._lock = threading.Lock()
+        self.namespaces: dict[str, Namespace] = {}
+        self.failed_namespaces: dict[str, str] = {}
+        self.opened_at = time.time()
+
+    # ------------------------------------------------------------------ format, open
+
+    @staticmethod
+    def format(
+        path: str | os.PathLike[str],
+        *,
+        capacity_bytes: int | None = None,
+        serial: str | None = None,
+        force: bool = False,
+    ) -> dict[str, Any]:
+        """Create an empty device in directory `path`; returns its identity."""
+        root = Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        if (root / SUPERBLOCK_FILE).exists() and not force:
+            raise DeviceError(
+                Status.INVALID_FIELD, f"{root} already holds a cossd device (use --force to erase it)"
+            )
+        if force:
+            for child in root.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        if capacity_bytes is None:
+            stat = os.statvfs(root)
+            capacity_bytes = stat.f_bavail * stat.f_frsize
+        if capacity_bytes <= 0:
+            raise DeviceError(Status.INVALID_FIELD, "capacity must be positive")
+        (root / "ns").mkdir(exist_ok=True)
+        superblock = {
+            "format_version": FORMAT_VERSION,
+            "identity": {
+                "vid": VENDOR_ID,
+                "serial": serial or secrets.token_hex(10).upper(),
+                "model": MODEL,
+                "firmware_revision": FIRMWARE_REVISION,
+                "capacity_bytes": int(capacity_bytes),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+            "namespaces": {},
+            "next_nsid": 1,
+        }
+        fsync_dir(root)
+        atomic_write_json(root / SUPERBLOCK_FILE, superblock)
+        return superblock["identity"]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], config: DeviceConfig = DeviceConfig()) -> "Device":
+        root = Path(path)
+        try:
+            superblock = read_json(root / SUPERBLOCK_FILE)
+        except FileNotFoundError:
+            raise DeviceError(
+                Status.INVALID_FIELD, f"{root} is not a cossd device (run `cossd format {root}`)"
+            ) from None
+        if superblock.get("format_version") != FORMAT_VERSION:
+            raise DeviceError(
+                Status.INVALID_FIELD,
+                f"{root}: media format {superblock.get('format_version')} is not supported "
+                f"(this build reads format {FORMAT_VERSION})",
+            )
+        lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise DeviceError(
+                Status.NAMESPACE_NOT_READY, f"{root} is already opened by another process"
+            ) from None
+        device = cls(root, superblock, config, lock_fd)
+        try:
+            device._open_namespaces()
+        except BaseException:
+            device.close()
+            raise
+        return device
+
+    def _open_namespaces(self) -> None:
+        registered = self._superblock["namespaces"]
+        for name, nsid in registered.items():
+            try:
+                self.namespaces[name] = Namespace.open(self._ns_dir(name), self.config.sync)
+            except DeviceError as exc:
+                self.failed_namespaces[name] = str(exc)
+                log.error("namespace %s (nsid %d) cannot be served: %s", name, nsid, exc)
+        # Directories not in the registry are leftovers of a create or delete that crashed
+        # before (create) or after (delete) its commit point.
+        for child in (self.path / "ns").iterdir():
+            if child.name not in registered:
+                log.warning("removing incomplete namespace directory %s", child)
+                shutil.rmtree(child, ignore_errors=True)
+
+    def _ns_dir(self, name: str) -> Path:
+        return self.path / "ns" / name
+
+    def close(self) -> None:
+        """Flush every namespace and release the backing directory."""
+        try:
+            for namespace in list(self.namespaces.values()):
+                namespace.close()
+            self.namespaces.clear()
+        finally:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return dict(self._superblock["identity"])
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self._superblock["identity"]["capacity_bytes"])
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(2 * ns.statistics()["state_bytes_per_copy"] for ns in self.namespaces.values())
+
+    def describe(self) -> dict[str, Any]:
+        """Identity, capacity and namespaces, as the vendor identify command returns them."""
+        return {
+            "identity": self.identity,
+            "format_version": self._superblock["format_version"],
+            "backing": str(self.path),
+            "pid": os.getpid(),
+            "durability": "sync" if self.config.sync else "plp",
+            "capacity_bytes": self.capacity_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "namespaces": [
+                {"name": ns.name, "nsid": ns.nsid, "committed_step": ns.committed_step,
+                 "durable_step": ns.durable_step, "loading": ns.loading}
+                for ns in sorted(self.namespaces.values(), key=lambda n: n.nsid)
+            ],
+            "failed_namespaces": dict(self.failed_namespaces),
+        }
+
+    # ------------------------------------------------------------------ namespaces
+
+    def namespace(self, name: str) -> Namespace:
+        namespace = self.namespaces.get(name)
+        if namespace is None:
+            if name in self.failed_namespaces:
+                raise DeviceError(
+                    Status.UNRECOVERED_READ_ERROR,
+                    f"namespace {name!r} failed recovery: {self.failed_namespaces[name]}",
+                )
+            raise DeviceError(Status.INVALID_NAMESPACE, f"no namespace named {name!r}")
+        return namespace
+
+    def namespace_by_id(self, nsid: int) -> Namespace:
+        for namespace in self.namespaces.values():
+            if namespace.nsid == nsid:
+                return namespace
+        raise DeviceError(Status.INVALID_NAMESPACE, f"no namespace with nsid {nsid}")
+
+    def create_namespace(self, spec: NamespaceSpec) -> Namespace:
+        """Allocate a namespace; the registry update in the device superblock commits it."""
+        spec.validate()
+        with self._lock:
+            if spec.name in self.namespaces or spec.name in self.failed_namespaces:
+                raise DeviceError(Status.NAMESPACE_EXISTS, f"namespace {spec.name!r} already exists")
+            if len(self._superblock["namespaces"]) >= MAX_NAMESPACES:
+                raise DeviceError(Status.NAMESPACE_ID_UNAVAILABLE, f"at most {MAX_NAMESPACES} namespaces")
+            _, copy_bytes = plan_layout(
+                [(t.name, t.numel) for t in spec.tensors], spec.state_itemsize, 2
+            )
+            if self.allocated_bytes + 2 * copy_bytes > self.capacity_bytes:
+                raise DeviceError(
+                    Status.NAMESPACE_INSUFFICIENT_CAPACITY,
+                    f"namespace {spec.name!r} needs {2 * copy_bytes} bytes; "
+                    f"{self.capacity_bytes - self.allocated_bytes} of {self.capacity_bytes} free",
+                )
+            nsid = int(self._superblock["next_nsid"])
+            directory = self._ns_dir(spec.name)
+            if directory.exists():
+                shutil.rmtree(directory)
+            namespace = Namespace.create(directory, nsid, spec, self.config.sync)
+            updated = dict(self._superblock)
+            updated["namespaces"] = dict(self._superblock["namespaces"]) | {spec.name: nsid}
+            updated["next_nsid"] = nsid + 1
+            try:
+                atomic_write_json(self.path / SUPERBLOCK_FILE, updated)
+            except BaseException:
+                namespace.close()
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            self._superblock = updated
+            self.namespaces[spec.name] = namespace
+            return namespace
+
+    def delete_namespace(self, name: str) -> None:
+        with self._lock:
+            if name not in self._superblock["namespaces"]:
+                raise DeviceError(Status.INVALID_NAMESPACE, f"no namespace named {name!r}")
+            namespace = self.namespaces.get(name)
+            if namespace is not None and namespace.step_open is not None:
+                raise DeviceError(
+                    Status.STEP_ALREADY_OPEN,
+                    f"namespace {name!r} has step {namespace.step_open} open; abort it first",
+                )
+            updated = dict(self._superblock)
+            updated["namespaces"] = {
+                k: v for k, v in self._superblock["namespaces"].items() if k != name
+            }
+            atomic_write_json(self.path / SUPERBLOCK_FILE, updated)
+            self._superblock = updated
+            self.namespaces.pop(name, None)
+            self.failed_namespaces.pop(name, None)
+            if namespace is not None:
+                namespace.close()
+            shutil.rmtree(self._ns_dir(name), ignore_errors=True)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "namespaces": {name: ns.statistics() for name, ns in self.namespaces.items()},
+            "uptime_s": time.time() - self.opened_at,
+        }

@@ -1,0 +1,117 @@
+"""Command status codes of the device and their errno at the file edge, declared once."""
+from __future__ import annotations
+
+import enum
+import errno
+
+
+class StatusCodeType(enum.IntEnum):
+    """NVMe status code type (SCT), bits 9-11 of the completion status field."""
+
+    GENERIC = 0x0
+    COMMAND_SPECIFIC = 0x1
+    MEDIA = 0x2
+    VENDOR = 0x7
+
+
+class Status(enum.IntEnum):
+    """A completion status: (SCT << 8) | SC, with the errno a file operation reports for it.
+
+    Values below 0x100 are NVMe generic statuses; 0x2xx media errors; 0x7xx cossd's own
+    (vendor specific) statuses.
+    """
+
+    SUCCESS = 0x000
+    INVALID_OPCODE = 0x001
+    INVALID_FIELD = 0x002
+    INTERNAL_ERROR = 0x006
+    INVALID_NAMESPACE = 0x00B
+    LBA_OUT_OF_RANGE = 0x080
+    CAPACITY_EXCEEDED = 0x081
+    NAMESPACE_NOT_READY = 0x082
+    # command specific
+    NAMESPACE_INSUFFICIENT_CAPACITY = 0x115
+    NAMESPACE_ID_UNAVAILABLE = 0x116
+    # media and data integrity
+    WRITE_FAULT = 0x280
+    UNRECOVERED_READ_ERROR = 0x281
+    # vendor: the optimizer's own results
+    STEP_SKIPPED_NONFINITE = 0x7C0
+    GRADIENT_INCOMPLETE = 0x7C1
+    NO_STEP_OPEN = 0x7C2
+    STEP_ALREADY_OPEN = 0x7C3
+    NAMESPACE_EXISTS = 0x7C4
+    STEP_NUMBER_MISMATCH = 0x7C5
+    GRADIENT_DUPLICATE = 0x7C6
+    MISALIGNED_ACCESS = 0x7C7
+    ACCESS_DENIED = 0x7C8
+    STATE_SEALED = 0x7C9
+    INVALID_NAME = 0x7CA
+    LIMIT_EXCEEDED = 0x7CB
+
+    @property
+    def sct(self) -> int:
+        return (self.value >> 8) & 0x7
+
+    @property
+    def sc(self) -> int:
+        return self.value & 0xFF
+
+    @property
+    def errno(self) -> int:
+        return STATUS_ERRNO.get(self, errno.EIO)
+
+    @classmethod
+    def from_field(cls, sct: int, sc: int) -> "Status | int":
+        """The Status for a completion's (sct, sc), or the raw value when unknown."""
+        raw = (sct << 8) | sc
+        try:
+            return cls(raw)
+        except ValueError:
+            return raw
+
+
+# errno for each status where a file operation (not a command) must fail; the table in
+# docs/errno.md lists the same rows and tests/test_t3_mount_errno.py covers each.
+STATUS_ERRNO: dict[Status, int] = {
+    Status.SUCCESS: 0,
+    Status.INVALID_OPCODE: errno.EINVAL,
+    Status.INVALID_FIELD: errno.EINVAL,
+    Status.INTERNAL_ERROR: errno.EIO,
+    Status.INVALID_NAMESPACE: errno.ENOENT,
+    Status.LBA_OUT_OF_RANGE: errno.EFBIG,
+    Status.CAPACITY_EXCEEDED: errno.ENOSPC,
+    Status.NAMESPACE_NOT_READY: errno.EIO,
+    Status.NAMESPACE_INSUFFICIENT_CAPACITY: errno.ENOSPC,
+    Status.NAMESPACE_ID_UNAVAILABLE: errno.ENOSPC,
+    Status.WRITE_FAULT: errno.EIO,
+    Status.UNRECOVERED_READ_ERROR: errno.EIO,
+    Status.STEP_SKIPPED_NONFINITE: 0,
+    Status.GRADIENT_INCOMPLETE: errno.EAGAIN,
+    Status.NO_STEP_OPEN: errno.EINVAL,
+    Status.STEP_ALREADY_OPEN: errno.EBUSY,
+    Status.NAMESPACE_EXISTS: errno.EEXIST,
+    Status.STEP_NUMBER_MISMATCH: errno.EINVAL,
+    Status.GRADIENT_DUPLICATE: errno.EEXIST,
+    Status.MISALIGNED_ACCESS: errno.EINVAL,
+    Status.ACCESS_DENIED: errno.EACCES,
+    Status.STATE_SEALED: errno.EROFS,
+    Status.INVALID_NAME: errno.EINVAL,
+    Status.LIMIT_EXCEEDED: errno.E2BIG,
+}
+
+
+class DeviceError(Exception):
+    """A command or file operation the device refused; carries the completion status."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    @property
+    def errno(self) -> int:
+        return self.status.errno
+
+    def __str__(self) -> str:
+        return f"{self.message} [{self.status.name}]"

@@ -1,0 +1,139 @@
+"""The backing store: every durable write of the device goes through these helpers."""
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import DeviceError, Status
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creations, renames, removals) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves either the old or the new file.
+
+    tmp file, write, fsync, rename over the target, fsync the directory: the one helper
+    for all durable metadata (JSON descriptors, superblock of the device).
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    except OSError as exc:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise media_error(exc, f"writing {path.name}") from exc
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, value: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def media_error(exc: OSError, doing: str) -> DeviceError:
+    """Translate an OSError of the backing store into the device status a client sees."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DeviceError(Status.CAPACITY_EXCEEDED, f"backing store full while {doing}: {exc}")
+    return DeviceError(Status.WRITE_FAULT, f"backing store failed while {doing}: {exc}")
+
+
+class StateFile:
+    """One preallocated, memory-mapped copy (A or B) of a namespace's state arrays.
+
+    Preallocation (fallocate) makes a full disk fail when the namespace is created rather
+    than as SIGBUS in the middle of a step.
+    """
+
+    def __init__(self, path: Path, size_bytes: int, *, create: bool) -> None:
+        self.path = path
+        self.size_bytes = size_bytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.posix_fallocate(self.fd, 0, size_bytes)
+            elif os.fstat(self.fd).st_size != size_bytes:
+                raise DeviceError(
+                    Status.UNRECOVERED_READ_ERROR,
+                    f"{path} has {os.fstat(self.fd).st_size} bytes, expected {size_bytes}",
+                )
+            self._mmap = mmap.mmap(self.fd, size_bytes, mmap.MAP_SHARED)
+        except OSError as exc:
+            os.close(self.fd)
+            raise media_error(exc, f"allocating {path.name}") from exc
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.bytes = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def view(self, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
+        """A zero-copy array of `count` items of `dtype` starting at byte `offset`."""
+        size = count * np.dtype(dtype).itemsize
+        return self.bytes[offset : offset + size].view(dtype)
+
+    def sync(self) -> None:
+        """Write this copy's dirty pages to the media; a failure is fatal for the step."""
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise media_error(exc, f"syncing {self.path.name}") from exc
+
+    def close(self) -> None:
+        self.bytes = np.empty(0, dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A view escaped (a test holding an array); the mapping dies with it.
+            pass
+        os.close(self.fd)
+
+
+class SlotFile:
+    """A small file rewritten in place with one pwrite (a superblock slot)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def read(self) -> bytes:
+        return os.pread(self.fd, os.fstat(self.fd).st_size, 0)
+
+    def write(self, data: bytes) -> None:
+        try:
+            written = os.pwrite(self.fd, data, 0)
+            if written != len(data):
+                raise OSError(errno.EIO, "short write")
+        except OSError as exc:
+            raise media_error(exc, f"writing {self.path.name}") from exc
+
+    def sync(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise media_error(exc, f"syncing {self.path.name}") from exc
+
+    def close(self) -> None:
+        os.close(self.fd)

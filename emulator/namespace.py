@@ -1,0 +1,621 @@
+"""An optimizer namespace: A/B state copies on the media, step transactions, recovery."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cossd import kernels
+
+from .errors import DeviceError, Status
+from .layout import Copy, SuperblockFlags, TensorLayout, plan_layout
+from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, read_json
+from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
+from .superblock import Superblock
+from .transaction import ReadyBlock, StepTransaction
+
+log = logging.getLogger(__name__)
+
+ROLES = ("grad", "param", "master", "exp_avg", "exp_avg_sq")
+LOADABLE_ROLES = ("master", "exp_avg", "exp_avg_sq")
+
+__all__ = ["CommitResult", "Namespace", "NamespaceSpec", "TensorSpec", "ROLES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitResult:
+    """What a commit did: the step now current, and whether this one was skipped."""
+
+    step: int
+    committed_step: int
+    skipped: bool
+    nonfinite_elements: int = 0
+
+
+@dataclasses.dataclass
+class NamespaceCounters:
+    steps_committed: int = 0
+    steps_skipped: int = 0
+    steps_aborted: int = 0
+    nonfinite_elements: int = 0
+    grad_bytes_in: int = 0
+    state_bytes_loaded: int = 0
+    bytes_read: int = 0
+    kernel_blocks: int = 0
+    kernel_ns: int = 0
+    flushes: int = 0
+    flush_ns: int = 0
+    checksum_failures: int = 0
+
+
+class Namespace:
+    """One optimizer: its tensors, hyperparameters and state, committed step by step.
+
+    Thread-safe: the fs layer calls write_grad from several worker threads; kernels for
+    distinct blocks run in parallel outside the lock (cffi releases the GIL).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        nsid: int,
+        spec: NamespaceSpec,
+        copies: tuple[StateFile, StateFile],
+        slots: tuple[SlotFile, SlotFile],
+        superblock: Superblock,
+        sync: bool,
+        layouts: list[TensorLayout],
+    ) -> None:
+        self.directory = directory
+        self.nsid = nsid
+        self.spec = spec
+        self.name = spec.name
+        self.sync_commits = sync
+        self._copies = copies
+        self._slots = slots
+        self._sb = superblock
+        self._hyper = dataclasses.replace(
+            spec.hyper,
+            lr=superblock.lr,
+            beta1=superblock.beta1,
+            beta2=superblock.beta2,
+            eps=superblock.eps,
+            weight_decay=superblock.weight_decay,
+            mode="adamw" if superblock.decoupled else "adam",
+        )
+        self.layouts = layouts
+        self.tensors = {t.name: t for t in layouts}
+        self.total_blocks = sum(t.block_count for t in layouts)
+        self._grad_format = HALF_FORMATS[spec.grad_dtype]
+        self._param_format = HALF_FORMATS[spec.param_dtype]
+        self._state_format = STATE_FORMATS[spec.state_dtype]
+        self._state_dtype = np.dtype(np.float32 if spec.state_dtype == "fp32" else np.uint16)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._flush_lock = threading.Lock()
+        self._durable_seq = superblock.seq
+        self._durable_step = superblock.committed_step
+        self._tx: StepTransaction | None = None
+        self.counters = NamespaceCounters(
+            steps_committed=superblock.steps_committed, steps_skipped=superblock.steps_skipped
+        )
+        self._views: dict[tuple[Copy, str, str], np.ndarray] = {}
+
+    # ------------------------------------------------------------------ creation, opening
+
+    @classmethod
+    def create(cls, directory: Path, nsid: int, spec: NamespaceSpec, sync: bool) -> "Namespace":
+        """Lay out and preallocate a namespace at step 0, ready for initial weights."""
+        spec.validate()
+        layouts, copy_bytes = plan_layout(
+            [(t.name, t.numel) for t in spec.tensors],
+            spec.state_itemsize,
+            2,
+        )
+        directory.mkdir(parents=True)
+        copies: list[StateFile] = []
+        try:
+            for copy in Copy:
+                copies.append(StateFile(directory / f"state.{copy.name}", copy_bytes, create=True))
+            total_blocks = sum(t.block_count for t in layouts)
+            superblock = Superblock(
+                seq=1,
+                committed_step=0,
+                committed_copy=Copy.A,
+                flags=SuperblockFlags.LOADING,
+                block_crcs=np.zeros(total_blocks, dtype=np.uint32),
+                decoupled=spec.hyper.mode == "adamw",
+                **{k: getattr(spec.hyper, k) for k in ("lr", "beta1", "beta2", "eps", "weight_decay")},
+            )
+            slots = (SlotFile(directory / "sb.0"), SlotFile(directory / "sb.1"))
+            slots[superblock.slot].write(superblock.encode())
+            slots[superblock.slot].sync()
+            meta = {"nsid": nsid, "spec": spec.to_json(), "copy_bytes": copy_bytes}
+            atomic_write_json(directory / "meta.json", meta)
+            fsync_dir(directory)
+        except BaseException:
+            for state in copies:
+                state.close()
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return cls(directory, nsid, spec, (copies[0], copies[1]), slots, superblock, sync, layouts)
+
+    @classmethod
+    def open(cls, directory: Path, sync: bool) -> "Namespace":
+        """Open an existing namespace, recovering to the newest valid committed step."""
+        meta = read_json(directory / "meta.json")
+        spec = NamespaceSpec.from_json(meta["spec"])
+        layouts, copy_bytes = plan_layout(
+            [(t.name, t.numel) for t in spec.tensors], spec.state_itemsize, 2
+        )
+        if copy_bytes != meta["copy_bytes"]:
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{directory}: layout mismatch")
+        copies = tuple(StateFile(directory / f"state.{c.name}", copy_bytes, create=False) for c in Copy)
+        slots = (SlotFile(directory / "sb.0"), SlotFile(directory / "sb.1"))
+        total_blocks = sum(t.block_count for t in layouts)
+        candidates = [Superblock.decode(slot.read(), total_blocks) for slot in slots]
+        valid = sorted((sb for sb in candidates if sb is not None), key=lambda sb: -sb.seq)
+        if not valid:
+            raise DeviceError(
+                Status.UNRECOVERED_READ_ERROR, f"namespace {spec.name!r}: no valid superblock"
+            )
+        namespace = cls(directory, meta["nsid"], spec, copies, slots, valid[0], sync, layouts)  # type: ignore[arg-type]
+        namespace._recover(valid)
+        return namespace
+
+    def _recover(self, candidates: list[Superblock]) -> None:
+        """Serve the newest superblock whose copy proves intact by its block checksums."""
+        for superblock in candidates:
+            if superblock.flags & SuperblockFlags.LOADING:
+                chosen = superblock
+                break
+            bad = self._verify_copy(superblock)
+            if not bad:
+                chosen = superblock
+                break
+            self.counters.checksum_failures += len(bad)
+            log.warning(
+                "namespace %s: step %d (seq %d) fails %d block checksum(s); falling back",
+                self.name, superblock.committed_step, superblock.seq, len(bad),
+            )
+        else:
+            raise DeviceError(
+                Status.UNRECOVERED_READ_ERROR,
+                f"namespace {self.name!r}: no committed step passes its checksums",
+            )
+        self._sb = chosen
+        self._hyper = Hyperparameters(
+            lr=chosen.lr, beta1=chosen.beta1, beta2=chosen.beta2, eps=chosen.eps,
+            weight_decay=chosen.weight_decay, mode="adamw" if chosen.decoupled else "adam",
+        )
+        self.counters.steps_committed = chosen.steps_committed
+        self.counters.steps_skipped = chosen.steps_skipped
+        # What survived a daemon crash may still sit in the page cache only: make it durable
+        # before anything can overwrite the other copy.
+        for state in self._copies:
+            state.sync()
+        for slot in self._slots:
+            slot.sync()
+        self._durable_seq = chosen.seq
+        self._durable_step = chosen.committed_step
+
+    def close(self) -> None:
+        """Flush the committed step and release the media. An open step is abandoned."""
+        try:
+            if self._tx is None or not self._tx.inflight:
+                self.flush()
+        finally:
+            self._views.clear()
+            for state in self._copies:
+                state.close()
+            for slot in self._slots:
+                slot.close()
+
+    # ------------------------------------------------------------------ views of the state
+
+    def _view(self, copy: Copy, tensor: TensorLayout, role: str) -> np.ndarray:
+        key = (copy, tensor.name, role)
+        view = self._views.get(key)
+        if view is None:
+            state = self._copies[copy]
+            if role == "master":
+                view = state.view(tensor.master_offset, tensor.numel, np.dtype(np.float32))
+            elif role == "exp_avg":
+                view = state.view(tensor.exp_avg_offset, tensor.numel, self._state_dtype)
+            elif role == "exp_avg_sq":
+                view = state.view(tensor.exp_avg_sq_offset, tensor.numel, self._state_dtype)
+            elif role == "param":
+                view = state.view(tensor.param_offset, tensor.numel, np.dtype(np.uint16))
+            else:
+                raise ValueError(role)
+            self._views[key] = view
+        return view
+
+    def _block_crc(self, copy: Copy, tensor: TensorLayout, local_block: int) -> int:
+        start, stop = tensor.block_range(local_block)
+        crc = 0
+        for role in ("master", "exp_avg", "exp_avg_sq", "param"):
+            crc = kernels.crc32c(self._view(copy, tensor, role)[start:stop], crc)
+        return crc
+
+    def _verify_copy(self, superblock: Superblock) -> list[tuple[str, int]]:
+        """Blocks of the copy `superblock` names whose checksum does not match."""
+        bad = []
+        for tensor in self.layouts:
+            for block in range(tensor.block_count):
+                crc = self._block_crc(superblock.committed_copy, tensor, block)
+                if crc != int(superblock.block_crcs[tensor.first_block + block]):
+                    bad.append((tensor.name, block))
+        return bad
+
+    def itemsize(self, role: str) -> int:
+        if role in ("grad", "param"):
+            return 2
+        if role == "master":
+            return 4
+        return self._state_dtype.itemsize
+
+    def file_size(self, tensor_name: str, role: str) -> int:
+        return self._tensor(tensor_name).numel * self.itemsize(role)
+
+    def _tensor(self, name: str) -> TensorLayout:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise DeviceError(
+                Status.INVALID_NAMESPACE, f"namespace {self.name!r} has no tensor {name!r}"
+            )
+        return tensor
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def committed_step(self) -> int:
+        return self._sb.committed_step
+
+    @property
+    def durable_step(self) -> int:
+        return self._durable_step
+
+    @property
+    def loading(self) -> bool:
+        return bool(self._sb.flags & SuperblockFlags.LOADING)
+
+    @property
+    def hyper(self) -> Hyperparameters:
+        return self._hyper
+
+    @property
+    def step_open(self) -> int | None:
+        tx = self._tx
+        return None if tx is None else tx.step
+
+    def config(self) -> dict[str, Any]:
+        """The namespace's description as config.json shows it."""
+        return {
+            "name": self.name,
+            "nsid": self.nsid,
+            "hyperparameters": dataclasses.asdict(self._hyper),
+            "grad_dtype": self.spec.grad_dtype,
+            "param_dtype": self.spec.param_dtype,
+            "state_dtype": self.spec.state_dtype,
+            "durability": "sync" if self.sync_commits else "plp",
+            "tensors": [{"name": t.name, "numel": t.numel} for t in self.layouts],
+        }
+
+    def statistics(self) -> dict[str, Any]:
+        with self._lock:
+            counters = dataclasses.asdict(self.counters)
+            return counters | {
+                "name": self.name,
+                "nsid": self.nsid,
+                "committed_step": self._sb.committed_step,
+                "durable_step": self._durable_step,
+                "last_skipped_step": self._sb.last_skipped_step,
+                "step_open": self.step_open,
+                "loading": self.loading,
+                "tensors": len(self.layouts),
+                "parameters": sum(t.numel for t in self.layouts),
+                "state_bytes_per_copy": self._copies[0].size_bytes,
+            }
+
+    # ------------------------------------------------------------------ file API
+
+    def read(self, tensor_name: str, role: str, offset: int, size: int) -> bytes:
+        """Bytes of a committed state array (param, master or a moment)."""
+        tensor = self._tensor(tensor_name)
+        if role == "grad":
+            raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
+        file_size = tensor.numel * self.itemsize(role)
+        if offset >= file_size or size <= 0:
+            return b""
+        end = min(file_size, offset + size)
+        with self._lock:
+            view = self._view(self._sb.committed_copy, tensor, role).view(np.uint8)
+            data = view[offset:end].tobytes()
+            self.counters.bytes_read += len(data)
+        return data
+
+    def _check_range(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
+        itemsize = self.itemsize(role)
+        if offset < 0 or offset % itemsize or length % itemsize:
+            raise DeviceError(
+                Status.MISALIGNED_ACCESS,
+                f"{tensor.name}/{role}: writes must start and end on {itemsize}-byte "
+                f"element boundaries (offset {offset}, length {length})",
+            )
+        if offset + length > tensor.numel * itemsize:
+            raise DeviceError(
+                Status.LBA_OUT_OF_RANGE,
+                f"{tensor.name}/{role}: write of {length} bytes at {offset} passes the end "
+                f"({tensor.numel * itemsize} bytes)",
+            )
+
+    def write_state(self, tensor_name: str, role: str, offset: int, data: bytes | memoryview) -> int:
+        """Load initial master weights or moments (only before the first step)."""
+        tensor = self._tensor(tensor_name)
+        if role not in LOADABLE_ROLES:
+            raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
+        length = len(data)
+        self._check_range(tensor, role, offset, length)
+        if length == 0:
+            return 0
+        with self._lock:
+            if not self.loading:
+                raise DeviceError(
+                    Status.STATE_SEALED,
+                    f"{tensor.name}/{role} can only be written before the first step "
+                    f"(namespace is at step {self._sb.committed_step})",
+                )
+            itemsize = self.itemsize(role)
+            first = offset // itemsize
+            view = self._view(self._sb.committed_copy, tensor, role)
+            source = np.frombuffer(data, dtype=view.dtype)
+            view[first : first + len(source)] = source
+            if role == "master":
+                kernels.master_to_param(
+                    view[first : first + len(source)],
+                    self._view(self._sb.committed_copy, tensor, "param")[first : first + len(source)],
+                    self._param_format,
+                )
+            self.counters.state_bytes_loaded += length
+        return length
+
+    def write_grad(self, tensor_name: str, offset: int, data: bytes | memoryview) -> int:
+        """Take gradient bytes of the open step (opening an implicit step if none is).
+
+        The write that completes the last gradient of an implicit step returns only once
+        that step is committed or skipped.
+        """
+        tensor = self._tensor(tensor_name)
+        length = len(data)
+        self._check_range(tensor, "grad", offset, length)
+        if length == 0:
+            return 0
+        grad = np.frombuffer(data, dtype=np.uint16)
+        with self._lock:
+            tx = self._tx
+            if tx is None:
+                tx = self._begin_locked(None, 1.0, explicit=False)
+            ready = tx.receive(tensor, offset // 2, grad)
+            completes_step = tx.all_received and bool(ready)
+            tx.inflight += 1
+            self.counters.grad_bytes_in += length
+        try:
+            for block in ready:
+                self._run_block(tx, block)
+        finally:
+            with self._cond:
+                tx.inflight -= 1
+                self._cond.notify_all()
+                if completes_step and not tx.explicit:
+                    while tx.inflight:
+                        self._cond.wait()
+                    if self._tx is tx:
+                        self._commit_locked(tx)
+        return length
+
+    def _run_block(self, tx: StepTransaction, block: ReadyBlock) -> None:
+        """Check and update one complete gradient block into the shadow copy."""
+        try:
+            started = time.perf_counter_ns()
+            nonfinite = kernels.count_nonfinite(block.grad, self._grad_format)
+            committed = self._sb.committed_copy
+            shadow = committed.other
+            tensor = block.tensor
+            start, stop = tensor.block_range(block.local_block)
+            crc = 0
+            # Once the step is known to be skipped there is no point updating the shadow.
+            if nonfinite == 0 and tx.nonfinite == 0:
+                kernels.adam_step(
+                    block.grad,
+                    self._view(committed, tensor, "master")[start:stop],
+                    self._view(committed, tensor, "exp_avg")[start:stop],
+                    self._view(committed, tensor, "exp_avg_sq")[start:stop],
+                    self._view(shadow, tensor, "master")[start:stop],
+                    self._view(shadow, tensor, "exp_avg")[start:stop],
+                    self._view(shadow, tensor, "exp_avg_sq")[start:stop],
+                    self._view(shadow, tensor, "param")[start:stop],
+                    grad_format=self._grad_format,
+                    param_format=self._param_format,
+                    state_format=self._state_format,
+                    scalars=tx.scalars,
+                )
+                crc = self._block_crc(shadow, tensor, block.local_block)
+            elapsed = time.perf_counter_ns() - started
+        except BaseException as exc:
+            with self._lock:
+                tx.error = exc
+            log.exception("namespace %s: kernel failed on %s block %d", self.name, block.tensor.name, block.local_block)
+            raise DeviceError(Status.INTERNAL_ERROR, f"kernel failed: {exc}") from exc
+        with self._lock:
+            tx.finish(block, crc, nonfinite)
+            self.counters.kernel_blocks += 1
+            self.counters.kernel_ns += elapsed
+
+    # ------------------------------------------------------------------ step commands
+
+    def begin_step(self, step: int | None = None, grad_scale: float = 1.0) -> int:
+        """Open step `step` (default: the next one) with a combined gradient scale."""
+        with self._lock:
+            return self._begin_locked(step, grad_scale, explicit=True).step
+
+    def _begin_locked(self, step: int | None, grad_scale: float, explicit: bool) -> StepTransaction:
+        if self._tx is not None:
+            raise DeviceError(
+                Status.STEP_ALREADY_OPEN,
+                f"namespace {self.name!r}: step {self._tx.step} is already open "
+                "(commit or abort it first)",
+            )
+        expected = self._sb.committed_step + 1
+        if step is not None and step != expected:
+            raise DeviceError(
+                Status.STEP_NUMBER_MISMATCH,
+                f"namespace {self.name!r}: next step is {expected}, not {step}",
+            )
+        if not (isinstance(grad_scale, float) and math.isfinite(grad_scale) and grad_scale > 0):
+            raise DeviceError(
+                Status.INVALID_FIELD, f"grad_scale must be a finite number > 0, got {grad_scale!r}"
+            )
+        if self.loading:
+            self._seal_locked()
+        # The shadow copy still holds the previous step; it may be the only complete
+        # copy on the media until the committed step is durable. Never overwrite it first.
+        self._flush_to(self._sb)
+        scalars = kernels.adam_scalars(self._hyper.kernel, expected, grad_scale)
+        self._tx = StepTransaction(expected, grad_scale, scalars, explicit, self.total_blocks)
+        return self._tx
+
+    def _seal_locked(self) -> None:
+        """End the loading phase: checksum the initial state and make it durable."""
+        crcs = np.zeros(self.total_blocks, dtype=np.uint32)
+        copy = self._sb.committed_copy
+        for tensor in self.layouts:
+            for block in range(tensor.block_count):
+                crcs[tensor.first_block + block] = self._block_crc(copy, tensor, block)
+        self._copies[copy].sync()
+        sealed = self._sb.successor(flags=SuperblockFlags.NONE, block_crcs=crcs)
+        self._write_superblock(sealed, sync=True)
+
+    def commit_step(self) -> CommitResult:
+        """Commit the open step once all its gradient blocks are in (or skip it)."""
+        with self._cond:
+            tx = self._tx
+            if tx is None:
+                raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: no step is open")
+            while tx.inflight:
+                self._cond.wait()
+            return self._commit_locked(tx)
+
+    def abort_step(self) -> int:
+        """Drop the open step; the committed state is untouched. Returns its number."""
+        with self._cond:
+            tx = self._tx
+            if tx is None:
+                raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: no step is open")
+            while tx.inflight:
+                self._cond.wait()
+            self._tx = None
+            self.counters.steps_aborted += 1
+            return tx.step
+
+    def _commit_locked(self, tx: StepTransaction) -> CommitResult:
+        if tx.error is not None:
+            self._tx = None
+            self.counters.steps_aborted += 1
+            raise DeviceError(
+                Status.INTERNAL_ERROR, f"step {tx.step} failed and was aborted: {tx.error}"
+            )
+        if not tx.all_done:
+            raise DeviceError(
+                Status.GRADIENT_INCOMPLETE,
+                f"step {tx.step}: gradients incomplete for {', '.join(tx.missing(self.layouts))}",
+            )
+        try:
+            if tx.nonfinite:
+                skipped = self._sb.successor(
+                    steps_skipped=self._sb.steps_skipped + 1, last_skipped_step=tx.step
+                )
+                self._write_superblock(skipped, sync=self.sync_commits)
+                self.counters.steps_skipped += 1
+                self.counters.nonfinite_elements += tx.nonfinite
+                log.info("namespace %s: step %d skipped (%d non-finite gradient elements)",
+                         self.name, tx.step, tx.nonfinite)
+                return CommitResult(tx.step, self._sb.committed_step, True, tx.nonfinite)
+            shadow = self._sb.committed_copy.other
+            if self.sync_commits:
+                self._copies[shadow].sync()
+            committed = self._sb.successor(
+                committed_step=tx.step,
+                committed_copy=shadow,
+                block_crcs=tx.block_crcs,
+                steps_committed=self._sb.steps_committed + 1,
+                last_grad_scale=tx.grad_scale,
+                lr=self._hyper.lr, beta1=self._hyper.beta1, beta2=self._hyper.beta2,
+                eps=self._hyper.eps, weight_decay=self._hyper.weight_decay,
+                decoupled=self._hyper.mode == "adamw",
+            )
+            self._write_superblock(committed, sync=self.sync_commits)
+            self.counters.steps_committed += 1
+            return CommitResult(tx.step, tx.step, False)
+        except DeviceError:
+            self.counters.steps_aborted += 1
+            raise
+        finally:
+            self._tx = None
+
+    def _write_superblock(self, superblock: Superblock, sync: bool) -> None:
+        slot = self._slots[superblock.slot]
+        slot.write(superblock.encode())
+        if sync:
+            slot.sync()
+            self._durable_seq = superblock.seq
+            self._durable_step = superblock.committed_step
+        self._sb = superblock
+
+    def set_hyperparameters(self, **changes: Any) -> Hyperparameters:
+        """Change hyperparameters for the next step (persisted with the next commit)."""
+        with self._lock:
+            self._hyper = self._hyper.replace(**changes)
+            return self._hyper
+
+    # ------------------------------------------------------------------ durability
+
+    def flush(self) -> int:
+        """Make the committed step durable; returns the durable step."""
+        with self._lock:
+            superblock = self._sb
+        self._flush_to(superblock)
+        return self._durable_step
+
+    @property
+    def flush_pending(self) -> bool:
+        return self._durable_seq < self._sb.seq
+
+    def _flush_to(self, superblock: Superblock) -> None:
+        """Sync the copy and the superblock slot of `superblock` (data first, then the record)."""
+        with self._flush_lock:
+            if self._durable_seq >= superblock.seq:
+                return
+            started = time.perf_counter_ns()
+            self._copies[superblock.committed_copy].sync()
+            self._slots[superblock.slot].sync()
+            self._durable_seq = superblock.seq
+            self._durable_step = superblock.committed_step
+            self.counters.flushes += 1
+            self.counters.flush_ns += time.perf_counter_ns() - started
+
+    def scrub(self) -> list[tuple[str, int]]:
+        """Verify every block checksum of the committed copy; returns the bad blocks."""
+        with self._lock:
+            if self.loading:
+                return []
+            bad = self._verify_copy(self._sb)
+            self.counters.checksum_failures += len(bad)
+            return bad

@@ -1,0 +1,206 @@
+"""Control protocol v1: NVMe-shaped submission and completion entries, declared once."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+
+import numpy as np
+
+from .errors import DeviceError, Status
+from .names import MAX_PAYLOAD_BYTES
+
+PROTOCOL_VERSION = 1
+
+# 64-byte submission entry. NVMe's PRP/SGL data pointer has no meaning for a file, so its
+# first dword carries the length of the payload that follows the entry in the same write.
+SUBMISSION = np.dtype(
+    [
+        ("opcode", "u1"),
+        ("flags", "u1"),
+        ("cid", "<u2"),
+        ("nsid", "<u4"),
+        ("cdw2", "<u4"),
+        ("cdw3", "<u4"),
+        ("mptr", "<u8"),
+        ("data_len", "<u4"),
+        ("dptr_rsvd", "<u4"),
+        ("dptr2", "<u8"),
+        ("cdw10", "<u4"),
+        ("cdw11", "<u4"),
+        ("cdw12", "<u4"),
+        ("cdw13", "<u4"),
+        ("cdw14", "<u4"),
+        ("cdw15", "<u4"),
+    ]
+)
+assert SUBMISSION.itemsize == 64, SUBMISSION.itemsize
+
+# 16-byte completion entry. Dword 1 (command specific in NVMe) carries the length of the
+# data returned after the entry by the read that fetches it.
+COMPLETION = np.dtype(
+    [
+        ("result", "<u4"),
+        ("data_len", "<u4"),
+        ("sq_head", "<u2"),
+        ("sq_id", "<u2"),
+        ("cid", "<u2"),
+        ("status", "<u2"),
+    ]
+)
+assert COMPLETION.itemsize == 16, COMPLETION.itemsize
+
+NSID_ALL = 0xFFFFFFFF
+
+
+class Opcode(enum.IntEnum):
+    """Admin opcodes: Identify is NVMe's own; the optimizer's are vendor specific (C0h-FFh)."""
+
+    IDENTIFY = 0x06
+    VENDOR_IDENTIFY = 0xC0
+    CREATE_NAMESPACE = 0xC1
+    DELETE_NAMESPACE = 0xC2
+    BEGIN_STEP = 0xC4
+    COMMIT_STEP = 0xC5
+    ABORT_STEP = 0xC6
+    SET_HYPERPARAMETERS = 0xC7
+    NAMESPACE_STATISTICS = 0xC8
+    FLUSH = 0xC9
+
+
+class IdentifyCns(enum.IntEnum):
+    NAMESPACE = 0x00
+    CONTROLLER = 0x01
+    ACTIVE_NAMESPACES = 0x02
+
+
+class SubmissionError(Exception):
+    """A write to the control file that is not a well-formed command (errno channel)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    opcode: int
+    cid: int
+    nsid: int
+    cdw10: int
+    cdw11: int
+    cdw12: int
+    cdw13: int
+    cdw14: int
+    cdw15: int
+    flags: int
+    payload: bytes
+
+    @property
+    def cdw10_11(self) -> int:
+        return self.cdw10 | (self.cdw11 << 32)
+
+    @property
+    def cdw12_13_f64(self) -> float:
+        return struct.unpack("<d", struct.pack("<II", self.cdw12, self.cdw13))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    cid: int
+    status: Status | int
+    result: int = 0
+    data: bytes = b""
+    message: str = ""
+
+    @property
+    def status_field(self) -> int:
+        value = int(self.status)
+        sct, sc = (value >> 8) & 0x7, value & 0xFF
+        dnr = 0 if value == 0 else 1
+        return (sc << 1) | (sct << 9) | (dnr << 15)
+
+    def encode(self) -> bytes:
+        entry = np.zeros((), dtype=COMPLETION)
+        entry["result"] = self.result & 0xFFFFFFFF
+        entry["data_len"] = len(self.data)
+        entry["cid"] = self.cid
+        entry["status"] = self.status_field
+        return entry.tobytes() + self.data
+
+
+def submission_length(prefix: bytes) -> int:
+    """Total bytes (entry + payload) of the command that `prefix` (>= 64 bytes) starts."""
+    entry = np.frombuffer(prefix, dtype=SUBMISSION, count=1)[0]
+    data_len = int(entry["data_len"])
+    if data_len > MAX_PAYLOAD_BYTES:
+        raise SubmissionError(f"payload of {data_len} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    return SUBMISSION.itemsize + data_len
+
+
+def decode_submission(raw: bytes) -> Command:
+    """Decode one submission; a malformed one raises SubmissionError (never a state change)."""
+    if len(raw) < SUBMISSION.itemsize:
+        raise SubmissionError(f"submission of {len(raw)} bytes is shorter than 64")
+    expected = submission_length(raw[: SUBMISSION.itemsize])
+    if len(raw) != expected:
+        raise SubmissionError(f"submission is {len(raw)} bytes; its header announces {expected}")
+    entry = np.frombuffer(raw, dtype=SUBMISSION, count=1)[0]
+    return Command(
+        opcode=int(entry["opcode"]),
+        cid=int(entry["cid"]),
+        nsid=int(entry["nsid"]),
+        cdw10=int(entry["cdw10"]),
+        cdw11=int(entry["cdw11"]),
+        cdw12=int(entry["cdw12"]),
+        cdw13=int(entry["cdw13"]),
+        cdw14=int(entry["cdw14"]),
+        cdw15=int(entry["cdw15"]),
+        flags=int(entry["flags"]),
+        payload=bytes(raw[SUBMISSION.itemsize :]),
+    )
+
+
+def encode_submission(
+    opcode: int,
+    *,
+    cid: int = 0,
+    nsid: int = 0,
+    cdw10: int = 0,
+    cdw11: int = 0,
+    cdw12: int = 0,
+    cdw13: int = 0,
+    cdw14: int = 0,
+    cdw15: int = 0,
+    payload: bytes = b"",
+) -> bytes:
+    entry = np.zeros((), dtype=SUBMISSION)
+    entry["opcode"] = opcode
+    entry["cid"] = cid
+    entry["nsid"] = nsid
+    entry["data_len"] = len(payload)
+    for name, value in (("cdw10", cdw10), ("cdw11", cdw11), ("cdw12", cdw12),
+                        ("cdw13", cdw13), ("cdw14", cdw14), ("cdw15", cdw15)):
+        entry[name] = value
+    return entry.tobytes() + payload
+
+
+def f64_to_dwords(value: float) -> tuple[int, int]:
+    low, high = struct.unpack("<II", struct.pack("<d", value))
+    return low, high
+
+
+def decode_completion(raw: bytes) -> tuple[Completion, int]:
+    """A completion entry and the number of data bytes announced to follow it."""
+    if len(raw) < COMPLETION.itemsize:
+        raise SubmissionError(f"completion of {len(raw)} bytes is shorter than 16")
+    entry = np.frombuffer(raw, dtype=COMPLETION, count=1)[0]
+    field = int(entry["status"])
+    sc, sct = (field >> 1) & 0xFF, (field >> 9) & 0x7
+    status = Status.from_field(sct, sc)
+    data_len = int(entry["data_len"])
+    data = bytes(raw[COMPLETION.itemsize : COMPLETION.itemsize + data_len])
+    return Completion(int(entry["cid"]), status, int(entry["result"]), data), data_len
+
+
+def status_error(completion: Completion) -> DeviceError:
+    """The DeviceError a client raises for a failed completion."""
+    status = completion.status if isinstance(completion.status, Status) else Status.INTERNAL_ERROR
+    message = completion.data.decode(errors="replace") if completion.data else status.name
+    return DeviceError(status, message)

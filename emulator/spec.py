@@ -1,0 +1,167 @@
+"""What a namespace is made of: its tensor table, hyperparameters and dtypes, validated."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from cossd import kernels
+
+from .errors import DeviceError, Status
+from .names import MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
+
+HALF_FORMATS = {"fp16": kernels.HalfFormat.FP16, "bf16": kernels.HalfFormat.BF16}
+STATE_FORMATS = {"fp32": kernels.StateFormat.FP32, "bf16": kernels.StateFormat.BF16}
+MODES = ("adamw", "adam")
+
+
+def _invalid(message: str) -> DeviceError:
+    return DeviceError(Status.INVALID_FIELD, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+    """The Adam hyperparameters of a namespace; changeable between steps."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    mode: str = "adamw"
+
+    def validate(self) -> "Hyperparameters":
+        for field in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise _invalid(f"{field} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise _invalid(f"{field} must be finite, got {value!r}")
+        if self.lr < 0:
+            raise _invalid(f"lr must be >= 0, got {self.lr}")
+        for field in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise _invalid(f"{field} must be in [0, 1), got {getattr(self, field)}")
+        if self.eps <= 0:
+            raise _invalid(f"eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise _invalid(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.mode not in MODES:
+            raise _invalid(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        return self
+
+    @property
+    def kernel(self) -> kernels.AdamHyper:
+        return kernels.AdamHyper(
+            lr=float(self.lr),
+            beta1=float(self.beta1),
+            beta2=float(self.beta2),
+            eps=float(self.eps),
+            weight_decay=float(self.weight_decay),
+            decoupled=self.mode == "adamw",
+        )
+
+    def replace(self, **changes: Any) -> "Hyperparameters":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise _invalid(f"unknown hyperparameter(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes).validate()
+
+
+@dataclasses.dataclass(frozen=True)
+class NamespaceSpec:
+    """Everything needed to create an optimizer namespace."""
+
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    hyper: Hyperparameters = Hyperparameters()
+    grad_dtype: str = "fp16"
+    param_dtype: str = "fp16"
+    state_dtype: str = "fp32"
+
+    def validate(self) -> "NamespaceSpec":
+        check_name(self.name, "namespace")
+        if not self.tensors:
+            raise _invalid("a namespace needs at least one tensor")
+        if len(self.tensors) > MAX_TENSORS_PER_NAMESPACE:
+            raise DeviceError(
+                Status.LIMIT_EXCEEDED,
+                f"{len(self.tensors)} tensors exceed the limit of {MAX_TENSORS_PER_NAMESPACE}",
+            )
+        seen: set[str] = set()
+        for tensor in self.tensors:
+            check_name(tensor.name, "tensor")
+            if tensor.name in seen:
+                raise _invalid(f"tensor {tensor.name!r} listed twice")
+            seen.add(tensor.name)
+            if not isinstance(tensor.numel, int) or isinstance(tensor.numel, bool):
+                raise _invalid(f"tensor {tensor.name!r}: element count must be an integer")
+            if not 1 <= tensor.numel <= MAX_TENSOR_ELEMENTS:
+                raise DeviceError(
+                    Status.LIMIT_EXCEEDED,
+                    f"tensor {tensor.name!r}: element count {tensor.numel} outside "
+                    f"1..{MAX_TENSOR_ELEMENTS}",
+                )
+        if self.grad_dtype not in HALF_FORMATS:
+            raise _invalid(f"grad_dtype must be fp16 or bf16, got {self.grad_dtype!r}")
+        if self.param_dtype not in HALF_FORMATS:
+            raise _invalid(f"param_dtype must be fp16 or bf16, got {self.param_dtype!r}")
+        if self.state_dtype not in STATE_FORMATS:
+            raise _invalid(f"state_dtype must be fp32 or bf16, got {self.state_dtype!r}")
+        self.hyper.validate()
+        return self
+
+    @property
+    def state_itemsize(self) -> int:
+        return 4 if self.state_dtype == "fp32" else 2
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "tensors": [[t.name, t.numel] for t in self.tensors],
+            "hyperparameters": dataclasses.asdict(self.hyper),
+            "grad_dtype": self.grad_dtype,
+            "param_dtype": self.param_dtype,
+            "state_dtype": self.state_dtype,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> "NamespaceSpec":
+        """Parse a create-namespace payload; any malformed field is INVALID_FIELD."""
+        if not isinstance(value, dict):
+            raise _invalid("namespace description must be a JSON object")
+        known = {"name", "tensors", "hyperparameters", "grad_dtype", "param_dtype", "state_dtype"}
+        unknown = set(value) - known
+        if unknown:
+            raise _invalid(f"unknown field(s): {', '.join(sorted(unknown))}")
+        tensors = value.get("tensors")
+        if not isinstance(tensors, list):
+            raise _invalid("tensors must be a list of [name, numel] pairs")
+        if len(tensors) > MAX_TENSORS_PER_NAMESPACE:
+            raise DeviceError(
+                Status.LIMIT_EXCEEDED,
+                f"{len(tensors)} tensors exceed the limit of {MAX_TENSORS_PER_NAMESPACE}",
+            )
+        specs = []
+        for entry in tensors:
+            if not (isinstance(entry, list) and len(entry) == 2):
+                raise _invalid(f"tensor entry {entry!r} must be [name, numel]")
+            specs.append(TensorSpec(entry[0], entry[1]))
+        hyper_json = value.get("hyperparameters", {})
+        if not isinstance(hyper_json, dict):
+            raise _invalid("hyperparameters must be a JSON object")
+        hyper = Hyperparameters().replace(**hyper_json)
+        return cls(
+            name=value.get("name"),  # type: ignore[arg-type]
+            tensors=tuple(specs),
+            hyper=hyper,
+            grad_dtype=value.get("grad_dtype", "fp16"),
+            param_dtype=value.get("param_dtype", "fp16"),
+            state_dtype=value.get("state_dtype", "fp32"),
+        ).validate()

@@ -1,0 +1,104 @@
+"""Encoding, decoding and choosing among the double-written superblock slots of a namespace."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cossd import kernels
+
+from .layout import (
+    FORMAT_VERSION,
+    SUPERBLOCK_CRC_START,
+    SUPERBLOCK_HEADER,
+    SUPERBLOCK_MAGIC,
+    Copy,
+    SuperblockFlags,
+)
+
+
+@dataclasses.dataclass
+class Superblock:
+    """The commit record: which copy holds which step, with a checksum per kernel block."""
+
+    seq: int
+    committed_step: int
+    committed_copy: Copy
+    flags: SuperblockFlags
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    block_crcs: np.ndarray
+    steps_committed: int = 0
+    steps_skipped: int = 0
+    last_skipped_step: int = 0
+    last_grad_scale: float = 1.0
+
+    @property
+    def slot(self) -> int:
+        return self.seq % 2
+
+    def encode(self) -> bytes:
+        header = np.zeros((), dtype=SUPERBLOCK_HEADER)
+        header["magic"] = SUPERBLOCK_MAGIC
+        header["format_version"] = FORMAT_VERSION
+        header["seq"] = self.seq
+        header["committed_step"] = self.committed_step
+        header["committed_copy"] = int(self.committed_copy)
+        header["flags"] = int(self.flags)
+        header["decoupled"] = int(self.decoupled)
+        header["block_count"] = len(self.block_crcs)
+        header["steps_committed"] = self.steps_committed
+        header["steps_skipped"] = self.steps_skipped
+        header["last_skipped_step"] = self.last_skipped_step
+        for field in ("lr", "beta1", "beta2", "eps", "weight_decay", "last_grad_scale"):
+            header[field] = getattr(self, field)
+        body = bytearray(header.tobytes() + self.block_crcs.astype("<u4").tobytes())
+        crc = kernels.crc32c(memoryview(body)[SUPERBLOCK_CRC_START:])
+        body[12:16] = crc.to_bytes(4, "little")
+        return bytes(body)
+
+    @classmethod
+    def decode(cls, data: bytes, expected_blocks: int) -> "Superblock | None":
+        """The superblock in `data`, or None if it is absent, torn or of another layout."""
+        if len(data) < SUPERBLOCK_HEADER.itemsize:
+            return None
+        header = np.frombuffer(data, dtype=SUPERBLOCK_HEADER, count=1)[0]
+        if bytes(header["magic"]) != SUPERBLOCK_MAGIC:
+            return None
+        if int(header["format_version"]) != FORMAT_VERSION:
+            return None
+        blocks = int(header["block_count"])
+        if blocks != expected_blocks:
+            return None
+        end = SUPERBLOCK_HEADER.itemsize + 4 * blocks
+        if len(data) < end:
+            return None
+        if kernels.crc32c(memoryview(data)[SUPERBLOCK_CRC_START:end]) != int(header["crc"]):
+            return None
+        crcs = np.frombuffer(data, dtype="<u4", count=blocks, offset=SUPERBLOCK_HEADER.itemsize)
+        return cls(
+            seq=int(header["seq"]),
+            committed_step=int(header["committed_step"]),
+            committed_copy=Copy(int(header["committed_copy"]) & 1),
+            flags=SuperblockFlags(int(header["flags"])),
+            lr=float(header["lr"]),
+            beta1=float(header["beta1"]),
+            beta2=float(header["beta2"]),
+            eps=float(header["eps"]),
+            weight_decay=float(header["weight_decay"]),
+            decoupled=bool(header["decoupled"]),
+            block_crcs=crcs.astype(np.uint32),
+            steps_committed=int(header["steps_committed"]),
+            steps_skipped=int(header["steps_skipped"]),
+            last_skipped_step=int(header["last_skipped_step"]),
+            last_grad_scale=float(header["last_grad_scale"]),
+        )
+
+    def successor(self, **changes: object) -> "Superblock":
+        """The next superblock (seq + 1), i.e. the one written into the other slot."""
+        fields = dataclasses.asdict(self) | {"seq": self.seq + 1} | changes
+        return Superblock(**fields)  # type: ignore[arg-type]

@@ -1,0 +1,141 @@
+"""One step transaction: reassembles gradient blocks by offset and tracks what has arrived."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from .errors import DeviceError, Status
+from .layout import BLOCK_ELEMS, TensorLayout
+
+
+class BlockState(enum.IntEnum):
+    EMPTY = 0
+    PARTIAL = 1
+    RUNNING = 2  # every byte arrived; the kernel is (about to be) running on it
+    DONE = 3
+
+
+@dataclasses.dataclass
+class PartialBlock:
+    """Staging for a block that arrived in pieces; `mask` marks the elements received."""
+
+    grad: np.ndarray
+    mask: np.ndarray
+    received: int = 0
+
+
+@dataclasses.dataclass
+class ReadyBlock:
+    """A block whose gradient is complete and may be handed to the kernel."""
+
+    tensor: TensorLayout
+    local_block: int
+    grad: np.ndarray
+
+
+class StepTransaction:
+    """Bookkeeping of a step in flight. Not thread-safe: the namespace lock guards it."""
+
+    def __init__(
+        self, step: int, grad_scale: float, scalars: object, explicit: bool, total_blocks: int
+    ) -> None:
+        self.step = step
+        self.grad_scale = grad_scale
+        self.scalars = scalars
+        self.explicit = explicit
+        self.total_blocks = total_blocks
+        self.block_crcs = np.zeros(total_blocks, dtype=np.uint32)
+        self.states: dict[str, np.ndarray] = {}
+        self.partial: dict[tuple[str, int], PartialBlock] = {}
+        self.received_blocks = 0
+        self.done_blocks = 0
+        self.inflight = 0
+        self.nonfinite = 0
+        self.error: BaseException | None = None
+
+    def _states_of(self, tensor: TensorLayout) -> np.ndarray:
+        states = self.states.get(tensor.name)
+        if states is None:
+            states = np.zeros(tensor.block_count, dtype=np.uint8)
+            self.states[tensor.name] = states
+        return states
+
+    @property
+    def all_received(self) -> bool:
+        return self.received_blocks == self.total_blocks
+
+    @property
+    def all_done(self) -> bool:
+        return self.done_blocks == self.total_blocks
+
+    def receive(self, tensor: TensorLayout, first_elem: int, grad: np.ndarray) -> list[ReadyBlock]:
+        """Take a piece of gradient; returns the blocks it completed.
+
+        Validates the whole piece before changing anything, so a write that overlaps an
+        already received range is refused as a whole.
+        """
+        end_elem = first_elem + len(grad)
+        states = self._states_of(tensor)
+        touched = range(first_elem // BLOCK_ELEMS, (end_elem - 1) // BLOCK_ELEMS + 1)
+        for block in touched:
+            start, stop = tensor.block_range(block)
+            lo, hi = max(first_elem, start), min(end_elem, stop)
+            state = states[block]
+            if state in (BlockState.RUNNING, BlockState.DONE) or (
+                state == BlockState.PARTIAL
+                and self.partial[(tensor.name, block)].mask[lo - start : hi - start].any()
+            ):
+                raise DeviceError(
+                    Status.GRADIENT_DUPLICATE,
+                    f"tensor {tensor.name!r}: gradient elements {lo}..{hi - 1} already "
+                    f"received in step {self.step}",
+                )
+        ready = []
+        for block in touched:
+            start, stop = tensor.block_range(block)
+            lo, hi = max(first_elem, start), min(end_elem, stop)
+            piece = grad[lo - first_elem : hi - first_elem]
+            if states[block] == BlockState.EMPTY and lo == start and hi == stop:
+                # The common case: the write covers the block, so run on it without a copy.
+                states[block] = BlockState.RUNNING
+                ready.append(ReadyBlock(tensor, block, piece))
+                self.received_blocks += 1
+                continue
+            key = (tensor.name, block)
+            staged = self.partial.get(key)
+            if staged is None:
+                staged = PartialBlock(
+                    grad=np.empty(stop - start, dtype=np.uint16),
+                    mask=np.zeros(stop - start, dtype=bool),
+                )
+                self.partial[key] = staged
+                states[block] = BlockState.PARTIAL
+            staged.grad[lo - start : hi - start] = piece
+            staged.mask[lo - start : hi - start] = True
+            staged.received += hi - lo
+            if staged.received == stop - start:
+                del self.partial[key]
+                states[block] = BlockState.RUNNING
+                ready.append(ReadyBlock(tensor, block, staged.grad))
+                self.received_blocks += 1
+        return ready
+
+    def finish(self, ready: ReadyBlock, crc: int, nonfinite: int) -> None:
+        self.states[ready.tensor.name][ready.local_block] = BlockState.DONE
+        self.block_crcs[ready.tensor.first_block + ready.local_block] = crc
+        self.nonfinite += nonfinite
+        self.done_blocks += 1
+
+    def missing(self, tensors: list[TensorLayout], limit: int = 5) -> list[str]:
+        """Names of (some) tensors whose gradient is not complete yet, for error messages."""
+        names = []
+        for tensor in tensors:
+            states = self.states.get(tensor.name)
+            if states is None or (states != BlockState.DONE).any():
+                names.append(tensor.name)
+                if len(names) == limit:
+                    break
+        return names
+

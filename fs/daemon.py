@@ -1,0 +1,125 @@
+"""The mount daemon: opens the device, serves the FUSE session, unmounts and flushes on exit."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from cossd.emulator import Device, DeviceConfig
+
+from .operations import Operations
+
+log = logging.getLogger(__name__)
+
+READY_MESSAGE = b"ready\n"
+
+
+def mount_options(backing: Path, allow_other: bool, debug: bool) -> set[str]:
+    # fsname/subtype make `mount` show "cossd on MOUNTPOINT type fuse.cossd".
+    options = set(pyfuse3.default_options) | {
+        f"fsname=cossd:{backing}",
+        "subtype=cossd",
+        "default_permissions",
+        "nosuid",
+        "nodev",
+    }
+    if allow_other:
+        options.add("allow_other")
+    if debug:
+        options.add("debug")
+    return options
+
+
+async def _serve(operations: Operations, ready_fd: int | None) -> None:
+    async with trio.open_nursery() as nursery:
+        operations.nursery = nursery
+        nursery.start_soon(_stop_on_signal)
+        if ready_fd is not None:
+            os.write(ready_fd, READY_MESSAGE)
+            os.close(ready_fd)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+async def _stop_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+            return
+
+
+def serve(
+    backing: str | os.PathLike[str],
+    mountpoint: str | os.PathLike[str],
+    *,
+    sync: bool = False,
+    allow_other: bool = False,
+    debug: bool = False,
+    ready_fd: int | None = None,
+) -> None:
+    """Serve the device at `mountpoint` until unmounted or signalled (foreground)."""
+    backing_path = Path(backing).resolve()
+    device = Device.open(backing_path, DeviceConfig(sync=sync))
+    try:
+        operations = Operations(device)
+        pyfuse3.init(operations, str(mountpoint), mount_options(backing_path, allow_other, debug))
+        try:
+            trio.run(_serve, operations, ready_fd)
+        finally:
+            pyfuse3.close(unmount=True)
+    finally:
+        device.close()
+        log.info("device %s closed cleanly", backing_path)
+
+
+def start_background(
+    backing: str | os.PathLike[str],
+    mountpoint: str | os.PathLike[str],
+    *,
+    sync: bool = False,
+    allow_other: bool = False,
+    log_file: str | os.PathLike[str] | None = None,
+    timeout_s: float = 60.0,
+) -> int:
+    """Start a daemon process and return its pid once the mount is ready."""
+    read_fd, write_fd = os.pipe()
+    command = [
+        sys.executable, "-m", "cossd.tools.cli", "mount", "--foreground",
+        "--ready-fd", str(write_fd), str(backing), str(mountpoint),
+    ]
+    if sync:
+        command.append("--sync")
+    if allow_other:
+        command.append("--allow-other")
+    log_path = Path(log_file) if log_file else Path(backing) / "daemon.log"
+    with open(log_path, "ab") as log_stream:
+        process = subprocess.Popen(
+            command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_stream,
+            stderr=log_stream, start_new_session=True,
+        )
+    os.close(write_fd)
+    deadline = time.monotonic() + timeout_s
+    message = b""
+    with contextlib.closing(os.fdopen(read_fd, "rb", buffering=0)) as reader:
+        # The child closes the pipe when ready or when it dies; either way read returns.
+        message = reader.read(len(READY_MESSAGE))
+    if message != READY_MESSAGE:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
+        raise RuntimeError(
+            f"mount daemon failed to start (exit {process.returncode})"
+            + (f": {tail[0]}" if tail else "") + f"; log: {log_path}"
+        )
+    return process.pid

@@ -1,0 +1,316 @@
+"""pyfuse3 request handlers: each maps one FUSE request onto the device, errors onto errno."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import functools
+import json
+import logging
+import os
+import time
+from typing import Any, Awaitable, Callable, TypeVar
+
+import pyfuse3
+import trio
+
+from cossd.emulator import Device, DeviceError
+from cossd.emulator.controller import Controller
+from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
+from cossd.emulator.protocol import SUBMISSION, Completion, SubmissionError, submission_length
+
+from .tree import Kind, Node, Tree, fuse_error
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Turn every failure into an errno: a handler that raises anything else than
+    FUSEError would take the whole mount down."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: "Operations", *args: Any) -> T:
+        try:
+            return await handler(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except DeviceError as exc:
+            log.debug("%s: %s", handler.__name__, exc)
+            self.errors_by_errno[exc.errno] += 1
+            raise fuse_error(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("unexpected error in %s%r", handler.__name__, args)
+            self.errors_by_errno[errno.EIO] += 1
+            raise fuse_error(errno.EIO) from None
+
+    return wrapper
+
+
+@dataclasses.dataclass
+class AdminHandle:
+    """One open() of the control file: a queue pair. Completions are read back in order."""
+
+    pending: bytearray = dataclasses.field(default_factory=bytearray)
+    completions: collections.deque[bytes] = dataclasses.field(default_factory=collections.deque)
+    unread: bytes = b""
+
+
+@dataclasses.dataclass
+class FileHandle:
+    node: Node
+    writable: bool
+    text: bytes = b""  # snapshot of a text file taken at open
+
+
+class Operations(pyfuse3.Operations):
+    """The cossd file API. Device work runs on worker threads, off the event loop."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, device: Device, *, worker_threads: int | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self.controller = Controller(device)
+        self.tree = Tree(device)
+        self.limiter = trio.CapacityLimiter(worker_threads or max(2, os.cpu_count() or 2))
+        self.nursery: trio.Nursery | None = None
+        self.errors_by_errno: collections.Counter[int] = collections.Counter()
+        self._handles: dict[int, AdminHandle | FileHandle] = {}
+        self._next_fh = 1
+        self._flushing: set[int] = set()
+        self._uid = os.getuid()
+        self._gid = os.getgid()
+        self._started_ns = time.time_ns()
+        # Tests set this to a callable(op_name) to inject handler failures on purpose.
+        self.fault_hook: Callable[[str], None] | None = None
+
+    async def _run(self, function: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(function, *args, limiter=self.limiter)
+
+    def _fault(self, op: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(op)
+
+    # ------------------------------------------------------------------ attributes
+
+    def _text(self, node: Node) -> bytes:
+        namespace = self.tree.namespace(node)
+        if node.name == "step":
+            return f"{namespace.committed_step}\n".encode()
+        if node.name == "config.json":
+            return (json.dumps(namespace.config(), indent=2) + "\n").encode()
+        return (json.dumps(namespace.statistics(), indent=2, sort_keys=True) + "\n").encode()
+
+    def _size(self, node: Node) -> int:
+        if node.kind == Kind.TEXT:
+            return len(self._text(node))
+        if node.kind == Kind.ARRAY:
+            return self.tree.namespace(node).file_size(node.name, node.role)
+        return 0
+
+    def _attributes(self, node: Node) -> pyfuse3.EntryAttributes:
+        attrs = pyfuse3.EntryAttributes()
+        attrs.st_ino = self.tree.inode(node)
+        attrs.st_mode = self.tree.mode(node)
+        attrs.st_nlink = 2 if node.kind not in (Kind.ADMIN, Kind.TEXT, Kind.ARRAY) else 1
+        attrs.st_uid = self._uid
+        attrs.st_gid = self._gid
+        attrs.st_size = self._size(node)
+        attrs.st_blksize = 1 << 20
+        attrs.st_blocks = (attrs.st_size + 511) // 512
+        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = self._started_ns
+        # Namespaces, steps and sizes change under the client's feet: never cache.
+        attrs.entry_timeout = 0
+        attrs.attr_timeout = 0
+        return attrs
+
+    @_guarded
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._fault("lookup")
+        parent = self.tree.node(parent_inode)
+        try:
+            decoded = name.decode()
+        except UnicodeDecodeError:
+            raise fuse_error(errno.ENOENT) from None
+        return self._attributes(self.tree.lookup(parent, decoded))
+
+    @_guarded
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._fault("getattr")
+        return self._attributes(self.tree.node(inode))
+
+    @_guarded
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.tree.node(inode)
+        # Sizes are fixed by the tensor table. An O_TRUNC open (shell redirection, open(..., "wb"))
+        # is accepted as a no-op so ordinary tools can write whole files.
+        if fields.update_mode or fields.update_uid or fields.update_gid:
+            raise fuse_error(errno.EPERM)
+        if fields.update_size and attr.st_size not in (0, self._size(node)):
+            raise fuse_error(errno.EINVAL)
+        return self._attributes(node)
+
+    @_guarded
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = 4096
+        data.f_blocks = self.device.capacity_bytes // 4096
+        data.f_bfree = data.f_bavail = max(0, self.device.capacity_bytes - self.device.allocated_bytes) // 4096
+        data.f_namemax = 128
+        return data
+
+    # ------------------------------------------------------------------ directories
+
+    @_guarded
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = self.tree.node(inode)
+        if node.kind in (Kind.ADMIN, Kind.TEXT, Kind.ARRAY):
+            raise fuse_error(errno.ENOTDIR)
+        return inode
+
+    @_guarded
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        entries = self.tree.children(self.tree.node(fh))
+        for index in range(start_id, len(entries)):
+            name, child = entries[index]
+            if not pyfuse3.readdir_reply(token, name.encode(), self._attributes(child), index + 1):
+                break
+
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    # ------------------------------------------------------------------ open / release
+
+    def _new_handle(self, handle: AdminHandle | FileHandle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = handle
+        return fh
+
+    @_guarded
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        self._fault("open")
+        node = self.tree.node(inode)
+        access = flags & os.O_ACCMODE
+        writes = access in (os.O_WRONLY, os.O_RDWR)
+        reads = access in (os.O_RDONLY, os.O_RDWR)
+        if node.kind == Kind.ADMIN:
+            return pyfuse3.FileInfo(fh=self._new_handle(AdminHandle()), direct_io=True, nonseekable=True)
+        if node.kind == Kind.TEXT:
+            if writes:
+                raise fuse_error(errno.EACCES)
+            handle = FileHandle(node, False, self._text(node))
+            return pyfuse3.FileInfo(fh=self._new_handle(handle), direct_io=True)
+        if node.kind != Kind.ARRAY:
+            raise fuse_error(errno.EISDIR)
+        namespace = self.tree.namespace(node)
+        if node.role == "grad" and reads:
+            raise fuse_error(errno.EACCES)
+        if writes and node.role == "param":
+            raise fuse_error(errno.EACCES)
+        if writes and node.role in LOADABLE_ROLES and not namespace.loading:
+            raise fuse_error(errno.EROFS)
+        # direct_io: every read and write reaches the device (no stale page cache, 1 MiB requests).
+        return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, writes)), direct_io=True)
+
+    async def release(self, fh: int) -> None:
+        self._handles.pop(fh, None)
+
+    @_guarded
+    async def flush(self, fh: int) -> None:
+        return None
+
+    @_guarded
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        """fsync on any file of a namespace makes its committed step durable."""
+        handle = self._handles.get(fh)
+        if isinstance(handle, FileHandle) and handle.node.kind in (Kind.ARRAY, Kind.TEXT):
+            await self._run(self.tree.namespace(handle.node).flush)
+
+    # ------------------------------------------------------------------ read / write
+
+    @_guarded
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        self._fault("read")
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise fuse_error(errno.EBADF)
+        if isinstance(handle, AdminHandle):
+            return self._read_completion(handle, size)
+        if handle.node.kind == Kind.TEXT:
+            return handle.text[off : off + size]
+        namespace = self.tree.namespace(handle.node)
+        return await self._run(namespace.read, handle.node.name, handle.node.role, off, size)
+
+    @_guarded
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        self._fault("write")
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise fuse_error(errno.EBADF)
+        if isinstance(handle, AdminHandle):
+            return await self._write_command(handle, buf)
+        if not handle.writable:
+            raise fuse_error(errno.EBADF)
+        node = handle.node
+        namespace = self.tree.namespace(node)
+        if node.role == "grad":
+            written = await self._run(namespace.write_grad, node.name, off, buf)
+            self._schedule_flush(namespace)
+            return written
+        return await self._run(namespace.write_state, node.name, node.role, off, buf)
+
+    # ------------------------------------------------------------------ control file
+
+    async def _write_command(self, handle: AdminHandle, buf: bytes) -> int:
+        """Accumulate a submission (a large one may arrive in several requests), run it."""
+        handle.pending += buf
+        while len(handle.pending) >= SUBMISSION.itemsize:
+            try:
+                needed = submission_length(bytes(handle.pending[: SUBMISSION.itemsize]))
+            except SubmissionError as exc:
+                handle.pending.clear()
+                log.info("rejected submission: %s", exc)
+                raise fuse_error(errno.EINVAL) from None
+            if len(handle.pending) < needed:
+                break
+            raw = bytes(handle.pending[:needed])
+            del handle.pending[:needed]
+            completion: Completion = await self._run(self.controller.submit, raw)
+            handle.completions.append(completion.encode())
+            for namespace in list(self.device.namespaces.values()):
+                self._schedule_flush(namespace)
+        return len(buf)
+
+    def _read_completion(self, handle: AdminHandle, size: int) -> bytes:
+        """Completions read as a stream: entry then data; a short read leaves the rest."""
+        if not handle.unread:
+            if not handle.completions:
+                return b""
+            handle.unread = handle.completions.popleft()
+        chunk, handle.unread = handle.unread[:size], handle.unread[size:]
+        return chunk
+
+    # ------------------------------------------------------------------ background flush
+
+    def _schedule_flush(self, namespace: Namespace) -> None:
+        """Make a committed step durable in the background (the power-loss-protected mode)."""
+        if self.device.config.sync or self.nursery is None:
+            return
+        if not namespace.flush_pending or namespace.nsid in self._flushing:
+            return
+        self._flushing.add(namespace.nsid)
+        self.nursery.start_soon(self._flush_in_background, namespace)
+
+    async def _flush_in_background(self, namespace: Namespace) -> None:
+        try:
+            await self._run(namespace.flush)
+        except Exception:
+            log.exception("background flush of namespace %s failed", namespace.name)
+        finally:
+            self._flushing.discard(namespace.nsid)

@@ -1,0 +1,132 @@
+"""The file tree a mount shows: stable inode numbers for paths, and what each path is."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import errno
+import stat
+
+import pyfuse3
+
+from cossd.emulator import Device, DeviceError
+from cossd.emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
+
+ADMIN_NAME = ".admin"
+TEXT_FILES = ("config.json", "step", "stats.json")
+
+
+class Kind(enum.Enum):
+    ROOT = "root"
+    ADMIN = "admin"
+    NS_ROOT = "ns-root"
+    NAMESPACE = "namespace"
+    TEXT = "text"
+    TENSORS = "tensors"
+    TENSOR = "tensor"
+    ARRAY = "array"
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A path of the tree. Namespaces are keyed by nsid so a re-created name is a new node."""
+
+    kind: Kind
+    nsid: int = 0
+    name: str = ""  # text file name, tensor name
+    role: str = ""  # array role (grad, param, master, exp_avg, exp_avg_sq)
+
+
+def fuse_error(code: int) -> pyfuse3.FUSEError:
+    return pyfuse3.FUSEError(code)
+
+
+class Tree:
+    """Resolves nodes against the device's current namespaces; allocates inodes lazily."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._inodes: dict[Node, int] = {
+            Node(Kind.ROOT): pyfuse3.ROOT_INODE,
+            Node(Kind.ADMIN): pyfuse3.ROOT_INODE + 1,
+            Node(Kind.NS_ROOT): pyfuse3.ROOT_INODE + 2,
+        }
+        self._nodes: dict[int, Node] = {inode: node for node, inode in self._inodes.items()}
+        self._next_inode = pyfuse3.ROOT_INODE + 3
+
+    def inode(self, node: Node) -> int:
+        inode = self._inodes.get(node)
+        if inode is None:
+            inode = self._next_inode
+            self._next_inode += 1
+            self._inodes[node] = inode
+            self._nodes[inode] = node
+        return inode
+
+    def node(self, inode: int) -> Node:
+        node = self._nodes.get(inode)
+        if node is None:
+            raise fuse_error(errno.ENOENT)
+        self.check_exists(node)
+        return node
+
+    def namespace(self, node: Node) -> Namespace:
+        try:
+            namespace = self.device.namespace_by_id(node.nsid)
+        except DeviceError:
+            raise fuse_error(errno.ENOENT) from None
+        return namespace
+
+    def check_exists(self, node: Node) -> None:
+        """ENOENT for nodes of namespaces that were deleted since the inode was handed out."""
+        if node.kind in (Kind.ROOT, Kind.ADMIN, Kind.NS_ROOT):
+            return
+        namespace = self.namespace(node)
+        if node.kind in (Kind.TENSOR, Kind.ARRAY) and node.name not in namespace.tensors:
+            raise fuse_error(errno.ENOENT)
+
+    def children(self, node: Node) -> list[tuple[str, Node]]:
+        if node.kind == Kind.ROOT:
+            return [(ADMIN_NAME, Node(Kind.ADMIN)), ("ns", Node(Kind.NS_ROOT))]
+        if node.kind == Kind.NS_ROOT:
+            return [
+                (ns.name, Node(Kind.NAMESPACE, ns.nsid))
+                for ns in sorted(self.device.namespaces.values(), key=lambda n: n.nsid)
+            ]
+        if node.kind == Kind.NAMESPACE:
+            entries = [(name, Node(Kind.TEXT, node.nsid, name)) for name in TEXT_FILES]
+            return entries + [("tensors", Node(Kind.TENSORS, node.nsid))]
+        if node.kind == Kind.TENSORS:
+            namespace = self.namespace(node)
+            return [(t.name, Node(Kind.TENSOR, node.nsid, t.name)) for t in namespace.layouts]
+        if node.kind == Kind.TENSOR:
+            return [(role, Node(Kind.ARRAY, node.nsid, node.name, role)) for role in ROLES]
+        raise fuse_error(errno.ENOTDIR)
+
+    def lookup(self, parent: Node, name: str) -> Node:
+        if parent.kind == Kind.NS_ROOT:
+            namespace = self.device.namespaces.get(name)
+            if namespace is None:
+                raise fuse_error(errno.ENOENT)
+            return Node(Kind.NAMESPACE, namespace.nsid)
+        if parent.kind == Kind.TENSORS:
+            if name not in self.namespace(parent).tensors:
+                raise fuse_error(errno.ENOENT)
+            return Node(Kind.TENSOR, parent.nsid, name)
+        for child_name, child in self.children(parent):
+            if child_name == name:
+                return child
+        raise fuse_error(errno.ENOENT)
+
+    def mode(self, node: Node) -> int:
+        """File type and permission bits; what default_permissions enforces for non-root."""
+        if node.kind in (Kind.ROOT, Kind.NS_ROOT, Kind.NAMESPACE, Kind.TENSORS, Kind.TENSOR):
+            return stat.S_IFDIR | 0o755
+        if node.kind == Kind.ADMIN:
+            return stat.S_IFREG | 0o600
+        if node.kind == Kind.TEXT:
+            return stat.S_IFREG | 0o444
+        if node.role == "grad":
+            return stat.S_IFREG | 0o200
+        if node.role in LOADABLE_ROLES and self.namespace(node).loading:
+            return stat.S_IFREG | 0o644
+        return stat.S_IFREG | 0o444

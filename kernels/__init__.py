@@ -1,0 +1,433 @@
+"""cossd.kernels: stateless elementwise C kernels (Adam step, half<->FP32 conversion, non-finite count, CRC32C) behind a validating numpy wrapper.
+
+The wrapper imports only numpy and cffi (plus the standard library). Every
+function validates its buffers and raises KernelArgumentError instead of
+copying: the kernels write into caller-owned memory, so a silent copy would
+silently lose the result. Calls go through cffi's API mode, which releases the
+GIL, so several threads may run kernels on disjoint buffers in parallel.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._cossd_kernels import ffi as _ffi
+from ._cossd_kernels import lib as _lib
+
+__all__ = [
+    "HalfFormat",
+    "StateFormat",
+    "KernelArgumentError",
+    "AdamHyper",
+    "AdamScalars",
+    "adam_scalars",
+    "adam_step",
+    "count_nonfinite",
+    "master_to_param",
+    "param_to_master",
+    "crc32c",
+    "simd_level",
+    "use_simd",
+]
+
+
+class HalfFormat(enum.IntEnum):
+    """Format of a 16-bit buffer (gradients, params); values match the C enum."""
+
+    FP16 = 0
+    BF16 = 1
+
+
+class StateFormat(enum.IntEnum):
+    """Storage format of the Adam moments; values match the C enum."""
+
+    FP32 = 0
+    BF16 = 1
+
+
+class KernelArgumentError(ValueError):
+    """An argument to a kernel was invalid; the message names the argument."""
+
+
+_COUNT_ERROR = int(_ffi.cast("size_t", -1))
+_RC_MESSAGES = {
+    _lib.COSSD_ERR_NULL: "null buffer pointer",
+    _lib.COSSD_ERR_FORMAT: "bad format enum",
+    _lib.COSSD_ERR_UNSUPPORTED: "SIMD path not supported on this CPU",
+}
+
+# ---------------------------------------------------------------------------
+# Hyperparameters and per-step scalars
+# ---------------------------------------------------------------------------
+
+
+def _check_real(name: str, value: Any) -> float:
+    """Return value as float, rejecting bools, non-numbers and non-finite values."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise KernelArgumentError(f"{name} must be a real number, got {type(value).__name__}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise KernelArgumentError(f"{name} must be finite, got {result!r}")
+    return result
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """Adam/AdamW hyperparameters; decoupled=True is AdamW, False is Adam with L2 weight decay."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+            object.__setattr__(self, name, _check_real(name, getattr(self, name)))
+        if self.lr < 0:
+            raise KernelArgumentError(f"lr must be >= 0, got {self.lr!r}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise KernelArgumentError(f"{name} must satisfy 0 <= {name} < 1, got {value!r}")
+        if not self.eps > 0:
+            raise KernelArgumentError(f"eps must be > 0, got {self.eps!r}")
+        if self.weight_decay < 0:
+            raise KernelArgumentError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not isinstance(self.decoupled, (bool, np.bool_)):
+            raise KernelArgumentError(f"decoupled must be a bool, got {type(self.decoupled).__name__}")
+        object.__setattr__(self, "decoupled", bool(self.decoupled))
+
+
+@dataclass(frozen=True)
+class AdamScalars:
+    """Per-step scalars for the C kernel, computed in float64; the C struct rounds them to float32."""
+
+    grad_scale: float
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    eps: float
+    step_size: float
+    bias_correction2_sqrt: float
+    decay: float
+    weight_decay: float
+    decoupled: bool
+    # Built once so repeated kernel calls do not re-create it; read-only, so
+    # sharing it between threads is safe.
+    _c: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        c = _ffi.new("cossd_adam_scalars *")
+        for name in (
+            "grad_scale",
+            "beta1",
+            "beta2",
+            "one_minus_beta1",
+            "one_minus_beta2",
+            "eps",
+            "step_size",
+            "bias_correction2_sqrt",
+            "decay",
+            "weight_decay",
+        ):
+            setattr(c, name, getattr(self, name))
+            # The C struct rounds to float32; a value that overflows (or an eps
+            # that underflows to 0) would silently turn the step into inf/NaN.
+            if not math.isfinite(getattr(c, name)):
+                raise KernelArgumentError(f"{name}={getattr(self, name)!r} is not representable as a finite float32")
+        if not c.eps > 0:
+            raise KernelArgumentError(f"eps={self.eps!r} rounds to 0 in float32")
+        c.decoupled = 1 if self.decoupled else 0
+        object.__setattr__(self, "_c", c)
+
+
+def adam_scalars(hyper: AdamHyper, step: int, grad_scale: float = 1.0) -> AdamScalars:
+    """Compute the scalars of Adam step `step` (1-based) exactly as torch.optim's single-tensor Adam/AdamW does."""
+    if not isinstance(hyper, AdamHyper):
+        raise KernelArgumentError(f"hyper must be an AdamHyper, got {type(hyper).__name__}")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise KernelArgumentError(f"step must be an int, got {type(step).__name__}")
+    step = int(step)
+    if step < 1:
+        raise KernelArgumentError(f"step must be >= 1, got {step}")
+    grad_scale = _check_real("grad_scale", grad_scale)
+    if not grad_scale > 0:
+        raise KernelArgumentError(f"grad_scale must be > 0, got {grad_scale!r}")
+    # Same float64 expressions as torch/optim/adam.py (_single_tensor_adam).
+    bias_correction1 = 1 - hyper.beta1**step
+    bias_correction2 = 1 - hyper.beta2**step
+    step_size = hyper.lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    decay = 1 - hyper.lr * hyper.weight_decay if hyper.decoupled else 1.0
+    # AdamScalars rejects values that do not fit float32 (e.g. a huge lr).
+    return AdamScalars(
+        grad_scale=grad_scale,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        one_minus_beta1=1 - hyper.beta1,
+        one_minus_beta2=1 - hyper.beta2,
+        eps=hyper.eps,
+        step_size=step_size,
+        bias_correction2_sqrt=bias_correction2_sqrt,
+        decay=decay,
+        weight_decay=hyper.weight_decay,
+        decoupled=hyper.decoupled,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Buffer validation
+# ---------------------------------------------------------------------------
+
+_F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
+_U16 = np.dtype(np.uint16)
+_RAW_BYTE_FORMATS = ("B", "b", "c")
+
+
+def _enum_arg(name: str, value: Any, kind: type[enum.IntEnum]) -> int:
+    """Accept an instance of `kind` or a plain int naming one of its values."""
+    if isinstance(value, kind):
+        return int(value)
+    if isinstance(value, (bool, enum.Enum)) or not isinstance(value, (int, np.integer)):
+        raise KernelArgumentError(f"{name} must be a {kind.__name__}, got {value!r}")
+    try:
+        return int(kind(int(value)))
+    except ValueError:
+        raise KernelArgumentError(
+            f"{name} must be a {kind.__name__} ({', '.join(m.name for m in kind)}), got {value!r}"
+        ) from None
+
+
+def _as_array(name: str, obj: Any, dtypes: tuple[np.dtype, ...], writable: bool) -> np.ndarray:
+    """View obj as a C-contiguous ndarray of one of `dtypes` without copying, or raise."""
+    if isinstance(obj, np.ndarray):
+        arr = obj
+    else:
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise KernelArgumentError(
+                f"{name} must be a numpy array or a buffer object, got {type(obj).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise KernelArgumentError(f"{name} must be C-contiguous")
+        if view.format not in _RAW_BYTE_FORMATS and view.itemsize != dtypes[0].itemsize:
+            raise KernelArgumentError(
+                f"{name} has item size {view.itemsize}, expected {dtypes[0].itemsize} (dtype {dtypes[0]})"
+            )
+        if view.nbytes % dtypes[0].itemsize:
+            raise KernelArgumentError(f"{name} has {view.nbytes} bytes, not a multiple of {dtypes[0].itemsize}")
+        arr = np.frombuffer(view, dtype=dtypes[0])  # zero-copy; read-only if the buffer is
+    if arr.dtype not in dtypes:
+        expected = " or ".join(str(d) for d in dtypes)
+        raise KernelArgumentError(f"{name} must have dtype {expected}, got {arr.dtype}")
+    if not arr.flags.c_contiguous:
+        raise KernelArgumentError(f"{name} must be C-contiguous (got a strided view); pass a contiguous array")
+    if not arr.flags.aligned:
+        raise KernelArgumentError(f"{name} is not aligned to its item size")
+    if writable and not arr.flags.writeable:
+        raise KernelArgumentError(f"{name} is an output and must be writeable")
+    return arr
+
+
+def _half_dtypes(fmt: int) -> tuple[np.dtype, ...]:
+    """float16 arrays only make sense as FP16; bf16 bits travel as uint16."""
+    return (_U16, _F16) if fmt == HalfFormat.FP16 else (_U16,)
+
+
+def _state_dtypes(fmt: int) -> tuple[np.dtype, ...]:
+    return (_F32,) if fmt == StateFormat.FP32 else (_U16,)
+
+
+_HALF_CTYPE = "uint16_t[]"
+_F32_CTYPE = "float[]"
+
+
+def _state_ctype(fmt: int) -> str:
+    return _F32_CTYPE if fmt == StateFormat.FP32 else _HALF_CTYPE
+
+
+class _Buf(NamedTuple):
+    """A validated buffer: its array, the cffi pointer handed to C and the byte range it covers."""
+
+    name: str
+    arr: np.ndarray
+    ptr: Any
+    start: int
+    end: int
+    output: bool
+
+
+def _buf(name: str, obj: Any, dtypes: tuple[np.dtype, ...], ctype: str, output: bool = False) -> _Buf:
+    arr = _as_array(name, obj, dtypes, output)
+    ptr = _ffi.from_buffer(ctype, arr, require_writable=output)
+    # The address comes from the cffi pointer: cheaper than __array_interface__.
+    start = int(_ffi.cast("uintptr_t", ptr))
+    return _Buf(name, arr, ptr, start, start + arr.nbytes, output)
+
+
+def _check_lengths(bufs: list[_Buf]) -> int:
+    first = bufs[0]
+    for b in bufs[1:]:
+        if b.arr.size != first.arr.size:
+            raise KernelArgumentError(f"{b.name} has {b.arr.size} elements but {first.name} has {first.arr.size}")
+    return int(first.arr.size)
+
+
+def _check_overlap(bufs: list[_Buf], in_place_pairs: frozenset[tuple[str, str]] = frozenset()) -> None:
+    """Reject any overlap that involves an output, except an identical (input, output) pair.
+
+    Inputs may overlap each other (they are only read). Buffers are
+    C-contiguous, so [start, end) is exactly the memory a kernel touches.
+    """
+    live = [b for b in bufs if b.end > b.start]
+    for i, a in enumerate(live):
+        for b in live[i + 1 :]:
+            if not (a.output or b.output) or a.end <= b.start or b.end <= a.start:
+                continue
+            if (a.start, a.end) != (b.start, b.end):
+                raise KernelArgumentError(f"{a.name} and {b.name} partially overlap")
+            if (a.name, b.name) not in in_place_pairs:
+                raise KernelArgumentError(f"{a.name} and {b.name} are the same memory; only in/out pairs may be")
+
+
+def _check_rc(rc: int, what: str) -> None:
+    if rc != 0:
+        # The wrapper validated everything, so reaching this is a wrapper bug.
+        raise KernelArgumentError(f"{what}: C kernel rejected its arguments ({_RC_MESSAGES.get(rc, rc)})")
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------
+
+_ADAM_IN_PLACE = frozenset(
+    {("master_in", "master_out"), ("exp_avg_in", "exp_avg_out"), ("exp_avg_sq_in", "exp_avg_sq_out")}
+)
+
+
+def adam_step(
+    grad: Any,
+    master_in: Any,
+    exp_avg_in: Any,
+    exp_avg_sq_in: Any,
+    master_out: Any,
+    exp_avg_out: Any,
+    exp_avg_sq_out: Any,
+    param_out: Any,
+    *,
+    grad_format: HalfFormat,
+    param_format: HalfFormat,
+    state_format: StateFormat,
+    scalars: AdamScalars,
+) -> None:
+    """One Adam/AdamW step over all elements; outputs may be the very same buffers as the matching inputs."""
+    gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
+    pfmt = _enum_arg("param_format", param_format, HalfFormat)
+    sfmt = _enum_arg("state_format", state_format, StateFormat)
+    if not isinstance(scalars, AdamScalars):
+        raise KernelArgumentError(f"scalars must come from adam_scalars(), got {type(scalars).__name__}")
+    sdt, sct = _state_dtypes(sfmt), _state_ctype(sfmt)
+    g = _buf("grad", grad, _half_dtypes(gfmt), _HALF_CTYPE)
+    mi = _buf("master_in", master_in, (_F32,), _F32_CTYPE)
+    ai = _buf("exp_avg_in", exp_avg_in, sdt, sct)
+    vi = _buf("exp_avg_sq_in", exp_avg_sq_in, sdt, sct)
+    mo = _buf("master_out", master_out, (_F32,), _F32_CTYPE, output=True)
+    ao = _buf("exp_avg_out", exp_avg_out, sdt, sct, output=True)
+    vo = _buf("exp_avg_sq_out", exp_avg_sq_out, sdt, sct, output=True)
+    po = _buf("param_out", param_out, _half_dtypes(pfmt), _HALF_CTYPE, output=True)
+    bufs = [g, mi, ai, vi, mo, ao, vo, po]
+    n = _check_lengths(bufs)
+    _check_overlap(bufs, _ADAM_IN_PLACE)
+    if n == 0:
+        return
+    rc = _lib.cossd_adam_step(
+        g.ptr, gfmt, mi.ptr, ai.ptr, vi.ptr, mo.ptr, ao.ptr, vo.ptr, sfmt, po.ptr, pfmt, n, scalars._c
+    )
+    _check_rc(rc, "adam_step")
+
+
+def count_nonfinite(grad: Any, fmt: HalfFormat) -> int:
+    """Number of inf/NaN elements in a 16-bit buffer."""
+    f = _enum_arg("fmt", fmt, HalfFormat)
+    g = _buf("grad", grad, _half_dtypes(f), _HALF_CTYPE)
+    if g.arr.size == 0:
+        return 0
+    count = _lib.cossd_count_nonfinite(g.ptr, f, g.arr.size)
+    if count == _COUNT_ERROR:
+        raise KernelArgumentError("count_nonfinite: C kernel rejected its arguments")
+    return int(count)
+
+
+def master_to_param(master: Any, param_out: Any, fmt: HalfFormat) -> None:
+    """Round FP32 master weights to 16-bit params (round to nearest even)."""
+    f = _enum_arg("fmt", fmt, HalfFormat)
+    src = _buf("master", master, (_F32,), _F32_CTYPE)
+    dst = _buf("param_out", param_out, _half_dtypes(f), _HALF_CTYPE, output=True)
+    n = _check_lengths([src, dst])
+    _check_overlap([src, dst])
+    if n:
+        _check_rc(_lib.cossd_master_to_param(src.ptr, dst.ptr, f, n), "master_to_param")
+
+
+def param_to_master(param: Any, master_out: Any, fmt: HalfFormat) -> None:
+    """Widen 16-bit params to FP32 exactly (inverse of master_to_param for representable values)."""
+    f = _enum_arg("fmt", fmt, HalfFormat)
+    src = _buf("param", param, _half_dtypes(f), _HALF_CTYPE)
+    dst = _buf("master_out", master_out, (_F32,), _F32_CTYPE, output=True)
+    n = _check_lengths([src, dst])
+    _check_overlap([src, dst])
+    if n:
+        _check_rc(_lib.cossd_param_to_master(src.ptr, f, dst.ptr, n), "param_to_master")
+
+
+def crc32c(buf: Any, value: int = 0) -> int:
+    """CRC32C (Castagnoli) of buf, continuing from `value` (the CRC of the preceding bytes)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 0xFFFFFFFF:
+        raise KernelArgumentError(f"value must be an int in [0, 2**32), got {value!r}")
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise KernelArgumentError(f"buf must be a buffer object, got {type(buf).__name__}") from None
+    if not view.c_contiguous:
+        raise KernelArgumentError("buf must be C-contiguous")
+    if view.nbytes == 0:
+        return int(value)
+    return int(_lib.cossd_crc32c(int(value), _ffi.from_buffer(view), view.nbytes))
+
+
+# ---------------------------------------------------------------------------
+# SIMD selection
+# ---------------------------------------------------------------------------
+
+
+def simd_level() -> str:
+    """The path the dispatching kernels use right now: "avx2" or "scalar"."""
+    return "avx2" if _lib.cossd_simd_active() else "scalar"
+
+
+def use_simd(enabled: bool) -> None:
+    """Enable (if the CPU supports it) or disable the SIMD paths process-wide; results are identical either way."""
+    _lib.cossd_set_simd(1 if enabled else 0)
+
+
+def _apply_env() -> None:
+    choice = os.environ.get("COSSD_KERNEL", "").strip().lower()
+    if choice == "scalar":
+        use_simd(False)
+    elif choice not in ("", "auto", "avx2", "simd"):
+        warnings.warn(f"COSSD_KERNEL={choice!r} not understood (use 'scalar' or 'auto'); using auto", stacklevel=2)
+
+
+_apply_env()

@@ -1,0 +1,664 @@
+/* cossd_kernels.c: stateless elementwise kernels (Adam step, half<->f32 conversion, non-finite count, CRC32C), scalar + AVX2/SSE4.2. */
+
+/*
+ * Design rules, all in service of "the AVX2 path is bit-identical to the
+ * scalar path and both are reproducible IEEE float32":
+ *  - build with -ffp-contract=off and never -ffast-math: GCC implements the
+ *    _mm256_mul_ps/_mm256_add_ps intrinsics as generic vector arithmetic, so
+ *    with contraction enabled it could fuse them into FMAs and change rounding.
+ *    The SIMD target attribute deliberately omits "fma" as a second guard.
+ *  - only correctly rounded operations (+ - * / sqrt) in exactly the same
+ *    order in both paths; the vector tail reuses the scalar element function.
+ *  - every kernel reads all inputs of an element before writing its outputs,
+ *    so identical in/out pointers (in-place updates) are safe.
+ *  - no allocation, no I/O, no global state apart from the CPU feature flags
+ *    and CRC tables, which are filled once by a load-time constructor.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#include "cossd_kernels.h"
+
+#if !defined(__GNUC__)
+#error "cossd kernels need GCC or Clang (target attributes, __builtin_cpu_supports, constructors)"
+#endif
+
+/* Clang honours this pragma; GCC would only warn about it and relies on -ffp-contract=off. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+/* -DCOSSD_NO_SIMD builds the scalar-only variant, as on non-x86 targets. */
+#if defined(__x86_64__) && !defined(COSSD_NO_SIMD)
+#define COSSD_X86 1
+#include <immintrin.h>
+#else
+#define COSSD_X86 0
+#endif
+
+#define COSSD_COUNT_ERROR ((size_t)-1)
+#define COSSD_INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------------------ */
+/* Runtime state: CPU features, the user's SIMD switch, CRC tables.         */
+/* ------------------------------------------------------------------------ */
+
+static int g_has_avx2;    /* AVX2 + F16C usable (CPU and OS) */
+static int g_has_sse42;   /* SSE4.2 crc32 instruction usable */
+static int g_simd_enabled = 1;
+static uint32_t g_crc_table[8][256];
+
+/* Castagnoli polynomial 0x1EDC6F41, bit-reflected. */
+#define CRC32C_POLY_REFLECTED 0x82F63B78u
+
+__attribute__((constructor)) static void cossd_init(void)
+{
+    /* Constructors can run before libgcc initialised its CPU model. */
+#if COSSD_X86
+    __builtin_cpu_init();
+    g_has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    g_has_sse42 = __builtin_cpu_supports("sse4.2");
+#endif
+    /* Slicing-by-8 tables: table[k][b] is the CRC of byte b followed by k zero bytes. */
+    for (uint32_t b = 0; b < 256; b++) {
+        uint32_t c = b;
+        for (int bit = 0; bit < 8; bit++)
+            c = (c >> 1) ^ ((c & 1u) ? CRC32C_POLY_REFLECTED : 0u);
+        g_crc_table[0][b] = c;
+    }
+    for (int k = 1; k < 8; k++)
+        for (uint32_t b = 0; b < 256; b++) {
+            uint32_t prev = g_crc_table[k - 1][b];
+            g_crc_table[k][b] = (prev >> 8) ^ g_crc_table[0][prev & 0xFFu];
+        }
+}
+
+/* Relaxed atomics: the switch may be flipped while other threads run kernels. */
+static int simd_enabled(void) { return __atomic_load_n(&g_simd_enabled, __ATOMIC_RELAXED); }
+
+int cossd_simd_available(void) { return g_has_avx2; }
+int cossd_crc_simd_available(void) { return g_has_sse42; }
+void cossd_set_simd(int enabled) { __atomic_store_n(&g_simd_enabled, enabled ? 1 : 0, __ATOMIC_RELAXED); }
+int cossd_simd_active(void) { return g_has_avx2 && simd_enabled(); }
+
+/* ------------------------------------------------------------------------ */
+/* Scalar bit-exact conversions.                                            */
+/* ------------------------------------------------------------------------ */
+
+COSSD_INLINE uint32_t f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u); /* memcpy avoids strict-aliasing UB; compiles to a move */
+    return u;
+}
+
+COSSD_INLINE float f32_from_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#define F32_CANONICAL_NAN 0x7FC00000u
+
+/* Adam outputs store NaN as one canonical quiet NaN: which payload survives
+ * when two NaNs meet depends on operand order the compiler is free to swap,
+ * so canonicalising is what keeps the two paths bit-identical on NaNs. */
+COSSD_INLINE float canon_nan(float x) { return x != x ? f32_from_bits(F32_CANONICAL_NAN) : x; }
+
+COSSD_INLINE float fp16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu;
+    uint32_t mant = h & 0x3FFu;
+    if (exp == 0x1F) {
+        /* inf stays inf; NaN keeps its payload and is quieted, as F16C does. */
+        return f32_from_bits(sign | 0x7F800000u | (mant << 13) | (mant ? 0x00400000u : 0u));
+    }
+    if (exp == 0) {
+        if (mant == 0)
+            return f32_from_bits(sign);
+        /* Subnormal: value = mant * 2^-24, renormalised around its top set bit. */
+        int top = 31 - __builtin_clz(mant); /* 0..9 */
+        uint32_t f_exp = (uint32_t)(top + 103); /* (top - 24) + 127 */
+        uint32_t f_mant = (mant << (23 - top)) & 0x7FFFFFu;
+        return f32_from_bits(sign | (f_exp << 23) | f_mant);
+    }
+    return f32_from_bits(sign | ((exp + 112u) << 23) | (mant << 13)); /* rebias 15 -> 127 */
+}
+
+COSSD_INLINE uint16_t f32_to_fp16(float f)
+{
+    uint32_t x = f32_bits(f);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) /* NaN: quiet bit set, top payload bits kept (matches F16C) */
+        return (uint16_t)(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    if (ax >= 0x477FF000u) /* >= 65520 (incl. inf) rounds to inf: 65520 ties to even */
+        return (uint16_t)(sign | 0x7C00u);
+    if (ax >= 0x38800000u) { /* result is a normal half (|f| >= 2^-14 before rounding) */
+        uint32_t odd = (ax >> 13) & 1u;
+        ax += 0x0FFFu + odd; /* RNE; a carry propagates into the exponent correctly */
+        return (uint16_t)(sign | ((ax >> 13) - (112u << 10)));
+    }
+    uint32_t exp = ax >> 23;
+    if (exp < 102) /* |f| < 2^-25 rounds to zero (2^-25 itself ties to even zero) */
+        return (uint16_t)sign;
+    /* Subnormal half: value / 2^-24 = mant24 >> (126 - exp), rounded to nearest even. */
+    uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+    uint32_t shift = 126u - exp; /* 14..24 */
+    uint32_t r = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (r & 1u)))
+        r++; /* may become 0x400, which is exactly the smallest normal */
+    return (uint16_t)(sign | r);
+}
+
+COSSD_INLINE float bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+COSSD_INLINE uint16_t f32_to_bf16(float f)
+{
+    uint32_t x = f32_bits(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) /* NaN: truncate and force quiet so it cannot become inf */
+        return (uint16_t)((x >> 16) | 0x0040u);
+    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+COSSD_INLINE float half_to_f32(uint16_t h, int fmt) { return fmt == COSSD_HALF_BF16 ? bf16_to_f32(h) : fp16_to_f32(h); }
+
+COSSD_INLINE uint16_t f32_to_half(float f, int fmt) { return fmt == COSSD_HALF_BF16 ? f32_to_bf16(f) : f32_to_fp16(f); }
+
+COSSD_INLINE int half_fmt_ok(int fmt) { return fmt == COSSD_HALF_FP16 || fmt == COSSD_HALF_BF16; }
+
+COSSD_INLINE int state_fmt_ok(int fmt) { return fmt == COSSD_STATE_FP32 || fmt == COSSD_STATE_BF16; }
+
+/* ------------------------------------------------------------------------ */
+/* Adam step.                                                               */
+/* ------------------------------------------------------------------------ */
+
+/* Scalars copied to locals once: through the pointer the compiler would have
+ * to reload them after every store, since it may alias an output buffer. */
+typedef struct {
+    float grad_scale, beta2, omb1, omb2, eps, step_size, bc2_sqrt, decay, wd;
+    int decoupled;
+} adam_k;
+
+COSSD_INLINE adam_k adam_load_scalars(const cossd_adam_scalars *s)
+{
+    adam_k k;
+    k.grad_scale = s->grad_scale;
+    k.beta2 = s->beta2;
+    k.omb1 = s->one_minus_beta1;
+    k.omb2 = s->one_minus_beta2;
+    k.eps = s->eps;
+    k.step_size = s->step_size;
+    k.bc2_sqrt = s->bias_correction2_sqrt;
+    k.decay = s->decay;
+    k.wd = s->weight_decay;
+    k.decoupled = s->decoupled != 0;
+    return k;
+}
+
+COSSD_INLINE float load_state(const void *p, size_t i, int fmt)
+{
+    return fmt == COSSD_STATE_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+COSSD_INLINE void store_state(void *p, size_t i, int fmt, float x)
+{
+    if (fmt == COSSD_STATE_BF16)
+        ((uint16_t *)p)[i] = f32_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+/* One element, in the contract's exact operation order. Used by the scalar
+ * path and for the AVX2 tail, so the tail is identical by construction. */
+COSSD_INLINE void adam_elem(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
+                            float *mo, void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t i,
+                            const adam_k *k)
+{
+    float g = half_to_f32(grad[i], gfmt) * k->grad_scale;
+    float p = mi[i];
+    float m_in = load_state(ai, i, sfmt);
+    float v_in = load_state(vi, i, sfmt);
+    if (k->decoupled)
+        p = p * k->decay;
+    else
+        g = g + k->wd * p;
+    float m = m_in + k->omb1 * (g - m_in);
+    float v = v_in * k->beta2 + (k->omb2 * g) * g;
+    float denom = sqrtf(v) / k->bc2_sqrt + k->eps;
+    p = p + (-k->step_size * m) / denom;
+    p = canon_nan(p);
+    mo[i] = p;
+    store_state(ao, i, sfmt, canon_nan(m));
+    store_state(vo, i, sfmt, canon_nan(v));
+    po[i] = f32_to_half(p, pfmt);
+}
+
+COSSD_INLINE int adam_check(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
+                            float *mo, void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n,
+                            const cossd_adam_scalars *s)
+{
+    if (!half_fmt_ok(gfmt) || !half_fmt_ok(pfmt) || !state_fmt_ok(sfmt))
+        return COSSD_ERR_FORMAT;
+    if (n > 0 && (!grad || !mi || !ai || !vi || !mo || !ao || !vo || !po || !s))
+        return COSSD_ERR_NULL;
+    return COSSD_OK;
+}
+
+int cossd_adam_step_scalar(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                           const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                           int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s)
+{
+    int rc = adam_check(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                        exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
+    if (rc != COSSD_OK || n == 0)
+        return rc;
+    adam_k k = adam_load_scalars(s);
+    for (size_t i = 0; i < n; i++)
+        adam_elem(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
+                  state_fmt, param_out, param_fmt, i, &k);
+    return COSSD_OK;
+}
+
+#if COSSD_X86
+
+#define COSSD_AVX2 __attribute__((target("avx2,f16c")))
+#define COSSD_AVX2_INLINE static inline __attribute__((always_inline, target("avx2,f16c")))
+
+COSSD_AVX2_INLINE __m256 v_load_half(const uint16_t *p, int fmt)
+{
+    __m128i h = _mm_loadu_si128((const __m128i *)(const void *)p);
+    if (fmt == COSSD_HALF_FP16)
+        return _mm256_cvtph_ps(h); /* exact, like fp16_to_f32 (incl. NaN quieting) */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+COSSD_AVX2_INLINE __m128i v_f32_to_bf16(__m256 x)
+{
+    __m256i b = _mm256_castps_si256(x);
+    __m256i hi = _mm256_srli_epi32(b, 16);
+    __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i qnan = _mm256_or_si256(hi, _mm256_set1_epi32(0x0040));
+    __m256i isnan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, qnan, isnan);
+    /* Every lane is <= 0xFFFF, so unsigned-saturating pack is a plain narrow;
+     * packing the two 128-bit halves keeps element order. */
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+COSSD_AVX2_INLINE __m128i v_f32_to_half(__m256 x, int fmt)
+{
+    if (fmt == COSSD_HALF_FP16)
+        return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); /* immediate RNE, ignores MXCSR.RC */
+    return v_f32_to_bf16(x);
+}
+
+COSSD_AVX2_INLINE __m256 v_load_state(const void *p, size_t i, int fmt)
+{
+    if (fmt == COSSD_STATE_BF16)
+        return v_load_half((const uint16_t *)p + i, COSSD_HALF_BF16);
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+COSSD_AVX2_INLINE void v_store_state(void *p, size_t i, int fmt, __m256 x)
+{
+    if (fmt == COSSD_STATE_BF16)
+        _mm_storeu_si128((__m128i *)(void *)((uint16_t *)p + i), v_f32_to_bf16(x));
+    else
+        _mm256_storeu_ps((float *)p + i, x);
+}
+
+COSSD_AVX2_INLINE __m256 v_canon_nan(__m256 x)
+{
+    __m256 isnan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32((int)F32_CANONICAL_NAN)), isnan);
+}
+
+/* Always inlined with constant formats/mode so each of the 16 specialisations
+ * is branch-free in its inner loop. */
+COSSD_AVX2_INLINE void adam_avx2_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
+                                      const void *vi, float *mo, void *ao, void *vo, int sfmt, uint16_t *po,
+                                      int pfmt, size_t n, const adam_k *k, int decoupled)
+{
+    const __m256 grad_scale = _mm256_set1_ps(k->grad_scale);
+    const __m256 beta2 = _mm256_set1_ps(k->beta2);
+    const __m256 omb1 = _mm256_set1_ps(k->omb1);
+    const __m256 omb2 = _mm256_set1_ps(k->omb2);
+    const __m256 eps = _mm256_set1_ps(k->eps);
+    const __m256 neg_step = _mm256_set1_ps(-k->step_size); /* negation is exact: same as scalar -step*m */
+    const __m256 bc2_sqrt = _mm256_set1_ps(k->bc2_sqrt);
+    const __m256 decay = _mm256_set1_ps(k->decay);
+    const __m256 wd = _mm256_set1_ps(k->wd);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_mul_ps(v_load_half(grad + i, gfmt), grad_scale);
+        __m256 p = _mm256_loadu_ps(mi + i);
+        __m256 m_in = v_load_state(ai, i, sfmt);
+        __m256 v_in = v_load_state(vi, i, sfmt);
+        if (decoupled)
+            p = _mm256_mul_ps(p, decay);
+        else
+            g = _mm256_add_ps(g, _mm256_mul_ps(wd, p));
+        __m256 m = _mm256_add_ps(m_in, _mm256_mul_ps(omb1, _mm256_sub_ps(g, m_in)));
+        __m256 v = _mm256_add_ps(_mm256_mul_ps(v_in, beta2), _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
+        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
+        p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step, m), denom));
+        p = v_canon_nan(p);
+        _mm256_storeu_ps(mo + i, p);
+        v_store_state(ao, i, sfmt, v_canon_nan(m));
+        v_store_state(vo, i, sfmt, v_canon_nan(v));
+        _mm_storeu_si128((__m128i *)(void *)(po + i), v_f32_to_half(p, pfmt));
+    }
+    for (; i < n; i++)
+        adam_elem(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, k);
+}
+
+COSSD_AVX2 static void adam_avx2_dispatch(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
+                                          const void *vi, float *mo, void *ao, void *vo, int sfmt, uint16_t *po,
+                                          int pfmt, size_t n, const adam_k *k)
+{
+#define ADAM_CALL(GF, SF, PF, DC) adam_avx2_body(grad, GF, mi, ai, vi, mo, ao, vo, SF, po, PF, n, k, DC)
+#define ADAM_DC(GF, SF, PF)                                                                                  \
+    do {                                                                                                     \
+        if (k->decoupled)                                                                                    \
+            ADAM_CALL(GF, SF, PF, 1);                                                                        \
+        else                                                                                                 \
+            ADAM_CALL(GF, SF, PF, 0);                                                                        \
+    } while (0)
+#define ADAM_PF(GF, SF)                                                                                      \
+    do {                                                                                                     \
+        if (pfmt == COSSD_HALF_BF16)                                                                         \
+            ADAM_DC(GF, SF, COSSD_HALF_BF16);                                                                \
+        else                                                                                                 \
+            ADAM_DC(GF, SF, COSSD_HALF_FP16);                                                                \
+    } while (0)
+#define ADAM_SF(GF)                                                                                          \
+    do {                                                                                                     \
+        if (sfmt == COSSD_STATE_BF16)                                                                        \
+            ADAM_PF(GF, COSSD_STATE_BF16);                                                                   \
+        else                                                                                                 \
+            ADAM_PF(GF, COSSD_STATE_FP32);                                                                   \
+    } while (0)
+    if (gfmt == COSSD_HALF_BF16)
+        ADAM_SF(COSSD_HALF_BF16);
+    else
+        ADAM_SF(COSSD_HALF_FP16);
+#undef ADAM_SF
+#undef ADAM_PF
+#undef ADAM_DC
+#undef ADAM_CALL
+}
+
+#endif /* COSSD_X86 */
+
+int cossd_adam_step_avx2(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                         const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                         int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s)
+{
+    int rc = adam_check(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                        exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
+    if (rc != COSSD_OK)
+        return rc;
+    if (!g_has_avx2) /* an explicit request must not SIGILL on an old CPU */
+        return COSSD_ERR_UNSUPPORTED;
+#if COSSD_X86
+    if (n > 0) {
+        adam_k k = adam_load_scalars(s);
+        adam_avx2_dispatch(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                           exp_avg_sq_out, state_fmt, param_out, param_fmt, n, &k);
+    }
+#endif
+    return COSSD_OK;
+}
+
+int cossd_adam_step(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                    const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                    int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s)
+{
+    if (cossd_simd_active())
+        return cossd_adam_step_avx2(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                                    exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
+    return cossd_adam_step_scalar(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                                  exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Non-finite count.                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* A 16-bit value is inf/NaN iff all its exponent bits are set. */
+COSSD_INLINE uint16_t exp_mask(int fmt) { return fmt == COSSD_HALF_BF16 ? 0x7F80u : 0x7C00u; }
+
+size_t cossd_count_nonfinite_scalar(const uint16_t *grad, int fmt, size_t n)
+{
+    if (!half_fmt_ok(fmt) || (n > 0 && !grad))
+        return COSSD_COUNT_ERROR;
+    const uint16_t mask = exp_mask(fmt);
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++)
+        count += (grad[i] & mask) == mask;
+    return count;
+}
+
+#if COSSD_X86
+COSSD_AVX2 static size_t count_nonfinite_avx2_impl(const uint16_t *grad, uint16_t mask16, size_t n)
+{
+    const __m256i mask = _mm256_set1_epi16((short)mask16);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    size_t count = 0;
+    size_t i = 0;
+    while (i + 16 <= n) {
+        /* Per-lane 16-bit counters (compare gives -1, subtracting adds 1) are
+         * flushed after at most 32767 hits, because madd_epi16 below reads
+         * them as signed. */
+        __m256i acc = _mm256_setzero_si256();
+        size_t block_end = n - i > (size_t)16 * 32767 ? i + (size_t)16 * 32767 : n;
+        for (; i + 16 <= block_end; i += 16) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)(grad + i));
+            __m256i hit = _mm256_cmpeq_epi16(_mm256_and_si256(h, mask), mask);
+            acc = _mm256_sub_epi16(acc, hit);
+        }
+        __m256i s32 = _mm256_madd_epi16(acc, ones16); /* pairs -> 8 x int32, each <= 65534 */
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+        count += (uint32_t)_mm_cvtsi128_si32(s);
+    }
+    for (; i < n; i++)
+        count += (grad[i] & mask16) == mask16;
+    return count;
+}
+#endif
+
+size_t cossd_count_nonfinite_avx2(const uint16_t *grad, int fmt, size_t n)
+{
+    if (!half_fmt_ok(fmt) || (n > 0 && !grad) || !g_has_avx2)
+        return COSSD_COUNT_ERROR;
+#if COSSD_X86
+    return count_nonfinite_avx2_impl(grad, exp_mask(fmt), n);
+#else
+    return COSSD_COUNT_ERROR;
+#endif
+}
+
+size_t cossd_count_nonfinite(const uint16_t *grad, int fmt, size_t n)
+{
+    if (cossd_simd_active())
+        return cossd_count_nonfinite_avx2(grad, fmt, n);
+    return cossd_count_nonfinite_scalar(grad, fmt, n);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Master (FP32) <-> param (half) conversion.                               */
+/* ------------------------------------------------------------------------ */
+
+int cossd_master_to_param_scalar(const float *master, uint16_t *param_out, int param_fmt, size_t n)
+{
+    if (!half_fmt_ok(param_fmt))
+        return COSSD_ERR_FORMAT;
+    if (n > 0 && (!master || !param_out))
+        return COSSD_ERR_NULL;
+    for (size_t i = 0; i < n; i++)
+        param_out[i] = f32_to_half(master[i], param_fmt);
+    return COSSD_OK;
+}
+
+int cossd_param_to_master_scalar(const uint16_t *param, int param_fmt, float *master_out, size_t n)
+{
+    if (!half_fmt_ok(param_fmt))
+        return COSSD_ERR_FORMAT;
+    if (n > 0 && (!param || !master_out))
+        return COSSD_ERR_NULL;
+    for (size_t i = 0; i < n; i++)
+        master_out[i] = half_to_f32(param[i], param_fmt);
+    return COSSD_OK;
+}
+
+#if COSSD_X86
+COSSD_AVX2_INLINE void m2p_avx2_body(const float *master, uint16_t *param_out, int fmt, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(void *)(param_out + i), v_f32_to_half(_mm256_loadu_ps(master + i), fmt));
+    for (; i < n; i++)
+        param_out[i] = f32_to_half(master[i], fmt);
+}
+
+COSSD_AVX2_INLINE void p2m_avx2_body(const uint16_t *param, int fmt, float *master_out, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(master_out + i, v_load_half(param + i, fmt));
+    for (; i < n; i++)
+        master_out[i] = half_to_f32(param[i], fmt);
+}
+
+COSSD_AVX2 static void m2p_avx2(const float *master, uint16_t *param_out, int fmt, size_t n)
+{
+    if (fmt == COSSD_HALF_BF16)
+        m2p_avx2_body(master, param_out, COSSD_HALF_BF16, n);
+    else
+        m2p_avx2_body(master, param_out, COSSD_HALF_FP16, n);
+}
+
+COSSD_AVX2 static void p2m_avx2(const uint16_t *param, int fmt, float *master_out, size_t n)
+{
+    if (fmt == COSSD_HALF_BF16)
+        p2m_avx2_body(param, COSSD_HALF_BF16, master_out, n);
+    else
+        p2m_avx2_body(param, COSSD_HALF_FP16, master_out, n);
+}
+#endif
+
+int cossd_master_to_param_avx2(const float *master, uint16_t *param_out, int param_fmt, size_t n)
+{
+    if (!half_fmt_ok(param_fmt))
+        return COSSD_ERR_FORMAT;
+    if (n > 0 && (!master || !param_out))
+        return COSSD_ERR_NULL;
+    if (!g_has_avx2)
+        return COSSD_ERR_UNSUPPORTED;
+#if COSSD_X86
+    m2p_avx2(master, param_out, param_fmt, n);
+#endif
+    return COSSD_OK;
+}
+
+int cossd_param_to_master_avx2(const uint16_t *param, int param_fmt, float *master_out, size_t n)
+{
+    if (!half_fmt_ok(param_fmt))
+        return COSSD_ERR_FORMAT;
+    if (n > 0 && (!param || !master_out))
+        return COSSD_ERR_NULL;
+    if (!g_has_avx2)
+        return COSSD_ERR_UNSUPPORTED;
+#if COSSD_X86
+    p2m_avx2(param, param_fmt, master_out, n);
+#endif
+    return COSSD_OK;
+}
+
+int cossd_master_to_param(const float *master, uint16_t *param_out, int param_fmt, size_t n)
+{
+    if (cossd_simd_active())
+        return cossd_master_to_param_avx2(master, param_out, param_fmt, n);
+    return cossd_master_to_param_scalar(master, param_out, param_fmt, n);
+}
+
+int cossd_param_to_master(const uint16_t *param, int param_fmt, float *master_out, size_t n)
+{
+    if (cossd_simd_active())
+        return cossd_param_to_master_avx2(param, param_fmt, master_out, n);
+    return cossd_param_to_master_scalar(param, param_fmt, master_out, n);
+}
+
+/* ------------------------------------------------------------------------ */
+/* CRC32C (Castagnoli), reflected, init/final inversion inside.             */
+/* ------------------------------------------------------------------------ */
+
+/* A NULL buffer with len > 0 cannot be reported through a uint32_t result, so
+ * it is treated as an empty buffer (the wrapper never passes one). */
+uint32_t cossd_crc32c_scalar(uint32_t crc, const void *buf, size_t len)
+{
+    const uint8_t *p = (const uint8_t *)buf;
+    if (!p)
+        return crc;
+    crc = ~crc;
+    while (len >= 8) {
+        /* Bytes assembled explicitly so the code is endian-independent. */
+        uint32_t lo = crc ^ ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+        uint32_t hi = (uint32_t)p[4] | (uint32_t)p[5] << 8 | (uint32_t)p[6] << 16 | (uint32_t)p[7] << 24;
+        crc = g_crc_table[7][lo & 0xFFu] ^ g_crc_table[6][(lo >> 8) & 0xFFu] ^ g_crc_table[5][(lo >> 16) & 0xFFu] ^
+              g_crc_table[4][lo >> 24] ^ g_crc_table[3][hi & 0xFFu] ^ g_crc_table[2][(hi >> 8) & 0xFFu] ^
+              g_crc_table[1][(hi >> 16) & 0xFFu] ^ g_crc_table[0][hi >> 24];
+        p += 8;
+        len -= 8;
+    }
+    while (len--)
+        crc = (crc >> 8) ^ g_crc_table[0][(crc ^ *p++) & 0xFFu];
+    return ~crc;
+}
+
+#if COSSD_X86
+__attribute__((target("sse4.2"))) static uint32_t crc32c_sse42_impl(uint32_t crc, const uint8_t *p, size_t len)
+{
+    uint64_t c = (uint32_t)~crc;
+    while (len >= 8) {
+        uint64_t w;
+        memcpy(&w, p, sizeof w); /* unaligned-safe load; x86 is little-endian as crc32 expects */
+        c = _mm_crc32_u64(c, w);
+        p += 8;
+        len -= 8;
+    }
+    uint32_t c32 = (uint32_t)c;
+    while (len--)
+        c32 = _mm_crc32_u8(c32, *p++);
+    return ~c32;
+}
+#endif
+
+/* Without SSE4.2 this falls back to the table path (same result), because a
+ * CRC return value has no room for an error code. */
+uint32_t cossd_crc32c_sse42(uint32_t crc, const void *buf, size_t len)
+{
+#if COSSD_X86
+    if (g_has_sse42 && buf)
+        return crc32c_sse42_impl(crc, (const uint8_t *)buf, len);
+#endif
+    return cossd_crc32c_scalar(crc, buf, len);
+}
+
+uint32_t cossd_crc32c(uint32_t crc, const void *buf, size_t len)
+{
+    if (simd_enabled())
+        return cossd_crc32c_sse42(crc, buf, len);
+    return cossd_crc32c_scalar(crc, buf, len);
+}

@@ -1,0 +1,91 @@
+/* cossd_kernels.h: public C declarations of the stateless cossd kernels (Adam step, conversions, counts, CRC32C). */
+#ifndef COSSD_KERNELS_H
+#define COSSD_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * Everything between the two CDEF markers is fed verbatim to cffi's cdef(),
+ * so it must stay within the subset cffi parses: integer #defines, plain
+ * typedefs and prototypes (no other preprocessor lines, no expressions).
+ */
+/* BEGIN CDEF */
+
+/* 16-bit storage formats ("half" buffers are raw uint16_t bit patterns). */
+#define COSSD_HALF_FP16 0
+#define COSSD_HALF_BF16 1
+
+/* Moment (exp_avg / exp_avg_sq) storage formats. */
+#define COSSD_STATE_FP32 0
+#define COSSD_STATE_BF16 1
+
+/* Return codes of the int-returning kernels. */
+#define COSSD_OK 0
+#define COSSD_ERR_NULL -1
+#define COSSD_ERR_FORMAT -2
+#define COSSD_ERR_UNSUPPORTED -3
+
+typedef struct {
+    float grad_scale;
+    float beta1;
+    float beta2;
+    float one_minus_beta1;
+    float one_minus_beta2;
+    float eps;
+    float step_size;
+    float bias_correction2_sqrt;
+    float decay;
+    float weight_decay;
+    int decoupled;
+} cossd_adam_scalars;
+
+int cossd_adam_step(const uint16_t *grad, int grad_fmt, const float *master_in,
+                    const void *exp_avg_in, const void *exp_avg_sq_in,
+                    float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                    int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
+                    const cossd_adam_scalars *s);
+int cossd_adam_step_scalar(const uint16_t *grad, int grad_fmt, const float *master_in,
+                           const void *exp_avg_in, const void *exp_avg_sq_in,
+                           float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                           int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
+                           const cossd_adam_scalars *s);
+int cossd_adam_step_avx2(const uint16_t *grad, int grad_fmt, const float *master_in,
+                         const void *exp_avg_in, const void *exp_avg_sq_in,
+                         float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                         int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
+                         const cossd_adam_scalars *s);
+
+/* Returns the count, or (size_t)-1 on bad arguments. */
+size_t cossd_count_nonfinite(const uint16_t *grad, int fmt, size_t n);
+size_t cossd_count_nonfinite_scalar(const uint16_t *grad, int fmt, size_t n);
+size_t cossd_count_nonfinite_avx2(const uint16_t *grad, int fmt, size_t n);
+
+int cossd_master_to_param(const float *master, uint16_t *param_out, int param_fmt, size_t n);
+int cossd_master_to_param_scalar(const float *master, uint16_t *param_out, int param_fmt, size_t n);
+int cossd_master_to_param_avx2(const float *master, uint16_t *param_out, int param_fmt, size_t n);
+
+int cossd_param_to_master(const uint16_t *param, int param_fmt, float *master_out, size_t n);
+int cossd_param_to_master_scalar(const uint16_t *param, int param_fmt, float *master_out, size_t n);
+int cossd_param_to_master_avx2(const uint16_t *param, int param_fmt, float *master_out, size_t n);
+
+uint32_t cossd_crc32c(uint32_t crc, const void *buf, size_t len);
+uint32_t cossd_crc32c_scalar(uint32_t crc, const void *buf, size_t len);
+uint32_t cossd_crc32c_sse42(uint32_t crc, const void *buf, size_t len);
+
+int cossd_simd_available(void);
+int cossd_crc_simd_available(void);
+void cossd_set_simd(int enabled);
+int cossd_simd_active(void);
+
+/* END CDEF */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COSSD_KERNELS_H */

@@ -1,0 +1,110 @@
+"""Shared fixtures: formatted devices, real FUSE mounts that always unmount, a daemon handle."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from cossd.emulator import Device, DeviceConfig
+from cossd.fs import daemon
+
+
+@pytest.fixture
+def backing(tmp_path: Path) -> Path:
+    path = tmp_path / "backing"
+    Device.format(path, capacity_bytes=8 << 30, serial="TESTSERIAL0001")
+    return path
+
+
+@pytest.fixture
+def device(backing: Path) -> Iterator[Device]:
+    with Device.open(backing) as opened:
+        yield opened
+
+
+@pytest.fixture
+def sync_device(backing: Path) -> Iterator[Device]:
+    with Device.open(backing, DeviceConfig(sync=True)) as opened:
+        yield opened
+
+
+def is_mounted(mountpoint: Path) -> bool:
+    target = str(mountpoint.resolve())
+    with open("/proc/self/mounts") as mounts:
+        return any(line.split()[1] == target for line in mounts)
+
+
+def force_unmount(mountpoint: Path) -> None:
+    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+
+
+def wait_for_exit(pid: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            finished, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            # Not our child (started by the CLI's own Popen): poll /proc instead.
+            if not Path(f"/proc/{pid}").exists():
+                return
+            finished = 0
+        if finished:
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"daemon {pid} did not exit")
+
+
+@dataclasses.dataclass
+class Mount:
+    """A running daemon serving `backing` at `mountpoint`."""
+
+    backing: Path
+    mountpoint: Path
+    pid: int
+    sync: bool = False
+
+    def kill(self) -> None:
+        """kill -9 the daemon (a crash), then detach the dead mount."""
+        os.kill(self.pid, signal.SIGKILL)
+        wait_for_exit(self.pid)
+        force_unmount(self.mountpoint)
+
+    def unmount(self) -> None:
+        subprocess.run(["fusermount3", "-u", str(self.mountpoint)], check=True)
+        wait_for_exit(self.pid)
+
+    def restart(self) -> None:
+        self.pid = daemon.start_background(self.backing, self.mountpoint, sync=self.sync)
+
+
+def start_mount(backing: Path, mountpoint: Path, sync: bool = False) -> Mount:
+    mountpoint.mkdir(exist_ok=True)
+    pid = daemon.start_background(backing, mountpoint, sync=sync)
+    assert is_mounted(mountpoint)
+    return Mount(backing, mountpoint, pid, sync)
+
+
+@pytest.fixture
+def mount(backing: Path, tmp_path: Path) -> Iterator[Mount]:
+    """A real FUSE mount of a fresh device, always unmounted (even when the test failed)."""
+    mounted = start_mount(backing, tmp_path / "mnt")
+    try:
+        yield mounted
+    finally:
+        if is_mounted(mounted.mountpoint):
+            force_unmount(mounted.mountpoint)
+        try:
+            os.kill(mounted.pid, 0)
+        except ProcessLookupError:
+            pass
+        else:
+            try:
+                wait_for_exit(mounted.pid, 30)
+            except TimeoutError:
+                os.kill(mounted.pid, signal.SIGKILL)

@@ -1,0 +1,615 @@
+"""Tests of cossd.kernels: AVX2 vs scalar bit-identity, numpy/torch references, conversions, validation, CRC32C, threads."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import cossd.kernels as k
+from cossd.kernels import AdamHyper, HalfFormat, KernelArgumentError, StateFormat
+
+SIMD = k._lib.cossd_simd_available() != 0
+SIZES = [1, 15, 17, 2**20 + 3]
+needs_simd = pytest.mark.skipif(not SIMD, reason="CPU lacks AVX2/F16C; only the scalar path exists")
+
+
+@contextlib.contextmanager
+def kernel_path(simd: bool) -> Iterator[None]:
+    """Select the dispatch path for the block and restore the previous one afterwards."""
+    # Without AVX2 the switch has no effect, so the previous value does not matter.
+    before = k.simd_level() == "avx2" if SIMD else True
+    k.use_simd(simd)
+    try:
+        yield
+    finally:
+        k.use_simd(before)
+
+
+# ---------------------------------------------------------------------------
+# Reference conversions (numpy), independent of the C code
+# ---------------------------------------------------------------------------
+
+
+def ref_bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def ref_f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return rounded
+
+
+def ref_half_to_f32(bits: np.ndarray, fmt: HalfFormat) -> np.ndarray:
+    return bits.view(np.float16).astype(np.float32) if fmt == HalfFormat.FP16 else ref_bf16_to_f32(bits)
+
+
+def ref_f32_to_half(x: np.ndarray, fmt: HalfFormat) -> np.ndarray:
+    if fmt == HalfFormat.FP16:
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).view(np.uint16)
+    return ref_f32_to_bf16(x)
+
+
+# ---------------------------------------------------------------------------
+# Adam helpers
+# ---------------------------------------------------------------------------
+
+HYPER_W = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+HYPER_L2 = AdamHyper(lr=2e-3, beta1=0.85, beta2=0.995, eps=1e-6, weight_decay=0.05, decoupled=False)
+
+
+def make_inputs(n: int, gfmt: HalfFormat, sfmt: StateFormat, seed: int) -> dict[str, np.ndarray]:
+    """Random but realistic optimizer state: grads in half format, fp32 master, moments in sfmt."""
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    grad = g.astype(np.float16).view(np.uint16) if gfmt == HalfFormat.FP16 else ref_f32_to_bf16(g)
+    master = rng.standard_normal(n).astype(np.float32)
+    m = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    v = (np.abs(rng.standard_normal(n)) * 1e-3).astype(np.float32)
+    if sfmt == StateFormat.BF16:
+        m, v = ref_f32_to_bf16(m), ref_f32_to_bf16(v)
+    return {"grad": grad, "master": master, "m": m, "v": v}
+
+
+def run_adam(
+    inp: dict[str, np.ndarray], gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, scalars: k.AdamScalars
+) -> dict[str, np.ndarray]:
+    out = {
+        "master": np.empty_like(inp["master"]),
+        "m": np.empty_like(inp["m"]),
+        "v": np.empty_like(inp["v"]),
+        "param": np.empty(inp["master"].size, np.uint16),
+    }
+    k.adam_step(
+        inp["grad"], inp["master"], inp["m"], inp["v"], out["master"], out["m"], out["v"], out["param"],
+        grad_format=gfmt, param_format=pfmt, state_format=sfmt, scalars=scalars,
+    )  # fmt: skip
+    return out
+
+
+def ref_adam(
+    inp: dict[str, np.ndarray], gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, s: k.AdamScalars
+) -> dict[str, np.ndarray]:
+    """numpy float32 re-implementation in the contract's exact operation order."""
+    f32 = np.float32
+    g = ref_half_to_f32(inp["grad"], gfmt) * f32(s.grad_scale)
+    p = inp["master"].copy()
+    m_in = inp["m"] if sfmt == StateFormat.FP32 else ref_bf16_to_f32(inp["m"])
+    v_in = inp["v"] if sfmt == StateFormat.FP32 else ref_bf16_to_f32(inp["v"])
+    if s.decoupled:
+        p = p * f32(s.decay)
+    else:
+        g = g + f32(s.weight_decay) * p
+    m = m_in + f32(s.one_minus_beta1) * (g - m_in)
+    v = v_in * f32(s.beta2) + (f32(s.one_minus_beta2) * g) * g
+    denom = np.sqrt(v) / f32(s.bias_correction2_sqrt) + f32(s.eps)
+    p = p + (-f32(s.step_size) * m) / denom
+    if sfmt == StateFormat.BF16:
+        m, v = ref_f32_to_bf16(m), ref_f32_to_bf16(v)
+    return {"master": p, "m": m, "v": v, "param": ref_f32_to_half(p, pfmt)}
+
+
+def assert_bits_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    for key in a:
+        x, y = a[key], b[key]
+        xb = x.view(np.uint32) if x.dtype == np.float32 else x
+        yb = y.view(np.uint32) if y.dtype == np.float32 else y
+        bad = np.flatnonzero(xb != yb)
+        assert bad.size == 0, f"{key}: {bad.size} elements differ, first at {bad[0]}: {xb[bad[0]]:#x} vs {yb[bad[0]]:#x}"
+
+
+ADAM_COMBOS = [
+    (gfmt, pfmt, sfmt, hyper)
+    for gfmt in HalfFormat
+    for pfmt in HalfFormat
+    for sfmt in StateFormat
+    for hyper in (HYPER_W, HYPER_L2)
+]
+ADAM_IDS = [f"g{g.name}-p{p.name}-s{s.name}-{'adamw' if h.decoupled else 'adamL2'}" for g, p, s, h in ADAM_COMBOS]
+
+
+# ---------------------------------------------------------------------------
+# Adam: SIMD vs scalar, numpy reference, specials, in-place, grad_scale
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize(("gfmt", "pfmt", "sfmt", "hyper"), ADAM_COMBOS, ids=ADAM_IDS)
+def test_adam_simd_scalar_and_reference_bit_identical(
+    n: int, gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper
+) -> None:
+    inp = make_inputs(n, gfmt, sfmt, seed=n)
+    s = k.adam_scalars(hyper, step=7, grad_scale=0.75)
+    with kernel_path(False):
+        scalar = run_adam(inp, gfmt, pfmt, sfmt, s)
+    assert_bits_equal(scalar, ref_adam(inp, gfmt, pfmt, sfmt, s))
+    if SIMD:
+        with kernel_path(True):
+            simd = run_adam(inp, gfmt, pfmt, sfmt, s)
+        assert_bits_equal(simd, scalar)
+
+
+def special_inputs(n: int, gfmt: HalfFormat, sfmt: StateFormat) -> dict[str, np.ndarray]:
+    """Inputs sprinkled with inf/NaN/zero/-0/huge/subnormal values in every role."""
+    inp = make_inputs(n, gfmt, sfmt, seed=99)
+    rng = np.random.default_rng(5)
+    half_specials = (
+        [0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE37, 0x0000, 0x8000, 0x0001, 0x7BFF]
+        if gfmt == HalfFormat.FP16
+        else [0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC5, 0x0000, 0x8000, 0x0001, 0x7F7F]
+    )
+    f32_specials = np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 3e38, 1e-40, -1e-45], np.float32)
+    f32_specials = np.concatenate([f32_specials, np.array([0x7F800123, 0xFFC00042], np.uint32).view(np.float32)])
+    for key in ("grad", "master", "m", "v"):
+        idx = rng.choice(n, size=n // 4, replace=False)
+        if inp[key].dtype == np.uint16:
+            pool = half_specials if key == "grad" else ref_f32_to_bf16(f32_specials)
+            inp[key][idx] = rng.choice(np.asarray(pool, np.uint16), size=idx.size)
+        else:
+            inp[key][idx] = rng.choice(f32_specials, size=idx.size)
+    return inp
+
+
+@needs_simd
+@pytest.mark.parametrize(("gfmt", "pfmt", "sfmt", "hyper"), ADAM_COMBOS, ids=ADAM_IDS)
+def test_adam_special_values_simd_equals_scalar(
+    gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper
+) -> None:
+    inp = special_inputs(1003, gfmt, sfmt)
+    s = k.adam_scalars(hyper, step=1)
+    with kernel_path(False):
+        scalar = run_adam(inp, gfmt, pfmt, sfmt, s)
+    with kernel_path(True):
+        simd = run_adam(inp, gfmt, pfmt, sfmt, s)
+    assert_bits_equal(simd, scalar)
+    # NaN outputs are canonical, which is what makes the paths agree on them.
+    nan = np.isnan(scalar["master"])
+    assert nan.any()
+    assert np.all(scalar["master"][nan].view(np.uint32) == 0x7FC00000)
+
+
+def test_adam_in_place_equals_out_of_place() -> None:
+    n = 4099
+    for sfmt in StateFormat:
+        inp = make_inputs(n, HalfFormat.FP16, sfmt, seed=3)
+        s = k.adam_scalars(HYPER_W, step=3)
+        expected = run_adam(inp, HalfFormat.FP16, HalfFormat.BF16, sfmt, s)
+        master, m, v = inp["master"].copy(), inp["m"].copy(), inp["v"].copy()
+        param = np.empty(n, np.uint16)
+        k.adam_step(
+            inp["grad"], master, m, v, master, m, v, param,
+            grad_format=HalfFormat.FP16, param_format=HalfFormat.BF16, state_format=sfmt, scalars=s,
+        )  # fmt: skip
+        assert_bits_equal({"master": master, "m": m, "v": v, "param": param}, expected)
+
+
+def test_grad_scale_equals_prescaled_grads() -> None:
+    n = 5000
+    rng = np.random.default_rng(11)
+    # Magnitudes keep halving exact in fp16 (no subnormal results).
+    mags = np.exp2(rng.uniform(-10, 4, n)) * rng.choice([-1.0, 1.0], n)
+    g = mags.astype(np.float16)
+    inp = make_inputs(n, HalfFormat.FP16, StateFormat.FP32, seed=4)
+    inp_scaled = dict(inp, grad=g.view(np.uint16))
+    inp_halved = dict(inp, grad=(g * np.float16(0.5)).view(np.uint16))
+    scaled = run_adam(inp_scaled, HalfFormat.FP16, HalfFormat.FP16, StateFormat.FP32, k.adam_scalars(HYPER_W, 2, 0.5))
+    halved = run_adam(inp_halved, HalfFormat.FP16, HalfFormat.FP16, StateFormat.FP32, k.adam_scalars(HYPER_W, 2))
+    assert_bits_equal(scaled, halved)
+
+
+@pytest.mark.parametrize("hyper", [HYPER_W, HYPER_L2], ids=["AdamW", "Adam-L2"])
+def test_adam_tracks_torch(hyper: AdamHyper) -> None:
+    torch = pytest.importorskip("torch")
+    n, steps = 10_000, 20
+    rng = np.random.default_rng(2024)
+    master = rng.standard_normal(n).astype(np.float32)
+    m = np.zeros(n, np.float32)
+    v = np.zeros(n, np.float32)
+    param = np.empty(n, np.uint16)
+    tparam = torch.nn.Parameter(torch.from_numpy(master.copy()))
+    cls = torch.optim.AdamW if hyper.decoupled else torch.optim.Adam
+    opt = cls(
+        [tparam], lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
+        weight_decay=hyper.weight_decay, foreach=False,
+    )  # fmt: skip
+    for step in range(1, steps + 1):
+        g16 = (rng.standard_normal(n) * 0.05).astype(np.float16)
+        tparam.grad = torch.from_numpy(g16.astype(np.float32))
+        opt.step()
+        k.adam_step(
+            g16, master, m, v, master, m, v, param,
+            grad_format=HalfFormat.FP16, param_format=HalfFormat.FP16, state_format=StateFormat.FP32,
+            scalars=k.adam_scalars(hyper, step),
+        )  # fmt: skip
+    expected = tparam.detach().numpy()
+    diff = np.max(np.abs(master.astype(np.float64) - expected))
+    assert diff <= 1e-6 * np.max(np.abs(expected)), diff
+    assert np.array_equal(param, master.astype(np.float16).view(np.uint16))
+
+
+def test_threads_on_disjoint_halves_match_one_call() -> None:
+    n = 2**21 + 5
+    half = n // 2
+    inp = make_inputs(n, HalfFormat.BF16, StateFormat.FP32, seed=8)
+    s = k.adam_scalars(HYPER_L2, step=4)
+    expected = run_adam(inp, HalfFormat.BF16, HalfFormat.FP16, StateFormat.FP32, s)
+    out = {key: np.empty_like(expected[key]) for key in expected}
+    errors: list[BaseException] = []
+
+    def work(sl: slice) -> None:
+        try:
+            k.adam_step(
+                inp["grad"][sl], inp["master"][sl], inp["m"][sl], inp["v"][sl],
+                out["master"][sl], out["m"][sl], out["v"][sl], out["param"][sl],
+                grad_format=HalfFormat.BF16, param_format=HalfFormat.FP16, state_format=StateFormat.FP32,
+                scalars=s,
+            )  # fmt: skip
+        except BaseException as exc:  # surfaced in the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(sl,)) for sl in (slice(0, half), slice(half, n))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert_bits_equal(out, expected)
+
+
+# ---------------------------------------------------------------------------
+# Conversions
+# ---------------------------------------------------------------------------
+
+ALL16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+
+
+@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
+def test_every_fp16_pattern_roundtrips(simd: bool) -> None:
+    with kernel_path(simd):
+        widened = np.empty(65536, np.float32)
+        k.param_to_master(ALL16, widened, HalfFormat.FP16)
+        back = np.empty(65536, np.uint16)
+        k.master_to_param(widened, back, HalfFormat.FP16)
+    ref = ALL16.view(np.float16).astype(np.float32)
+    is_nan = (ALL16 & 0x7C00) == 0x7C00
+    is_nan &= (ALL16 & 0x3FF) != 0
+    # Exact widening (incl. subnormals, +-0, +-inf); NaNs keep payload and become quiet.
+    assert np.array_equal(widened.view(np.uint32)[~is_nan], ref.view(np.uint32)[~is_nan])
+    assert np.all(np.isnan(widened[is_nan]))
+    assert np.all(widened.view(np.uint32)[is_nan] & 0x00400000)
+    assert np.array_equal(back[~is_nan], ALL16[~is_nan])
+    assert np.array_equal(back[is_nan], ALL16[is_nan] | 0x0200)
+
+
+@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
+def test_every_bf16_pattern_roundtrips(simd: bool) -> None:
+    with kernel_path(simd):
+        widened = np.empty(65536, np.float32)
+        k.param_to_master(ALL16, widened, HalfFormat.BF16)
+        back = np.empty(65536, np.uint16)
+        k.master_to_param(widened, back, HalfFormat.BF16)
+    assert np.array_equal(widened.view(np.uint32), ALL16.astype(np.uint32) << 16)
+    is_nan = np.isnan(widened)
+    assert np.array_equal(back[~is_nan], ALL16[~is_nan])
+    assert np.array_equal(back[is_nan], ALL16[is_nan] | 0x0040)
+
+
+def edge_f32() -> np.ndarray:
+    """Values that exercise every rounding branch of F32->FP16/BF16."""
+    vals = [
+        0.0, -0.0, 1.0, -1.0, 65504.0, 65519.996, 65520.0, 65536.0, -65520.0, 1e38, 3.4028235e38,
+        np.inf, -np.inf, np.nan, 2.0**-14, 2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 2.0**-26, 1.5 * 2.0**-24,
+        2.5 * 2.0**-24, 2.0**-14 - 2.0**-25, 2.0**-14 - 2.0**-26, 1 + 2.0**-11, 1 + 3 * 2.0**-11,
+        1 + 2.0**-8, 1 + 3 * 2.0**-8, 1e-40, 1e-45, 0.1, 1 / 3,
+    ]  # fmt: skip
+    bits = [0x7F800001, 0x7FC00000, 0xFFFFFFFF, 0x7FBFFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x477FF000,
+            0x477FEFFF, 0x7F7FFFFF, 0x387FE000, 0x387FF000, 0x00000001]  # fmt: skip
+    edge = np.concatenate([np.array(vals, np.float32), np.array(bits, np.uint32).view(np.float32)])
+    return np.concatenate([edge, -edge])
+
+
+def random_f32(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    scaled = (rng.standard_normal(n) * np.exp2(rng.uniform(-30, 20, n))).astype(np.float32)
+    return np.concatenate([raw, scaled, edge_f32()])
+
+
+@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
+def test_f32_to_fp16_matches_numpy(simd: bool) -> None:
+    x = random_f32(300_000, seed=1)
+    out = np.empty(x.size, np.uint16)
+    with kernel_path(simd):
+        k.master_to_param(x, out, HalfFormat.FP16)
+    nan = np.isnan(x)
+    assert np.array_equal(out[~nan], ref_f32_to_half(x, HalfFormat.FP16)[~nan])
+    # NaN stays a quiet NaN (numpy does not promise a payload, so only the class is compared).
+    assert np.all((out[nan] & 0x7E00) == 0x7E00)
+
+
+@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
+def test_f32_to_bf16_matches_torch(simd: bool) -> None:
+    torch = pytest.importorskip("torch")
+    x = random_f32(300_000, seed=2)
+    out = np.empty(x.size, np.uint16)
+    with kernel_path(simd):
+        k.master_to_param(x, out, HalfFormat.BF16)
+    expected = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(x)
+    assert np.array_equal(out[~nan], expected[~nan])
+    # torch canonicalises NaN differently in its scalar and vector paths; we keep sign+payload, quiet.
+    assert np.all((out[nan] & 0x7FC0) == 0x7FC0)
+    assert np.array_equal(out[nan], ((x[nan].view(np.uint32) >> 16) | 0x40).astype(np.uint16))
+
+
+@needs_simd
+@pytest.mark.parametrize("fmt", list(HalfFormat))
+@pytest.mark.parametrize("n", SIZES)
+def test_master_to_param_simd_equals_scalar(n: int, fmt: HalfFormat) -> None:
+    x = random_f32(n, seed=n)[:n]
+    outs = []
+    for simd in (False, True):
+        out = np.empty(n, np.uint16)
+        with kernel_path(simd):
+            k.master_to_param(x, out, fmt)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------------------
+# count_nonfinite
+# ---------------------------------------------------------------------------
+
+NONFINITE = {
+    HalfFormat.FP16: ([0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF], [0x7BFF, 0xFBFF, 0x3C00, 0x0001]),
+    HalfFormat.BF16: ([0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF], [0x7F7F, 0xFF7F, 0x3F80, 0x0001]),
+}
+
+
+@pytest.mark.parametrize("fmt", list(HalfFormat))
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 33, 1000, 2**20 + 3])
+@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
+def test_count_nonfinite(simd: bool, n: int, fmt: HalfFormat) -> None:
+    bad, near_misses = NONFINITE[fmt]
+    rng = np.random.default_rng(n)
+    data = rng.choice(np.array(near_misses, np.uint16), size=n)
+    positions = {0, n - 1, n // 2, max(0, n - 3)} | set(rng.integers(0, n, 5).tolist())
+    positions |= set(range(max(0, n - n % 16), n))  # the whole SIMD tail
+    for i in positions:
+        data[i] = bad[i % len(bad)]
+    with kernel_path(simd):
+        assert k.count_nonfinite(data, fmt) == len(positions)
+        assert k.count_nonfinite(data[:0], fmt) == 0
+
+
+@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
+def test_count_nonfinite_all_bad_exceeds_16bit_lane_counters(simd: bool) -> None:
+    n = 16 * 32768 * 2 + 21  # more hits per lane than a uint16 counter holds
+    data = np.full(n, 0x7C00, np.uint16)
+    with kernel_path(simd):
+        assert k.count_nonfinite(data, HalfFormat.FP16) == n
+        assert k.count_nonfinite(data.view(np.float16), HalfFormat.FP16) == n
+
+
+# ---------------------------------------------------------------------------
+# CRC32C
+# ---------------------------------------------------------------------------
+
+
+def test_crc32c_known_vectors() -> None:
+    assert k.crc32c(b"123456789") == 0xE3069283
+    assert k.crc32c(b"") == 0
+    # RFC 3720 (iSCSI) appendix B.4 vectors.
+    assert k.crc32c(bytes(32)) == 0x8A9136AA
+    assert k.crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert k.crc32c(bytes(range(32))) == 0x46DD794E
+    assert k.crc32c(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283
+    assert k.crc32c(memoryview(b"xx123456789")[2:]) == 0xE3069283
+    assert k.crc32c(np.arange(4, dtype=np.uint32)) == k.crc32c(np.arange(4, dtype=np.uint32).tobytes())
+
+
+def test_crc32c_chaining() -> None:
+    data = np.random.default_rng(0).integers(0, 256, 200, dtype=np.uint8).tobytes()
+    whole = k.crc32c(data)
+    for split in range(len(data) + 1):
+        assert k.crc32c(data[split:], k.crc32c(data[:split])) == whole
+
+
+def test_crc32c_simd_equals_table() -> None:
+    rng = np.random.default_rng(1)
+    blob = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    lengths = [0, 1, 7, 8, 9, 63, 64, 65, 1 << 20] + rng.integers(0, 5000, 50).tolist()
+    for length in lengths:
+        offset = int(rng.integers(0, 16)) if length < (1 << 20) else 0  # unaligned starts too
+        chunk = blob[offset : offset + length]
+        buf = k._ffi.from_buffer(chunk)
+        seed = int(rng.integers(0, 2**32))
+        table = k._lib.cossd_crc32c_scalar(seed, buf, chunk.size)
+        assert k._lib.cossd_crc32c_sse42(seed, buf, chunk.size) == table
+    with kernel_path(False):
+        scalar = k.crc32c(blob)
+    with kernel_path(True):
+        assert k.crc32c(blob) == scalar
+
+
+# ---------------------------------------------------------------------------
+# Argument validation
+# ---------------------------------------------------------------------------
+
+
+def adam_args(n: int = 64) -> dict[str, Any]:
+    return {
+        "grad": np.zeros(n, np.float16),
+        "master_in": np.zeros(n, np.float32),
+        "exp_avg_in": np.zeros(n, np.float32),
+        "exp_avg_sq_in": np.zeros(n, np.float32),
+        "master_out": np.zeros(n, np.float32),
+        "exp_avg_out": np.zeros(n, np.float32),
+        "exp_avg_sq_out": np.zeros(n, np.float32),
+        "param_out": np.zeros(n, np.uint16),
+        "grad_format": HalfFormat.FP16,
+        "param_format": HalfFormat.FP16,
+        "state_format": StateFormat.FP32,
+        "scalars": k.adam_scalars(HYPER_W, 1),
+    }
+
+
+def call_adam(**overrides: Any) -> None:
+    args = adam_args()
+    args.update(overrides)
+    pos = [args.pop(name) for name in ("grad", "master_in", "exp_avg_in", "exp_avg_sq_in", "master_out",
+                                       "exp_avg_out", "exp_avg_sq_out", "param_out")]  # fmt: skip
+    k.adam_step(*pos, **args)
+
+
+def read_only(arr: np.ndarray) -> np.ndarray:
+    arr = arr.copy()
+    arr.flags.writeable = False
+    return arr
+
+
+_shared = np.zeros(100, np.float32)
+
+BAD_ADAM_CASES = [
+    ("wrong dtype", {"master_in": np.zeros(64, np.float64)}, "master_in"),
+    ("wrong dtype grad", {"grad": np.zeros(64, np.int16)}, "grad"),
+    ("float16 for bf16", {"grad": np.zeros(64, np.float16), "grad_format": HalfFormat.BF16}, "grad"),
+    ("bf16 state needs 2 bytes", {"state_format": StateFormat.BF16}, "exp_avg_in"),
+    ("non-contiguous", {"exp_avg_in": np.zeros(128, np.float32)[::2]}, "exp_avg_in"),
+    ("read-only output", {"param_out": read_only(np.zeros(64, np.uint16))}, "param_out"),
+    ("length mismatch", {"exp_avg_sq_out": np.zeros(63, np.float32)}, "exp_avg_sq_out"),
+    ("partial overlap in/out", {"master_in": _shared[:64], "master_out": _shared[1:65]}, "master_out"),
+    ("two outputs identical", {"exp_avg_out": _shared[:64], "exp_avg_sq_out": _shared[:64]}, "exp_avg_sq_out"),
+    ("output overlaps other input", {"exp_avg_in": _shared[:64], "master_out": _shared[32:96]}, "master_out"),
+    ("bad grad enum", {"grad_format": 2}, "grad_format"),
+    ("bad state enum", {"state_format": "fp32"}, "state_format"),
+    ("wrong enum class", {"param_format": StateFormat.BF16}, "param_format"),
+    ("bad scalars", {"scalars": (1.0, 2.0)}, "scalars"),
+    ("not a buffer", {"master_in": [0.0] * 64}, "master_in"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "name"), [c[1:] for c in BAD_ADAM_CASES], ids=[c[0] for c in BAD_ADAM_CASES])
+def test_adam_rejects_bad_arguments(overrides: dict[str, Any], name: str) -> None:
+    with pytest.raises(KernelArgumentError, match=name):
+        call_adam(**overrides)
+
+
+def test_adam_accepts_readonly_inputs_buffers_and_empty() -> None:
+    n = 64
+    grad = np.frombuffer(np.ones(n, np.float16).tobytes(), np.uint16)  # read-only
+    master = memoryview(np.ones(n, np.float32).tobytes())  # read-only buffer, itemsize 1 -> raw bytes
+    call_adam(grad=grad, master_in=master, exp_avg_in=bytearray(4 * n))
+    call_adam(**{key: np.zeros(0, value.dtype) for key, value in adam_args(0).items() if isinstance(value, np.ndarray)})
+    # Identical in/out pairs are the in-place mode and are allowed.
+    buf = np.zeros(n, np.float32)
+    call_adam(master_in=buf, master_out=buf)
+    assert np.all(buf == 0)
+
+
+def test_other_kernels_reject_bad_arguments() -> None:
+    x = np.zeros(32, np.float32)
+    p = np.zeros(32, np.uint16)
+    with pytest.raises(KernelArgumentError, match="fmt"):
+        k.count_nonfinite(p, 7)
+    with pytest.raises(KernelArgumentError, match="grad"):
+        k.count_nonfinite(np.zeros(32, np.float32), HalfFormat.FP16)
+    with pytest.raises(KernelArgumentError, match="param_out"):
+        k.master_to_param(x, read_only(p), HalfFormat.FP16)
+    with pytest.raises(KernelArgumentError, match="param_out"):
+        k.master_to_param(x, np.zeros(31, np.uint16), HalfFormat.FP16)
+    with pytest.raises(KernelArgumentError, match="param_out"):
+        k.master_to_param(x, x.view(np.uint16)[:32], HalfFormat.FP16)
+    with pytest.raises(KernelArgumentError, match="master"):
+        k.master_to_param(np.zeros((8, 8), np.float32)[:, :4], p, HalfFormat.FP16)
+    with pytest.raises(KernelArgumentError, match="buf"):
+        k.crc32c(np.zeros(8, np.uint8)[::2])
+    with pytest.raises(KernelArgumentError, match="value"):
+        k.crc32c(b"x", 2**32)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("lr", float("nan")), ("lr", -1.0), ("beta1", 1.0), ("beta2", float("inf")), ("beta2", -0.1),
+     ("eps", 0.0), ("eps", float("nan")), ("weight_decay", -0.1), ("weight_decay", float("inf")),
+     ("decoupled", 1)],
+)  # fmt: skip
+def test_hyper_rejects_bad_values(field: str, value: Any) -> None:
+    args = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "decoupled": True}
+    args[field] = value
+    with pytest.raises(KernelArgumentError, match=field):
+        AdamHyper(**args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"step": 0}, "step"), ({"step": -3}, "step"), ({"step": 1.0}, "step"), ({"step": True}, "step"),
+     ({"step": 1, "grad_scale": 0.0}, "grad_scale"), ({"step": 1, "grad_scale": float("inf")}, "grad_scale")],
+)  # fmt: skip
+def test_adam_scalars_rejects_bad_values(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(KernelArgumentError, match=name):
+        k.adam_scalars(HYPER_W, **kwargs)
+
+
+def test_adam_scalars_reject_values_outside_float32() -> None:
+    with pytest.raises(KernelArgumentError, match="step_size"):
+        k.adam_scalars(AdamHyper(lr=1e39, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True), 1)
+    with pytest.raises(KernelArgumentError, match="eps"):
+        k.adam_scalars(AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-50, weight_decay=0.0, decoupled=True), 1)
+
+
+def test_adam_scalars_match_torch_formulas() -> None:
+    s = k.adam_scalars(HYPER_W, step=10, grad_scale=2.0)
+    assert s.step_size == HYPER_W.lr / (1 - HYPER_W.beta1**10)
+    assert s.bias_correction2_sqrt == (1 - HYPER_W.beta2**10) ** 0.5
+    assert s.decay == 1 - HYPER_W.lr * HYPER_W.weight_decay
+    assert s._c.step_size == float(np.float32(s.step_size))  # rounded to float32 by the C struct
+
+
+# ---------------------------------------------------------------------------
+# SIMD selection
+# ---------------------------------------------------------------------------
+
+
+def test_simd_switch_and_env() -> None:
+    with kernel_path(False):
+        assert k.simd_level() == "scalar"
+    with kernel_path(True):
+        assert k.simd_level() == ("avx2" if SIMD else "scalar")
+    env = dict(os.environ, COSSD_KERNEL="scalar")
+    out = subprocess.run(
+        [sys.executable, "-c", "import cossd.kernels as k; print(k.simd_level())"],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "scalar"

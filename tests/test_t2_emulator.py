@@ -1,0 +1,302 @@
+"""Emulator tier (no mount): namespaces, step transactions, skips, recovery, durability."""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cossd.emulator import Device, DeviceConfig, DeviceError, NamespaceSpec, Status, TensorSpec
+from cossd.emulator.layout import BLOCK_ELEMS, Copy
+from cossd.emulator.namespace import Namespace
+from cossd.emulator.spec import Hyperparameters
+
+TENSORS = (TensorSpec("w", BLOCK_ELEMS * 2 + 5), TensorSpec("b", 7))
+
+
+def make_spec(name: str = "opt", **kw: object) -> NamespaceSpec:
+    return NamespaceSpec(name=name, tensors=TENSORS, **kw)  # type: ignore[arg-type]
+
+
+def load(ns: Namespace, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for tensor in ns.layouts:
+        ns.write_state(tensor.name, "master", 0, rng.standard_normal(tensor.numel, dtype=np.float32).tobytes())
+
+
+def grads(ns: Namespace, seed: int, poison: tuple[str, int] | None = None) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for tensor in ns.layouts:
+        values = (rng.standard_normal(tensor.numel) * 0.01).astype(np.float16)
+        if poison and poison[0] == tensor.name:
+            values[poison[1]] = np.nan
+        out[tensor.name] = values.tobytes()
+    return out
+
+
+def snapshot(ns: Namespace) -> dict[str, bytes]:
+    return {f"{t.name}/{r}": ns.read(t.name, r, 0, 1 << 40)
+            for t in ns.layouts for r in ("master", "exp_avg", "exp_avg_sq", "param")}
+
+
+def run_steps(ns: Namespace, seeds: range) -> None:
+    for seed in seeds:
+        for name, data in grads(ns, seed).items():
+            ns.write_grad(name, 0, data)
+
+
+def test_format_and_identity(backing: Path) -> None:
+    with Device.open(backing) as device:
+        identity = device.identity
+        assert identity["serial"] == "TESTSERIAL0001"
+        assert identity["capacity_bytes"] == 8 << 30
+        assert device.describe()["format_version"] == 1
+    with pytest.raises(DeviceError, match="already holds"):
+        Device.format(backing)
+
+
+def test_device_is_opened_exclusively(device: Device) -> None:
+    with pytest.raises(DeviceError, match="already opened"):
+        Device.open(device.path)
+
+
+def test_implicit_steps_commit_and_survive_reopen(backing: Path) -> None:
+    with Device.open(backing) as device:
+        ns = device.create_namespace(make_spec())
+        load(ns)
+        assert ns.loading
+        run_steps(ns, range(3))
+        assert ns.committed_step == 3 and not ns.loading
+        state = snapshot(ns)
+    with Device.open(backing) as device:
+        ns = device.namespace("opt")
+        assert ns.committed_step == 3
+        assert snapshot(ns) == state
+        run_steps(ns, range(3, 4))
+        assert ns.committed_step == 4
+
+
+def test_explicit_transaction(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    load(ns)
+    with pytest.raises(DeviceError) as info:
+        ns.begin_step(5)
+    assert info.value.status == Status.STEP_NUMBER_MISMATCH
+    assert ns.begin_step(1, grad_scale=0.5) == 1
+    with pytest.raises(DeviceError) as info:
+        ns.begin_step()
+    assert info.value.status == Status.STEP_ALREADY_OPEN
+    data = grads(ns, 1)
+    ns.write_grad("w", 0, data["w"])
+    # An explicit step does not commit by itself, and refuses to commit while incomplete.
+    with pytest.raises(DeviceError) as info:
+        ns.commit_step()
+    assert info.value.status == Status.GRADIENT_INCOMPLETE and "'b'" not in str(info.value)
+    ns.write_grad("b", 0, data["b"])
+    assert ns.committed_step == 0
+    result = ns.commit_step()
+    assert (result.step, result.skipped) == (1, False)
+    assert ns.committed_step == 1
+
+
+def test_abort_leaves_state_untouched(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    load(ns)
+    run_steps(ns, range(1))
+    before = snapshot(ns)
+    ns.begin_step()
+    ns.write_grad("w", 0, grads(ns, 9)["w"])
+    assert ns.abort_step() == 2
+    assert snapshot(ns) == before and ns.committed_step == 1
+    with pytest.raises(DeviceError) as info:
+        ns.commit_step()
+    assert info.value.status == Status.NO_STEP_OPEN
+
+
+def test_grad_scale_is_applied(backing: Path, tmp_path: Path) -> None:
+    with Device.open(backing) as device:
+        a = device.create_namespace(make_spec("a"))
+        b = device.create_namespace(make_spec("b"))
+        load(a)
+        load(b)
+        data = grads(a, 4)
+        doubled = {k: (np.frombuffer(v, dtype=np.float16) * np.float16(2)).tobytes() for k, v in data.items()}
+        a.begin_step(grad_scale=1.0)
+        b.begin_step(grad_scale=0.5)
+        for name in data:
+            a.write_grad(name, 0, data[name])
+            b.write_grad(name, 0, doubled[name])
+        a.commit_step()
+        b.commit_step()
+        assert snapshot(a) == snapshot(b)
+
+
+def test_nan_skips_step_and_is_counted(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    load(ns)
+    run_steps(ns, range(1))
+    before = snapshot(ns)
+    ns.begin_step()
+    for name, data in grads(ns, 5, poison=("w", BLOCK_ELEMS + 3)).items():
+        ns.write_grad(name, 0, data)
+    result = ns.commit_step()
+    assert result.skipped and result.nonfinite_elements == 1 and result.committed_step == 1
+    assert snapshot(ns) == before
+    stats = ns.statistics()
+    assert stats["steps_skipped"] == 1 and stats["last_skipped_step"] == 2
+    assert stats["committed_step"] == 1
+
+
+def test_file_errors(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    cases = [
+        (lambda: ns.write_grad("w", 1, b"\0\0"), Status.MISALIGNED_ACCESS, errno.EINVAL),
+        (lambda: ns.write_grad("w", 0, b"\0\0\0"), Status.MISALIGNED_ACCESS, errno.EINVAL),
+        (lambda: ns.write_grad("b", 14, b"\0\0"), Status.LBA_OUT_OF_RANGE, errno.EFBIG),
+        (lambda: ns.write_grad("nope", 0, b"\0\0"), Status.INVALID_NAMESPACE, errno.ENOENT),
+        (lambda: ns.write_state("b", "param", 0, b"\0\0"), Status.ACCESS_DENIED, errno.EACCES),
+        (lambda: ns.write_state("b", "master", 2, b"\0\0\0\0"), Status.MISALIGNED_ACCESS, errno.EINVAL),
+        (lambda: ns.read("b", "grad", 0, 2), Status.ACCESS_DENIED, errno.EACCES),
+    ]
+    for call, status, code in cases:
+        with pytest.raises(DeviceError) as info:
+            call()
+        assert info.value.status == status and info.value.errno == code
+    ns.write_grad("b", 0, b"\0\0" * 3)
+    with pytest.raises(DeviceError) as info:
+        ns.write_grad("b", 4, b"\0\0" * 2)  # overlaps element 2
+    assert info.value.status == Status.GRADIENT_DUPLICATE and info.value.errno == errno.EEXIST
+    ns.abort_step()
+    with pytest.raises(DeviceError) as info:
+        ns.write_state("b", "master", 0, b"\0\0\0\0")
+    assert info.value.status == Status.STATE_SEALED and info.value.errno == errno.EROFS
+
+
+@pytest.mark.parametrize("bad", [
+    dict(name="../x"), dict(name="a/b"), dict(name="a\0b"), dict(name=""), dict(name="x" * 129),
+    dict(name=".hidden"), dict(grad_dtype="fp8"), dict(state_dtype="fp64"),
+    dict(hyper=Hyperparameters(lr=float("nan"))), dict(hyper=Hyperparameters(beta1=1.0)),
+    dict(hyper=Hyperparameters(eps=0.0)), dict(hyper=Hyperparameters(mode="sgd")),
+    dict(tensors=(TensorSpec("t", 0),)), dict(tensors=(TensorSpec("t", 1), TensorSpec("t", 2))),
+    dict(tensors=(TensorSpec("t/..", 1),)), dict(tensors=()),
+])
+def test_invalid_namespace_specs_change_nothing(device: Device, bad: dict) -> None:
+    fields = dict(name="ok", tensors=TENSORS) | bad
+    with pytest.raises(DeviceError):
+        device.create_namespace(NamespaceSpec(**fields))
+    assert device.namespaces == {}
+    assert sorted(os.listdir(device.path / "ns")) == []
+
+
+def test_capacity_is_checked_before_allocation(backing: Path) -> None:
+    with Device.open(backing) as device:
+        spec = NamespaceSpec("huge", (TensorSpec("t", 1 << 31),))
+        with pytest.raises(DeviceError) as info:
+            device.create_namespace(spec)
+        assert info.value.status == Status.NAMESPACE_INSUFFICIENT_CAPACITY
+        assert info.value.errno == errno.ENOSPC
+        assert list((device.path / "ns").iterdir()) == []
+
+
+def test_delete_namespace(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    directory = ns.directory
+    device.delete_namespace("opt")
+    assert not directory.exists()
+    with pytest.raises(DeviceError) as info:
+        device.namespace("opt")
+    assert info.value.status == Status.INVALID_NAMESPACE
+    device.create_namespace(make_spec())  # the name is free again
+
+
+def test_recovery_falls_back_when_newest_copy_is_corrupt(backing: Path) -> None:
+    with Device.open(backing) as device:
+        ns = device.create_namespace(make_spec())
+        load(ns)
+        run_steps(ns, range(2))
+        step1_state_copy = ns._sb.committed_copy.other  # holds step 1
+        run_steps(ns, range(2, 3))  # step 3 goes into the copy of step 1
+        newest_copy = ns._sb.committed_copy
+        assert newest_copy == step1_state_copy
+        step2 = None
+    # Corrupt one byte of the newest copy's master: recovery must refuse it and serve step 2.
+    path = backing / "ns" / "opt" / f"state.{newest_copy.name}"
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with Device.open(backing) as device:
+        ns = device.namespace("opt")
+        assert ns.committed_step == 2
+        assert ns.statistics()["checksum_failures"] == 1
+        del step2
+
+
+def test_scrub_detects_corruption(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    load(ns)
+    run_steps(ns, range(1))
+    assert ns.scrub() == []
+    copy = ns._sb.committed_copy
+    view = ns._copies[copy].bytes
+    view[ns.tensors["w"].exp_avg_offset + 4 * BLOCK_ELEMS + 8] ^= 0xFF
+    assert ns.scrub() == [("w", 1)]
+
+
+def test_plp_mode_flushes_one_step_behind(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    load(ns)
+    run_steps(ns, range(1))
+    # Acknowledged, but not yet flushed: the durable step is visible beside it.
+    assert (ns.committed_step, ns.durable_step) == (1, 0)
+    assert ns.flush_pending
+    # The next step may not write over the copy of step 0 before step 1 is durable.
+    ns.begin_step()
+    assert ns.durable_step == 1
+    ns.abort_step()
+    assert ns.flush() == 1 and not ns.flush_pending
+
+
+def test_sync_mode_flushes_every_commit(sync_device: Device) -> None:
+    ns = sync_device.create_namespace(make_spec())
+    load(ns)
+    run_steps(ns, range(2))
+    assert (ns.committed_step, ns.durable_step) == (2, 2)
+    assert not ns.flush_pending
+
+
+def test_bf16_moments(device: Device) -> None:
+    ns = device.create_namespace(make_spec(state_dtype="bf16", param_dtype="bf16", grad_dtype="bf16"))
+    load(ns)
+    run_steps(ns, range(2))
+    assert ns.file_size("w", "exp_avg") == 2 * ns.tensors["w"].numel
+    assert ns.scrub() == []
+    assert ns.committed_step == 2
+
+
+def test_parallel_writers_match_serial(backing: Path) -> None:
+    import threading
+
+    with Device.open(backing) as device:
+        serial = device.create_namespace(make_spec("serial"))
+        parallel = device.create_namespace(make_spec("parallel"))
+        load(serial)
+        load(parallel)
+        for seed in range(3):
+            data = grads(serial, seed)
+            for name, raw in data.items():
+                serial.write_grad(name, 0, raw)
+            pieces = [(name, off, raw[off:off + 65536]) for name, raw in data.items()
+                      for off in range(0, len(raw), 65536)]
+            threads = [threading.Thread(target=lambda part=pieces[i::2]: [parallel.write_grad(*p) for p in part])
+                       for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert parallel.committed_step == seed + 1
+        assert snapshot(serial) == snapshot(parallel)
