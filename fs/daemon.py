@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pyfuse3
 import trio
@@ -57,6 +58,29 @@ async def _stop_on_signal() -> None:
             return
 
 
+class InjectedFault(RuntimeError):
+    """Raised by the test hook to prove a handler failure cannot take the mount down."""
+
+
+def fault_hook_from_env() -> Callable[[str], None] | None:
+    """COSSD_INJECT_HANDLER_FAULT=OP:N makes the Nth call of handler OP raise (tests only)."""
+    spec = os.environ.get("COSSD_INJECT_HANDLER_FAULT")
+    if not spec:
+        return None
+    op, _, nth = spec.partition(":")
+    target = int(nth or 1)
+    calls = {"count": 0}
+
+    def hook(name: str) -> None:
+        if name == op:
+            calls["count"] += 1
+            if calls["count"] == target:
+                raise InjectedFault(f"injected failure in {op} (call {target})")
+
+    log.warning("fault injection armed: %s call %d will fail", op, target)
+    return hook
+
+
 def serve(
     backing: str | os.PathLike[str],
     mountpoint: str | os.PathLike[str],
@@ -71,6 +95,7 @@ def serve(
     device = Device.open(backing_path, DeviceConfig(sync=sync))
     try:
         operations = Operations(device)
+        operations.fault_hook = fault_hook_from_env()
         pyfuse3.init(operations, str(mountpoint), mount_options(backing_path, allow_other, debug))
         try:
             trio.run(_serve, operations, ready_fd)

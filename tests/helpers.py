@@ -88,7 +88,7 @@ def round_to_half(master: np.ndarray, dtype: str) -> bytes:
     """Round-to-nearest-even of FP32 values to fp16 or bf16, by numpy and torch."""
     if dtype == "fp16":
         return master.astype(np.float16).tobytes()
-    return torch.from_numpy(master).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    return torch.from_numpy(master.copy()).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
 
 
 class TorchReference:

@@ -110,7 +110,10 @@ def ref_adam(
     if s.decoupled:
         p = p * f32(s.decay)
     else:
-        g = g + f32(s.weight_decay) * p
+        # A fused multiply-add, as the kernel does: the product of two float32 is exact in
+        # long double (64-bit mantissa) and the one rounding back to float32 matches fmaf().
+        wide = np.longdouble
+        g = (wide(f32(s.weight_decay)) * p.astype(wide) + g.astype(wide)).astype(f32)
     m = m_in + f32(s.one_minus_beta1) * (g - m_in)
     v = v_in * f32(s.beta2) + (f32(s.one_minus_beta2) * g) * g
     denom = np.sqrt(v) / f32(s.bias_correction2_sqrt) + f32(s.eps)
