@@ -14,7 +14,8 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from cossd.emulator import Device, DeviceConfig
+from cossd.emulator import Device, DeviceConfig, DeviceError, Status
+from cossd.emulator.device import SUPERBLOCK_FILE
 
 from .operations import Operations
 
@@ -116,6 +117,11 @@ def start_background(
     timeout_s: float = 60.0,
 ) -> int:
     """Start a daemon process and return its pid once the mount is ready."""
+    # Check what can be checked here, so the common mistakes get a clear one-line error.
+    if not (Path(backing) / SUPERBLOCK_FILE).is_file():
+        raise DeviceError(Status.INVALID_FIELD, f"{backing} is not a cossd device (run `cossd format {backing}`)")
+    if not Path(mountpoint).is_dir():
+        raise DeviceError(Status.INVALID_FIELD, f"mountpoint {mountpoint} is not a directory")
     read_fd, write_fd = os.pipe()
     command = [
         sys.executable, "-m", "cossd.tools.cli", "mount", "--foreground",

@@ -252,10 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
                              help="combined gradient scale: 1/loss_scale x clip coefficient")
 
     sub = verb("demo", cmd_demo, "Train a small model through a temporary mount (numpy).")
-    sub.add_argument("--steps", type=int, default=60)
+    sub.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
     sub.add_argument("--backing", type=Path, help="existing backing directory to use")
     sub.add_argument("--crash-at", type=int, default=None,
                      help="kill -9 the daemon in the middle of this step (default: steps/2)")
+    sub.add_argument("--output", type=Path, default=Path("demo-out"),
+                     help="directory for report.json (default: ./demo-out)")
     return parser
 
 

@@ -1,0 +1,90 @@
+"""CLI tier: every verb called in-process through main(argv), against a real mount."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import Mount, is_mounted, wait_for_exit
+from cossd.tools.cli import main
+from helpers import pwrite_all, tensor_dir
+
+pytestmark = pytest.mark.mount
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_format_mount_create_train_umount(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    backing, mp = tmp_path / "dev", tmp_path / "mnt"
+    mp.mkdir()
+    code, out, _ = run(capsys, "format", str(backing), "--capacity", "1G", "--serial", "CLI1", "-o", "json")
+    assert code == 0 and json.loads(out)["serial"] == "CLI1"
+    code, _, err = run(capsys, "format", str(backing))
+    assert code == 1 and "already holds" in err
+    code, out, _ = run(capsys, "mount", str(backing), str(mp), "-o", "json")
+    assert code == 0 and is_mounted(mp)
+    pid = json.loads(out)["pid"]
+    try:
+        code, out, _ = run(capsys, "create-ns", str(mp), "net", "--tensor", "w:1000", "--tensor", "b:10",
+                           "--lr", "0.01", "--mode", "adam", "--grad-dtype", "bf16", "--param-dtype", "bf16")
+        assert code == 0 and "nsid 1" in out
+        config = json.loads((mp / "ns/net/config.json").read_text())
+        assert config["hyperparameters"]["lr"] == 0.01 and config["grad_dtype"] == "bf16"
+        code, _, err = run(capsys, "create-ns", str(mp), "bad/name", "--tensor", "w:1")
+        assert code == 1 and "INVALID_NAME" in err
+        code, _, err = run(capsys, "create-ns", str(mp), "net", "--tensor", "w:1")
+        assert code == 1 and "NAMESPACE_EXISTS" in err
+
+        code, out, _ = run(capsys, "begin-step", str(mp), "net", "--grad-scale", "0.5", "-o", "json")
+        assert code == 0 and json.loads(out)["step"] == 1
+        for name, numel in (("w", 1000), ("b", 10)):
+            pwrite_all(tensor_dir(mp, "net", name) / "grad", np.ones(numel, np.uint16).tobytes())
+        code, out, _ = run(capsys, "commit-step", str(mp), "net", "-o", "json")
+        assert code == 0 and json.loads(out)["committed_step"] == 1
+        code, _, err = run(capsys, "abort-step", str(mp), "net")
+        assert code == 1 and "NO_STEP_OPEN" in err
+
+        code, out, _ = run(capsys, "id-ctrl", str(mp))
+        assert code == 0 and "CLI1" in out and "net" in out and "step 1" in out
+        code, out, _ = run(capsys, "id-ctrl", str(mp), "-o", "json")
+        assert json.loads(out)["namespaces"][0]["committed_step"] == 1
+
+        code, _, _ = run(capsys, "delete-ns", str(mp), "net")
+        assert code == 0 and not (mp / "ns/net").exists()
+        code, _, err = run(capsys, "delete-ns", str(mp), "net")
+        assert code == 1 and "no namespace" in err
+    finally:
+        code, _, _ = run(capsys, "umount", str(mp))
+    assert code == 0 and not is_mounted(mp)
+    wait_for_exit(pid, 10)
+
+
+def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "create-ns", str(tmp_path), "x", "--tensor", "w:1")
+    assert code == 1 and "not a mounted cossd device" in err and err.count("\n") == 1
+    code, _, err = run(capsys, "mount", str(tmp_path / "nothing"), str(tmp_path))
+    assert code == 1 and "not a cossd device" in err
+    with pytest.raises(SystemExit):
+        main(["create-ns", str(tmp_path), "x", "--tensor", "w"])  # argparse: NAME:NUMEL
+
+
+def test_help_explains(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for verb in ("format", "mount", "umount", "create-ns", "delete-ns", "id-ctrl", "begin-step", "demo"):
+        assert verb in text
+
+
+def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "demo", "--steps", "24", "--output", str(tmp_path / "out"))
+    assert code == 0, out
+    assert "recovered committed step 11" in out and "step skipped" in out
+    report = json.loads((tmp_path / "out/report.json").read_text())
+    assert report["device"]["committed_step"] == 24 and report["device"]["steps_skipped"] == 1

@@ -1,0 +1,122 @@
+"""Crash tier: kill -9 of the daemon in the middle of a step leaves step N or N+1, bit for bit."""
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import is_mounted, start_mount
+from cossd.emulator import Device, NamespaceSpec, TensorSpec
+from helpers import pread_all, pwrite_all, tensor_dir
+
+pytestmark = pytest.mark.mount
+
+TENSORS = (TensorSpec("emb", 600_000), TensorSpec("w", 1_000_003), TensorSpec("b", 33))
+ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
+STEPS = 4
+
+
+def initial(tensor: TensorSpec) -> bytes:
+    return np.random.default_rng(len(tensor.name)).standard_normal(tensor.numel, dtype=np.float32).tobytes()
+
+
+def gradient(step: int, tensor: TensorSpec) -> bytes:
+    rng = np.random.default_rng([step, tensor.numel])
+    return (rng.standard_normal(tensor.numel) * 0.01).astype(np.float16).tobytes()
+
+
+def digest(read: "callable") -> str:  # type: ignore[valid-type]
+    h = hashlib.sha256()
+    for tensor in TENSORS:
+        for role in ROLES:
+            h.update(read(tensor.name, role))
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """State digests after steps 0..STEPS of an uninterrupted run (in-process device)."""
+    path = tmp_path_factory.mktemp("reference")
+    Device.format(path, capacity_bytes=1 << 30)
+    digests = []
+    with Device.open(path) as device:
+        ns = device.create_namespace(NamespaceSpec("crash", TENSORS))
+        for tensor in TENSORS:
+            ns.write_state(tensor.name, "master", 0, initial(tensor))
+        digests.append(digest(lambda t, r: ns.read(t, r, 0, 1 << 40)))
+        for step in range(1, STEPS + 1):
+            for tensor in TENSORS:
+                ns.write_grad(tensor.name, 0, gradient(step, tensor))
+            digests.append(digest(lambda t, r: ns.read(t, r, 0, 1 << 40)))
+    return digests
+
+
+def mount_digest(mp: Path) -> str:
+    return digest(lambda t, r: pread_all(tensor_dir(mp, "crash", t) / r))
+
+
+def run_step(mp: Path, step: int) -> None:
+    for tensor in TENSORS:
+        pwrite_all(tensor_dir(mp, "crash", tensor.name) / "grad", gradient(step, tensor), chunk=1 << 18)
+
+
+def crash_trial(reference: list[str], backing: Path, mountpoint: Path, trial: int) -> tuple[int, int]:
+    """One trial: train, kill -9 during a step, remount, verify, finish. Returns (crash, recovered)."""
+    chance = random.Random(trial)
+    crash_step = chance.randint(1, STEPS - 1)
+    Device.format(backing, capacity_bytes=1 << 30, force=True)
+    with Device.open(backing) as device:
+        ns = device.create_namespace(NamespaceSpec("crash", TENSORS))
+        for tensor in TENSORS:
+            ns.write_state(tensor.name, "master", 0, initial(tensor))
+    mount = start_mount(backing, mountpoint)
+    try:
+        mp = mount.mountpoint
+        for step in range(1, crash_step):
+            run_step(mp, step)
+
+        def writer() -> None:
+            try:
+                run_step(mp, crash_step)
+            except OSError:
+                pass  # the daemon died under the writer: expected
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        time.sleep(chance.uniform(0.0, 0.06))
+        mount.kill()
+        thread.join()
+        mount.restart()
+        recovered = int((mp / "ns/crash/step").read_text())
+        assert recovered in (crash_step - 1, crash_step), (trial, crash_step, recovered)
+        assert mount_digest(mp) == reference[recovered], f"trial {trial}: torn state at step {recovered}"
+        # Finish the run: the final state equals the uninterrupted one.
+        for step in range(recovered + 1, STEPS + 1):
+            run_step(mp, step)
+        assert mount_digest(mp) == reference[STEPS], f"trial {trial}: final state differs"
+        return crash_step, recovered
+    finally:
+        if is_mounted(mount.mountpoint):
+            mount.unmount()
+
+
+def run_trials(reference: list[str], tmp_path: Path, trials: int) -> None:
+    outcomes = [crash_trial(reference, tmp_path / "backing", tmp_path / "mnt", trial) for trial in range(trials)]
+    interrupted = sum(recovered == crash - 1 for crash, recovered in outcomes)
+    print(f"kill -9 trials: {trials}, torn: 0, recovered to N: {interrupted}, to N+1: {trials - interrupted}")
+    # The instants are spread so that most kills land inside the step.
+    assert interrupted >= trials // 3
+
+
+def test_kill_9_mid_step(reference: list[str], tmp_path: Path) -> None:
+    run_trials(reference, tmp_path, trials=8)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_step_many(reference: list[str], tmp_path: Path) -> None:
+    run_trials(reference, tmp_path, trials=200)
