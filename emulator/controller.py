@@ -130,9 +130,9 @@ class Controller:
                           data=_json(namespace.config()))
 
     def _delete_namespace(self, command: Command) -> Completion:
-        namespace = self._namespace(command)
-        self.device.delete_namespace(namespace.name)
-        return Completion(command.cid, Status.SUCCESS, result=namespace.nsid)
+        # By registry, so that a namespace that failed recovery can still be deleted.
+        self.device.delete_namespace(self.device.name_of(command.nsid))
+        return Completion(command.cid, Status.SUCCESS, result=command.nsid)
 
     # ------------------------------------------------------------------ steps
 

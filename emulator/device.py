@@ -132,7 +132,7 @@ class Device:
         for name, nsid in registered.items():
             try:
                 self.namespaces[name] = Namespace.open(self._ns_dir(name), self.config.sync)
-            except DeviceError as exc:
+            except (DeviceError, OSError, ValueError, KeyError) as exc:
                 self.failed_namespaces[name] = str(exc)
                 log.error("namespace %s (nsid %d) cannot be served: %s", name, nsid, exc)
         # Directories not in the registry are leftovers of a create or delete that crashed
@@ -174,7 +174,8 @@ class Device:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(2 * ns.statistics()["state_bytes_per_copy"] for ns in self.namespaces.values())
+        namespaces = list(self.namespaces.values())  # created/deleted from other threads
+        return sum(2 * ns.statistics()["state_bytes_per_copy"] for ns in namespaces)
 
     def describe(self) -> dict[str, Any]:
         """Identity, capacity and namespaces, as the vendor identify command returns them."""
@@ -206,6 +207,13 @@ class Device:
                 )
             raise DeviceError(Status.INVALID_NAMESPACE, f"no namespace named {name!r}")
         return namespace
+
+    def name_of(self, nsid: int) -> str:
+        """The registered name of `nsid`, also for a namespace that failed recovery."""
+        for name, registered in self._superblock["namespaces"].items():
+            if registered == nsid:
+                return str(name)
+        raise DeviceError(Status.INVALID_NAMESPACE, f"no namespace with nsid {nsid}")
 
     def namespace_by_id(self, nsid: int) -> Namespace:
         for namespace in self.namespaces.values():

@@ -29,20 +29,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     for all durable metadata (JSON descriptors, superblock of the device).
     """
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
     except OSError as exc:
-        os.close(fd)
         tmp.unlink(missing_ok=True)
         raise media_error(exc, f"writing {path.name}") from exc
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, value: Any) -> None:

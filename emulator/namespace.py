@@ -140,6 +140,7 @@ class Namespace:
             meta = {"nsid": nsid, "spec": spec.to_json(), "copy_bytes": copy_bytes}
             atomic_write_json(directory / "meta.json", meta)
             fsync_dir(directory)
+            fsync_dir(directory.parent)
         except BaseException:
             for state in copies:
                 state.close()
@@ -157,17 +158,28 @@ class Namespace:
         )
         if copy_bytes != meta["copy_bytes"]:
             raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{directory}: layout mismatch")
-        copies = tuple(StateFile(directory / f"state.{c.name}", copy_bytes, create=False) for c in Copy)
-        slots = (SlotFile(directory / "sb.0"), SlotFile(directory / "sb.1"))
-        total_blocks = sum(t.block_count for t in layouts)
-        candidates = [Superblock.decode(slot.read(), total_blocks) for slot in slots]
-        valid = sorted((sb for sb in candidates if sb is not None), key=lambda sb: -sb.seq)
-        if not valid:
-            raise DeviceError(
-                Status.UNRECOVERED_READ_ERROR, f"namespace {spec.name!r}: no valid superblock"
-            )
-        namespace = cls(directory, meta["nsid"], spec, copies, slots, valid[0], sync, layouts)  # type: ignore[arg-type]
-        namespace._recover(valid)
+        opened: list[StateFile | SlotFile] = []
+        try:
+            copies = []
+            for copy in Copy:
+                copies.append(StateFile(directory / f"state.{copy.name}", copy_bytes, create=False))
+                opened.append(copies[-1])
+            slots = (SlotFile(directory / "sb.0"), SlotFile(directory / "sb.1"))
+            opened.extend(slots)
+            total_blocks = sum(t.block_count for t in layouts)
+            candidates = [Superblock.decode(slot.read(), total_blocks) for slot in slots]
+            valid = sorted((sb for sb in candidates if sb is not None), key=lambda sb: -sb.seq)
+            if not valid:
+                raise DeviceError(
+                    Status.UNRECOVERED_READ_ERROR, f"namespace {spec.name!r}: no valid superblock"
+                )
+            namespace = cls(directory, meta["nsid"], spec, (copies[0], copies[1]), slots, valid[0],
+                            sync, layouts)
+            namespace._recover(valid)
+        except BaseException:
+            for resource in opened:
+                resource.close()
+            raise
         return namespace
 
     def _recover(self, candidates: list[Superblock]) -> None:
@@ -310,20 +322,21 @@ class Namespace:
         }
 
     def statistics(self) -> dict[str, Any]:
-        with self._lock:
-            counters = dataclasses.asdict(self.counters)
-            return counters | {
-                "name": self.name,
-                "nsid": self.nsid,
-                "committed_step": self._sb.committed_step,
-                "durable_step": self._durable_step,
-                "last_skipped_step": self._sb.last_skipped_step,
-                "step_open": self.step_open,
-                "loading": self.loading,
-                "tensors": len(self.layouts),
-                "parameters": sum(t.numel for t in self.layouts),
-                "state_bytes_per_copy": self._copies[0].size_bytes,
-            }
+        # Lock-free on purpose: the fs layer reads it on its event loop, and the lock may be
+        # held across an fsync. Counters are plain ints; a torn view is off by one at most.
+        counters = dataclasses.asdict(self.counters)
+        return counters | {
+            "name": self.name,
+            "nsid": self.nsid,
+            "committed_step": self._sb.committed_step,
+            "durable_step": self._durable_step,
+            "last_skipped_step": self._sb.last_skipped_step,
+            "step_open": self.step_open,
+            "loading": self.loading,
+            "tensors": len(self.layouts),
+            "parameters": sum(t.numel for t in self.layouts),
+            "state_bytes_per_copy": self._copies[0].size_bytes,
+        }
 
     # ------------------------------------------------------------------ file API
 
@@ -483,12 +496,15 @@ class Namespace:
             raise DeviceError(
                 Status.INVALID_FIELD, f"grad_scale must be a finite number > 0, got {grad_scale!r}"
             )
+        try:
+            scalars = kernels.adam_scalars(self._hyper.kernel, expected, grad_scale)
+        except kernels.KernelArgumentError as exc:
+            raise DeviceError(Status.INVALID_FIELD, str(exc)) from None
         if self.loading:
             self._seal_locked()
         # The shadow copy still holds the previous step; it may be the only complete
         # copy on the media until the committed step is durable. Never overwrite it first.
         self._flush_to(self._sb)
-        scalars = kernels.adam_scalars(self._hyper.kernel, expected, grad_scale)
         self._tx = StepTransaction(expected, grad_scale, scalars, explicit, self.total_blocks)
         return self._tx
 

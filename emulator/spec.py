@@ -54,6 +54,11 @@ class Hyperparameters:
             raise _invalid(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.mode not in MODES:
             raise _invalid(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        try:
+            # The kernel computes in float32: values that do not survive that are refused here.
+            kernels.adam_scalars(self.kernel, 1)
+        except kernels.KernelArgumentError as exc:
+            raise _invalid(str(exc)) from None
         return self
 
     @property

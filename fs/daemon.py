@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -141,8 +142,10 @@ def start_background(
     deadline = time.monotonic() + timeout_s
     message = b""
     with contextlib.closing(os.fdopen(read_fd, "rb", buffering=0)) as reader:
-        # The child closes the pipe when ready or when it dies; either way read returns.
-        message = reader.read(len(READY_MESSAGE))
+        # The child writes "ready" or dies (closing the pipe); a hung child times out.
+        readable, _, _ = select.select([reader], [], [], timeout_s)
+        if readable:
+            message = reader.read(len(READY_MESSAGE))
     if message != READY_MESSAGE:
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))

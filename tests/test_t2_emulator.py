@@ -300,3 +300,84 @@ def test_parallel_writers_match_serial(backing: Path) -> None:
                 thread.join()
             assert parallel.committed_step == seed + 1
         assert snapshot(serial) == snapshot(parallel)
+
+
+def test_controller_answers_every_input(device: Device) -> None:
+    """Random and hostile submissions: an errno-channel error or exactly one completion."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    from cossd.emulator.controller import Controller
+    from cossd.emulator.protocol import SUBMISSION, SubmissionError, encode_submission
+
+    controller = Controller(device)
+    device.create_namespace(make_spec())
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        opcode=st.integers(0, 255),
+        nsid=st.sampled_from([0, 1, 2, 0xFFFFFFFF]),
+        cdws=st.lists(st.integers(0, 0xFFFFFFFF), min_size=6, max_size=6),
+        payload=st.one_of(st.binary(max_size=64), st.just(b'{"name": "x", "tensors": [["t", -1]]}'),
+                          st.just(b'{"lr": "fast"}'), st.just(b"[]")),
+        garbage=st.binary(min_size=0, max_size=80),
+        use_garbage=st.booleans(),
+    )
+    def check(opcode, nsid, cdws, payload, garbage, use_garbage):  # type: ignore[no-untyped-def]
+        if opcode in (0xC2,):  # keep the namespace for later examples
+            return
+        raw = garbage if use_garbage else encode_submission(
+            opcode, nsid=nsid, cdw10=cdws[0], cdw11=cdws[1], cdw12=cdws[2], cdw13=cdws[3],
+            cdw14=cdws[4], cdw15=cdws[5], payload=payload)
+        try:
+            completion = controller.submit(raw)
+        except SubmissionError:
+            assert use_garbage or len(raw) < SUBMISSION.itemsize
+            return
+        assert isinstance(completion.status, Status)
+        if opcode not in (0x06, 0xC0, 0xC1, 0xC2, 0xC4, 0xC5, 0xC6, 0xC7, 0xC8, 0xC9) and not use_garbage:
+            assert completion.status == Status.INVALID_OPCODE
+        assert completion.status != Status.INTERNAL_ERROR, completion.data
+        ns = device.namespaces.get("opt")
+        if ns is not None and ns.step_open is not None:
+            ns.abort_step()
+
+    check()
+    assert device.namespace("opt").committed_step == 0
+
+
+def test_out_of_float32_range_values_are_refused_before_any_change(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    load(ns)
+    with pytest.raises(DeviceError) as info:
+        ns.begin_step(grad_scale=1e39)
+    assert info.value.status == Status.INVALID_FIELD
+    assert ns.loading and ns.step_open is None  # not sealed, nothing opened
+    with pytest.raises(DeviceError) as info:
+        ns.set_hyperparameters(lr=1e39)
+    assert info.value.status == Status.INVALID_FIELD
+    with pytest.raises(DeviceError) as info:
+        ns.set_hyperparameters(momentum=0.9)
+    assert info.value.status == Status.INVALID_FIELD
+    assert ns.set_hyperparameters(lr=0.5).lr == 0.5
+    run_steps(ns, range(1))
+    assert ns.committed_step == 1
+
+
+def test_damaged_namespace_is_isolated_and_deletable(backing: Path) -> None:
+    from cossd.emulator.controller import Controller
+    from cossd.emulator.protocol import Opcode, encode_submission
+
+    with Device.open(backing) as device:
+        for name in ("good", "bad"):
+            load(device.create_namespace(make_spec(name)))
+    (backing / "ns" / "bad" / "meta.json").unlink()
+    with Device.open(backing) as device:
+        assert list(device.namespaces) == ["good"]
+        assert "bad" in device.failed_namespaces
+        with pytest.raises(DeviceError) as info:
+            device.namespace("bad")
+        assert info.value.status == Status.UNRECOVERED_READ_ERROR
+        completion = Controller(device).submit(encode_submission(Opcode.DELETE_NAMESPACE, nsid=2))
+        assert completion.status == Status.SUCCESS
+        assert device.failed_namespaces == {}
+        device.create_namespace(make_spec("bad"))  # the name is usable again

@@ -185,3 +185,11 @@ def test_unmount_flushes_and_remount_serves_state(mount: Mount, ns: Path) -> Non
     assert pread_all(ns / "tensors/t/master") == master
     stats = (ns / "stats.json").read_text()
     assert '"durable_step": 1' in stats
+
+
+def test_large_command_payload_arrives_in_pieces(mount: Mount) -> None:
+    """A create-namespace payload over FUSE's 1 MiB request size is reassembled."""
+    tensors = [(f"layer{i:05d}." + "x" * 100, 1) for i in range(12_000)]
+    create_namespace(mount.mountpoint, "wide", tensors)
+    names = os.listdir(mount.mountpoint / "ns/wide/tensors")
+    assert len(names) == 12_000
