@@ -54,6 +54,14 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+def sync_fd(fd: int, path: Path) -> None:
+    """fsync one backing file; a failure is fatal for the step (Linux cannot retry it)."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise media_error(exc, f"syncing {path.name}") from exc
+
+
 def media_error(exc: OSError, doing: str) -> DeviceError:
     """Translate an OSError of the backing store into the device status a client sees."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -96,11 +104,8 @@ class StateFile:
         return self.bytes[offset : offset + size].view(dtype)
 
     def sync(self) -> None:
-        """Write this copy's dirty pages to the media; a failure is fatal for the step."""
-        try:
-            os.fsync(self.fd)
-        except OSError as exc:
-            raise media_error(exc, f"syncing {self.path.name}") from exc
+        """Write this copy's dirty pages to the media."""
+        sync_fd(self.fd, self.path)
 
     def close(self) -> None:
         self.bytes = np.empty(0, dtype=np.uint8)
@@ -131,10 +136,7 @@ class SlotFile:
             raise media_error(exc, f"writing {self.path.name}") from exc
 
     def sync(self) -> None:
-        try:
-            os.fsync(self.fd)
-        except OSError as exc:
-            raise media_error(exc, f"syncing {self.path.name}") from exc
+        sync_fd(self.fd, self.path)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -519,24 +519,24 @@ class Namespace:
         sealed = self._sb.successor(flags=SuperblockFlags.NONE, block_crcs=crcs)
         self._write_superblock(sealed, sync=True)
 
+    def _quiesced_step_locked(self) -> StepTransaction:
+        """The open step, once no kernel of it is still running (caller holds the lock)."""
+        tx = self._tx
+        if tx is None:
+            raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: no step is open")
+        while tx.inflight:
+            self._cond.wait()
+        return tx
+
     def commit_step(self) -> CommitResult:
         """Commit the open step once all its gradient blocks are in (or skip it)."""
         with self._cond:
-            tx = self._tx
-            if tx is None:
-                raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: no step is open")
-            while tx.inflight:
-                self._cond.wait()
-            return self._commit_locked(tx)
+            return self._commit_locked(self._quiesced_step_locked())
 
     def abort_step(self) -> int:
         """Drop the open step; the committed state is untouched. Returns its number."""
         with self._cond:
-            tx = self._tx
-            if tx is None:
-                raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: no step is open")
-            while tx.inflight:
-                self._cond.wait()
+            tx = self._quiesced_step_locked()
             self._tx = None
             self.counters.steps_aborted += 1
             return tx.step
