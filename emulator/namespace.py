@@ -15,7 +15,7 @@ import numpy as np
 from cossd import kernels
 
 from .errors import DeviceError, Status
-from .layout import Copy, SuperblockFlags, TensorLayout, plan_layout
+from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout
 from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, read_json
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
 from .superblock import Superblock
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 ROLES = ("grad", "param", "master", "exp_avg", "exp_avg_sq")
 LOADABLE_ROLES = ("master", "exp_avg", "exp_avg_sq")
+# The arrays a block checksum covers, in checksum order.
+BLOCK_ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
 
 __all__ = ["CommitResult", "Namespace", "NamespaceSpec", "TensorSpec", "ROLES"]
 
@@ -107,6 +109,7 @@ class Namespace:
             steps_committed=superblock.steps_committed, steps_skipped=superblock.steps_skipped
         )
         self._views: dict[tuple[Copy, str, str], np.ndarray] = {}
+        self._thread_local = threading.local()
 
     # ------------------------------------------------------------------ creation, opening
 
@@ -250,10 +253,32 @@ class Namespace:
             self._views[key] = view
         return view
 
+    def _staging(self, count: int) -> dict[str, np.ndarray]:
+        """Per-thread output buffers for one block, allocated once per worker thread."""
+        buffers = getattr(self._thread_local, "buffers", None)
+        if buffers is None:
+            buffers = {
+                "master": np.empty(BLOCK_ELEMS, dtype=np.float32),
+                "exp_avg": np.empty(BLOCK_ELEMS, dtype=self._state_dtype),
+                "exp_avg_sq": np.empty(BLOCK_ELEMS, dtype=self._state_dtype),
+                "param": np.empty(BLOCK_ELEMS, dtype=np.uint16),
+            }
+            self._thread_local.buffers = buffers
+        return {role: array[:count] for role, array in buffers.items()}
+
+    @staticmethod
+    def _region_offset(tensor: TensorLayout, role: str) -> int:
+        return {
+            "master": tensor.master_offset,
+            "exp_avg": tensor.exp_avg_offset,
+            "exp_avg_sq": tensor.exp_avg_sq_offset,
+            "param": tensor.param_offset,
+        }[role]
+
     def _block_crc(self, copy: Copy, tensor: TensorLayout, local_block: int) -> int:
         start, stop = tensor.block_range(local_block)
         crc = 0
-        for role in ("master", "exp_avg", "exp_avg_sq", "param"):
+        for role in BLOCK_ROLES:
             crc = kernels.crc32c(self._view(copy, tensor, role)[start:stop], crc)
         return crc
 
@@ -446,21 +471,25 @@ class Namespace:
             crc = 0
             # Once the step is known to be skipped there is no point updating the shadow.
             if nonfinite == 0 and tx.nonfinite == 0:
+                # The kernel writes into this thread's staging buffers (hot in cache, never
+                # faulting), which are then checksummed and written to the shadow copy.
+                out = self._staging(stop - start)
                 kernels.adam_step(
                     block.grad,
                     self._view(committed, tensor, "master")[start:stop],
                     self._view(committed, tensor, "exp_avg")[start:stop],
                     self._view(committed, tensor, "exp_avg_sq")[start:stop],
-                    self._view(shadow, tensor, "master")[start:stop],
-                    self._view(shadow, tensor, "exp_avg")[start:stop],
-                    self._view(shadow, tensor, "exp_avg_sq")[start:stop],
-                    self._view(shadow, tensor, "param")[start:stop],
+                    out["master"], out["exp_avg"], out["exp_avg_sq"], out["param"],
                     grad_format=self._grad_format,
                     param_format=self._param_format,
                     state_format=self._state_format,
                     scalars=tx.scalars,
                 )
-                crc = self._block_crc(shadow, tensor, block.local_block)
+                state = self._copies[shadow]
+                for role in BLOCK_ROLES:
+                    crc = kernels.crc32c(out[role], crc)
+                    itemsize = out[role].itemsize
+                    state.write_at(self._region_offset(tensor, role) + start * itemsize, out[role])
             elapsed = time.perf_counter_ns() - started
         except BaseException as exc:
             with self._lock:
