@@ -7,7 +7,6 @@ import logging
 import struct
 from typing import Any, Callable
 
-import numpy as np
 
 from .device import Device
 from .errors import DeviceError, Status

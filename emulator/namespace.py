@@ -31,6 +31,14 @@ BLOCK_ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
 __all__ = ["CommitResult", "Namespace", "NamespaceSpec", "TensorSpec", "ROLES"]
 
 
+def _hyper_of(superblock: Superblock) -> Hyperparameters:
+    """The hyperparameters a superblock recorded with its step."""
+    return Hyperparameters(
+        lr=superblock.lr, beta1=superblock.beta1, beta2=superblock.beta2, eps=superblock.eps,
+        weight_decay=superblock.weight_decay, mode="adamw" if superblock.decoupled else "adam",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class CommitResult:
     """What a commit did: the step now current, and whether this one was skipped."""
@@ -83,15 +91,7 @@ class Namespace:
         self._copies = copies
         self._slots = slots
         self._sb = superblock
-        self._hyper = dataclasses.replace(
-            spec.hyper,
-            lr=superblock.lr,
-            beta1=superblock.beta1,
-            beta2=superblock.beta2,
-            eps=superblock.eps,
-            weight_decay=superblock.weight_decay,
-            mode="adamw" if superblock.decoupled else "adam",
-        )
+        self._hyper = _hyper_of(superblock)
         self.layouts = layouts
         self.tensors = {t.name: t for t in layouts}
         self.total_blocks = sum(t.block_count for t in layouts)
@@ -206,10 +206,7 @@ class Namespace:
                 f"namespace {self.name!r}: no committed step passes its checksums",
             )
         self._sb = chosen
-        self._hyper = Hyperparameters(
-            lr=chosen.lr, beta1=chosen.beta1, beta2=chosen.beta2, eps=chosen.eps,
-            weight_decay=chosen.weight_decay, mode="adamw" if chosen.decoupled else "adam",
-        )
+        self._hyper = _hyper_of(chosen)
         self.counters.steps_committed = chosen.steps_committed
         self.counters.steps_skipped = chosen.steps_skipped
         # What survived a daemon crash may still sit in the page cache only: make it durable
@@ -239,17 +236,9 @@ class Namespace:
         key = (copy, tensor.name, role)
         view = self._views.get(key)
         if view is None:
-            state = self._copies[copy]
-            if role == "master":
-                view = state.view(tensor.master_offset, tensor.numel, np.dtype(np.float32))
-            elif role == "exp_avg":
-                view = state.view(tensor.exp_avg_offset, tensor.numel, self._state_dtype)
-            elif role == "exp_avg_sq":
-                view = state.view(tensor.exp_avg_sq_offset, tensor.numel, self._state_dtype)
-            elif role == "param":
-                view = state.view(tensor.param_offset, tensor.numel, np.dtype(np.uint16))
-            else:
-                raise ValueError(role)
+            view = self._copies[copy].view(
+                self._region_offset(tensor, role), tensor.numel, self._role_dtype(role)
+            )
             self._views[key] = view
         return view
 
@@ -257,14 +246,16 @@ class Namespace:
         """Per-thread output buffers for one block, allocated once per worker thread."""
         buffers = getattr(self._thread_local, "buffers", None)
         if buffers is None:
-            buffers = {
-                "master": np.empty(BLOCK_ELEMS, dtype=np.float32),
-                "exp_avg": np.empty(BLOCK_ELEMS, dtype=self._state_dtype),
-                "exp_avg_sq": np.empty(BLOCK_ELEMS, dtype=self._state_dtype),
-                "param": np.empty(BLOCK_ELEMS, dtype=np.uint16),
-            }
+            buffers = {role: np.empty(BLOCK_ELEMS, dtype=self._role_dtype(role)) for role in BLOCK_ROLES}
             self._thread_local.buffers = buffers
         return {role: array[:count] for role, array in buffers.items()}
+
+    def _role_dtype(self, role: str) -> np.dtype:
+        if role == "master":
+            return np.dtype(np.float32)
+        if role == "param":
+            return np.dtype(np.uint16)
+        return self._state_dtype
 
     @staticmethod
     def _region_offset(tensor: TensorLayout, role: str) -> int:
@@ -293,11 +284,7 @@ class Namespace:
         return bad
 
     def itemsize(self, role: str) -> int:
-        if role in ("grad", "param"):
-            return 2
-        if role == "master":
-            return 4
-        return self._state_dtype.itemsize
+        return 2 if role == "grad" else self._role_dtype(role).itemsize
 
     def file_size(self, tensor_name: str, role: str) -> int:
         return self._tensor(tensor_name).numel * self.itemsize(role)

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cossd.emulator import Device, DeviceConfig, DeviceError, NamespaceSpec, Status, TensorSpec
-from cossd.emulator.layout import BLOCK_ELEMS, Copy
+from cossd.emulator import Device, DeviceError, NamespaceSpec, Status, TensorSpec
+from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.emulator.namespace import Namespace
 from cossd.emulator.spec import Hyperparameters
 
@@ -221,7 +221,6 @@ def test_recovery_falls_back_when_newest_copy_is_corrupt(backing: Path) -> None:
         run_steps(ns, range(2, 3))  # step 3 goes into the copy of step 1
         newest_copy = ns._sb.committed_copy
         assert newest_copy == step1_state_copy
-        step2 = None
     # Corrupt one byte of the newest copy's master: recovery must refuse it and serve step 2.
     path = backing / "ns" / "opt" / f"state.{newest_copy.name}"
     with open(path, "r+b") as f:
@@ -233,7 +232,6 @@ def test_recovery_falls_back_when_newest_copy_is_corrupt(backing: Path) -> None:
         ns = device.namespace("opt")
         assert ns.committed_step == 2
         assert ns.statistics()["checksum_failures"] == 1
-        del step2
 
 
 def test_scrub_detects_corruption(device: Device) -> None:

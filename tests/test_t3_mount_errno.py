@@ -13,7 +13,7 @@ from conftest import Mount, start_mount
 from cossd.emulator.errors import Status
 from cossd.emulator.protocol import SUBMISSION, Opcode, encode_submission
 from cossd.tools.client import AdminClient
-from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
+from helpers import create_namespace, pread_all, pwrite_all
 
 pytestmark = pytest.mark.mount
 

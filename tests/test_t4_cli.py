@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import Mount, is_mounted, wait_for_exit
+from conftest import is_mounted, wait_for_exit
 from cossd.tools.cli import main
 from helpers import pwrite_all, tensor_dir
 
