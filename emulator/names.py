@@ -13,6 +13,8 @@ MAX_NAME_BYTES = 128
 MAX_NAMESPACES = 1024
 MAX_TENSORS_PER_NAMESPACE = 65536
 MAX_TENSOR_ELEMENTS = 1 << 40
+# Hyperparameter groups (torch param groups) per namespace; each is 40 bytes of superblock.
+MAX_GROUPS = 1024
 MAX_PAYLOAD_BYTES = 16 << 20
 
 

@@ -18,7 +18,7 @@ from .errors import DeviceError, Status
 from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout
 from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, read_json
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
-from .superblock import Superblock
+from .superblock import GROUP_FIELDS, Superblock
 from .transaction import ReadyBlock, StepTransaction
 
 log = logging.getLogger(__name__)
@@ -31,12 +31,27 @@ BLOCK_ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
 __all__ = ["CommitResult", "Namespace", "NamespaceSpec", "TensorSpec", "ROLES"]
 
 
-def _hyper_of(superblock: Superblock) -> Hyperparameters:
-    """The hyperparameters a superblock recorded with its step."""
-    return Hyperparameters(
-        lr=superblock.lr, beta1=superblock.beta1, beta2=superblock.beta2, eps=superblock.eps,
-        weight_decay=superblock.weight_decay, mode="adamw" if superblock.decoupled else "adam",
+def _hypers_of(superblock: Superblock) -> list[Hyperparameters]:
+    """The hyperparameters of every group, as a superblock recorded them with its step."""
+    mode = "adamw" if superblock.decoupled else "adam"
+    first = Hyperparameters(
+        **{field: getattr(superblock, field) for field in GROUP_FIELDS}, mode=mode
     )
+    rest = [
+        Hyperparameters(**{f: float(v) for f, v in zip(GROUP_FIELDS, row)}, mode=mode)
+        for row in superblock.extra_groups
+    ]
+    return [first, *rest]
+
+
+def _hyper_record(hypers: list[Hyperparameters]) -> dict[str, Any]:
+    """Superblock fields recording `hypers` (group 0 in the header, the rest in a table)."""
+    record: dict[str, Any] = {field: getattr(hypers[0], field) for field in GROUP_FIELDS}
+    record["decoupled"] = hypers[0].mode == "adamw"
+    record["extra_groups"] = np.array(
+        [[getattr(h, field) for field in GROUP_FIELDS] for h in hypers[1:]], dtype=np.float64
+    ).reshape(len(hypers) - 1, len(GROUP_FIELDS))
+    return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +106,8 @@ class Namespace:
         self._copies = copies
         self._slots = slots
         self._sb = superblock
-        self._hyper = _hyper_of(superblock)
+        self._hypers = _hypers_of(superblock)
+        self._group_of = {t.name: t.group for t in spec.tensors}
         self.layouts = layouts
         self.tensors = {t.name: t for t in layouts}
         self.total_blocks = sum(t.block_count for t in layouts)
@@ -130,12 +146,11 @@ class Namespace:
             total_blocks = sum(t.block_count for t in layouts)
             superblock = Superblock(
                 seq=1,
-                committed_step=0,
+                committed_step=spec.initial_step,
                 committed_copy=Copy.A,
                 flags=SuperblockFlags.LOADING,
                 block_crcs=np.zeros(total_blocks, dtype=np.uint32),
-                decoupled=spec.hyper.mode == "adamw",
-                **{k: getattr(spec.hyper, k) for k in ("lr", "beta1", "beta2", "eps", "weight_decay")},
+                **_hyper_record(list(spec.group_hypers)),
             )
             slots = (SlotFile(directory / "sb.0"), SlotFile(directory / "sb.1"))
             slots[superblock.slot].write(superblock.encode())
@@ -170,7 +185,8 @@ class Namespace:
             slots = (SlotFile(directory / "sb.0"), SlotFile(directory / "sb.1"))
             opened.extend(slots)
             total_blocks = sum(t.block_count for t in layouts)
-            candidates = [Superblock.decode(slot.read(), total_blocks) for slot in slots]
+            groups = len(spec.group_hypers)
+            candidates = [Superblock.decode(slot.read(), total_blocks, groups) for slot in slots]
             valid = sorted((sb for sb in candidates if sb is not None), key=lambda sb: -sb.seq)
             if not valid:
                 raise DeviceError(
@@ -206,7 +222,7 @@ class Namespace:
                 f"namespace {self.name!r}: no committed step passes its checksums",
             )
         self._sb = chosen
-        self._hyper = _hyper_of(chosen)
+        self._hypers = _hypers_of(chosen)
         self.counters.steps_committed = chosen.steps_committed
         self.counters.steps_skipped = chosen.steps_skipped
         # What survived a daemon crash may still sit in the page cache only: make it durable
@@ -313,7 +329,12 @@ class Namespace:
 
     @property
     def hyper(self) -> Hyperparameters:
-        return self._hyper
+        """Group 0's hyperparameters (a namespace's only group unless it has several)."""
+        return self._hypers[0]
+
+    @property
+    def hypers(self) -> tuple[Hyperparameters, ...]:
+        return tuple(self._hypers)
 
     @property
     def step_open(self) -> int | None:
@@ -325,12 +346,16 @@ class Namespace:
         return {
             "name": self.name,
             "nsid": self.nsid,
-            "hyperparameters": dataclasses.asdict(self._hyper),
+            "hyperparameters": dataclasses.asdict(self._hypers[0]),
+            "groups": [dataclasses.asdict(h) for h in self._hypers],
             "grad_dtype": self.spec.grad_dtype,
             "param_dtype": self.spec.param_dtype,
             "state_dtype": self.spec.state_dtype,
             "durability": "sync" if self.sync_commits else "plp",
-            "tensors": [{"name": t.name, "numel": t.numel} for t in self.layouts],
+            "tensors": [
+                {"name": t.name, "numel": t.numel, "group": self._group_of[t.name]}
+                for t in self.layouts
+            ],
         }
 
     def statistics(self) -> dict[str, Any]:
@@ -470,7 +495,7 @@ class Namespace:
                     grad_format=self._grad_format,
                     param_format=self._param_format,
                     state_format=self._state_format,
-                    scalars=tx.scalars,
+                    scalars=tx.scalars[self._group_of[tensor.name]],
                 )
                 state = self._copies[shadow]
                 for role in BLOCK_ROLES:
@@ -513,7 +538,7 @@ class Namespace:
                 Status.INVALID_FIELD, f"grad_scale must be a finite number > 0, got {grad_scale!r}"
             )
         try:
-            scalars = kernels.adam_scalars(self._hyper.kernel, expected, grad_scale)
+            scalars = [kernels.adam_scalars(h.kernel, expected, grad_scale) for h in self._hypers]
         except kernels.KernelArgumentError as exc:
             raise DeviceError(Status.INVALID_FIELD, str(exc)) from None
         if self.loading:
@@ -589,9 +614,7 @@ class Namespace:
                 block_crcs=tx.block_crcs,
                 steps_committed=self._sb.steps_committed + 1,
                 last_grad_scale=tx.grad_scale,
-                lr=self._hyper.lr, beta1=self._hyper.beta1, beta2=self._hyper.beta2,
-                eps=self._hyper.eps, weight_decay=self._hyper.weight_decay,
-                decoupled=self._hyper.mode == "adamw",
+                **_hyper_record(self._hypers),
             )
             self._write_superblock(committed, sync=self.sync_commits)
             self.counters.steps_committed += 1
@@ -611,11 +634,28 @@ class Namespace:
             self._durable_step = superblock.committed_step
         self._sb = superblock
 
-    def set_hyperparameters(self, **changes: Any) -> Hyperparameters:
-        """Change hyperparameters for the next step (persisted with the next commit)."""
+    def set_hyperparameters(self, group: int | None = None, **changes: Any) -> Hyperparameters:
+        """Change hyperparameters for the next step (persisted with the next commit).
+
+        `group` picks one group; None changes every group. Nothing changes unless every
+        new value validates. Returns the (first) changed group's hyperparameters.
+        """
+        if "mode" in changes:
+            raise DeviceError(Status.INVALID_FIELD, "mode is fixed when a namespace is created")
         with self._lock:
-            self._hyper = self._hyper.replace(**changes)
-            return self._hyper
+            if group is None:
+                targets = range(len(self._hypers))
+            elif isinstance(group, int) and not isinstance(group, bool) and 0 <= group < len(self._hypers):
+                targets = range(group, group + 1)
+            else:
+                raise DeviceError(
+                    Status.INVALID_FIELD,
+                    f"group {group!r} outside 0..{len(self._hypers) - 1}",
+                )
+            updated = {index: self._hypers[index].replace(**changes) for index in targets}
+            for index, hyper in updated.items():
+                self._hypers[index] = hyper
+            return updated[targets[0]]
 
     # ------------------------------------------------------------------ durability
 

@@ -8,11 +8,14 @@ from typing import Any
 from cossd import kernels
 
 from .errors import DeviceError, Status
-from .names import MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
+from .names import MAX_GROUPS, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
 
 HALF_FORMATS = {"fp16": kernels.HalfFormat.FP16, "bf16": kernels.HalfFormat.BF16}
 STATE_FORMATS = {"fp32": kernels.StateFormat.FP32, "bf16": kernels.StateFormat.BF16}
 MODES = ("adamw", "adam")
+# Step numbers travel in two dwords and kernels take them as float exponents; this bound
+# keeps both comfortably exact.
+MAX_INITIAL_STEP = 1 << 53
 
 
 def _invalid(message: str) -> DeviceError:
@@ -23,6 +26,9 @@ def _invalid(message: str) -> DeviceError:
 class TensorSpec:
     name: str
     numel: int
+    # Index into NamespaceSpec.groups: which hyperparameters update this tensor (a
+    # torch param group).
+    group: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,15 @@ class NamespaceSpec:
     grad_dtype: str = "fp16"
     param_dtype: str = "fp16"
     state_dtype: str = "fp32"
+    # Hyperparameters of each group (torch's param groups); empty means one group, `hyper`.
+    groups: tuple[Hyperparameters, ...] = ()
+    # The step the loaded state belongs to: a namespace created to import an optimizer's
+    # state at step k starts at committed step k, so bias correction continues from there.
+    initial_step: int = 0
+
+    @property
+    def group_hypers(self) -> tuple[Hyperparameters, ...]:
+        return self.groups or (self.hyper,)
 
     def validate(self) -> "NamespaceSpec":
         check_name(self.name, "namespace")
@@ -107,6 +122,12 @@ class NamespaceSpec:
             seen.add(tensor.name)
             if not isinstance(tensor.numel, int) or isinstance(tensor.numel, bool):
                 raise _invalid(f"tensor {tensor.name!r}: element count must be an integer")
+            if (not isinstance(tensor.group, int) or isinstance(tensor.group, bool)
+                    or not 0 <= tensor.group < len(self.group_hypers)):
+                raise _invalid(
+                    f"tensor {tensor.name!r}: group {tensor.group!r} outside "
+                    f"0..{len(self.group_hypers) - 1}"
+                )
             if not 1 <= tensor.numel <= MAX_TENSOR_ELEMENTS:
                 raise DeviceError(
                     Status.LIMIT_EXCEEDED,
@@ -120,6 +141,17 @@ class NamespaceSpec:
         if self.state_dtype not in STATE_FORMATS:
             raise _invalid(f"state_dtype must be fp32 or bf16, got {self.state_dtype!r}")
         self.hyper.validate()
+        if (not isinstance(self.initial_step, int) or isinstance(self.initial_step, bool)
+                or not 0 <= self.initial_step < MAX_INITIAL_STEP):
+            raise _invalid(f"initial_step must be an integer in 0..{MAX_INITIAL_STEP - 1}")
+        if len(self.group_hypers) > MAX_GROUPS:
+            raise DeviceError(
+                Status.LIMIT_EXCEEDED, f"{len(self.groups)} groups exceed the limit of {MAX_GROUPS}"
+            )
+        for hyper in self.group_hypers:
+            hyper.validate()
+            if hyper.mode != self.hyper.mode:
+                raise _invalid("every group must use the namespace's mode")
         return self
 
     @property
@@ -129,8 +161,13 @@ class NamespaceSpec:
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "tensors": [[t.name, t.numel] for t in self.tensors],
+            "tensors": [
+                [t.name, t.numel] if t.group == 0 else [t.name, t.numel, t.group]
+                for t in self.tensors
+            ],
             "hyperparameters": dataclasses.asdict(self.hyper),
+            "groups": [dataclasses.asdict(h) for h in self.groups],
+            "initial_step": self.initial_step,
             "grad_dtype": self.grad_dtype,
             "param_dtype": self.param_dtype,
             "state_dtype": self.state_dtype,
@@ -141,13 +178,16 @@ class NamespaceSpec:
         """Parse a create-namespace payload; any malformed field is INVALID_FIELD."""
         if not isinstance(value, dict):
             raise _invalid("namespace description must be a JSON object")
-        known = {"name", "tensors", "hyperparameters", "grad_dtype", "param_dtype", "state_dtype"}
+        known = {
+            "name", "tensors", "hyperparameters", "groups", "grad_dtype", "param_dtype",
+            "state_dtype", "initial_step",
+        }
         unknown = set(value) - known
         if unknown:
             raise _invalid(f"unknown field(s): {', '.join(sorted(unknown))}")
         tensors = value.get("tensors")
         if not isinstance(tensors, list):
-            raise _invalid("tensors must be a list of [name, numel] pairs")
+            raise _invalid("tensors must be a list of [name, numel] or [name, numel, group]")
         if len(tensors) > MAX_TENSORS_PER_NAMESPACE:
             raise DeviceError(
                 Status.LIMIT_EXCEEDED,
@@ -155,13 +195,22 @@ class NamespaceSpec:
             )
         specs = []
         for entry in tensors:
-            if not (isinstance(entry, list) and len(entry) == 2):
-                raise _invalid(f"tensor entry {entry!r} must be [name, numel]")
-            specs.append(TensorSpec(entry[0], entry[1]))
+            if not (isinstance(entry, list) and len(entry) in (2, 3)):
+                raise _invalid(f"tensor entry {repr(entry)[:80]} must be [name, numel(, group)]")
+            specs.append(TensorSpec(*entry))
         hyper_json = value.get("hyperparameters", {})
         if not isinstance(hyper_json, dict):
             raise _invalid("hyperparameters must be a JSON object")
         hyper = Hyperparameters().replace(**hyper_json)
+        groups_json = value.get("groups", [])
+        if not isinstance(groups_json, list) or not all(isinstance(g, dict) for g in groups_json):
+            raise _invalid("groups must be a list of JSON objects (hyperparameter overrides)")
+        if len(groups_json) > MAX_GROUPS:
+            raise DeviceError(
+                Status.LIMIT_EXCEEDED, f"{len(groups_json)} groups exceed the limit of {MAX_GROUPS}"
+            )
+        # Each group is the namespace's hyperparameters with that group's overrides.
+        groups = tuple(hyper.replace(**overrides) for overrides in groups_json)
         return cls(
             name=value.get("name"),  # type: ignore[arg-type]
             tensors=tuple(specs),
@@ -169,4 +218,6 @@ class NamespaceSpec:
             grad_dtype=value.get("grad_dtype", "fp16"),
             param_dtype=value.get("param_dtype", "fp16"),
             state_dtype=value.get("state_dtype", "fp32"),
+            groups=groups,
+            initial_step=value.get("initial_step", 0),
         ).validate()

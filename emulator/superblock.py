@@ -16,6 +16,9 @@ from .layout import (
     SuperblockFlags,
 )
 
+# The per-group hyperparameters a superblock records with its step, in stored order.
+GROUP_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
 
 @dataclasses.dataclass
 class Superblock:
@@ -36,6 +39,11 @@ class Superblock:
     steps_skipped: int = 0
     last_skipped_step: int = 0
     last_grad_scale: float = 1.0
+    # (lr, beta1, beta2, eps, weight_decay) of groups 1.. (group 0 is in the header);
+    # stored after the block checksums, so a one-group namespace has none.
+    extra_groups: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros((0, len(GROUP_FIELDS)), dtype=np.float64)
+    )
 
     @property
     def slot(self) -> int:
@@ -56,13 +64,19 @@ class Superblock:
         header["last_skipped_step"] = self.last_skipped_step
         for field in ("lr", "beta1", "beta2", "eps", "weight_decay", "last_grad_scale"):
             header[field] = getattr(self, field)
-        body = bytearray(header.tobytes() + self.block_crcs.astype("<u4").tobytes())
+        body = bytearray(
+            header.tobytes()
+            + self.block_crcs.astype("<u4").tobytes()
+            + np.ascontiguousarray(self.extra_groups, dtype="<f8").tobytes()
+        )
         crc = kernels.crc32c(memoryview(body)[SUPERBLOCK_CRC_START:])
         body[12:16] = crc.to_bytes(4, "little")
         return bytes(body)
 
     @classmethod
-    def decode(cls, data: bytes, expected_blocks: int) -> "Superblock | None":
+    def decode(
+        cls, data: bytes, expected_blocks: int, expected_groups: int = 1
+    ) -> "Superblock | None":
         """The superblock in `data`, or None if it is absent, torn or of another layout."""
         if len(data) < SUPERBLOCK_HEADER.itemsize:
             return None
@@ -74,12 +88,16 @@ class Superblock:
         blocks = int(header["block_count"])
         if blocks != expected_blocks:
             return None
-        end = SUPERBLOCK_HEADER.itemsize + 4 * blocks
+        groups_at = SUPERBLOCK_HEADER.itemsize + 4 * blocks
+        end = groups_at + 8 * len(GROUP_FIELDS) * (expected_groups - 1)
         if len(data) < end:
             return None
         if kernels.crc32c(memoryview(data)[SUPERBLOCK_CRC_START:end]) != int(header["crc"]):
             return None
         crcs = np.frombuffer(data, dtype="<u4", count=blocks, offset=SUPERBLOCK_HEADER.itemsize)
+        extra = np.frombuffer(
+            data, dtype="<f8", count=len(GROUP_FIELDS) * (expected_groups - 1), offset=groups_at
+        ).reshape(expected_groups - 1, len(GROUP_FIELDS))
         return cls(
             seq=int(header["seq"]),
             committed_step=int(header["committed_step"]),
@@ -96,6 +114,7 @@ class Superblock:
             steps_skipped=int(header["steps_skipped"]),
             last_skipped_step=int(header["last_skipped_step"]),
             last_grad_scale=float(header["last_grad_scale"]),
+            extra_groups=extra.astype(np.float64),
         )
 
     def successor(self, **changes: object) -> "Superblock":

@@ -1,0 +1,300 @@
+"""cossd.trainer through a real mount: stock-AdamW agreement, GradScaler, schedules, state_dict, restore."""
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cossd.trainer import Adam, AdamW, DeviceLostError
+from cossd.trainer.reference import MixedPrecisionOptimizer
+
+from conftest import Mount
+
+pytestmark = pytest.mark.mount
+
+
+class TinyNet(torch.nn.Module):
+    """Two layers with biases, odd sizes (tensors straddle no block, one spans several)."""
+
+    def __init__(self, width: int = 33, depth_in: int = 17) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(depth_in, width)
+        self.fc2 = torch.nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def make_model(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return TinyNet().to(dtype)
+
+
+def batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(64, 17, generator=generator).to(dtype)
+    y = torch.randint(0, 5, (64,), generator=generator)
+    return x, y
+
+
+def loss_of(model: torch.nn.Module, step: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    x, y = batch(step, dtype)
+    return F.cross_entropy(model(x).float(), y) * scale
+
+
+def bits(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone().view(torch.int16) for p in model.parameters()]
+
+
+@pytest.fixture
+def opened(mount: Mount):
+    """Opens optimizers, closing them before the mount is torn down (even on failure)."""
+    optimizers: list = []
+
+    def open_optimizer(cls, *args, **kwargs):
+        optimizer = cls(*args, **kwargs)
+        optimizers.append(optimizer)
+        return optimizer
+
+    yield open_optimizer
+    for optimizer in optimizers:
+        try:
+            optimizer.close()
+        except Exception:
+            pass
+
+
+def run_pair(opened, mount: Mount, steps: int, dtype: torch.dtype, *, namespace: str = "net",
+             groups=None, scheduler=None, max_grad_norm=None, cls=AdamW, stock=torch.optim.AdamW,
+             **options) -> tuple[list[float], list[float], object, torch.nn.Module]:
+    """Train the same model with cossd and with the stock mixed-precision recipe."""
+    device_model, stock_model = make_model(dtype), make_model(dtype)
+    device_groups = groups(device_model) if groups else device_model.parameters()
+    stock_groups = groups(stock_model) if groups else stock_model.parameters()
+    optimizer = opened(cls, device_groups, mount=mount.mountpoint, namespace=namespace,
+                    max_grad_norm=max_grad_norm, **options)
+    reference = MixedPrecisionOptimizer(stock_groups, stock, **options)
+    schedulers = [scheduler(optimizer), scheduler(reference.optimizer)] if scheduler else []
+    device_losses, stock_losses = [], []
+    for step in range(1, steps + 1):
+        for model, opt, losses in ((device_model, optimizer, device_losses),
+                                   (stock_model, reference, stock_losses)):
+            opt.zero_grad()
+            loss = loss_of(model, step, dtype)
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        reference.step(max_grad_norm=max_grad_norm)
+        for sched in schedulers:
+            sched.step()
+    return device_losses, stock_losses, (optimizer, reference), device_model
+
+
+def assert_close_losses(device: list[float], stock: list[float], rel: float = 1e-4) -> None:
+    for step, (a, b) in enumerate(zip(device, stock), start=1):
+        assert math.isclose(a, b, rel_tol=rel), f"step {step}: cossd {a} vs stock {b}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_adamw_tracks_stock_mixed_precision(opened, mount: Mount, dtype: torch.dtype) -> None:
+    device_losses, stock_losses, (optimizer, reference), _ = run_pair(
+        opened, mount, 30, dtype, lr=3e-3, weight_decay=0.05)
+    assert_close_losses(device_losses, stock_losses)
+    assert optimizer.committed_step == 30
+    for mine, theirs in zip(optimizer.master_weights(), reference.masters):
+        scale = float(theirs.detach().abs().max())
+        assert float((mine - theirs.detach()).abs().max()) <= 1e-5 * scale
+    optimizer.close()
+
+
+def test_adam_l2_tracks_stock(opened, mount: Mount) -> None:
+    device_losses, stock_losses, (optimizer, _), _ = run_pair(
+        opened, mount, 20, torch.bfloat16, cls=Adam, stock=torch.optim.Adam, lr=2e-3, weight_decay=0.1)
+    assert_close_losses(device_losses, stock_losses)
+    optimizer.close()
+
+
+def test_per_group_schedule_and_zero_weight_decay(opened, mount: Mount) -> None:
+    def groups(model: torch.nn.Module) -> list[dict]:
+        return [
+            {"params": [model.fc1.weight, model.fc2.weight], "weight_decay": 0.1},
+            {"params": [model.fc1.bias, model.fc2.bias], "weight_decay": 0.0, "lr": 5e-3},
+        ]
+
+    def scheduler(opt) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.2 * step))
+
+    device_losses, stock_losses, (optimizer, reference), _ = run_pair(
+        opened, mount, 25, torch.bfloat16, groups=groups, scheduler=scheduler, lr=1e-2)
+    assert_close_losses(device_losses, stock_losses)
+    config = optimizer.files.config()
+    assert [g["weight_decay"] for g in config["groups"]] == [0.1, 0.0]
+    assert config["groups"][1]["lr"] == pytest.approx(5e-3 / (1 + 0.2 * 24))  # sent with step 25
+    for mine, theirs in zip(optimizer.master_weights(), reference.masters):
+        assert float((mine - theirs.detach()).abs().max()) <= 1e-5 * float(theirs.detach().abs().max())
+    optimizer.close()
+
+
+def test_clipping_by_global_norm_matches_stock(opened, mount: Mount) -> None:
+    device_losses, stock_losses, (optimizer, _), _ = run_pair(
+        opened, mount, 15, torch.bfloat16, max_grad_norm=0.05, lr=1e-2)
+    assert_close_losses(device_losses, stock_losses)
+    assert optimizer.last_grad_norm is not None and optimizer.last_grad_norm > 0.05
+    optimizer.close()
+
+
+def test_gradscaler_overflow_is_skipped_on_device(opened, mount: Mount) -> None:
+    model = make_model(torch.float16)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="amp", lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    overflow_steps = {3, 4, 7}
+    for iteration in range(1, 10):
+        optimizer.zero_grad()
+        loss = loss_of(model, iteration, torch.float16)
+        scaler.scale(loss).backward()
+        if iteration in overflow_steps:
+            model.fc1.weight.grad[0, 0] = float("inf")
+        before_params = bits(model)
+        before_master = [m.clone() for m in optimizer.master_weights()]
+        before_step = optimizer.committed_step
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if iteration in overflow_steps:
+            assert optimizer.last_step_skipped
+            assert optimizer.committed_step == before_step
+            assert scaler.get_scale() == scale_before / 2
+            assert all(torch.equal(a, b) for a, b in zip(before_params, bits(model)))
+            assert all(torch.equal(a, b) for a, b in zip(before_master, optimizer.master_weights()))
+        else:
+            assert not optimizer.last_step_skipped
+            assert optimizer.committed_step == before_step + 1
+            assert scaler.get_scale() == scale_before
+    stats = optimizer.files.statistics()
+    assert stats["steps_skipped"] == 3 and stats["last_skipped_step"] == 5  # device step of iteration 7
+    assert optimizer.committed_step == 6
+    optimizer.close()
+
+
+def test_gradscaler_scaled_steps_match_unscaled(opened, mount: Mount) -> None:
+    """The device divides by the scaler's scale: same masters as the unscaled stock recipe."""
+    model, stock_model = make_model(torch.float16), make_model(torch.float16)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="amp2", lr=1e-3)
+    reference = MixedPrecisionOptimizer(stock_model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for iteration in range(1, 8):
+        optimizer.zero_grad()
+        reference.zero_grad()
+        scaler.scale(loss_of(model, iteration, torch.float16)).backward()
+        (loss_of(stock_model, iteration, torch.float16) * 256.0).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        reference.step(grad_scale=256.0)
+    for mine, theirs in zip(optimizer.master_weights(), reference.masters):
+        assert float((mine - theirs.detach()).abs().max()) <= 1e-5 * float(theirs.detach().abs().max())
+    optimizer.close()
+
+
+def test_streaming_equals_step_time_transfer(opened, mount: Mount) -> None:
+    models = [make_model(torch.bfloat16) for _ in range(2)]
+    streaming = opened(AdamW, models[0].parameters(), mount=mount.mountpoint, namespace="stream",
+                      streaming=True)
+    plain = opened(AdamW, models[1].parameters(), mount=mount.mountpoint, namespace="plain")
+    for step in range(1, 6):
+        for model, opt in zip(models, (streaming, plain)):
+            opt.zero_grad()
+            loss_of(model, step, torch.bfloat16).backward()
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(bits(models[0]), bits(models[1])))
+    streaming.close()
+    plain.close()
+
+
+def test_state_dict_moves_between_cossd_and_stock(opened, mount: Mount) -> None:
+    model = make_model(torch.bfloat16)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="sd", lr=2e-3)
+    for step in range(1, 6):
+        optimizer.zero_grad()
+        loss_of(model, step, torch.bfloat16).backward()
+        optimizer.step()
+    exported = optimizer.state_dict()
+    assert set(exported["state"]) == set(range(4)) and float(exported["state"][0]["step"]) == 5.0
+
+    # Into stock PyTorch: the usual mixed-precision recipe continues from the export.
+    stock_model = copy.deepcopy(model)
+    reference = MixedPrecisionOptimizer(stock_model.parameters(), lr=2e-3)
+    reference.load_masters(exported["cossd_master"].values())
+    reference.optimizer.load_state_dict(exported)
+    # And back into a fresh cossd namespace (created at step 5 from the stock state).
+    imported_model = copy.deepcopy(model)
+    imported = opened(AdamW, imported_model.parameters(), mount=mount.mountpoint, namespace="sd2", lr=2e-3)
+    imported.load_state_dict(reference.optimizer.state_dict(), master=reference.masters)
+    assert imported.committed_step == 5
+    for step in range(6, 10):
+        for m, opt in ((model, optimizer), (stock_model, reference), (imported_model, imported)):
+            opt.zero_grad()
+            loss_of(m, step, torch.bfloat16).backward()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(bits(model), bits(imported_model)))
+    for mine, theirs in zip(optimizer.master_weights(), reference.masters):
+        assert float((mine - theirs.detach()).abs().max()) <= 1e-5 * float(theirs.detach().abs().max())
+    optimizer.close()
+    imported.close()
+
+
+def test_quick_restore_after_daemon_killed_mid_step(opened, mount: Mount) -> None:
+    """kill -9 while gradients are in flight; a new job reattaches and continues bit for bit."""
+    straight = make_model(torch.bfloat16)
+    straight_opt = opened(AdamW, straight.parameters(), mount=mount.mountpoint, namespace="straight")
+    for step in range(1, 11):
+        straight_opt.zero_grad()
+        loss_of(straight, step, torch.bfloat16).backward()
+        straight_opt.step()
+    straight_opt.close()
+
+    model = make_model(torch.bfloat16)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="crashy")
+    for step in range(1, 6):
+        optimizer.zero_grad()
+        loss_of(model, step, torch.bfloat16).backward()
+        if step == 5:
+            optimizer.before_grad_write = lambda index: mount.kill() if index == 2 else None
+            with pytest.raises(DeviceLostError, match="remount"):
+                optimizer.step()
+        else:
+            optimizer.step()
+    mount.restart()
+
+    restarted = make_model(torch.bfloat16, seed=99)  # a new job: its own random init
+    resumed = opened(AdamW, restarted.parameters(), mount=mount.mountpoint, namespace="crashy")
+    assert resumed.restored and resumed.committed_step == 4
+    for step in range(resumed.committed_step + 1, 11):
+        resumed.zero_grad()
+        loss_of(restarted, step, torch.bfloat16).backward()
+        resumed.step()
+    assert all(torch.equal(a, b) for a, b in zip(bits(straight), bits(restarted)))
+    assert resumed.state_dict()["state"][0]["exp_avg"].equal(
+        opened(AdamW, make_model(torch.bfloat16).parameters(), mount=mount.mountpoint,
+              namespace="straight").state_dict()["state"][0]["exp_avg"])
+    resumed.close()
+
+
+def test_reattach_refuses_a_different_model(opened, mount: Mount) -> None:
+    opened(AdamW, make_model(torch.bfloat16).parameters(), mount=mount.mountpoint, namespace="m").close()
+    other = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="different set of tensors"):
+        AdamW(other.parameters(), mount=mount.mountpoint, namespace="m")
+
+
+def test_unsupported_options_are_refused(opened, mount: Mount, tmp_path: Path) -> None:
+    params = make_model(torch.bfloat16).parameters()
+    with pytest.raises(ValueError, match="amsgrad"):
+        AdamW(params, mount=mount.mountpoint, namespace="x", amsgrad=True)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opened(AdamW, make_model(torch.bfloat16).parameters(), mount=mount.mountpoint, namespace="x", lr=-1)
+    with pytest.raises(FileNotFoundError, match="not a mounted cossd device"):
+        AdamW(make_model(torch.bfloat16).parameters(), mount=tmp_path, namespace="x")
