@@ -184,6 +184,11 @@ COSSD_INLINE int state_fmt_ok(int fmt) { return fmt == COSSD_STATE_FP32 || fmt =
  * to reload them after every store, since it may alias an output buffer. */
 typedef struct {
     float grad_scale, beta2, omb1, omb2, eps, step_size, bc2_sqrt, decay, wd;
+    /* exp_avg is torch's lerp(m, g, 1 - beta1), which ATen's vectorized CPU kernel
+     * computes as one FMA: fma(w, g - m, m) for a weight below 0.5, else
+     * fma(w - 1, g - m, g). lerp_coeff and lerp_from_grad pick the branch once. */
+    float lerp_coeff;
+    int lerp_from_grad;
     int decoupled;
 } adam_k;
 
@@ -199,6 +204,8 @@ COSSD_INLINE adam_k adam_load_scalars(const cossd_adam_scalars *s)
     k.bc2_sqrt = s->bias_correction2_sqrt;
     k.decay = s->decay;
     k.wd = s->weight_decay;
+    k.lerp_from_grad = !(fabsf(k.omb1) < 0.5f);
+    k.lerp_coeff = k.lerp_from_grad ? k.omb1 - 1.0f : k.omb1;
     k.decoupled = s->decoupled != 0;
     return k;
 }
@@ -230,8 +237,8 @@ COSSD_INLINE void adam_elem(const uint16_t *grad, int gfmt, const float *mi, con
         p = p * k->decay;
     else
         g = fmaf(k->wd, p, g); /* fused, as torch's vectorized add(alpha=wd) does */
-    float m = m_in + k->omb1 * (g - m_in);
-    float v = v_in * k->beta2 + (k->omb2 * g) * g;
+    float m = fmaf(k->lerp_coeff, g - m_in, k->lerp_from_grad ? g : m_in);
+    float v = fmaf(k->omb2 * g, g, v_in * k->beta2); /* fused, as ATen's addcmul */
     float denom = sqrtf(v) / k->bc2_sqrt + k->eps;
     p = p + (-k->step_size * m) / denom;
     p = canon_nan(p);
@@ -330,7 +337,8 @@ COSSD_AVX2_INLINE void adam_avx2_body(const uint16_t *grad, int gfmt, const floa
 {
     const __m256 grad_scale = _mm256_set1_ps(k->grad_scale);
     const __m256 beta2 = _mm256_set1_ps(k->beta2);
-    const __m256 omb1 = _mm256_set1_ps(k->omb1);
+    const __m256 lerp_coeff = _mm256_set1_ps(k->lerp_coeff);
+    const int lerp_from_grad = k->lerp_from_grad;
     const __m256 omb2 = _mm256_set1_ps(k->omb2);
     const __m256 eps = _mm256_set1_ps(k->eps);
     const __m256 neg_step = _mm256_set1_ps(-k->step_size); /* negation is exact: same as scalar -step*m */
@@ -346,9 +354,10 @@ COSSD_AVX2_INLINE void adam_avx2_body(const uint16_t *grad, int gfmt, const floa
         if (decoupled)
             p = _mm256_mul_ps(p, decay);
         else
-            g = _mm256_fmadd_ps(wd, p, g); /* the one fused op: mirrors fmaf() in adam_elem */
-        __m256 m = _mm256_add_ps(m_in, _mm256_mul_ps(omb1, _mm256_sub_ps(g, m_in)));
-        __m256 v = _mm256_add_ps(_mm256_mul_ps(v_in, beta2), _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
+            g = _mm256_fmadd_ps(wd, p, g); /* fused, mirroring fmaf() in adam_elem */
+        /* torch's lerp, fused as in adam_elem */
+        __m256 m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m_in), lerp_from_grad ? g : m_in);
+        __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(v_in, beta2));
         __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2_sqrt), eps);
         p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step, m), denom));
         p = v_canon_nan(p);

@@ -98,6 +98,13 @@ def run_adam(
     return out
 
 
+def fma(a: np.ndarray | np.float32, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fmaf() in numpy: a float32 product is exact in long double (64-bit mantissa), so the
+    only rounding that matters is the one back to float32."""
+    wide = np.longdouble
+    return (np.asarray(a).astype(wide) * b.astype(wide) + c.astype(wide)).astype(np.float32)
+
+
 def ref_adam(
     inp: dict[str, np.ndarray], gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, s: k.AdamScalars
 ) -> dict[str, np.ndarray]:
@@ -110,12 +117,13 @@ def ref_adam(
     if s.decoupled:
         p = p * f32(s.decay)
     else:
-        # A fused multiply-add, as the kernel does: the product of two float32 is exact in
-        # long double (64-bit mantissa) and the one rounding back to float32 matches fmaf().
-        wide = np.longdouble
-        g = (wide(f32(s.weight_decay)) * p.astype(wide) + g.astype(wide)).astype(f32)
-    m = m_in + f32(s.one_minus_beta1) * (g - m_in)
-    v = v_in * f32(s.beta2) + (f32(s.one_minus_beta2) * g) * g
+        g = fma(f32(s.weight_decay), p, g)
+    w = f32(s.one_minus_beta1)
+    if abs(w) < 0.5:
+        m = fma(w, g - m_in, m_in)
+    else:
+        m = fma(w - f32(1), g - m_in, g)
+    v = fma(f32(s.one_minus_beta2) * g, g, v_in * f32(s.beta2))
     denom = np.sqrt(v) / f32(s.bias_correction2_sqrt) + f32(s.eps)
     p = p + (-f32(s.step_size) * m) / denom
     if sfmt == StateFormat.BF16:
@@ -259,6 +267,42 @@ def test_adam_tracks_torch(hyper: AdamHyper) -> None:
     diff = np.max(np.abs(master.astype(np.float64) - expected))
     assert diff <= 1e-6 * np.max(np.abs(expected)), diff
     assert np.array_equal(param, master.astype(np.float16).view(np.uint16))
+
+
+@pytest.mark.parametrize("hyper", [HYPER_W, HYPER_L2], ids=["AdamW", "Adam-L2"])
+@pytest.mark.parametrize("gfmt", [HalfFormat.FP16, HalfFormat.BF16], ids=["fp16", "bf16"])
+def test_adam_is_bit_identical_to_torch_fused(hyper: AdamHyper, gfmt: HalfFormat) -> None:
+    """Same operation order and fusing as torch.optim.AdamW/Adam(fused=True) on the CPU.
+
+    A length that is a multiple of ATen's vector width keeps torch's scalar tail loop
+    (computed without FMA) out of the comparison.
+    """
+    torch = pytest.importorskip("torch")
+    n, steps = 1 << 16, 20
+    rng = np.random.default_rng(7)
+    master = rng.standard_normal(n).astype(np.float32)
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    param = np.empty(n, np.uint16)
+    tparam = torch.nn.Parameter(torch.from_numpy(master.copy()))
+    cls = torch.optim.AdamW if hyper.decoupled else torch.optim.Adam
+    opt = cls([tparam], lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
+              weight_decay=hyper.weight_decay, fused=True)
+    half = torch.float16 if gfmt == HalfFormat.FP16 else torch.bfloat16
+    for step in range(1, steps + 1):
+        grad = torch.from_numpy((rng.standard_normal(n) * 0.05).astype(np.float32)).to(half)
+        tparam.grad = grad.to(torch.float32)
+        opt.step()
+        k.adam_step(
+            grad.view(torch.int16).numpy().view(np.uint16), master, m, v, master, m, v, param,
+            grad_format=gfmt, param_format=HalfFormat.FP16, state_format=StateFormat.FP32,
+            scalars=k.adam_scalars(hyper, step),
+        )  # fmt: skip
+    state = opt.state[tparam]
+    for name, mine, theirs in (("master", master, tparam.detach().numpy()),
+                               ("exp_avg", m, state["exp_avg"].numpy()),
+                               ("exp_avg_sq", v, state["exp_avg_sq"].numpy())):
+        differ = int(np.count_nonzero(mine.view(np.uint32) != theirs.view(np.uint32)))
+        assert differ == 0, f"{name}: {differ} of {n} elements differ from torch fused"
 
 
 def test_threads_on_disjoint_halves_match_one_call() -> None:

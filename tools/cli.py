@@ -169,9 +169,14 @@ def cmd_step(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from cossd.tools import demo
+    # Imported here: the demo needs torch, which no other verb does.
+    from cossd.trainer import demo
 
-    return demo.main(args)
+    try:
+        return demo.main(args)
+    except ValueError as exc:
+        print(f"cossd demo: {exc}", file=sys.stderr)
+        return 2
 
 
 # ---------------------------------------------------------------------- parser
@@ -250,13 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--grad-scale", type=float, default=1.0,
                              help="combined gradient scale: 1/loss_scale x clip coefficient")
 
-    sub = verb("demo", cmd_demo, "Train a small model through a temporary mount (numpy).")
-    sub.add_argument("--steps", type=int, default=200, help="training steps (default: 200)")
-    sub.add_argument("--backing", type=Path, help="existing backing directory to use")
-    sub.add_argument("--crash-at", type=int, default=None,
-                     help="kill -9 the daemon in the middle of this step (default: steps/2)")
-    sub.add_argument("--output", type=Path, default=Path("demo-out"),
-                     help="directory for report.json (default: ./demo-out)")
+    sub = verb("demo", cmd_demo, "Train a small GPT through a temporary mount, crash the device "
+               "mid-step, restore, and compare with torch.save and DCP checkpointing.")
+    from cossd.trainer.demo_args import add_arguments
+
+    add_arguments(sub)
     return parser
 
 

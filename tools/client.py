@@ -33,9 +33,10 @@ class AdminClient:
         self._cid = 0
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        # Forget the fd first: close() of a dead mount's file fails (ENOTCONN) yet frees it.
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def __enter__(self) -> "AdminClient":
         return self

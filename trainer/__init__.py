@@ -1,5 +1,19 @@
 """cossd.trainer: PyTorch optimizers that keep their state on a cossd device, and the demo."""
-from .namespace_files import DeviceLostError
-from .optim import Adam, AdamW
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Adam", "AdamW", "DeviceLostError"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so torch-free parts (the demo's options) load without torch.
+    if name in ("Adam", "AdamW"):
+        from . import optim
+
+        return getattr(optim, name)
+    if name == "DeviceLostError":
+        from .namespace_files import DeviceLostError
+
+        return DeviceLostError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

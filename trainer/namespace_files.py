@@ -54,13 +54,12 @@ class NamespaceFiles:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._fds.clear()
-        self.admin.close()
+        """Close every handle; a dead mount's handles fail to close cleanly, which is fine."""
+        self._close_files()
+        try:
+            self.admin.close()
+        except OSError:
+            pass
 
     def exists(self) -> bool:
         try:
@@ -81,9 +80,13 @@ class NamespaceFiles:
         self.nsid = None
 
     def _close_files(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
+        fds = list(self._fds.values())
         self._fds.clear()
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ control file
 

@@ -5,6 +5,7 @@ import concurrent.futures
 import dataclasses
 import os
 import re
+import time
 import warnings
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -98,6 +99,9 @@ class _DeviceAdam(torch.optim.Optimizer):
         self.last_step_skipped = False
         self.last_grad_norm: float | None = None
         self.restored = False
+        # Seconds the last step spent: sending gradients (the device's kernel runs behind
+        # those writes), in begin/commit (where durability waits show), reading params.
+        self.last_timing: dict[str, float] = {}
         self._sent_hypers: list[dict[str, float]] = []
         self._step_open = False
         self._streamed: set[int] = set()
@@ -346,6 +350,9 @@ class _DeviceAdam(torch.optim.Optimizer):
                 loss = closure()
         loss_scale = self._loss_scale()
         found_inf = self._scaler_found_inf()
+        clock = time.perf_counter
+        timing = {"begin_s": 0.0}
+        started = clock()
         try:
             if self._step_open and self.streaming:
                 if loss_scale != self._stream_scale:
@@ -361,11 +368,17 @@ class _DeviceAdam(torch.optim.Optimizer):
                     future.result()
             else:
                 grads = [self._wire_grad(entry) for entry in self.entries]
+                coefficient = self._clip_coefficient(grads, loss_scale)
+                began = clock()
                 # The device multiplies each gradient by the step's combined scale.
-                self._begin(self._clip_coefficient(grads, loss_scale) / loss_scale)
+                self._begin(coefficient / loss_scale)
+                timing["begin_s"] = clock() - began
                 for entry, grad in zip(self.entries, grads):
                     self._write_grad(entry, grad)
+            committing = clock()
+            timing["grads_s"] = committing - started - timing["begin_s"]
             result = self.files.command(self.files.admin.commit_step, self.files.nsid)
+            timing["commit_s"] = clock() - committing
         except BaseException:
             self._abort()
             raise
@@ -381,8 +394,11 @@ class _DeviceAdam(torch.optim.Optimizer):
                     "that the GradScaler did not see (an overflow converting to "
                     f"{self.dtype}); use dtype=torch.bfloat16", RuntimeWarning, stacklevel=2)
         else:
+            reading = clock()
             self._read_params()
+            timing["params_s"] = clock() - reading
         self.committed_step = int(result["committed_step"])
+        self.last_timing = timing
         return loss
 
     # ------------------------------------------------------------------ state_dict

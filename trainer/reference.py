@@ -14,6 +14,9 @@ class MixedPrecisionOptimizer:
     optimizer updates the masters, and the model params are refreshed from them (rounded to
     nearest even, as `.copy_` does). The param groups mirror the model's, so per-group
     options and LR schedulers work on `.optimizer` as usual.
+
+    Pass fused=True for torch's fused CPU/CUDA kernel: on the CPU it is the one cossd's
+    kernel matches bit for bit (docs/kernels.md).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,

@@ -1,0 +1,74 @@
+"""The demo's options and settings, kept free of torch so `cossd --help` stays quick."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+
+DTYPE_NAMES = ("bf16", "fp16")
+
+
+@dataclasses.dataclass
+class Settings:
+    steps: int
+    crash_at: int
+    model: str
+    batch: int
+    lr: float
+    weight_decay: float
+    interval: int
+    dcp_steps: int
+    device: str
+    dtype: str
+    seed: int
+    output: Path
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup over 10% of the run, then cosine decay to 10%."""
+        warmup = max(1, self.steps // 10)
+        if step <= warmup:
+            return self.lr * step / warmup
+        progress = (step - warmup) / max(1, self.steps - warmup)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser.add_argument("--crash-at", type=int, default=None,
+                        help="step in the middle of which the daemon is killed (default: steps/2)")
+    parser.add_argument("--model", default="small", choices=("tiny", "small", "medium"),
+                        help="model size: tiny ~0.1M, small ~3.3M (default), medium ~10.8M params")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--checkpoint-interval", type=int, default=1,
+                        help="steps between the conventional baselines' checkpoints (default 1)")
+    parser.add_argument("--dcp-steps", type=int, default=None,
+                        help="steps of the DCP async_save baseline (default: --steps)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model trains (default cpu)")
+    parser.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
+                        help="half precision of model, grads and params (default bf16; fp16 runs without loss "
+                             "scaling, and CPUs without fp16 matmul units are slow at it)")
+    parser.add_argument("--backing", type=Path, default=None,
+                        help="an existing backing directory to use (default: a temporary one)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=Path("demo-out"),
+                        help="directory for report.json and demo.png (default ./demo-out)")
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    if args.steps < 2:
+        raise ValueError("--steps must be at least 2")
+    crash_at = args.crash_at if args.crash_at is not None else max(2, args.steps // 2)
+    if not 2 <= crash_at <= args.steps:
+        raise ValueError(f"--crash-at must be in 2..{args.steps}")
+    dtype = args.dtype or "bf16"
+    dcp_steps = args.dcp_steps if args.dcp_steps is not None else args.steps
+    if args.checkpoint_interval < 1 or not 1 <= dcp_steps <= args.steps:
+        raise ValueError("--checkpoint-interval must be >= 1 and --dcp-steps in 1..--steps")
+    return Settings(steps=args.steps, crash_at=crash_at, model=args.model, batch=args.batch, lr=args.lr,
+                    weight_decay=args.weight_decay, interval=args.checkpoint_interval, dcp_steps=dcp_steps,
+                    device=args.device, dtype=dtype, seed=args.seed, output=args.output)
