@@ -379,3 +379,67 @@ def test_damaged_namespace_is_isolated_and_deletable(backing: Path) -> None:
         assert completion.status == Status.SUCCESS
         assert device.failed_namespaces == {}
         device.create_namespace(make_spec("bad"))  # the name is usable again
+
+
+def test_groups_update_each_tensor_with_its_own_hyperparameters(backing: Path) -> None:
+    """Two groups in one namespace give what two one-group namespaces give, bit for bit."""
+    tensors = (TensorSpec("w", 300, group=0), TensorSpec("b", 7, group=1))
+    a, b = Hyperparameters(lr=1e-2, weight_decay=0.1), Hyperparameters(lr=3e-3, weight_decay=0.0)
+    with Device.open(backing) as device:
+        grouped = device.create_namespace(NamespaceSpec("grouped", tensors, hyper=a, groups=(a, b)))
+        only_w = device.create_namespace(NamespaceSpec("w", (TensorSpec("w", 300),), hyper=a))
+        only_b = device.create_namespace(NamespaceSpec("b", (TensorSpec("b", 7),), hyper=b))
+        rng = np.random.default_rng(3)
+        initial = {"w": rng.standard_normal(300, dtype=np.float32), "b": rng.standard_normal(7, dtype=np.float32)}
+        for ns, names in ((grouped, ("w", "b")), (only_w, ("w",)), (only_b, ("b",))):
+            for name in names:
+                ns.write_state(name, "master", 0, initial[name].tobytes())
+        for step in range(1, 4):
+            if step == 3:  # a schedule: group 1's lr changes, on its own
+                grouped.set_hyperparameters(group=1, lr=1e-3)
+                only_b.set_hyperparameters(lr=1e-3)
+            grad = {n: (rng.standard_normal(len(v)) * 0.1).astype(np.float16).tobytes() for n, v in initial.items()}
+            for ns, names in ((grouped, ("w", "b")), (only_w, ("w",)), (only_b, ("b",))):
+                for name in names:
+                    ns.write_grad(name, 0, grad[name])
+        assert grouped.read("w", "master", 0, 1 << 20) == only_w.read("w", "master", 0, 1 << 20)
+        assert grouped.read("b", "master", 0, 1 << 20) == only_b.read("b", "master", 0, 1 << 20)
+        assert [h.lr for h in grouped.hypers] == [1e-2, 1e-3]
+        with pytest.raises(DeviceError) as info:
+            grouped.set_hyperparameters(group=2, lr=0.1)
+        assert info.value.status == Status.INVALID_FIELD
+        with pytest.raises(DeviceError):
+            grouped.set_hyperparameters(mode="adam")
+    # The per-group values are recorded with the committed step and survive a restart.
+    with Device.open(backing) as device:
+        grouped = device.namespace("grouped")
+        assert [h.lr for h in grouped.hypers] == [1e-2, 1e-3]
+        assert [h.weight_decay for h in grouped.hypers] == [0.1, 0.0]
+        assert [t["group"] for t in grouped.config()["tensors"]] == [0, 1]
+
+
+def test_group_and_initial_step_fields_are_validated() -> None:
+    base = {"name": "x", "tensors": [["w", 4, 1]], "hyperparameters": {"lr": 0.1}}
+    spec = NamespaceSpec.from_json(base | {"groups": [{}, {"lr": 0.5, "weight_decay": 0.0}], "initial_step": 7})
+    assert [g.lr for g in spec.group_hypers] == [0.1, 0.5] and spec.initial_step == 7
+    assert NamespaceSpec.from_json(spec.to_json()) == spec
+    for bad in ({"groups": [{}]},                      # tensor names group 1 of one
+                {"groups": [{}, {"mode": "adam"}]},    # groups must share the mode
+                {"groups": "fast"},
+                {"groups": [{}, {"lr": -1.0}]},
+                {"groups": [{}, {}], "initial_step": -1},
+                {"groups": [{}, {}], "initial_step": True}):
+        with pytest.raises(DeviceError) as info:
+            NamespaceSpec.from_json(base | bad)
+        assert info.value.status == Status.INVALID_FIELD, bad
+
+
+def test_initial_step_continues_the_step_count(device: Device) -> None:
+    ns = device.create_namespace(make_spec(initial_step=41))
+    load(ns)
+    assert ns.committed_step == 41 and ns.loading
+    with pytest.raises(DeviceError) as info:
+        ns.begin_step(1)
+    assert info.value.status == Status.STEP_NUMBER_MISMATCH
+    run_steps(ns, range(1))
+    assert ns.committed_step == 42

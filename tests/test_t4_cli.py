@@ -83,8 +83,23 @@ def test_help_explains(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "demo", "--steps", "24", "--output", str(tmp_path / "out"))
-    assert code == 0, out
-    assert "recovered committed step 11" in out and "step skipped" in out
-    report = json.loads((tmp_path / "out/report.json").read_text())
-    assert report["device"]["committed_step"] == 24 and report["device"]["steps_skipped"] == 1
+    """A short, tiny-model `cossd demo`: crash mid-step, restore, table, JSON and PNG."""
+    out_dir = tmp_path / "out"
+    code, out, err = run(capsys, "demo", "--model", "tiny", "--steps", "16", "--crash-at", "9",
+                         "--dcp-steps", "6", "--output", str(out_dir))
+    assert code == 0, out + err
+    assert "device daemon killed (kill -9)" in out and "resuming after committed step 8" in out
+    assert "| (a) cossd" in out and "| (b) AdamW on trainer + torch.save/fsync" in out
+    report = json.loads((out_dir / "report.json").read_text())
+    assert report["checks"]["crash_run_bit_identical"] and report["checks"]["stock_within_tolerance"]
+    assert report["crash"]["recovered_step"] == 8
+    cossd, saved, dcp = report["methods"]
+    # 2 bytes of BF16 gradient in and 2 of param out per parameter, nothing else.
+    assert cossd["bytes_per_param_per_step"] == pytest.approx(4.0)
+    assert saved["bytes_per_param_per_step"] > 12 and dcp["steps"] == 6
+    assert (out_dir / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "demo", "--steps", "10", "--crash-at", "11")
+    assert code == 2 and "--crash-at must be in 2..10" in err

@@ -182,14 +182,19 @@ def figure(report: dict[str, Any], path: Path) -> Path:
             ax.set_yscale("log")
         ax.set_title(title)
 
-    bars(axes[1], [m["bytes_per_step"] / 1e6 for m in methods], "bytes trainer<->storage per step", "MB", log=True)
+    bars(axes[1], [m["bytes_per_step"] / 1e6 for m in methods], "bytes trainer<->storage per step", "MB")
+    axes[1].set_ylabel("MB per step")
+    axes[2].set_ylabel("ms per step (mean)")
+    axes[3].set_ylabel("seconds")
     bars(axes[2], [m["checkpoint_stall_ms_mean"] for m in methods], "checkpoint stall per step", "ms")
     bars(axes[3], [m["restore_s"] or 0.0 for m in methods], "restore time (to training resumed)", "s")
     # cossd's restore splits into the device's own recovery at mount and the trainer's read.
     cossd_restore = methods[0]["restore_detail"]
     if "params_s" in cossd_restore:
         axes[3].bar([names[0]], [cossd_restore["params_s"]], color="#9ecae1", hatch="//",
-                    label="trainer: read params")
+                    label="cossd: trainer reads params")
+        axes[3].bar([names[0]], [cossd_restore["mount_s"]], bottom=[cossd_restore["params_s"]],
+                    color=colors[0], label="cossd: device restart + recovery")
         axes[3].legend(fontsize=8, loc="upper right")
     fig.suptitle(f"cossd demo: {report['parameters'] / 1e6:.1f}M-param GPT, {len(steps)} steps, "
                  f"{report['settings']['dtype']} on {report['settings']['device']}", fontsize=11)
