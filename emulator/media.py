@@ -13,13 +13,42 @@ import numpy as np
 from .errors import DeviceError, Status
 
 
+class MediaHooks:
+    """Sees every write and sync of the backing store; tests install one to simulate power
+    loss (which writes were synced when) or to inject faults (raise OSError)."""
+
+    def before_write(self, path: Path) -> None: ...
+
+    def before_sync(self, path: Path) -> None: ...
+
+    def after_sync(self, path: Path) -> None: ...
+
+    def before_dir_sync(self, path: Path) -> None: ...
+
+    def after_dir_sync(self, path: Path) -> None: ...
+
+
+_hooks: MediaHooks | None = None
+
+
+def install_hooks(hooks: MediaHooks | None) -> MediaHooks | None:
+    """Route the backing store's writes and syncs past `hooks` (None: none); returns the old."""
+    global _hooks
+    previous, _hooks = _hooks, hooks
+    return previous
+
+
 def fsync_dir(path: Path) -> None:
     """Make a directory's entries (creations, renames, removals) durable."""
+    if _hooks is not None:
+        _hooks.before_dir_sync(path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    if _hooks is not None:
+        _hooks.after_dir_sync(path)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -32,11 +61,13 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
+            if _hooks is not None:
+                _hooks.before_write(tmp)
             view = memoryview(data)
             while view:
                 written = os.write(fd, view)
                 view = view[written:]
-            os.fsync(fd)
+            _fsync(fd, tmp)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -54,10 +85,18 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+def _fsync(fd: int, path: Path) -> None:
+    if _hooks is not None:
+        _hooks.before_sync(path)
+    os.fsync(fd)
+    if _hooks is not None:
+        _hooks.after_sync(path)
+
+
 def sync_fd(fd: int, path: Path) -> None:
     """fsync one backing file; a failure is fatal for the step (Linux cannot retry it)."""
     try:
-        os.fsync(fd)
+        _fsync(fd, path)
     except OSError as exc:
         raise media_error(exc, f"syncing {path.name}") from exc
 
@@ -111,6 +150,8 @@ class StateFile:
         """
         view = memoryview(data).cast("B")
         try:
+            if _hooks is not None:
+                _hooks.before_write(self.path)
             while view:
                 written = os.pwrite(self.fd, view, offset)
                 view = view[written:]
@@ -144,6 +185,8 @@ class SlotFile:
 
     def write(self, data: bytes) -> None:
         try:
+            if _hooks is not None:
+                _hooks.before_write(self.path)
             written = os.pwrite(self.fd, data, 0)
             if written != len(data):
                 raise OSError(errno.EIO, "short write")

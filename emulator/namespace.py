@@ -143,6 +143,9 @@ class Namespace:
         try:
             for copy in Copy:
                 copies.append(StateFile(directory / f"state.{copy.name}", copy_bytes, create=True))
+                # The allocation (size and extents) must be durable before the namespace is:
+                # after a power cut, a registered namespace with a short state file is lost.
+                copies[-1].sync()
             total_blocks = sum(t.block_count for t in layouts)
             superblock = Superblock(
                 seq=1,
