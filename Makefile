@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.stamp-install
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-slow system-deps install clean
+.PHONY: all demo test test-slow torture system-deps install clean
 
 all: test
 
@@ -34,8 +34,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+# The long reliability runs (kill -9, power loss, corruption) plus the fault injections,
+# printing each one's trials and failures; docs/reliability.md has the latest figures.
+torture: $(STAMP)
+	$(PY) -m pytest -q -m "slow or torture" $(PYTEST_ARGS)
+
+test-slow: torture
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis kernels/*.so

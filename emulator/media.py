@@ -183,6 +183,13 @@ class SlotFile:
     def read(self) -> bytes:
         return os.pread(self.fd, os.fstat(self.fd).st_size, 0)
 
+    def allocate(self, size_bytes: int) -> None:
+        """Reserve the slot's blocks (it reads as zeros: no valid superblock)."""
+        try:
+            os.posix_fallocate(self.fd, 0, size_bytes)
+        except OSError as exc:
+            raise media_error(exc, f"allocating {self.path.name}") from exc
+
     def write(self, data: bytes) -> None:
         try:
             if _hooks is not None:

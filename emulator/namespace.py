@@ -126,6 +126,10 @@ class Namespace:
         )
         self._views: dict[tuple[Copy, str, str], np.ndarray] = {}
         self._thread_local = threading.local()
+        # Set when an fsync failed: Linux reports such an error once and may have dropped
+        # the dirty pages, so a retry could "succeed" over lost data. Like PostgreSQL, the
+        # namespace then refuses further steps until the device is opened again.
+        self.media_failure: str | None = None
 
     # ------------------------------------------------------------------ creation, opening
 
@@ -156,8 +160,13 @@ class Namespace:
                 **_hyper_record(list(spec.group_hypers)),
             )
             slots = (SlotFile(directory / "sb.0"), SlotFile(directory / "sb.1"))
-            slots[superblock.slot].write(superblock.encode())
-            slots[superblock.slot].sync()
+            encoded = superblock.encode()
+            # Both slots get their full size now, so no later commit needs a new block
+            # (a full disk fails the create, not a step).
+            slots[1 - superblock.slot].allocate(len(encoded))
+            slots[superblock.slot].write(encoded)
+            for slot in slots:
+                slot.sync()
             meta = {"nsid": nsid, "spec": spec.to_json(), "copy_bytes": copy_bytes}
             atomic_write_json(directory / "meta.json", meta)
             fsync_dir(directory)
@@ -420,6 +429,7 @@ class Namespace:
         if length == 0:
             return 0
         with self._lock:
+            self._check_media()
             if not self.loading:
                 raise DeviceError(
                     Status.STATE_SEALED,
@@ -524,6 +534,7 @@ class Namespace:
             return self._begin_locked(step, grad_scale, explicit=True).step
 
     def _begin_locked(self, step: int | None, grad_scale: float, explicit: bool) -> StepTransaction:
+        self._check_media()
         if self._tx is not None:
             raise DeviceError(
                 Status.STEP_ALREADY_OPEN,
@@ -559,7 +570,7 @@ class Namespace:
         for tensor in self.layouts:
             for block in range(tensor.block_count):
                 crcs[tensor.first_block + block] = self._block_crc(copy, tensor, block)
-        self._copies[copy].sync()
+        self._sync(self._copies[copy])
         sealed = self._sb.successor(flags=SuperblockFlags.NONE, block_crcs=crcs)
         self._write_superblock(sealed, sync=True)
 
@@ -586,6 +597,10 @@ class Namespace:
             return tx.step
 
     def _commit_locked(self, tx: StepTransaction) -> CommitResult:
+        if self.media_failure is not None:
+            self._tx = None
+            self.counters.steps_aborted += 1
+            self._check_media()
         if tx.error is not None:
             self._tx = None
             self.counters.steps_aborted += 1
@@ -610,7 +625,7 @@ class Namespace:
                 return CommitResult(tx.step, self._sb.committed_step, True, tx.nonfinite)
             shadow = self._sb.committed_copy.other
             if self.sync_commits:
-                self._copies[shadow].sync()
+                self._sync(self._copies[shadow])
             committed = self._sb.successor(
                 committed_step=tx.step,
                 committed_copy=shadow,
@@ -628,11 +643,28 @@ class Namespace:
         finally:
             self._tx = None
 
+    def _sync(self, media: StateFile | SlotFile) -> None:
+        """fsync one file; a failure stops the namespace (see media_failure)."""
+        try:
+            media.sync()
+        except DeviceError as exc:
+            self.media_failure = exc.message
+            log.error("namespace %s: %s; refusing further steps until reopened", self.name, exc.message)
+            raise
+
+    def _check_media(self) -> None:
+        if self.media_failure is not None:
+            raise DeviceError(
+                Status.WRITE_FAULT,
+                f"namespace {self.name!r} stopped after a failed sync ({self.media_failure}); "
+                "remount the device to recover the last durable step",
+            )
+
     def _write_superblock(self, superblock: Superblock, sync: bool) -> None:
         slot = self._slots[superblock.slot]
         slot.write(superblock.encode())
         if sync:
-            slot.sync()
+            self._sync(slot)
             self._durable_seq = superblock.seq
             self._durable_step = superblock.committed_step
         self._sb = superblock
@@ -679,8 +711,8 @@ class Namespace:
             if self._durable_seq >= superblock.seq:
                 return
             started = time.perf_counter_ns()
-            self._copies[superblock.committed_copy].sync()
-            self._slots[superblock.slot].sync()
+            self._sync(self._copies[superblock.committed_copy])
+            self._sync(self._slots[superblock.slot])
             self._durable_seq = superblock.seq
             self._durable_step = superblock.committed_step
             self.counters.flushes += 1

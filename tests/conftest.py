@@ -15,6 +15,23 @@ from cossd.emulator import Device, DeviceConfig
 from cossd.fs import daemon
 
 
+# Lines of figures (trials, failures) that torture tests report; printed at the end of the run.
+FIGURES: list[str] = []
+
+
+@pytest.fixture
+def figures() -> list[str]:
+    """Append a line 'what: N trials, M failures' to report it in the run's summary."""
+    return FIGURES
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FIGURES:
+        terminalreporter.write_sep("=", "reliability figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture
 def backing(tmp_path: Path) -> Path:
     path = tmp_path / "backing"

@@ -166,25 +166,27 @@ def run_trials(tmp_path: Path, steps: int, variants: tuple[str, ...], write_prob
     return outcomes
 
 
-def report(outcomes: dict[str, Outcome]) -> None:
+def report(outcomes: dict[str, Outcome], figures: list[str]) -> None:
     for mode, outcome in outcomes.items():
-        print(f"\nC2 power loss ({mode}): {outcome.states} crash states {outcome.by_variant}, "
-              f"{outcome.silent_wrong} silent wrong, {outcome.loud} unrecovered")
+        figures.append(
+            f"C2 power loss ({mode} commits): {outcome.states} crash states {outcome.by_variant}, "
+            f"{outcome.silent_wrong + outcome.loud} failures ({outcome.silent_wrong} silent wrong, "
+            f"{outcome.loud} unrecovered)")
         for failure in outcome.failures[:10]:
-            print("   ", failure)
+            figures.append(f"    {failure}")
     for outcome in outcomes.values():
         assert outcome.silent_wrong == 0 and outcome.loud == 0, outcome.failures[:5]
 
 
-def test_power_loss_at_every_sync_point_short(tmp_path: Path) -> None:
+def test_power_loss_at_every_sync_point_short(tmp_path: Path, figures: list[str]) -> None:
     outcomes = run_trials(tmp_path, steps=4, variants=("drop", "tear"), write_probability=0.0, seed=1)
-    report(outcomes)
+    report(outcomes, figures)
     assert sum(o.states for o in outcomes.values()) >= 40
 
 
 @pytest.mark.slow
-def test_power_loss_torture(tmp_path: Path) -> None:
+def test_power_loss_torture(tmp_path: Path, figures: list[str]) -> None:
     outcomes = run_trials(tmp_path, steps=24, variants=("drop", "keep", "tear", "tear"),
                           write_probability=0.1, seed=2)
-    report(outcomes)
+    report(outcomes, figures)
     assert sum(o.states for o in outcomes.values()) >= 1000
