@@ -312,3 +312,35 @@ def test_unsupported_options_are_refused(opened, mount: Mount, tmp_path: Path) -
         opened(AdamW, make_model(torch.bfloat16).parameters(), mount=mount.mountpoint, namespace="x", lr=-1)
     with pytest.raises(FileNotFoundError, match="not a mounted cossd device"):
         AdamW(make_model(torch.bfloat16).parameters(), mount=tmp_path, namespace="x")
+
+
+def test_stopped_daemon_times_out_with_a_clear_error(opened, mount: Mount) -> None:
+    """SIGSTOP the daemon mid-training: the trainer gets a timeout error instead of hanging."""
+    import os
+    import signal
+    import time
+
+    from cossd.tools.client import AdminClient, DeviceTimeoutError
+
+    model = make_model(torch.bfloat16)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="hang", timeout_s=1.5)
+    optimizer.zero_grad()
+    loss_of(model, 1, torch.bfloat16).backward()
+    optimizer.step()
+    os.kill(mount.pid, signal.SIGSTOP)
+    try:
+        optimizer.zero_grad()
+        loss_of(model, 2, torch.bfloat16).backward()
+        started = time.monotonic()
+        with pytest.raises(DeviceTimeoutError, match="did not answer within 1.5 s"):
+            optimizer.step()
+        assert time.monotonic() - started < 10
+        started = time.monotonic()
+        with pytest.raises(DeviceTimeoutError):
+            AdminClient(mount.mountpoint, timeout_s=1.0).describe()
+        assert time.monotonic() - started < 5
+    finally:
+        os.kill(mount.pid, signal.SIGCONT)
+    # Resumed, the device serves again; the abandoned step never committed.
+    with AdminClient(mount.mountpoint) as admin:
+        assert admin.statistics(admin.nsid("hang"))["committed_step"] == 1

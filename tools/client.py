@@ -1,10 +1,13 @@
 """A client of a mounted device's control file: submit commands, read completions."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import queue
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from cossd.emulator.errors import DeviceError, Status
 from cossd.emulator.protocol import (
@@ -18,16 +21,99 @@ from cossd.emulator.protocol import (
 )
 
 ADMIN_FILE = ".admin"
+# How long a client waits for one answer before declaring the daemon hung (None: forever).
+DEFAULT_TIMEOUT_S = 120.0
+
+T = TypeVar("T")
+
+
+class DeviceTimeoutError(TimeoutError):
+    """The daemon did not answer in time: stopped (SIGSTOP), hung or badly overloaded."""
+
+
+class Watchdog:
+    """Runs blocking calls on a worker thread, so a hung daemon becomes a DeviceTimeoutError.
+
+    A system call on a FUSE file whose daemon is stopped blocks until the daemon resumes or
+    dies. The worker is a daemon thread: if it stays stuck, it does not hold up exit. Once a
+    call timed out, every later call fails at once (the worker is still stuck in the old one).
+    """
+
+    def __init__(self, mountpoint: Path, timeout_s: float | None) -> None:
+        self.mountpoint = mountpoint
+        self.timeout_s = timeout_s
+        self._jobs: "queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]" = (
+            queue.SimpleQueue())
+        self._worker: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._stuck: str | None = None
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            work, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(work())
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                    future.set_exception(exc)
+
+    def call(self, work: Callable[[], T], *, if_late: Callable[[T], None] | None = None) -> T:
+        """work(), or DeviceTimeoutError after timeout_s. `if_late` receives the result of a
+        call that completes after it timed out (to close a file that opened too late)."""
+        if self.timeout_s is None:
+            return work()
+        if self._stuck is not None:
+            raise DeviceTimeoutError(self._stuck)
+        with self._start_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="cossd-io", daemon=True)
+                self._worker.start()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((work, future))
+        try:
+            return future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            if if_late is not None:
+                future.add_done_callback(
+                    lambda done: if_late(done.result()) if done.exception() is None else None)
+            self._stuck = (
+                f"the cossd daemon at {self.mountpoint} did not answer within {self.timeout_s:g} s "
+                "(stopped, hung or overloaded?); check its process, then remount if it is gone"
+            )
+            raise DeviceTimeoutError(self._stuck) from None
+
+    @property
+    def stuck(self) -> bool:
+        return self._stuck is not None
+
+    def close_later(self, fd: int) -> None:
+        """Close `fd` without waiting: a close is a request the daemon must answer too."""
+        threading.Thread(target=_close_quietly, args=(fd,), name="cossd-close", daemon=True).start()
+
+    def close(self) -> None:
+        if self._worker is not None and self._stuck is None:
+            self._jobs.put(None)
+        self._worker = None
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 class AdminClient:
     """One queue pair: an open() of MOUNTPOINT/.admin. Not thread-safe; open one per thread."""
 
-    def __init__(self, mountpoint: str | os.PathLike[str]) -> None:
+    def __init__(self, mountpoint: str | os.PathLike[str],
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
         self.mountpoint = Path(mountpoint)
+        self.watchdog = Watchdog(self.mountpoint, timeout_s)
+        self.fd = -1
         path = self.mountpoint / ADMIN_FILE
         try:
-            self.fd = os.open(path, os.O_RDWR)
+            self.fd = self.watchdog.call(lambda: os.open(path, os.O_RDWR), if_late=_close_quietly)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.mountpoint} is not a mounted cossd device") from None
         self._cid = 0
@@ -35,8 +121,13 @@ class AdminClient:
     def close(self) -> None:
         # Forget the fd first: close() of a dead mount's file fails (ENOTCONN) yet frees it.
         fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        try:
+            if fd >= 0 and self.watchdog.stuck:
+                self.watchdog.close_later(fd)
+            elif fd >= 0:
+                self.watchdog.call(lambda: os.close(fd))
+        finally:
+            self.watchdog.close()
 
     def __enter__(self) -> "AdminClient":
         return self
@@ -61,11 +152,15 @@ class AdminClient:
         """
         self._cid = (self._cid + 1) & 0xFFFF
         raw = encode_submission(opcode, cid=self._cid, payload=payload, **fields)
-        os.write(self.fd, raw)
-        header = self._read_exact(COMPLETION.itemsize)
-        completion, data_len = decode_completion(header)
-        data = self._read_exact(data_len) if data_len else b""
-        return Completion(completion.cid, completion.status, completion.result, data)
+
+        def exchange() -> Completion:
+            os.write(self.fd, raw)
+            header = self._read_exact(COMPLETION.itemsize)
+            completion, data_len = decode_completion(header)
+            data = self._read_exact(data_len) if data_len else b""
+            return Completion(completion.cid, completion.status, completion.result, data)
+
+        return self.watchdog.call(exchange)
 
     def call(self, opcode: int, *, allow: tuple[Status, ...] = (), **fields: Any) -> Completion:
         """Submit and raise DeviceError unless the status is SUCCESS (or in `allow`)."""

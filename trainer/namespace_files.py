@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from cossd.emulator.errors import DeviceError, Status
-from cossd.tools.client import AdminClient
+from cossd.tools.client import DEFAULT_TIMEOUT_S, AdminClient, DeviceTimeoutError
 
 # What the device calls each wire dtype, and the torch dtype it holds.
 WIRE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -38,16 +38,19 @@ class NamespaceFiles:
     gradient blocks itself, and direct_io means nothing is cached on the trainer's side.
     """
 
-    def __init__(self, mountpoint: str | os.PathLike[str], name: str) -> None:
+    def __init__(self, mountpoint: str | os.PathLike[str], name: str,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
         self.mountpoint = Path(mountpoint)
         self.name = name
         self.root = self.mountpoint / "ns" / name
         try:
-            self.admin = AdminClient(self.mountpoint)
+            self.admin = AdminClient(self.mountpoint, timeout_s)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{self.mountpoint} is not a mounted cossd device (start one with `cossd mount`)"
             ) from None
+        # Every file operation goes through it: a stopped daemon becomes a DeviceTimeoutError.
+        self._call: Any = self.admin.watchdog.call
         self.nsid: int | None = None
         self._fds: dict[tuple[str, str, bool], int] = {}
 
@@ -83,8 +86,11 @@ class NamespaceFiles:
         fds = list(self._fds.values())
         self._fds.clear()
         for fd in fds:
+            if self.admin.watchdog.stuck:
+                self.admin.watchdog.close_later(fd)
+                continue
             try:
-                os.close(fd)
+                self._call(lambda fd=fd: os.close(fd))
             except OSError:
                 pass
 
@@ -94,6 +100,8 @@ class NamespaceFiles:
         """Run one AdminClient call, turning a vanished daemon into DeviceLostError."""
         try:
             return method(*args, **kwargs)
+        except DeviceTimeoutError:
+            raise
         except OSError as exc:
             if exc.errno in _LOST_ERRNOS or exc.errno is None:
                 # errno None: the control file returned no completion (a dead queue pair).
@@ -108,7 +116,7 @@ class NamespaceFiles:
 
     def _read_text(self, name: str) -> str:
         try:
-            return (self.root / name).read_text()
+            return self._call((self.root / name).read_text)
         except OSError as exc:
             if exc.errno in _LOST_ERRNOS or not (self.mountpoint / ".admin").exists():
                 raise _lost(self.mountpoint, exc) from exc
@@ -124,7 +132,8 @@ class NamespaceFiles:
         if fd is None:
             flags = os.O_WRONLY if writing else os.O_RDONLY
             try:
-                fd = os.open(self.root / "tensors" / tensor / role, flags)
+                fd = self._call(lambda: os.open(self.root / "tensors" / tensor / role, flags),
+                                if_late=os.close)
             except OSError as exc:
                 if exc.errno in _LOST_ERRNOS or not (self.mountpoint / ".admin").exists():
                     raise _lost(self.mountpoint, exc) from exc
@@ -140,7 +149,7 @@ class NamespaceFiles:
         offset = 0
         try:
             while offset < len(buffer):
-                offset += os.pwrite(fd, buffer[offset:], offset)
+                offset += self._call(lambda: os.pwrite(fd, buffer[offset:], offset))
         except OSError as exc:
             if exc.errno in _LOST_ERRNOS:
                 raise _lost(self.mountpoint, exc) from exc
@@ -156,7 +165,7 @@ class NamespaceFiles:
         offset = 0
         try:
             while offset < len(buffer):
-                count = os.preadv(fd, [buffer[offset:]], offset)
+                count = self._call(lambda: os.preadv(fd, [buffer[offset:]], offset))
                 if count == 0:
                     raise OSError(errno.EIO, f"{tensor}/{role}: file ended at byte {offset}")
                 offset += count
