@@ -34,6 +34,8 @@ __all__ = [
     "param_to_master",
     "crc32c",
     "simd_level",
+    "available_kernels",
+    "use_kernel",
     "use_simd",
 ]
 
@@ -412,22 +414,51 @@ def crc32c(buf: Any, value: int = 0) -> int:
 # ---------------------------------------------------------------------------
 
 
+_LEVEL_NAMES = {_lib.COSSD_SIMD_SCALAR: "scalar", _lib.COSSD_SIMD_AVX2: "avx2", _lib.COSSD_SIMD_AVX512: "avx512"}
+_LEVELS = {name: level for level, name in _LEVEL_NAMES.items()}
+
+
 def simd_level() -> str:
-    """The path the dispatching kernels use right now: "avx2" or "scalar"."""
-    return "avx2" if _lib.cossd_simd_active() else "scalar"
+    """The path the dispatching kernels use right now: "avx512", "avx2" or "scalar"."""
+    return _LEVEL_NAMES[_lib.cossd_simd_level()]
+
+
+def available_kernels() -> tuple[str, ...]:
+    """The paths this CPU can run, lowest first, e.g. ("scalar", "avx2", "avx512")."""
+    best = _lib.cossd_simd_level_available()
+    return tuple(name for level, name in sorted(_LEVEL_NAMES.items()) if level <= best)
+
+
+def use_kernel(name: str) -> None:
+    """Cap the dispatch path process-wide: "scalar", "avx2", "avx512" or "auto" (the best the CPU has).
+
+    A cap above what the CPU supports runs the best supported path below it
+    (simd_level() tells which). Results are bit-identical on every path.
+    """
+    if not isinstance(name, str) or name.strip().lower() not in (*_LEVELS, "auto", "simd"):
+        raise KernelArgumentError(f"kernel must be one of 'auto', 'avx512', 'avx2', 'scalar', got {name!r}")
+    key = name.strip().lower()
+    _lib.cossd_set_simd_level(_LEVELS.get(key, _lib.COSSD_SIMD_AVX512))
 
 
 def use_simd(enabled: bool) -> None:
-    """Enable (if the CPU supports it) or disable the SIMD paths process-wide; results are identical either way."""
+    """Enable (the best path the CPU supports) or disable the SIMD paths process-wide; results are identical either way."""
     _lib.cossd_set_simd(1 if enabled else 0)
 
 
 def _apply_env() -> None:
     choice = os.environ.get("COSSD_KERNEL", "").strip().lower()
-    if choice == "scalar":
-        use_simd(False)
-    elif choice not in ("", "auto", "avx2", "simd"):
-        warnings.warn(f"COSSD_KERNEL={choice!r} not understood (use 'scalar' or 'auto'); using auto", stacklevel=2)
+    if choice in ("", "auto", "simd"):
+        return
+    if choice not in _LEVELS:
+        warnings.warn(
+            f"COSSD_KERNEL={choice!r} not understood (use 'scalar', 'avx2', 'avx512' or 'auto'); using auto",
+            stacklevel=2,
+        )
+        return
+    use_kernel(choice)
+    if simd_level() != choice:
+        warnings.warn(f"COSSD_KERNEL={choice!r}: this CPU lacks it; using {simd_level()!r}", stacklevel=2)
 
 
 _apply_env()

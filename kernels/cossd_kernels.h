@@ -30,6 +30,11 @@ extern "C" {
 #define COSSD_ERR_FORMAT -2
 #define COSSD_ERR_UNSUPPORTED -3
 
+/* SIMD levels, lowest to highest (cossd_simd_level / cossd_set_simd_level). */
+#define COSSD_SIMD_SCALAR 0
+#define COSSD_SIMD_AVX2 1
+#define COSSD_SIMD_AVX512 2
+
 typedef struct {
     float grad_scale;
     float beta1;
@@ -59,28 +64,40 @@ int cossd_adam_step_avx2(const uint16_t *grad, int grad_fmt, const float *master
                          float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                          int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                          const cossd_adam_scalars *s);
+int cossd_adam_step_avx512(const uint16_t *grad, int grad_fmt, const float *master_in,
+                           const void *exp_avg_in, const void *exp_avg_sq_in,
+                           float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                           int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
+                           const cossd_adam_scalars *s);
 
 /* Returns the count, or (size_t)-1 on bad arguments. */
 size_t cossd_count_nonfinite(const uint16_t *grad, int fmt, size_t n);
 size_t cossd_count_nonfinite_scalar(const uint16_t *grad, int fmt, size_t n);
 size_t cossd_count_nonfinite_avx2(const uint16_t *grad, int fmt, size_t n);
+size_t cossd_count_nonfinite_avx512(const uint16_t *grad, int fmt, size_t n);
 
 int cossd_master_to_param(const float *master, uint16_t *param_out, int param_fmt, size_t n);
 int cossd_master_to_param_scalar(const float *master, uint16_t *param_out, int param_fmt, size_t n);
 int cossd_master_to_param_avx2(const float *master, uint16_t *param_out, int param_fmt, size_t n);
+int cossd_master_to_param_avx512(const float *master, uint16_t *param_out, int param_fmt, size_t n);
 
 int cossd_param_to_master(const uint16_t *param, int param_fmt, float *master_out, size_t n);
 int cossd_param_to_master_scalar(const uint16_t *param, int param_fmt, float *master_out, size_t n);
 int cossd_param_to_master_avx2(const uint16_t *param, int param_fmt, float *master_out, size_t n);
+int cossd_param_to_master_avx512(const uint16_t *param, int param_fmt, float *master_out, size_t n);
 
 uint32_t cossd_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t cossd_crc32c_scalar(uint32_t crc, const void *buf, size_t len);
 uint32_t cossd_crc32c_sse42(uint32_t crc, const void *buf, size_t len);
 
 int cossd_simd_available(void);
+int cossd_avx512_available(void);
 int cossd_crc_simd_available(void);
 void cossd_set_simd(int enabled);
 int cossd_simd_active(void);
+int cossd_simd_level_available(void);
+void cossd_set_simd_level(int level);
+int cossd_simd_level(void);
 
 /* END CDEF */
 

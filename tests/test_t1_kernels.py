@@ -1,4 +1,4 @@
-"""Tests of cossd.kernels: AVX2 vs scalar bit-identity, numpy/torch references, conversions, validation, CRC32C, threads."""
+"""Tests of cossd.kernels: AVX-512/AVX2 vs scalar bit-identity, numpy/torch references, conversions, validation, CRC32C, threads."""
 
 from __future__ import annotations
 
@@ -16,21 +16,34 @@ import pytest
 import cossd.kernels as k
 from cossd.kernels import AdamHyper, HalfFormat, KernelArgumentError, StateFormat
 
-SIMD = k._lib.cossd_simd_available() != 0
+ALL_PATHS = ("scalar", "avx2", "avx512")
+PATHS = k.available_kernels()  # what this CPU runs, e.g. ("scalar", "avx2", "avx512")
+SIMD_PATHS = tuple(p for p in PATHS if p != "scalar")
+SIMD = bool(SIMD_PATHS)
 SIZES = [1, 15, 17, 2**20 + 3]
 needs_simd = pytest.mark.skipif(not SIMD, reason="CPU lacks AVX2/F16C; only the scalar path exists")
 
 
+def path_params(paths: tuple[str, ...] = ALL_PATHS) -> list[Any]:
+    """One pytest param per kernel path; a path this CPU lacks is skipped, not silently run as another."""
+    return [
+        pytest.param(p, id=p, marks=pytest.mark.skipif(p not in PATHS, reason=f"CPU lacks the {p} path"))
+        for p in paths
+    ]
+
+
 @contextlib.contextmanager
-def kernel_path(simd: bool) -> Iterator[None]:
-    """Select the dispatch path for the block and restore the previous one afterwards."""
-    # Without AVX2 the switch has no effect, so the previous value does not matter.
-    before = k.simd_level() == "avx2" if SIMD else True
-    k.use_simd(simd)
+def kernel_path(path: str | bool) -> Iterator[None]:
+    """Select the dispatch path ("scalar", "avx2", "avx512"; True = best) for the block, then restore the previous one."""
+    name = path if isinstance(path, str) else ("auto" if path else "scalar")
+    before = k.simd_level()
+    k.use_kernel(name)
     try:
+        if name in ALL_PATHS:
+            assert k.simd_level() == name, f"asked for {name}, dispatch uses {k.simd_level()}"
         yield
     finally:
-        k.use_simd(before)
+        k.use_kernel(before)
 
 
 # ---------------------------------------------------------------------------
@@ -83,14 +96,21 @@ def make_inputs(n: int, gfmt: HalfFormat, sfmt: StateFormat, seed: int) -> dict[
 
 
 def run_adam(
-    inp: dict[str, np.ndarray], gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, scalars: k.AdamScalars
+    inp: dict[str, np.ndarray],
+    gfmt: HalfFormat,
+    pfmt: HalfFormat,
+    sfmt: StateFormat,
+    scalars: k.AdamScalars,
+    shift: int = 0,
 ) -> dict[str, np.ndarray]:
-    out = {
-        "master": np.empty_like(inp["master"]),
-        "m": np.empty_like(inp["m"]),
-        "v": np.empty_like(inp["v"]),
-        "param": np.empty(inp["master"].size, np.uint16),
-    }
+    """One out-of-place step; `shift` places each output `shift` elements past a fresh allocation's start."""
+    n = inp["master"].size
+
+    def empty(dtype: np.dtype) -> np.ndarray:
+        return np.empty(n + shift, dtype)[shift:]
+
+    out = {"master": empty(inp["master"].dtype), "m": empty(inp["m"].dtype), "v": empty(inp["v"].dtype),
+           "param": empty(np.dtype(np.uint16))}  # fmt: skip
     k.adam_step(
         inp["grad"], inp["master"], inp["m"], inp["v"], out["master"], out["m"], out["v"], out["param"],
         grad_format=gfmt, param_format=pfmt, state_format=sfmt, scalars=scalars,
@@ -131,13 +151,15 @@ def ref_adam(
     return {"master": p, "m": m, "v": v, "param": ref_f32_to_half(p, pfmt)}
 
 
-def assert_bits_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+def assert_bits_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str = "") -> None:
     for key in a:
         x, y = a[key], b[key]
         xb = x.view(np.uint32) if x.dtype == np.float32 else x
         yb = y.view(np.uint32) if y.dtype == np.float32 else y
         bad = np.flatnonzero(xb != yb)
-        assert bad.size == 0, f"{key}: {bad.size} elements differ, first at {bad[0]}: {xb[bad[0]]:#x} vs {yb[bad[0]]:#x}"
+        assert bad.size == 0, (
+            f"{what} {key}: {bad.size} elements differ, first at {bad[0]}: {xb[bad[0]]:#x} vs {yb[bad[0]]:#x}"
+        )
 
 
 ADAM_COMBOS = [
@@ -162,13 +184,41 @@ def test_adam_simd_scalar_and_reference_bit_identical(
 ) -> None:
     inp = make_inputs(n, gfmt, sfmt, seed=n)
     s = k.adam_scalars(hyper, step=7, grad_scale=0.75)
-    with kernel_path(False):
+    with kernel_path("scalar"):
         scalar = run_adam(inp, gfmt, pfmt, sfmt, s)
     assert_bits_equal(scalar, ref_adam(inp, gfmt, pfmt, sfmt, s))
-    if SIMD:
-        with kernel_path(True):
+    for path in SIMD_PATHS:
+        with kernel_path(path):
             simd = run_adam(inp, gfmt, pfmt, sfmt, s)
-        assert_bits_equal(simd, scalar)
+        assert_bits_equal(simd, scalar, path)
+
+
+@needs_simd
+@pytest.mark.parametrize(("gfmt", "pfmt", "sfmt", "hyper"), ADAM_COMBOS, ids=ADAM_IDS)
+def test_adam_every_tail_and_misaligned_start_simd_equals_scalar(
+    gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper
+) -> None:
+    """Every tail length (0..31 past a multiple of 8/16 lanes) and every start offset.
+
+    The SIMD paths peel elements until master_out is aligned (for n >= 128), so
+    starts 0..16 elements past an aligned address, and arrays whose roles are
+    misaligned differently from each other, exercise every peel length.
+    """
+    s = k.adam_scalars(hyper, step=5, grad_scale=1.5)
+    big = special_inputs(2048, gfmt, sfmt)  # specials too, so NaN handling is covered in peels and tails
+    cases = [(0, n, 0) for n in range(1, 72)]
+    cases += [(off, n, 0) for off in range(17) for n in (128, 129, 143, 160, 301)]
+    cases += [(off, 200 + off, 3) for off in range(0, 17, 3)]  # outputs shifted against inputs
+    for off, n, shift in cases:
+        inp = {key: arr[off : off + n] for key, arr in big.items()}
+        expected: dict[str, np.ndarray] | None = None
+        for path in ("scalar", *SIMD_PATHS):
+            with kernel_path(path):
+                out = run_adam(inp, gfmt, pfmt, sfmt, s, shift=shift)
+            if expected is None:
+                expected = out
+            else:
+                assert_bits_equal(out, expected, f"{path} off={off} n={n} shift={shift}")
 
 
 def special_inputs(n: int, gfmt: HalfFormat, sfmt: StateFormat) -> dict[str, np.ndarray]:
@@ -199,29 +249,32 @@ def test_adam_special_values_simd_equals_scalar(
 ) -> None:
     inp = special_inputs(1003, gfmt, sfmt)
     s = k.adam_scalars(hyper, step=1)
-    with kernel_path(False):
+    with kernel_path("scalar"):
         scalar = run_adam(inp, gfmt, pfmt, sfmt, s)
-    with kernel_path(True):
-        simd = run_adam(inp, gfmt, pfmt, sfmt, s)
-    assert_bits_equal(simd, scalar)
+    for path in SIMD_PATHS:
+        with kernel_path(path):
+            simd = run_adam(inp, gfmt, pfmt, sfmt, s)
+        assert_bits_equal(simd, scalar, path)
     # NaN outputs are canonical, which is what makes the paths agree on them.
     nan = np.isnan(scalar["master"])
     assert nan.any()
     assert np.all(scalar["master"][nan].view(np.uint32) == 0x7FC00000)
 
 
-def test_adam_in_place_equals_out_of_place() -> None:
+@pytest.mark.parametrize("path", path_params())
+def test_adam_in_place_equals_out_of_place(path: str) -> None:
     n = 4099
     for sfmt in StateFormat:
         inp = make_inputs(n, HalfFormat.FP16, sfmt, seed=3)
         s = k.adam_scalars(HYPER_W, step=3)
-        expected = run_adam(inp, HalfFormat.FP16, HalfFormat.BF16, sfmt, s)
-        master, m, v = inp["master"].copy(), inp["m"].copy(), inp["v"].copy()
-        param = np.empty(n, np.uint16)
-        k.adam_step(
-            inp["grad"], master, m, v, master, m, v, param,
-            grad_format=HalfFormat.FP16, param_format=HalfFormat.BF16, state_format=sfmt, scalars=s,
-        )  # fmt: skip
+        with kernel_path(path):
+            expected = run_adam(inp, HalfFormat.FP16, HalfFormat.BF16, sfmt, s)
+            master, m, v = inp["master"].copy(), inp["m"].copy(), inp["v"].copy()
+            param = np.empty(n, np.uint16)
+            k.adam_step(
+                inp["grad"], master, m, v, master, m, v, param,
+                grad_format=HalfFormat.FP16, param_format=HalfFormat.BF16, state_format=sfmt, scalars=s,
+            )  # fmt: skip
         assert_bits_equal({"master": master, "m": m, "v": v, "param": param}, expected)
 
 
@@ -341,9 +394,9 @@ def test_threads_on_disjoint_halves_match_one_call() -> None:
 ALL16 = np.arange(65536, dtype=np.uint32).astype(np.uint16)
 
 
-@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
-def test_every_fp16_pattern_roundtrips(simd: bool) -> None:
-    with kernel_path(simd):
+@pytest.mark.parametrize("path", path_params())
+def test_every_fp16_pattern_roundtrips(path: str) -> None:
+    with kernel_path(path):
         widened = np.empty(65536, np.float32)
         k.param_to_master(ALL16, widened, HalfFormat.FP16)
         back = np.empty(65536, np.uint16)
@@ -359,9 +412,9 @@ def test_every_fp16_pattern_roundtrips(simd: bool) -> None:
     assert np.array_equal(back[is_nan], ALL16[is_nan] | 0x0200)
 
 
-@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
-def test_every_bf16_pattern_roundtrips(simd: bool) -> None:
-    with kernel_path(simd):
+@pytest.mark.parametrize("path", path_params())
+def test_every_bf16_pattern_roundtrips(path: str) -> None:
+    with kernel_path(path):
         widened = np.empty(65536, np.float32)
         k.param_to_master(ALL16, widened, HalfFormat.BF16)
         back = np.empty(65536, np.uint16)
@@ -393,11 +446,11 @@ def random_f32(n: int, seed: int) -> np.ndarray:
     return np.concatenate([raw, scaled, edge_f32()])
 
 
-@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
-def test_f32_to_fp16_matches_numpy(simd: bool) -> None:
+@pytest.mark.parametrize("path", path_params())
+def test_f32_to_fp16_matches_numpy(path: str) -> None:
     x = random_f32(300_000, seed=1)
     out = np.empty(x.size, np.uint16)
-    with kernel_path(simd):
+    with kernel_path(path):
         k.master_to_param(x, out, HalfFormat.FP16)
     nan = np.isnan(x)
     assert np.array_equal(out[~nan], ref_f32_to_half(x, HalfFormat.FP16)[~nan])
@@ -405,12 +458,12 @@ def test_f32_to_fp16_matches_numpy(simd: bool) -> None:
     assert np.all((out[nan] & 0x7E00) == 0x7E00)
 
 
-@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
-def test_f32_to_bf16_matches_torch(simd: bool) -> None:
+@pytest.mark.parametrize("path", path_params())
+def test_f32_to_bf16_matches_torch(path: str) -> None:
     torch = pytest.importorskip("torch")
     x = random_f32(300_000, seed=2)
     out = np.empty(x.size, np.uint16)
-    with kernel_path(simd):
+    with kernel_path(path):
         k.master_to_param(x, out, HalfFormat.BF16)
     expected = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     nan = np.isnan(x)
@@ -422,16 +475,20 @@ def test_f32_to_bf16_matches_torch(simd: bool) -> None:
 
 @needs_simd
 @pytest.mark.parametrize("fmt", list(HalfFormat))
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", [*SIZES, 16, 31, 32, 33, 1000])
 def test_master_to_param_simd_equals_scalar(n: int, fmt: HalfFormat) -> None:
     x = random_f32(n, seed=n)[:n]
     outs = []
-    for simd in (False, True):
+    for path in ("scalar", *SIMD_PATHS):
         out = np.empty(n, np.uint16)
-        with kernel_path(simd):
+        widened = np.empty(n, np.float32)
+        with kernel_path(path):
             k.master_to_param(x, out, fmt)
-        outs.append(out)
-    assert np.array_equal(outs[0], outs[1])
+            k.param_to_master(out, widened, fmt)
+        outs.append((path, out, widened))
+    for path, out, widened in outs[1:]:
+        assert np.array_equal(out, outs[0][1]), path
+        assert np.array_equal(widened.view(np.uint32), outs[0][2].view(np.uint32)), path
 
 
 # ---------------------------------------------------------------------------
@@ -445,26 +502,26 @@ NONFINITE = {
 
 
 @pytest.mark.parametrize("fmt", list(HalfFormat))
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 33, 1000, 2**20 + 3])
-@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
-def test_count_nonfinite(simd: bool, n: int, fmt: HalfFormat) -> None:
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 1000, 2**20 + 3])
+@pytest.mark.parametrize("path", path_params())
+def test_count_nonfinite(path: str, n: int, fmt: HalfFormat) -> None:
     bad, near_misses = NONFINITE[fmt]
     rng = np.random.default_rng(n)
     data = rng.choice(np.array(near_misses, np.uint16), size=n)
     positions = {0, n - 1, n // 2, max(0, n - 3)} | set(rng.integers(0, n, 5).tolist())
-    positions |= set(range(max(0, n - n % 16), n))  # the whole SIMD tail
+    positions |= set(range(max(0, n - n % 32), n))  # the whole SIMD tail (16 lanes AVX2, 32 AVX-512)
     for i in positions:
         data[i] = bad[i % len(bad)]
-    with kernel_path(simd):
+    with kernel_path(path):
         assert k.count_nonfinite(data, fmt) == len(positions)
         assert k.count_nonfinite(data[:0], fmt) == 0
 
 
-@pytest.mark.parametrize("simd", [False, pytest.param(True, marks=needs_simd)], ids=["scalar", "avx2"])
-def test_count_nonfinite_all_bad_exceeds_16bit_lane_counters(simd: bool) -> None:
-    n = 16 * 32768 * 2 + 21  # more hits per lane than a uint16 counter holds
+@pytest.mark.parametrize("path", path_params())
+def test_count_nonfinite_all_bad_exceeds_16bit_lane_counters(path: str) -> None:
+    n = 32 * 32768 * 2 + 21  # more hits per lane than a uint16 counter holds (16 lanes AVX2, 32 AVX-512)
     data = np.full(n, 0x7C00, np.uint16)
-    with kernel_path(simd):
+    with kernel_path(path):
         assert k.count_nonfinite(data, HalfFormat.FP16) == n
         assert k.count_nonfinite(data.view(np.float16), HalfFormat.FP16) == n
 
@@ -504,10 +561,11 @@ def test_crc32c_simd_equals_table() -> None:
         seed = int(rng.integers(0, 2**32))
         table = k._lib.cossd_crc32c_scalar(seed, buf, chunk.size)
         assert k._lib.cossd_crc32c_sse42(seed, buf, chunk.size) == table
-    with kernel_path(False):
+    with kernel_path("scalar"):
         scalar = k.crc32c(blob)
-    with kernel_path(True):
-        assert k.crc32c(blob) == scalar
+    for path in SIMD_PATHS:
+        with kernel_path(path):
+            assert k.crc32c(blob) == scalar
 
 
 # ---------------------------------------------------------------------------
@@ -649,14 +707,81 @@ def test_adam_scalars_match_torch_formulas() -> None:
 # ---------------------------------------------------------------------------
 
 
-def test_simd_switch_and_env() -> None:
+def best_path() -> str:
+    return PATHS[-1]
+
+
+def test_simd_switch() -> None:
+    assert PATHS[0] == "scalar" and set(PATHS) <= set(ALL_PATHS)
+    assert ("avx2" in PATHS) == (k._lib.cossd_simd_available() != 0)
+    assert ("avx512" in PATHS) == (k._lib.cossd_avx512_available() != 0)
     with kernel_path(False):
         assert k.simd_level() == "scalar"
+        assert not k._lib.cossd_simd_active()
     with kernel_path(True):
+        assert k.simd_level() == best_path()
+    for path in PATHS:
+        with kernel_path(path):
+            assert k.simd_level() == path
+    # A cap above what the CPU has runs the best path below it.
+    k_before = k.simd_level()
+    try:
+        k.use_kernel("avx512")
+        assert k.simd_level() == best_path()
+        k.use_kernel("avx2")
         assert k.simd_level() == ("avx2" if SIMD else "scalar")
-    env = dict(os.environ, COSSD_KERNEL="scalar")
-    out = subprocess.run(
+        k.use_simd(False)
+        assert k.simd_level() == "scalar"
+        k.use_simd(True)
+        assert k.simd_level() == best_path()
+    finally:
+        k.use_kernel(k_before)
+    with pytest.raises(KernelArgumentError, match="kernel"):
+        k.use_kernel("sse9")
+
+
+def _level_in_subprocess(env_value: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-c", "import cossd.kernels as k; print(k.simd_level())"],
-        env=env, capture_output=True, text=True, check=True,
+        env=dict(os.environ, COSSD_KERNEL=env_value), capture_output=True, text=True, check=True,
     )  # fmt: skip
-    assert out.stdout.strip() == "scalar"
+
+
+@pytest.mark.parametrize("value", ["scalar", "SCALAR", "avx2", "avx512", "auto", "simd", ""])
+def test_kernel_env_var(value: str) -> None:
+    """COSSD_KERNEL caps the path at import; a path the CPU lacks falls back to the best below it, with a warning."""
+    requested = value.strip().lower()
+    if requested in ("", "auto", "simd"):
+        want = best_path()
+    else:
+        want = requested if requested in PATHS else max(PATHS, key=ALL_PATHS.index)
+        if requested == "avx2" and "avx2" not in PATHS:
+            want = "scalar"
+    out = _level_in_subprocess(value)
+    assert out.stdout.strip() == want
+    assert ("lacks" in out.stderr) == (requested in ALL_PATHS and requested not in PATHS)
+
+
+def test_kernel_env_var_unknown_warns() -> None:
+    out = _level_in_subprocess("sse9")
+    assert "not understood" in out.stderr
+    assert out.stdout.strip() == best_path()
+
+
+def test_explicit_avx512_entry_points_refuse_without_cpu_support() -> None:
+    """The explicit _avx512 functions return COSSD_ERR_UNSUPPORTED (never SIGILL) where the CPU lacks AVX-512."""
+    n = 40
+    grad = np.zeros(n, np.uint16)
+    f = np.zeros(n, np.float32)
+    out16 = np.zeros(n, np.uint16)
+    fb, gb, ob = (k._ffi.from_buffer(t, a) for t, a in (("float[]", f), ("uint16_t[]", grad), ("uint16_t[]", out16)))
+    s = k.adam_scalars(HYPER_W, 1)._c
+    rc = k._lib.cossd_adam_step_avx512(gb, 0, fb, fb, fb, fb, fb, fb, 0, ob, 0, n, s)
+    m2p = k._lib.cossd_master_to_param_avx512(fb, ob, 0, n)
+    p2m = k._lib.cossd_param_to_master_avx512(gb, 0, fb, n)
+    count = k._lib.cossd_count_nonfinite_avx512(gb, 0, n)
+    if "avx512" in PATHS:
+        assert (rc, m2p, p2m, count) == (k._lib.COSSD_OK, k._lib.COSSD_OK, k._lib.COSSD_OK, 0)
+    else:
+        assert rc == m2p == p2m == k._lib.COSSD_ERR_UNSUPPORTED
+        assert count == int(k._ffi.cast("size_t", -1))

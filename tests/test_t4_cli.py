@@ -103,3 +103,18 @@ def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_demo_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "demo", "--steps", "10", "--crash-at", "11")
     assert code == 2 and "--crash-at must be in 2..10" in err
+
+
+def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cossd bench` end to end on small sizes: every section measured and written."""
+    code, out, err = run(capsys, "bench", "--elements", "65536", "--file-elements", "65536",
+                         "--repeat", "1", "--threads", "1", "--output", str(tmp_path / "b"))
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "b/bench.json").read_text())
+    kernel = report["kernel"][0]
+    assert kernel["cossd_gels"] > 0 and kernel["torch_fused_gels"] > 0 and kernel["bandwidth_gbs"] > 0
+    assert [row["o_direct"] for row in report["file_path"]] == [False, True]
+    assert set(report["checkpoint"]) == {"cossd commit (device flushes in background)",
+                                         "torch.save + fsync", "DCP async_save"}
+    assert report["restore"]["cossd params only"]["bytes"] == 2 * 65536
+    assert (tmp_path / "b/bench.png").exists() and "| threads |" in (tmp_path / "b/bench.md").read_text()

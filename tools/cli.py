@@ -179,6 +179,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from cossd.trainer import bench  # needs torch, which no other verb does
+
+    return bench.run(args)
+
+
 # ---------------------------------------------------------------------- parser
 
 
@@ -257,9 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub = verb("demo", cmd_demo, "Train a small GPT through a temporary mount, crash the device "
                "mid-step, restore, and compare with torch.save and DCP checkpointing.")
-    from cossd.trainer.demo_args import add_arguments
+    from cossd.trainer.options import add_bench_arguments, add_demo_arguments
 
-    add_arguments(sub)
+    add_demo_arguments(sub)
+
+    sub = verb("bench", cmd_bench, "Measure the kernel, the file path, checkpoint and restore "
+               "against torch's AdamW, torch.save and DCP, side by side in one run.")
+    add_bench_arguments(sub)
     return parser
 
 

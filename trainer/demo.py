@@ -20,7 +20,7 @@ from tqdm import tqdm
 from cossd.emulator import Device
 from cossd.fs import daemon
 
-from .demo_args import DTYPE_NAMES, Settings, add_arguments, settings_from
+from .options import DTYPE_NAMES, Settings, add_demo_arguments, settings_from
 from .checkpointing import (
     AsyncDCPCheckpointer,
     PeakMemoryProbe,
@@ -341,5 +341,5 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m cossd.trainer.demo", description=__doc__)
-    add_arguments(parser)
+    add_demo_arguments(parser)
     sys.exit(main(parser.parse_args()))

@@ -1,4 +1,4 @@
-"""The demo's options and settings, kept free of torch so `cossd --help` stays quick."""
+"""Options of `cossd demo` and `cossd bench`, kept free of torch so `cossd --help` stays quick."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,7 @@ class Settings:
 
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     parser.add_argument("--crash-at", type=int, default=None,
                         help="step in the middle of which the daemon is killed (default: steps/2)")
@@ -72,3 +72,15 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(steps=args.steps, crash_at=crash_at, model=args.model, batch=args.batch, lr=args.lr,
                     weight_decay=args.weight_decay, interval=args.checkpoint_interval, dcp_steps=dcp_steps,
                     device=args.device, dtype=dtype, seed=args.seed, output=args.output)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--elements", type=int, default=1 << 24,
+                        help="elements for the kernel runs (default 16M: 448 MB of state traffic per step)")
+    parser.add_argument("--file-elements", type=int, default=1 << 24,
+                        help="elements of the tensor behind the mount (default 16M)")
+    parser.add_argument("--threads", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2],
+                        help="thread counts for the kernel runs, comma separated (default 1,2)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per figure; the median is reported")
+    parser.add_argument("--output", type=Path, default=Path("bench-out"),
+                        help="directory for bench.json, bench.md and bench.png (default ./bench-out)")
