@@ -157,3 +157,27 @@ def start_background(
             + (f": {tail[0]}" if tail else "") + f"; log: {log_path}"
         )
     return process.pid
+
+
+def wait_for_exit(pid: int, timeout_s: float = 60.0) -> bool:
+    """Wait until process `pid` is gone, reaping it if it is our child; False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            reaped, _ = os.waitpid(pid, os.WNOHANG)
+            if reaped == pid:
+                return True
+        except ChildProcessError:
+            pass  # not our child: watch /proc instead
+        if not Path(f"/proc/{pid}").exists():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def stop_background(mountpoint: str | os.PathLike[str], pid: int, *, lazy: bool = False,
+                    timeout_s: float = 60.0) -> bool:
+    """Unmount a daemon started by start_background and wait for it to flush and exit."""
+    command = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
+    subprocess.run(command, capture_output=True)
+    return wait_for_exit(pid, timeout_s)

@@ -62,19 +62,8 @@ def force_unmount(mountpoint: Path) -> None:
 
 
 def wait_for_exit(pid: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            finished, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            # Not our child (started by the CLI's own Popen): poll /proc instead.
-            if not Path(f"/proc/{pid}").exists():
-                return
-            finished = 0
-        if finished:
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"daemon {pid} did not exit")
+    if not daemon.wait_for_exit(pid, timeout_s):
+        raise TimeoutError(f"daemon {pid} did not exit")
 
 
 @dataclasses.dataclass

@@ -80,6 +80,8 @@ def ref_f32_to_half(x: np.ndarray, fmt: HalfFormat) -> np.ndarray:
 
 HYPER_W = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 HYPER_L2 = AdamHyper(lr=2e-3, beta1=0.85, beta2=0.995, eps=1e-6, weight_decay=0.05, decoupled=False)
+# beta1 < 0.5: the lerp takes its other form, fma(w - 1, g - m, g).
+HYPER_LOW_BETA1 = AdamHyper(lr=5e-3, beta1=0.3, beta2=0.9, eps=1e-7, weight_decay=0.1, decoupled=True)
 
 
 def make_inputs(n: int, gfmt: HalfFormat, sfmt: StateFormat, seed: int) -> dict[str, np.ndarray]:
@@ -167,9 +169,10 @@ ADAM_COMBOS = [
     for gfmt in HalfFormat
     for pfmt in HalfFormat
     for sfmt in StateFormat
-    for hyper in (HYPER_W, HYPER_L2)
+    for hyper in (HYPER_W, HYPER_L2, HYPER_LOW_BETA1)
 ]
-ADAM_IDS = [f"g{g.name}-p{p.name}-s{s.name}-{'adamw' if h.decoupled else 'adamL2'}" for g, p, s, h in ADAM_COMBOS]
+HYPER_IDS = {HYPER_W: "adamw", HYPER_L2: "adamL2", HYPER_LOW_BETA1: "adamw-b1lo"}
+ADAM_IDS = [f"g{g.name}-p{p.name}-s{s.name}-{HYPER_IDS[h]}" for g, p, s, h in ADAM_COMBOS]
 
 
 # ---------------------------------------------------------------------------
@@ -322,9 +325,10 @@ def test_adam_tracks_torch(hyper: AdamHyper) -> None:
     assert np.array_equal(param, master.astype(np.float16).view(np.uint16))
 
 
+@pytest.mark.parametrize("path", path_params())
 @pytest.mark.parametrize("hyper", [HYPER_W, HYPER_L2], ids=["AdamW", "Adam-L2"])
 @pytest.mark.parametrize("gfmt", [HalfFormat.FP16, HalfFormat.BF16], ids=["fp16", "bf16"])
-def test_adam_is_bit_identical_to_torch_fused(hyper: AdamHyper, gfmt: HalfFormat) -> None:
+def test_adam_is_bit_identical_to_torch_fused(hyper: AdamHyper, gfmt: HalfFormat, path: str) -> None:
     """Same operation order and fusing as torch.optim.AdamW/Adam(fused=True) on the CPU.
 
     A length that is a multiple of ATen's vector width keeps torch's scalar tail loop
@@ -345,11 +349,12 @@ def test_adam_is_bit_identical_to_torch_fused(hyper: AdamHyper, gfmt: HalfFormat
         grad = torch.from_numpy((rng.standard_normal(n) * 0.05).astype(np.float32)).to(half)
         tparam.grad = grad.to(torch.float32)
         opt.step()
-        k.adam_step(
-            grad.view(torch.int16).numpy().view(np.uint16), master, m, v, master, m, v, param,
-            grad_format=gfmt, param_format=HalfFormat.FP16, state_format=StateFormat.FP32,
-            scalars=k.adam_scalars(hyper, step),
-        )  # fmt: skip
+        with kernel_path(path):
+            k.adam_step(
+                grad.view(torch.int16).numpy().view(np.uint16), master, m, v, master, m, v, param,
+                grad_format=gfmt, param_format=HalfFormat.FP16, state_format=StateFormat.FP32,
+                scalars=k.adam_scalars(hyper, step),
+            )  # fmt: skip
     state = opt.state[tparam]
     for name, mine, theirs in (("master", master, tparam.detach().numpy()),
                                ("exp_avg", m, state["exp_avg"].numpy()),
@@ -753,10 +758,8 @@ def test_kernel_env_var(value: str) -> None:
     requested = value.strip().lower()
     if requested in ("", "auto", "simd"):
         want = best_path()
-    else:
-        want = requested if requested in PATHS else max(PATHS, key=ALL_PATHS.index)
-        if requested == "avx2" and "avx2" not in PATHS:
-            want = "scalar"
+    else:  # the best path the CPU has at or below the requested one
+        want = [p for p in PATHS if ALL_PATHS.index(p) <= ALL_PATHS.index(requested)][-1]
     out = _level_in_subprocess(value)
     assert out.stdout.strip() == want
     assert ("lacks" in out.stderr) == (requested in ALL_PATHS and requested not in PATHS)

@@ -137,12 +137,7 @@ class BenchDevice:
         self.n = n
 
     def stop(self) -> None:
-        import subprocess
-
-        subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
-        deadline = time.monotonic() + 60
-        while Path(f"/proc/{self.pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        daemon.stop_background(self.mountpoint, self.pid)
 
 
 def _aligned(size: int) -> mmap.mmap:

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,25 +62,13 @@ class Daemon:
 
     def crash(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
-        _wait_gone(self.pid)
-        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+        daemon.stop_background(self.mountpoint, self.pid, lazy=True)
 
     def restart(self) -> None:
         self.pid = daemon.start_background(self.backing, self.mountpoint)
 
     def stop(self) -> None:
-        subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
-        _wait_gone(self.pid, timeout_s=60)
-
-
-def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.01)
+        daemon.stop_background(self.mountpoint, self.pid)
 
 
 @dataclasses.dataclass
