@@ -442,7 +442,7 @@ def use_kernel(name: str) -> None:
 
 
 def use_simd(enabled: bool) -> None:
-    """Enable (the best path the CPU supports) or disable the SIMD paths process-wide; results are identical either way."""
+    """Enable (the best path the CPU has) or disable the SIMD paths process-wide; results are identical either way."""
     _lib.cossd_set_simd(1 if enabled else 0)
 
 

@@ -34,7 +34,7 @@ def path_params(paths: tuple[str, ...] = ALL_PATHS) -> list[Any]:
 
 @contextlib.contextmanager
 def kernel_path(path: str | bool) -> Iterator[None]:
-    """Select the dispatch path ("scalar", "avx2", "avx512"; True = best) for the block, then restore the previous one."""
+    """Select the path ("scalar", "avx2", "avx512"; True = best) for the block, then restore the previous one."""
     name = path if isinstance(path, str) else ("auto" if path else "scalar")
     before = k.simd_level()
     k.use_kernel(name)
