@@ -33,6 +33,7 @@ __all__ = [
     "master_to_param",
     "param_to_master",
     "crc32c",
+    "stream_probe",
     "simd_level",
     "available_kernels",
     "use_kernel",
@@ -392,6 +393,18 @@ def param_to_master(param: Any, master_out: Any, fmt: HalfFormat) -> None:
     _check_overlap([src, dst])
     if n:
         _check_rc(_lib.cossd_param_to_master(src.ptr, f, dst.ptr, n), "param_to_master")
+
+
+def stream_probe(grad_param: Any, master: Any, exp_avg: Any, exp_avg_sq: Any) -> None:
+    """Move the bytes of an in-place Adam step with trivial arithmetic (a roofline probe)."""
+    bufs = [
+        _buf("grad_param", grad_param, (_U16,), "uint16_t[]", output=True),
+        _buf("master", master, (_F32,), "float[]", output=True),
+        _buf("exp_avg", exp_avg, (_F32,), "float[]", output=True),
+        _buf("exp_avg_sq", exp_avg_sq, (_F32,), "float[]", output=True),
+    ]
+    n = _check_lengths(bufs)
+    _lib.cossd_stream_probe(*(b.ptr for b in bufs), n)
 
 
 def crc32c(buf: Any, value: int = 0) -> int:

@@ -1049,3 +1049,38 @@ uint32_t cossd_crc32c(uint32_t crc, const void *buf, size_t len)
         return cossd_crc32c_sse42(crc, buf, len);
     return cossd_crc32c_scalar(crc, buf, len);
 }
+
+
+/* ------------------------------------------------------------------------ */
+/* Roofline probe.                                                          */
+/* ------------------------------------------------------------------------ */
+
+#define STREAM_PROBE_LOOP                                                                                 \
+    for (size_t i = 0; i < n; i++) {                                                                     \
+        master[i] += 1.0f;                                                                               \
+        exp_avg[i] += 1.0f;                                                                              \
+        exp_avg_sq[i] += 1.0f;                                                                           \
+        grad_param[i] = (uint16_t)(grad_param[i] ^ 1u);                                                  \
+    }
+
+/* Reads 2 + 12 bytes and writes 12 + 2 per element, as an in-place step does (the param
+ * output reuses the gradient's stream, which moves the same bytes). Plain loops that -O3
+ * vectorizes: with AVX2 where the CPU has it, so the probe is never narrower than the kernel. */
+#if COSSD_X86
+COSSD_AVX2 static void stream_probe_avx2(uint16_t *grad_param, float *master, float *exp_avg, float *exp_avg_sq,
+                                         size_t n)
+{
+    STREAM_PROBE_LOOP
+}
+#endif
+
+void cossd_stream_probe(uint16_t *grad_param, float *master, float *exp_avg, float *exp_avg_sq, size_t n)
+{
+#if COSSD_X86
+    if (g_has_avx2) {
+        stream_probe_avx2(grad_param, master, exp_avg, exp_avg_sq, n);
+        return;
+    }
+#endif
+    STREAM_PROBE_LOOP
+}

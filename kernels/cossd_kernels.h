@@ -99,6 +99,11 @@ int cossd_simd_level_available(void);
 void cossd_set_simd_level(int level);
 int cossd_simd_level(void);
 
+/* Memory roofline probe: the Adam step's eight streams (grad, master, m, v in; master, m, v,
+ * param out; 28 bytes per element) with trivial arithmetic, so its speed is what the memory
+ * system allows for that access pattern. In place like the step. Used by `cossd bench`. */
+void cossd_stream_probe(uint16_t *grad_param, float *master, float *exp_avg, float *exp_avg_sq, size_t n);
+
 /* END CDEF */
 
 #ifdef __cplusplus

@@ -788,3 +788,14 @@ def test_explicit_avx512_entry_points_refuse_without_cpu_support() -> None:
     else:
         assert rc == m2p == p2m == k._lib.COSSD_ERR_UNSUPPORTED
         assert count == int(k._ffi.cast("size_t", -1))
+
+
+def test_stream_probe_moves_every_stream() -> None:
+    """The roofline probe touches each of the step's streams (so its timing means something)."""
+    n = 1000
+    grad_param = np.zeros(n, np.uint16)
+    master, m, v = np.zeros(n, np.float32), np.ones(n, np.float32), np.full(n, 2, np.float32)
+    k.stream_probe(grad_param, master, m, v)
+    assert (grad_param == 1).all() and (master == 1).all() and (m == 2).all() and (v == 3).all()
+    with pytest.raises(KernelArgumentError):
+        k.stream_probe(grad_param[:10], master, m, v)

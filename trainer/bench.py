@@ -58,27 +58,27 @@ def split_run(work: Callable[[int, int], object], n: int, threads: int) -> None:
         thread.join()
 
 
-# ---------------------------------------------------------------------- roofline
-
-def roofline(n: int, repeat: int, threads: int) -> dict[str, float]:
-    """Memory bandwidth of a triad (a = b + s*c: 12 bytes per element) on this machine."""
-    a, b, c = (np.ones(n, np.float32) for _ in range(3))
-
-    def triad(start: int, stop: int) -> None:
-        np.multiply(c[start:stop], np.float32(1.0001), out=a[start:stop])
-        np.add(a[start:stop], b[start:stop], out=a[start:stop])
-
-    # multiply then add: c read, a written, a read, b read, a written = 20 bytes per element.
-    seconds = statistics.median(timed(lambda: split_run(triad, n, threads), repeat))
-    bandwidth = 20 * n / seconds
-    return {"bandwidth_gbs": bandwidth / 1e9, "adam_roofline_gels": bandwidth / BYTES_PER_ELEMENT / 1e9}
-
-
 # ---------------------------------------------------------------------- kernels
+#
+# Every contender gets buffers from torch's allocator (where large arrays land relative to
+# each other changes the achievable bandwidth by up to a quarter, docs/kernels.md), and the
+# contenders run in turn within each repetition, so drift in a shared machine's memory
+# bandwidth hits them all alike. Each builder returns one step as a callable.
 
-def cossd_kernel(n: int, repeat: int, threads: int) -> float:
-    # Buffers come from torch's allocator, as the peers' do: where large arrays land relative
-    # to each other changes the achievable bandwidth by up to a quarter (docs/kernels.md).
+def roofline_probe(n: int, threads: int) -> Callable[[], None]:
+    """What memory allows for the Adam step's access pattern: the same streams (28 bytes per
+    element, in place) with trivial arithmetic, in C."""
+    grad_param = torch.zeros(n, dtype=torch.int16).numpy().view(np.uint16)
+    master, m, v = torch.zeros(n).numpy(), torch.zeros(n).numpy(), torch.zeros(n).numpy()
+
+    def probe(start: int, stop: int) -> None:
+        s = slice(start, stop)
+        kernels.stream_probe(grad_param[s], master[s], m[s], v[s])
+
+    return lambda: split_run(probe, n, threads)
+
+
+def cossd_kernel(n: int, threads: int) -> Callable[[], None]:
     master = torch.randn(n).numpy()
     m, v = torch.zeros(n).numpy(), torch.zeros(n).numpy()
     grad = (torch.randn(n) * 0.01).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
@@ -91,35 +91,75 @@ def cossd_kernel(n: int, repeat: int, threads: int) -> float:
                           grad_format=kernels.HalfFormat.FP16, param_format=kernels.HalfFormat.FP16,
                           state_format=kernels.StateFormat.FP32, scalars=scalars)
 
-    return n / statistics.median(timed(lambda: split_run(step, n, threads), repeat)) / 1e9
+    return lambda: split_run(step, n, threads)
 
 
-def torch_adamw(n: int, repeat: int, threads: int, **options: Any) -> float:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        param = torch.nn.Parameter(torch.randn(n))
-        param.grad = torch.randn(n) * 0.01
-        optimizer = torch.optim.AdamW([param], lr=1e-3, **options)
-        return n / statistics.median(timed(optimizer.step, repeat)) / 1e9
-    finally:
-        torch.set_num_threads(previous)
+def torch_adamw(n: int, threads: int, **options: Any) -> Callable[[], None]:
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n) * 0.01
+    optimizer = torch.optim.AdamW([param], lr=1e-3, **options)
+
+    def step() -> None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            optimizer.step()
+        finally:
+            torch.set_num_threads(previous)
+
+    return step
 
 
-def deepspeed_cpuadam(n: int, repeat: int, threads: int) -> float | None:
+def deepspeed_cpuadam(n: int, threads: int) -> Callable[[], None] | None:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001 - optional peer: absent, or its extension fails to build
         return None
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        param = torch.nn.Parameter(torch.randn(n))
-        param.grad = torch.randn(n) * 0.01
-        optimizer = DeepSpeedCPUAdam([param], lr=1e-3, adamw_mode=True)
-        return n / statistics.median(timed(optimizer.step, repeat)) / 1e9
-    finally:
-        torch.set_num_threads(previous)
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n) * 0.01
+    optimizer = DeepSpeedCPUAdam([param], lr=1e-3, adamw_mode=True)
+
+    def step() -> None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            optimizer.step()
+        finally:
+            torch.set_num_threads(previous)
+
+    return step
+
+
+def kernel_row(n: int, repeat: int, threads: int) -> dict[str, Any]:
+    contenders: dict[str, Callable[[], None] | None] = {
+        "roofline": roofline_probe(n, threads),
+        "cossd": cossd_kernel(n, threads),
+        "torch_fused": torch_adamw(n, threads, fused=True),
+        "torch_foreach": torch_adamw(n, threads, foreach=True),
+        "deepspeed": deepspeed_cpuadam(n, threads),
+    }
+    present = {name: step for name, step in contenders.items() if step is not None}
+    samples: dict[str, list[float]] = {name: [] for name in present}
+    for step in present.values():
+        step()  # warm up: first touch of every page, lazy state allocation
+    for _ in range(repeat):
+        for name, step in present.items():
+            started = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - started)
+    rate = {name: n / statistics.median(times) / 1e9 for name, times in samples.items()}
+    return {
+        "threads": threads,
+        "bandwidth_gbs": rate["roofline"] * BYTES_PER_ELEMENT,
+        "adam_roofline_gels": rate["roofline"],
+        "cossd_gels": rate["cossd"],
+        "torch_fused_gels": rate["torch_fused"],
+        "torch_foreach_gels": rate["torch_foreach"],
+        "deepspeed_gels": rate.get("deepspeed"),
+        "cossd_vs_fused": rate["cossd"] / rate["torch_fused"],
+        "cossd_vs_deepspeed": rate["cossd"] / rate["deepspeed"] if "deepspeed" in rate else None,
+        "cossd_vs_roofline": rate["cossd"] / rate["roofline"],
+    }
 
 
 # ---------------------------------------------------------------------- through a mount
@@ -265,18 +305,11 @@ def run(args: argparse.Namespace) -> int:
          f"{report['machine']['cores']} cores")
     kernel_rows = []
     for threads in args.threads:
-        roof = roofline(n, repeat, threads)
-        row = {"threads": threads, **roof,
-               "cossd_gels": cossd_kernel(n, repeat, threads),
-               "torch_fused_gels": torch_adamw(n, repeat, threads, fused=True),
-               "torch_foreach_gels": torch_adamw(n, repeat, threads, foreach=True),
-               "deepspeed_gels": deepspeed_cpuadam(n, repeat, threads)}
-        row["cossd_vs_fused"] = row["cossd_gels"] / row["torch_fused_gels"]
-        row["cossd_vs_roofline"] = row["cossd_gels"] / roof["adam_roofline_gels"]
+        row = kernel_row(n, repeat, threads)
         kernel_rows.append(row)
         _say(f"  kernel, {threads} thread(s): cossd {row['cossd_gels']:.2f} G el/s = "
              f"{row['cossd_vs_fused']:.2f}x torch fused ({row['torch_fused_gels']:.2f}), "
-             f"{row['cossd_vs_roofline']:.0%} of the {roof['adam_roofline_gels']:.2f} G el/s roofline")
+             f"{row['cossd_vs_roofline']:.0%} of the {row['adam_roofline_gels']:.2f} G el/s roofline")
     report["kernel"] = kernel_rows
     workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-"))
     device = BenchDevice(workdir, args.file_elements)
