@@ -8,8 +8,11 @@ import struct
 from typing import Any, Callable
 
 
+from . import logpages
 from .device import Device
 from .errors import DeviceError, Status
+from .health import CRITICAL_TEMP_KELVIN, WARNING_TEMP_KELVIN
+from .logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
 from .namespace import Namespace
 from .protocol import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
 from .spec import NamespaceSpec
@@ -17,6 +20,24 @@ from .spec import NamespaceSpec
 log = logging.getLogger(__name__)
 
 IDENTIFY_BYTES = 4096
+
+# Effects beyond CSUPP that the Commands Supported and Effects page (LID 05h) announces.
+COMMAND_EFFECTS: dict[int, int] = {
+    Opcode.CREATE_NAMESPACE: NIC,  # a namespace appears
+    Opcode.DELETE_NAMESPACE: NIC,  # a namespace disappears
+    Opcode.COMMIT_STEP: LBCC,  # the state and params a namespace serves change
+}
+
+# Byte of the submission that an error names in its error log entry (parameter error
+# location); any other failure has none (FFFFh). Keyed by (opcode or None for any, status).
+ERROR_LOCATION: dict[tuple[int | None, Status], int] = {
+    (None, Status.INVALID_OPCODE): 0,  # opcode
+    (None, Status.INVALID_NAMESPACE): 4,  # nsid
+    (Opcode.IDENTIFY, Status.INVALID_FIELD): 40,  # cdw10: CNS
+    (Opcode.GET_LOG_PAGE, Status.INVALID_LOG_PAGE): 40,  # cdw10: LID
+    (Opcode.GET_LOG_PAGE, Status.INVALID_FIELD): 4,  # nsid (SMART is controller wide)
+    (Opcode.BEGIN_STEP, Status.STEP_NUMBER_MISMATCH): 40,  # cdw10-11: step
+}
 
 
 def _json(value: Any) -> bytes:
@@ -43,6 +64,7 @@ class Controller:
         self.commands_completed = 0
         self.commands_failed = 0
         self._handlers: dict[int, Callable[[Command], Completion]] = {
+            Opcode.GET_LOG_PAGE: self._get_log_page,
             Opcode.IDENTIFY: self._identify,
             Opcode.VENDOR_IDENTIFY: self._vendor_identify,
             Opcode.CREATE_NAMESPACE: self._create_namespace,
@@ -53,6 +75,7 @@ class Controller:
             Opcode.SET_HYPERPARAMETERS: self._set_hyperparameters,
             Opcode.NAMESPACE_STATISTICS: self._namespace_statistics,
             Opcode.FLUSH: self._flush,
+            Opcode.SCRUB: self._scrub,
         }
 
     def submit(self, raw: bytes) -> Completion:
@@ -80,7 +103,18 @@ class Controller:
             self.commands_completed += 1
         else:
             self.commands_failed += 1
+            self._log_error(command, completion)
         return completion
+
+    def _log_error(self, command: Command, completion: Completion) -> None:
+        """Every failed command gets an Error Information entry (LID 01h)."""
+        status = completion.status
+        location = NOT_APPLICABLE
+        if isinstance(status, Status):
+            location = ERROR_LOCATION.get((command.opcode, status),
+                                          ERROR_LOCATION.get((None, status), NOT_APPLICABLE))
+        self.device.health.log_error(int(status), sqid=0, cmdid=command.cid, nsid=command.nsid,
+                                     opcode=command.opcode, parm_error_location=location)
 
     def _namespace(self, command: Command) -> Namespace:
         return self.device.namespace_by_id(command.nsid)
@@ -100,6 +134,9 @@ class Controller:
             unallocated = max(0, capacity - self.device.allocated_bytes)
             page[280:296] = capacity.to_bytes(16, "little")
             page[296:312] = unallocated.to_bytes(16, "little")
+            page[261] = 0x02  # lpa: the commands supported and effects page exists
+            page[262] = logpages.ERROR_LOG_ENTRIES - 1  # elpe (0's based)
+            struct.pack_into("<HH", page, 266, WARNING_TEMP_KELVIN, CRITICAL_TEMP_KELVIN)  # wctemp, cctemp
             struct.pack_into("<I", page, 516, 1024)  # nn: namespaces supported
             vendor = _json({"kernels": ["adamw", "adam"], "grad_dtypes": ["fp16", "bf16"],
                             "param_dtypes": ["fp16", "bf16"], "state_dtypes": ["fp32", "bf16"]})
@@ -116,6 +153,33 @@ class Controller:
         else:
             raise DeviceError(Status.INVALID_FIELD, f"identify CNS {cns:#04x} is not supported")
         return Completion(command.cid, Status.SUCCESS, data=bytes(page))
+
+    # ------------------------------------------------------------------ log pages
+
+    def _get_log_page(self, command: Command) -> Completion:
+        """cdw10 bits 7:0 select the page; the data is the whole page (NUMD and the offset are
+        not used: the completion's data_len carries the length)."""
+        lid = command.cdw10 & 0xFF
+        if lid == LogId.ERROR:
+            entries = [entry.fields() for entry in self.device.health.error_entries()]
+            data = logpages.encode_error_log(entries)
+        elif lid == LogId.SMART:
+            if command.nsid not in (0, NSID_ALL):
+                raise DeviceError(Status.INVALID_FIELD, "the SMART / health log is controller wide: "
+                                                        f"nsid must be 0 or 0xffffffff, not {command.nsid:#x}")
+            data = logpages.encode_smart(self.device.smart())
+        elif lid == LogId.COMMANDS_SUPPORTED_AND_EFFECTS:
+            data = logpages.encode_effects(
+                {opcode: CSUPP | COMMAND_EFFECTS.get(opcode, 0) for opcode in self._handlers})
+        elif lid == LogId.OPTIMIZER_STATISTICS:
+            if command.nsid in (0, NSID_ALL):
+                namespaces = sorted(self.device.namespaces.values(), key=lambda ns: ns.nsid)
+            else:
+                namespaces = [self._namespace(command)]
+            data = _json({ns.name: ns.statistics() for ns in namespaces})
+        else:
+            raise DeviceError(Status.INVALID_LOG_PAGE, f"invalid log page {lid:#04x}")
+        return Completion(command.cid, Status.SUCCESS, data=data)
 
     def _vendor_identify(self, command: Command) -> Completion:
         return Completion(command.cid, Status.SUCCESS, data=_json(self.device.describe()))
@@ -164,6 +228,25 @@ class Controller:
     def _namespace_statistics(self, command: Command) -> Completion:
         return Completion(command.cid, Status.SUCCESS,
                           data=_json(self._namespace(command).statistics()))
+
+    def _scrub(self, command: Command) -> Completion:
+        """Verify every block checksum of one namespace or all; bad blocks are media errors
+        (counted by the namespace) and error log entries."""
+        if command.nsid == NSID_ALL:
+            namespaces = sorted(self.device.namespaces.values(), key=lambda ns: ns.nsid)
+        else:
+            namespaces = [self._namespace(command)]
+        report: dict[str, Any] = {}
+        for namespace in namespaces:
+            blocks, bad = namespace.scrub_blocks()
+            report[namespace.name] = {"blocks": blocks, "bad": [[tensor, block] for tensor, block in bad]}
+            for tensor, block in bad:
+                self.device.health.log_error(
+                    Status.UNRECOVERED_READ_ERROR, sqid=0, cmdid=command.cid, nsid=namespace.nsid,
+                    lba=namespace.tensors[tensor].first_block + block, opcode=command.opcode,
+                )
+        bad_blocks = sum(len(entry["bad"]) for entry in report.values())
+        return Completion(command.cid, Status.SUCCESS, result=bad_blocks, data=_json(report))
 
     def _flush(self, command: Command) -> Completion:
         if command.nsid == NSID_ALL:

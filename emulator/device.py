@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DeviceError, Status
+from .health import Health, LifetimeCounters
 from .layout import FORMAT_VERSION, plan_layout
 from .media import atomic_write_json, fsync_dir, read_json
 from .names import MAX_NAMESPACES
@@ -49,6 +50,7 @@ class Device:
         self.namespaces: dict[str, Namespace] = {}
         self.failed_namespaces: dict[str, str] = {}
         self.opened_at = time.time()
+        self.health = Health(superblock.get("health"))
 
     # ------------------------------------------------------------------ format, open
 
@@ -91,14 +93,14 @@ class Device:
             },
             "namespaces": {},
             "next_nsid": 1,
+            "health": dataclasses.asdict(LifetimeCounters()) | {"clean": True},
         }
         fsync_dir(root)
         atomic_write_json(root / SUPERBLOCK_FILE, superblock)
         return superblock["identity"]
 
-    @classmethod
-    def open(cls, path: str | os.PathLike[str], config: DeviceConfig = DeviceConfig()) -> "Device":
-        root = Path(path)
+    @staticmethod
+    def _read_superblock(root: Path) -> dict[str, Any]:
         try:
             superblock = read_json(root / SUPERBLOCK_FILE)
         except FileNotFoundError:
@@ -111,6 +113,12 @@ class Device:
                 f"{root}: media format {superblock.get('format_version')} is not supported "
                 f"(this build reads format {FORMAT_VERSION})",
             )
+        return superblock
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], config: DeviceConfig = DeviceConfig()) -> "Device":
+        root = Path(path)
+        cls._read_superblock(root)  # a clear error before touching the lock file
         lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -119,22 +127,48 @@ class Device:
             raise DeviceError(
                 Status.NAMESPACE_NOT_READY, f"{root} is already opened by another process"
             ) from None
+        try:
+            # Read again under the lock: a previous owner may have closed (and saved) since.
+            superblock = cls._read_superblock(root)
+        except BaseException:
+            os.close(lock_fd)
+            raise
         device = cls(root, superblock, config, lock_fd)
         try:
+            device._power_on()
             device._open_namespaces()
         except BaseException:
             device.close()
             raise
         return device
 
+    def _power_on(self) -> None:
+        """Count the power cycle and mark the device in use, durably, before serving anything:
+        an open that finds the mark still set knows the previous one never closed cleanly."""
+        self.health.power_on()
+        with self._lock:
+            try:
+                self._store(dict(self._superblock), clean=False)
+            except DeviceError as exc:
+                # A full backing store must not stop a device whose state is preallocated from
+                # serving; only a crash during this open would then go uncounted.
+                log.error("could not mark the device in use: %s", exc.message)
+
     def _open_namespaces(self) -> None:
         registered = self._superblock["namespaces"]
         for name, nsid in registered.items():
             try:
-                self.namespaces[name] = Namespace.open(self._ns_dir(name), self.config.sync)
+                namespace = Namespace.open(self._ns_dir(name), self.config.sync)
             except (DeviceError, OSError, ValueError, KeyError) as exc:
                 self.failed_namespaces[name] = str(exc)
                 log.error("namespace %s (nsid %d) cannot be served: %s", name, nsid, exc)
+                continue
+            self.namespaces[name] = namespace
+            # Blocks recovery found bad are media errors (counted by the namespace) and, like
+            # those scrub finds, error log entries; no command caused them.
+            for _tensor, _block, index in namespace.recovery_errors:
+                self.health.log_error(Status.UNRECOVERED_READ_ERROR, sqid=0xFFFF, lba=index,
+                                      nsid=namespace.nsid)
         # Directories not in the registry are leftovers of a create or delete that crashed
         # before (create) or after (delete) its commit point.
         for child in (self.path / "ns").iterdir():
@@ -146,11 +180,23 @@ class Device:
         return self.path / "ns" / name
 
     def close(self) -> None:
-        """Flush every namespace and release the backing directory."""
+        """Flush every namespace, save the health figures as a clean shutdown, release the
+        backing directory."""
         try:
-            for namespace in list(self.namespaces.values()):
-                namespace.close()
-            self.namespaces.clear()
+            try:
+                for namespace in list(self.namespaces.values()):
+                    namespace.close()
+            finally:
+                for namespace in list(self.namespaces.values()):
+                    self.health.fold(namespace.counters)
+                self.namespaces.clear()
+            if self._lock_fd >= 0:
+                with self._lock:
+                    try:
+                        self._store(dict(self._superblock), clean=True)
+                    except DeviceError as exc:
+                        # The mark stays set: the next open counts an unsafe shutdown.
+                        log.error("could not record a clean shutdown: %s", exc.message)
         finally:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
@@ -247,7 +293,7 @@ class Device:
             updated["namespaces"] = dict(self._superblock["namespaces"]) | {spec.name: nsid}
             updated["next_nsid"] = nsid + 1
             try:
-                atomic_write_json(self.path / SUPERBLOCK_FILE, updated)
+                self._store(updated, clean=False)
             except BaseException:
                 namespace.close()
                 shutil.rmtree(directory, ignore_errors=True)
@@ -270,13 +316,35 @@ class Device:
             updated["namespaces"] = {
                 k: v for k, v in self._superblock["namespaces"].items() if k != name
             }
-            atomic_write_json(self.path / SUPERBLOCK_FILE, updated)
-            self._superblock = updated
+            self._store(updated, clean=False)
             self.namespaces.pop(name, None)
             self.failed_namespaces.pop(name, None)
             if namespace is not None:
                 namespace.close()
+                # What it counted stays in the device's lifetime figures.
+                self.health.fold(namespace.counters)
             shutil.rmtree(self._ns_dir(name), ignore_errors=True)
+
+    # ------------------------------------------------------------------ health
+
+    def _store(self, updated: dict[str, Any], *, clean: bool) -> None:
+        """Write superblock.json (caller holds the lock) with the health figures as of now."""
+        live = [ns.counters for ns in self.namespaces.values()]
+        updated["health"] = self.health.record(live, clean=clean)
+        atomic_write_json(self.path / SUPERBLOCK_FILE, updated)
+        self._superblock = updated
+
+    def save_health(self) -> None:
+        """Persist the health figures (the daemon does so periodically, and close does)."""
+        with self._lock:
+            if self._lock_fd >= 0:
+                self._store(dict(self._superblock), clean=False)
+
+    def smart(self) -> dict[str, int]:
+        """SMART / Health Information figures (see emulator/health.py for each definition)."""
+        namespaces = list(self.namespaces.values())
+        degraded = bool(self.failed_namespaces) or any(ns.media_failure for ns in namespaces)
+        return self.health.smart([ns.counters for ns in namespaces], self.capacity_bytes, degraded)
 
     def statistics(self) -> dict[str, Any]:
         return {

@@ -30,6 +30,7 @@ class Status(enum.IntEnum):
     CAPACITY_EXCEEDED = 0x081
     NAMESPACE_NOT_READY = 0x082
     # command specific
+    INVALID_LOG_PAGE = 0x109
     NAMESPACE_INSUFFICIENT_CAPACITY = 0x115
     NAMESPACE_ID_UNAVAILABLE = 0x116
     # media and data integrity
@@ -82,6 +83,7 @@ STATUS_ERRNO: dict[Status, int] = {
     Status.LBA_OUT_OF_RANGE: errno.EFBIG,
     Status.CAPACITY_EXCEEDED: errno.ENOSPC,
     Status.NAMESPACE_NOT_READY: errno.EIO,
+    Status.INVALID_LOG_PAGE: errno.EINVAL,
     Status.NAMESPACE_INSUFFICIENT_CAPACITY: errno.ENOSPC,
     Status.NAMESPACE_ID_UNAVAILABLE: errno.ENOSPC,
     Status.WRITE_FAULT: errno.EIO,

@@ -66,6 +66,12 @@ class CommitResult:
 
 @dataclasses.dataclass
 class NamespaceCounters:
+    """Since the namespace was opened (the step counts: over its life, from its superblock).
+
+    The device's SMART figures add these up (emulator/health.py), so each counts exactly what
+    its name says: host bytes and requests on the tensor files, media bytes, busy time.
+    """
+
     steps_committed: int = 0
     steps_skipped: int = 0
     steps_aborted: int = 0
@@ -73,6 +79,10 @@ class NamespaceCounters:
     grad_bytes_in: int = 0
     state_bytes_loaded: int = 0
     bytes_read: int = 0
+    param_bytes_out: int = 0
+    read_commands: int = 0
+    write_commands: int = 0
+    media_bytes_written: int = 0
     kernel_blocks: int = 0
     kernel_ns: int = 0
     flushes: int = 0
@@ -126,6 +136,9 @@ class Namespace:
         )
         self._views: dict[tuple[Copy, str, str], np.ndarray] = {}
         self._thread_local = threading.local()
+        # Blocks (tensor, block in tensor, block in namespace) that failed their checksum in
+        # a copy recovery fell back from; the device puts them in its error log.
+        self.recovery_errors: list[tuple[str, int, int]] = []
         # Set when an fsync failed: Linux reports such an error once and may have dropped
         # the dirty pages, so a retry could "succeed" over lost data. Like PostgreSQL, the
         # namespace then refuses further steps until the device is opened again.
@@ -224,6 +237,8 @@ class Namespace:
                 chosen = superblock
                 break
             self.counters.checksum_failures += len(bad)
+            self.recovery_errors.extend(
+                (name, block, self.tensors[name].first_block + block) for name, block in bad)
             log.warning(
                 "namespace %s: step %d (seq %d) fails %d block checksum(s); falling back",
                 self.name, superblock.committed_step, superblock.seq, len(bad),
@@ -395,13 +410,17 @@ class Namespace:
         if role == "grad":
             raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
         file_size = tensor.numel * self.itemsize(role)
-        if offset >= file_size or size <= 0:
-            return b""
-        end = min(file_size, offset + size)
         with self._lock:
+            # Every read request served counts, an empty one at the end of the file too.
+            self.counters.read_commands += 1
+            if offset >= file_size or size <= 0:
+                return b""
+            end = min(file_size, offset + size)
             view = self._view(self._sb.committed_copy, tensor, role).view(np.uint8)
             data = view[offset:end].tobytes()
             self.counters.bytes_read += len(data)
+            if role == "param":
+                self.counters.param_bytes_out += len(data)
         return data
 
     def _check_range(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
@@ -441,13 +460,17 @@ class Namespace:
             view = self._view(self._sb.committed_copy, tensor, role)
             source = np.frombuffer(data, dtype=view.dtype)
             view[first : first + len(source)] = source
+            media_bytes = length
             if role == "master":
                 kernels.master_to_param(
                     view[first : first + len(source)],
                     self._view(self._sb.committed_copy, tensor, "param")[first : first + len(source)],
                     self._param_format,
                 )
+                media_bytes += 2 * len(source)  # the param bytes derived from the master
             self.counters.state_bytes_loaded += length
+            self.counters.write_commands += 1
+            self.counters.media_bytes_written += media_bytes
         return length
 
     def write_grad(self, tensor_name: str, offset: int, data: bytes | memoryview) -> int:
@@ -470,6 +493,7 @@ class Namespace:
             completes_step = tx.all_received and bool(ready)
             tx.inflight += 1
             self.counters.grad_bytes_in += length
+            self.counters.write_commands += 1
         try:
             for block in ready:
                 self._run_block(tx, block)
@@ -494,6 +518,7 @@ class Namespace:
             tensor = block.tensor
             start, stop = tensor.block_range(block.local_block)
             crc = 0
+            written = 0
             # Once the step is known to be skipped there is no point updating the shadow.
             if nonfinite == 0 and tx.nonfinite == 0:
                 # The kernel writes into this thread's staging buffers (hot in cache, never
@@ -515,6 +540,7 @@ class Namespace:
                     crc = kernels.crc32c(out[role], crc)
                     itemsize = out[role].itemsize
                     state.write_at(self._region_offset(tensor, role) + start * itemsize, out[role])
+                    written += out[role].nbytes
             elapsed = time.perf_counter_ns() - started
         except BaseException as exc:
             with self._lock:
@@ -525,6 +551,7 @@ class Namespace:
             tx.finish(block, crc, nonfinite)
             self.counters.kernel_blocks += 1
             self.counters.kernel_ns += elapsed
+            self.counters.media_bytes_written += written
 
     # ------------------------------------------------------------------ step commands
 
@@ -662,7 +689,9 @@ class Namespace:
 
     def _write_superblock(self, superblock: Superblock, sync: bool) -> None:
         slot = self._slots[superblock.slot]
-        slot.write(superblock.encode())
+        encoded = superblock.encode()
+        slot.write(encoded)
+        self.counters.media_bytes_written += len(encoded)
         if sync:
             self._sync(slot)
             self._durable_seq = superblock.seq
@@ -720,9 +749,14 @@ class Namespace:
 
     def scrub(self) -> list[tuple[str, int]]:
         """Verify every block checksum of the committed copy; returns the bad blocks."""
+        return self.scrub_blocks()[1]
+
+    def scrub_blocks(self) -> tuple[int, list[tuple[str, int]]]:
+        """(blocks verified, bad blocks) of the committed copy. A namespace still loading has
+        no checksums yet, so nothing is verified."""
         with self._lock:
             if self.loading:
-                return []
+                return 0, []
             bad = self._verify_copy(self._sb)
             self.counters.checksum_failures += len(bad)
-            return bad
+            return self.total_blocks, bad

@@ -54,8 +54,10 @@ NSID_ALL = 0xFFFFFFFF
 
 
 class Opcode(enum.IntEnum):
-    """Admin opcodes: Identify is NVMe's own; the optimizer's are vendor specific (C0h-FFh)."""
+    """Admin opcodes: Get Log Page and Identify are NVMe's own; the rest are vendor specific
+    (C0h-FFh)."""
 
+    GET_LOG_PAGE = 0x02
     IDENTIFY = 0x06
     VENDOR_IDENTIFY = 0xC0
     CREATE_NAMESPACE = 0xC1
@@ -66,6 +68,7 @@ class Opcode(enum.IntEnum):
     SET_HYPERPARAMETERS = 0xC7
     NAMESPACE_STATISTICS = 0xC8
     FLUSH = 0xC9
+    SCRUB = 0xCA
 
 
 class IdentifyCns(enum.IntEnum):

@@ -45,6 +45,7 @@ async def _serve(operations: Operations, ready_fd: int | None) -> None:
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
         nursery.start_soon(_stop_on_signal)
+        nursery.start_soon(operations.save_health_periodically)
         if ready_fd is not None:
             os.write(ready_fd, READY_MESSAGE)
             os.close(ready_fd)

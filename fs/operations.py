@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# How often the daemon saves the device's health figures (SMART) to superblock.json. A clean
+# unmount saves them too; a crash loses at most this much counting.
+HEALTH_SAVE_INTERVAL_S = 60.0
+
 
 def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Turn every failure into an errno: a handler that raises anything else than
@@ -296,7 +300,16 @@ class Operations(pyfuse3.Operations):
         chunk, handle.unread = handle.unread[:size], handle.unread[size:]
         return chunk
 
-    # ------------------------------------------------------------------ background flush
+    # ------------------------------------------------------------------ background work
+
+    async def save_health_periodically(self, interval_s: float = HEALTH_SAVE_INTERVAL_S) -> None:
+        """Save the health figures every `interval_s` until cancelled (at unmount)."""
+        while True:
+            await trio.sleep(interval_s)
+            try:
+                await self._run(self.device.save_health)
+            except Exception:
+                log.exception("saving the health figures failed")
 
     def _schedule_flush(self, namespace: Namespace) -> None:
         """Make a committed step durable in the background (the power-loss-protected mode)."""

@@ -25,6 +25,14 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * scale
 
 
+def parse_int(text: str) -> int:
+    """An integer in any base Python reads: '2', '0xc0'."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (examples: 2, 0xc0)") from None
+
+
 def parse_tensor(text: str) -> tuple[str, int]:
     name, sep, numel = text.rpartition(":")
     if not sep or not name:
@@ -36,9 +44,12 @@ def parse_tensor(text: str) -> tuple[str, int]:
     return name, count
 
 
-def emit(args: argparse.Namespace, value: Any, normal: Callable[[Any], str]) -> None:
+def emit(args: argparse.Namespace, value: Any, normal: Callable[[Any], str], *,
+         sort_keys: bool = True) -> None:
+    """Print `value` as JSON (-o json) or as `normal` renders it. nvme-cli shaped verbs keep
+    nvme-cli's key order (sort_keys=False)."""
     if getattr(args, "output_format", "normal") == "json":
-        print(json.dumps(value, indent=2, sort_keys=True))
+        print(json.dumps(value, indent=2, sort_keys=sort_keys))
     else:
         print(normal(value))
 
@@ -168,6 +179,232 @@ def cmd_step(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- nvme-cli shaped verbs
+
+# Critical warning bits as nvme-cli names them (-H).
+CRITICAL_WARNING_BITS = (
+    ("available_spare", "Available Spare[0]"),
+    ("temp_threshold", "Temp. Threshold[1]"),
+    ("reliability_degraded", "NVM subsystem Reliability[2]"),
+    ("ro", "Read-only[3]"),
+    ("vmbu_failed", "Volatile mem. backup failed[4]"),
+    ("pmr_ro", "Persistent Mem. RO[5]"),
+)
+
+
+def si_bytes(count: int) -> str:
+    """nvme-cli's SI rendering of a byte count: '512.00 kB'."""
+    value, unit = float(count), "B"
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB", "EB"):
+        if value < 1000:
+            break
+        value /= 1000
+    return f"{value:.2f} {unit}"
+
+
+def _line(label: str, value: object) -> str:
+    return f"{label:<40}: {value}"
+
+
+def cmd_smart_log(args: argparse.Namespace) -> int:
+    from cossd.emulator.health import DATA_UNIT_BYTES
+
+    with _client(args) as client:
+        smart = client.smart_log()
+    warning = smart["critical_warning"]
+    bits = {name: (warning >> bit) & 1 for bit, (name, _) in enumerate(CRITICAL_WARNING_BITS)}
+    value: dict[str, Any] = dict(smart)
+    if args.human_readable:
+        value["critical_warning"] = {"value": warning} | bits  # as nvme-cli -H -o json
+
+    def normal(_: object) -> str:
+        lines = [f"Smart Log for NVME device:{args.mountpoint} namespace-id:ffffffff",
+                 _line("critical_warning", warning)]
+        if args.human_readable:
+            lines += [f"      {label:<31}: {bits[name]}" for name, label in CRITICAL_WARNING_BITS]
+        kelvin = smart["temperature"]
+        lines += [
+            _line("temperature", f"{kelvin - 273} °C ({kelvin} K)"),
+            _line("available_spare", f"{smart['avail_spare']}%"),
+            _line("available_spare_threshold", f"{smart['spare_thresh']}%"),
+            _line("percentage_used", f"{smart['percent_used']}%"),
+            _line("endurance group critical warning summary",
+                  smart["endurance_grp_critical_warning_summary"]),
+            _line("Data Units Read", f"{smart['data_units_read']} "
+                                     f"({si_bytes(smart['data_units_read'] * DATA_UNIT_BYTES)})"),
+            _line("Data Units Written", f"{smart['data_units_written']} "
+                                        f"({si_bytes(smart['data_units_written'] * DATA_UNIT_BYTES)})"),
+        ]
+        for key in ("host_read_commands", "host_write_commands", "controller_busy_time",
+                    "power_cycles", "power_on_hours", "unsafe_shutdowns", "media_errors",
+                    "num_err_log_entries"):
+            lines.append(_line(key, smart[key]))
+        lines += [_line("Warning Temperature Time", smart["warning_temp_time"]),
+                  _line("Critical Composite Temperature Time", smart["critical_comp_time"])]
+        for key, kelvin in smart.items():
+            if key.startswith("temperature_sensor_"):
+                lines.append(_line(f"Temperature Sensor {key.rsplit('_', 1)[1]}",
+                                   f"{kelvin - 273} °C ({kelvin} K)"))
+        for kind, label in (("trans_count", "Trans Count"), ("total_time", "Total Time")):
+            lines += [_line(f"Thermal Management T{number} {label}", smart[f"thm_temp{number}_{kind}"])
+                      for number in (1, 2)]
+        return "\n".join(lines)
+
+    emit(args, value, normal, sort_keys=False)
+    return 0
+
+
+def _status_name(status_field: int) -> str:
+    """The Status named by an error log entry's status field (without its phase tag)."""
+    from cossd.emulator.errors import Status
+
+    status = Status.from_field((status_field >> 8) & 0x7, status_field & 0xFF)
+    return status.name if isinstance(status, Status) else f"{status:#05x}"
+
+
+def _opcode_name(opcode: int) -> str:
+    from cossd.emulator.protocol import Opcode
+
+    try:
+        return Opcode(opcode).name
+    except ValueError:
+        return "unknown"
+
+
+def _error_entries_text(device: object, entries: list[dict[str, int]]) -> str:
+    rule = "................."
+    lines = [f"Error Log Entries for device:{device} entries:{len(entries)}", rule]
+    for index, entry in enumerate(entries):
+        location = entry["parm_error_location"]
+        lines += [
+            f" Entry[{index:2}]", rule,
+            f"error_count     : {entry['error_count']}",
+            f"sqid            : {entry['sqid']}",
+            f"cmdid           : {entry['cmdid']:#x}",
+            f"status_field    : {entry['status_field']:#x}({_status_name(entry['status_field'])})",
+            f"phase_tag       : {entry['phase_tag']}",
+            f"parm_err_loc    : {location:#x}" + ("" if location == 0xFFFF else f" (byte {location & 0xFF})"),
+            f"lba             : {entry['lba']:#x}",
+            f"nsid            : {entry['nsid']:#x}",
+            f"vs              : {entry['vs']}",
+            f"cs              : {entry['cs']:#x} (opcode {_opcode_name(entry['cs'])})",
+            rule,
+        ]
+    return "\n".join(lines)
+
+
+def cmd_error_log(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        entries = client.error_log()
+    emit(args, {"errors": entries}, lambda v: _error_entries_text(args.mountpoint, v["errors"]),
+         sort_keys=False)
+    return 0
+
+
+def hexdump(data: bytes) -> str:
+    """nvme-cli's raw page dump: 16 bytes per row, offset, hex, then the printable ASCII."""
+    lines = ["       0  1  2  3  4  5  6  7  8  9  a  b  c  d  e  f"]
+    for offset in range(0, len(data), 16):
+        row = data[offset : offset + 16]
+        text = "".join(chr(byte) if 32 <= byte < 127 else "." for byte in row)
+        lines.append(f"{offset:04x}: {' '.join(f'{byte:02x}' for byte in row):<47} \"{text}\"")
+    return "\n".join(lines)
+
+
+def cmd_get_log(args: argparse.Namespace) -> int:
+    from cossd.emulator import logpages
+    from cossd.emulator.logpages import LogId
+    from cossd.emulator.protocol import NSID_ALL
+
+    with _client(args) as client:
+        nsid = client.nsid(args.namespace) if args.namespace else NSID_ALL
+        data = client.get_log_page(args.log_id, nsid)
+    if args.output_format == "binary":
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return 0
+    json_page = args.log_id == LogId.OPTIMIZER_STATISTICS
+    if args.output_format == "json":
+        decoders: dict[int, Callable[[bytes], Any]] = {
+            LogId.SMART: logpages.decode_smart,
+            LogId.ERROR: lambda raw: {"errors": logpages.decode_error_log(raw)},
+            LogId.COMMANDS_SUPPORTED_AND_EFFECTS: logpages.decode_effects,
+            LogId.OPTIMIZER_STATISTICS: json.loads,
+        }
+        decode = decoders.get(args.log_id)
+        value = decode(data) if decode else {"log_id": args.log_id, "data": data.hex()}
+        print(json.dumps(value, indent=2, sort_keys=json_page))
+        return 0
+    header = f"Device:{args.mountpoint} log-id:{args.log_id:#04x} namespace-id:{nsid:#x}"
+    body = json.dumps(json.loads(data), indent=2, sort_keys=True) if json_page else hexdump(data)
+    print(f"{header}\n{body}")
+    return 0
+
+
+def cmd_scrub(args: argparse.Namespace) -> int:
+    from cossd.emulator.protocol import NSID_ALL
+
+    with _client(args) as client:
+        nsid = client.nsid(args.name) if args.name else NSID_ALL
+        report = client.scrub(nsid)
+
+    def normal(value: dict[str, Any]) -> str:
+        lines = []
+        for name, entry in value.items():
+            verified = f"{entry['blocks']} blocks verified" if entry["blocks"] else \
+                "0 blocks verified (still loading: no checksums yet)"
+            lines.append(f"{name}: {verified}, {len(entry['bad'])} bad")
+            lines += [f"  bad block: tensor {tensor} block {block}" for tensor, block in entry["bad"]]
+        return "\n".join(lines) or "no namespaces"
+
+    emit(args, report, normal)
+    # Bad blocks fail the verb, as a failed check should in a script.
+    return 1 if any(entry["bad"] for entry in report.values()) else 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from cossd.emulator.device import SUPERBLOCK_FILE
+    from cossd.tools.client import AdminClient, mounted_devices
+
+    devices = []
+    for mountpoint, backing in mounted_devices(args.mountinfo):
+        entry: dict[str, Any] = {"DevicePath": str(mountpoint), "Backing": str(backing)}
+        try:
+            with AdminClient(mountpoint, timeout_s=args.timeout) as client:
+                described = client.describe()
+            identity = described["identity"]
+            namespaces = [{"NameSpace": ns["nsid"], "Name": ns["name"]} for ns in described["namespaces"]]
+            entry |= {"State": "live", "Pid": described["pid"],
+                      "UsedBytes": described["allocated_bytes"]}
+        except (OSError, DeviceError, ValueError, KeyError) as exc:
+            # A crashed or stopped daemon: what the backing directory itself says.
+            entry |= {"State": f"not answering ({exc})"}
+            try:
+                stored = json.loads((backing / SUPERBLOCK_FILE).read_text())
+                identity = stored["identity"]
+                namespaces = [{"NameSpace": nsid, "Name": name}
+                              for name, nsid in sorted(stored["namespaces"].items(), key=lambda kv: kv[1])]
+            except (OSError, ValueError, KeyError):
+                identity, namespaces = {}, []
+        entry |= {"SerialNumber": identity.get("serial", ""), "ModelNumber": identity.get("model", ""),
+                  "Firmware": identity.get("firmware_revision", ""),
+                  "PhysicalSize": identity.get("capacity_bytes", 0), "Namespaces": namespaces}
+        devices.append(entry)
+
+    def normal(value: dict[str, Any]) -> str:
+        rows = [("Node", "Backing", "SN", "Namespaces"), ("-" * 24, "-" * 32, "-" * 20, "-" * 24)]
+        for device in value["Devices"]:
+            names = ", ".join(f"{ns['Name']}({ns['NameSpace']})" for ns in device["Namespaces"]) or "-"
+            if device["State"] != "live":
+                names += f" [{device['State']}]"
+            rows.append((device["DevicePath"], device["Backing"], device["SerialNumber"], names))
+        return "\n".join(f"{a:<24} {b:<32} {c:<20} {d}" for a, b, c, d in rows)
+
+    emit(args, {"Devices": devices}, normal, sort_keys=False)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     # Imported here: the demo needs torch, which no other verb does.
     from cossd.trainer import demo
@@ -196,10 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    def verb(name: str, handler: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
+    def verb(name: str, handler: Callable[[argparse.Namespace], int], help_text: str,
+             formats: tuple[str, ...] = ("normal", "json")) -> argparse.ArgumentParser:
         sub = verbs.add_parser(name, help=help_text, description=help_text)
         sub.set_defaults(handler=handler)
-        sub.add_argument("-o", "--output-format", choices=("normal", "json"), default="normal",
+        sub.add_argument("-o", "--output-format", choices=formats, default="normal",
                          help="output format (default: normal)")
         return sub
 
@@ -260,6 +498,32 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--step", type=int, help="step number (default: the next one)")
             sub.add_argument("--grad-scale", type=float, default=1.0,
                              help="combined gradient scale: 1/loss_scale x clip coefficient")
+
+    sub = verb("smart-log", cmd_smart_log, "SMART / health log (log page 02h), as nvme smart-log prints it.")
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("-H", "--human-readable", action="store_true",
+                     help="decode the critical warning bits")
+
+    sub = verb("error-log", cmd_error_log, "Error information log (log page 01h): the latest failed "
+               "commands and media errors, newest first.")
+    sub.add_argument("mountpoint", type=Path)
+
+    sub = verb("get-log", cmd_get_log, "Any log page, raw (hex dump, -o binary) or decoded (-o json).",
+               formats=("normal", "json", "binary"))
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("-i", "--log-id", type=parse_int, required=True,
+                     help="log page identifier, e.g. 2 or 0xc0")
+    sub.add_argument("-n", "--namespace", help="namespace name, for namespace-scoped pages (default: all)")
+
+    sub = verb("scrub", cmd_scrub, "Verify every block checksum of a namespace (default: all); "
+               "exits 1 if any block is bad.")
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("name", nargs="?", help="namespace (default: every namespace)")
+
+    sub = verb("list", cmd_list, "List the mounted cossd devices (from /proc/self/mountinfo).")
+    sub.add_argument("--mountinfo", default="/proc/self/mountinfo", help=argparse.SUPPRESS)
+    sub.add_argument("--timeout", type=float, default=5.0,
+                     help="seconds to wait for each daemon (default: 5)")
 
     sub = verb("demo", cmd_demo, "Train a small GPT through a temporary mount, crash the device "
                "mid-step, restore, and compare with torch.save and DCP checkpointing.")

@@ -5,13 +5,17 @@ import concurrent.futures
 import json
 import os
 import queue
+import re
 import threading
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from cossd.emulator import logpages
 from cossd.emulator.errors import DeviceError, Status
+from cossd.emulator.logpages import LogId
 from cossd.emulator.protocol import (
     COMPLETION,
+    NSID_ALL,
     Completion,
     Opcode,
     decode_completion,
@@ -25,6 +29,32 @@ ADMIN_FILE = ".admin"
 DEFAULT_TIMEOUT_S = 120.0
 
 T = TypeVar("T")
+
+# How a mount of the daemon shows in /proc/self/mountinfo (fs/daemon.py sets both).
+MOUNT_FSTYPE = "fuse.cossd"
+FSNAME_PREFIX = "cossd:"
+
+
+def _unescape_mountinfo(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes (\\040 ...)."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
+def mounted_devices(mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo") -> list[tuple[Path, Path]]:
+    """(mountpoint, backing directory) of every cossd mount, in mount order."""
+    devices = []
+    with open(mountinfo) as lines:
+        for line in lines:
+            mount_fields, separator, fs_fields = line.rstrip("\n").partition(" - ")
+            if not separator:
+                continue
+            fields, fs = mount_fields.split(" "), fs_fields.split(" ")
+            if len(fields) < 5 or len(fs) < 2 or fs[0] != MOUNT_FSTYPE:
+                continue
+            source = _unescape_mountinfo(fs[1])
+            backing = source.removeprefix(FSNAME_PREFIX)
+            devices.append((Path(_unescape_mountinfo(fields[4])), Path(backing)))
+    return devices
 
 
 class DeviceTimeoutError(TimeoutError):
@@ -212,3 +242,23 @@ class AdminClient:
 
     def flush(self, nsid: int) -> int:
         return self.call(Opcode.FLUSH, nsid=nsid).result
+
+    def get_log_page(self, log_id: int, nsid: int = NSID_ALL) -> bytes:
+        """The raw bytes of log page `log_id` (cdw10 bits 7:0)."""
+        return self.call(Opcode.GET_LOG_PAGE, nsid=nsid, cdw10=log_id & 0xFF).data
+
+    def smart_log(self) -> dict[str, int]:
+        """SMART / Health Information, keyed as nvme-cli's `smart-log -o json` prints it."""
+        return logpages.decode_smart(self.get_log_page(LogId.SMART))
+
+    def error_log(self) -> list[dict[str, int]]:
+        """The valid Error Information entries, newest first, keyed as nvme-cli prints them."""
+        return logpages.decode_error_log(self.get_log_page(LogId.ERROR))
+
+    def optimizer_log(self, nsid: int = NSID_ALL) -> dict[str, Any]:
+        """The vendor page C0h: per-namespace optimizer statistics, by namespace name."""
+        return json.loads(self.get_log_page(LogId.OPTIMIZER_STATISTICS, nsid))
+
+    def scrub(self, nsid: int = NSID_ALL) -> dict[str, Any]:
+        """Verify block checksums: {namespace: {"blocks": N, "bad": [[tensor, block], ...]}}."""
+        return json.loads(self.call(Opcode.SCRUB, nsid=nsid).data)
