@@ -539,7 +539,9 @@ class Namespace:
                 for role in BLOCK_ROLES:
                     crc = kernels.crc32c(out[role], crc)
                     itemsize = out[role].itemsize
-                    state.write_at(self._region_offset(tensor, role) + start * itemsize, out[role])
+                    region = self._region_offset(tensor, role) + start * itemsize
+                    state.write_at(region, out[role])
+                    state.start_writeback(region, out[role].nbytes)
                     written += out[role].nbytes
             elapsed = time.perf_counter_ns() - started
         except BaseException as exc:
