@@ -94,10 +94,8 @@ def cossd_kernel(n: int, threads: int) -> Callable[[], None]:
     return lambda: split_run(step, n, threads)
 
 
-def torch_adamw(n: int, threads: int, **options: Any) -> Callable[[], None]:
-    param = torch.nn.Parameter(torch.randn(n))
-    param.grad = torch.randn(n) * 0.01
-    optimizer = torch.optim.AdamW([param], lr=1e-3, **options)
+def _stepping(optimizer: torch.optim.Optimizer, threads: int) -> Callable[[], None]:
+    """optimizer.step, run with torch using `threads` threads."""
 
     def step() -> None:
         previous = torch.get_num_threads()
@@ -108,6 +106,16 @@ def torch_adamw(n: int, threads: int, **options: Any) -> Callable[[], None]:
             torch.set_num_threads(previous)
 
     return step
+
+
+def _one_param(n: int) -> torch.nn.Parameter:
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n) * 0.01
+    return param
+
+
+def torch_adamw(n: int, threads: int, **options: Any) -> Callable[[], None]:
+    return _stepping(torch.optim.AdamW([_one_param(n)], lr=1e-3, **options), threads)
 
 
 def deepspeed_cpuadam(n: int, threads: int) -> Callable[[], None] | None:
@@ -115,19 +123,7 @@ def deepspeed_cpuadam(n: int, threads: int) -> Callable[[], None] | None:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001 - optional peer: absent, or its extension fails to build
         return None
-    param = torch.nn.Parameter(torch.randn(n))
-    param.grad = torch.randn(n) * 0.01
-    optimizer = DeepSpeedCPUAdam([param], lr=1e-3, adamw_mode=True)
-
-    def step() -> None:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            optimizer.step()
-        finally:
-            torch.set_num_threads(previous)
-
-    return step
+    return _stepping(DeepSpeedCPUAdam([_one_param(n)], lr=1e-3, adamw_mode=True), threads)
 
 
 def kernel_row(n: int, repeat: int, threads: int) -> dict[str, Any]:
