@@ -416,3 +416,26 @@ def test_modeled_temperature_and_wear() -> None:
     worn = health.smart([NamespaceCounters(media_bytes_written=ENDURANCE_DRIVE_WRITES * capacity // 4)],
                         capacity, degraded=False)
     assert worn["percent_used"] == 25
+
+
+def test_id_ns_and_admin_passthru(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
+    mp = mount.mountpoint
+    create_namespace(mp, "n", [("t", 1 << 20)])
+    code, out, _ = run(capsys, "id-ns", str(mp), "n", "-o", "json")
+    assert code == 0
+    ns = json.loads(out)
+    with AdminClient(mp) as admin:
+        size = admin.statistics(admin.nsid("n"))["state_bytes_per_copy"]
+    # NSZE counts both state copies in 4 KiB blocks; LBA format 0 has 2^12-byte blocks.
+    assert ns["nsze"] == ns["ncap"] == ns["nuse"] == 2 * size // 4096 and ns["lbafs"][0]["ds"] == 12
+    code, out, _ = run(capsys, "id-ns", str(mp), "n")
+    assert code == 0 and "nsze" in out and "lbads:12" in out
+    # A raw Identify Controller (CNS 01h) through admin-passthru: the serial at bytes 4-23.
+    code, out, _ = run(capsys, "admin-passthru", str(mp), "--opcode", "0x06", "--cdw10", "1", "-o", "json")
+    assert code == 0
+    page = bytes.fromhex(json.loads(out)["data"])
+    assert len(page) == 4096 and page[4:24].decode().strip() == "TESTSERIAL0001"
+    code, out, _ = run(capsys, "admin-passthru", str(mp), "--opcode", "0x7f")
+    assert code == 1 and "INVALID_OPCODE" in out
+    code, out, err = run(capsys, "id-ns", str(mp), "missing")
+    assert code == 1 and "INVALID_NAMESPACE" in err

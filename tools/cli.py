@@ -342,6 +342,56 @@ def cmd_get_log(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_id_ns(args: argparse.Namespace) -> int:
+    """Identify Namespace (CNS 00h), decoded with nvme-cli's field names."""
+    import struct
+
+    from cossd.emulator.protocol import IdentifyCns, Opcode
+
+    with _client(args) as client:
+        nsid = client.nsid(args.name)
+        page = client.call(Opcode.IDENTIFY, nsid=nsid, cdw10=int(IdentifyCns.NAMESPACE)).data
+    nsze, ncap, nuse = struct.unpack_from("<QQQ", page, 0)
+    lbaf0 = struct.unpack_from("<I", page, 128)[0]
+    value = {"nsid": nsid, "name": args.name, "nsze": nsze, "ncap": ncap, "nuse": nuse,
+             "nlbaf": page[25], "flbas": page[26],
+             "lbafs": [{"ms": lbaf0 & 0xFFFF, "ds": (lbaf0 >> 16) & 0xFF, "rp": (lbaf0 >> 24) & 0x3}]}
+    if args.output_format == "binary":
+        sys.stdout.buffer.write(page)
+        sys.stdout.buffer.flush()
+        return 0
+    emit(args, value, lambda v: "\n".join([
+        f"NVME Identify Namespace {v['nsid']} ({v['name']}):",
+        f"nsze    : {v['nsze']:#x}", f"ncap    : {v['ncap']:#x}", f"nuse    : {v['nuse']:#x}",
+        f"nlbaf   : {v['nlbaf']}", f"flbas   : {v['flbas']:#x}",
+        f"lbaf  0 : ms:{v['lbafs'][0]['ms']} lbads:{v['lbafs'][0]['ds']} rp:{v['lbafs'][0]['rp']} (in use)",
+    ]))
+    return 0
+
+
+def cmd_admin_passthru(args: argparse.Namespace) -> int:
+    """Send one raw admin command, like `nvme admin-passthru`; print its completion."""
+    payload = b""
+    if args.input_file is not None:
+        payload = args.input_file.read_bytes()
+    fields = {f"cdw{n}": getattr(args, f"cdw{n}") for n in range(10, 16)}
+    with _client(args) as client:
+        completion = client.submit(args.opcode, nsid=args.namespace_id, payload=payload, **fields)
+    status = getattr(completion.status, "name", str(completion.status))
+    value = {"opcode": args.opcode, "nsid": args.namespace_id, "result": completion.result,
+             "status": int(completion.status), "status_name": status, "data_len": len(completion.data),
+             "data": completion.data.hex()}
+    if args.output_format == "binary":
+        sys.stdout.buffer.write(completion.data)
+        sys.stdout.buffer.flush()
+    else:
+        emit(args, value, lambda v: (f"NVMe command result:{v['result']:08x} status:{v['status']:#06x} "
+                                     f"({v['status_name']}) data_len:{v['data_len']}"
+                                     + (f"\n{hexdump(completion.data)}" if completion.data and args.raw_data
+                                        else "")))
+    return 0 if completion.status == 0 or status == "STEP_SKIPPED_NONFINITE" else 1
+
+
 def cmd_scrub(args: argparse.Namespace) -> int:
     from cossd.emulator.protocol import NSID_ALL
 
@@ -514,6 +564,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("-i", "--log-id", type=parse_int, required=True,
                      help="log page identifier, e.g. 2 or 0xc0")
     sub.add_argument("-n", "--namespace", help="namespace name, for namespace-scoped pages (default: all)")
+
+    sub = verb("id-ns", cmd_id_ns, "Identify a namespace (NVMe CNS 00h): sizes in 4 KiB blocks, LBA format.",
+               formats=("normal", "json", "binary"))
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("name", help="namespace name")
+
+    sub = verb("admin-passthru", cmd_admin_passthru, "Send a raw admin command through .admin "
+               "(like nvme admin-passthru); exits 1 unless it succeeds.", formats=("normal", "json", "binary"))
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("--opcode", type=parse_int, required=True, help="opcode, e.g. 0x06 or 0xc0")
+    sub.add_argument("--namespace-id", type=parse_int, default=0, help="nsid (default 0)")
+    for n in range(10, 16):
+        sub.add_argument(f"--cdw{n}", type=parse_int, default=0, help=argparse.SUPPRESS if n > 13 else f"command dword {n}")
+    sub.add_argument("--input-file", type=Path, help="payload to send after the entry (data_len is its size)")
+    sub.add_argument("-r", "--raw-data", action="store_true", help="with -o normal, hex-dump the returned data")
 
     sub = verb("scrub", cmd_scrub, "Verify every block checksum of a namespace (default: all); "
                "exits 1 if any block is bad.")
