@@ -808,12 +808,24 @@ size_t cossd_count_nonfinite(const uint16_t *grad, int fmt, size_t n)
 /* Master (FP32) <-> param (half) conversion.                               */
 /* ------------------------------------------------------------------------ */
 
+/* The argument checks every conversion entry point makes, in the same order: format, then
+ * pointers (ignored when n == 0), then whether the chosen ISA exists on this CPU. */
+static int conversion_args(const void *in, const void *out, int fmt, size_t n, int isa_present)
+{
+    if (!half_fmt_ok(fmt))
+        return COSSD_ERR_FORMAT;
+    if (n > 0 && (!in || !out))
+        return COSSD_ERR_NULL;
+    if (!isa_present)
+        return COSSD_ERR_UNSUPPORTED;
+    return COSSD_OK;
+}
+
 int cossd_master_to_param_scalar(const float *master, uint16_t *param_out, int param_fmt, size_t n)
 {
-    if (!half_fmt_ok(param_fmt))
-        return COSSD_ERR_FORMAT;
-    if (n > 0 && (!master || !param_out))
-        return COSSD_ERR_NULL;
+    int rc = conversion_args(master, param_out, param_fmt, n, 1);
+    if (rc != COSSD_OK)
+        return rc;
     for (size_t i = 0; i < n; i++)
         param_out[i] = f32_to_half(master[i], param_fmt);
     return COSSD_OK;
@@ -821,10 +833,9 @@ int cossd_master_to_param_scalar(const float *master, uint16_t *param_out, int p
 
 int cossd_param_to_master_scalar(const uint16_t *param, int param_fmt, float *master_out, size_t n)
 {
-    if (!half_fmt_ok(param_fmt))
-        return COSSD_ERR_FORMAT;
-    if (n > 0 && (!param || !master_out))
-        return COSSD_ERR_NULL;
+    int rc = conversion_args(param, master_out, param_fmt, n, 1);
+    if (rc != COSSD_OK)
+        return rc;
     for (size_t i = 0; i < n; i++)
         master_out[i] = half_to_f32(param[i], param_fmt);
     return COSSD_OK;
@@ -868,30 +879,22 @@ COSSD_AVX2 static void p2m_avx2(const uint16_t *param, int fmt, float *master_ou
 
 int cossd_master_to_param_avx2(const float *master, uint16_t *param_out, int param_fmt, size_t n)
 {
-    if (!half_fmt_ok(param_fmt))
-        return COSSD_ERR_FORMAT;
-    if (n > 0 && (!master || !param_out))
-        return COSSD_ERR_NULL;
-    if (!g_has_avx2)
-        return COSSD_ERR_UNSUPPORTED;
+    int rc = conversion_args(master, param_out, param_fmt, n, g_has_avx2);
 #if COSSD_X86
-    m2p_avx2(master, param_out, param_fmt, n);
+    if (rc == COSSD_OK)
+        m2p_avx2(master, param_out, param_fmt, n);
 #endif
-    return COSSD_OK;
+    return rc;
 }
 
 int cossd_param_to_master_avx2(const uint16_t *param, int param_fmt, float *master_out, size_t n)
 {
-    if (!half_fmt_ok(param_fmt))
-        return COSSD_ERR_FORMAT;
-    if (n > 0 && (!param || !master_out))
-        return COSSD_ERR_NULL;
-    if (!g_has_avx2)
-        return COSSD_ERR_UNSUPPORTED;
+    int rc = conversion_args(param, master_out, param_fmt, n, g_has_avx2);
 #if COSSD_X86
-    p2m_avx2(param, param_fmt, master_out, n);
+    if (rc == COSSD_OK)
+        p2m_avx2(param, param_fmt, master_out, n);
 #endif
-    return COSSD_OK;
+    return rc;
 }
 
 #if COSSD_X86
@@ -937,30 +940,22 @@ COSSD_AVX512 static void p2m_avx512(const uint16_t *param, int fmt, float *maste
 
 int cossd_master_to_param_avx512(const float *master, uint16_t *param_out, int param_fmt, size_t n)
 {
-    if (!half_fmt_ok(param_fmt))
-        return COSSD_ERR_FORMAT;
-    if (n > 0 && (!master || !param_out))
-        return COSSD_ERR_NULL;
-    if (!g_has_avx512)
-        return COSSD_ERR_UNSUPPORTED;
+    int rc = conversion_args(master, param_out, param_fmt, n, g_has_avx512);
 #if COSSD_X86
-    m2p_avx512(master, param_out, param_fmt, n);
+    if (rc == COSSD_OK)
+        m2p_avx512(master, param_out, param_fmt, n);
 #endif
-    return COSSD_OK;
+    return rc;
 }
 
 int cossd_param_to_master_avx512(const uint16_t *param, int param_fmt, float *master_out, size_t n)
 {
-    if (!half_fmt_ok(param_fmt))
-        return COSSD_ERR_FORMAT;
-    if (n > 0 && (!param || !master_out))
-        return COSSD_ERR_NULL;
-    if (!g_has_avx512)
-        return COSSD_ERR_UNSUPPORTED;
+    int rc = conversion_args(param, master_out, param_fmt, n, g_has_avx512);
 #if COSSD_X86
-    p2m_avx512(param, param_fmt, master_out, n);
+    if (rc == COSSD_OK)
+        p2m_avx512(param, param_fmt, master_out, n);
 #endif
-    return COSSD_OK;
+    return rc;
 }
 
 int cossd_master_to_param(const float *master, uint16_t *param_out, int param_fmt, size_t n)
