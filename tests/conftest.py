@@ -5,7 +5,6 @@ import dataclasses
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Iterator
 

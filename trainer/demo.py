@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -85,9 +85,9 @@ class RunResult:
 
 
 class Demo:
-    def __init__(self, settings: Settings, backing: Path, mountpoint: Path, scratch: Path) -> None:
+    def __init__(self, settings: Settings, backing: Path, mountpoint: Path) -> None:
         self.s = settings
-        self.backing, self.mountpoint, self.scratch = backing, mountpoint, scratch
+        self.backing, self.mountpoint = backing, mountpoint
         self.config = GPTConfig.named(settings.model)
         self.dtype = DTYPES[settings.dtype]
         self.corpus = StdlibCorpus()
@@ -271,7 +271,7 @@ def run(settings: Settings, backing_dir: Path | None) -> int:
     if not (backing / "superblock.json").exists():
         identity = Device.format(backing)
         _say(f"formatted a cossd device (serial {identity['serial']}) in {backing}")
-    demo = Demo(settings, backing, mountpoint, workdir / "checkpoints")
+    demo = Demo(settings, backing, mountpoint)
     parameters = parameter_count(demo.fresh_model())
     _say(f"model: GPT, {parameters / 1e6:.2f}M parameters ({settings.model}); corpus: "
          f"{len(demo.corpus) / 1e6:.1f} MB of Python's standard library ({demo.corpus.files} files)")

@@ -108,7 +108,6 @@ def table(report: dict[str, Any]) -> str:
               "host memory for checkpointing", "optimizer state in host memory", "restore")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in report["methods"]:
-        restore = row["restore_s"]
         lines.append("| " + " | ".join((
             row["label"],
             f"{_bytes(row['bytes_per_step'])} ({row['bytes_per_param_per_step']:.1f} B/param)",
