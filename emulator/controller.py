@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import struct
@@ -20,6 +21,11 @@ from .spec import NamespaceSpec
 log = logging.getLogger(__name__)
 
 IDENTIFY_BYTES = 4096
+
+# Modules that add command families beside the ones below. Each has `handlers(controller)`
+# returning {opcode: handler}; a handler takes a Command and returns a Completion or raises
+# DeviceError (see Controller.execute).
+COMMAND_MODULES: tuple[str, ...] = ()
 
 # Effects beyond CSUPP that the Commands Supported and Effects page (LID 05h) announces.
 COMMAND_EFFECTS: dict[int, int] = {
@@ -77,6 +83,8 @@ class Controller:
             Opcode.FLUSH: self._flush,
             Opcode.SCRUB: self._scrub,
         }
+        for module in COMMAND_MODULES:
+            self._handlers.update(importlib.import_module(module).handlers(self))
 
     def submit(self, raw: bytes) -> Completion:
         """Execute one raw submission. Raises SubmissionError if it is malformed."""

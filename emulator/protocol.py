@@ -59,6 +59,8 @@ class Opcode(enum.IntEnum):
 
     GET_LOG_PAGE = 0x02
     IDENTIFY = 0x06
+    SET_FEATURES = 0x09
+    GET_FEATURES = 0x0A
     VENDOR_IDENTIFY = 0xC0
     CREATE_NAMESPACE = 0xC1
     DELETE_NAMESPACE = 0xC2
@@ -69,6 +71,12 @@ class Opcode(enum.IntEnum):
     NAMESPACE_STATISTICS = 0xC8
     FLUSH = 0xC9
     SCRUB = 0xCA
+    SNAPSHOT_CREATE = 0xCB
+    SNAPSHOT_DELETE = 0xCC
+    SNAPSHOT_ROLLBACK = 0xCD
+    SNAPSHOT_CLONE = 0xCE
+    EXPORT = 0xCF
+    INJECT_ERROR = 0xD0
 
 
 class IdentifyCns(enum.IntEnum):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import re
@@ -474,6 +475,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- parser
 
+# Modules that add verbs beside the ones above. Each has `register(verb)`, where `verb` is
+# build_parser's factory below; keeping a verb family in its own module keeps this one small.
+VERB_MODULES: tuple[str, ...] = ()
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -599,6 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = verb("bench", cmd_bench, "Measure the kernel, the file path, checkpoint and restore "
                "against torch's AdamW, torch.save and DCP, side by side in one run.")
     add_bench_arguments(sub)
+
+    for module in VERB_MODULES:
+        importlib.import_module(module).register(verb)
     return parser
 
 
