@@ -49,6 +49,9 @@ class Status(enum.IntEnum):
     STATE_SEALED = 0x7C9
     INVALID_NAME = 0x7CA
     LIMIT_EXCEEDED = 0x7CB
+    SNAPSHOT_EXISTS = 0x7CC
+    SNAPSHOT_NOT_FOUND = 0x7CD
+    NAMESPACE_KIND_MISMATCH = 0x7CE  # an optimizer command on an NVM namespace or vice versa
 
     @property
     def sct(self) -> int:
@@ -100,6 +103,9 @@ STATUS_ERRNO: dict[Status, int] = {
     Status.STATE_SEALED: errno.EROFS,
     Status.INVALID_NAME: errno.EINVAL,
     Status.LIMIT_EXCEEDED: errno.E2BIG,
+    Status.SNAPSHOT_EXISTS: errno.EEXIST,
+    Status.SNAPSHOT_NOT_FOUND: errno.ENOENT,
+    Status.NAMESPACE_KIND_MISMATCH: errno.EINVAL,
 }
 
 

@@ -109,6 +109,9 @@ class LogId(enum.IntEnum):
     SMART = 0x02
     COMMANDS_SUPPORTED_AND_EFFECTS = 0x05
     OPTIMIZER_STATISTICS = 0xC0
+    SNAPSHOTS = 0xC1  # the snapshots of a namespace (or of all)
+    JOBS = 0xC2  # background work (export) and its progress
+    INJECTED_ERRORS = 0xC3  # error injections armed and fired
 
 
 def _u128(value: int) -> tuple[int, int]:
