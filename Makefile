@@ -17,6 +17,12 @@ system-deps:
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq fuse3 libfuse3-dev pkg-config; \
 	fi
+	@# mkfs.ext4 and losetup: the demo's baselines write through ext4 on a plain NVM namespace.
+	@if ! command -v mkfs.ext4 >/dev/null 2>&1 || ! command -v losetup >/dev/null 2>&1; then \
+	  echo "== installing e2fsprogs mount"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq e2fsprogs mount; \
+	fi
 
 $(STAMP): pyproject.toml setup.py kernels/_build.py kernels/cossd_kernels.c kernels/cossd_kernels.h
 	@$(MAKE) --no-print-directory system-deps

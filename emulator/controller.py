@@ -13,10 +13,11 @@ from . import logpages
 from .device import Device
 from .errors import DeviceError, Status
 from .health import CRITICAL_TEMP_KELVIN, WARNING_TEMP_KELVIN
+from .injection import Injector, Queue
 from .logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
 from .namespace import Namespace
 from .protocol import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
-from .spec import NamespaceSpec
+from . import kinds
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,8 @@ IDENTIFY_BYTES = 4096
 # Modules that add command families beside the ones below. Each has `handlers(controller)`
 # returning {opcode: handler}; a handler takes a Command and returns a Completion or raises
 # DeviceError (see Controller.execute).
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection", "cossd.emulator.features",
+                                    "cossd.emulator.snapshot_commands")
 
 # Effects beyond CSUPP that the Commands Supported and Effects page (LID 05h) announces.
 COMMAND_EFFECTS: dict[int, int] = {
@@ -39,6 +41,7 @@ COMMAND_EFFECTS: dict[int, int] = {
 ERROR_LOCATION: dict[tuple[int | None, Status], int] = {
     (None, Status.INVALID_OPCODE): 0,  # opcode
     (None, Status.INVALID_NAMESPACE): 4,  # nsid
+    (None, Status.NAMESPACE_KIND_MISMATCH): 4,  # nsid: a namespace of the other kind
     (Opcode.IDENTIFY, Status.INVALID_FIELD): 40,  # cdw10: CNS
     (Opcode.GET_LOG_PAGE, Status.INVALID_LOG_PAGE): 40,  # cdw10: LID
     (Opcode.GET_LOG_PAGE, Status.INVALID_FIELD): 4,  # nsid (SMART is controller wide)
@@ -69,6 +72,8 @@ class Controller:
         self.device = device
         self.commands_completed = 0
         self.commands_failed = 0
+        # Armed error injections (INJECT_ERROR, emulator/injection.py), checked before dispatch.
+        self.injector = Injector(device.health)
         self._handlers: dict[int, Callable[[Command], Completion]] = {
             Opcode.GET_LOG_PAGE: self._get_log_page,
             Opcode.IDENTIFY: self._identify,
@@ -83,6 +88,8 @@ class Controller:
             Opcode.FLUSH: self._flush,
             Opcode.SCRUB: self._scrub,
         }
+        # Vendor log pages that command modules add: LID -> page builder (see _get_log_page).
+        self.log_pages: dict[int, Callable[[Command], bytes]] = {}
         for module in COMMAND_MODULES:
             self._handlers.update(importlib.import_module(module).handlers(self))
 
@@ -92,7 +99,11 @@ class Controller:
 
     def execute(self, command: Command) -> Completion:
         handler = self._handlers.get(command.opcode)
-        if handler is None:
+        # An armed injection answers in the command's place: the command does not run.
+        injected = self.injector.take(Queue.ADMIN, command.opcode, command.nsid, command.cid)
+        if injected is not None:
+            completion = Completion(command.cid, injected.status, data=injected.message.encode())
+        elif handler is None:
             completion = Completion(
                 command.cid, Status.INVALID_OPCODE,
                 data=f"opcode {command.opcode:#04x} is not supported".encode(),
@@ -147,12 +158,13 @@ class Controller:
             struct.pack_into("<HH", page, 266, WARNING_TEMP_KELVIN, CRITICAL_TEMP_KELVIN)  # wctemp, cctemp
             struct.pack_into("<I", page, 516, 1024)  # nn: namespaces supported
             vendor = _json({"kernels": ["adamw", "adam"], "grad_dtypes": ["fp16", "bf16"],
-                            "param_dtypes": ["fp16", "bf16"], "state_dtypes": ["fp32", "bf16"]})
+                            "param_dtypes": ["fp16", "bf16"], "state_dtypes": ["fp32", "bf16"],
+                            "profile": self.device.timing_model.profile.name,
+                            "timed": self.device.config.timed})
             page[3072 : 3072 + len(vendor)] = vendor[:1024]
         elif cns == IdentifyCns.NAMESPACE:
             namespace = self._namespace(command)
-            stats = namespace.statistics()
-            size = 2 * stats["state_bytes_per_copy"] // 4096
+            size = namespace.allocated_bytes // 4096  # state copies, or an nvm namespace's blocks
             struct.pack_into("<QQQ", page, 0, size, size, size)  # nsze, ncap, nuse in 4 KiB blocks
             struct.pack_into("<I", page, 128 + 0, 12 << 16)  # lbaf0: 2^12 byte blocks
         elif cns == IdentifyCns.ACTIVE_NAMESPACES:
@@ -185,6 +197,8 @@ class Controller:
             else:
                 namespaces = [self._namespace(command)]
             data = _json({ns.name: ns.statistics() for ns in namespaces})
+        elif lid in self.log_pages:
+            data = self.log_pages[lid](command)
         else:
             raise DeviceError(Status.INVALID_LOG_PAGE, f"invalid log page {lid:#04x}")
         return Completion(command.cid, Status.SUCCESS, data=data)
@@ -195,7 +209,7 @@ class Controller:
     # ------------------------------------------------------------------ namespaces
 
     def _create_namespace(self, command: Command) -> Completion:
-        spec = NamespaceSpec.from_json(_payload_json(command))
+        spec = kinds.spec_from_payload(_payload_json(command))  # optimizer or nvm
         namespace = self.device.create_namespace(spec)
         return Completion(command.cid, Status.SUCCESS, result=namespace.nsid,
                           data=_json(namespace.config()))
@@ -240,8 +254,9 @@ class Controller:
     def _scrub(self, command: Command) -> Completion:
         """Verify every block checksum of one namespace or all; bad blocks are media errors
         (counted by the namespace) and error log entries."""
-        if command.nsid == NSID_ALL:
-            namespaces = sorted(self.device.namespaces.values(), key=lambda ns: ns.nsid)
+        if command.nsid == NSID_ALL:  # every namespace that has checksums: not the nvm ones
+            namespaces = sorted((ns for ns in self.device.namespaces.values() if ns.kind != "nvm"),
+                                key=lambda ns: ns.nsid)
         else:
             namespaces = [self._namespace(command)]
         report: dict[str, Any] = {}

@@ -1,6 +1,7 @@
 """The device: identity, the namespace registry and its superblock, open/format/close."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import logging
@@ -10,15 +11,17 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from .errors import DeviceError, Status
 from .health import Health, LifetimeCounters
-from .layout import FORMAT_VERSION, plan_layout
+from . import kinds
+from .layout import FORMAT_VERSION
 from .media import atomic_write_json, fsync_dir, read_json
 from .names import MAX_NAMESPACES
-from .namespace import Namespace
-from .spec import NamespaceSpec
+from .accounting import NamespaceTiming
+from .profiles import DEFAULT_PROFILE
+from .timing import TimingModel
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,10 @@ class DeviceConfig:
     # acts like a drive with power-loss protection; a commit is acknowledged once it would
     # survive a daemon crash and reaches the media in the background (lag: one step).
     sync: bool = False
+    # The timing model's device profile: a built-in name or a JSON file (emulator/profiles.py).
+    profile: str = DEFAULT_PROFILE
+    # True: file I/O and step commands complete no earlier than their modeled device time.
+    timed: bool = False
 
 
 class Device:
@@ -47,10 +54,11 @@ class Device:
         self._superblock = superblock
         self._lock_fd = lock_fd
         self._lock = threading.Lock()
-        self.namespaces: dict[str, Namespace] = {}
+        self.namespaces: dict[str, kinds.AnyNamespace] = {}
         self.failed_namespaces: dict[str, str] = {}
         self.opened_at = time.time()
         self.health = Health(superblock.get("health"))
+        self.timing_model = TimingModel.named(config.profile)
 
     # ------------------------------------------------------------------ format, open
 
@@ -119,6 +127,7 @@ class Device:
     def open(cls, path: str | os.PathLike[str], config: DeviceConfig = DeviceConfig()) -> "Device":
         root = Path(path)
         cls._read_superblock(root)  # a clear error before touching the lock file
+        TimingModel.named(config.profile)  # likewise for an unknown profile
         lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -158,11 +167,12 @@ class Device:
         registered = self._superblock["namespaces"]
         for name, nsid in registered.items():
             try:
-                namespace = Namespace.open(self._ns_dir(name), self.config.sync)
+                namespace = kinds.open_namespace(self._ns_dir(name), self.config.sync)
             except (DeviceError, OSError, ValueError, KeyError) as exc:
                 self.failed_namespaces[name] = str(exc)
                 log.error("namespace %s (nsid %d) cannot be served: %s", name, nsid, exc)
                 continue
+            self._attach_timing(namespace)
             self.namespaces[name] = namespace
             # Blocks recovery found bad are media errors (counted by the namespace) and, like
             # those scrub finds, error log entries; no command caused them.
@@ -221,7 +231,12 @@ class Device:
     @property
     def allocated_bytes(self) -> int:
         namespaces = list(self.namespaces.values())  # created/deleted from other threads
-        return sum(2 * ns.statistics()["state_bytes_per_copy"] for ns in namespaces)
+        return sum(ns.allocated_bytes for ns in namespaces)
+
+    def _attach_timing(self, namespace: kinds.AnyNamespace) -> None:
+        """Optimizer namespaces account their commands on the device's timing model."""
+        if namespace.kind == kinds.OPTIMIZER_KIND:
+            namespace.timing = NamespaceTiming(self.timing_model, timed=self.config.timed)
 
     def describe(self) -> dict[str, Any]:
         """Identity, capacity and namespaces, as the vendor identify command returns them."""
@@ -231,10 +246,11 @@ class Device:
             "backing": str(self.path),
             "pid": os.getpid(),
             "durability": "sync" if self.config.sync else "plp",
+            "timing": {"profile": self.timing_model.profile.name, "timed": self.config.timed},
             "capacity_bytes": self.capacity_bytes,
             "allocated_bytes": self.allocated_bytes,
             "namespaces": [
-                {"name": ns.name, "nsid": ns.nsid, "committed_step": ns.committed_step,
+                {"name": ns.name, "nsid": ns.nsid, "kind": ns.kind, "committed_step": ns.committed_step,
                  "durable_step": ns.durable_step, "loading": ns.loading}
                 for ns in sorted(self.namespaces.values(), key=lambda n: n.nsid)
             ],
@@ -243,7 +259,7 @@ class Device:
 
     # ------------------------------------------------------------------ namespaces
 
-    def namespace(self, name: str) -> Namespace:
+    def namespace(self, name: str) -> kinds.AnyNamespace:
         namespace = self.namespaces.get(name)
         if namespace is None:
             if name in self.failed_namespaces:
@@ -261,34 +277,33 @@ class Device:
                 return str(name)
         raise DeviceError(Status.INVALID_NAMESPACE, f"no namespace with nsid {nsid}")
 
-    def namespace_by_id(self, nsid: int) -> Namespace:
+    def namespace_by_id(self, nsid: int) -> kinds.AnyNamespace:
         for namespace in self.namespaces.values():
             if namespace.nsid == nsid:
                 return namespace
         raise DeviceError(Status.INVALID_NAMESPACE, f"no namespace with nsid {nsid}")
 
-    def create_namespace(self, spec: NamespaceSpec) -> Namespace:
-        """Allocate a namespace; the registry update in the device superblock commits it."""
+    def create_namespace(self, spec: kinds.AnySpec) -> kinds.AnyNamespace:
+        """Allocate a namespace of either kind; the registry update in the device superblock
+        commits it."""
         spec.validate()
         with self._lock:
             if spec.name in self.namespaces or spec.name in self.failed_namespaces:
                 raise DeviceError(Status.NAMESPACE_EXISTS, f"namespace {spec.name!r} already exists")
             if len(self._superblock["namespaces"]) >= MAX_NAMESPACES:
                 raise DeviceError(Status.NAMESPACE_ID_UNAVAILABLE, f"at most {MAX_NAMESPACES} namespaces")
-            _, copy_bytes = plan_layout(
-                [(t.name, t.numel) for t in spec.tensors], spec.state_itemsize, 2
-            )
-            if self.allocated_bytes + 2 * copy_bytes > self.capacity_bytes:
+            needed = kinds.allocation_bytes(spec)
+            if self.allocated_bytes + needed > self.capacity_bytes:
                 raise DeviceError(
                     Status.NAMESPACE_INSUFFICIENT_CAPACITY,
-                    f"namespace {spec.name!r} needs {2 * copy_bytes} bytes; "
+                    f"namespace {spec.name!r} needs {needed} bytes; "
                     f"{self.capacity_bytes - self.allocated_bytes} of {self.capacity_bytes} free",
                 )
             nsid = int(self._superblock["next_nsid"])
             directory = self._ns_dir(spec.name)
             if directory.exists():
                 shutil.rmtree(directory)
-            namespace = Namespace.create(directory, nsid, spec, self.config.sync)
+            namespace = kinds.create(directory, nsid, spec, self.config.sync)
             updated = dict(self._superblock)
             updated["namespaces"] = dict(self._superblock["namespaces"]) | {spec.name: nsid}
             updated["next_nsid"] = nsid + 1
@@ -299,6 +314,7 @@ class Device:
                 shutil.rmtree(directory, ignore_errors=True)
                 raise
             self._superblock = updated
+            self._attach_timing(namespace)
             self.namespaces[spec.name] = namespace
             return namespace
 
@@ -325,6 +341,51 @@ class Device:
                 self.health.fold(namespace.counters)
             shutil.rmtree(self._ns_dir(name), ignore_errors=True)
 
+    def _check_capacity(self, needed_bytes: int, what: str) -> None:
+        free = self.capacity_bytes - self.allocated_bytes
+        if needed_bytes > free:
+            raise DeviceError(
+                Status.NAMESPACE_INSUFFICIENT_CAPACITY,
+                f"{what} needs {needed_bytes} bytes; {max(0, free)} of {self.capacity_bytes} free",
+            )
+
+    @contextlib.contextmanager
+    def reserve(self, needed_bytes: int, what: str) -> Iterator[None]:
+        """Hold the device's capacity while `what` (a snapshot) allocates `needed_bytes`:
+        no namespace create or other reservation can take the same bytes meanwhile."""
+        with self._lock:
+            self._check_capacity(needed_bytes, what)
+            yield
+
+    def adopt_namespace(self, name: str, needed_bytes: int,
+                        build: Callable[[Path, int], kinds.AnyNamespace]) -> kinds.AnyNamespace:
+        """Register a namespace whose files `build(directory, nsid)` lays down and opens (a
+        clone of a snapshot). As for a create, the registry update commits it, and a crash
+        before it leaves a directory that the next open removes."""
+        with self._lock:
+            if name in self._superblock["namespaces"] or name in self.failed_namespaces:
+                raise DeviceError(Status.NAMESPACE_EXISTS, f"namespace {name!r} already exists")
+            if len(self._superblock["namespaces"]) >= MAX_NAMESPACES:
+                raise DeviceError(Status.NAMESPACE_ID_UNAVAILABLE, f"at most {MAX_NAMESPACES} namespaces")
+            self._check_capacity(needed_bytes, f"namespace {name!r}")
+            nsid = int(self._superblock["next_nsid"])
+            directory = self._ns_dir(name)
+            if directory.exists():
+                shutil.rmtree(directory)
+            namespace = build(directory, nsid)
+            updated = dict(self._superblock)
+            updated["namespaces"] = dict(self._superblock["namespaces"]) | {name: nsid}
+            updated["next_nsid"] = nsid + 1
+            try:
+                self._store(updated, clean=False)
+            except BaseException:
+                namespace.close()
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            self._attach_timing(namespace)
+            self.namespaces[name] = namespace
+            return namespace
+
     # ------------------------------------------------------------------ health
 
     def _store(self, updated: dict[str, Any], *, clean: bool) -> None:
@@ -339,6 +400,16 @@ class Device:
         with self._lock:
             if self._lock_fd >= 0:
                 self._store(dict(self._superblock), clean=False)
+
+    @property
+    def saved_features(self) -> dict[str, Any]:
+        """Feature values saved by Set Features with SV, by feature (emulator/features.py)."""
+        return dict(self._superblock.get("features", {}))
+
+    def save_features(self, saved: dict[str, Any]) -> None:
+        """Durably replace the saved feature values in superblock.json (they survive remounts)."""
+        with self._lock:
+            self._store(dict(self._superblock) | {"features": saved}, clean=False)
 
     def smart(self) -> dict[str, int]:
         """SMART / Health Information figures (see emulator/health.py for each definition)."""

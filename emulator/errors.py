@@ -31,6 +31,9 @@ class Status(enum.IntEnum):
     NAMESPACE_NOT_READY = 0x082
     # command specific
     INVALID_LOG_PAGE = 0x109
+    FEATURE_ID_NOT_SAVEABLE = 0x10D  # set features: SV on a feature that cannot be saved
+    FEATURE_NOT_CHANGEABLE = 0x10E  # set features: a feature that is read only
+    FEATURE_NOT_NAMESPACE_SPECIFIC = 0x10F  # a controller-wide feature given an nsid
     NAMESPACE_INSUFFICIENT_CAPACITY = 0x115
     NAMESPACE_ID_UNAVAILABLE = 0x116
     # media and data integrity
@@ -87,6 +90,9 @@ STATUS_ERRNO: dict[Status, int] = {
     Status.CAPACITY_EXCEEDED: errno.ENOSPC,
     Status.NAMESPACE_NOT_READY: errno.EIO,
     Status.INVALID_LOG_PAGE: errno.EINVAL,
+    Status.FEATURE_ID_NOT_SAVEABLE: errno.EINVAL,
+    Status.FEATURE_NOT_CHANGEABLE: errno.EPERM,
+    Status.FEATURE_NOT_NAMESPACE_SPECIFIC: errno.EINVAL,
     Status.NAMESPACE_INSUFFICIENT_CAPACITY: errno.ENOSPC,
     Status.NAMESPACE_ID_UNAVAILABLE: errno.ENOSPC,
     Status.WRITE_FAULT: errno.EIO,

@@ -63,6 +63,9 @@ class LifetimeCounters:
 
 def namespace_share(counters: NamespaceCounters) -> LifetimeCounters:
     """What one namespace's counters (which start at 0 when it is opened) add to the device's."""
+    own = getattr(counters, "lifetime_share", None)
+    if own is not None:  # a plain NVM namespace's counters say it themselves (emulator/nvm.py)
+        return own()
     return LifetimeCounters(
         host_bytes_read=counters.bytes_read,
         host_bytes_written=counters.grad_bytes_in + counters.state_bytes_loaded,
@@ -119,6 +122,10 @@ class Health:
         self.previous_open_was_clean = bool(stored.get("clean", True))
         self._on_since_ns = time.monotonic_ns()
         self._errors: collections.deque[ErrorEntry] = collections.deque(maxlen=ERROR_LOG_ENTRIES)
+        # Composite temperature thresholds of Set Features 04h (emulator/features.py): the
+        # SMART critical warning's temperature bit compares against these, not WCTEMP.
+        self.over_temp_threshold_kelvin = WARNING_TEMP_KELVIN
+        self.under_temp_threshold_kelvin = 0
         # Thermal model state: exponentially decayed busy seconds, and when it was last sampled.
         self._heat_s = 0.0
         self._sampled_at_ns = self._on_since_ns
@@ -199,8 +206,8 @@ class Health:
             kelvin = self._sample_temperature(self._base.busy_ns + sum(
                 namespace_share(counters).busy_ns for counters in live))
         total = self.totals(live)
-        warning = (WARN_TEMPERATURE if kelvin >= WARNING_TEMP_KELVIN else 0) | (
-            WARN_RELIABILITY if degraded else 0)
+        outside = kelvin >= self.over_temp_threshold_kelvin or kelvin <= self.under_temp_threshold_kelvin
+        warning = (WARN_TEMPERATURE if outside else 0) | (WARN_RELIABILITY if degraded else 0)
         endurance = ENDURANCE_DRIVE_WRITES * max(1, capacity_bytes)
         return {
             "critical_warning": warning,

@@ -232,3 +232,59 @@ class SlotFile:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def write_new_file(path: Path, data: bytes) -> None:
+    """Create `path` (it must not exist) holding `data`, fsynced. Not atomic by itself: for
+    files inside a directory that is made visible by a rename afterwards (snapshots)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if _hooks is not None:
+                _hooks.before_write(path)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            _fsync(fd, path)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise media_error(exc, f"writing {path.name}") from exc
+
+
+COPY_CHUNK_BYTES = 4 << 20
+
+
+def copy_range(source_fd: int, dest_fd: int, dest_path: Path, size: int, *, share_extents: bool) -> None:
+    """Copy the first `size` bytes of one file into another (from offset 0, not synced).
+
+    share_extents=True lets the kernel copy in place or share extents (reflink on XFS and
+    btrfs): right for a file that is never written again. False writes real blocks, so a
+    preallocated destination keeps its own blocks and a later overwrite cannot need new
+    space (a state copy a step will write into).
+    """
+    try:
+        if _hooks is not None:
+            _hooks.before_write(dest_path)
+        offset = 0
+        if share_extents:
+            while offset < size:
+                copied = os.copy_file_range(source_fd, dest_fd, size - offset, offset, offset)
+                if copied == 0:
+                    raise OSError(errno.EIO, f"source ends at {offset} of {size} bytes")
+                offset += copied
+            return
+        buffer = bytearray(min(COPY_CHUNK_BYTES, max(size, 1)))
+        while offset < size:
+            chunk = memoryview(buffer)[: min(len(buffer), size - offset)]
+            got = os.preadv(source_fd, [chunk], offset)
+            if got == 0:
+                raise OSError(errno.EIO, f"source ends at {offset} of {size} bytes")
+            view = chunk[:got]
+            position = offset
+            while view:
+                written = os.pwrite(dest_fd, view, position)
+                view, position = view[written:], position + written
+            offset += got
+    except OSError as exc:
+        raise media_error(exc, f"copying into {dest_path.name}") from exc

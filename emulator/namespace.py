@@ -1,27 +1,46 @@
 """An optimizer namespace: A/B state copies on the media, step transactions, recovery."""
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
+import os
 import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from cossd import kernels
 
+from .accounting import NamespaceTiming, modeled_command
 from .errors import DeviceError, Status
 from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout
 from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, read_json
+from .snapshots import SnapshotStore
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
 from .superblock import GROUP_FIELDS, Superblock
 from .transaction import ReadyBlock, StepTransaction
 
 log = logging.getLogger(__name__)
+
+_workers: concurrent.futures.ThreadPoolExecutor | None = None
+_workers_lock = threading.Lock()
+
+
+def _kernel_workers() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that run gradient blocks, one per usable core, shared by all namespaces
+    (the kernels and file writes release the GIL, so they run in parallel)."""
+    global _workers
+    with _workers_lock:
+        if _workers is None:
+            _workers = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(2, len(os.sched_getaffinity(0))), thread_name_prefix="cossd-block")
+        return _workers
 
 ROLES = ("grad", "param", "master", "exp_avg", "exp_avg_sq")
 LOADABLE_ROLES = ("master", "exp_avg", "exp_avg_sq")
@@ -97,6 +116,8 @@ class Namespace:
     distinct blocks run in parallel outside the lock (cffi releases the GIL).
     """
 
+    kind = "optimizer"  # beside emulator/nvm.py's plain NVM namespaces
+
     def __init__(
         self,
         directory: Path,
@@ -134,6 +155,8 @@ class Namespace:
         self.counters = NamespaceCounters(
             steps_committed=superblock.steps_committed, steps_skipped=superblock.steps_skipped
         )
+        # Modeled device time (emulator/timing.py); the device swaps in its own profile.
+        self.timing = NamespaceTiming()
         self._views: dict[tuple[Copy, str, str], np.ndarray] = {}
         self._thread_local = threading.local()
         # Blocks (tensor, block in tensor, block in namespace) that failed their checksum in
@@ -143,6 +166,10 @@ class Namespace:
         # the dirty pages, so a retry could "succeed" over lost data. Like PostgreSQL, the
         # namespace then refuses further steps until the device is opened again.
         self.media_failure: str | None = None
+        # Snapshots copying the committed copy right now (pinned_committed): commits and
+        # rollbacks wait for them, so the copy cannot change under a snapshot.
+        self._pins = 0
+        self.snapshots = SnapshotStore(self)
 
     # ------------------------------------------------------------------ creation, opening
 
@@ -264,8 +291,11 @@ class Namespace:
     def close(self) -> None:
         """Flush the committed step and release the media. An open step is abandoned."""
         try:
-            if self._tx is None or not self._tx.inflight:
-                self.flush()
+            with self._cond:
+                # Blocks still updating the shadow copy must finish before its file closes.
+                while self._tx is not None and self._tx.inflight:
+                    self._cond.wait()
+            self.flush()
         finally:
             self._views.clear()
             for state in self._copies:
@@ -385,6 +415,11 @@ class Namespace:
             ],
         }
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Device capacity the namespace takes: both state copies and its snapshots."""
+        return 2 * self._copies[0].size_bytes + self.snapshots.bytes_used
+
     def statistics(self) -> dict[str, Any]:
         # Lock-free on purpose: the fs layer reads it on its event loop, and the lock may be
         # held across an fsync. Counters are plain ints; a torn view is off by one at most.
@@ -400,10 +435,12 @@ class Namespace:
             "tensors": len(self.layouts),
             "parameters": sum(t.numel for t in self.layouts),
             "state_bytes_per_copy": self._copies[0].size_bytes,
+            "model": self.timing.snapshot(),
         }
 
     # ------------------------------------------------------------------ file API
 
+    @modeled_command("read")
     def read(self, tensor_name: str, role: str, offset: int, size: int) -> bytes:
         """Bytes of a committed state array (param, master or a moment)."""
         tensor = self._tensor(tensor_name)
@@ -421,6 +458,7 @@ class Namespace:
             self.counters.bytes_read += len(data)
             if role == "param":
                 self.counters.param_bytes_out += len(data)
+            self.timing.add(host_out=len(data), media_read=len(data))
         return data
 
     def _check_range(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
@@ -438,6 +476,7 @@ class Namespace:
                 f"({tensor.numel * itemsize} bytes)",
             )
 
+    @modeled_command("write_state")
     def write_state(self, tensor_name: str, role: str, offset: int, data: bytes | memoryview) -> int:
         """Load initial master weights or moments (only before the first step)."""
         tensor = self._tensor(tensor_name)
@@ -471,8 +510,10 @@ class Namespace:
             self.counters.state_bytes_loaded += length
             self.counters.write_commands += 1
             self.counters.media_bytes_written += media_bytes
+            self.timing.add(host_in=length, media_write=media_bytes)
         return length
 
+    @modeled_command("write_grad")
     def write_grad(self, tensor_name: str, offset: int, data: bytes | memoryview) -> int:
         """Take gradient bytes of the open step (opening an implicit step if none is).
 
@@ -494,9 +535,16 @@ class Namespace:
             tx.inflight += 1
             self.counters.grad_bytes_in += length
             self.counters.write_commands += 1
+            self.timing.add(host_in=length)
         try:
+            # Like an SSD acknowledging a write once it sits in its write buffer, the request
+            # returns once its bytes are staged: complete blocks run on the kernel workers, so
+            # a single writer's next request overlaps them and both cores update blocks.
+            # A block that fails marks the step (tx.error), and its commit reports it.
             for block in ready:
-                self._run_block(tx, block)
+                with self._lock:
+                    tx.inflight += 1
+                _kernel_workers().submit(self._run_block_in_background, tx, block)
         finally:
             with self._cond:
                 tx.inflight -= 1
@@ -507,6 +555,19 @@ class Namespace:
                     if self._tx is tx:
                         self._commit_locked(tx)
         return length
+
+    def _run_block_in_background(self, tx: StepTransaction, block: ReadyBlock) -> None:
+        try:
+            # Modeled as the controller's own work; in timed mode the block (and so the
+            # commit that waits for it) finishes no earlier than the model says.
+            with self.timing.command("kernel_block", host_command=False):
+                self._run_block(tx, block)
+        except DeviceError:
+            pass  # recorded in tx.error and logged; the commit reports it
+        finally:
+            with self._cond:
+                tx.inflight -= 1
+                self._cond.notify_all()
 
     def _run_block(self, tx: StepTransaction, block: ReadyBlock) -> None:
         """Check and update one complete gradient block into the shadow copy."""
@@ -554,9 +615,13 @@ class Namespace:
             self.counters.kernel_blocks += 1
             self.counters.kernel_ns += elapsed
             self.counters.media_bytes_written += written
+        if written:  # the kernel ran: master and moments read, the new state written
+            self.timing.add(media_read=(stop - start) * (4 + 2 * self._state_dtype.itemsize),
+                            media_write=written, elements=stop - start)
 
     # ------------------------------------------------------------------ step commands
 
+    @modeled_command("begin_step")
     def begin_step(self, step: int | None = None, grad_scale: float = 1.0) -> int:
         """Open step `step` (default: the next one) with a combined gradient scale."""
         with self._lock:
@@ -612,6 +677,7 @@ class Namespace:
             self._cond.wait()
         return tx
 
+    @modeled_command("commit_step")
     def commit_step(self) -> CommitResult:
         """Commit the open step once all its gradient blocks are in (or skip it)."""
         with self._cond:
@@ -626,6 +692,10 @@ class Namespace:
             return tx.step
 
     def _commit_locked(self, tx: StepTransaction) -> CommitResult:
+        while self._pins:  # a snapshot is copying the committed copy: the flip waits for it
+            self._cond.wait()
+        if self._tx is not tx:
+            raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: step {tx.step} was aborted")
         if self.media_failure is not None:
             self._tx = None
             self.counters.steps_aborted += 1
@@ -694,6 +764,7 @@ class Namespace:
         encoded = superblock.encode()
         slot.write(encoded)
         self.counters.media_bytes_written += len(encoded)
+        self.timing.add(media_write=len(encoded))
         if sync:
             self._sync(slot)
             self._durable_seq = superblock.seq
@@ -725,6 +796,7 @@ class Namespace:
 
     # ------------------------------------------------------------------ durability
 
+    @modeled_command("flush")
     def flush(self) -> int:
         """Make the committed step durable; returns the durable step."""
         with self._lock:
@@ -748,6 +820,7 @@ class Namespace:
             self._durable_step = superblock.committed_step
             self.counters.flushes += 1
             self.counters.flush_ns += time.perf_counter_ns() - started
+            self.timing.add(flushes=1)
 
     def scrub(self) -> list[tuple[str, int]]:
         """Verify every block checksum of the committed copy; returns the bad blocks."""
@@ -762,3 +835,97 @@ class Namespace:
             bad = self._verify_copy(self._sb)
             self.counters.checksum_failures += len(bad)
             return self.total_blocks, bad
+
+    def corrupt_block(self, tensor_name: str, block: int) -> dict[str, Any]:
+        """Fault injection (INJECT_ERROR): change one byte of `block` of `tensor_name` in the
+        committed copy on the media, as a media error would, so that scrub and recovery find
+        the block's checksum wrong. Returns where the byte was."""
+        tensor = self._tensor(tensor_name)
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < tensor.block_count:
+            raise DeviceError(
+                Status.INVALID_FIELD,
+                f"{tensor.name} has blocks 0..{tensor.block_count - 1}, not {block!r}",
+            )
+        with self._lock:
+            if self.loading:
+                raise DeviceError(
+                    Status.INVALID_FIELD,
+                    f"namespace {self.name!r} is still loading: there are no checksums to fail",
+                )
+            copy = self._sb.committed_copy
+            start, _ = tensor.block_range(block)
+            offset = tensor.master_offset + start * 4  # the block's first master byte
+            state = self._copies[copy]
+            # +1 rather than a bit flip, so that corrupting the same block twice does not undo it.
+            state.write_at(offset, np.array([(int(state.bytes[offset]) + 1) & 0xFF], dtype=np.uint8))
+        return {"tensor": tensor.name, "block": block, "lba": tensor.first_block + block,
+                "copy": copy.name, "offset": offset}
+
+    # ------------------------------------------------------------------ snapshots
+
+    @contextlib.contextmanager
+    def pinned_committed(self) -> Iterator[tuple[Superblock, StateFile]]:
+        """The committed superblock and its copy, held still while the block runs: a commit
+        or rollback waits until it exits (a step may stay open and keep computing: it only
+        writes the shadow). Emulator/snapshots.py copies the state under it."""
+        with self._lock:
+            self._check_media()
+            if self.loading:
+                raise DeviceError(
+                    Status.NAMESPACE_NOT_READY,
+                    f"namespace {self.name!r} is still loading its initial state and has no "
+                    f"committed step yet (step {self._sb.committed_step + 1} seals it)",
+                )
+            self._pins += 1
+            superblock = self._sb
+        try:
+            yield superblock, self._copies[superblock.committed_copy]
+        finally:
+            with self._cond:
+                self._pins -= 1
+                self._cond.notify_all()
+
+    def restore_committed(self, source: Superblock, fill: Callable[[StateFile], None]) -> int:
+        """Make `source`'s state (a snapshot's) the committed one: `fill` writes its bytes
+        into the shadow copy, which must then match `source`'s block checksums, and a new
+        superblock (seq + 1) commits it durably. Returns the step it replaced.
+
+        Crash safe like a step: the committed copy is untouched until the slot write flips.
+        """
+        with self._cond:
+            self._check_media()
+            while self._pins:
+                self._cond.wait()
+            if self._tx is not None:
+                raise DeviceError(
+                    Status.STEP_ALREADY_OPEN,
+                    f"namespace {self.name!r}: step {self._tx.step} is open (commit or abort it "
+                    "before rolling back)",
+                )
+            previous = self._sb.committed_step
+            # As for a begin: the shadow may hold the only complete older step until the
+            # committed one is durable, so never overwrite it first.
+            self._flush_to(self._sb)
+            shadow = self._sb.committed_copy.other
+            fill(self._copies[shadow])
+            bad = self._verify_copy(dataclasses.replace(source, committed_copy=shadow))
+            if bad:
+                tensor, block = bad[0]
+                raise DeviceError(
+                    Status.UNRECOVERED_READ_ERROR,
+                    f"snapshot of step {source.committed_step} fails its checksum in {len(bad)} "
+                    f"block(s) (first: {tensor} block {block}); namespace {self.name!r} is unchanged",
+                )
+            self._sync(self._copies[shadow])
+            restored = self._sb.successor(
+                committed_step=source.committed_step,
+                committed_copy=shadow,
+                flags=SuperblockFlags.NONE,
+                block_crcs=source.block_crcs.copy(),
+                last_grad_scale=source.last_grad_scale,
+                **_hyper_record(_hypers_of(source)),
+            )
+            self._write_superblock(restored, sync=True)
+            self._hypers = _hypers_of(restored)
+            self.counters.media_bytes_written += self._copies[shadow].size_bytes
+            return previous

@@ -17,7 +17,9 @@ import trio
 
 from cossd.emulator import Device, DeviceConfig, DeviceError, Status
 from cossd.emulator.device import SUPERBLOCK_FILE
+from cossd.emulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 
+from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
 from .operations import Operations
 
 log = logging.getLogger(__name__)
@@ -92,19 +94,35 @@ def serve(
     allow_other: bool = False,
     debug: bool = False,
     ready_fd: int | None = None,
+    metrics_port: int | None = None,
+    metrics_addr: str = DEFAULT_METRICS_ADDR,
+    profile: str = DEFAULT_PROFILE,
+    timed: bool = False,
 ) -> None:
     """Serve the device at `mountpoint` until unmounted or signalled (foreground)."""
     backing_path = Path(backing).resolve()
-    device = Device.open(backing_path, DeviceConfig(sync=sync))
+    # Bound before the device opens: a busy port fails the mount before anything has started
+    # (no power cycle counted, nothing mounted).
+    metrics = MetricsServer.bind(metrics_port, metrics_addr) if metrics_port is not None else None
+    try:
+        device = Device.open(backing_path, DeviceConfig(sync=sync, profile=profile, timed=timed))
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     try:
         operations = Operations(device)
         operations.fault_hook = fault_hook_from_env()
+        if metrics is not None:
+            metrics.attach(operations)
         pyfuse3.init(operations, str(mountpoint), mount_options(backing_path, allow_other, debug))
         try:
             trio.run(_serve, operations, ready_fd)
         finally:
             pyfuse3.close(unmount=True)
     finally:
+        if metrics is not None:
+            metrics.close()  # before the device closes: a scrape reads the device
         device.close()
         log.info("device %s closed cleanly", backing_path)
 
@@ -117,6 +135,10 @@ def start_background(
     allow_other: bool = False,
     log_file: str | os.PathLike[str] | None = None,
     timeout_s: float = 60.0,
+    metrics_port: int | None = None,
+    metrics_addr: str = DEFAULT_METRICS_ADDR,
+    profile: str = DEFAULT_PROFILE,
+    timed: bool = False,
 ) -> int:
     """Start a daemon process and return its pid once the mount is ready."""
     # Check what can be checked here, so the common mistakes get a clear one-line error.
@@ -124,6 +146,7 @@ def start_background(
         raise DeviceError(Status.INVALID_FIELD, f"{backing} is not a cossd device (run `cossd format {backing}`)")
     if not Path(mountpoint).is_dir():
         raise DeviceError(Status.INVALID_FIELD, f"mountpoint {mountpoint} is not a directory")
+    load_profile(profile)  # an unknown profile, likewise
     read_fd, write_fd = os.pipe()
     command = [
         sys.executable, "-m", "cossd.tools.cli", "mount", "--foreground",
@@ -133,6 +156,11 @@ def start_background(
         command.append("--sync")
     if allow_other:
         command.append("--allow-other")
+    if metrics_port is not None:
+        command += ["--metrics-port", str(metrics_port), "--metrics-addr", metrics_addr]
+    command += ["--profile", profile if profile in PROFILES else str(Path(profile).resolve())]
+    if timed:
+        command.append("--timed")
     log_path = Path(log_file) if log_file else Path(backing) / "daemon.log"
     with open(log_path, "ab") as log_stream:
         process = subprocess.Popen(

@@ -16,10 +16,11 @@ import trio
 
 from cossd.emulator import Device, DeviceError
 from cossd.emulator.controller import Controller
+from cossd.emulator.injection import IoOpcode
 from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
 from cossd.emulator.protocol import SUBMISSION, Completion, SubmissionError, submission_length
 
-from .tree import Kind, Node, Tree, fuse_error
+from .tree import SNAPSHOT_KINDS, Kind, Node, Tree, fuse_error
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class Operations(pyfuse3.Operations):
     # ------------------------------------------------------------------ attributes
 
     def _text(self, node: Node) -> bytes:
+        if node.kind == Kind.SNAP_TEXT:
+            return self.tree.snapshots.text(node)
         namespace = self.tree.namespace(node)
         if node.name == "step":
             return f"{namespace.committed_step}\n".encode()
@@ -110,17 +113,22 @@ class Operations(pyfuse3.Operations):
         return (json.dumps(namespace.statistics(), indent=2, sort_keys=True) + "\n").encode()
 
     def _size(self, node: Node) -> int:
+        if node.kind in (Kind.SNAP_TEXT, Kind.SNAP_ARRAY):
+            return self.tree.snapshots.size(node)
         if node.kind == Kind.TEXT:
             return len(self._text(node))
         if node.kind == Kind.ARRAY:
             return self.tree.namespace(node).file_size(node.name, node.role)
+        if node.kind == Kind.DATA:
+            return self.tree.namespace(node).capacity_bytes
         return 0
 
     def _attributes(self, node: Node) -> pyfuse3.EntryAttributes:
         attrs = pyfuse3.EntryAttributes()
         attrs.st_ino = self.tree.inode(node)
         attrs.st_mode = self.tree.mode(node)
-        attrs.st_nlink = 2 if node.kind not in (Kind.ADMIN, Kind.TEXT, Kind.ARRAY) else 1
+        attrs.st_nlink = 2 if node.kind not in (Kind.ADMIN, Kind.TEXT, Kind.ARRAY, Kind.DATA,
+                                                Kind.SNAP_TEXT, Kind.SNAP_ARRAY) else 1
         attrs.st_uid = self._uid
         attrs.st_gid = self._gid
         attrs.st_size = self._size(node)
@@ -155,6 +163,8 @@ class Operations(pyfuse3.Operations):
         # is accepted as a no-op so ordinary tools can write whole files.
         if fields.update_mode or fields.update_uid or fields.update_gid:
             raise fuse_error(errno.EPERM)
+        if fields.update_size and node.kind in SNAPSHOT_KINDS:
+            raise fuse_error(errno.EROFS)
         if fields.update_size and attr.st_size not in (0, self._size(node)):
             raise fuse_error(errno.EINVAL)
         return self._attributes(node)
@@ -173,7 +183,7 @@ class Operations(pyfuse3.Operations):
     @_guarded
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         node = self.tree.node(inode)
-        if node.kind in (Kind.ADMIN, Kind.TEXT, Kind.ARRAY):
+        if node.kind in (Kind.ADMIN, Kind.TEXT, Kind.ARRAY, Kind.DATA, Kind.SNAP_TEXT, Kind.SNAP_ARRAY):
             raise fuse_error(errno.ENOTDIR)
         return inode
 
@@ -210,6 +220,13 @@ class Operations(pyfuse3.Operations):
                 raise fuse_error(errno.EACCES)
             handle = FileHandle(node, False, self._text(node))
             return pyfuse3.FileInfo(fh=self._new_handle(handle), direct_io=True)
+        if node.kind == Kind.DATA:  # an NVM namespace's blocks: read and write at any offset
+            return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, writes)), direct_io=True)
+        if node.kind in (Kind.SNAP_TEXT, Kind.SNAP_ARRAY):  # a snapshot is read-only
+            if writes:
+                raise fuse_error(errno.EROFS)
+            text = self._text(node) if node.kind == Kind.SNAP_TEXT else b""
+            return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, False, text)), direct_io=True)
         if node.kind != Kind.ARRAY:
             raise fuse_error(errno.EISDIR)
         namespace = self.tree.namespace(node)
@@ -233,7 +250,7 @@ class Operations(pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         """fsync on any file of a namespace makes its committed step durable."""
         handle = self._handles.get(fh)
-        if isinstance(handle, FileHandle) and handle.node.kind in (Kind.ARRAY, Kind.TEXT):
+        if isinstance(handle, FileHandle) and handle.node.kind in (Kind.ARRAY, Kind.TEXT, Kind.DATA):
             await self._run(self.tree.namespace(handle.node).flush)
 
     # ------------------------------------------------------------------ read / write
@@ -246,9 +263,14 @@ class Operations(pyfuse3.Operations):
             raise fuse_error(errno.EBADF)
         if isinstance(handle, AdminHandle):
             return self._read_completion(handle, size)
-        if handle.node.kind == Kind.TEXT:
+        if handle.node.kind in (Kind.TEXT, Kind.SNAP_TEXT):
             return handle.text[off : off + size]
+        if handle.node.kind == Kind.SNAP_ARRAY:
+            return await self._run(self.tree.snapshots.read, handle.node, off, size)
         namespace = self.tree.namespace(handle.node)
+        self.controller.injector.check_io(IoOpcode.READ, namespace.nsid)  # INJECT_ERROR, data path
+        if handle.node.kind == Kind.DATA:
+            return await self._run(namespace.read, off, size)
         return await self._run(namespace.read, handle.node.name, handle.node.role, off, size)
 
     @_guarded
@@ -263,6 +285,9 @@ class Operations(pyfuse3.Operations):
             raise fuse_error(errno.EBADF)
         node = handle.node
         namespace = self.tree.namespace(node)
+        self.controller.injector.check_io(IoOpcode.WRITE, namespace.nsid)  # INJECT_ERROR, data path
+        if node.kind == Kind.DATA:
+            return await self._run(namespace.write, off, buf)
         if node.role == "grad":
             written = await self._run(namespace.write_grad, node.name, off, buf)
             self._schedule_flush(namespace)

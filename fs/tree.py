@@ -13,6 +13,8 @@ from cossd.emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
 
 ADMIN_NAME = ".admin"
 TEXT_FILES = ("config.json", "step", "stats.json")
+NVM_TEXT_FILES = ("config.json", "stats.json")
+NVM_DATA_NAME = "data"
 
 
 class Kind(enum.Enum):
@@ -24,6 +26,18 @@ class Kind(enum.Enum):
     TENSORS = "tensors"
     TENSOR = "tensor"
     ARRAY = "array"
+    DATA = "data"  # the data file of a plain NVM namespace
+    # ns/<ns>/snapshots/ and below (fs/snapshot_tree.py), all read-only
+    SNAPSHOTS = "snapshots"
+    SNAPSHOT = "snapshot"
+    SNAP_TEXT = "snapshot-text"
+    SNAP_TENSORS = "snapshot-tensors"
+    SNAP_TENSOR = "snapshot-tensor"
+    SNAP_ARRAY = "snapshot-array"
+
+
+SNAPSHOT_DIR_KINDS = frozenset({Kind.SNAPSHOTS, Kind.SNAPSHOT, Kind.SNAP_TENSORS, Kind.SNAP_TENSOR})
+SNAPSHOT_KINDS = SNAPSHOT_DIR_KINDS | {Kind.SNAP_TEXT, Kind.SNAP_ARRAY}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +48,8 @@ class Node:
     nsid: int = 0
     name: str = ""  # text file name, tensor name
     role: str = ""  # array role (grad, param, master, exp_avg, exp_avg_sq)
+    tag: str = ""  # snapshot tag, and its id (a tag taken again is a new snapshot)
+    snapshot_id: int = 0
 
 
 def fuse_error(code: int) -> pyfuse3.FUSEError:
@@ -52,6 +68,9 @@ class Tree:
         }
         self._nodes: dict[int, Node] = {inode: node for node, inode in self._inodes.items()}
         self._next_inode = pyfuse3.ROOT_INODE + 3
+        from .snapshot_tree import SnapshotTree  # it builds on Kind and Node above
+
+        self.snapshots = SnapshotTree(self)
 
     def inode(self, node: Node) -> int:
         inode = self._inodes.get(node)
@@ -81,6 +100,8 @@ class Tree:
         if node.kind in (Kind.ROOT, Kind.ADMIN, Kind.NS_ROOT):
             return
         namespace = self.namespace(node)
+        if node.kind in SNAPSHOT_KINDS:
+            self.snapshots.check_exists(node)
         if node.kind in (Kind.TENSOR, Kind.ARRAY) and node.name not in namespace.tensors:
             raise fuse_error(errno.ENOENT)
 
@@ -92,9 +113,15 @@ class Tree:
                 (ns.name, Node(Kind.NAMESPACE, ns.nsid))
                 for ns in sorted(self.device.namespaces.values(), key=lambda n: n.nsid)
             ]
+        if node.kind == Kind.NAMESPACE and self.namespace(node).kind == "nvm":
+            return [(name, Node(Kind.TEXT, node.nsid, name)) for name in NVM_TEXT_FILES] + [
+                (NVM_DATA_NAME, Node(Kind.DATA, node.nsid))]
         if node.kind == Kind.NAMESPACE:
             entries = [(name, Node(Kind.TEXT, node.nsid, name)) for name in TEXT_FILES]
-            return entries + [("tensors", Node(Kind.TENSORS, node.nsid))]
+            return entries + [("tensors", Node(Kind.TENSORS, node.nsid)),
+                              ("snapshots", Node(Kind.SNAPSHOTS, node.nsid))]
+        if node.kind in SNAPSHOT_KINDS:
+            return self.snapshots.children(node)
         if node.kind == Kind.TENSORS:
             namespace = self.namespace(node)
             return [(t.name, Node(Kind.TENSOR, node.nsid, t.name)) for t in namespace.layouts]
@@ -112,6 +139,8 @@ class Tree:
             if name not in self.namespace(parent).tensors:
                 raise fuse_error(errno.ENOENT)
             return Node(Kind.TENSOR, parent.nsid, name)
+        if parent.kind in SNAPSHOT_KINDS:
+            return self.snapshots.lookup(parent, name)
         for child_name, child in self.children(parent):
             if child_name == name:
                 return child
@@ -119,12 +148,16 @@ class Tree:
 
     def mode(self, node: Node) -> int:
         """File type and permission bits; what default_permissions enforces for non-root."""
+        if node.kind in SNAPSHOT_KINDS:
+            return self.snapshots.mode(node)
         if node.kind in (Kind.ROOT, Kind.NS_ROOT, Kind.NAMESPACE, Kind.TENSORS, Kind.TENSOR):
             return stat.S_IFDIR | 0o755
         if node.kind == Kind.ADMIN:
             return stat.S_IFREG | 0o600
         if node.kind == Kind.TEXT:
             return stat.S_IFREG | 0o444
+        if node.kind == Kind.DATA:
+            return stat.S_IFREG | 0o644
         if node.role == "grad":
             return stat.S_IFREG | 0o200
         if node.role in LOADABLE_ROLES and self.namespace(node).loading:

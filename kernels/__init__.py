@@ -38,6 +38,9 @@ __all__ = [
     "available_kernels",
     "use_kernel",
     "use_simd",
+    "stream_threshold",
+    "set_stream_threshold",
+    "stream_plan",
 ]
 
 
@@ -457,6 +460,68 @@ def use_kernel(name: str) -> None:
 def use_simd(enabled: bool) -> None:
     """Enable (the best path the CPU has) or disable the SIMD paths process-wide; results are identical either way."""
     _lib.cossd_set_simd(1 if enabled else 0)
+
+
+_SIZE_MAX = int(_ffi.cast("size_t", -1))
+
+
+def stream_threshold() -> int:
+    """Footprint in bytes (elements x bytes read and written per element) from which adam_step
+    writes its write-only outputs with streaming (non-temporal) stores; see docs/kernels.md."""
+    return int(_lib.cossd_stream_threshold())
+
+
+def set_stream_threshold(nbytes: int | None) -> None:
+    """Set that threshold process-wide: 0 streams every call, None never. Results are the same
+    bits either way; only the speed changes."""
+    if nbytes is None:
+        _lib.cossd_set_stream_threshold(_SIZE_MAX)
+        return
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or not 0 <= int(nbytes) <= _SIZE_MAX:
+        raise KernelArgumentError(f"nbytes must be an int in [0, 2**64) or None, got {nbytes!r}")
+    _lib.cossd_set_stream_threshold(int(nbytes))
+
+
+_STREAM_ROLES = (
+    ("master_out", _lib.COSSD_STREAM_MASTER),
+    ("exp_avg_out", _lib.COSSD_STREAM_EXP_AVG),
+    ("exp_avg_sq_out", _lib.COSSD_STREAM_EXP_AVG_SQ),
+    ("param_out", _lib.COSSD_STREAM_PARAM),
+)
+
+
+def stream_plan(
+    master_in: Any,
+    exp_avg_in: Any,
+    exp_avg_sq_in: Any,
+    master_out: Any,
+    exp_avg_out: Any,
+    exp_avg_sq_out: Any,
+    param_out: Any,
+    *,
+    state_format: StateFormat,
+    path: str | None = None,
+) -> frozenset[str]:
+    """The outputs ("master_out", "exp_avg_out", ...) that adam_step on `path` (default: the
+    current one) would write with streaming stores for these buffers; empty for scalar."""
+    sfmt = _enum_arg("state_format", state_format, StateFormat)
+    name = simd_level() if path is None else path
+    if name not in _LEVELS:
+        raise KernelArgumentError(f"path must be one of 'avx512', 'avx2', 'scalar', got {path!r}")
+    sdt, sct = _state_dtypes(sfmt), _state_ctype(sfmt)
+    bufs = [
+        _buf("master_in", master_in, (_F32,), _F32_CTYPE),
+        _buf("exp_avg_in", exp_avg_in, sdt, sct),
+        _buf("exp_avg_sq_in", exp_avg_sq_in, sdt, sct),
+        _buf("master_out", master_out, (_F32,), _F32_CTYPE, output=True),
+        _buf("exp_avg_out", exp_avg_out, sdt, sct, output=True),
+        _buf("exp_avg_sq_out", exp_avg_sq_out, sdt, sct, output=True),
+        _buf("param_out", param_out, (_U16, _F16), _HALF_CTYPE, output=True),
+    ]
+    n = _check_lengths(bufs)
+    mi, ai, vi, mo, ao, vo, po = (b.ptr for b in bufs)
+    bits = _lib.cossd_adam_stream_plan(_LEVELS[name], mi, ai, vi, mo, ao, vo, sfmt, po, n)
+    return frozenset(role for role, bit in _STREAM_ROLES if bits & bit)
 
 
 def _apply_env() -> None:

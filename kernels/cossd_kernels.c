@@ -58,6 +58,12 @@ static int g_best_level;  /* highest COSSD_SIMD_* level this CPU runs */
  * min(cap, best). Starts at the top, i.e. "best available". */
 static int g_simd_cap = COSSD_SIMD_AVX512;
 static uint32_t g_crc_table[8][256];
+/* g_crc_shift[k][b]: the CRC register that byte b in position k (register bits 8k..8k+7)
+ * becomes after CRC_STRIDE zero bytes. The register update is linear over GF(2), so
+ * shifting a whole register is four lookups; this is what lets three independent streams
+ * be combined (see crc32c_sse42_impl). */
+#define CRC_STRIDE 4096
+static uint32_t g_crc_shift[4][256];
 
 /* Castagnoli polynomial 0x1EDC6F41, bit-reflected. */
 #define CRC32C_POLY_REFLECTED 0x82F63B78u
@@ -86,6 +92,30 @@ __attribute__((constructor)) static void cossd_init(void)
             uint32_t prev = g_crc_table[k - 1][b];
             g_crc_table[k][b] = (prev >> 8) ^ g_crc_table[0][prev & 0xFFu];
         }
+    /* Each single-bit register through CRC_STRIDE zero bytes (one table step per byte),
+     * then every byte value of each position as the XOR of its bits' images. */
+    uint32_t bit_image[32];
+    for (int i = 0; i < 32; i++) {
+        uint32_t c = 1u << i;
+        for (int n = 0; n < CRC_STRIDE; n++)
+            c = (c >> 8) ^ g_crc_table[0][c & 0xFFu];
+        bit_image[i] = c;
+    }
+    for (int k = 0; k < 4; k++)
+        for (uint32_t b = 0; b < 256; b++) {
+            uint32_t c = 0;
+            for (int i = 0; i < 8; i++)
+                if (b & (1u << i))
+                    c ^= bit_image[8 * k + i];
+            g_crc_shift[k][b] = c;
+        }
+}
+
+/* The register `c` after CRC_STRIDE zero bytes. */
+static inline uint32_t crc_shift_stride(uint32_t c)
+{
+    return g_crc_shift[0][c & 0xFFu] ^ g_crc_shift[1][(c >> 8) & 0xFFu] ^ g_crc_shift[2][(c >> 16) & 0xFFu] ^
+           g_crc_shift[3][c >> 24];
 }
 
 /* Relaxed atomics: the cap may be changed while other threads run kernels;
@@ -285,6 +315,79 @@ COSSD_INLINE int adam_check(const uint16_t *grad, int gfmt, const float *mi, con
     return COSSD_OK;
 }
 
+/* ---- Streaming (non-temporal) stores ------------------------------------
+ * A write-only output stream (param_out always; master/exp_avg/exp_avg_sq
+ * out when they are not the input's memory) costs a read-for-ownership per
+ * cache line with ordinary stores: on a call far larger than the caches that
+ * is 2 extra bytes per element for an in-place step (30 instead of 28) and 14
+ * for an out-of-place one. Streaming stores skip that read. On a call that
+ * fits the caches they would instead push the outputs (which the caller is
+ * about to read, e.g. the device's staging buffers) out to DRAM, so they are
+ * used only when the call's footprint (bytes read + written) reaches a
+ * threshold. Outputs that are also inputs keep ordinary stores: their lines
+ * were just read, and streaming them measured 23-31% slower. Values are
+ * unaffected; only where the bytes travel changes. */
+
+/* The stream bits (COSSD_STREAM_*) are in the header: tests ask cossd_adam_stream_plan. */
+#define NT_MASTER ((unsigned)COSSD_STREAM_MASTER)
+#define NT_EXP_AVG ((unsigned)COSSD_STREAM_EXP_AVG)
+#define NT_EXP_AVG_SQ ((unsigned)COSSD_STREAM_EXP_AVG_SQ)
+#define NT_PARAM ((unsigned)COSSD_STREAM_PARAM)
+
+/* 32 MiB: about this machine class's L3. Measured (one thread, repeated calls
+ * on the same buffers): streaming is a loss at 7 and 14 MiB footprints and a
+ * gain from 28 MiB up. Process-wide, relaxed like the SIMD cap: every value
+ * gives the same results. */
+static size_t g_stream_min_bytes = (size_t)32 << 20;
+
+void cossd_set_stream_threshold(size_t bytes) { __atomic_store_n(&g_stream_min_bytes, bytes, __ATOMIC_RELAXED); }
+size_t cossd_stream_threshold(void) { return __atomic_load_n(&g_stream_min_bytes, __ATOMIC_RELAXED); }
+
+COSSD_INLINE int same_memory(const void *a, const void *b) { return a == b; }
+
+COSSD_INLINE int aligned_to(const void *p, size_t bytes) { return ((uintptr_t)p & (bytes - 1)) == 0; }
+
+#define NT_ALL (NT_MASTER | NT_EXP_AVG | NT_EXP_AVG_SQ | NT_PARAM)
+
+/* The NT_* bits for the vector loop that starts at element i0 with `lanes`
+ * elements per vector: a stream qualifies if it is write-only and its vector
+ * stores from i0 on are aligned (streaming stores require it; the element
+ * stride keeps them aligned once the first one is). The result is one of three
+ * masks, each with its own compiled loop: 0, NT_PARAM (an in-place step) or
+ * NT_ALL (out of place). A loop that tested the bits at run time measured
+ * twice the instructions per element; mixed cases (some outputs in place, or
+ * misaligned against master_out) fall back to the largest of the three that fits. */
+COSSD_INLINE unsigned adam_stream_mask(const float *mi, const void *ai, const void *vi, float *mo, void *ao, void *vo,
+                                       int sfmt, uint16_t *po, size_t n, size_t i0, size_t lanes)
+{
+    size_t ssz = sfmt == COSSD_STATE_BF16 ? 2 : 4;
+    /* grad 2 + master 4 + 4 + moments 2 x (ssz + ssz) + param 2 */
+    size_t per_elem = 12 + 4 * ssz;
+    size_t min_bytes = cossd_stream_threshold();
+    if (n < i0 + lanes || n > SIZE_MAX / per_elem || n * per_elem < min_bytes)
+        return 0;
+    unsigned mask = 0;
+    if (!same_memory(mo, mi) && aligned_to(mo + i0, 4 * lanes))
+        mask |= NT_MASTER;
+    if (!same_memory(ao, ai) && aligned_to((const char *)ao + i0 * ssz, ssz * lanes))
+        mask |= NT_EXP_AVG;
+    if (!same_memory(vo, vi) && aligned_to((const char *)vo + i0 * ssz, ssz * lanes))
+        mask |= NT_EXP_AVG_SQ;
+    if (aligned_to(po + i0, 2 * lanes))
+        mask |= NT_PARAM;
+    return mask == NT_ALL ? NT_ALL : mask & NT_PARAM;
+}
+
+/* Below this many elements the SIMD paths' alignment peel is not worth its setup. */
+#define COSSD_PEEL_MIN 128
+
+/* Elements the SIMD paths run before the vector loop so that master_out is aligned to
+ * `vec_bytes` there (no store splits a cache line; streaming stores need it). */
+COSSD_INLINE size_t adam_peel(const float *mo, size_t n, size_t vec_bytes)
+{
+    return n >= COSSD_PEEL_MIN ? (((uintptr_t)0 - (uintptr_t)mo) & (vec_bytes - 1)) / sizeof(float) : 0;
+}
+
 int cossd_adam_step_scalar(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
                            const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                            int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s)
@@ -383,6 +486,32 @@ COSSD_AVX2_INLINE void v_store_state(void *p, size_t i, int fmt, __m256 x)
         _mm256_storeu_ps((float *)p + i, x);
 }
 
+/* Streaming forms (the address is aligned: see adam_stream_mask); `stream`
+ * is a compile-time constant in each of the vector loops. */
+COSSD_AVX2_INLINE void v_put_f32(float *p, __m256 x, int stream)
+{
+    if (stream)
+        _mm256_stream_ps(p, x);
+    else
+        _mm256_storeu_ps(p, x);
+}
+
+COSSD_AVX2_INLINE void v_put_half(uint16_t *p, __m128i x, int stream)
+{
+    if (stream)
+        _mm_stream_si128((__m128i *)(void *)p, x);
+    else
+        _mm_storeu_si128((__m128i *)(void *)p, x);
+}
+
+COSSD_AVX2_INLINE void v_put_state(void *p, size_t i, int fmt, __m256 x, int stream)
+{
+    if (fmt == COSSD_STATE_BF16)
+        v_put_half((uint16_t *)p + i, v_f32_to_bf16(x), stream);
+    else
+        v_put_f32((float *)p + i, x, stream);
+}
+
 COSSD_AVX2_INLINE __m256 v_canon_nan(__m256 x)
 {
     __m256 isnan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
@@ -414,7 +543,7 @@ COSSD_AVX2_INLINE adam_v adam_v_make(const adam_k *k)
 /* Elements i..i+7, in adam_elem's exact operation order. */
 COSSD_AVX2_INLINE void adam_avx2_vec(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
                                      const void *vi, float *mo, void *ao, void *vo, int sfmt, uint16_t *po,
-                                     int pfmt, size_t i, const adam_v *c, int decoupled)
+                                     int pfmt, size_t i, const adam_v *c, int decoupled, unsigned nt)
 {
     __m256 g = _mm256_mul_ps(v_load_half(grad + i, gfmt), c->grad_scale);
     __m256 p = _mm256_loadu_ps(mi + i);
@@ -430,14 +559,11 @@ COSSD_AVX2_INLINE void adam_avx2_vec(const uint16_t *grad, int gfmt, const float
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c->bc2_sqrt), c->eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->neg_step, m), denom));
     p = v_canon_nan(p);
-    _mm256_storeu_ps(mo + i, p);
-    v_store_state(ao, i, sfmt, v_canon_nan(m));
-    v_store_state(vo, i, sfmt, v_canon_nan(v));
-    _mm_storeu_si128((__m128i *)(void *)(po + i), v_f32_to_half(p, pfmt));
+    v_put_f32(mo + i, p, nt & NT_MASTER);
+    v_put_state(ao, i, sfmt, v_canon_nan(m), nt & NT_EXP_AVG);
+    v_put_state(vo, i, sfmt, v_canon_nan(v), nt & NT_EXP_AVG_SQ);
+    v_put_half(po + i, v_f32_to_half(p, pfmt), nt & NT_PARAM);
 }
-
-/* Below this many elements the alignment peel is not worth its setup. */
-#define COSSD_PEEL_MIN 128
 
 /* Always inlined with constant formats/mode (see ADAM_SPECIALISE). */
 COSSD_AVX2_INLINE void adam_avx2_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
@@ -450,11 +576,22 @@ COSSD_AVX2_INLINE void adam_avx2_body(const uint16_t *grad, int gfmt, const floa
      * store splits a cache line. Measured: ~10% more elements/s on 16M-element
      * numpy arrays (which start 16 bytes past a 64-byte boundary), no change
      * when already aligned. */
-    if (n >= COSSD_PEEL_MIN)
-        for (size_t peel = (((uintptr_t)0 - (uintptr_t)mo) & 31u) / sizeof(float); i < peel; i++)
-            adam_elem(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, k);
-    for (; i + 8 <= n; i += 8)
-        adam_avx2_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled);
+    for (size_t peel = adam_peel(mo, n, 32); i < peel; i++)
+        adam_elem(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, k);
+    /* One loop per streaming mask, each with the mask a constant (see adam_stream_mask). */
+#define ADAM_AVX2_LOOP(NT)                                                                                   \
+    for (const size_t stop = i + (n - i) / 8 * 8; i < stop; i += 8)                                          \
+    adam_avx2_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled, NT)
+    unsigned nt = adam_stream_mask(mi, ai, vi, mo, ao, vo, sfmt, po, n, i, 8);
+    if (nt == NT_ALL)
+        ADAM_AVX2_LOOP(NT_ALL);
+    else if (nt == NT_PARAM)
+        ADAM_AVX2_LOOP(NT_PARAM);
+    else
+        ADAM_AVX2_LOOP(0);
+#undef ADAM_AVX2_LOOP
+    if (nt)
+        _mm_sfence(); /* streaming stores are weakly ordered: publish them before returning */
     for (; i < n; i++)
         adam_elem(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, k);
 }
@@ -547,6 +684,32 @@ COSSD_AVX512_INLINE void z_store_state(void *p, size_t i, int fmt, __m512 x, __m
         z_storef((float *)p + i, x, km, masked);
 }
 
+/* Streaming forms for the unmasked main loop (the address is aligned: see
+ * adam_stream_mask); `stream` is a compile-time constant in each loop. */
+COSSD_AVX512_INLINE void z_put_f32(float *p, __m512 x, int stream)
+{
+    if (stream)
+        _mm512_stream_ps(p, x);
+    else
+        _mm512_storeu_ps(p, x);
+}
+
+COSSD_AVX512_INLINE void z_put16(uint16_t *p, __m256i x, int stream)
+{
+    if (stream)
+        _mm256_stream_si256((__m256i *)(void *)p, x);
+    else
+        _mm256_storeu_si256((__m256i *)(void *)p, x);
+}
+
+COSSD_AVX512_INLINE void z_put_state(void *p, size_t i, int fmt, __m512 x, int stream)
+{
+    if (fmt == COSSD_STATE_BF16)
+        z_put16((uint16_t *)p + i, z_f32_to_bf16(x), stream);
+    else
+        z_put_f32((float *)p + i, x, stream);
+}
+
 COSSD_AVX512_INLINE __m512 z_canon_nan(__m512 x)
 {
     __mmask16 isnan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
@@ -579,7 +742,7 @@ COSSD_AVX512_INLINE adam_z adam_z_make(const adam_k *k)
 COSSD_AVX512_INLINE void adam_avx512_vec(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
                                          const void *vi, float *mo, void *ao, void *vo, int sfmt, uint16_t *po,
                                          int pfmt, size_t i, const adam_z *c, int decoupled, __mmask16 km,
-                                         int masked)
+                                         int masked, unsigned nt)
 {
     __m512 g = _mm512_mul_ps(z_half_to_f32(z_load16(grad + i, km, masked), gfmt), c->grad_scale);
     __m512 p = z_loadf(mi + i, km, masked);
@@ -595,10 +758,17 @@ COSSD_AVX512_INLINE void adam_avx512_vec(const uint16_t *grad, int gfmt, const f
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bc2_sqrt), c->eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step, m), denom));
     p = z_canon_nan(p);
-    z_storef(mo + i, p, km, masked);
-    z_store_state(ao, i, sfmt, z_canon_nan(m), km, masked);
-    z_store_state(vo, i, sfmt, z_canon_nan(v), km, masked);
-    z_store16(po + i, z_f32_to_half(p, pfmt), km, masked);
+    if (masked) { /* peel and tail: never streamed (callers pass nt == 0) */
+        z_storef(mo + i, p, km, 1);
+        z_store_state(ao, i, sfmt, z_canon_nan(m), km, 1);
+        z_store_state(vo, i, sfmt, z_canon_nan(v), km, 1);
+        z_store16(po + i, z_f32_to_half(p, pfmt), km, 1);
+        return;
+    }
+    z_put_f32(mo + i, p, nt & NT_MASTER);
+    z_put_state(ao, i, sfmt, z_canon_nan(m), nt & NT_EXP_AVG);
+    z_put_state(vo, i, sfmt, z_canon_nan(v), nt & NT_EXP_AVG_SQ);
+    z_put16(po + i, z_f32_to_half(p, pfmt), nt & NT_PARAM);
 }
 
 COSSD_AVX512_INLINE void adam_avx512_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
@@ -610,19 +780,29 @@ COSSD_AVX512_INLINE void adam_avx512_body(const uint16_t *grad, int gfmt, const 
     /* One masked vector first so that master_out is 64-byte aligned in the
      * main loop (no store splits a cache line). Measured: ~15% more
      * elements/s on 16M-element numpy arrays, no change when aligned. */
-    if (n >= COSSD_PEEL_MIN) {
-        size_t peel = (((uintptr_t)0 - (uintptr_t)mo) & 63u) / sizeof(float); /* 0..15 */
-        if (peel) {
-            adam_avx512_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, 0, &c, decoupled,
-                            (__mmask16)((1u << peel) - 1u), 1);
-            i = peel;
-        }
+    size_t peel = adam_peel(mo, n, 64); /* 0..15 */
+    if (peel) {
+        adam_avx512_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, 0, &c, decoupled,
+                        (__mmask16)((1u << peel) - 1u), 1, 0);
+        i = peel;
     }
-    for (; i + 16 <= n; i += 16)
-        adam_avx512_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled, 0xFFFF, 0);
+    /* One loop per streaming mask, each with the mask a constant (see adam_stream_mask). */
+#define ADAM_AVX512_LOOP(NT)                                                                                 \
+    for (const size_t stop = i + (n - i) / 16 * 16; i < stop; i += 16)                                       \
+    adam_avx512_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled, 0xFFFF, 0, NT)
+    unsigned nt = adam_stream_mask(mi, ai, vi, mo, ao, vo, sfmt, po, n, i, 16);
+    if (nt == NT_ALL)
+        ADAM_AVX512_LOOP(NT_ALL);
+    else if (nt == NT_PARAM)
+        ADAM_AVX512_LOOP(NT_PARAM);
+    else
+        ADAM_AVX512_LOOP(0);
+#undef ADAM_AVX512_LOOP
+    if (nt)
+        _mm_sfence(); /* streaming stores are weakly ordered: publish them before returning */
     if (i < n) /* 1..15 left: one masked vector */
         adam_avx512_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled,
-                        (__mmask16)((1u << (n - i)) - 1u), 1);
+                        (__mmask16)((1u << (n - i)) - 1u), 1, 0);
 }
 
 COSSD_AVX512 static void adam_avx512_dispatch(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
@@ -691,6 +871,21 @@ int cossd_adam_step(const uint16_t *grad, int grad_fmt, const float *master_in, 
         return cossd_adam_step_scalar(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out,
                                       exp_avg_out, exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
     }
+}
+
+unsigned cossd_adam_stream_plan(int level, const float *master_in, const void *exp_avg_in,
+                                const void *exp_avg_sq_in, float *master_out, void *exp_avg_out,
+                                void *exp_avg_sq_out, int state_fmt, uint16_t *param_out, size_t n)
+{
+    if (!state_fmt_ok(state_fmt))
+        return 0;
+    if (level == COSSD_SIMD_AVX512 && g_has_avx512)
+        return adam_stream_mask(master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
+                                state_fmt, param_out, n, adam_peel(master_out, n, 64), 16);
+    if (level == COSSD_SIMD_AVX2 && g_has_avx2)
+        return adam_stream_mask(master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
+                                state_fmt, param_out, n, adam_peel(master_out, n, 32), 8);
+    return 0; /* the scalar path never streams */
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1013,6 +1208,26 @@ uint32_t cossd_crc32c_scalar(uint32_t crc, const void *buf, size_t len)
 __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42_impl(uint32_t crc, const uint8_t *p, size_t len)
 {
     uint64_t c = (uint32_t)~crc;
+    /* crc32 has a latency of 3 cycles and a throughput of 1 per cycle: one dependent chain
+     * uses a third of the unit. Three adjacent CRC_STRIDE-byte pieces run as three chains
+     * (the second and third from a zero register), then combine by linearity:
+     * reg(A|B) = shift(reg(A), |B|) ^ reg0(B). */
+    while (len >= 3 * CRC_STRIDE) {
+        uint64_t c1 = 0, c2 = 0;
+        for (size_t i = 0; i < CRC_STRIDE; i += 8) {
+            uint64_t w0, w1, w2;
+            memcpy(&w0, p + i, 8);
+            memcpy(&w1, p + CRC_STRIDE + i, 8);
+            memcpy(&w2, p + 2 * CRC_STRIDE + i, 8);
+            c = _mm_crc32_u64(c, w0);
+            c1 = _mm_crc32_u64(c1, w1);
+            c2 = _mm_crc32_u64(c2, w2);
+        }
+        c = crc_shift_stride((uint32_t)c) ^ (uint32_t)c1;
+        c = crc_shift_stride((uint32_t)c) ^ (uint32_t)c2;
+        p += 3 * CRC_STRIDE;
+        len -= 3 * CRC_STRIDE;
+    }
     while (len >= 8) {
         uint64_t w;
         memcpy(&w, p, sizeof w); /* unaligned-safe load; x86 is little-endian as crc32 expects */

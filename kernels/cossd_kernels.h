@@ -99,6 +99,24 @@ int cossd_simd_level_available(void);
 void cossd_set_simd_level(int level);
 int cossd_simd_level(void);
 
+/* Streaming (non-temporal) stores in the SIMD Adam paths: used for the write-only outputs
+ * (param_out; master/moment outputs that are not their input's memory) of a call whose
+ * footprint, n x bytes read and written per element, is at least this many bytes
+ * (default 32 MiB). Process-wide; 0 streams every call, SIZE_MAX none. Results are the
+ * same bits either way. */
+void cossd_set_stream_threshold(size_t bytes);
+size_t cossd_stream_threshold(void);
+
+/* Which outputs the `level` path would stream for these buffers (an OR of the bits below; 0
+ * for the scalar path or a level this CPU lacks). For tests and benchmarks. */
+#define COSSD_STREAM_MASTER 1
+#define COSSD_STREAM_EXP_AVG 2
+#define COSSD_STREAM_EXP_AVG_SQ 4
+#define COSSD_STREAM_PARAM 8
+unsigned cossd_adam_stream_plan(int level, const float *master_in, const void *exp_avg_in,
+                                const void *exp_avg_sq_in, float *master_out, void *exp_avg_out,
+                                void *exp_avg_sq_out, int state_fmt, uint16_t *param_out, size_t n);
+
 /* Memory roofline probe: the Adam step's eight streams (grad, master, m, v in; master, m, v,
  * param out; 28 bytes per element) with trivial arithmetic, so its speed is what the memory
  * system allows for that access pattern. In place like the step. Used by `cossd bench`. */

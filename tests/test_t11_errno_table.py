@@ -385,6 +385,137 @@ def row_limit_payload(env: Env) -> int:
     return row_admin_oversized(env)
 
 
+# ---------------------------------------------------------------------- a plain NVM namespace's data
+
+def _nvm(env: Env, size: int = 8192) -> Path:
+    """A new plain NVM namespace of `size` bytes; returns its data file."""
+    env._count += 1
+    name = f"nvm{env._count}"
+    env.admin.create_namespace({"name": name, "kind": "nvm", "capacity_bytes": size})
+    return env.mp / "ns" / name / "data"
+
+
+def row_nvm_open_any_mode(env: Env) -> int:
+    data = _nvm(env)
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):
+        os.close(os.open(data, flags))
+    return 0
+
+
+def row_nvm_read_past_end(env: Env) -> int:
+    data = _nvm(env)
+    assert read_at(data, 100, 8192) == b"" and read_at(data, 100, 8150) == bytes(42)
+    return 0
+
+
+def row_nvm_write_anywhere(env: Env) -> int:
+    data = _nvm(env)
+    assert write_at(data, b"abc", 4095) == 3 and read_at(data, 5, 4094) == b"\0abc\0"
+    return 0
+
+
+def row_nvm_write_past_end(env: Env) -> int:
+    data = _nvm(env)
+    observed = errno_of(lambda: write_at(data, b"z" * 10, 8190))
+    assert read_at(data, 8192) == bytes(8192)  # nothing written
+    return observed
+
+
+def row_nvm_fsync(env: Env) -> int:
+    data = _nvm(env)
+    fd = os.open(data, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"d", 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert json.loads((data.parent / "stats.json").read_text())["dirty"] is False
+    return 0
+
+
+def row_nvm_optimizer_command(env: Env) -> int:
+    data = _nvm(env)
+    nsid = env.admin.nsid(data.parent.name)
+    completion = env.admin.submit(Opcode.BEGIN_STEP, nsid=nsid)
+    assert completion.status == Status.NAMESPACE_KIND_MISMATCH
+    return STATUS_ERRNO[completion.status]
+
+
+def row_nvm_create_bad_size(env: Env) -> int:
+    payload = {"name": "odd-size", "kind": "nvm", "capacity_bytes": 4097}
+    completion = env.admin.submit(Opcode.CREATE_NAMESPACE, payload=json.dumps(payload).encode())
+    assert completion.status == Status.INVALID_FIELD
+    return STATUS_ERRNO[completion.status]
+
+
+# ---------------------------------------------------------------------- snapshots (read-only)
+
+def _snapshot(env: Env) -> Path:
+    """A sealed namespace with a snapshot "s"; returns the snapshot's tensors/t directory."""
+    from cossd.tools import snapshot_cmds
+
+    root = env.fresh(sealed=True)
+    snapshot_cmds.create_snapshot(env.admin, env.admin.nsid(root.name), "s")
+    return root / "snapshots/s/tensors/t"
+
+
+def row_snapshot_open_for_writing(env: Env) -> int:
+    tensor = _snapshot(env)
+    paths = [tensor / role for role in ("param", "master", "exp_avg", "exp_avg_sq")]
+    codes = {errno_of(lambda p=p: os.open(p, os.O_WRONLY)) for p in [*paths, tensor.parents[1] / "step"]}
+    assert len(codes) == 1
+    return codes.pop()
+
+
+def row_snapshot_truncate(env: Env) -> int:
+    return errno_of(lambda: os.truncate(_snapshot(env) / "master", 0))
+
+
+def row_snapshot_read_bad_checksum(env: Env) -> int:
+    tensor = _snapshot(env)
+    namespace = tensor.parents[3].name
+    state = env.mount.backing / "ns" / namespace / "snapshots/s/state"
+    with open(state, "r+b") as file:  # flip the first master byte of t: block 0 fails
+        first = file.read(1)
+        file.seek(0)
+        file.write(bytes([first[0] ^ 1]))
+    return errno_of(lambda: read_at(tensor / "param", 2))
+
+
+def row_limit_snapshot_tags(env: Env) -> int:
+    root = env.fresh(sealed=True)
+    payload = json.dumps({"tag": "../escape"}).encode()
+    completion = env.admin.submit(Opcode.SNAPSHOT_CREATE, nsid=env.admin.nsid(root.name), payload=payload)
+    assert completion.status == Status.INVALID_NAME
+    assert not (env.mount.backing / "ns" / root.name / "snapshots").exists()
+    return STATUS_ERRNO[completion.status]
+
+
+def row_snapshot_deleted_handle(env: Env) -> int:
+    from cossd.tools import snapshot_cmds
+
+    tensor = _snapshot(env)
+    fd = os.open(tensor / "param", os.O_RDONLY)
+    try:
+        snapshot_cmds.delete_snapshot(env.admin, env.admin.nsid(tensor.parents[3].name), "s")
+        return errno_of(lambda: os.pread(fd, 2, 0))
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- injected failures
+
+def row_injected_io_failure(env: Env) -> int:
+    from cossd.tools.inject_cmds import arm_injection
+
+    root = env.fresh()
+    arm_injection(env.admin, 1, "WRITE_FAULT", queue="io", nsid=env.admin.nsid(root.name))
+    observed = errno_of(lambda: write_at(root / "tensors/t/grad", bytes(2000)))
+    assert json.loads((root / "stats.json").read_text())["step_open"] is None  # nothing reached it
+    assert write_at(root / "tensors/t/grad", bytes(2000)) == 2000  # fired once: the next is served
+    return observed
+
+
 ROWS = [
     ("lookup, stat, open: a name that does not exist", row_lookup_missing, errno.ENOENT),
     ("lookup: a name that is not valid UTF-8", row_lookup_not_utf8, errno.ENOENT),
@@ -423,6 +554,7 @@ ROWS = [
     ("command: create without capacity", row_create_no_capacity, errno.ENOSPC),
     ("fsync: a tensor file flushes the committed step", row_fsync_tensor_file, 0),
     ("fsync: .admin", row_fsync_admin, 0),
+    ("read, write: an injected failure on the data path", row_injected_io_failure, errno.EIO),
     ("mkdir, rmdir, create, mknod, unlink, rename, symlink (link: EPERM)", row_unsupported_namespace_ops, errno.ENOSYS),
     ("setxattr: any file", row_setxattr, errno.EOPNOTSUPP),
     ("limit: names", row_limit_names, errno.EINVAL),
@@ -431,6 +563,18 @@ ROWS = [
     ("limit: groups per namespace", row_limit_groups, errno.E2BIG),
     ("limit: namespaces per device", row_limit_namespaces, errno.ENOSPC),
     ("limit: payload of one submission", row_limit_payload, errno.EINVAL),
+    ("open for writing: a snapshot file", row_snapshot_open_for_writing, errno.EROFS),
+    ("truncate: a snapshot file", row_snapshot_truncate, errno.EROFS),
+    ("read: a snapshot block that fails its checksum", row_snapshot_read_bad_checksum, errno.EIO),
+    ("read: a snapshot deleted since the open", row_snapshot_deleted_handle, errno.ENOENT),
+    ("limit: snapshot tags", row_limit_snapshot_tags, errno.EINVAL),
+    ("open: nvm data, any access mode", row_nvm_open_any_mode, 0),
+    ("read nvm data: at or past the end", row_nvm_read_past_end, 0),
+    ("write nvm data: any offset and length inside", row_nvm_write_anywhere, 0),
+    ("write nvm data: past the end", row_nvm_write_past_end, errno.EFBIG),
+    ("fsync: nvm data makes acknowledged writes durable", row_nvm_fsync, 0),
+    ("command: an optimizer command on an nvm namespace", row_nvm_optimizer_command, errno.EINVAL),
+    ("command: create nvm with a size not a multiple of 4096", row_nvm_create_bad_size, errno.EINVAL),
 ]
 
 

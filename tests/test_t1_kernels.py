@@ -558,7 +558,9 @@ def test_crc32c_chaining() -> None:
 def test_crc32c_simd_equals_table() -> None:
     rng = np.random.default_rng(1)
     blob = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    lengths = [0, 1, 7, 8, 9, 63, 64, 65, 1 << 20] + rng.integers(0, 5000, 50).tolist()
+    # 12288 = 3 x 4096: the interleaved three-stream path starts there.
+    lengths = [0, 1, 7, 8, 9, 63, 64, 65, 12287, 12288, 12289, 3 * 12288 + 5, 1 << 20] + \
+        rng.integers(0, 5000, 50).tolist() + rng.integers(12288, 100_000, 20).tolist()
     for length in lengths:
         offset = int(rng.integers(0, 16)) if length < (1 << 20) else 0  # unaligned starts too
         chunk = blob[offset : offset + length]
@@ -799,3 +801,229 @@ def test_stream_probe_moves_every_stream() -> None:
     assert (grad_param == 1).all() and (master == 1).all() and (m == 2).all() and (v == 3).all()
     with pytest.raises(KernelArgumentError):
         k.stream_probe(grad_param[:10], master, m, v)
+
+
+# ---------------------------------------------------------------------------
+# Streaming (non-temporal) stores: used on large calls, same bits as ever
+# ---------------------------------------------------------------------------
+
+STREAM_ROLE_NAMES = {"master_out": "master", "exp_avg_out": "m", "exp_avg_sq_out": "v", "param_out": "param"}
+
+
+@contextlib.contextmanager
+def stream_threshold(nbytes: int | None) -> Iterator[None]:
+    """Set the streaming-store threshold for the block, then restore it."""
+    before = k.stream_threshold()
+    k.set_stream_threshold(nbytes)
+    try:
+        yield
+    finally:
+        k.set_stream_threshold(before)
+
+
+def at_offset(n: int, dtype: np.dtype, lead: int) -> np.ndarray:
+    """An n-element array whose data starts `lead` bytes past a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(n * dtype.itemsize + 128 + lead, np.uint8)
+    start = (-raw.ctypes.data) % 64 + lead
+    return raw[start : start + n * dtype.itemsize].view(dtype)
+
+
+def stream_plan(path: str, ins: dict[str, np.ndarray], outs: dict[str, np.ndarray], sfmt: StateFormat) -> set[str]:
+    """The outputs ("master", "m", "v", "param") the `path` kernel streams for these buffers."""
+    plan = k.stream_plan(ins["master"], ins["m"], ins["v"], outs["master"], outs["m"], outs["v"], outs["param"],
+                         state_format=sfmt, path=path)  # fmt: skip
+    return {STREAM_ROLE_NAMES[role] for role in plan}
+
+
+def step_into(inp: dict[str, np.ndarray], out: dict[str, np.ndarray], gfmt: HalfFormat, pfmt: HalfFormat,
+              sfmt: StateFormat, s: k.AdamScalars) -> None:  # fmt: skip
+    k.adam_step(
+        inp["grad"], inp["master"], inp["m"], inp["v"], out["master"], out["m"], out["v"], out["param"],
+        grad_format=gfmt, param_format=pfmt, state_format=sfmt, scalars=s,
+    )  # fmt: skip
+
+
+def placed_outputs(inp: dict[str, np.ndarray], leads: dict[str, int]) -> dict[str, np.ndarray]:
+    """Fresh outputs shaped like the inputs, each `leads[role]` bytes past a 64-byte boundary."""
+    n = inp["master"].size
+    dtypes = {"master": np.float32, "m": inp["m"].dtype, "v": inp["v"].dtype, "param": np.uint16}
+    return {role: at_offset(n, dtype, leads[role]) for role, dtype in dtypes.items()}
+
+
+def test_stream_threshold_default_set_and_bad_values() -> None:
+    assert k.stream_threshold() == 32 << 20
+    with stream_threshold(0):
+        assert k.stream_threshold() == 0
+        with stream_threshold(None):
+            assert k.stream_threshold() == 2**64 - 1
+        assert k.stream_threshold() == 0
+    for bad in (-1, 2**64, 1.5, True, "big"):
+        with pytest.raises(KernelArgumentError, match="nbytes"):
+            k.set_stream_threshold(bad)  # type: ignore[arg-type]
+        assert k.stream_threshold() == 32 << 20
+
+
+def test_stream_plan_rejects_bad_arguments() -> None:
+    n = 64
+    f, h = np.zeros(n, np.float32), np.zeros(n, np.uint16)
+    with pytest.raises(KernelArgumentError, match="path"):
+        k.stream_plan(f, f, f, f, f, f, h, state_format=StateFormat.FP32, path="sse")
+    with pytest.raises(KernelArgumentError, match="param_out"):
+        k.stream_plan(f, f, f, f, f, f, h[:10], state_format=StateFormat.FP32)
+    with pytest.raises(KernelArgumentError, match="exp_avg_in"):
+        k.stream_plan(f, h, h, f, h, h, h, state_format=StateFormat.FP32)
+    with pytest.raises(KernelArgumentError, match="state_format"):
+        k.stream_plan(f, f, f, f, f, f, h, state_format=7)
+
+
+@pytest.mark.parametrize("path", path_params())
+def test_stream_plan_follows_the_policy(path: str) -> None:
+    """Only write-only outputs are streamed, only when aligned, only past the threshold; never by scalar code."""
+    simd = path != "scalar"
+    for sfmt in StateFormat:
+        n = 4096
+        inp = make_inputs(n, HalfFormat.FP16, sfmt, seed=12)
+        inp = {role: placed_outputs(inp, dict.fromkeys(("master", "m", "v", "param"), 0))[role]
+               if role != "grad" else arr for role, arr in inp.items()}  # fmt: skip
+        aligned = placed_outputs(inp, dict.fromkeys(("master", "m", "v", "param"), 0))
+        in_place = dict(inp, param=aligned["param"])
+        assert stream_plan(path, inp, aligned, sfmt) == set(), "a 4096-element call is below 32 MiB"
+        with stream_threshold(0):
+            assert stream_plan(path, inp, aligned, sfmt) == ({"master", "m", "v", "param"} if simd else set())
+            assert stream_plan(path, inp, in_place, sfmt) == ({"param"} if simd else set())
+            # A lead that is not a multiple of the vector width: that output's vector stores are
+            # never aligned, so it is not streamed, and
+            # the kernel falls back to the largest mask it has a loop for: all, param only, none.
+            odd_m = placed_outputs(inp, {"master": 0, "m": 4 if sfmt == StateFormat.FP32 else 2, "v": 0, "param": 0})
+            assert stream_plan(path, inp, odd_m, sfmt) == ({"param"} if simd else set())
+            odd_param = placed_outputs(inp, {"master": 0, "m": 0, "v": 0, "param": 2})
+            assert stream_plan(path, inp, odd_param, sfmt) == set()
+            master_in_place = dict(aligned, master=inp["master"])
+            assert stream_plan(path, inp, master_in_place, sfmt) == ({"param"} if simd else set())
+        with stream_threshold(n * (12 + 4 * (4 if sfmt == StateFormat.FP32 else 2))):  # exactly this footprint
+            assert stream_plan(path, inp, in_place, sfmt) == ({"param"} if simd else set())
+        with stream_threshold(None):
+            assert stream_plan(path, inp, aligned, sfmt) == set()
+
+
+@needs_simd
+@pytest.mark.parametrize(("gfmt", "pfmt", "sfmt", "hyper"), ADAM_COMBOS, ids=ADAM_IDS)
+def test_streaming_stores_are_bit_identical_to_scalar(
+    gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper
+) -> None:
+    """Forced streaming (threshold 0) on every SIMD path: out of place, in place and mixed, with
+    every alignment of the outputs against each other, peels and tails, specials included."""
+    s = k.adam_scalars(hyper, step=6, grad_scale=0.5)
+    big = special_inputs(4200, gfmt, sfmt)
+    streamed: dict[str, set[str]] = {path: set() for path in SIMD_PATHS}
+    lead_sets = [
+        {"master": 0, "m": 0, "v": 0, "param": 0},
+        {"master": 4, "m": 8, "v": 36, "param": 30},  # the peel of master_out lines the others up, or not
+        {"master": 60, "m": 4, "v": 2 if sfmt == StateFormat.BF16 else 12, "param": 2},
+    ]
+    for n in (128, 165, 1007, 4111):
+        inp = {key: arr[:n] for key, arr in big.items()}
+        with kernel_path("scalar"):
+            expected = run_adam(inp, gfmt, pfmt, sfmt, s)
+        for path in SIMD_PATHS:
+            with kernel_path(path), stream_threshold(0):
+                for leads in lead_sets:
+                    out = placed_outputs(inp, leads)
+                    streamed[path] |= stream_plan(path, inp, out, sfmt)
+                    step_into(inp, out, gfmt, pfmt, sfmt, s)
+                    assert_bits_equal(out, expected, f"{path} n={n} leads={leads}")
+                    # In place (param streamed) and mixed (master in place, moments streamed).
+                    state = {role: placed_outputs(inp, leads)[role] for role in ("master", "m", "v")}
+                    for role in state:
+                        state[role][...] = inp[role]
+                    in_place = dict(inp, **state)
+                    out = dict(state, param=placed_outputs(inp, leads)["param"])
+                    streamed[path] |= stream_plan(path, in_place, out, sfmt)
+                    step_into(in_place, out, gfmt, pfmt, sfmt, s)
+                    assert_bits_equal(out, expected, f"{path} in place n={n} leads={leads}")
+                    mixed_in = dict(inp, master=out["master"])  # reuse: any master works as input
+                    mixed_in["master"][...] = inp["master"]
+                    mixed = placed_outputs(inp, leads)
+                    mixed["master"] = mixed_in["master"]
+                    step_into(mixed_in, mixed, gfmt, pfmt, sfmt, s)
+                    assert_bits_equal(mixed, expected, f"{path} mixed n={n} leads={leads}")
+    for path, roles in streamed.items():
+        assert roles == {"master", "m", "v", "param"}, f"{path} streamed only {roles}"
+
+
+@needs_simd
+def test_large_call_streams_by_default_and_matches_scalar() -> None:
+    """Past 32 MiB of footprint the default settings stream, in place and out of place alike."""
+    n = (32 << 20) // 28 + 4099  # FP32 state: 28 bytes per element
+    inp = make_inputs(n, HalfFormat.FP16, StateFormat.FP32, seed=21)
+    s = k.adam_scalars(HYPER_W, step=9)
+    with kernel_path("scalar"):
+        expected = run_adam(inp, HalfFormat.FP16, HalfFormat.FP16, StateFormat.FP32, s)
+    best = SIMD_PATHS[-1]
+    with kernel_path(best):
+        out = placed_outputs(inp, dict.fromkeys(("master", "m", "v", "param"), 0))
+        assert stream_plan(best, inp, out, StateFormat.FP32) == {"master", "m", "v", "param"}
+        step_into(inp, out, HalfFormat.FP16, HalfFormat.FP16, StateFormat.FP32, s)
+        assert_bits_equal(out, expected, "out of place")
+        # Streaming param_out needs it aligned to 32 where master_out is aligned to 64: true of
+        # torch's (64-byte aligned) arrays, not of numpy's large ones (both 16 bytes past).
+        state = {role: at_offset(n, np.float32, 0) for role in ("master", "m", "v")}
+        for role in state:
+            state[role][...] = inp[role]
+        in_place = dict(inp, **state)
+        out = dict(state, param=at_offset(n, np.uint16, 0))
+        assert stream_plan(best, in_place, out, StateFormat.FP32) == {"param"}
+        assert stream_plan(best, in_place, dict(out, param=at_offset(n, np.uint16, 16)), StateFormat.FP32) == set()
+        step_into(in_place, out, HalfFormat.FP16, HalfFormat.FP16, StateFormat.FP32, s)
+        assert_bits_equal(out, expected, "in place")
+
+
+def test_bench_kernel_buffers_are_shared_and_never_subnormal() -> None:
+    """`cossd bench` runs every kernel contender on the same memory, with values that keep torch
+    off the subnormal slow path even after cossd has written its params into torch's grad."""
+    torch = pytest.importorskip("torch")
+    from cossd.trainer import bench
+
+    n = 4096
+    buffers = bench.KernelBuffers(n, seed=1)
+    grad_bytes = buffers.grad.numpy()
+    assert np.shares_memory(buffers.grad16, grad_bytes) and np.shares_memory(buffers.param16, grad_bytes)
+    assert buffers.param16.ctypes.data == buffers.grad16.ctypes.data + 2 * n
+    steps = [bench.cossd_kernel(buffers, 1), bench.torch_adamw(buffers, 1, fused=True),
+             bench.roofline_probe(buffers, 1)]  # fmt: skip
+    for _ in range(3):
+        for step in steps:
+            step()
+    steps[0]()  # cossd last: the second half of torch's grad now holds the params of the masters
+    assert (buffers.param16 == buffers.master.to(torch.float16).view(torch.int16).numpy().view(np.uint16)).all()
+    g = buffers.grad.numpy()
+    assert np.isfinite(g).all() and (np.abs(g) >= 2.0**-15).all()
+    assert (buffers.master.numpy() >= 0.5).all()
+
+
+def test_bench_kernel_section_alone(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cossd bench --sections kernel` measures only the kernels, and says what each moved."""
+    pytest.importorskip("torch")
+    import json
+
+    from cossd.tools.cli import main
+
+    out_dir = tmp_path / "b"
+    code = main(["bench", "--sections", "kernel", "--elements", "65536", "--repeat", "1", "--rounds", "2",
+                 "--threads", "1", "--output", str(out_dir)])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    report = json.loads((out_dir / "bench.json").read_text())
+    assert "file_path" not in report and report["rounds"] == 2
+    row = report["kernel"][0]
+    assert row["cossd_gels"] > 0 and row["torch_fused_gels"] > 0 and row["cossd_vs_fused"] > 0
+    assert row["streaming_stores"] == []  # 64K elements: far below the 32 MiB threshold
+    assert row["bytes_per_element"]["cossd"] == {"read": 16, "written": 14}
+    assert row["bytes_per_element"]["torch_fused"] == {"read": 16, "written": 12}
+    assert "through the mount" not in (out_dir / "bench.md").read_text()
+    for bad in (["--sections", "kernel,disk"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", *bad, "--output", str(out_dir)])
+        assert exc.value.code != 0
+        assert ("sections are kernel, mount" if "--sections" in bad else "must be at least 1") in capsys.readouterr().err

@@ -43,7 +43,8 @@ def test_mount_is_listed_as_fuse_cossd(mount: Mount) -> None:
 
 
 def test_tree_and_modes(ns: Path) -> None:
-    assert sorted(os.listdir(ns)) == ["config.json", "stats.json", "step", "tensors"]
+    assert sorted(os.listdir(ns)) == ["config.json", "snapshots", "stats.json", "step", "tensors"]
+    assert os.listdir(ns / "snapshots") == [] and stat.S_IMODE(os.stat(ns / "snapshots").st_mode) == 0o555
     assert sorted(os.listdir(ns / "tensors")) == ["t", "u"]
     assert sorted(os.listdir(ns / "tensors" / "t")) == ["exp_avg", "exp_avg_sq", "grad", "master", "param"]
     t = ns / "tensors" / "t"

@@ -34,6 +34,14 @@ def parse_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r} (examples: 2, 0xc0)") from None
 
 
+def parse_port(text: str) -> int:
+    """A TCP port to listen on: 1-65535."""
+    port = parse_int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r} (1-65535)")
+    return port
+
+
 def parse_tensor(text: str) -> tuple[str, int]:
     name, sep, numel = text.rpartition(":")
     if not sep or not name:
@@ -76,12 +84,19 @@ def cmd_mount(args: argparse.Namespace) -> int:
             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
         )
         daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
-                     debug=args.debug, ready_fd=args.ready_fd)
+                     debug=args.debug, ready_fd=args.ready_fd,
+                     metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+                     profile=args.profile, timed=args.timed)
         return 0
     pid = daemon.start_background(args.backing, args.mountpoint, sync=args.sync,
-                                  allow_other=args.allow_other, log_file=args.log_file)
-    emit(args, {"mountpoint": str(args.mountpoint), "pid": pid},
-         lambda v: f"mounted {args.backing} at {v['mountpoint']} (daemon pid {v['pid']})")
+                                  allow_other=args.allow_other, log_file=args.log_file,
+                                  metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+                                  profile=args.profile, timed=args.timed)
+    host = f"[{args.metrics_addr}]" if ":" in args.metrics_addr else args.metrics_addr  # IPv6
+    metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
+    emit(args, {"mountpoint": str(args.mountpoint), "pid": pid} | ({"metrics": metrics} if metrics else {}),
+         lambda v: f"mounted {args.backing} at {v['mountpoint']} (daemon pid {v['pid']})"
+         + (f", metrics at {metrics}" if metrics else ""))
     return 0
 
 
@@ -120,6 +135,10 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def cmd_create_ns(args: argparse.Namespace) -> int:
+    if args.nvm:
+        return _create_nvm_ns(args)
+    if not args.tensor:
+        raise SystemExit("cossd create-ns: give at least one --tensor NAME:NUMEL (or --nvm --size N)")
     description = {
         "name": args.name,
         "tensors": [[name, numel] for name, numel in args.tensor],
@@ -133,6 +152,17 @@ def cmd_create_ns(args: argparse.Namespace) -> int:
         nsid = client.create_namespace(description)
     emit(args, {"name": args.name, "nsid": nsid},
          lambda v: f"created namespace {v['name']!r} (nsid {v['nsid']}, {len(args.tensor)} tensors)")
+    return 0
+
+
+def _create_nvm_ns(args: argparse.Namespace) -> int:
+    """create-ns --nvm: a plain NVM namespace of --size bytes (emulator/nvm.py)."""
+    if args.size is None or args.tensor:
+        raise SystemExit("cossd create-ns: --nvm takes --size (a multiple of 4096) and no --tensor")
+    with _client(args) as client:
+        nsid = client.create_namespace({"name": args.name, "kind": "nvm", "capacity_bytes": args.size})
+    emit(args, {"name": args.name, "nsid": nsid, "kind": "nvm", "capacity_bytes": args.size},
+         lambda v: f"created nvm namespace {v['name']!r} (nsid {v['nsid']}, {v['capacity_bytes']} bytes)")
     return 0
 
 
@@ -155,10 +185,14 @@ def cmd_id_ctrl(args: argparse.Namespace) -> int:
             f"fr        : {identity['firmware_revision']}",
             f"capacity  : {value['capacity_bytes']} bytes ({value['allocated_bytes']} allocated)",
             f"durability: {value['durability']}",
+            f"timing    : profile {value['timing']['profile']}" + (" (timed)" if value["timing"]["timed"] else ""),
             f"backing   : {value['backing']}",
             f"namespaces: {len(value['namespaces'])}",
         ]
         for ns in value["namespaces"]:
+            if ns.get("kind") == "nvm":
+                lines.append(f"  nsid {ns['nsid']:>3} {ns['name']:<24} nvm (plain 4 KiB blocks)")
+                continue
             lines.append(f"  nsid {ns['nsid']:>3} {ns['name']:<24} step {ns['committed_step']} "
                          f"(durable {ns['durable_step']}){' loading' if ns['loading'] else ''}")
         return "\n".join(lines)
@@ -212,11 +246,17 @@ def cmd_smart_log(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         smart = client.smart_log()
+        backing = client.describe()["backing"] if args.media else None
     warning = smart["critical_warning"]
     bits = {name: (warning >> bit) & 1 for bit, (name, _) in enumerate(CRITICAL_WARNING_BITS)}
     value: dict[str, Any] = dict(smart)
     if args.human_readable:
         value["critical_warning"] = {"value": warning} | bits  # as nvme-cli -H -o json
+    media = None
+    if backing is not None:  # --media: the real drive under the backing directory
+        from cossd.tools.media_health import media_report, render_media
+
+        media = value["media"] = media_report(backing)
 
     def normal(_: object) -> str:
         lines = [f"Smart Log for NVME device:{args.mountpoint} namespace-id:ffffffff",
@@ -249,10 +289,10 @@ def cmd_smart_log(args: argparse.Namespace) -> int:
         for kind, label in (("trans_count", "Trans Count"), ("total_time", "Total Time")):
             lines += [_line(f"Thermal Management T{number} {label}", smart[f"thm_temp{number}_{kind}"])
                       for number in (1, 2)]
-        return "\n".join(lines)
+        return "\n".join(lines) + (f"\n\n{render_media(media)}" if media is not None else "")
 
     emit(args, value, normal, sort_keys=False)
-    return 0
+    return 1 if media is not None and media["status"] == "failed" else 0
 
 
 def _status_name(status_field: int) -> str:
@@ -263,11 +303,13 @@ def _status_name(status_field: int) -> str:
     return status.name if isinstance(status, Status) else f"{status:#05x}"
 
 
-def _opcode_name(opcode: int) -> str:
+def _opcode_name(opcode: int, sqid: int = 0) -> str:
+    from cossd.emulator.injection import DATA_PATH_SQID, IoOpcode
     from cossd.emulator.protocol import Opcode
 
     try:
-        return Opcode(opcode).name
+        # An injected data-path failure is logged with sqid 1 and an I/O opcode (D0h).
+        return IoOpcode(opcode).name if sqid == DATA_PATH_SQID else Opcode(opcode).name
     except ValueError:
         return "unknown"
 
@@ -288,7 +330,7 @@ def _error_entries_text(device: object, entries: list[dict[str, int]]) -> str:
             f"lba             : {entry['lba']:#x}",
             f"nsid            : {entry['nsid']:#x}",
             f"vs              : {entry['vs']}",
-            f"cs              : {entry['cs']:#x} (opcode {_opcode_name(entry['cs'])})",
+            f"cs              : {entry['cs']:#x} (opcode {_opcode_name(entry['cs'], entry['sqid'])})",
             rule,
         ]
     return "\n".join(lines)
@@ -325,7 +367,7 @@ def cmd_get_log(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
         return 0
-    json_page = args.log_id == LogId.OPTIMIZER_STATISTICS
+    json_page = args.log_id in (LogId.OPTIMIZER_STATISTICS, LogId.SNAPSHOTS, LogId.JOBS)  # vendor JSON pages
     if args.output_format == "json":
         decoders: dict[int, Callable[[bytes], Any]] = {
             LogId.SMART: logpages.decode_smart,
@@ -333,7 +375,7 @@ def cmd_get_log(args: argparse.Namespace) -> int:
             LogId.COMMANDS_SUPPORTED_AND_EFFECTS: logpages.decode_effects,
             LogId.OPTIMIZER_STATISTICS: json.loads,
         }
-        decode = decoders.get(args.log_id)
+        decode = decoders.get(args.log_id) or (json.loads if json_page else None)
         value = decode(data) if decode else {"log_id": args.log_id, "data": data.hex()}
         print(json.dumps(value, indent=2, sort_keys=json_page))
         return 0
@@ -477,7 +519,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 # Modules that add verbs beside the ones above. Each has `register(verb)`, where `verb` is
 # build_parser's factory below; keeping a verb family in its own module keeps this one small.
-VERB_MODULES: tuple[str, ...] = ()
+VERB_MODULES: tuple[str, ...] = ("cossd.tools.top", "cossd.tools.feature_cmds", "cossd.tools.inject_cmds", "cossd.tools.model_cmd", "cossd.tools.snapshot_cmds")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -513,17 +555,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--debug", action="store_true", help="log every FUSE request")
     sub.add_argument("--log-file", type=Path, help="daemon log (default: BACKING/daemon.log)")
     sub.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    sub.add_argument("--metrics-port", type=parse_port, metavar="N",
+                     help="serve Prometheus metrics on this TCP port (docs/metrics.md)")
+    sub.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                     help="address the metrics endpoint listens on (default: 127.0.0.1)")
+    from cossd.emulator.profiles import DEFAULT_PROFILE, PROFILES
+
+    sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE.json",
+                     help=f"device profile of the timing model: {', '.join(PROFILES)}, or a JSON file "
+                          f"of profile fields (default: {DEFAULT_PROFILE}; `cossd model --list-profiles`)")
+    sub.add_argument("--timed", action="store_true",
+                     help="complete file I/O and step commands no earlier than their modeled device time")
 
     sub = verb("umount", cmd_umount, "Unmount; waits until the daemon has flushed the state.")
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("--lazy", action="store_true", help="detach even if busy (fusermount3 -z)")
     sub.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the daemon")
 
-    sub = verb("create-ns", cmd_create_ns, "Create an optimizer namespace (one optimizer).")
+    sub = verb("create-ns", cmd_create_ns, "Create an optimizer namespace (one optimizer), or with "
+               "--nvm a plain NVM namespace (a raw data file).")
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("name")
-    sub.add_argument("--tensor", type=parse_tensor, action="append", required=True,
-                     metavar="NAME:NUMEL", help="a tensor and its element count (repeatable)")
+    sub.add_argument("--tensor", type=parse_tensor, action="append",
+                     metavar="NAME:NUMEL", help="a tensor and its element count (repeatable; "
+                                                "required unless --nvm)")
+    sub.add_argument("--nvm", action="store_true",
+                     help="a plain NVM namespace: MOUNTPOINT/ns/NAME/data, 4 KiB blocks")
+    sub.add_argument("--size", type=parse_size, help="with --nvm: its size, e.g. 1G (a multiple of 4096)")
     sub.add_argument("--lr", type=float, default=1e-3)
     sub.add_argument("--beta1", type=float, default=0.9)
     sub.add_argument("--beta2", type=float, default=0.999)
@@ -558,6 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("-H", "--human-readable", action="store_true",
                      help="decode the critical warning bits")
+    sub.add_argument("--media", action="store_true",
+                     help="add the health of the real NVMe drive under the backing directory "
+                          "(runs `nvme smart-log DEV -o json`)")
 
     sub = verb("error-log", cmd_error_log, "Error information log (log page 01h): the latest failed "
                "commands and media errors, newest first.")

@@ -24,9 +24,10 @@ from cossd.fs import daemon
 from cossd.tools.client import AdminClient
 
 from .checkpointing import drop_from_page_cache, files_under
-from .options import add_bench_arguments
+from .nvm_volume import NvmVolume
+from .options import BENCH_SECTIONS, add_bench_arguments
 
-BYTES_PER_ELEMENT = 28  # fp16 grad in, fp32 master/m/v in and out, fp16 param out
+BYTES_PER_ELEMENT = 28  # every kernel contender moves 28 bytes per element (BYTES_MOVED)
 HYPER = kernels.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
 
@@ -60,38 +61,108 @@ def split_run(work: Callable[[int, int], object], n: int, threads: int) -> None:
 
 # ---------------------------------------------------------------------- kernels
 #
-# Every contender gets buffers from torch's allocator (where large arrays land relative to
-# each other changes the achievable bandwidth by up to a quarter, docs/kernels.md), and the
-# contenders run in turn within each repetition, so drift in a shared machine's memory
-# bandwidth hits them all alike. Each builder returns one step as a callable.
+# Like for like. On this class of machine (a VM) where a large array's pages land moves one
+# contender's speed by up to a third from one allocation to the next, whatever the code.
+# So in each round every contender steps on the very same memory (KernelBuffers), and the
+# rounds use fresh allocations, so no contender keeps a lucky or unlucky set of pages.
+# Within a round the contenders take turns, in an order that rotates every repetition, so
+# drift in the shared machine's memory bandwidth hits them alike; before each timed step a
+# read-only sweep of twice the L3 evicts (and writes back) what the previous one left dirty.
+# Each builder returns one step as a callable.
 
-def roofline_probe(n: int, threads: int) -> Callable[[], None]:
+# What one step of each contender moves per element, in bytes (read, written). All move 28;
+# they differ in which streams carry them.
+BYTES_MOVED: dict[str, tuple[int, int]] = {
+    # FP16 grad + FP32 master and moments in; FP32 master and moments + FP16 param out. The
+    # param is written with streaming stores (docs/kernels.md), so its lines are not read first.
+    "cossd": (14, 14),
+    # Ordinary stores: the param lines are read before they are overwritten, 2 bytes more.
+    "cossd_ordinary_stores": (16, 14),
+    # FP32 grad, param and moments in; param and moments out (torch's fused step has no FP16
+    # param, and it refuses an FP16 grad for an FP32 param).
+    "torch_fused": (16, 12),
+    # The same 28 at least; the foreach path makes a pass over memory per operation.
+    "torch_foreach": (16, 12),
+    "deepspeed": (16, 12),
+    # The FP16 grad/param stream and the three FP32 streams, in place, trivial arithmetic.
+    "roofline": (14, 14),
+}
+SWEEP_BYTES = 64 << 20  # twice this machine class's 32 MiB L3
+
+
+def _moderate(count: int, generator: torch.Generator) -> torch.Tensor:
+    """count FP32 values of magnitude 0.5 to 2: exact in FP16, far from subnormal and overflow."""
+    return torch.rand(count, generator=generator) * 1.5 + 0.5
+
+
+class KernelBuffers:
+    """The memory all the kernel contenders of one round step on.
+
+    `master` (torch's param, cossd's FP32 master), `exp_avg`, `exp_avg_sq`: n FP32 each.
+    `grad`: n FP32, torch's gradient; cossd reads its FP16 gradient from the first 2n bytes of
+    it (`grad16`) and writes its FP16 params into the last 2n bytes (`param16`). Every 16-bit
+    half holds an FP16 value of magnitude 0.5 to 2, or a param of a master that stays positive
+    and at least 0.5, so no FP32 value torch reads there is below 2^-15 in magnitude, and no
+    square of one underflows: no contender can land on a subnormal slow path (some x86 cores
+    take a microcode assist there), whichever way it reads the bytes.
+    """
+
+    def __init__(self, n: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.n = n
+        self.master = _moderate(n, generator)
+        self.exp_avg, self.exp_avg_sq = torch.zeros(n), torch.zeros(n)
+        self.grad = torch.empty(n)
+        halves = self.grad.view(torch.float16)
+        halves.copy_(_moderate(2 * n, generator).to(torch.float16)
+                     * (torch.randint(0, 2, (2 * n,), generator=generator, dtype=torch.int8) * 2 - 1))
+        halves[n:].copy_(self.master.to(torch.float16))  # the params of the current masters
+        as_u16 = self.grad.view(torch.int16).numpy().view(np.uint16)
+        self.grad16, self.param16 = as_u16[:n], as_u16[n:]
+        self.master_np = self.master.numpy()
+        self.exp_avg_np, self.exp_avg_sq_np = self.exp_avg.numpy(), self.exp_avg_sq.numpy()
+
+
+def roofline_probe(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
     """What memory allows for the Adam step's access pattern: the same streams (28 bytes per
     element, in place) with trivial arithmetic, in C."""
-    grad_param = torch.zeros(n, dtype=torch.int16).numpy().view(np.uint16)
-    master, m, v = torch.zeros(n).numpy(), torch.zeros(n).numpy(), torch.zeros(n).numpy()
+    b = buffers
 
     def probe(start: int, stop: int) -> None:
         s = slice(start, stop)
-        kernels.stream_probe(grad_param[s], master[s], m[s], v[s])
+        kernels.stream_probe(b.grad16[s], b.master_np[s], b.exp_avg_np[s], b.exp_avg_sq_np[s])
 
-    return lambda: split_run(probe, n, threads)
+    return lambda: split_run(probe, b.n, threads)
 
 
-def cossd_kernel(n: int, threads: int) -> Callable[[], None]:
-    master = torch.randn(n).numpy()
-    m, v = torch.zeros(n).numpy(), torch.zeros(n).numpy()
-    grad = (torch.randn(n) * 0.01).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
-    param = torch.empty(n, dtype=torch.int16).numpy().view(np.uint16)
+def cossd_kernel(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
+    """cossd's step in place (master and moments updated where they are), FP16 grad and param."""
+    b = buffers
     scalars = kernels.adam_scalars(HYPER, 1)
 
     def step(start: int, stop: int) -> None:
         s = slice(start, stop)
-        kernels.adam_step(grad[s], master[s], m[s], v[s], master[s], m[s], v[s], param[s],
+        kernels.adam_step(b.grad16[s], b.master_np[s], b.exp_avg_np[s], b.exp_avg_sq_np[s],
+                          b.master_np[s], b.exp_avg_np[s], b.exp_avg_sq_np[s], b.param16[s],
                           grad_format=kernels.HalfFormat.FP16, param_format=kernels.HalfFormat.FP16,
                           state_format=kernels.StateFormat.FP32, scalars=scalars)
 
-    return lambda: split_run(step, n, threads)
+    return lambda: split_run(step, b.n, threads)
+
+
+def cossd_ordinary_stores(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
+    """The same step with streaming stores switched off: what they are worth, measured alongside."""
+    step = cossd_kernel(buffers, threads)
+
+    def without_streaming() -> None:
+        before = kernels.stream_threshold()
+        kernels.set_stream_threshold(None)
+        try:
+            step()
+        finally:
+            kernels.set_stream_threshold(before)
+
+    return without_streaming
 
 
 def _stepping(optimizer: torch.optim.Optimizer, threads: int) -> Callable[[], None]:
@@ -108,53 +179,104 @@ def _stepping(optimizer: torch.optim.Optimizer, threads: int) -> Callable[[], No
     return step
 
 
-def _one_param(n: int) -> torch.nn.Parameter:
-    param = torch.nn.Parameter(torch.randn(n))
-    param.grad = torch.randn(n) * 0.01
+def _shared_param(buffers: KernelBuffers) -> torch.nn.Parameter:
+    param = torch.nn.Parameter(buffers.master)
+    param.grad = buffers.grad
     return param
 
 
-def torch_adamw(n: int, threads: int, **options: Any) -> Callable[[], None]:
-    return _stepping(torch.optim.AdamW([_one_param(n)], lr=1e-3, **options), threads)
+def torch_adamw(buffers: KernelBuffers, threads: int, **options: Any) -> Callable[[], None]:
+    """torch's AdamW whose param, grad and moments are the shared buffers."""
+    param = _shared_param(buffers)
+    optimizer = torch.optim.AdamW([param], lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                  weight_decay=HYPER.weight_decay, **options)
+    # The state torch would create lazily, handed the shared moments instead.
+    optimizer.state[param] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": buffers.exp_avg,
+                              "exp_avg_sq": buffers.exp_avg_sq}
+    return _stepping(optimizer, threads)
 
 
-def deepspeed_cpuadam(n: int, threads: int) -> Callable[[], None] | None:
+def deepspeed_cpuadam(buffers: KernelBuffers, threads: int) -> Callable[[], None] | None:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001 - optional peer: absent, or its extension fails to build
         return None
-    return _stepping(DeepSpeedCPUAdam([_one_param(n)], lr=1e-3, adamw_mode=True), threads)
+    param = _shared_param(buffers)
+    optimizer = DeepSpeedCPUAdam([param], lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                 weight_decay=HYPER.weight_decay, adamw_mode=True)
+    optimizer.state[param] = {"step": 0, "exp_avg": buffers.exp_avg, "exp_avg_sq": buffers.exp_avg_sq}
+    return _stepping(optimizer, threads)
 
 
-def kernel_row(n: int, repeat: int, threads: int) -> dict[str, Any]:
-    contenders: dict[str, Callable[[], None] | None] = {
-        "roofline": roofline_probe(n, threads),
-        "cossd": cossd_kernel(n, threads),
-        "torch_fused": torch_adamw(n, threads, fused=True),
-        "torch_foreach": torch_adamw(n, threads, foreach=True),
-        "deepspeed": deepspeed_cpuadam(n, threads),
-    }
-    present = {name: step for name, step in contenders.items() if step is not None}
-    samples: dict[str, list[float]] = {name: [] for name in present}
-    for step in present.values():
-        step()  # warm up: first touch of every page, lazy state allocation
-    for _ in range(repeat):
-        for name, step in present.items():
-            started = time.perf_counter()
-            step()
-            samples[name].append(time.perf_counter() - started)
+def _sweep(scratch: np.ndarray) -> None:
+    """Read `scratch` end to end (a C loop that only reads): the caches then hold clean lines."""
+    kernels.count_nonfinite(scratch, kernels.HalfFormat.FP16)
+
+
+def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, Any]:
+    """Each contender's median rate over `rounds` fresh allocations x `repeat` turns, and the
+    median of cossd's per-turn ratios to the others."""
+    scratch = np.ones(SWEEP_BYTES // 2, np.uint16)
+    samples: dict[str, list[float]] = {}
+    round_ratios: dict[str, list[float]] = {}
+    for round_index in range(rounds):
+        buffers = KernelBuffers(n, seed=round_index)
+        contenders: dict[str, Callable[[], None] | None] = {
+            "roofline": roofline_probe(buffers, threads),
+            "cossd": cossd_kernel(buffers, threads),
+            "cossd_ordinary_stores": cossd_ordinary_stores(buffers, threads),
+            "torch_fused": torch_adamw(buffers, threads, fused=True),
+            "torch_foreach": torch_adamw(buffers, threads, foreach=True),
+            "deepspeed": deepspeed_cpuadam(buffers, threads),
+        }
+        present = {name: step for name, step in contenders.items() if step is not None}
+        first = slice(0, n // threads)  # the first thread's call, as split_run makes them
+        state = [array[first] for array in (buffers.master_np, buffers.exp_avg_np, buffers.exp_avg_sq_np)]
+        streamed = kernels.stream_plan(*state, *state, buffers.param16[first],  # in place
+                                       state_format=kernels.StateFormat.FP32)
+        for step in present.values():
+            step()  # warm up: lazy initialisation, code paths
+        names = list(present)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for turn in range(repeat):
+            shift = (round_index + turn) % len(names)
+            for name in names[shift:] + names[:shift]:
+                _sweep(scratch)
+                started = time.perf_counter()
+                present[name]()
+                times[name].append(time.perf_counter() - started)
+        for name, values in times.items():
+            samples.setdefault(name, []).extend(values)
+            if name != "cossd":
+                ratios = [theirs / ours for theirs, ours in zip(values, times["cossd"])]
+                round_ratios.setdefault(name, []).append(statistics.median(ratios))
+        del contenders, present, buffers
     rate = {name: n / statistics.median(times) / 1e9 for name, times in samples.items()}
+    # cossd's speed over another's, paired turn by turn (the same moment, the same pages).
+    ratio = {name: statistics.median(theirs / ours for theirs, ours in zip(samples[name], samples["cossd"]))
+             for name in samples if name != "cossd"}
+    spread = {name: [min(values), max(values)] for name, values in round_ratios.items()}
     return {
         "threads": threads,
-        "bandwidth_gbs": rate["roofline"] * BYTES_PER_ELEMENT,
+        "rounds": rounds,
+        "turns_per_round": repeat,
+        "streaming_stores": sorted(streamed),  # the outputs cossd's calls wrote with streaming stores
+        "bytes_per_element": {name: {"read": read + (2 if name == "cossd" and "param_out" not in streamed else 0),
+                                     "written": written}
+                              for name, (read, written) in BYTES_MOVED.items() if name in samples},
+        "bandwidth_gbs": rate["roofline"] * sum(BYTES_MOVED["roofline"]),
         "adam_roofline_gels": rate["roofline"],
         "cossd_gels": rate["cossd"],
+        "cossd_ordinary_stores_gels": rate["cossd_ordinary_stores"],
+        "streaming_gain": ratio["cossd_ordinary_stores"],
         "torch_fused_gels": rate["torch_fused"],
         "torch_foreach_gels": rate["torch_foreach"],
         "deepspeed_gels": rate.get("deepspeed"),
-        "cossd_vs_fused": rate["cossd"] / rate["torch_fused"],
-        "cossd_vs_deepspeed": rate["cossd"] / rate["deepspeed"] if "deepspeed" in rate else None,
-        "cossd_vs_roofline": rate["cossd"] / rate["roofline"],
+        "cossd_vs_fused": ratio["torch_fused"],
+        "cossd_vs_fused_round_range": spread["torch_fused"],
+        "cossd_vs_deepspeed": ratio.get("deepspeed"),
+        "cossd_vs_roofline": ratio["roofline"],
+        "cossd_vs_roofline_round_range": spread["roofline"],
     }
 
 
@@ -211,8 +333,19 @@ def file_path_step(device: BenchDevice, o_direct: bool, chunk: int = 4 << 20) ->
 
 # ---------------------------------------------------------------------- checkpoint, restore
 
-def checkpoint_costs(device: BenchDevice, workdir: Path, n: int) -> dict[str, dict[str, float]]:
-    """Seconds to make one step's state durable, and the bytes written for it."""
+CHECKPOINT_NAMESPACE = "bench-checkpoints"  # the plain NVM namespace torch.save and DCP write to
+
+
+def checkpoint_volume(device: BenchDevice, workdir: Path, *, create: bool) -> NvmVolume:
+    """ext4 on a plain NVM namespace of the bench's own device: the peers' checkpoints go
+    through the same drive and its counters, as cossd's do. Kept between checkpoint and restore."""
+    size = -(-(32 * device.n + (128 << 20)) // (1 << 20)) * (1 << 20)  # two 14 B/element checkpoints
+    return NvmVolume(device.mountpoint, CHECKPOINT_NAMESPACE, size, workdir / "ext4",
+                     keep_namespace=True, create=create)
+
+
+def checkpoint_costs(device: BenchDevice, volume: NvmVolume, n: int) -> dict[str, dict[str, float]]:
+    """Seconds to make one step's state durable, and the bytes the drive took for it."""
     import torch.distributed.checkpoint as dcp
 
     results: dict[str, dict[str, float]] = {}
@@ -244,23 +377,28 @@ def checkpoint_costs(device: BenchDevice, workdir: Path, n: int) -> dict[str, di
         }
     state = {"master": torch.randn(n), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n),
              "param": torch.zeros(n, dtype=torch.float16)}
-    path = workdir / "ckpt.pt"
+    path = volume.path / "ckpt.pt"
+    before = volume.settle()
     started = time.perf_counter()
     with open(path, "wb") as stream:
         torch.save(state, stream)
         stream.flush()
         os.fsync(stream.fileno())
-    results["torch.save + fsync"] = {"seconds": time.perf_counter() - started,
-                                     "bytes_over_link": path.stat().st_size}
+    seconds = time.perf_counter() - started
+    results["torch.save + fsync"] = {"seconds": seconds, "file_bytes": path.stat().st_size,
+                                     "bytes_over_link": volume.settle()["bytes_written"] - before["bytes_written"]}
     import warnings
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    before = volume.settle()
     started = time.perf_counter()
-    future = dcp.async_save(state, checkpoint_id=str(workdir / "dcp"))
+    future = dcp.async_save(state, checkpoint_id=str(volume.path / "dcp"))
     blocking = time.perf_counter() - started
     future.result()
-    results["DCP async_save"] = {"seconds": time.perf_counter() - started, "blocking_seconds": blocking,
-                                 "bytes_over_link": sum(p.stat().st_size for p in files_under(workdir / "dcp"))}
+    seconds = time.perf_counter() - started
+    results["DCP async_save"] = {"seconds": seconds, "blocking_seconds": blocking,
+                                 "file_bytes": sum(p.stat().st_size for p in files_under(volume.path / "dcp")),
+                                 "bytes_over_link": volume.settle()["bytes_written"] - before["bytes_written"]}
     return results
 
 
@@ -279,11 +417,14 @@ def restore_costs(device: BenchDevice, workdir: Path, n: int) -> dict[str, dict[
     done = time.perf_counter()
     results["cossd params only"] = {"seconds": done - started, "mount_seconds": mounted - started,
                                     "read_seconds": done - mounted, "bytes": 2 * n}
-    drop_from_page_cache([workdir / "ckpt.pt"])
-    started = time.perf_counter()
-    torch.load(workdir / "ckpt.pt", weights_only=True)
-    results["torch.load full state"] = {"seconds": time.perf_counter() - started,
-                                        "bytes": (workdir / "ckpt.pt").stat().st_size}
+    # The filesystem is mounted afresh on the restarted device: nothing of the file is cached.
+    with checkpoint_volume(device, workdir, create=False) as volume:
+        before = volume.statistics()
+        started = time.perf_counter()
+        torch.load(volume.path / "ckpt.pt", weights_only=True)
+        seconds = time.perf_counter() - started
+        results["torch.load full state"] = {
+            "seconds": seconds, "bytes": volume.statistics()["bytes_read"] - before["bytes_read"]}
     return results
 
 
@@ -299,27 +440,37 @@ def run(args: argparse.Namespace) -> int:
     }
     _say(f"cossd bench: {n:,} elements, median of {repeat}, kernel path {kernels.simd_level()}, "
          f"{report['machine']['cores']} cores")
+    sections = getattr(args, "sections", BENCH_SECTIONS)
+    rounds = getattr(args, "rounds", 3)
     kernel_rows = []
-    for threads in args.threads:
-        row = kernel_row(n, repeat, threads)
+    for threads in args.threads if "kernel" in sections else ():
+        row = kernel_row(n, repeat, threads, rounds)
         kernel_rows.append(row)
-        _say(f"  kernel, {threads} thread(s): cossd {row['cossd_gels']:.2f} G el/s = "
-             f"{row['cossd_vs_fused']:.2f}x torch fused ({row['torch_fused_gels']:.2f}), "
+        low, high = row["cossd_vs_fused_round_range"]
+        _say(f"  kernel, {threads} thread(s), same buffers for all: cossd {row['cossd_gels']:.2f} G el/s = "
+             f"{row['cossd_vs_fused']:.2f}x torch fused ({row['torch_fused_gels']:.2f}; rounds {low:.2f}-{high:.2f}), "
              f"{row['cossd_vs_roofline']:.0%} of the {row['adam_roofline_gels']:.2f} G el/s roofline")
-    report["kernel"] = kernel_rows
+    if kernel_rows:
+        report["kernel"] = kernel_rows
+        report["rounds"] = rounds
+    if "mount" not in sections:
+        _write_report(report, args.output)
+        return 0
     workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-"))
     device = BenchDevice(workdir, args.file_elements)
     try:
-        in_memory = max(row["cossd_gels"] for row in kernel_rows)
+        in_memory = max((row["cossd_gels"] for row in kernel_rows), default=None)  # None: kernel not run
         file_rows = []
         for o_direct in (False, True):
             step = file_path_step(device, o_direct)
             rate = args.file_elements / statistics.median(timed(step, repeat)) / 1e9
-            file_rows.append({"o_direct": o_direct, "gels": rate, "vs_kernel_in_memory": rate / in_memory})
-            _say(f"  file path ({'O_DIRECT' if o_direct else 'buffered'}): {rate:.3f} G el/s = "
-                 f"{rate / in_memory:.0%} of the kernel in memory")
+            share = rate / in_memory if in_memory else None
+            file_rows.append({"o_direct": o_direct, "gels": rate, "vs_kernel_in_memory": share})
+            _say(f"  file path ({'O_DIRECT' if o_direct else 'buffered'}): {rate:.3f} G el/s"
+                 + (f" = {share:.0%} of the kernel in memory" if share else ""))
         report["file_path"] = file_rows
-        report["checkpoint"] = checkpoint_costs(device, workdir, args.file_elements)
+        with checkpoint_volume(device, workdir, create=True) as volume:
+            report["checkpoint"] = checkpoint_costs(device, volume, args.file_elements)
         for name, row in report["checkpoint"].items():
             _say(f"  checkpoint, {name}: {row['seconds']:.3f} s, {row['bytes_over_link'] / 1e6:.0f} MB over the link")
         report["restore"] = restore_costs(device, workdir, args.file_elements)
@@ -328,14 +479,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         device.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.output / "bench.md").write_text(markdown(report) + "\n")
-    chart(report, args.output / "bench.png")
+    _write_report(report, args.output)
+    return 0
+
+
+def _write_report(report: dict[str, Any], output: Path) -> None:
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output / "bench.md").write_text(markdown(report) + "\n")
+    chart(report, output / "bench.png")
     _say("")
     _say(markdown(report))
-    _say(f"\nwritten: {args.output / 'bench.json'}, {args.output / 'bench.md'}, {args.output / 'bench.png'}")
-    return 0
+    _say(f"\nwritten: {output / 'bench.json'}, {output / 'bench.md'}, {output / 'bench.png'}")
 
 
 def _cpu_name() -> str:
@@ -351,19 +506,40 @@ def _cpu_name() -> str:
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, torch "
              f"{report['machine']['torch']}, kernel path {report['machine']['simd']}; "
-             f"{report['elements']:,} elements, median of {report['repeat']}.", "",
-             "| threads | memory bandwidth | roofline (28 B/el) | cossd kernel | torch fused | torch foreach "
-             "| DeepSpeed CPUAdam | cossd / fused | cossd / roofline |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for row in report["kernel"]:
+             f"{report['elements']:,} elements, median of {report['repeat']}"
+             + (f" turns in each of {report['rounds']} rounds" if "rounds" in report else "") + "."]
+    if report.get("kernel"):
+        lines += ["", "Kernel, in memory: every contender steps on the same buffers, in turns; G el/s are medians, "
+                  "the ratios are medians of turn-by-turn ratios, with the range of the round medians.", "",
+                  "| threads | memory bandwidth | roofline (28 B/el) | cossd kernel | torch fused | torch foreach "
+                  "| DeepSpeed CPUAdam | cossd / fused | cossd / roofline |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+    for row in report.get("kernel", []):
         deepspeed = f"{row['deepspeed_gels']:.2f}" if row["deepspeed_gels"] else "not installed"
+        fused_low, fused_high = row["cossd_vs_fused_round_range"]
+        roof_low, roof_high = row["cossd_vs_roofline_round_range"]
         lines.append(f"| {row['threads']} | {row['bandwidth_gbs']:.1f} GB/s | {row['adam_roofline_gels']:.2f} G el/s "
                      f"| {row['cossd_gels']:.2f} | {row['torch_fused_gels']:.2f} | {row['torch_foreach_gels']:.2f} "
-                     f"| {deepspeed} | {row['cossd_vs_fused']:.2f}x | {row['cossd_vs_roofline']:.0%} |")
+                     f"| {deepspeed} | {row['cossd_vs_fused']:.2f}x ({fused_low:.2f}-{fused_high:.2f}) "
+                     f"| {row['cossd_vs_roofline']:.0%} ({roof_low:.0%}-{roof_high:.0%}) |")
+    if report.get("kernel"):
+        moved = report["kernel"][0]["bytes_per_element"]
+        lines += ["", "Bytes per element, read + written: " + "; ".join(
+            f"{name} {b['read']} + {b['written']}" for name, b in moved.items())
+            + (" (torch foreach: at least; it makes a pass per operation)" if "torch_foreach" in moved else "")
+            + ". cossd's outputs written with streaming stores: "
+            + (", ".join(report["kernel"][0]["streaming_stores"])
+               + "; cossd / cossd with ordinary stores: "
+               + ", ".join(f"{row['streaming_gain']:.2f}x" for row in report["kernel"]) + " (by thread count)."
+               if report["kernel"][0]["streaming_stores"] else
+               "none, the call is below kernels.stream_threshold() (the param lines are read first: +2 B).")]
+    if "file_path" not in report:  # --sections kernel
+        return "\n".join(lines)
     lines += ["", "| through the mount (FP16 grads in, FP16 params out) | G el/s | of the kernel in memory |",
               "|---|---|---|"]
     for row in report.get("file_path", []):
-        lines.append(f"| {'O_DIRECT' if row['o_direct'] else 'buffered'} | {row['gels']:.3f} | {row['vs_kernel_in_memory']:.0%} |")
+        share = f"{row['vs_kernel_in_memory']:.0%}" if row["vs_kernel_in_memory"] else "kernel not run"
+        lines.append(f"| {'O_DIRECT' if row['o_direct'] else 'buffered'} | {row['gels']:.3f} | {share} |")
     lines += ["", "| checkpoint of one step | seconds | bytes over the link |", "|---|---|---|"]
     for name, row in report.get("checkpoint", {}).items():
         extra = ""
@@ -389,7 +565,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    rows = report["kernel"]
+    rows = report.get("kernel", [])
     labels = [f"{r['threads']} thr" for r in rows]
     width = 0.2
     for offset, (key, name) in enumerate((("cossd_gels", "cossd"), ("torch_fused_gels", "torch fused"),

@@ -30,10 +30,12 @@ from .checkpointing import (
 )
 from .gpt import GPT, GPTConfig, StdlibCorpus, build_model, parameter_count
 from .namespace_files import DeviceLostError
+from .nvm_volume import NvmVolume
 from .optim import AdamW
 from .reference import MixedPrecisionOptimizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CHECKPOINT_NAMESPACE = "demo-checkpoints"  # the plain NVM namespace the baselines write to
 assert tuple(DTYPES) == DTYPE_NAMES
 
 
@@ -118,6 +120,7 @@ class Demo:
                           mount=self.mountpoint, namespace=namespace, dtype=self.dtype)
         model.to(self.dtype)
         stats_before = optimizer.files.statistics()
+        smart_before = self._smart()
         crashed = False
         step = optimizer.committed_step + 1
         bar = self.progress(f"cossd ({namespace})", step)
@@ -149,6 +152,10 @@ class Demo:
             committed = stats["steps_committed"] - stats_before["steps_committed"]
             result.bytes_per_step = moved / max(1, committed + (1 if crashed else 0))
             result.extra["device_statistics"] = stats
+            # A kill -9 loses the SMART counting since the last save: only meaningful uncrashed.
+            result.extra["drive"] = _smart_delta(smart_before, self._smart()) | {
+                "bytes_written": stats["grad_bytes_in"] - stats_before["grad_bytes_in"],
+                "bytes_read": stats["bytes_read"] - stats_before["bytes_read"]}
             result.extra["final_param_bits"] = [
                 p.detach().view(torch.int16).clone() for p in model.parameters()]
             result.checkpoint_memory = self._cossd_step_memory(model, optimizer)
@@ -205,8 +212,12 @@ class Demo:
 
     # ------------------------------------------------------------------ conventional
 
-    def run_conventional(self, checkpointer: Any, steps: int) -> RunResult:
+    def run_conventional(self, checkpointer: Any, steps: int, volume: NvmVolume) -> RunResult:
+        """Stock AdamW, checkpointing into `volume` (ext4 on a plain NVM namespace of the same
+        drive): the drive's own counters give the bytes."""
         result = RunResult(checkpointer.label, {})
+        drive_before = volume.settle()
+        smart_before = self._smart()
         model = self.fresh_model()
         optimizer = MixedPrecisionOptimizer(param_groups(model, self.s.weight_decay), torch.optim.AdamW,
                                             lr=self.s.lr, betas=(0.9, 0.95), fused=True)
@@ -234,29 +245,43 @@ class Demo:
                 bar.update(1)
         finally:
             bar.close()
+        drive = _drive_delta(drive_before, volume.settle())
+        smart = _smart_delta(smart_before, self._smart())
         writes = checkpointer.bytes_written
-        result.bytes_per_step = sum(writes) / max(1, len(writes)) / self.s.interval
+        # What the drive counted (checkpoint files, and the filesystem's metadata and journal),
+        # per training step: the same counters as cossd's own row.
+        result.bytes_per_step = (drive["bytes_written"] + drive["bytes_read"]) / steps
+        result.extra["drive"] = drive | smart | {
+            "checkpoint_file_bytes_mean": sum(writes) / max(1, len(writes)), "checkpoints": len(writes)}
         result.optimizer_host_bytes = sum(12 * m.numel() for m in optimizer.masters)
         # Host memory of one checkpoint on its own (no training alongside), then a restore.
         baseline = self.probe.start()
         checkpointer.save(model, optimizer, steps)
         checkpointer.finish()
         result.checkpoint_memory = self.probe.extra_since(baseline)
-        result.restore = self._restore_conventional(checkpointer)
+        result.restore = self._restore_conventional(checkpointer, volume)
         result.extra["final_param_bits"] = [p.detach().view(torch.int16).clone() for p in model.parameters()]
         return result
 
-    def _restore_conventional(self, checkpointer: Any) -> dict[str, float]:
+    def _restore_conventional(self, checkpointer: Any, volume: NvmVolume) -> dict[str, float]:
         files = checkpointer.files()
         drop_from_page_cache(files)
+        before = volume.statistics()
         started = time.perf_counter()
         model = build_model(self.config, self.s.seed + 1, torch.float32, self.s.device)
         optimizer = MixedPrecisionOptimizer(param_groups(model, self.s.weight_decay), torch.optim.AdamW,
                                             lr=self.s.lr, betas=(0.9, 0.95), fused=True)
         model.to(self.dtype)
         step = checkpointer.restore(model, optimizer)
-        return {"total_s": time.perf_counter() - started, "bytes_read": sum(f.stat().st_size for f in files),
-                "recovered_step": step}
+        elapsed = time.perf_counter() - started
+        return {"total_s": elapsed, "bytes_read": volume.statistics()["bytes_read"] - before["bytes_read"],
+                "checkpoint_file_bytes": sum(f.stat().st_size for f in files), "recovered_step": step}
+
+    def _smart(self) -> dict[str, int]:
+        from cossd.tools.client import AdminClient
+
+        with AdminClient(self.mountpoint) as admin:
+            return admin.smart_log()
 
 
 def run(settings: Settings, backing_dir: Path | None) -> int:
@@ -284,12 +309,18 @@ def run(settings: Settings, backing_dir: Path | None) -> int:
         _remove_demo_namespaces(mountpoint)
         results["cossd_crash"] = demo.run_cossd("demo-gpt", settings.crash_at)
         results["cossd_straight"] = demo.run_cossd("demo-gpt-straight", None)
+        # The baselines write to the same drive: ext4 on a plain NVM namespace, loop-mounted.
+        # Leaving the block unmounts and detaches it, also when a run failed.
+        size = volume_bytes(parameters)
+        with NvmVolume(mountpoint, CHECKPOINT_NAMESPACE, size, workdir / "checkpoints") as volume:
+            _say(f"conventional checkpoints go to ext4 on nvm namespace {CHECKPOINT_NAMESPACE} "
+                 f"({size / 2**20:.0f} MiB, {volume.loop_device}) of the same drive")
+            results["torch_save"] = demo.run_conventional(
+                TorchSaveCheckpointer(volume.path / "torch-save"), settings.steps, volume)
+            results["dcp_async"] = demo.run_conventional(
+                AsyncDCPCheckpointer(volume.path / "dcp"), settings.dcp_steps, volume)
     finally:
         demo.daemon.stop()
-    results["torch_save"] = demo.run_conventional(
-        TorchSaveCheckpointer(workdir / "checkpoints" / "torch-save"), settings.steps)
-    results["dcp_async"] = demo.run_conventional(
-        AsyncDCPCheckpointer(workdir / "checkpoints" / "dcp"), settings.dcp_steps)
     report = demo_report.build(settings, parameters, results, time.perf_counter() - started,
                                backing=str(backing), probe_available=demo.probe.available)
     settings.output.mkdir(parents=True, exist_ok=True)
@@ -301,11 +332,26 @@ def run(settings: Settings, backing_dir: Path | None) -> int:
     for line in demo_report.verdicts(report):
         _say(line)
     _say(f"\nreport: {settings.output / 'report.json'}; figure: {figure}")
-    if backing_dir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)
     return 0 if report["checks"]["passed"] else 1
+
+
+def volume_bytes(parameters: int) -> int:
+    """Room for the baselines' checkpoints, about 14 bytes per parameter each: torch.save's
+    file and its replacement, then DCP's two directories, beside ext4's own metadata."""
+    size = 64 * parameters + (192 << 20)
+    return -(-size // (1 << 20)) * (1 << 20)
+
+
+def _drive_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    return {key: after[key] - before[key]
+            for key in ("bytes_written", "bytes_read", "write_commands", "read_commands", "flushes")}
+
+
+def _smart_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """SMART's own view of the same traffic (in units of 512,000 bytes, rounded up)."""
+    return {f"smart_{key}": after[key] - before[key]
+            for key in ("data_units_written", "data_units_read", "host_write_commands", "host_read_commands")}
 
 
 def _remove_demo_namespaces(mountpoint: Path) -> None:
@@ -314,7 +360,7 @@ def _remove_demo_namespaces(mountpoint: Path) -> None:
 
     with AdminClient(mountpoint) as admin:
         for entry in admin.describe()["namespaces"]:
-            if entry["name"] in ("demo-gpt", "demo-gpt-straight"):
+            if entry["name"] in ("demo-gpt", "demo-gpt-straight", CHECKPOINT_NAMESPACE):
                 admin.delete_namespace(int(entry["nsid"]))
                 _say(f"deleted namespace {entry['name']} left by an earlier demo")
 

@@ -74,6 +74,27 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     device=args.device, dtype=dtype, seed=args.seed, output=args.output)
 
 
+BENCH_SECTIONS = frozenset({"kernel", "mount"})
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _bench_sections(text: str) -> frozenset[str]:
+    chosen = frozenset(part.strip() for part in text.split(",") if part.strip())
+    unknown = chosen - BENCH_SECTIONS
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"sections are {', '.join(sorted(BENCH_SECTIONS))}; got {text!r}")
+    return chosen
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--elements", type=int, default=1 << 24,
                         help="elements for the kernel runs (default 16M: 448 MB of state traffic per step)")
@@ -82,5 +103,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2],
                         help="thread counts for the kernel runs, comma separated (default 1,2)")
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure; the median is reported")
+    parser.add_argument("--rounds", type=_positive_int, default=3,
+                        help="kernel section: fresh buffer allocations, each timed --repeat times per "
+                             "contender (default 3)")
+    parser.add_argument("--sections", type=_bench_sections, default=BENCH_SECTIONS,
+                        help="what to measure, comma separated: kernel (in memory), mount (file path, "
+                             "checkpoint, restore through a mount); default kernel,mount")
     parser.add_argument("--output", type=Path, default=Path("bench-out"),
                         help="directory for bench.json, bench.md and bench.png (default ./bench-out)")

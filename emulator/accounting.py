@@ -1,0 +1,162 @@
+"""Per-namespace accounting of modeled device time, and timed mode's waits.
+
+Each file operation or step command of a namespace is one modeled command. The namespace
+marks its methods with `modeled_command`; while one runs, whatever it moves (host bytes,
+media bytes, elements, flushes) is added to that command on the same thread, and when it
+returns the command's modeled time is computed once (emulator/timing.py) and summed. In
+timed mode the command then returns no earlier than its modeled time after it started.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from typing import Any, Callable, Iterator, TypeVar
+
+from .profiles import DEFAULT_PROFILE
+from .timing import TRAFFIC_FIELDS, Timing, TimingModel, Traffic
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Work that no host command carries (none today outside a command, kept for safety).
+INTERNAL = "internal"
+TRAFFIC_INDEX = {field: index for index, field in enumerate(TRAFFIC_FIELDS)}
+
+
+def modeled_command(name: str) -> Callable[[F], F]:
+    """Account a Namespace method as one modeled command named `name` (self.timing)."""
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with self.timing.command(name):
+                return method(self, *args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+class NamespaceTiming:
+    """Totals of one namespace since it was opened: traffic, modeled time by resource and by
+    command, and timed mode's waits. Thread-safe: commands on different threads account
+    separately (thread-local), and the lock guards only a few additions at a time."""
+
+    def __init__(self, model: TimingModel | None = None, *, timed: bool = False) -> None:
+        self.model = model or TimingModel.named(DEFAULT_PROFILE)
+        self.timed = timed
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._totals = [0] * len(TRAFFIC_FIELDS)  # Traffic's fields, in order
+        self.commands = 0
+        self.device_ns = 0
+        self.busy_ns = {"host_in": 0, "host_out": 0, "media": 0, "compute": 0, "fixed": 0}
+        self.by_command: dict[str, dict[str, int]] = {}
+        self.timed_commands = 0
+        self.timed_waits = 0
+        self.timed_wait_ns = 0
+        self.timed_late = 0
+        self.timed_block_wait_ns = 0
+
+    # ------------------------------------------------------------------ accounting
+
+    @contextlib.contextmanager
+    def command(self, name: str, *, host_command: bool = True) -> Iterator[None]:
+        """One modeled command; a command inside another (same thread) joins the outer one.
+        host_command=False: work the device does on its own behind an acknowledged command
+        (a gradient block's update); timed mode holds that work, not a host completion."""
+        if getattr(self._local, "pending", None) is not None:
+            yield
+            return
+        started = time.monotonic_ns()
+        # A plain list of Traffic's fields: cheap to add to on the I/O path.
+        self._local.pending = [0] * len(TRAFFIC_FIELDS)
+        succeeded = False
+        try:
+            yield
+            succeeded = True
+        finally:
+            traffic = Traffic(*self._local.pending)
+            self._local.pending = None
+            # A refused command moved nothing and is not counted; one that failed midway
+            # still moved what it moved.
+            if succeeded or traffic:
+                timing = self._record(name, traffic, host_command=host_command)
+                if succeeded and self.timed:
+                    self._settle(started, timing.device_ns, host_command)
+
+    def add(self, **amounts: int) -> None:
+        """Add traffic (Traffic's fields as keywords) to this thread's open command, or
+        account it as internal work when no command is open."""
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            traffic = Traffic(**amounts)
+            if traffic:
+                self._record(INTERNAL, traffic, host_command=False)
+            return
+        for field, amount in amounts.items():
+            pending[TRAFFIC_INDEX[field]] += int(amount)
+
+    def _record(self, name: str, traffic: Traffic, *, host_command: bool) -> Timing:
+        timing = self.model.command(traffic, host_command=host_command)
+        with self._lock:
+            for index, field in enumerate(TRAFFIC_FIELDS):
+                self._totals[index] += getattr(traffic, field)
+            self.commands += host_command
+            self.device_ns += timing.device_ns
+            for key, value in (("host_in", timing.host_in_ns), ("host_out", timing.host_out_ns),
+                               ("media", timing.media_ns), ("compute", timing.compute_ns),
+                               ("fixed", timing.fixed_ns)):
+                self.busy_ns[key] += value
+            entry = self.by_command.setdefault(name, {"commands": 0, "device_ns": 0})
+            entry["commands"] += 1
+            entry["device_ns"] += timing.device_ns
+        return timing
+
+    def _settle(self, started_ns: int, modeled_ns: int, host_command: bool = True) -> None:
+        """Timed mode: hold the completion until `modeled_ns` after the command started.
+        The timed_* figures count host completions; the device's own work (gradient block
+        updates) is held the same way but counted in timed_block_wait_ns."""
+        remaining = started_ns + modeled_ns - time.monotonic_ns()
+        if remaining > 0:
+            time.sleep(remaining / 1e9)
+        if not host_command:
+            with self._lock:
+                self.timed_block_wait_ns += max(0, remaining)
+            return
+        with self._lock:
+            self.timed_commands += 1
+            if remaining > 0:
+                self.timed_waits += 1
+                self.timed_wait_ns += remaining
+            else:
+                self.timed_late += 1  # the emulator itself took longer than the model
+
+    # ------------------------------------------------------------------ reporting
+
+    def snapshot(self) -> dict[str, Any]:
+        """The "model" part of the namespace statistics (vendor log page C0h, stats.json).
+        The lock is only ever held for a few additions, never across I/O."""
+        with self._lock:
+            traffic = Traffic(*self._totals)
+            return {
+                "profile": self.model.profile.name,
+                "timed": self.timed,
+                "commands": self.commands,
+                "device_ns": self.device_ns,
+                "host_link_bytes": traffic.host_link,
+                "host_in_bytes": traffic.host_in,
+                "host_out_bytes": traffic.host_out,
+                "media_read_bytes": traffic.media_read,
+                "media_write_bytes": traffic.media_write,
+                "elements_updated": traffic.elements,
+                "flushes": traffic.flushes,
+                "busy_ns": dict(self.busy_ns),
+                "by_command": {name: dict(entry) for name, entry in self.by_command.items()},
+                "timed_commands": self.timed_commands,
+                "timed_waits": self.timed_waits,
+                "timed_wait_ns": self.timed_wait_ns,
+                "timed_late": self.timed_late,
+                "timed_block_wait_ns": self.timed_block_wait_ns,
+            }

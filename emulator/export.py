@@ -1,0 +1,259 @@
+"""EXPORT: a namespace's or a snapshot's state as a safetensors file, written in the background.
+
+The file follows the safetensors format: an 8-byte little-endian header length, a JSON header
+(padded with spaces to a multiple of 8 bytes) naming each tensor's dtype, shape and byte range,
+then the bytes. It is streamed one kernel block at a time, so exporting needs no memory in
+proportion to the namespace, and every block is checked against its checksum on the way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cossd import kernels
+
+from . import media
+from .errors import DeviceError, Status
+from .jobs import Job, JobTable
+from .layout import TensorLayout
+from .snapshots import CHECKSUM_ROLES, STATE_FILE, Snapshot, region_offset
+from .superblock import Superblock
+
+if TYPE_CHECKING:
+    from .device import Device
+    from .namespace import Namespace
+
+EXPORTS_DIR = "exports"
+SAFETENSORS_DTYPES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
+STATE_ROLES = ("master", "exp_avg", "exp_avg_sq")
+PAYLOAD_KEYS = {"tag", "path", "optimizer_state", "overwrite"}
+
+
+def tensor_name(tensor: str, role: str) -> str:
+    """Name of one array in the file: the tensor's own name for its params, else
+    '<tensor>.<role>' (master, exp_avg, exp_avg_sq)."""
+    return tensor if role == "param" else f"{tensor}.{role}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+    """What goes into the file: header bytes, then per tensor the chosen roles in checksum
+    order (master, exp_avg, exp_avg_sq, param), each numel x itemsize bytes."""
+
+    layouts: tuple[TensorLayout, ...]
+    roles: tuple[str, ...]
+    itemsizes: dict[str, int]
+    header: bytes
+
+    @property
+    def total_bytes(self) -> int:
+        data = sum(t.numel * self.itemsizes[r] for t in self.layouts for r in self.roles)
+        return len(self.header) + data
+
+
+def plan(namespace: Namespace, superblock: Superblock, tag: str | None,
+         optimizer_state: bool) -> ExportPlan:
+    """The file's layout and header for `namespace`'s state at `superblock`'s step."""
+    spec = namespace.spec
+    roles = tuple(r for r in CHECKSUM_ROLES if optimizer_state or r == "param")
+    dtypes = {"master": "fp32", "exp_avg": spec.state_dtype, "exp_avg_sq": spec.state_dtype,
+              "param": spec.param_dtype}
+    itemsizes = {role: namespace.itemsize(role) for role in CHECKSUM_ROLES}
+    metadata = {
+        "format": "pt",  # what transformers' loaders look for
+        "cossd.namespace": namespace.name,
+        "cossd.step": str(superblock.committed_step),
+        "cossd.snapshot": tag or "",
+        "cossd.param_dtype": spec.param_dtype,
+        "cossd.state_dtype": spec.state_dtype,
+        "cossd.grad_dtype": spec.grad_dtype,
+        "cossd.optimizer_state": "true" if optimizer_state else "false",
+        "cossd.hyperparameters": json.dumps(
+            {"lr": superblock.lr, "beta1": superblock.beta1, "beta2": superblock.beta2,
+             "eps": superblock.eps, "weight_decay": superblock.weight_decay,
+             "mode": "adamw" if superblock.decoupled else "adam"}, sort_keys=True),
+    }
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for tensor in namespace.layouts:
+        for role in roles:
+            name = tensor_name(tensor.name, role)
+            if name in header:
+                raise DeviceError(Status.INVALID_FIELD,
+                                  f"two arrays would both be named {name!r} in the file "
+                                  "(a tensor is named like another tensor's optimizer state); "
+                                  "export without optimizer_state")
+            size = tensor.numel * itemsizes[role]
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtypes[role]], "shape": [tensor.numel],
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data then starts 8-byte aligned
+    return ExportPlan(tuple(namespace.layouts), roles, itemsizes,
+                      struct.pack("<Q", len(text)) + text)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, size: int, offset: int) -> bytes:
+    data = os.pread(fd, size, offset)
+    while len(data) < size:
+        more = os.pread(fd, size - len(data), offset + len(data))
+        if not more:
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR, "the exported state ends early")
+        data += more
+    return data
+
+
+def stream(plan_: ExportPlan, source_fd: int, superblock: Superblock, out_fd: int, job: Job) -> None:
+    """Write the header and data, verifying every block's checksum (all four arrays are read
+    for it, whichever are exported); a block that fails stops the export."""
+    _write_all(out_fd, plan_.header)
+    job.bytes_done = len(plan_.header)
+    for tensor in plan_.layouts:
+        crcs = [0] * tensor.block_count
+        for role in CHECKSUM_ROLES:
+            size = plan_.itemsizes[role]
+            base = region_offset(tensor, role)
+            for block in range(tensor.block_count):
+                start, stop = tensor.block_range(block)
+                data = _read_exact(source_fd, (stop - start) * size, base + start * size)
+                crcs[block] = kernels.crc32c(data, crcs[block])
+                if role in plan_.roles:
+                    _write_all(out_fd, data)
+                    job.bytes_done += len(data)
+        for block, crc in enumerate(crcs):
+            if crc != int(superblock.block_crcs[tensor.first_block + block]):
+                raise DeviceError(
+                    Status.UNRECOVERED_READ_ERROR,
+                    f"step {superblock.committed_step}: {tensor.name} block {block} fails its "
+                    "checksum; nothing was exported",
+                )
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def clean_staging(backing: Path) -> None:
+    """Remove what exports cut short by a crash or unmount left in BACKING/exports."""
+    directory = backing / EXPORTS_DIR
+    if directory.is_dir():
+        for entry in directory.iterdir():
+            if entry.name.startswith("."):
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+
+def _path_error(exc: OSError, path: Path) -> DeviceError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return media.media_error(exc, f"creating {path}")
+    return DeviceError(Status.INVALID_FIELD, f"cannot write the export to {path}: {exc.strerror}")
+
+
+def _parse(payload: Any) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        raise DeviceError(Status.INVALID_FIELD, "payload must be a JSON object")
+    unknown = set(payload) - PAYLOAD_KEYS
+    if unknown:
+        raise DeviceError(Status.INVALID_FIELD, f"unknown key(s) {', '.join(sorted(unknown))}; "
+                                                f"use {', '.join(sorted(PAYLOAD_KEYS))}")
+    for key in ("optimizer_state", "overwrite"):
+        if not isinstance(payload.get(key, False), bool):
+            raise DeviceError(Status.INVALID_FIELD, f"{key} must be true or false")
+    path = payload.get("path")
+    if path is not None and (not isinstance(path, str) or not os.path.isabs(path)):
+        raise DeviceError(Status.INVALID_FIELD, f"path must be an absolute path, got {path!r}")
+    return payload
+
+
+def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) -> Job:
+    """Check the request, pin down its source and open the output, then run the rest as a
+    job. Whatever fails before the job starts leaves nothing behind."""
+    request = _parse(payload)
+    tag = request.get("tag")
+    snapshot: Snapshot | None = namespace.snapshots.get(tag) if tag is not None else None
+    if snapshot is None:
+        namespace.snapshots.check_committed()
+    optimizer_state = request.get("optimizer_state", False)
+    job_id = jobs.next_id()
+    staging = device.path / EXPORTS_DIR / f".job-{job_id}"
+    target = Path(request["path"]) if request.get("path") else None
+    tmp: Path | None = None
+    out_fd = source_fd = -1
+    try:
+        if target is not None:
+            if target.is_dir():
+                raise DeviceError(Status.INVALID_FIELD, f"{target} is a directory")
+            if target.exists() and not request.get("overwrite", False):
+                raise DeviceError(Status.INVALID_FIELD,
+                                  f"{target} exists (set overwrite to replace it)")
+            tmp, out_fd = _open_temp(target, job_id)
+        if snapshot is not None:
+            superblock = snapshot.superblock
+            source = snapshot.state_path
+        else:
+            staging.mkdir(parents=True)
+            superblock = namespace.snapshots.capture(staging)
+            source = staging / STATE_FILE
+        file_plan = plan(namespace, superblock, tag, optimizer_state)
+        if target is None:
+            name = f"{namespace.name}-{tag}" if tag else f"{namespace.name}-step{superblock.committed_step}"
+            target = device.path / EXPORTS_DIR / f"{name}.safetensors"
+            target.parent.mkdir(exist_ok=True)
+            tmp, out_fd = _open_temp(target, job_id)
+        source_fd = os.open(source, os.O_RDONLY)  # a snapshot deleted meanwhile stays readable
+    except BaseException:
+        _close(out_fd, source_fd)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    assert tmp is not None
+    job = Job(job_id, "export", namespace.nsid, namespace.name, tag, superblock.committed_step,
+              str(target), file_plan.total_bytes)
+    final, temporary = target, tmp
+
+    def work(job: Job) -> None:
+        try:
+            stream(file_plan, source_fd, superblock, out_fd, job)
+            media.sync_fd(out_fd, temporary)
+            os.replace(temporary, final)
+            media.fsync_dir(final.parent)
+        except OSError as exc:
+            raise media.media_error(exc, f"writing {final}") from exc
+
+    def cleanup() -> None:
+        _close(out_fd, source_fd)
+        temporary.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+    return jobs.start(job, work, cleanup)
+
+
+def _open_temp(target: Path, job_id: int) -> tuple[Path, int]:
+    tmp = target.with_name(f".{target.name}.{job_id}.tmp")
+    try:
+        return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as exc:
+        raise _path_error(exc, target) from None
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

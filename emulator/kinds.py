@@ -1,0 +1,54 @@
+"""The two namespace kinds a device holds: which one a create payload asks for, what each
+allocates, and how each is created and opened."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Union
+
+from .errors import DeviceError, Status
+from .layout import plan_layout
+from .media import read_json
+from .namespace import Namespace
+from .nvm import KIND as NVM_KIND
+from .nvm import NvmNamespace, NvmSpec
+from .spec import NamespaceSpec
+
+OPTIMIZER_KIND = "optimizer"
+KINDS = (OPTIMIZER_KIND, NVM_KIND)
+
+AnySpec = Union[NamespaceSpec, NvmSpec]
+AnyNamespace = Union[Namespace, NvmNamespace]
+
+
+def spec_from_payload(value: Any) -> AnySpec:
+    """Parse a CREATE_NAMESPACE payload; "kind" (default "optimizer") picks the spec."""
+    if not isinstance(value, dict):
+        raise DeviceError(Status.INVALID_FIELD, "namespace description must be a JSON object")
+    kind = value.get("kind", OPTIMIZER_KIND)
+    if kind == NVM_KIND:
+        return NvmSpec.from_json(value)
+    if kind == OPTIMIZER_KIND:
+        # The optimizer payload and its meta.json stay as they were: "kind" is not stored.
+        return NamespaceSpec.from_json({k: v for k, v in value.items() if k != "kind"})
+    raise DeviceError(Status.INVALID_FIELD, f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def allocation_bytes(spec: AnySpec) -> int:
+    """Device capacity a namespace of `spec` takes: both state copies, or every NVM block."""
+    if isinstance(spec, NvmSpec):
+        return spec.allocation_bytes
+    _, copy_bytes = plan_layout([(t.name, t.numel) for t in spec.tensors], spec.state_itemsize, 2)
+    return 2 * copy_bytes
+
+
+def create(directory: Path, nsid: int, spec: AnySpec, sync: bool) -> AnyNamespace:
+    if isinstance(spec, NvmSpec):
+        return NvmNamespace.create(directory, nsid, spec, sync)
+    return Namespace.create(directory, nsid, spec, sync)
+
+
+def open_namespace(directory: Path, sync: bool) -> AnyNamespace:
+    """Open a registered namespace; its meta.json says the kind (none: an optimizer)."""
+    if read_json(directory / "meta.json").get("kind", OPTIMIZER_KIND) == NVM_KIND:
+        return NvmNamespace.open(directory, sync)
+    return Namespace.open(directory, sync)

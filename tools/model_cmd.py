@@ -1,0 +1,196 @@
+"""`cossd model`: predict a training step's I/O bytes and time for cossd, ZeRO-Infinity-style
+NVMe offload and a per-step checkpoint on a device profile; reproduce Smart-Infinity's table."""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from typing import Any, Callable
+
+from cossd.emulator.errors import DeviceError
+from cossd.emulator.profiles import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    DeviceProfile,
+    load_profile,
+)
+
+from .step_model import (
+    DTYPE_BYTES,
+    GPU_ADAM_ELEMENTS_PER_S,
+    HOST_ADAM_ELEMENTS_PER_S,
+    StepSetup,
+    predict_all,
+    smart_infinity_table,
+)
+
+_COUNT = re.compile(r"([0-9]*\.?[0-9]+(?:e[+]?[0-9]+)?)([kmbgt]?)", re.IGNORECASE)
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def _fail(message: str) -> SystemExit:
+    return SystemExit(f"cossd model: {message}")
+
+
+def parse_count(text: str, what: str) -> int:
+    """'7B', '350M', '1.5e9', '124000000' -> a positive integer (decimal multiples)."""
+    match = _COUNT.fullmatch(text.strip())
+    value = float(match.group(1)) * _SCALE[match.group(2).lower()] if match else 0.0
+    if value < 1 or value != round(value):
+        raise _fail(f"{what} must be a positive whole number like 7B, 350M or 1.5e9, got {text!r}")
+    return round(value)
+
+
+def parse_number(text: str, what: str, *, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise _fail(f"{what} must be a number, got {text!r}") from None
+    if not math.isfinite(value) or not (value > 0 if positive else value >= 0):
+        raise _fail(f"{what} must be a finite number {'> 0' if positive else '>= 0'}, got {text!r}")
+    return value
+
+
+def _profile(text: str) -> DeviceProfile:
+    try:
+        return load_profile(text)
+    except DeviceError as exc:
+        raise _fail(exc.message) from None
+
+
+# ---------------------------------------------------------------------- rendering
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.2f}"
+
+
+def _profiles_text(profiles: list[dict[str, Any]]) -> str:
+    rows = [("profile", "link GB/s", "NAND ch x GB/s", "tR us", "tPROG us", "media r/w GB/s",
+             "DRAM GiB", "updater", "Adam G el/s")]
+    for p in profiles:
+        derived = p["derived"]
+        rows.append((p["name"], f"{p['host_link_bytes_per_s'] / 1e9:.2f}",
+                     f"{p['nand_channels']} x {p['channel_bytes_per_s'] / 1e9:.1f}",
+                     f"{p['read_latency_ns'] / 1000:g}", f"{p['program_latency_ns'] / 1000:g}",
+                     f"{derived['media_read_bytes_per_s'] / 1e9:.2f}/{derived['media_write_bytes_per_s'] / 1e9:.2f}",
+                     f"{p['dram_bytes'] / (1 << 30):g}", p["updater"],
+                     f"{derived['adam_elements_per_s'] / 1e9:.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"  {p['name']}: {p['summary']}" for p in profiles]
+    lines.append("sources and equations: docs/timing-model.md")
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(width) if i else cell.ljust(width)
+                      for i, (cell, width) in enumerate(zip(row, widths))).rstrip() for row in rows]
+
+
+def _prediction_text(value: dict[str, Any]) -> str:
+    setup = value["setup"]
+    uplink = f", shared uplink {setup['uplink_gbs']:g} GB/s" if setup["uplink_gbs"] else ""
+    lines = [
+        (f"model: {setup['params']:,} params, compute {setup['compute_s']:g} s/step, "
+         f"grad {setup['grad_dtype']}, param {setup['param_dtype']}, moments {setup['state_dtype']} "
+         "(master fp32)"),
+        f"device: {setup['drives']} x {value['profile']['name']} ({value['profile']['summary']}){uplink}",
+        "",
+    ]
+    rows = [("scheme", "link B/param", "link GB/step", "media read GB", "media write GB",
+             "I/O s/step", "step s", "x compute", "bottleneck")]
+    for scheme in value["schemes"].values():
+        slowdown = scheme["slowdown"]
+        rows.append((scheme["label"], f"{scheme['host_link_bytes_per_param']:g}",
+                     _gb(scheme["host_link_bytes"]), _gb(scheme["media_read_bytes"]),
+                     _gb(scheme["media_write_bytes"]), f"{scheme['io_s']:.3f}", f"{scheme['step_s']:.3f}",
+                     "-" if slowdown is None else f"{slowdown:.2f}", scheme["bottleneck"]))
+    lines += _table(rows)
+    table = value["smart_infinity_table"]
+    m = table["M_bytes"]
+    lines += ["", (f"Smart-Infinity (HPCA 2024) Table I, host-link traffic per step; M = FP16 model "
+                   f"bytes = 2 x params = {_gb(m)} GB")]
+    names = {"zero_infinity": "ZeRO-Infinity", "smart_infinity": "Smart-Infinity (FP32 grad/param)",
+             "cossd": f"cossd ({setup['grad_dtype']} grad, {setup['param_dtype']} param)"}
+    parts = ("gradient_write", "gradient_read", "optimizer_read", "optimizer_write", "param_read")
+    rows = [("", *(p.replace("_", " ") for p in parts), "total", "GB")]
+    for key, row in table["rows"].items():
+        cells = [f"{row['in_M'][p]:g}M" if p in row["in_M"] else "-" for p in parts]
+        rows.append((names[key], *cells, f"{row['total_M']:g}M", _gb(row["total_bytes"])))
+    lines += _table(rows)
+    lines.append(f"ZeRO-Infinity / Smart-Infinity = {table['zero_over_smart_infinity']:g}x, "
+                 f"ZeRO-Infinity / cossd = {table['zero_over_cossd']:g}x")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the verb
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from cossd.tools.cli import emit
+
+    if args.list_profiles:
+        profiles = [profile.to_json() for profile in PROFILES.values()]
+        emit(args, {"profiles": profiles}, lambda v: _profiles_text(v["profiles"]))
+        return 0
+    if args.params is None:
+        raise _fail("give --params (the model size, e.g. 7B), or --list-profiles")
+    profile = _profile(args.profile)
+    uplink_gbs = parse_number(args.uplink_gbs, "--uplink-gbs", positive=False)
+    drives = parse_count(args.drives, "--drives")
+    setup = StepSetup(
+        params=parse_count(args.params, "--params"),
+        compute_s=parse_number(args.compute_s, "--compute-s", positive=False),
+        profile=profile,
+        grad_bytes=DTYPE_BYTES[args.grad_dtype],
+        param_bytes=DTYPE_BYTES[args.param_dtype],
+        moment_bytes=DTYPE_BYTES[args.state_dtype],
+        drives=drives,
+        uplink_bytes_per_s=round(uplink_gbs * 1e9),
+        host_adam_elements_per_s=round(parse_number(args.host_adam_rate, "--host-adam-rate", positive=True)),
+        gpu_adam_elements_per_s=round(parse_number(args.gpu_adam_rate, "--gpu-adam-rate", positive=True)),
+    )
+    try:
+        predictions = predict_all(setup)
+    except (ValueError, DeviceError) as exc:
+        raise _fail(getattr(exc, "message", str(exc))) from None
+    value = {
+        "setup": {"params": setup.params, "compute_s": setup.compute_s, "grad_dtype": args.grad_dtype,
+                  "param_dtype": args.param_dtype, "state_dtype": args.state_dtype, "drives": drives,
+                  "uplink_gbs": uplink_gbs, "host_adam_elements_per_s": setup.host_adam_elements_per_s,
+                  "gpu_adam_elements_per_s": setup.gpu_adam_elements_per_s},
+        "profile": profile.to_json(),
+        "schemes": {p.scheme: p.to_json(setup) for p in predictions},
+        "smart_infinity_table": smart_infinity_table(setup.params, grad_bytes=setup.grad_bytes,
+                                                     param_bytes=setup.param_bytes),
+    }
+    emit(args, value, _prediction_text)
+    return 0
+
+
+def register(verb: Callable[..., argparse.ArgumentParser]) -> None:
+    sub = verb("model", cmd_model, "Predict a training step's host-link and media bytes and time for "
+               "cossd, ZeRO-Infinity-style NVMe offload and a per-step checkpoint on a device profile, "
+               "and reproduce Smart-Infinity's traffic table (docs/timing-model.md).")
+    sub.add_argument("--params", metavar="N", help="model size in parameters: 7B, 350M, 1.5e9")
+    sub.add_argument("--compute-s", default="0", metavar="S",
+                     help="forward + backward time per step in seconds (default: 0)")
+    sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE.json",
+                     help=f"device profile: {', '.join(PROFILES)}, or a JSON file of profile fields "
+                          f"(default: {DEFAULT_PROFILE})")
+    sub.add_argument("--grad-dtype", choices=tuple(DTYPE_BYTES), default="fp16",
+                     help="gradient dtype sent to the drive (default: fp16)")
+    sub.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="fp16",
+                     help="param dtype read back (default: fp16)")
+    sub.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+                     help="dtype of the Adam moments (master weights are fp32; default: fp32)")
+    sub.add_argument("--drives", default="1", metavar="N", help="drives the state is striped over (default: 1)")
+    sub.add_argument("--uplink-gbs", default="0", metavar="GB/s",
+                     help="a host uplink all drives share, e.g. 15.75 for PCIe Gen3 x16 (default: none)")
+    sub.add_argument("--host-adam-rate", default=str(HOST_ADAM_ELEMENTS_PER_S), metavar="EL/S",
+                     help="host CPU Adam rate for the ZeRO-Infinity row (default: 3.7e9, 16 cores measured)")
+    sub.add_argument("--gpu-adam-rate", default=str(GPU_ADAM_ELEMENTS_PER_S), metavar="EL/S",
+                     help="GPU Adam rate for the checkpoint row (default: 1.18e11, one H200 measured)")
+    sub.add_argument("--list-profiles", action="store_true", help="list the device profiles and exit")

@@ -1,0 +1,235 @@
+"""CLI verbs and client helpers for snapshots, rollback, clone and export (CBh-CFh, C1h, C2h)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cossd.emulator.errors import DeviceError, Status
+from cossd.emulator.logpages import LogId
+from cossd.emulator.protocol import NSID_ALL, Opcode
+from cossd.tools.client import AdminClient
+
+POLL_INTERVAL_S = 0.1
+
+
+# ---------------------------------------------------------------------- client helpers
+
+
+def _call(client: AdminClient, opcode: int, nsid: int, payload: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(client.call(opcode, nsid=nsid, payload=json.dumps(payload).encode()).data)
+
+
+def create_snapshot(client: AdminClient, nsid: int, tag: str) -> dict[str, Any]:
+    """Snapshot the committed step of namespace `nsid` under `tag`."""
+    return _call(client, Opcode.SNAPSHOT_CREATE, nsid, {"tag": tag})
+
+
+def delete_snapshot(client: AdminClient, nsid: int, tag: str) -> dict[str, Any]:
+    return _call(client, Opcode.SNAPSHOT_DELETE, nsid, {"tag": tag})
+
+
+def rollback(client: AdminClient, nsid: int, tag: str) -> dict[str, Any]:
+    """Make the snapshot's state the namespace's committed one: {"step", "previous_step", ...}."""
+    return _call(client, Opcode.SNAPSHOT_ROLLBACK, nsid, {"tag": tag})
+
+
+def clone(client: AdminClient, nsid: int, tag: str, name: str) -> dict[str, Any]:
+    """A new namespace `name` from the snapshot; returns its config (with "nsid")."""
+    return _call(client, Opcode.SNAPSHOT_CLONE, nsid, {"tag": tag, "name": name})
+
+
+def snapshots(client: AdminClient, nsid: int = NSID_ALL) -> dict[str, list[dict[str, Any]]]:
+    """Log page C1h: {namespace: [snapshot, ...]} for one namespace or all."""
+    return json.loads(client.get_log_page(LogId.SNAPSHOTS, nsid))
+
+
+def jobs(client: AdminClient, nsid: int = NSID_ALL) -> list[dict[str, Any]]:
+    """Log page C2h: the device's background jobs with their progress."""
+    return json.loads(client.get_log_page(LogId.JOBS, nsid))["jobs"]
+
+
+def export(client: AdminClient, nsid: int, *, tag: str | None = None, path: str | None = None,
+           optimizer_state: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Start an export job; returns the job as log page C2h describes it."""
+    payload: dict[str, Any] = {"optimizer_state": optimizer_state, "overwrite": overwrite}
+    if tag is not None:
+        payload["tag"] = tag
+    if path is not None:
+        payload["path"] = path
+    return _call(client, Opcode.EXPORT, nsid, payload)
+
+
+def wait_for_job(client: AdminClient, job: dict[str, Any],
+                 progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Poll log page C2h until the job is no longer running; returns its last state."""
+    while True:
+        current = next((j for j in jobs(client, job["nsid"]) if j["job"] == job["job"]), None)
+        if current is None:
+            raise DeviceError(Status.INTERNAL_ERROR, f"job {job['job']} vanished from log page C2h")
+        if progress is not None:
+            progress(current)
+        if current["state"] != "running":
+            return current
+        time.sleep(POLL_INTERVAL_S)
+
+
+def raise_if_failed(job: dict[str, Any]) -> None:
+    if job["state"] == "failed":
+        try:
+            status = Status[job["status"]]
+        except KeyError:
+            status = Status.INTERNAL_ERROR
+        raise DeviceError(status, f"export job {job['job']} failed: {job['error']}")
+
+
+# ---------------------------------------------------------------------- verbs
+
+
+def _size(count: int) -> str:
+    value, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from cossd.tools.cli import _client, emit
+
+    if args.list:
+        if args.tag is not None:
+            raise SystemExit("cossd snapshot: --list takes no TAG")
+        with _client(args) as client:
+            nsid = client.nsid(args.name) if args.name else NSID_ALL
+            listing = snapshots(client, nsid)
+
+        def table(value: dict[str, list[dict[str, Any]]]) -> str:
+            lines = [f"{'namespace':<20} {'tag':<24} {'step':>8} {'bytes':>10}  created"]
+            for namespace, entries in value.items():
+                for entry in entries:
+                    if entry["state"] == "ready":
+                        lines.append(f"{namespace:<20} {entry['tag']:<24} {entry['step']:>8} "
+                                     f"{_size(entry['bytes']):>10}  {entry['created']}")
+                    else:
+                        lines.append(f"{namespace:<20} {entry['tag']:<24} {'-':>8} "
+                                     f"{_size(entry['bytes']):>10}  DAMAGED: {entry['error']}")
+            return "\n".join(lines) if len(lines) > 1 else "no snapshots"
+
+        emit(args, listing, table)
+        return 0
+    if args.name is None:
+        raise SystemExit("cossd snapshot: give NAMESPACE and TAG (or --list, or --delete TAG)")
+    if args.delete is not None:
+        if args.tag is not None:
+            raise SystemExit("cossd snapshot: give the tag to delete once, after --delete")
+        with _client(args) as client:
+            value = delete_snapshot(client, client.nsid(args.name), args.delete)
+        emit(args, value, lambda v: f"deleted snapshot {v['deleted']!r} of namespace {v['namespace']!r}")
+        return 0
+    if args.tag is None:
+        raise SystemExit("cossd snapshot: give TAG to create a snapshot (or --list, or --delete TAG)")
+    with _client(args) as client:
+        value = create_snapshot(client, client.nsid(args.name), args.tag)
+    emit(args, value, lambda v: f"snapshot {v['tag']!r} of namespace {v['namespace']!r} at step "
+                                f"{v['step']} ({_size(v['bytes'])})")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from cossd.tools.cli import _client, emit
+
+    with _client(args) as client:
+        value = rollback(client, client.nsid(args.name), args.tag)
+    emit(args, value, lambda v: f"namespace {v['namespace']!r} rolled back to snapshot {v['tag']!r}: "
+                                f"step {v['step']} (was {v['previous_step']})")
+    return 0
+
+
+def cmd_clone(args: argparse.Namespace) -> int:
+    from cossd.tools.cli import _client, emit
+
+    with _client(args) as client:
+        value = clone(client, client.nsid(args.name), args.tag, args.new_name)
+    emit(args, value, lambda v: f"cloned snapshot {v['tag']!r} of namespace {v['source']!r} into "
+                                f"namespace {v['name']!r} (nsid {v['nsid']}, step {v['committed_step']})")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from cossd.tools.cli import _client, emit
+
+    path = os.path.abspath(args.path) if args.path else None  # the daemon has its own cwd
+    with _client(args) as client:
+        nsid = client.nsid(args.name)
+        job = export(client, nsid, tag=args.tag, path=path, optimizer_state=args.with_state,
+                     overwrite=args.force)
+        if not args.no_wait:
+            job = _wait_with_bar(client, job, quiet=args.quiet)
+    raise_if_failed(job)
+
+    def normal(value: dict[str, Any]) -> str:
+        source = f"snapshot {value['tag']!r}" if value["tag"] else "namespace"
+        if value["state"] == "running":
+            return (f"export job {value['job']} started: {source} of {value['namespace']!r} "
+                    f"(step {value['step']}) to {value['path']}; progress: log page 0xc2")
+        return (f"exported {source} of {value['namespace']!r} (step {value['step']}) to "
+                f"{value['path']} ({_size(value['bytes_total'])})")
+
+    emit(args, job, normal)
+    return 0
+
+
+def _wait_with_bar(client: AdminClient, job: dict[str, Any], quiet: bool) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    with tqdm(total=job["bytes_total"], unit="B", unit_scale=True, unit_divisor=1024,
+              desc=f"export {job['namespace']}", file=sys.stderr, disable=quiet,
+              mininterval=0.2) as bar:
+        def progress(current: dict[str, Any]) -> None:
+            bar.update(current["bytes_done"] - bar.n)
+
+        return wait_for_job(client, job, progress)
+
+
+def register(verb: Callable[..., argparse.ArgumentParser]) -> None:
+    sub = verb("snapshot", cmd_snapshot,
+               "Snapshot a namespace's committed step under a tag; --list the snapshots, "
+               "--delete one.")
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("name", nargs="?", help="namespace (with --list: default every namespace)")
+    sub.add_argument("tag", nargs="?", help="tag of the new snapshot")
+    sub.add_argument("--list", action="store_true", help="list snapshots (log page 0xc1)")
+    sub.add_argument("--delete", metavar="TAG", help="delete the snapshot TAG")
+
+    sub = verb("rollback", cmd_rollback, "Make a snapshot's state the namespace's committed step "
+               "(no step may be open).")
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("name", help="namespace")
+    sub.add_argument("tag", help="snapshot to roll back to")
+
+    sub = verb("clone", cmd_clone, "Create a new namespace from a snapshot; it trains on its own.")
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("name", help="source namespace")
+    sub.add_argument("tag", help="snapshot of it")
+    sub.add_argument("new_name", help="name of the new namespace")
+
+    sub = verb("export", cmd_export, "Export a namespace (or one of its snapshots) to a "
+               "safetensors file, written by the device; waits with a progress bar.")
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("name", help="namespace")
+    sub.add_argument("--tag", help="export this snapshot instead of the committed step")
+    sub.add_argument("--path", help="output file (default: BACKING/exports/NS-stepN.safetensors "
+                                    "or NS-TAG.safetensors)")
+    sub.add_argument("--with-state", action="store_true",
+                     help="also export master weights and both moments (<tensor>.master, "
+                          "<tensor>.exp_avg, <tensor>.exp_avg_sq)")
+    sub.add_argument("--force", action="store_true", help="replace --path if it exists")
+    sub.add_argument("--no-wait", action="store_true", help="return once the job has started")
+    sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
