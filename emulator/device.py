@@ -287,36 +287,9 @@ class Device:
         """Allocate a namespace of either kind; the registry update in the device superblock
         commits it."""
         spec.validate()
-        with self._lock:
-            if spec.name in self.namespaces or spec.name in self.failed_namespaces:
-                raise DeviceError(Status.NAMESPACE_EXISTS, f"namespace {spec.name!r} already exists")
-            if len(self._superblock["namespaces"]) >= MAX_NAMESPACES:
-                raise DeviceError(Status.NAMESPACE_ID_UNAVAILABLE, f"at most {MAX_NAMESPACES} namespaces")
-            needed = kinds.allocation_bytes(spec)
-            if self.allocated_bytes + needed > self.capacity_bytes:
-                raise DeviceError(
-                    Status.NAMESPACE_INSUFFICIENT_CAPACITY,
-                    f"namespace {spec.name!r} needs {needed} bytes; "
-                    f"{self.capacity_bytes - self.allocated_bytes} of {self.capacity_bytes} free",
-                )
-            nsid = int(self._superblock["next_nsid"])
-            directory = self._ns_dir(spec.name)
-            if directory.exists():
-                shutil.rmtree(directory)
-            namespace = kinds.create(directory, nsid, spec, self.config.sync)
-            updated = dict(self._superblock)
-            updated["namespaces"] = dict(self._superblock["namespaces"]) | {spec.name: nsid}
-            updated["next_nsid"] = nsid + 1
-            try:
-                self._store(updated, clean=False)
-            except BaseException:
-                namespace.close()
-                shutil.rmtree(directory, ignore_errors=True)
-                raise
-            self._superblock = updated
-            self._attach_timing(namespace)
-            self.namespaces[spec.name] = namespace
-            return namespace
+        return self.adopt_namespace(
+            spec.name, kinds.allocation_bytes(spec),
+            lambda directory, nsid: kinds.create(directory, nsid, spec, self.config.sync))
 
     def delete_namespace(self, name: str) -> None:
         with self._lock:

@@ -21,8 +21,8 @@ from cossd import kernels
 from . import media
 from .errors import DeviceError, Status
 from .jobs import Job, JobTable
-from .layout import TensorLayout
-from .snapshots import CHECKSUM_ROLES, STATE_FILE, Snapshot, region_offset
+from .layout import TensorLayout, region_offset
+from .snapshots import CHECKSUM_ROLES, STATE_FILE, Snapshot
 from .superblock import Superblock
 
 if TYPE_CHECKING:

@@ -114,3 +114,13 @@ def plan_layout(
         )
         first_block += blocks
     return layouts, max(offset, REGION_ALIGN)
+
+
+def region_offset(tensor: TensorLayout, role: str) -> int:
+    """Byte offset of one of a tensor's arrays inside a state copy (or a snapshot's state)."""
+    return {
+        "master": tensor.master_offset,
+        "exp_avg": tensor.exp_avg_offset,
+        "exp_avg_sq": tensor.exp_avg_sq_offset,
+        "param": tensor.param_offset,
+    }[role]

@@ -19,7 +19,7 @@ from cossd import kernels
 
 from .accounting import NamespaceTiming, modeled_command
 from .errors import DeviceError, Status
-from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout
+from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout, region_offset
 from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, read_json
 from .snapshots import SnapshotStore
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
@@ -330,14 +330,7 @@ class Namespace:
             return np.dtype(np.uint16)
         return self._state_dtype
 
-    @staticmethod
-    def _region_offset(tensor: TensorLayout, role: str) -> int:
-        return {
-            "master": tensor.master_offset,
-            "exp_avg": tensor.exp_avg_offset,
-            "exp_avg_sq": tensor.exp_avg_sq_offset,
-            "param": tensor.param_offset,
-        }[role]
+    _region_offset = staticmethod(region_offset)
 
     def _block_crc(self, copy: Copy, tensor: TensorLayout, local_block: int) -> int:
         start, stop = tensor.block_range(local_block)

@@ -19,7 +19,7 @@ from cossd import kernels
 
 from . import media
 from .errors import DeviceError, Status
-from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout
+from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout, region_offset
 from .names import check_name
 from .superblock import Superblock
 
@@ -41,14 +41,6 @@ CHECKSUM_ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
 Reserve = Callable[[int, str], contextlib.AbstractContextManager[None]]
 
 
-def region_offset(tensor: TensorLayout, role: str) -> int:
-    """Byte offset of one of a tensor's arrays inside a state copy (or a snapshot's state)."""
-    return {
-        "master": tensor.master_offset,
-        "exp_avg": tensor.exp_avg_offset,
-        "exp_avg_sq": tensor.exp_avg_sq_offset,
-        "param": tensor.param_offset,
-    }[role]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -355,6 +355,19 @@ def test_cli_get_log_binary(mount: Mount, capsysbinary: pytest.CaptureFixture[by
     assert len(raw) == 512 and logpages.decode_smart(raw)["power_cycles"] == 1
     assert main(["get-log", mp, "--log-id", "5", "-o", "binary"]) == 0
     assert len(capsysbinary.readouterr().out) == 4096
+    # The nvme-cli shaped verbs give the same raw pages with -o binary.
+    assert main(["smart-log", mp, "-o", "binary"]) == 0
+    raw = capsysbinary.readouterr().out
+    assert len(raw) == 512 and logpages.decode_smart(raw)["power_cycles"] == 1
+    with AdminClient(mount.mountpoint) as admin:
+        assert admin.submit(0x7F).status == Status.INVALID_OPCODE  # one error log entry
+    assert main(["error-log", mp, "-o", "binary"]) == 0
+    raw = capsysbinary.readouterr().out
+    assert len(raw) == 64 * 64 and logpages.decode_error_log(raw)[0]["status_field"] & 0x7FF == Status.INVALID_OPCODE
+    assert main(["id-ctrl", mp, "-o", "binary"]) == 0
+    page = capsysbinary.readouterr().out
+    assert len(page) == 4096 and struct.unpack_from("<H", page, 0)[0] == 0x1D1D
+    assert page[4:24].decode().strip() == "TESTSERIAL0001"
 
 
 def test_cli_scrub_and_list(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,6 +63,13 @@ def emit(args: argparse.Namespace, value: Any, normal: Callable[[Any], str], *,
         print(normal(value))
 
 
+def write_binary(data: bytes) -> None:
+    """-o binary: the raw page on stdout, as nvme-cli writes it (for xxd or a parser)."""
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
 # ---------------------------------------------------------------------- verbs
 
 
@@ -174,7 +181,12 @@ def cmd_delete_ns(args: argparse.Namespace) -> int:
 
 
 def cmd_id_ctrl(args: argparse.Namespace) -> int:
+    from cossd.emulator.protocol import IdentifyCns, Opcode
+
     with _client(args) as client:
+        if args.output_format == "binary":  # the 4096-byte Identify Controller page
+            write_binary(client.call(Opcode.IDENTIFY, cdw10=IdentifyCns.CONTROLLER).data)
+            return 0
         described = client.describe()
 
     def normal(value: dict[str, Any]) -> str:
@@ -244,7 +256,13 @@ def _line(label: str, value: object) -> str:
 def cmd_smart_log(args: argparse.Namespace) -> int:
     from cossd.emulator.health import DATA_UNIT_BYTES
 
+    from cossd.emulator.logpages import LogId
+    from cossd.emulator.protocol import NSID_ALL
+
     with _client(args) as client:
+        if args.output_format == "binary":  # the 512-byte page, as nvme smart-log -o binary
+            write_binary(client.get_log_page(LogId.SMART, NSID_ALL))
+            return 0
         smart = client.smart_log()
         backing = client.describe()["backing"] if args.media else None
     warning = smart["critical_warning"]
@@ -337,7 +355,12 @@ def _error_entries_text(device: object, entries: list[dict[str, int]]) -> str:
 
 
 def cmd_error_log(args: argparse.Namespace) -> int:
+    from cossd.emulator.logpages import LogId
+
     with _client(args) as client:
+        if args.output_format == "binary":  # 64 entries of 64 bytes, as nvme error-log -o binary
+            write_binary(client.get_log_page(LogId.ERROR))
+            return 0
         entries = client.error_log()
     emit(args, {"errors": entries}, lambda v: _error_entries_text(args.mountpoint, v["errors"]),
          sort_keys=False)
@@ -363,9 +386,7 @@ def cmd_get_log(args: argparse.Namespace) -> int:
         nsid = client.nsid(args.namespace) if args.namespace else NSID_ALL
         data = client.get_log_page(args.log_id, nsid)
     if args.output_format == "binary":
-        sys.stdout.flush()
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
+        write_binary(data)
         return 0
     json_page = args.log_id in (LogId.OPTIMIZER_STATISTICS, LogId.SNAPSHOTS, LogId.JOBS)  # vendor JSON pages
     if args.output_format == "json":
@@ -598,7 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("name")
 
-    sub = verb("id-ctrl", cmd_id_ctrl, "Identify the device: serial, model, capacity, namespaces.")
+    sub = verb("id-ctrl", cmd_id_ctrl, "Identify the device: serial, model, capacity, namespaces "
+               "(-o binary: the raw Identify Controller page).", formats=("normal", "json", "binary"))
     sub.add_argument("mountpoint", type=Path)
 
     for name, text in (("begin-step", "Open a step transaction."),
@@ -612,7 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--grad-scale", type=float, default=1.0,
                              help="combined gradient scale: 1/loss_scale x clip coefficient")
 
-    sub = verb("smart-log", cmd_smart_log, "SMART / health log (log page 02h), as nvme smart-log prints it.")
+    sub = verb("smart-log", cmd_smart_log, "SMART / health log (log page 02h), as nvme smart-log prints it.",
+               formats=("normal", "json", "binary"))
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("-H", "--human-readable", action="store_true",
                      help="decode the critical warning bits")
@@ -621,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(runs `nvme smart-log DEV -o json`)")
 
     sub = verb("error-log", cmd_error_log, "Error information log (log page 01h): the latest failed "
-               "commands and media errors, newest first.")
+               "commands and media errors, newest first.", formats=("normal", "json", "binary"))
     sub.add_argument("mountpoint", type=Path)
 
     sub = verb("get-log", cmd_get_log, "Any log page, raw (hex dump, -o binary) or decoded (-o json).",

@@ -460,14 +460,17 @@ def run(args: argparse.Namespace) -> int:
     device = BenchDevice(workdir, args.file_elements)
     try:
         in_memory = max((row["cossd_gels"] for row in kernel_rows), default=None)  # None: kernel not run
-        file_rows = []
-        for o_direct in (False, True):
-            step = file_path_step(device, o_direct)
-            rate = args.file_elements / statistics.median(timed(step, repeat)) / 1e9
-            share = rate / in_memory if in_memory else None
-            file_rows.append({"o_direct": o_direct, "gels": rate, "vs_kernel_in_memory": share})
-            _say(f"  file path ({'O_DIRECT' if o_direct else 'buffered'}): {rate:.3f} G el/s"
-                 + (f" = {share:.0%} of the kernel in memory" if share else ""))
+        file_rows = file_path_rows(device, workdir, args.file_elements, repeat, in_memory)
+        ram = ram_workdir()
+        if ram is not None:
+            # The same path with the media in RAM: what the mount and the device's own work
+            # cost without the backing disk's writeback.
+            ram_device = BenchDevice(ram, args.file_elements)
+            try:
+                file_rows += file_path_rows(ram_device, ram, args.file_elements, repeat, in_memory)
+            finally:
+                ram_device.stop()
+                shutil.rmtree(ram, ignore_errors=True)
         report["file_path"] = file_rows
         with checkpoint_volume(device, workdir, create=True) as volume:
             report["checkpoint"] = checkpoint_costs(device, volume, args.file_elements)
@@ -481,6 +484,41 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     _write_report(report, args.output)
     return 0
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem type and source that hold `path` ('ext4 /dev/vda'), from /proc/mounts."""
+    best, found = "", "unknown"
+    target = str(path.resolve())
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            source, point, kind = line.split()[:3]
+            if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, found = point, f"{kind} {source}"
+    return found
+
+
+def ram_workdir() -> Path | None:
+    """A fresh directory on /dev/shm (tmpfs), where this machine has one."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not filesystem_of(shm).startswith("tmpfs") or not os.access(shm, os.W_OK):
+        return None
+    return Path(tempfile.mkdtemp(prefix="cossd-bench-ram-", dir=shm))
+
+
+def file_path_rows(device: BenchDevice, workdir: Path, n: int, repeat: int,
+                   in_memory: float | None) -> list[dict[str, Any]]:
+    """One step through the mount, buffered and O_DIRECT, with the backing store named."""
+    media = filesystem_of(workdir)
+    rows = []
+    for o_direct in (False, True):
+        step = file_path_step(device, o_direct)
+        rate = n / statistics.median(timed(step, repeat)) / 1e9
+        share = rate / in_memory if in_memory else None
+        rows.append({"o_direct": o_direct, "media": media, "gels": rate, "vs_kernel_in_memory": share})
+        _say(f"  file path ({'O_DIRECT' if o_direct else 'buffered'}, backing on {media}): {rate:.3f} G el/s"
+             + (f" = {share:.0%} of the kernel in memory" if share else ""))
+    return rows
 
 
 def _write_report(report: dict[str, Any], output: Path) -> None:
@@ -535,11 +573,12 @@ def markdown(report: dict[str, Any]) -> str:
                "none, the call is below kernels.stream_threshold() (the param lines are read first: +2 B).")]
     if "file_path" not in report:  # --sections kernel
         return "\n".join(lines)
-    lines += ["", "| through the mount (FP16 grads in, FP16 params out) | G el/s | of the kernel in memory |",
-              "|---|---|---|"]
+    lines += ["", "| through the mount (FP16 grads in, FP16 params out) | backing store | G el/s | of the kernel in memory |",
+              "|---|---|---|---|"]
     for row in report.get("file_path", []):
         share = f"{row['vs_kernel_in_memory']:.0%}" if row["vs_kernel_in_memory"] else "kernel not run"
-        lines.append(f"| {'O_DIRECT' if row['o_direct'] else 'buffered'} | {row['gels']:.3f} | {share} |")
+        lines.append(f"| {'O_DIRECT' if row['o_direct'] else 'buffered'} | {row.get('media', '')} | "
+                     f"{row['gels']:.3f} | {share} |")
     lines += ["", "| checkpoint of one step | seconds | bytes over the link |", "|---|---|---|"]
     for name, row in report.get("checkpoint", {}).items():
         extra = ""
