@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import is_mounted, wait_for_exit
+from conftest import Mount, is_mounted, wait_for_exit
 from cossd.tools.cli import main
 from cossd.trainer import bench
 from helpers import pwrite_all, tensor_dir
@@ -65,6 +65,27 @@ def test_format_mount_create_train_umount(tmp_path: Path, capsys: pytest.Capture
         code, _, _ = run(capsys, "umount", str(mp))
     assert code == 0 and not is_mounted(mp)
     wait_for_exit(pid, 10)
+
+
+def test_namespace_and_step_verbs_in_json(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
+    """The verbs the walkthrough above prints in normal form, in JSON for scripts."""
+    mp = str(mount.mountpoint)
+    code, out, _ = run(capsys, "create-ns", mp, "net", "--tensor", "w:1000", "-o", "json")
+    assert code == 0 and json.loads(out) == {"name": "net", "nsid": 1}
+    code, out, _ = run(capsys, "id-ns", mp, "net", "-o", "json")
+    assert code == 0 and json.loads(out)["nsid"] == 1 and json.loads(out)["nsze"] > 0
+    code, out, _ = run(capsys, "begin-step", mp, "net", "-o", "json")
+    assert code == 0 and json.loads(out) == {"step": 1}
+    code, out, _ = run(capsys, "abort-step", mp, "net", "-o", "json")
+    assert code == 0 and json.loads(out) == {"aborted_step": 1}
+    code, out, _ = run(capsys, "admin-passthru", mp, "--opcode", "0xc8", "--namespace-id", "1", "-o", "json")
+    completion = json.loads(out)  # NAMESPACE_STATISTICS: its JSON comes back as hex data
+    assert code == 0 and completion["status_name"] == "SUCCESS"
+    assert json.loads(bytes.fromhex(completion["data"]))["name"] == "net"
+    code, out, _ = run(capsys, "delete-ns", mp, "net", "-o", "json")
+    assert code == 0 and json.loads(out) == {"deleted": "net"}
+    code, out, _ = run(capsys, "umount", mp, "-o", "json")
+    assert code == 0 and not is_mounted(mount.mountpoint)
 
 
 def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
