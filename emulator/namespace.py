@@ -518,6 +518,10 @@ class Namespace:
         self._check_range(tensor, "grad", offset, length)
         if length == 0:
             return 0
+        if not isinstance(data, bytes):
+            # Blocks run after this returns (see below) and may use the caller's buffer in
+            # place, so a buffer the caller could reuse is copied; FUSE hands over bytes.
+            data = bytes(data)
         grad = np.frombuffer(data, dtype=np.uint16)
         with self._lock:
             tx = self._tx
