@@ -69,6 +69,16 @@ def fsync_dir(path: Path) -> None:
         _hooks.after_dir_sync(path)
 
 
+def _write_all_synced(fd: int, path: Path, data: bytes) -> None:
+    """Write all of `data` at the file position of `fd`, then fsync it (the hooks see both)."""
+    if _hooks is not None:
+        _hooks.before_write(path)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    _fsync(fd, path)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so that a crash leaves either the old or the new file.
 
@@ -79,13 +89,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            if _hooks is not None:
-                _hooks.before_write(tmp)
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            _fsync(fd, tmp)
+            _write_all_synced(fd, tmp, data)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -240,12 +244,7 @@ def write_new_file(path: Path, data: bytes) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            if _hooks is not None:
-                _hooks.before_write(path)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            _fsync(fd, path)
+            _write_all_synced(fd, path, data)
         finally:
             os.close(fd)
     except OSError as exc:

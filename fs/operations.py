@@ -20,7 +20,7 @@ from cossd.emulator.injection import IoOpcode
 from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
 from cossd.emulator.protocol import SUBMISSION, Completion, SubmissionError, submission_length
 
-from .tree import SNAPSHOT_KINDS, Kind, Node, Tree, fuse_error
+from .tree import FILE_KINDS, SNAPSHOT_KINDS, Kind, Node, Tree, fuse_error
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,7 @@ class Operations(pyfuse3.Operations):
         attrs = pyfuse3.EntryAttributes()
         attrs.st_ino = self.tree.inode(node)
         attrs.st_mode = self.tree.mode(node)
-        attrs.st_nlink = 2 if node.kind not in (Kind.ADMIN, Kind.TEXT, Kind.ARRAY, Kind.DATA,
-                                                Kind.SNAP_TEXT, Kind.SNAP_ARRAY) else 1
+        attrs.st_nlink = 1 if node.kind in FILE_KINDS else 2
         attrs.st_uid = self._uid
         attrs.st_gid = self._gid
         attrs.st_size = self._size(node)
@@ -183,7 +182,7 @@ class Operations(pyfuse3.Operations):
     @_guarded
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         node = self.tree.node(inode)
-        if node.kind in (Kind.ADMIN, Kind.TEXT, Kind.ARRAY, Kind.DATA, Kind.SNAP_TEXT, Kind.SNAP_ARRAY):
+        if node.kind in FILE_KINDS:
             raise fuse_error(errno.ENOTDIR)
         return inode
 

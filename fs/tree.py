@@ -38,6 +38,8 @@ class Kind(enum.Enum):
 
 SNAPSHOT_DIR_KINDS = frozenset({Kind.SNAPSHOTS, Kind.SNAPSHOT, Kind.SNAP_TENSORS, Kind.SNAP_TENSOR})
 SNAPSHOT_KINDS = SNAPSHOT_DIR_KINDS | {Kind.SNAP_TEXT, Kind.SNAP_ARRAY}
+# Nodes that are files (every other kind is a directory).
+FILE_KINDS = frozenset({Kind.ADMIN, Kind.TEXT, Kind.ARRAY, Kind.DATA, Kind.SNAP_TEXT, Kind.SNAP_ARRAY})
 
 
 @dataclasses.dataclass(frozen=True)
