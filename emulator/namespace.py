@@ -73,6 +73,10 @@ def _hyper_record(hypers: list[Hyperparameters]) -> dict[str, Any]:
     return record
 
 
+class _WouldBlock(Exception):
+    """A *_nowait call found that it would have to wait (for the lock or a flush)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CommitResult:
     """What a commit did: the step now current, and whether this one was skipped."""
@@ -436,23 +440,46 @@ class Namespace:
     @modeled_command("read")
     def read(self, tensor_name: str, role: str, offset: int, size: int) -> bytes:
         """Bytes of a committed state array (param, master or a moment)."""
+        return self._read(tensor_name, role, offset, size, wait=True, copy=True)
+
+    def read_nowait(self, tensor_name: str, role: str, offset: int, size: int) -> memoryview | None:
+        """read() without the copy and without blocking, for the fs layer's event loop.
+
+        A view of the committed copy: valid while the caller does not yield, because a later
+        step can only write into this copy after a step that begins on a request this same
+        loop has yet to take. None where it would block (timed mode, or the namespace lock is
+        held, perhaps across a flush): call read() in a thread instead.
+        """
+        if self.timing.timed:
+            return None
+        try:
+            with self.timing.command("read"):
+                return self._read(tensor_name, role, offset, size, wait=False, copy=False)
+        except _WouldBlock:
+            return None
+
+    def _read(self, tensor_name: str, role: str, offset: int, size: int, *, wait: bool, copy: bool) -> Any:
+        """The bytes (copy=True: copied while no commit can move the committed copy) or a view."""
         tensor = self._tensor(tensor_name)
         if role == "grad":
             raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
         file_size = tensor.numel * self.itemsize(role)
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            raise _WouldBlock
+        try:
             # Every read request served counts, an empty one at the end of the file too.
             self.counters.read_commands += 1
             if offset >= file_size or size <= 0:
                 return b""
             end = min(file_size, offset + size)
-            view = self._view(self._sb.committed_copy, tensor, role).view(np.uint8)
-            data = view[offset:end].tobytes()
-            self.counters.bytes_read += len(data)
+            view = self._view(self._sb.committed_copy, tensor, role).view(np.uint8)[offset:end]
+            self.counters.bytes_read += len(view)
             if role == "param":
-                self.counters.param_bytes_out += len(data)
-            self.timing.add(host_out=len(data), media_read=len(data))
-        return data
+                self.counters.param_bytes_out += len(view)
+            self.timing.add(host_out=len(view), media_read=len(view))
+            return view.tobytes() if copy else memoryview(view)
+        finally:
+            self._lock.release()
 
     def _check_range(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
         itemsize = self.itemsize(role)
@@ -513,45 +540,86 @@ class Namespace:
         The write that completes the last gradient of an implicit step returns only once
         that step is committed or skipped.
         """
+        length, implicit = self._stage_grad(tensor_name, offset, data, wait=True)
+        if implicit is not None:
+            self.finish_implicit_step(implicit)
+        return length
+
+    def write_grad_nowait(
+        self, tensor_name: str, offset: int, data: bytes | memoryview
+    ) -> tuple[int, StepTransaction | None] | None:
+        """write_grad's part that never blocks, for the fs layer's event loop.
+
+        None where it would block (timed mode, the namespace lock held, or no step open: a
+        begin may wait for a flush); call write_grad in a thread instead. Otherwise
+        (length, implicit): `implicit`, when not None, is the implicit step this write
+        completed, and finish_implicit_step (which blocks) must commit it before the write
+        is acknowledged.
+        """
+        if self.timing.timed:
+            return None
+        try:
+            with self.timing.command("write_grad"):
+                return self._stage_grad(tensor_name, offset, data, wait=False)
+        except _WouldBlock:
+            return None
+
+    def _stage_grad(
+        self, tensor_name: str, offset: int, data: bytes | memoryview, *, wait: bool
+    ) -> tuple[int, StepTransaction | None]:
+        """Receive gradient bytes and queue the blocks they complete; see write_grad_nowait."""
         tensor = self._tensor(tensor_name)
         length = len(data)
         self._check_range(tensor, "grad", offset, length)
         if length == 0:
-            return 0
+            return 0, None
         if not isinstance(data, bytes):
             # Blocks run after this returns (see below) and may use the caller's buffer in
             # place, so a buffer the caller could reuse is copied; FUSE hands over bytes.
             data = bytes(data)
         grad = np.frombuffer(data, dtype=np.uint16)
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            raise _WouldBlock
+        try:
             tx = self._tx
             if tx is None:
+                if not wait:
+                    raise _WouldBlock
                 tx = self._begin_locked(None, 1.0, explicit=False)
             ready = tx.receive(tensor, offset // 2, grad)
-            completes_step = tx.all_received and bool(ready)
-            tx.inflight += 1
+            completes_step = tx.all_received and bool(ready) and not tx.explicit
+            # Counted before they are queued, so a commit cannot pass blocks not queued yet.
+            tx.inflight += len(ready)
             self.counters.grad_bytes_in += length
             self.counters.write_commands += 1
             self.timing.add(host_in=length)
-        try:
-            # Like an SSD acknowledging a write once it sits in its write buffer, the request
-            # returns once its bytes are staged: complete blocks run on the kernel workers, so
-            # a single writer's next request overlaps them and both cores update blocks.
-            # A block that fails marks the step (tx.error), and its commit reports it.
-            for block in ready:
-                with self._lock:
-                    tx.inflight += 1
-                _kernel_workers().submit(self._run_block_in_background, tx, block)
         finally:
-            with self._cond:
-                tx.inflight -= 1
-                self._cond.notify_all()
-                if completes_step and not tx.explicit:
-                    while tx.inflight:
-                        self._cond.wait()
-                    if self._tx is tx:
-                        self._commit_locked(tx)
-        return length
+            self._lock.release()
+        # Like an SSD acknowledging a write once it sits in its write buffer, the request
+        # returns once its bytes are staged: complete blocks run on the kernel workers, so
+        # a single writer's next request overlaps them and both cores update blocks.
+        # A block that fails marks the step (tx.error), and its commit reports it.
+        queued = 0
+        try:
+            for block in ready:
+                _kernel_workers().submit(self._run_block_in_background, tx, block)
+                queued += 1
+        finally:
+            if queued < len(ready):
+                with self._cond:
+                    tx.inflight -= len(ready) - queued
+                    tx.error = tx.error or RuntimeError("gradient blocks could not be queued")
+                    self._cond.notify_all()
+        return length, (tx if completes_step else None)
+
+    def finish_implicit_step(self, tx: StepTransaction) -> None:
+        """Commit (or skip) implicit step `tx` once its blocks are done: the end of the write
+        that completed its gradients."""
+        with self.timing.command("commit_step"), self._cond:
+            while tx.inflight:
+                self._cond.wait()
+            if self._tx is tx:
+                self._commit_locked(tx)
 
     def _run_block_in_background(self, tx: StepTransaction, block: ReadyBlock) -> None:
         try:
@@ -579,10 +647,18 @@ class Namespace:
             written = 0
             # Once the step is known to be skipped there is no point updating the shadow.
             if nonfinite == 0 and tx.nonfinite == 0:
-                # The kernel writes into this thread's staging buffers (hot in cache, never
-                # faulting), which are then checksummed and written to the shadow copy.
-                out = self._staging(stop - start)
-                kernels.adam_step(
+                state = self._copies[shadow]
+                mapped = state.write_mode == "mapped"
+                if mapped:
+                    # The kernel stores the new state straight into the shadow copy's mapping.
+                    state.before_mapped_write()
+                    out = {role: self._view(shadow, tensor, role)[start:stop] for role in BLOCK_ROLES}
+                else:
+                    # Into this thread's buffers, which pwrite then copies into the shadow
+                    # (stores into a disk file's mapping would fault once per page).
+                    out = self._staging(stop - start)
+                # One pass: the step, and the checksum of its outputs while they are in cache.
+                crc = kernels.adam_step_crc(
                     block.grad,
                     self._view(committed, tensor, "master")[start:stop],
                     self._view(committed, tensor, "exp_avg")[start:stop],
@@ -593,13 +669,12 @@ class Namespace:
                     state_format=self._state_format,
                     scalars=tx.scalars[self._group_of[tensor.name]],
                 )
-                state = self._copies[shadow]
                 for role in BLOCK_ROLES:
-                    crc = kernels.crc32c(out[role], crc)
                     itemsize = out[role].itemsize
                     region = self._region_offset(tensor, role) + start * itemsize
-                    state.write_at(region, out[role])
-                    state.start_writeback(region, out[role].nbytes)
+                    if not mapped:
+                        state.write_at(region, out[role])
+                        state.start_writeback(region, out[role].nbytes)
                     written += out[role].nbytes
             elapsed = time.perf_counter_ns() - started
         except BaseException as exc:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import select
@@ -25,6 +27,28 @@ from .operations import Operations
 log = logging.getLogger(__name__)
 
 READY_MESSAGE = b"ready\n"
+
+
+# glibc mallopt parameters.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_REQUEST_HEAP_BYTES = 64 << 20
+
+
+def keep_request_buffers_on_heap() -> None:
+    """Serve each 1 MiB request buffer (pyfuse3's bytes of a write) from the heap.
+
+    By default glibc maps a fresh zeroed region for each such allocation and unmaps it when
+    freed: measured as a tenth of the daemon's CPU (page faults and page clearing) on the
+    gradient path. Where libc has no mallopt (not glibc) this does nothing.
+    """
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt(_M_MMAP_THRESHOLD, _REQUEST_HEAP_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, 2 * _REQUEST_HEAP_BYTES)
 
 
 def mount_options(backing: Path, allow_other: bool, debug: bool) -> set[str]:
@@ -111,6 +135,7 @@ def serve(
             metrics.close()
         raise
     try:
+        keep_request_buffers_on_heap()
         operations = Operations(device)
         operations.fault_hook = fault_hook_from_env()
         if metrics is not None:

@@ -270,6 +270,11 @@ class Operations(pyfuse3.Operations):
         self.controller.injector.check_io(IoOpcode.READ, namespace.nsid)  # INJECT_ERROR, data path
         if handle.node.kind == Kind.DATA:
             return await self._run(namespace.read, off, size)
+        # On this thread, without a copy, where that cannot block the loop: pyfuse3 replies
+        # with the view before this task yields (see Namespace.read_nowait).
+        view = namespace.read_nowait(handle.node.name, handle.node.role, off, size)
+        if view is not None:
+            return view
         return await self._run(namespace.read, handle.node.name, handle.node.role, off, size)
 
     @_guarded
@@ -288,7 +293,16 @@ class Operations(pyfuse3.Operations):
         if node.kind == Kind.DATA:
             return await self._run(namespace.write, off, buf)
         if node.role == "grad":
-            written = await self._run(namespace.write_grad, node.name, off, buf)
+            # Staging a gradient piece never waits, so it runs on this thread (a hop to a
+            # worker thread costs more than the staging); a thread takes what may wait: a
+            # begin (it may wait for a flush), a busy lock, and the commit of a step.
+            staged = namespace.write_grad_nowait(node.name, off, buf)
+            if staged is None:
+                written = await self._run(namespace.write_grad, node.name, off, buf)
+            else:
+                written, implicit = staged
+                if implicit is not None:
+                    await self._run(namespace.finish_implicit_step, implicit)
             self._schedule_flush(namespace)
             return written
         return await self._run(namespace.write_state, node.name, node.role, off, buf)

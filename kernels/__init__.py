@@ -29,10 +29,12 @@ __all__ = [
     "AdamScalars",
     "adam_scalars",
     "adam_step",
+    "adam_step_crc",
     "count_nonfinite",
     "master_to_param",
     "param_to_master",
     "crc32c",
+    "crc32c_combine",
     "stream_probe",
     "simd_level",
     "available_kernels",
@@ -323,22 +325,13 @@ _ADAM_IN_PLACE = frozenset(
 )
 
 
-def adam_step(
-    grad: Any,
-    master_in: Any,
-    exp_avg_in: Any,
-    exp_avg_sq_in: Any,
-    master_out: Any,
-    exp_avg_out: Any,
-    exp_avg_sq_out: Any,
-    param_out: Any,
-    *,
-    grad_format: HalfFormat,
-    param_format: HalfFormat,
-    state_format: StateFormat,
-    scalars: AdamScalars,
-) -> None:
-    """One Adam/AdamW step over all elements; outputs may be the very same buffers as the matching inputs."""
+def _adam_buffers(
+    grad: Any, master_in: Any, exp_avg_in: Any, exp_avg_sq_in: Any, master_out: Any,
+    exp_avg_out: Any, exp_avg_sq_out: Any, param_out: Any, grad_format: HalfFormat,
+    param_format: HalfFormat, state_format: StateFormat, scalars: AdamScalars,
+    in_place: frozenset[tuple[str, str]],
+) -> tuple[list[Any], int]:
+    """The C arguments of an Adam step after checking them all: (args, element count)."""
     gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
     pfmt = _enum_arg("param_format", param_format, HalfFormat)
     sfmt = _enum_arg("state_format", state_format, StateFormat)
@@ -355,13 +348,60 @@ def adam_step(
     po = _buf("param_out", param_out, _half_dtypes(pfmt), _HALF_CTYPE, output=True)
     bufs = [g, mi, ai, vi, mo, ao, vo, po]
     n = _check_lengths(bufs)
-    _check_overlap(bufs, _ADAM_IN_PLACE)
+    _check_overlap(bufs, in_place)
+    args = [g.ptr, gfmt, mi.ptr, ai.ptr, vi.ptr, mo.ptr, ao.ptr, vo.ptr, sfmt, po.ptr, pfmt, n, scalars._c]
+    return args, n
+
+
+def adam_step(
+    grad: Any,
+    master_in: Any,
+    exp_avg_in: Any,
+    exp_avg_sq_in: Any,
+    master_out: Any,
+    exp_avg_out: Any,
+    exp_avg_sq_out: Any,
+    param_out: Any,
+    *,
+    grad_format: HalfFormat,
+    param_format: HalfFormat,
+    state_format: StateFormat,
+    scalars: AdamScalars,
+) -> None:
+    """One Adam/AdamW step over all elements; outputs may be the very same buffers as the matching inputs."""
+    args, n = _adam_buffers(grad, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                            exp_avg_sq_out, param_out, grad_format, param_format, state_format,
+                            scalars, _ADAM_IN_PLACE)
+    if n:
+        _check_rc(_lib.cossd_adam_step(*args), "adam_step")
+
+
+def adam_step_crc(
+    grad: Any,
+    master_in: Any,
+    exp_avg_in: Any,
+    exp_avg_sq_in: Any,
+    master_out: Any,
+    exp_avg_out: Any,
+    exp_avg_sq_out: Any,
+    param_out: Any,
+    *,
+    grad_format: HalfFormat,
+    param_format: HalfFormat,
+    state_format: StateFormat,
+    scalars: AdamScalars,
+) -> int:
+    """adam_step out of place (no output may overlap an input) that also returns the CRC32C of
+    master_out, exp_avg_out, exp_avg_sq_out and param_out in that order, as the device checksums
+    a block. The same bits as adam_step followed by crc32c, in one pass over memory."""
+    args, n = _adam_buffers(grad, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                            exp_avg_sq_out, param_out, grad_format, param_format, state_format,
+                            scalars, frozenset())
     if n == 0:
-        return
-    rc = _lib.cossd_adam_step(
-        g.ptr, gfmt, mi.ptr, ai.ptr, vi.ptr, mo.ptr, ao.ptr, vo.ptr, sfmt, po.ptr, pfmt, n, scalars._c
-    )
-    _check_rc(rc, "adam_step")
+        return 0
+    crc = _ffi.new("uint32_t *")
+    _check_rc(_lib.cossd_adam_step_crc(*args, crc), "adam_step_crc")
+    return int(crc[0])
 
 
 def count_nonfinite(grad: Any, fmt: HalfFormat) -> int:
@@ -408,6 +448,14 @@ def stream_probe(grad_param: Any, master: Any, exp_avg: Any, exp_avg_sq: Any) ->
     ]
     n = _check_lengths(bufs)
     _lib.cossd_stream_probe(*(b.ptr for b in bufs), n)
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC32C of A followed by B, from crc32c(A), crc32c(B) and B's length in bytes."""
+    for name, value, limit in (("crc_a", crc_a, 1 << 32), ("crc_b", crc_b, 1 << 32), ("len_b", len_b, 1 << 64)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) < limit:
+            raise KernelArgumentError(f"{name} must be an int in [0, {limit}), got {value!r}")
+    return int(_lib.cossd_crc32c_combine(int(crc_a), int(crc_b), int(len_b)))
 
 
 def crc32c(buf: Any, value: int = 0) -> int:

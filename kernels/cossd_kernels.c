@@ -1294,3 +1294,196 @@ void cossd_stream_probe(uint16_t *grad_param, float *master, float *exp_avg, flo
 #endif
     STREAM_PROBE_LOOP
 }
+
+
+/* ------------------------------------------------------------------------ */
+/* CRC32C combination, and the device's block update: step plus checksum.   */
+/* ------------------------------------------------------------------------ */
+
+/* Product of two polynomials modulo the (reflected) CRC32C polynomial; bit 31 is x^0. */
+static uint32_t crc_multmodp(uint32_t a, uint32_t b)
+{
+    uint32_t product = 0;
+    for (uint32_t bit = 1u << 31; bit; bit >>= 1) {
+        if (a & bit)
+            product ^= b;
+        b = (b & 1u) ? (b >> 1) ^ CRC32C_POLY_REFLECTED : b >> 1;
+    }
+    return product;
+}
+
+/* x^(8 * len) modulo the polynomial, by squaring: x^(2^k) for every set bit k of 8 * len. */
+static uint32_t crc_x8nmodp(uint64_t len)
+{
+    uint32_t result = 1u << 31;  /* x^0 */
+    uint32_t power = 1u << 23;   /* x^8: one byte */
+    while (len) {
+        if (len & 1u)
+            result = crc_multmodp(power, result);
+        power = crc_multmodp(power, power);
+        len >>= 1;
+    }
+    return result;
+}
+
+uint32_t cossd_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b)
+{
+    /* The CRC register is linear over GF(2): A's register, moved past |B| more bytes, XOR
+     * the CRC of B alone. The pre- and post-inversion of both CRCs cancel out. */
+    return crc_multmodp(crc_x8nmodp(len_b), crc_a) ^ crc_b;
+}
+
+/* Elements per pass of cossd_adam_step_crc: its outputs (14-22 bytes an element, 14-22 KiB)
+ * stay in L1 between the step, their checksum and the copy out. */
+#define STEP_CRC_CHUNK 1024
+
+#if COSSD_X86
+/* The CRC register `reg` after `len` zero bytes (linear over GF(2): a multiplication). */
+static uint32_t crc_shift_bytes(uint32_t reg, size_t len)
+{
+    static uint32_t chunk_power; /* x^(8 * 2 * STEP_CRC_CHUNK): the usual shift, computed once */
+    uint32_t power = __atomic_load_n(&chunk_power, __ATOMIC_RELAXED);
+    if (len != 2 * STEP_CRC_CHUNK || power == 0) {
+        uint32_t computed = crc_x8nmodp(len);
+        if (len == 2 * STEP_CRC_CHUNK)
+            __atomic_store_n(&chunk_power, computed, __ATOMIC_RELAXED);
+        power = computed;
+    }
+    return crc_multmodp(power, reg);
+}
+
+/* One chunk of the four output streams (master, exp_avg, exp_avg_sq, param) into their raw
+ * CRC registers `regs`. A crc32 instruction waits 3 cycles for its previous one, so every
+ * stream is cut into pieces as long as the param's (2 bytes an element): 7 independent chains
+ * with FP32 moments, 5 with BF16, which keep the unit busy. Then each stream's pieces are
+ * joined by linearity: reg(A|B) = shift(reg(A), |B|) ^ reg_from_0(B). */
+__attribute__((target("sse4.2"))) static void crc32c_chunk(uint32_t regs[4], const uint8_t *const p[4],
+                                                           size_t count, size_t ssz)
+{
+    size_t len = 2 * count;
+    const int per_state = (int)(ssz / 2); /* pieces of a moment stream: 2 (FP32) or 1 (BF16) */
+    const uint8_t *piece[7];
+    uint64_t reg[7];
+    int stream_of[7], pieces = 0;
+    for (int s = 0; s < 4; s++) {
+        int n_pieces = s == 0 ? 2 : s == 3 ? 1 : per_state;
+        for (int k = 0; k < n_pieces; k++) {
+            piece[pieces] = p[s] + (size_t)k * len;
+            reg[pieces] = k == 0 ? regs[s] : 0;
+            stream_of[pieces++] = s;
+        }
+    }
+    size_t i = 0;
+    if (pieces == 7) {
+        for (; i + 8 <= len; i += 8)
+            for (int k = 0; k < 7; k++) {
+                uint64_t w;
+                memcpy(&w, piece[k] + i, 8);
+                reg[k] = _mm_crc32_u64(reg[k], w);
+            }
+    } else {
+        for (; i + 8 <= len; i += 8)
+            for (int k = 0; k < 5; k++) {
+                uint64_t w;
+                memcpy(&w, piece[k] + i, 8);
+                reg[k] = _mm_crc32_u64(reg[k], w);
+            }
+    }
+    for (; i < len; i++)
+        for (int k = 0; k < pieces; k++)
+            reg[k] = _mm_crc32_u8((uint32_t)reg[k], piece[k][i]);
+    for (int k = 0; k < pieces; k++) {
+        int s = stream_of[k];
+        regs[s] = (k > 0 && stream_of[k - 1] == s) ? crc_shift_bytes(regs[s], len) ^ (uint32_t)reg[k]
+                                                     : (uint32_t)reg[k];
+    }
+}
+
+/* Copy with streaming stores where `dst` is 16-byte aligned: the block's outputs go to memory
+ * without first reading the lines they replace (the device's shadow copy is not in cache). */
+static void copy_streaming(void *dst, const void *src, size_t bytes)
+{
+    uint8_t *d = (uint8_t *)dst;
+    const uint8_t *s = (const uint8_t *)src;
+    if (((uintptr_t)d & 15u) == 0) {
+        for (; bytes >= 16; bytes -= 16, d += 16, s += 16)
+            _mm_stream_si128((__m128i *)d, _mm_loadu_si128((const __m128i *)s));
+    }
+    memcpy(d, s, bytes);
+}
+#endif
+
+/* One chunk of the four output streams into their CRC values `crc` (value semantics, as
+ * cossd_crc32c: 0 before the first byte). */
+static void crc32c_streams(uint32_t crc[4], const uint8_t *const p[4], size_t count, size_t ssz)
+{
+#if COSSD_X86
+    if (g_has_sse42 && simd_enabled()) {
+        uint32_t regs[4];
+        for (int s = 0; s < 4; s++)
+            regs[s] = ~crc[s];
+        crc32c_chunk(regs, p, count, ssz);
+        for (int s = 0; s < 4; s++)
+            crc[s] = ~regs[s];
+        return;
+    }
+#endif
+    const size_t lengths[4] = {count * 4, count * ssz, count * ssz, count * 2};
+    for (int s = 0; s < 4; s++)
+        crc[s] = cossd_crc32c_scalar(crc[s], p[s], lengths[s]);
+}
+
+static void copy_out(void *dst, const void *src, size_t bytes)
+{
+#if COSSD_X86
+    if (simd_enabled()) {
+        copy_streaming(dst, src, bytes);
+        return;
+    }
+#endif
+    memcpy(dst, src, bytes);
+}
+
+int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                        const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                        int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,
+                        uint32_t *crc_out)
+{
+    int rc = adam_check(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                        exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
+    if (rc != COSSD_OK)
+        return rc;
+    if (!crc_out)
+        return COSSD_ERR_NULL;
+    size_t ssz = state_fmt == COSSD_STATE_BF16 ? 2 : 4;
+    /* One chunk's outputs, in cache: 14 KiB on the stack (a thread-local buffer in a shared
+     * library costs a __tls_get_addr call per access). */
+    float scratch_master[STEP_CRC_CHUNK] __attribute__((aligned(64)));
+    float scratch_avg[STEP_CRC_CHUNK] __attribute__((aligned(64)));
+    float scratch_avg_sq[STEP_CRC_CHUNK] __attribute__((aligned(64)));
+    uint16_t scratch_param[STEP_CRC_CHUNK] __attribute__((aligned(64)));
+    uint32_t crc[4] = {0, 0, 0, 0};
+    for (size_t i = 0; i < n; i += STEP_CRC_CHUNK) {
+        size_t count = n - i < STEP_CRC_CHUNK ? n - i : STEP_CRC_CHUNK;
+        rc = cossd_adam_step(grad + i, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
+                             (const uint8_t *)exp_avg_sq_in + i * ssz, scratch_master, scratch_avg, scratch_avg_sq,
+                             state_fmt, scratch_param, param_fmt, count, s);
+        if (rc != COSSD_OK)
+            return rc;
+        const uint8_t *const outputs[4] = {(const uint8_t *)scratch_master, (const uint8_t *)scratch_avg,
+                                           (const uint8_t *)scratch_avg_sq, (const uint8_t *)scratch_param};
+        const size_t lengths[4] = {count * 4, count * ssz, count * ssz, count * 2};
+        crc32c_streams(crc, outputs, count, ssz);
+        copy_out(master_out + i, scratch_master, lengths[0]);
+        copy_out((uint8_t *)exp_avg_out + i * ssz, scratch_avg, lengths[1]);
+        copy_out((uint8_t *)exp_avg_sq_out + i * ssz, scratch_avg_sq, lengths[2]);
+        copy_out(param_out + i, scratch_param, lengths[3]);
+    }
+#if COSSD_X86
+    _mm_sfence(); /* streaming stores are weakly ordered: visible before the caller goes on */
+#endif
+    uint32_t block = cossd_crc32c_combine(crc[0], crc[1], (uint64_t)n * ssz);
+    block = cossd_crc32c_combine(block, crc[2], (uint64_t)n * ssz);
+    *crc_out = cossd_crc32c_combine(block, crc[3], (uint64_t)n * 2);
+    return COSSD_OK;
+}

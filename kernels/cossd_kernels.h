@@ -90,6 +90,19 @@ uint32_t cossd_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t cossd_crc32c_scalar(uint32_t crc, const void *buf, size_t len);
 uint32_t cossd_crc32c_sse42(uint32_t crc, const void *buf, size_t len);
 
+/* CRC32C of A followed by B, from the CRC of each and the length of B. */
+uint32_t cossd_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
+/* An Adam step out of place (outputs must not overlap inputs) that also returns the CRC32C
+ * of its outputs as the device checksums a block: master_out, exp_avg_out, exp_avg_sq_out
+ * and param_out, in that order, from 0. One pass: each chunk's outputs are checksummed in
+ * cache and then written with streaming stores. */
+int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_in,
+                        const void *exp_avg_in, const void *exp_avg_sq_in,
+                        float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                        int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
+                        const cossd_adam_scalars *s, uint32_t *crc_out);
+
 int cossd_simd_available(void);
 int cossd_avx512_available(void);
 int cossd_crc_simd_available(void);
