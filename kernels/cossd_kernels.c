@@ -53,6 +53,7 @@
 static int g_has_avx2;    /* AVX2 + F16C + FMA usable (CPU and OS) */
 static int g_has_avx512;  /* AVX-512 F/BW/DQ/VL (+ the AVX2 set) usable, ZMM/opmask state enabled by the OS */
 static int g_has_sse42;   /* SSE4.2 crc32 instruction usable */
+static int g_has_vpclmul; /* VPCLMULQDQ on ZMM registers (with the AVX-512 set) usable */
 static int g_best_level;  /* highest COSSD_SIMD_* level this CPU runs */
 /* The caller's cap on the level (cossd_set_simd_level); the dispatchers use
  * min(cap, best). Starts at the top, i.e. "best available". */
@@ -68,6 +69,8 @@ static uint32_t g_crc_shift[4][256];
 /* Castagnoli polynomial 0x1EDC6F41, bit-reflected. */
 #define CRC32C_POLY_REFLECTED 0x82F63B78u
 
+static void crc_fold_init(void);
+
 __attribute__((constructor)) static void cossd_init(void)
 {
     /* Constructors can run before libgcc initialised its CPU model. */
@@ -78,6 +81,8 @@ __attribute__((constructor)) static void cossd_init(void)
     g_has_avx512 = g_has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
     g_has_sse42 = __builtin_cpu_supports("sse4.2");
+    g_has_vpclmul = g_has_avx512 && g_has_sse42 && __builtin_cpu_supports("pclmul") &&
+                    __builtin_cpu_supports("vpclmulqdq");
 #endif
     g_best_level = g_has_avx512 ? COSSD_SIMD_AVX512 : g_has_avx2 ? COSSD_SIMD_AVX2 : COSSD_SIMD_SCALAR;
     /* Slicing-by-8 tables: table[k][b] is the CRC of byte b followed by k zero bytes. */
@@ -109,6 +114,7 @@ __attribute__((constructor)) static void cossd_init(void)
                     c ^= bit_image[8 * k + i];
             g_crc_shift[k][b] = c;
         }
+    crc_fold_init();
 }
 
 /* The register `c` after CRC_STRIDE zero bytes. */
@@ -1205,8 +1211,13 @@ uint32_t cossd_crc32c_scalar(uint32_t crc, const void *buf, size_t len)
 }
 
 #if COSSD_X86
+static uint32_t crc32c_fold(uint32_t reg, const uint8_t *p, size_t len);
+static int crc_fold_usable(size_t len);
+
 __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42_impl(uint32_t crc, const uint8_t *p, size_t len)
 {
+    if (crc_fold_usable(len))
+        return ~crc32c_fold(~crc, p, len);
     uint64_t c = (uint32_t)~crc;
     /* crc32 has a latency of 3 cycles and a throughput of 1 per cycle: one dependent chain
      * uses a third of the unit. Three adjacent CRC_STRIDE-byte pieces run as three chains
@@ -1418,6 +1429,12 @@ static void copy_streaming(void *dst, const void *src, size_t bytes)
 static void crc32c_streams(uint32_t crc[4], const uint8_t *const p[4], size_t count, size_t ssz)
 {
 #if COSSD_X86
+    if (crc_fold_usable(count * 2)) {
+        const size_t lengths[4] = {count * 4, count * ssz, count * ssz, count * 2};
+        for (int s = 0; s < 4; s++)
+            crc[s] = ~crc32c_fold(~crc[s], p[s], lengths[s]);
+        return;
+    }
     if (g_has_sse42 && simd_enabled()) {
         uint32_t regs[4];
         for (int s = 0; s < 4; s++)
@@ -1486,4 +1503,115 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
     block = cossd_crc32c_combine(block, crc[2], (uint64_t)n * ssz);
     *crc_out = cossd_crc32c_combine(block, crc[3], (uint64_t)n * 2);
     return COSSD_OK;
+}
+
+
+/* ------------------------------------------------------------------------ */
+/* CRC32C by carry-less multiplication (VPCLMULQDQ): 64 bytes per fold.      */
+/* ------------------------------------------------------------------------ */
+
+/* x^n modulo the polynomial, reflected as the CRC register is (bit 31 is x^0). */
+static uint32_t crc_xnmodp(uint64_t n)
+{
+    uint32_t result = 1u << 31, power = 1u << 30; /* x^0, x^1 */
+    while (n) {
+        if (n & 1u)
+            result = crc_multmodp(power, result);
+        power = crc_multmodp(power, power);
+        n >>= 1;
+    }
+    return result;
+}
+
+/* Folding constants, as 64-bit lane pairs {low, high}: a 128-bit piece of the message
+ * moved F bits further is congruent to its low half times x^(F+63) plus its high half
+ * times x^(F-1) (a reflected carry-less product comes out one degree short, hence the
+ * -1). A 32-bit reflected constant sits in the upper half of its 64-bit lane. */
+enum { FOLD_2048, FOLD_512, FOLD_384, FOLD_256, FOLD_128, FOLD_COUNT };
+static uint64_t g_fold[FOLD_COUNT][2];
+
+static void crc_fold_init(void)
+{
+    static const unsigned bits[FOLD_COUNT] = {2048, 512, 384, 256, 128};
+    for (int i = 0; i < FOLD_COUNT; i++) {
+        g_fold[i][0] = (uint64_t)crc_xnmodp(bits[i] + 63) << 32;
+        g_fold[i][1] = (uint64_t)crc_xnmodp(bits[i] - 1) << 32;
+    }
+}
+
+#define CRC_FOLD_MIN 256 /* below this the crc32 loop is as fast */
+
+static int crc_fold_usable(size_t len)
+{
+    return g_has_vpclmul && len >= CRC_FOLD_MIN && cossd_simd_level() == COSSD_SIMD_AVX512;
+}
+
+#if COSSD_X86
+#define COSSD_CLMUL_TARGET "avx512f,avx512bw,avx512dq,avx512vl,vpclmulqdq,pclmul,sse4.2"
+
+__attribute__((target(COSSD_CLMUL_TARGET))) static inline __m512i fold_zmm(__m512i x, __m512i k, __m512i next)
+{
+    /* 0x96: three-way XOR */
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00), _mm512_clmulepi64_epi128(x, k, 0x11),
+                                     next, 0x96);
+}
+
+__attribute__((target(COSSD_CLMUL_TARGET))) static inline __m128i fold_xmm(__m128i x, int which)
+{
+    __m128i k = _mm_set_epi64x((long long)g_fold[which][1], (long long)g_fold[which][0]);
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+/* The raw CRC register after `len` (>= CRC_FOLD_MIN) more bytes. Four 64-byte accumulators
+ * fold 256 bytes a round; what is left folds into one 128-bit value, whose register the
+ * crc32 instruction gives (its 16 bytes from a zero register); the tail goes through crc32. */
+__attribute__((target(COSSD_CLMUL_TARGET))) static uint32_t crc32c_fold_impl(uint32_t reg, const uint8_t *p, size_t len)
+{
+    __m512i x0 = _mm512_loadu_si512((const void *)p), x1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128)), x3 = _mm512_loadu_si512((const void *)(p + 192));
+    /* The register is XORed onto the message's first 4 bytes. */
+    x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)reg)));
+    p += 256;
+    len -= 256;
+    __m512i k = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_fold[FOLD_2048][1], (long long)g_fold[FOLD_2048][0]));
+    for (; len >= 256; p += 256, len -= 256) {
+        x0 = fold_zmm(x0, k, _mm512_loadu_si512((const void *)p));
+        x1 = fold_zmm(x1, k, _mm512_loadu_si512((const void *)(p + 64)));
+        x2 = fold_zmm(x2, k, _mm512_loadu_si512((const void *)(p + 128)));
+        x3 = fold_zmm(x3, k, _mm512_loadu_si512((const void *)(p + 192)));
+    }
+    k = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_fold[FOLD_512][1], (long long)g_fold[FOLD_512][0]));
+    x1 = fold_zmm(x0, k, x1);
+    x2 = fold_zmm(x1, k, x2);
+    x3 = fold_zmm(x2, k, x3);
+    for (; len >= 64; p += 64, len -= 64)
+        x3 = fold_zmm(x3, k, _mm512_loadu_si512((const void *)p));
+    /* Lane 0 is the earliest (highest degree): 384 bits from the end, lane 3 the last. */
+    __m128i r = _mm512_extracti32x4_epi32(x3, 3);
+    r = _mm_xor_si128(r, fold_xmm(_mm512_extracti32x4_epi32(x3, 0), FOLD_384));
+    r = _mm_xor_si128(r, fold_xmm(_mm512_extracti32x4_epi32(x3, 1), FOLD_256));
+    r = _mm_xor_si128(r, fold_xmm(_mm512_extracti32x4_epi32(x3, 2), FOLD_128));
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
+    for (; len >= 8; p += 8, len -= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c = _mm_crc32_u64(c, w);
+    }
+    uint32_t c32 = (uint32_t)c;
+    while (len--)
+        c32 = _mm_crc32_u8(c32, *p++);
+    return c32;
+}
+#endif
+
+static uint32_t crc32c_fold(uint32_t reg, const uint8_t *p, size_t len)
+{
+#if COSSD_X86
+    return crc32c_fold_impl(reg, p, len);
+#else
+    (void)p;
+    (void)len;
+    return reg; /* unreachable: crc_fold_usable() is false without x86 */
+#endif
 }
