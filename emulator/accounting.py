@@ -8,11 +8,10 @@ timed mode the command then returns no earlier than its modeled time after it st
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 from .profiles import DEFAULT_PROFILE
 from .timing import TRAFFIC_FIELDS, Timing, TimingModel, Traffic
@@ -22,6 +21,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Work that no host command carries (none today outside a command, kept for safety).
 INTERNAL = "internal"
 TRAFFIC_INDEX = {field: index for index, field in enumerate(TRAFFIC_FIELDS)}
+_TIMING_CACHE_ENTRIES = 4096
 
 
 def modeled_command(name: str) -> Callable[[F], F]:
@@ -58,33 +58,16 @@ class NamespaceTiming:
         self.timed_wait_ns = 0
         self.timed_late = 0
         self.timed_block_wait_ns = 0
+        self._timings: dict[tuple[tuple[int, ...], bool], Timing] = {}
 
     # ------------------------------------------------------------------ accounting
 
-    @contextlib.contextmanager
-    def command(self, name: str, *, host_command: bool = True) -> Iterator[None]:
-        """One modeled command; a command inside another (same thread) joins the outer one.
-        host_command=False: work the device does on its own behind an acknowledged command
-        (a gradient block's update); timed mode holds that work, not a host completion."""
-        if getattr(self._local, "pending", None) is not None:
-            yield
-            return
-        started = time.monotonic_ns()
-        # A plain list of Traffic's fields: cheap to add to on the I/O path.
-        self._local.pending = [0] * len(TRAFFIC_FIELDS)
-        succeeded = False
-        try:
-            yield
-            succeeded = True
-        finally:
-            traffic = Traffic(*self._local.pending)
-            self._local.pending = None
-            # A refused command moved nothing and is not counted; one that failed midway
-            # still moved what it moved.
-            if succeeded or traffic:
-                timing = self._record(name, traffic, host_command=host_command)
-                if succeeded and self.timed:
-                    self._settle(started, timing.device_ns, host_command)
+    def command(self, name: str, *, host_command: bool = True) -> "_Command":
+        """One modeled command (a context manager); a command inside another (same thread)
+        joins the outer one. host_command=False: work the device does on its own behind an
+        acknowledged command (a gradient block's update); timed mode holds that work, not a
+        host completion."""
+        return _Command(self, name, host_command)
 
     def add(self, **amounts: int) -> None:
         """Add traffic (Traffic's fields as keywords) to this thread's open command, or
@@ -98,18 +81,32 @@ class NamespaceTiming:
         for field, amount in amounts.items():
             pending[TRAFFIC_INDEX[field]] += int(amount)
 
-    def _record(self, name: str, traffic: Traffic, *, host_command: bool) -> Timing:
-        timing = self.model.command(traffic, host_command=host_command)
+    def _record(self, name: str, traffic: Traffic | list[int], *, host_command: bool) -> Timing:
+        amounts = tuple(traffic) if isinstance(traffic, list) else tuple(
+            getattr(traffic, field) for field in TRAFFIC_FIELDS)
+        # The I/O path repeats a few shapes (1 MiB requests, whole blocks): their modeled
+        # times are remembered rather than computed again for every command.
+        key = (amounts, host_command)
+        timing = self._timings.get(key)
+        if timing is None:
+            timing = self.model.command(Traffic(*amounts), host_command=host_command)
+            if len(self._timings) >= _TIMING_CACHE_ENTRIES:
+                self._timings.clear()
+            self._timings[key] = timing
         with self._lock:
-            for index, field in enumerate(TRAFFIC_FIELDS):
-                self._totals[index] += getattr(traffic, field)
+            for index, amount in enumerate(amounts):
+                self._totals[index] += amount
             self.commands += host_command
             self.device_ns += timing.device_ns
-            for key, value in (("host_in", timing.host_in_ns), ("host_out", timing.host_out_ns),
-                               ("media", timing.media_ns), ("compute", timing.compute_ns),
-                               ("fixed", timing.fixed_ns)):
-                self.busy_ns[key] += value
-            entry = self.by_command.setdefault(name, {"commands": 0, "device_ns": 0})
+            busy = self.busy_ns
+            busy["host_in"] += timing.host_in_ns
+            busy["host_out"] += timing.host_out_ns
+            busy["media"] += timing.media_ns
+            busy["compute"] += timing.compute_ns
+            busy["fixed"] += timing.fixed_ns
+            entry = self.by_command.get(name)
+            if entry is None:
+                entry = self.by_command[name] = {"commands": 0, "device_ns": 0}
             entry["commands"] += 1
             entry["device_ns"] += timing.device_ns
         return timing
@@ -160,3 +157,40 @@ class NamespaceTiming:
                 "timed_late": self.timed_late,
                 "timed_block_wait_ns": self.timed_block_wait_ns,
             }
+
+
+class _Command:
+    """NamespaceTiming.command's context manager: a plain class, because the file path
+    opens one per request and a generator-based one measured several times slower."""
+
+    __slots__ = ("_timing", "_name", "_host_command", "_started", "_outer")
+
+    def __init__(self, timing: NamespaceTiming, name: str, host_command: bool) -> None:
+        self._timing = timing
+        self._name = name
+        self._host_command = host_command
+        self._started = 0
+        self._outer = False
+
+    def __enter__(self) -> None:
+        local = self._timing._local
+        if getattr(local, "pending", None) is not None:
+            self._outer = True  # inside another command on this thread: joins it
+            return
+        self._started = time.monotonic_ns()
+        # A plain list of Traffic's fields: cheap to add to on the I/O path.
+        local.pending = [0] * len(TRAFFIC_FIELDS)
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        if self._outer:
+            return
+        timing = self._timing
+        pending = timing._local.pending
+        timing._local.pending = None
+        succeeded = exc_type is None
+        # A refused command moved nothing and is not counted; one that failed midway
+        # still moved what it moved.
+        if succeeded or any(pending):
+            modeled = timing._record(self._name, pending, host_command=self._host_command)
+            if succeeded and timing.timed:
+                timing._settle(self._started, modeled.device_ns, self._host_command)

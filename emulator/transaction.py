@@ -47,7 +47,9 @@ class StepTransaction:
         self.explicit = explicit
         self.total_blocks = total_blocks
         self.block_crcs = np.zeros(total_blocks, dtype=np.uint32)
-        self.states: dict[str, np.ndarray] = {}
+        # One BlockState per block of each tensor; a bytearray, whose items read as plain
+        # ints (numpy scalars compare several times slower on this per-request path).
+        self.states: dict[str, bytearray] = {}
         self.partial: dict[tuple[str, int], PartialBlock] = {}
         self.received_blocks = 0
         self.done_blocks = 0
@@ -55,10 +57,10 @@ class StepTransaction:
         self.nonfinite = 0
         self.error: BaseException | None = None
 
-    def _states_of(self, tensor: TensorLayout) -> np.ndarray:
+    def _states_of(self, tensor: TensorLayout) -> bytearray:
         states = self.states.get(tensor.name)
         if states is None:
-            states = np.zeros(tensor.block_count, dtype=np.uint8)
+            states = bytearray(tensor.block_count)  # all EMPTY
             self.states[tensor.name] = states
         return states
 
@@ -83,7 +85,7 @@ class StepTransaction:
             start, stop = tensor.block_range(block)
             lo, hi = max(first_elem, start), min(end_elem, stop)
             state = states[block]
-            if state in (BlockState.RUNNING, BlockState.DONE) or (
+            if state >= BlockState.RUNNING or (
                 state == BlockState.PARTIAL
                 and self.partial[(tensor.name, block)].mask[lo - start : hi - start].any()
             ):
@@ -133,7 +135,7 @@ class StepTransaction:
         names = []
         for tensor in tensors:
             states = self.states.get(tensor.name)
-            if states is None or (states != BlockState.DONE).any():
+            if states is None or states.count(BlockState.DONE) != len(states):
                 names.append(tensor.name)
                 if len(names) == limit:
                     break
