@@ -575,6 +575,87 @@ def test_crc32c_simd_equals_table() -> None:
             assert k.crc32c(blob) == scalar
 
 
+def test_crc32c_every_path_equals_table_at_fold_boundaries() -> None:
+    """The carry-less-multiply path (AVX-512 level with VPCLMULQDQ) folds 256 bytes a round,
+    then 64; the crc32 path interleaves 3 x 4096 bytes: every boundary of both, every start."""
+    rng = np.random.default_rng(2)
+    blob = rng.integers(0, 256, 1 << 18, dtype=np.uint8)
+    lengths = [255, 256, 257, 263, 319, 320, 321, 383, 384, 448, 511, 512, 513, 575, 1023, 1024,
+               4095, 4096, 12288, 65536 + 17] + rng.integers(256, 20_000, 60).tolist()
+    for path in PATHS:
+        with kernel_path(path):
+            for length in lengths:
+                offset = int(rng.integers(0, 64))
+                chunk = blob[offset : offset + length]
+                seed = int(rng.integers(0, 2**32))
+                table = k._lib.cossd_crc32c_scalar(seed, k._ffi.from_buffer(chunk), chunk.size)
+                assert k.crc32c(chunk, seed) == table, (path, length, offset)
+
+
+def test_crc32c_fold_path_is_used_where_the_cpu_has_it() -> None:
+    assert k._lib.cossd_crc_fold_available() in (0, 1)
+    if "avx512" in PATHS and k._lib.cossd_crc_fold_available():
+        with kernel_path("avx512"):
+            assert k.crc32c(bytes(range(256)) * 4) == k._lib.cossd_crc32c_scalar(0, bytes(range(256)) * 4, 1024)
+
+
+def test_crc32c_combine() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        a = rng.bytes(int(rng.integers(0, 3000)))
+        b = rng.bytes(int(rng.integers(0, 3000)))
+        assert k.crc32c_combine(k.crc32c(a), k.crc32c(b), len(b)) == k.crc32c(a + b)
+    big = 3 << 40  # lengths past 32 bits: the shift is computed, not looped
+    assert 0 <= k.crc32c_combine(0x12345678, 0, big) < 2**32
+    for bad in ((-1, 0, 0), (0, 2**32, 0), (0, 0, -5), (0, 0, 2**64), (True, 0, 0), (0.5, 0, 0)):
+        with pytest.raises(KernelArgumentError):
+            k.crc32c_combine(*bad)
+
+
+@pytest.mark.parametrize("path", path_params())
+@pytest.mark.parametrize(("gfmt", "pfmt", "sfmt", "hyper"), ADAM_COMBOS, ids=ADAM_IDS)
+@pytest.mark.parametrize("n", [1, 9, 1023, 1024, 1025, 3 * 1024 + 77, 2**18 + 3])
+def test_adam_step_crc_equals_step_then_checksum(
+    path: str, gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper, n: int
+) -> None:
+    """The device's one-pass block update: the same bits as adam_step, and the checksum the
+    device stores (master, exp_avg, exp_avg_sq, param in that order), outputs aligned or not."""
+    inp = make_inputs(n, gfmt, sfmt, seed=n)
+    scalars = k.adam_scalars(hyper, step=5, grad_scale=0.5)
+    kw = dict(grad_format=gfmt, param_format=pfmt, state_format=sfmt, scalars=scalars)
+    with kernel_path(path):
+        expected = run_adam(inp, gfmt, pfmt, sfmt, scalars)
+        for shift in (0, 1):  # shift 1: outputs off 16-byte alignment (no streaming stores)
+            out = {name: np.empty(n + shift, array.dtype)[shift:] for name, array in expected.items()}
+            crc = k.adam_step_crc(inp["grad"], inp["master"], inp["m"], inp["v"],
+                                  out["master"], out["m"], out["v"], out["param"], **kw)
+            assert_bits_equal(expected, out, f"shift {shift}")
+            chained = 0
+            for name in ("master", "m", "v", "param"):
+                chained = k.crc32c(expected[name], chained)
+            assert crc == chained
+
+
+def test_adam_step_crc_refuses_overlap_and_bad_arguments() -> None:
+    inp = make_inputs(64, HalfFormat.FP16, StateFormat.FP32, seed=1)
+    scalars = k.adam_scalars(HYPER_W, step=1)
+    kw = dict(grad_format=HalfFormat.FP16, param_format=HalfFormat.FP16, state_format=StateFormat.FP32,
+              scalars=scalars)
+    out = [np.empty(64, np.float32), np.empty(64, np.float32), np.empty(64, np.float32), np.empty(64, np.uint16)]
+    before = {name: array.copy() for name, array in inp.items()}
+    with pytest.raises(KernelArgumentError):  # in place: the outputs are written while read
+        k.adam_step_crc(inp["grad"], inp["master"], inp["m"], inp["v"], inp["master"], *out[1:], **kw)
+    with pytest.raises(KernelArgumentError):
+        k.adam_step_crc(inp["grad"], inp["master"], inp["m"], inp["v"], *out[:3], out[3][:10], **kw)
+    with pytest.raises(KernelArgumentError):
+        k.adam_step_crc(inp["grad"], inp["master"], inp["m"], inp["v"], *out, **{**kw, "scalars": None})
+    for name, array in inp.items():
+        assert np.array_equal(array.view(np.uint8), before[name].view(np.uint8)), name
+    empty = [np.empty(0, a.dtype) for a in out]
+    assert k.adam_step_crc(np.empty(0, np.uint16), np.empty(0, np.float32), np.empty(0, np.float32),
+                           np.empty(0, np.float32), *empty, **kw) == 0
+
+
 # ---------------------------------------------------------------------------
 # Argument validation
 # ---------------------------------------------------------------------------

@@ -443,3 +443,106 @@ def test_initial_step_continues_the_step_count(device: Device) -> None:
     assert info.value.status == Status.STEP_NUMBER_MISMATCH
     run_steps(ns, range(1))
     assert ns.committed_step == 42
+
+
+# ------------------------------------------------------------------ how new state reaches the shadow copy
+
+
+def test_write_mode_follows_the_filesystem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores straight into the mapping where the filesystem never write-protects a page
+    (tmpfs), pwrite elsewhere; COSSD_STATE_WRITES forces either, and refuses anything else."""
+    from cossd.emulator import media
+
+    def mode_of(directory: Path) -> str:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return media.write_mode_for(fd)
+        finally:
+            os.close(fd)
+
+    monkeypatch.delenv("COSSD_STATE_WRITES", raising=False)
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        assert mode_of(Path("/dev/shm")) == "mapped"
+    with open("/proc/mounts") as mounts:
+        kinds = {line.split()[1]: line.split()[2] for line in mounts}
+    mount = max((m for m in kinds if str(tmp_path.resolve()).startswith(m)), key=len)
+    assert mode_of(tmp_path) == ("mapped" if kinds[mount] in ("tmpfs", "ramfs") else "pwrite")
+    for forced in ("mapped", "pwrite"):
+        monkeypatch.setenv("COSSD_STATE_WRITES", forced)
+        assert mode_of(tmp_path) == forced
+    monkeypatch.setenv("COSSD_STATE_WRITES", "mmap-please")
+    with pytest.raises(ValueError, match="COSSD_STATE_WRITES"):
+        mode_of(tmp_path)
+
+
+def test_both_write_modes_give_the_same_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapped and pwrite shadow writes: identical state, checksums that scrub and reopen
+    accept, and a skipped (NaN) step that changes nothing, in either mode."""
+    results = {}
+    for mode in ("mapped", "pwrite"):
+        monkeypatch.setenv("COSSD_STATE_WRITES", mode)
+        backing = tmp_path / mode
+        Device.format(backing)
+        with Device.open(backing) as device:
+            ns = device.create_namespace(make_spec())
+            assert all(copy.write_mode == mode for copy in ns._copies)
+            load(ns)
+            run_steps(ns, range(3))
+            before = snapshot(ns)
+            for name, data in grads(ns, 99, poison=("w", 17)).items():
+                ns.write_grad(name, 0, data)
+            assert ns.counters.steps_skipped == 1 and snapshot(ns) == before
+            run_steps(ns, range(3, 5))
+            assert ns.scrub() == []
+            results[mode] = snapshot(ns)
+        with Device.open(backing) as device:
+            ns = device.namespace("opt")
+            assert ns.committed_step == 5 and snapshot(ns) == results[mode] and ns.scrub() == []
+    assert results["mapped"] == results["pwrite"]
+
+
+# ------------------------------------------------------------------ the fs layer's non-blocking calls
+
+
+def test_nowait_calls_match_the_blocking_ones(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    load(ns)
+    run_steps(ns, range(1))
+    for role in ("param", "master", "exp_avg"):
+        for offset, size in ((0, 100), (6, 1 << 20), (ns.file_size("w", role) - 4, 64), (1 << 40, 8)):
+            view = ns.read_nowait("w", role, offset, size)
+            assert view is not None and bytes(view) == ns.read("w", role, offset, size)
+    with pytest.raises(DeviceError):
+        ns.read_nowait("w", "grad", 0, 8)
+    data = grads(ns, 7)
+    # No step open: the begin may wait for a flush, so it is left to a thread.
+    assert ns.write_grad_nowait("w", 0, data["w"]) is None
+    ns.begin_step()
+    assert ns.write_grad_nowait("w", 0, data["w"]) == (len(data["w"]), None)  # explicit: no implicit commit
+    assert ns.write_grad_nowait("b", 0, data["b"]) == (len(data["b"]), None)
+    assert ns.commit_step().step == 2
+    ns.write_grad("w", 0, data["w"])  # opens implicit step 3
+    length, implicit = ns.write_grad_nowait("b", 0, data["b"])
+    assert length == len(data["b"]) and implicit is not None and ns.committed_step == 2
+    ns.finish_implicit_step(implicit)
+    assert ns.committed_step == 3 and ns.step_open is None
+
+
+def test_nowait_calls_step_aside_when_they_would_block(device: Device) -> None:
+    ns = device.create_namespace(make_spec())
+    load(ns)
+    run_steps(ns, range(1))
+    ns.begin_step()
+    data = grads(ns, 3)
+    with ns._lock:  # held by another thread, as across a flush
+        assert ns.read_nowait("w", "param", 0, 64) is None
+        assert ns.write_grad_nowait("w", 0, data["w"]) is None
+    ns.timing.timed = True  # timed mode sleeps to the model: never on the event loop
+    try:
+        assert ns.read_nowait("w", "param", 0, 64) is None
+        assert ns.write_grad_nowait("w", 0, data["w"]) is None
+    finally:
+        ns.timing.timed = False
+    # Nothing was taken by the refused calls: the whole gradient is still missing.
+    assert ns.counters.grad_bytes_in == sum(len(d) for d in grads(ns, 0).values())
+    ns.abort_step()

@@ -166,10 +166,10 @@ def run_trials(tmp_path: Path, steps: int, variants: tuple[str, ...], write_prob
     return outcomes
 
 
-def report(outcomes: dict[str, Outcome], figures: list[str]) -> None:
+def report(outcomes: dict[str, Outcome], figures: list[str], how: str = "") -> None:
     for mode, outcome in outcomes.items():
         figures.append(
-            f"C2 power loss ({mode} commits): {outcome.states} crash states {outcome.by_variant}, "
+            f"C2 power loss ({mode} commits{', ' + how if how else ''}): {outcome.states} crash states {outcome.by_variant}, "
             f"{outcome.silent_wrong + outcome.loud} failures ({outcome.silent_wrong} silent wrong, "
             f"{outcome.loud} unrecovered)")
         for failure in outcome.failures[:10]:
@@ -178,9 +178,13 @@ def report(outcomes: dict[str, Outcome], figures: list[str]) -> None:
         assert outcome.silent_wrong == 0 and outcome.loud == 0, outcome.failures[:5]
 
 
-def test_power_loss_at_every_sync_point_short(tmp_path: Path, figures: list[str]) -> None:
+@pytest.mark.parametrize("writes", ["pwrite", "mapped"])
+def test_power_loss_at_every_sync_point_short(tmp_path: Path, figures: list[str], writes: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways new state reaches the shadow copy (emulator/media.py write_mode_for)."""
+    monkeypatch.setenv("COSSD_STATE_WRITES", writes)
     outcomes = run_trials(tmp_path, steps=4, variants=("drop", "tear"), write_probability=0.0, seed=1)
-    report(outcomes, figures)
+    report(outcomes, figures, f"{writes} state writes")
     assert sum(o.states for o in outcomes.values()) >= 40
 
 
@@ -190,3 +194,14 @@ def test_power_loss_torture(tmp_path: Path, figures: list[str]) -> None:
                           write_probability=0.1, seed=2)
     report(outcomes, figures)
     assert sum(o.states for o in outcomes.values()) >= 1000
+
+
+@pytest.mark.slow
+def test_power_loss_torture_mapped_writes(tmp_path: Path, figures: list[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torture again with the kernel storing into the shadow's mapping (as on tmpfs)."""
+    monkeypatch.setenv("COSSD_STATE_WRITES", "mapped")
+    outcomes = run_trials(tmp_path, steps=12, variants=("drop", "keep", "tear"),
+                          write_probability=0.1, seed=3)
+    report(outcomes, figures, "mapped state writes")
+    assert sum(o.states for o in outcomes.values()) >= 300
