@@ -137,10 +137,13 @@ def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     kernel = report["kernel"][0]
     assert kernel["cossd_gels"] > 0 and kernel["torch_fused_gels"] > 0 and kernel["bandwidth_gbs"] > 0
     # Backing on the temporary directory, then on tmpfs where /dev/shm is one (media in RAM).
-    rows = [(row["o_direct"], row["media"].split()[0]) for row in report["file_path"]]
+    # Each: buffered, O_DIRECT, and O_DIRECT with NaN gradients (skipped steps: the mount alone).
+    rows = [(row["o_direct"], row["media"].split()[0], row["skipped_steps"]) for row in report["file_path"]]
     on_temp = bench.filesystem_of(Path(tempfile.gettempdir())).split()[0]
-    assert rows[:2] == [(False, on_temp), (True, on_temp)]
-    assert rows[2:] in ([], [(False, "tmpfs"), (True, "tmpfs")])
+    assert rows[:3] == [(False, on_temp, False), (True, on_temp, False), (True, on_temp, True)]
+    assert rows[3:] in ([], [(False, "tmpfs", False), (True, "tmpfs", False), (True, "tmpfs", True)])
+    assert kernel["cossd_device_gels"] > 0 and kernel["device_update_vs_kernel"] > 0
+    assert all(row["vs_device_update_in_memory"] > 0 for row in report["file_path"])
     assert set(report["checkpoint"]) == {"cossd commit (device flushes in background)",
                                          "torch.save + fsync", "DCP async_save"}
     assert report["restore"]["cossd params only"]["bytes"] == 2 * 65536

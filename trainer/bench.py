@@ -20,6 +20,7 @@ import torch
 
 from cossd import kernels
 from cossd.emulator import Device
+from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.fs import daemon
 from cossd.tools.client import AdminClient
 
@@ -78,6 +79,8 @@ BYTES_MOVED: dict[str, tuple[int, int]] = {
     "cossd": (14, 14),
     # Ordinary stores: the param lines are read before they are overwritten, 2 bytes more.
     "cossd_ordinary_stores": (16, 14),
+    # The device's block update: the same streams, out of place (all outputs streamed).
+    "cossd_device": (14, 14),
     # FP32 grad, param and moments in; param and moments out (torch's fused step has no FP16
     # param, and it refuses an FP16 grad for an FP32 param).
     "torch_fused": (16, 12),
@@ -148,6 +151,26 @@ def cossd_kernel(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
                           state_format=kernels.StateFormat.FP32, scalars=scalars)
 
     return lambda: split_run(step, b.n, threads)
+
+
+def cossd_device_update(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
+    """What the device does with each complete gradient block, in memory: the step out of
+    place (the committed copy in, the shadow copy out) with the block's checksum, one call per
+    BLOCK_ELEMS elements (Namespace._run_block). It moves what the in-place step moves (the
+    outputs go out with streaming stores) plus the checksum's arithmetic."""
+    b = buffers
+    scalars = kernels.adam_scalars(HYPER, 1)
+    shadow = [np.empty(b.n, np.float32) for _ in range(3)] + [np.empty(b.n, np.uint16)]
+
+    def update(start: int, stop: int) -> None:
+        for low in range(start, stop, BLOCK_ELEMS):
+            s = slice(low, min(stop, low + BLOCK_ELEMS))
+            kernels.adam_step_crc(b.grad16[s], b.master_np[s], b.exp_avg_np[s], b.exp_avg_sq_np[s],
+                                  *(array[s] for array in shadow),
+                                  grad_format=kernels.HalfFormat.FP16, param_format=kernels.HalfFormat.FP16,
+                                  state_format=kernels.StateFormat.FP32, scalars=scalars)
+
+    return lambda: split_run(update, b.n, threads)
 
 
 def cossd_ordinary_stores(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
@@ -225,6 +248,7 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
             "roofline": roofline_probe(buffers, threads),
             "cossd": cossd_kernel(buffers, threads),
             "cossd_ordinary_stores": cossd_ordinary_stores(buffers, threads),
+            "cossd_device": cossd_device_update(buffers, threads),
             "torch_fused": torch_adamw(buffers, threads, fused=True),
             "torch_foreach": torch_adamw(buffers, threads, foreach=True),
             "deepspeed": deepspeed_cpuadam(buffers, threads),
@@ -269,6 +293,9 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
         "cossd_gels": rate["cossd"],
         "cossd_ordinary_stores_gels": rate["cossd_ordinary_stores"],
         "streaming_gain": ratio["cossd_ordinary_stores"],
+        # The device's block update (out of place, with its checksum) over the plain step.
+        "cossd_device_gels": rate["cossd_device"],
+        "device_update_vs_kernel": 1 / ratio["cossd_device"],
         "torch_fused_gels": rate["torch_fused"],
         "torch_foreach_gels": rate["torch_foreach"],
         "deepspeed_gels": rate.get("deepspeed"),
@@ -303,11 +330,16 @@ def _aligned(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size)  # page aligned, as O_DIRECT wants
 
 
-def file_path_step(device: BenchDevice, o_direct: bool, chunk: int = 4 << 20) -> Callable[[], None]:
-    """One step through the files: write fp16 grads in `chunk`-byte pieces, read fp16 params."""
+def file_path_step(device: BenchDevice, o_direct: bool, chunk: int = 4 << 20,
+                   nonfinite: bool = False) -> Callable[[], None]:
+    """One step through the files: write fp16 grads in `chunk`-byte pieces, read fp16 params.
+    nonfinite=True writes NaN gradients: every step is skipped, so no kernel runs and the
+    time is what the mount and the request path alone cost."""
     size = 2 * device.n
     grads = _aligned(size)
-    grads.write((np.random.default_rng(1).standard_normal(device.n) * 0.01).astype(np.float16).tobytes())
+    values = (np.full(device.n, np.nan) if nonfinite
+              else np.random.default_rng(1).standard_normal(device.n) * 0.01)
+    grads.write(values.astype(np.float16).tobytes())
     params = _aligned(size)
     flags = os.O_DIRECT if o_direct else 0
 
@@ -460,14 +492,16 @@ def run(args: argparse.Namespace) -> int:
     device = BenchDevice(workdir, args.file_elements)
     try:
         in_memory = max((row["cossd_gels"] for row in kernel_rows), default=None)  # None: kernel not run
-        file_rows = file_path_rows(device, workdir, args.file_elements, repeat, in_memory)
+        device_update = max((row["cossd_device_gels"] for row in kernel_rows), default=None)
+        file_rows = file_path_rows(device, workdir, args.file_elements, repeat, in_memory, device_update)
         ram = ram_workdir()
         if ram is not None:
             # The same path with the media in RAM: what the mount and the device's own work
             # cost without the backing disk's writeback.
             ram_device = BenchDevice(ram, args.file_elements)
             try:
-                file_rows += file_path_rows(ram_device, ram, args.file_elements, repeat, in_memory)
+                file_rows += file_path_rows(ram_device, ram, args.file_elements, repeat, in_memory,
+                                            device_update)
             finally:
                 ram_device.stop()
                 shutil.rmtree(ram, ignore_errors=True)
@@ -507,16 +541,21 @@ def ram_workdir() -> Path | None:
 
 
 def file_path_rows(device: BenchDevice, workdir: Path, n: int, repeat: int,
-                   in_memory: float | None) -> list[dict[str, Any]]:
-    """One step through the mount, buffered and O_DIRECT, with the backing store named."""
+                   in_memory: float | None, device_update: float | None = None) -> list[dict[str, Any]]:
+    """One step through the mount, buffered and O_DIRECT, with the backing store named; then
+    the same O_DIRECT step with every gradient non-finite (skipped: the mount alone)."""
     media = filesystem_of(workdir)
     rows = []
-    for o_direct in (False, True):
-        step = file_path_step(device, o_direct)
+    for o_direct, nonfinite in ((False, False), (True, False), (True, True)):
+        step = file_path_step(device, o_direct, nonfinite=nonfinite)
         rate = n / statistics.median(timed(step, repeat)) / 1e9
         share = rate / in_memory if in_memory else None
-        rows.append({"o_direct": o_direct, "media": media, "gels": rate, "vs_kernel_in_memory": share})
-        _say(f"  file path ({'O_DIRECT' if o_direct else 'buffered'}, backing on {media}): {rate:.3f} G el/s"
+        rows.append({"o_direct": o_direct, "media": media, "gels": rate, "vs_kernel_in_memory": share,
+                     "vs_device_update_in_memory": rate / device_update if device_update else None,
+                     "skipped_steps": nonfinite})
+        what = ("O_DIRECT, every step skipped (no kernel: the mount alone)" if nonfinite
+                else "O_DIRECT" if o_direct else "buffered")
+        _say(f"  file path ({what}, backing on {media}): {rate:.3f} G el/s"
              + (f" = {share:.0%} of the kernel in memory" if share else ""))
     return rows
 
@@ -550,8 +589,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "Kernel, in memory: every contender steps on the same buffers, in turns; G el/s are medians, "
                   "the ratios are medians of turn-by-turn ratios, with the range of the round medians.", "",
                   "| threads | memory bandwidth | roofline (28 B/el) | cossd kernel | torch fused | torch foreach "
-                  "| DeepSpeed CPUAdam | cossd / fused | cossd / roofline |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| DeepSpeed CPUAdam | cossd / fused | cossd / roofline | device block update |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report.get("kernel", []):
         deepspeed = f"{row['deepspeed_gels']:.2f}" if row["deepspeed_gels"] else "not installed"
         fused_low, fused_high = row["cossd_vs_fused_round_range"]
@@ -559,7 +598,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {row['threads']} | {row['bandwidth_gbs']:.1f} GB/s | {row['adam_roofline_gels']:.2f} G el/s "
                      f"| {row['cossd_gels']:.2f} | {row['torch_fused_gels']:.2f} | {row['torch_foreach_gels']:.2f} "
                      f"| {deepspeed} | {row['cossd_vs_fused']:.2f}x ({fused_low:.2f}-{fused_high:.2f}) "
-                     f"| {row['cossd_vs_roofline']:.0%} ({roof_low:.0%}-{roof_high:.0%}) |")
+                     f"| {row['cossd_vs_roofline']:.0%} ({roof_low:.0%}-{roof_high:.0%}) "
+                     f"| {row['cossd_device_gels']:.2f} ({row['device_update_vs_kernel']:.0%} of the kernel) |")
     if report.get("kernel"):
         moved = report["kernel"][0]["bytes_per_element"]
         lines += ["", "Bytes per element, read + written: " + "; ".join(
@@ -573,12 +613,17 @@ def markdown(report: dict[str, Any]) -> str:
                "none, the call is below kernels.stream_threshold() (the param lines are read first: +2 B).")]
     if "file_path" not in report:  # --sections kernel
         return "\n".join(lines)
-    lines += ["", "| through the mount (FP16 grads in, FP16 params out) | backing store | G el/s | of the kernel in memory |",
-              "|---|---|---|---|"]
+    lines += ["", "| through the mount (FP16 grads in, FP16 params out) | backing store | G el/s "
+              "| of the kernel in memory | of the device block update in memory |",
+              "|---|---|---|---|---|"]
     for row in report.get("file_path", []):
         share = f"{row['vs_kernel_in_memory']:.0%}" if row["vs_kernel_in_memory"] else "kernel not run"
-        lines.append(f"| {'O_DIRECT' if row['o_direct'] else 'buffered'} | {row.get('media', '')} | "
-                     f"{row['gels']:.3f} | {share} |")
+        device_share = (f"{row['vs_device_update_in_memory']:.0%}" if row.get("vs_device_update_in_memory")
+                        else "kernel not run")
+        what = "O_DIRECT" if row["o_direct"] else "buffered"
+        if row.get("skipped_steps"):
+            what += ", NaN gradients: every step skipped, no kernel (the mount alone)"
+        lines.append(f"| {what} | {row.get('media', '')} | {row['gels']:.3f} | {share} | {device_share} |")
     lines += ["", "| checkpoint of one step | seconds | bytes over the link |", "|---|---|---|"]
     for name, row in report.get("checkpoint", {}).items():
         extra = ""
@@ -606,12 +651,13 @@ def chart(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     rows = report.get("kernel", [])
     labels = [f"{r['threads']} thr" for r in rows]
-    width = 0.2
-    for offset, (key, name) in enumerate((("cossd_gels", "cossd"), ("torch_fused_gels", "torch fused"),
+    width = 0.16
+    for offset, (key, name) in enumerate((("cossd_gels", "cossd"), ("cossd_device_gels", "device update"),
+                                          ("torch_fused_gels", "torch fused"),
                                           ("torch_foreach_gels", "torch foreach"),
                                           ("adam_roofline_gels", "roofline"))):
         axes[0].bar([i + offset * width for i in range(len(rows))], [r[key] for r in rows], width, label=name)
-    axes[0].set_xticks([i + 1.5 * width for i in range(len(rows))], labels)
+    axes[0].set_xticks([i + 2 * width for i in range(len(rows))], labels)
     axes[0].set(title="Adam kernel, in memory", ylabel="G elements/s")
     axes[0].legend(fontsize=8)
     checkpoint = report.get("checkpoint", {})
