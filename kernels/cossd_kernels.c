@@ -132,6 +132,7 @@ static int simd_enabled(void) { return simd_cap() != COSSD_SIMD_SCALAR; }
 int cossd_simd_available(void) { return g_has_avx2; }
 int cossd_avx512_available(void) { return g_has_avx512; }
 int cossd_crc_simd_available(void) { return g_has_sse42; }
+int cossd_crc_fold_available(void) { return g_has_vpclmul; }
 int cossd_simd_level_available(void) { return g_best_level; }
 void cossd_set_simd_level(int level)
 {
@@ -743,12 +744,12 @@ COSSD_AVX512_INLINE adam_z adam_z_make(const adam_k *k)
     return c;
 }
 
-/* Elements i..i+15 (only the lanes in km when masked), in adam_elem's exact
- * operation order. Lanes outside km compute on zeros and are discarded. */
-COSSD_AVX512_INLINE void adam_avx512_vec(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
-                                         const void *vi, float *mo, void *ao, void *vo, int sfmt, uint16_t *po,
-                                         int pfmt, size_t i, const adam_z *c, int decoupled, __mmask16 km,
-                                         int masked, unsigned nt)
+/* The new master (NaN made canonical), exp_avg and exp_avg_sq of elements i..i+15 (only
+ * the lanes in km when masked), in adam_elem's exact operation order. Lanes outside km
+ * compute on zeros and are discarded. */
+COSSD_AVX512_INLINE void adam_avx512_math(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
+                                          const void *vi, int sfmt, size_t i, const adam_z *c, int decoupled,
+                                          __mmask16 km, int masked, __m512 *p_out, __m512 *m_out, __m512 *v_out)
 {
     __m512 g = _mm512_mul_ps(z_half_to_f32(z_load16(grad + i, km, masked), gfmt), c->grad_scale);
     __m512 p = z_loadf(mi + i, km, masked);
@@ -763,7 +764,19 @@ COSSD_AVX512_INLINE void adam_avx512_vec(const uint16_t *grad, int gfmt, const f
     __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(c->omb2, g), g, _mm512_mul_ps(v_in, c->beta2));
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bc2_sqrt), c->eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step, m), denom));
-    p = z_canon_nan(p);
+    *p_out = z_canon_nan(p);
+    *m_out = m;
+    *v_out = v;
+}
+
+/* Elements i..i+15 (only the lanes in km when masked): computed and stored. */
+COSSD_AVX512_INLINE void adam_avx512_vec(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
+                                         const void *vi, float *mo, void *ao, void *vo, int sfmt, uint16_t *po,
+                                         int pfmt, size_t i, const adam_z *c, int decoupled, __mmask16 km,
+                                         int masked, unsigned nt)
+{
+    __m512 p, m, v;
+    adam_avx512_math(grad, gfmt, mi, ai, vi, sfmt, i, c, decoupled, km, masked, &p, &m, &v);
     if (masked) { /* peel and tail: never streamed (callers pass nt == 0) */
         z_storef(mo + i, p, km, 1);
         z_store_state(ao, i, sfmt, z_canon_nan(m), km, 1);
@@ -1461,6 +1474,11 @@ static void copy_out(void *dst, const void *src, size_t bytes)
     memcpy(dst, src, bytes);
 }
 
+static int step_crc_in_registers(const float *mo, const void *ao, const void *vo, const uint16_t *po, int sfmt,
+                                 const uint32_t raw[4], size_t n, const uint16_t *grad, int gfmt,
+                                 const float *mi, const void *ai, const void *vi, int pfmt,
+                                 const cossd_adam_scalars *s, uint32_t crc[4]);
+
 int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
                         const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                         int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,
@@ -1480,6 +1498,10 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
     float scratch_avg_sq[STEP_CRC_CHUNK] __attribute__((aligned(64)));
     uint16_t scratch_param[STEP_CRC_CHUNK] __attribute__((aligned(64)));
     uint32_t crc[4] = {0, 0, 0, 0};
+    static const uint32_t fresh[4] = {~0u, ~0u, ~0u, ~0u}; /* the registers of CRC value 0 */
+    if (n && step_crc_in_registers(master_out, exp_avg_out, exp_avg_sq_out, param_out, state_fmt, fresh, n, grad,
+                                   grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, param_fmt, s, crc))
+        goto combine; /* no scratch: the checksum was folded from the registers */
     for (size_t i = 0; i < n; i += STEP_CRC_CHUNK) {
         size_t count = n - i < STEP_CRC_CHUNK ? n - i : STEP_CRC_CHUNK;
         rc = cossd_adam_step(grad + i, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
@@ -1499,6 +1521,7 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
 #if COSSD_X86
     _mm_sfence(); /* streaming stores are weakly ordered: visible before the caller goes on */
 #endif
+combine:;
     uint32_t block = cossd_crc32c_combine(crc[0], crc[1], (uint64_t)n * ssz);
     block = cossd_crc32c_combine(block, crc[2], (uint64_t)n * ssz);
     *crc_out = cossd_crc32c_combine(block, crc[3], (uint64_t)n * 2);
@@ -1570,7 +1593,7 @@ __attribute__((target(COSSD_CLMUL_TARGET))) static uint32_t crc32c_fold_impl(uin
     __m512i x0 = _mm512_loadu_si512((const void *)p), x1 = _mm512_loadu_si512((const void *)(p + 64));
     __m512i x2 = _mm512_loadu_si512((const void *)(p + 128)), x3 = _mm512_loadu_si512((const void *)(p + 192));
     /* The register is XORed onto the message's first 4 bytes. */
-    x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)reg)));
+    x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg)));
     p += 256;
     len -= 256;
     __m512i k = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)g_fold[FOLD_2048][1], (long long)g_fold[FOLD_2048][0]));
@@ -1613,5 +1636,165 @@ static uint32_t crc32c_fold(uint32_t reg, const uint8_t *p, size_t len)
     (void)p;
     (void)len;
     return reg; /* unreachable: crc_fold_usable() is false without x86 */
+#endif
+}
+
+
+/* ------------------------------------------------------------------------ */
+/* The device's block update with the checksum folded in registers          */
+/* (AVX-512 with VPCLMULQDQ, FP32 moments).                                 */
+/* ------------------------------------------------------------------------ */
+
+#if COSSD_X86
+#define COSSD_AVX512_CRC_TARGET COSSD_AVX512_TARGET ",vpclmulqdq,pclmul,sse4.2"
+#define COSSD_AVX512_CRC_INLINE static inline __attribute__((always_inline, target(COSSD_AVX512_CRC_TARGET)))
+
+COSSD_AVX512_CRC_INLINE __m256i fold_ymm(__m256i acc, __m256i k, __m256i next)
+{
+    return _mm256_ternarylogic_epi64(_mm256_clmulepi64_epi128(acc, k, 0x00), _mm256_clmulepi64_epi128(acc, k, 0x11),
+                                     next, 0x96);
+}
+
+/* The CRC register of a folded 128-bit remainder: its 16 bytes through crc32 from zero. */
+COSSD_AVX512_CRC_INLINE uint32_t crc_register_of(__m128i r)
+{
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+    return (uint32_t)_mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
+}
+
+COSSD_AVX512_CRC_INLINE uint32_t crc_register_of_zmm(__m512i x)
+{
+    __m128i r = _mm512_extracti32x4_epi32(x, 3);
+    r = _mm_xor_si128(r, fold_xmm(_mm512_extracti32x4_epi32(x, 0), FOLD_384));
+    r = _mm_xor_si128(r, fold_xmm(_mm512_extracti32x4_epi32(x, 1), FOLD_256));
+    r = _mm_xor_si128(r, fold_xmm(_mm512_extracti32x4_epi32(x, 2), FOLD_128));
+    return crc_register_of(r);
+}
+
+COSSD_AVX512_CRC_INLINE uint32_t crc_register_of_ymm(__m256i x)
+{
+    __m128i r = _mm_xor_si128(_mm256_extracti128_si256(x, 1), fold_xmm(_mm256_castsi256_si128(x), FOLD_128));
+    return crc_register_of(r);
+}
+
+/* Elements [from, to) of the four outputs, already in memory, into the raw registers. */
+static void crc_outputs_from_memory(uint32_t reg[4], const float *mo, const void *ao, const void *vo,
+                                    const uint16_t *po, size_t from, size_t to)
+{
+    if (to <= from)
+        return;
+    const void *const streams[4] = {mo + from, (const float *)ao + from, (const float *)vo + from, po + from};
+    for (int s = 0; s < 4; s++)
+        reg[s] = ~cossd_crc32c_sse42(~reg[s], streams[s], (to - from) * (s == 3 ? 2 : 4));
+}
+
+/* The 16-element main loop: compute, store (streaming where NT), and fold each output
+ * vector into its stream's accumulator: 64 bytes a fold for master and the moments, 32 for
+ * the param. The first vector of each stream takes the running register on its first 4
+ * bytes, as the crc32 instruction would. */
+#define ADAM_CRC_LOOP(NT)                                                                                    \
+    do {                                                                                                     \
+        __m512 p, m, v;                                                                                      \
+        __m512i xp, xm, xv, ap = _mm512_setzero_si512(), am = ap, av = ap;                                   \
+        __m256i xh, ah = _mm256_setzero_si256();                                                             \
+        for (size_t j = 0; j < vectors; j++, i += 16) {                                                      \
+            adam_avx512_math(grad, gfmt, mi, ai, vi, sfmt, i, &c, decoupled, 0xFFFF, 0, &p, &m, &v);         \
+            m = z_canon_nan(m);                                                                              \
+            v = z_canon_nan(v);                                                                              \
+            xh = z_f32_to_half(p, pfmt);                                                                     \
+            z_put_f32(mo + i, p, NT);                                                                        \
+            z_put_f32((float *)ao + i, m, NT);                                                               \
+            z_put_f32((float *)vo + i, v, NT);                                                               \
+            z_put16(po + i, xh, NT);                                                                         \
+            xp = _mm512_castps_si512(p);                                                                     \
+            xm = _mm512_castps_si512(m);                                                                     \
+            xv = _mm512_castps_si512(v);                                                                     \
+            if (j == 0) {                                                                                    \
+                ap = _mm512_xor_si512(xp, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg[0])));           \
+                am = _mm512_xor_si512(xm, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg[1])));           \
+                av = _mm512_xor_si512(xv, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)reg[2])));           \
+                ah = _mm256_xor_si256(xh, _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)reg[3])));           \
+            } else {                                                                                         \
+                ap = fold_zmm(ap, k512, xp);                                                                 \
+                am = fold_zmm(am, k512, xm);                                                                 \
+                av = fold_zmm(av, k512, xv);                                                                 \
+                ah = fold_ymm(ah, k256, xh);                                                                 \
+            }                                                                                                \
+        }                                                                                                    \
+        if (NT)                                                                                              \
+            _mm_sfence();                                                                                    \
+        reg[0] = crc_register_of_zmm(ap);                                                                    \
+        reg[1] = crc_register_of_zmm(am);                                                                    \
+        reg[2] = crc_register_of_zmm(av);                                                                    \
+        reg[3] = crc_register_of_ymm(ah);                                                                    \
+    } while (0)
+
+COSSD_AVX512_CRC_INLINE void adam_avx512_crc_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
+                                                  const void *vi, float *mo, void *ao, void *vo, int sfmt,
+                                                  uint16_t *po, int pfmt, size_t n, const adam_k *k, int decoupled,
+                                                  uint32_t reg[4])
+{
+    if (sfmt != COSSD_STATE_FP32)
+        return; /* never called so: the caller checks */
+    const adam_z c = adam_z_make(k);
+    /* As adam_avx512_body: one masked vector first so that master_out is 64-byte aligned. */
+    size_t i = adam_peel(mo, n, 64);
+    if (i) {
+        adam_avx512_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, 0, &c, decoupled,
+                        (__mmask16)((1u << i) - 1u), 1, 0);
+        crc_outputs_from_memory(reg, mo, ao, vo, po, 0, i);
+    }
+    size_t vectors = (n - i) / 16;
+    if (vectors) {
+        const __m512i k512 = _mm512_broadcast_i32x4(
+            _mm_set_epi64x((long long)g_fold[FOLD_512][1], (long long)g_fold[FOLD_512][0]));
+        const __m256i k256 = _mm256_broadcastsi128_si256(
+            _mm_set_epi64x((long long)g_fold[FOLD_256][1], (long long)g_fold[FOLD_256][0]));
+        /* Streaming needs every output aligned to its vector; master_out is, after the peel. */
+        int stream = aligned_to((float *)ao + i, 64) && aligned_to((float *)vo + i, 64) && aligned_to(po + i, 32);
+        if (stream)
+            ADAM_CRC_LOOP(1);
+        else
+            ADAM_CRC_LOOP(0);
+    }
+    if (i < n) { /* 1..15 left: one masked vector */
+        size_t from = i;
+        adam_avx512_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled,
+                        (__mmask16)((1u << (n - i)) - 1u), 1, 0);
+        crc_outputs_from_memory(reg, mo, ao, vo, po, from, n);
+    }
+}
+#undef ADAM_CRC_LOOP
+
+__attribute__((target(COSSD_AVX512_CRC_TARGET))) static void
+adam_avx512_crc_dispatch(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
+                         void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k,
+                         uint32_t reg[4])
+{
+#define ADAM_CRC_CALL(GF, SF, PF, DC) adam_avx512_crc_body(grad, GF, mi, ai, vi, mo, ao, vo, SF, po, PF, n, k, DC, reg)
+    ADAM_SPECIALISE(ADAM_CRC_CALL);
+#undef ADAM_CRC_CALL
+}
+#endif
+
+static int step_crc_in_registers(const float *mo, const void *ao, const void *vo, const uint16_t *po, int sfmt,
+                                 const uint32_t raw[4], size_t n, const uint16_t *grad, int gfmt,
+                                 const float *mi, const void *ai, const void *vi, int pfmt,
+                                 const cossd_adam_scalars *s, uint32_t crc[4])
+{
+#if COSSD_X86
+    if (!g_has_vpclmul || sfmt != COSSD_STATE_FP32 || cossd_simd_level() != COSSD_SIMD_AVX512)
+        return 0;
+    adam_k k = adam_load_scalars(s);
+    uint32_t reg[4] = {raw[0], raw[1], raw[2], raw[3]};
+    adam_avx512_crc_dispatch(grad, gfmt, mi, ai, vi, (float *)mo, (void *)ao, (void *)vo, sfmt, (uint16_t *)po,
+                             pfmt, n, &k, reg);
+    for (int i = 0; i < 4; i++)
+        crc[i] = ~reg[i];
+    return 1;
+#else
+    (void)mo; (void)ao; (void)vo; (void)po; (void)sfmt; (void)raw; (void)n; (void)grad; (void)gfmt;
+    (void)mi; (void)ai; (void)vi; (void)pfmt; (void)s; (void)crc;
+    return 0;
 #endif
 }

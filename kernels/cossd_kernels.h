@@ -106,6 +106,8 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
 int cossd_simd_available(void);
 int cossd_avx512_available(void);
 int cossd_crc_simd_available(void);
+/* 1 where CRC32C folds by carry-less multiplication (VPCLMULQDQ with AVX-512) at the avx512 level. */
+int cossd_crc_fold_available(void);
 void cossd_set_simd(int enabled);
 int cossd_simd_active(void);
 int cossd_simd_level_available(void);

@@ -612,9 +612,16 @@ def test_crc32c_combine() -> None:
             k.crc32c_combine(*bad)
 
 
+def _aligned_empty(n: int, dtype: np.dtype, shift: int) -> np.ndarray:
+    """n items of dtype starting `shift` items past a 64-byte boundary."""
+    raw = np.empty(n * dtype.itemsize + 64 + shift * dtype.itemsize + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64 + shift * dtype.itemsize
+    return raw[start : start + n * dtype.itemsize].view(dtype)
+
+
 @pytest.mark.parametrize("path", path_params())
 @pytest.mark.parametrize(("gfmt", "pfmt", "sfmt", "hyper"), ADAM_COMBOS, ids=ADAM_IDS)
-@pytest.mark.parametrize("n", [1, 9, 1023, 1024, 1025, 3 * 1024 + 77, 2**18 + 3])
+@pytest.mark.parametrize("n", [1, 9, 16, 31, 1023, 1024, 1025, 3 * 1024 + 77, 2**18 + 3])
 def test_adam_step_crc_equals_step_then_checksum(
     path: str, gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper, n: int
 ) -> None:
@@ -625,11 +632,20 @@ def test_adam_step_crc_equals_step_then_checksum(
     kw = dict(grad_format=gfmt, param_format=pfmt, state_format=sfmt, scalars=scalars)
     with kernel_path(path):
         expected = run_adam(inp, gfmt, pfmt, sfmt, scalars)
-        for shift in (0, 1):  # shift 1: outputs off 16-byte alignment (no streaming stores)
-            out = {name: np.empty(n + shift, array.dtype)[shift:] for name, array in expected.items()}
+        # Outputs `shift` elements past a 64-byte boundary (all alike: a peel, then streaming
+        # stores), or scattered (no streaming); numpy's own placement once more.
+        placements = [("aligned", shift) for shift in (0, 1, 7, 15)] + [("scattered", 0), ("numpy", 0)]
+        for placement, shift in placements:
+            if placement == "aligned":
+                out = {name: _aligned_empty(n, array.dtype, shift) for name, array in expected.items()}
+            elif placement == "scattered":
+                out = {name: _aligned_empty(n, array.dtype, index * 3 + 1)
+                       for index, (name, array) in enumerate(expected.items())}
+            else:
+                out = {name: np.empty(n, array.dtype) for name, array in expected.items()}
             crc = k.adam_step_crc(inp["grad"], inp["master"], inp["m"], inp["v"],
                                   out["master"], out["m"], out["v"], out["param"], **kw)
-            assert_bits_equal(expected, out, f"shift {shift}")
+            assert_bits_equal(expected, out, f"{placement} {shift}")
             chained = 0
             for name in ("master", "m", "v", "param"):
                 chained = k.crc32c(expected[name], chained)
