@@ -15,16 +15,21 @@ import numpy as np
 from .errors import DeviceError, Status
 
 
-def _sync_file_range() -> Any:
-    """libc's sync_file_range (Linux), or None where there is none."""
+def _libc_function(name: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
+    """A libc function by name (Linux), or None where libc has none."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.sync_file_range
+        function = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    function.restype = ctypes.c_int
+    function.argtypes = argtypes
+    function.restype = restype
     return function
+
+
+def _sync_file_range() -> Any:
+    return _libc_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint),
+                          ctypes.c_int)
 
 
 _SYNC_FILE_RANGE = _sync_file_range()
@@ -32,14 +37,11 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not
 
 
 def _fstatfs_type() -> Any:
-    """libc's fstatfs, returning the filesystem's magic number, or None where there is none."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.fstatfs
-    except (OSError, AttributeError):
+    """fstatfs as a function of a descriptor returning the filesystem's magic number, or None
+    where libc has no fstatfs."""
+    function = _libc_function("fstatfs", (ctypes.c_int, ctypes.c_void_p), ctypes.c_int)
+    if function is None:
         return None
-    function.argtypes = (ctypes.c_int, ctypes.c_void_p)
-    function.restype = ctypes.c_int
 
     def magic(fd: int) -> int | None:
         buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on Linux x86-64

@@ -1336,19 +1336,22 @@ static uint32_t crc_multmodp(uint32_t a, uint32_t b)
     return product;
 }
 
-/* x^(8 * len) modulo the polynomial, by squaring: x^(2^k) for every set bit k of 8 * len. */
-static uint32_t crc_x8nmodp(uint64_t len)
+/* x^n modulo the polynomial, reflected as the CRC register is (bit 31 is x^0), by squaring:
+ * x^(2^k) for every set bit k of n. */
+static uint32_t crc_xnmodp(uint64_t n)
 {
-    uint32_t result = 1u << 31;  /* x^0 */
-    uint32_t power = 1u << 23;   /* x^8: one byte */
-    while (len) {
-        if (len & 1u)
+    uint32_t result = 1u << 31, power = 1u << 30; /* x^0, x^1 */
+    while (n) {
+        if (n & 1u)
             result = crc_multmodp(power, result);
         power = crc_multmodp(power, power);
-        len >>= 1;
+        n >>= 1;
     }
     return result;
 }
+
+/* x^(8 * len): what `len` bytes move a CRC register by. */
+static uint32_t crc_x8nmodp(uint64_t len) { return crc_xnmodp(8 * len); }
 
 uint32_t cossd_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b)
 {
@@ -1532,19 +1535,6 @@ combine:;
 /* ------------------------------------------------------------------------ */
 /* CRC32C by carry-less multiplication (VPCLMULQDQ): 64 bytes per fold.      */
 /* ------------------------------------------------------------------------ */
-
-/* x^n modulo the polynomial, reflected as the CRC register is (bit 31 is x^0). */
-static uint32_t crc_xnmodp(uint64_t n)
-{
-    uint32_t result = 1u << 31, power = 1u << 30; /* x^0, x^1 */
-    while (n) {
-        if (n & 1u)
-            result = crc_multmodp(power, result);
-        power = crc_multmodp(power, power);
-        n >>= 1;
-    }
-    return result;
-}
 
 /* Folding constants, as 64-bit lane pairs {low, high}: a 128-bit piece of the message
  * moved F bits further is congruent to its low half times x^(F+63) plus its high half
