@@ -148,3 +148,20 @@ def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
                                          "torch.save + fsync", "DCP async_save"}
     assert report["restore"]["cossd params only"]["bytes"] == 2 * 65536
     assert (tmp_path / "b/bench.png").exists() and "| threads |" in (tmp_path / "b/bench.md").read_text()
+    # The trainer side (on CPU here): resident AdamW with a per-step checkpoint vs offload.
+    trainer = report["trainer"]
+    assert trainer["device"] == "cpu" and trainer["elements"] == 65536
+    resident = trainer["resident fused AdamW + torch.save checkpoint"]
+    offload = trainer["cossd offload (AdamW on the drive)"]
+    assert resident["step_seconds"] > 0 and resident["checkpoint_seconds"] > 0
+    assert resident["bytes_over_link"] >= 12 * 65536  # master and both moments, through ext4
+    assert offload["seconds"] > 0 and offload["bytes_over_link"] == 4 * 65536
+    assert {"grads_s", "commit_s"} <= set(offload["phases_seconds"])
+    assert "Trainer side, on cpu" in (tmp_path / "b/bench.md").read_text()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
+def test_bench_device_cuda_without_a_gpu_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "bench", "--sections", "trainer", "--device", "cuda",
+                         "--output", str(tmp_path / "b"))
+    assert code == 2 and "no CUDA device" in err and not (tmp_path / "b").exists()

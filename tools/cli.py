@@ -533,7 +533,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from cossd.trainer import bench  # needs torch, which no other verb does
 
-    return bench.run(args)
+    try:
+        return bench.run(args)
+    except ValueError as exc:  # e.g. --device cuda without a GPU
+        print(f"cossd bench: {exc}", file=sys.stderr)
+        return 2
 
 
 # ---------------------------------------------------------------------- parser

@@ -24,6 +24,7 @@ from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.fs import daemon
 from cossd.tools.client import AdminClient
 
+from . import bench_trainer
 from .checkpointing import drop_from_page_cache, files_under
 from .nvm_volume import NvmVolume
 from .options import BENCH_SECTIONS, add_bench_arguments
@@ -368,12 +369,14 @@ def file_path_step(device: BenchDevice, o_direct: bool, chunk: int = 4 << 20,
 CHECKPOINT_NAMESPACE = "bench-checkpoints"  # the plain NVM namespace torch.save and DCP write to
 
 
-def checkpoint_volume(device: BenchDevice, workdir: Path, *, create: bool) -> NvmVolume:
+def checkpoint_volume(device: BenchDevice, workdir: Path, *, create: bool,
+                      name: str = CHECKPOINT_NAMESPACE) -> NvmVolume:
     """ext4 on a plain NVM namespace of the bench's own device: the peers' checkpoints go
-    through the same drive and its counters, as cossd's do. Kept between checkpoint and restore."""
+    through the same drive and its counters, as cossd's do. The checkpoint section's is kept
+    between checkpoint and restore; any other is deleted when it closes."""
     size = -(-(32 * device.n + (128 << 20)) // (1 << 20)) * (1 << 20)  # two 14 B/element checkpoints
-    return NvmVolume(device.mountpoint, CHECKPOINT_NAMESPACE, size, workdir / "ext4",
-                     keep_namespace=True, create=create)
+    return NvmVolume(device.mountpoint, name, size, workdir / f"ext4-{name}",
+                     keep_namespace=name == CHECKPOINT_NAMESPACE, create=create)
 
 
 def checkpoint_costs(device: BenchDevice, volume: NvmVolume, n: int) -> dict[str, dict[str, float]]:
@@ -463,6 +466,8 @@ def restore_costs(device: BenchDevice, workdir: Path, n: int) -> dict[str, dict[
 # ---------------------------------------------------------------------- report
 
 def run(args: argparse.Namespace) -> int:
+    if "trainer" in getattr(args, "sections", BENCH_SECTIONS):
+        bench_trainer.resolve_device(getattr(args, "device", "cpu"))  # no CUDA: say so before any work
     n, repeat = args.elements, args.repeat
     report: dict[str, Any] = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -485,39 +490,56 @@ def run(args: argparse.Namespace) -> int:
     if kernel_rows:
         report["kernel"] = kernel_rows
         report["rounds"] = rounds
-    if "mount" not in sections:
+    if not sections & {"mount", "trainer"}:
         _write_report(report, args.output)
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-"))
     device = BenchDevice(workdir, args.file_elements)
     try:
-        in_memory = max((row["cossd_gels"] for row in kernel_rows), default=None)  # None: kernel not run
-        device_update = max((row["cossd_device_gels"] for row in kernel_rows), default=None)
-        file_rows = file_path_rows(device, workdir, args.file_elements, repeat, in_memory, device_update)
-        ram = ram_workdir()
-        if ram is not None:
-            # The same path with the media in RAM: what the mount and the device's own work
-            # cost without the backing disk's writeback.
-            ram_device = BenchDevice(ram, args.file_elements)
-            try:
-                file_rows += file_path_rows(ram_device, ram, args.file_elements, repeat, in_memory,
-                                            device_update)
-            finally:
-                ram_device.stop()
-                shutil.rmtree(ram, ignore_errors=True)
-        report["file_path"] = file_rows
-        with checkpoint_volume(device, workdir, create=True) as volume:
-            report["checkpoint"] = checkpoint_costs(device, volume, args.file_elements)
-        for name, row in report["checkpoint"].items():
-            _say(f"  checkpoint, {name}: {row['seconds']:.3f} s, {row['bytes_over_link'] / 1e6:.0f} MB over the link")
-        report["restore"] = restore_costs(device, workdir, args.file_elements)
-        for name, row in report["restore"].items():
-            _say(f"  restore, {name}: {row['seconds']:.3f} s, {row['bytes'] / 1e6:.0f} MB read")
+        if "mount" in sections:
+            _mount_sections(report, args, device, workdir, kernel_rows)
+        if "trainer" in sections:
+            with checkpoint_volume(device, workdir, create=True,
+                                   name=bench_trainer.TRAINER_NAMESPACE + "-checkpoints") as volume:
+                report["trainer"] = bench_trainer.trainer_costs(getattr(args, "device", "cpu"), device.mountpoint,
+                                                                volume, args.file_elements, repeat)
+            for name, row in report["trainer"].items():
+                if isinstance(row, dict):
+                    _say(f"  trainer on {report['trainer']['device']}, {name}: {row['seconds']:.3f} s per step, "
+                         f"{row['bytes_over_link'] / 1e6:.0f} MB over the link")
     finally:
         device.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     _write_report(report, args.output)
     return 0
+
+
+def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: BenchDevice, workdir: Path,
+                    kernel_rows: list[dict[str, Any]]) -> None:
+    """The file path (backing on the temp dir, then on tmpfs), checkpoint and restore."""
+    repeat = args.repeat
+    in_memory = max((row["cossd_gels"] for row in kernel_rows), default=None)  # None: kernel not run
+    device_update = max((row["cossd_device_gels"] for row in kernel_rows), default=None)
+    file_rows = file_path_rows(device, workdir, args.file_elements, repeat, in_memory, device_update)
+    ram = ram_workdir()
+    if ram is not None:
+        # The same path with the media in RAM: what the mount and the device's own work
+        # cost without the backing disk's writeback.
+        ram_device = BenchDevice(ram, args.file_elements)
+        try:
+            file_rows += file_path_rows(ram_device, ram, args.file_elements, repeat, in_memory,
+                                        device_update)
+        finally:
+            ram_device.stop()
+            shutil.rmtree(ram, ignore_errors=True)
+    report["file_path"] = file_rows
+    with checkpoint_volume(device, workdir, create=True) as volume:
+        report["checkpoint"] = checkpoint_costs(device, volume, args.file_elements)
+    for name, row in report["checkpoint"].items():
+        _say(f"  checkpoint, {name}: {row['seconds']:.3f} s, {row['bytes_over_link'] / 1e6:.0f} MB over the link")
+    report["restore"] = restore_costs(device, workdir, args.file_elements)
+    for name, row in report["restore"].items():
+        _say(f"  restore, {name}: {row['seconds']:.3f} s, {row['bytes'] / 1e6:.0f} MB read")
 
 
 def filesystem_of(path: Path) -> str:
@@ -611,7 +633,9 @@ def markdown(report: dict[str, Any]) -> str:
                + ", ".join(f"{row['streaming_gain']:.2f}x" for row in report["kernel"]) + " (by thread count)."
                if report["kernel"][0]["streaming_stores"] else
                "none, the call is below kernels.stream_threshold() (the param lines are read first: +2 B).")]
-    if "file_path" not in report:  # --sections kernel
+    if "trainer" in report:
+        lines += bench_trainer.markdown_rows(report["trainer"])
+    if "file_path" not in report:  # no mount section
         return "\n".join(lines)
     lines += ["", "| through the mount (FP16 grads in, FP16 params out) | backing store | G el/s "
               "| of the kernel in memory | of the device block update in memory |",
@@ -648,7 +672,8 @@ def chart(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    trainer = report.get("trainer")
+    fig, axes = plt.subplots(1, 4 if trainer else 3, figsize=(20 if trainer else 15, 4))
     rows = report.get("kernel", [])
     labels = [f"{r['threads']} thr" for r in rows]
     width = 0.16
@@ -668,6 +693,11 @@ def chart(report: dict[str, Any], path: Path) -> None:
     axes[2].bar(list(restore), [row["seconds"] for row in restore.values()], color="#7570b3")
     axes[2].set(title="restore (cold)", ylabel="seconds")
     axes[2].tick_params(axis="x", labelsize=7)
+    if trainer:
+        rows = {name.split(" (")[0]: row for name, row in trainer.items() if isinstance(row, dict)}
+        axes[3].bar(list(rows), [row["seconds"] for row in rows.values()], color="#1b9e77")
+        axes[3].set(title=f"one durable step, trainer on {trainer['device']}", ylabel="seconds")
+        axes[3].tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -74,7 +74,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     device=args.device, dtype=dtype, seed=args.seed, output=args.output)
 
 
-BENCH_SECTIONS = frozenset({"kernel", "mount"})
+BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer"})
 
 
 def _positive_int(text: str) -> int:
@@ -108,6 +108,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "contender (default 3)")
     parser.add_argument("--sections", type=_bench_sections, default=BENCH_SECTIONS,
                         help="what to measure, comma separated: kernel (in memory), mount (file path, "
-                             "checkpoint, restore through a mount); default kernel,mount")
+                             "checkpoint, restore through a mount), trainer (one optimizer step as the "
+                             "trainer sees it: state resident on --device with a per-step checkpoint, "
+                             "against cossd offload); default all three")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the trainer section keeps the model's tensors: cpu, or cuda for a "
+                             "GPU-resident fused AdamW against offload with device-host copies "
+                             "(default cpu)")
     parser.add_argument("--output", type=Path, default=Path("bench-out"),
                         help="directory for bench.json, bench.md and bench.png (default ./bench-out)")

@@ -1,0 +1,148 @@
+"""`cossd bench`'s trainer section: one optimizer step as the trainer sees it, on CPU or a CUDA GPU.
+
+Two ways to keep Adam's state for a flat tensor of n parameters, each made durable every step:
+
+- **resident + checkpoint**: FP32 params and moments live on the trainer's device and torch's
+  fused AdamW steps them there; then a conventional checkpoint, `torch.save` of the master
+  weights and both moments plus fsync, into ext4 on a plain NVM namespace of the bench's own
+  device (what a trainer without cossd would do to get the same durability);
+- **cossd offload**: BF16 params live on the trainer's device; `cossd.trainer.AdamW` sends the
+  BF16 gradients to the drive (device to host, then the mount), the drive steps its FP32 state
+  and commits, and the new BF16 params come back (host to device).
+
+On a GPU this measures what issue 6 asks for: GPU-resident fused AdamW plus a per-step
+checkpoint against offload with 4 bytes per parameter over the link. On CPU the same code runs
+with host tensors (no copies between devices), so the section is tested on every machine.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cossd.tools.client import AdminClient
+
+from .nvm_volume import NvmVolume
+from .optim import AdamW
+
+TRAINER_NAMESPACE = "bench-trainer"
+LR = 1e-3
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device the trainer section runs on; a clear error where there is none."""
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: no CUDA device is available to torch {torch.__version__} here")
+    return torch.device(name)
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a clock reads what the step really took."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def resident_with_checkpoint(device: torch.device, volume: NvmVolume, n: int, repeat: int) -> dict[str, Any]:
+    """Fused AdamW on the trainer's device, then torch.save + fsync of its state every step."""
+    generator = torch.Generator().manual_seed(3)
+    param = torch.nn.Parameter(torch.randn(n, generator=generator).to(device))
+    param.grad = (torch.randn(n, generator=generator) * 0.01).to(device)
+    optimizer = torch.optim.AdamW([param], lr=LR, fused=True)
+    optimizer.step()  # creates the moments
+    state = optimizer.state[param]
+    path = volume.path / "trainer-ckpt.pt"
+    step_s, checkpoint_s, link_bytes = [], [], []
+    for _ in range(repeat):
+        _sync(device)
+        started = time.perf_counter()
+        optimizer.step()
+        _sync(device)
+        stepped = time.perf_counter()
+        before = volume.settle()
+        saving = time.perf_counter()
+        with open(path, "wb") as stream:
+            # torch.save copies GPU tensors to the host first: that transfer is part of the cost.
+            torch.save({"master": param.detach(), "exp_avg": state["exp_avg"],
+                        "exp_avg_sq": state["exp_avg_sq"]}, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        checkpoint_s.append(time.perf_counter() - saving)
+        step_s.append(stepped - started)
+        link_bytes.append(volume.settle()["bytes_written"] - before["bytes_written"])
+    path.unlink()
+    return {
+        "step_seconds": statistics.median(step_s),
+        "checkpoint_seconds": statistics.median(checkpoint_s),
+        "seconds": statistics.median(a + b for a, b in zip(step_s, checkpoint_s)),
+        "bytes_over_link": int(statistics.median(link_bytes)),
+        "state_on_trainer_bytes": 12 * n,
+    }
+
+
+def cossd_offload(device: torch.device, mountpoint: Path, n: int, repeat: int) -> dict[str, Any]:
+    """cossd.trainer.AdamW: BF16 gradients out, the step and its commit on the drive, BF16
+    params back, every step durable on the drive."""
+    generator = torch.Generator().manual_seed(4)
+    param = torch.nn.Parameter(torch.randn(n, generator=generator).to(device, torch.bfloat16))
+    optimizer = AdamW([param], mount=mountpoint, namespace=TRAINER_NAMESPACE, lr=LR)
+    try:
+        param.grad = (torch.randn(n, generator=generator) * 0.01).to(device, torch.bfloat16)
+        optimizer.step()  # the first step seals the initial state
+        seconds, phases = [], []
+        for _ in range(repeat):
+            _sync(device)
+            started = time.perf_counter()
+            optimizer.step()
+            _sync(device)
+            seconds.append(time.perf_counter() - started)
+            phases.append(dict(optimizer.last_timing))
+    finally:
+        optimizer.close()
+    with AdminClient(mountpoint) as admin:
+        admin.delete_namespace(admin.nsid(TRAINER_NAMESPACE))
+    return {
+        "seconds": statistics.median(seconds),
+        "phases_seconds": {key: statistics.median(p.get(key, 0.0) for p in phases) for key in phases[0]},
+        "bytes_over_link": 4 * n,  # 2 B of gradient out, 2 B of param back, per parameter
+        "state_on_trainer_bytes": 0,
+    }
+
+
+def trainer_costs(device_name: str, mountpoint: Path, volume: NvmVolume, n: int, repeat: int) -> dict[str, Any]:
+    device = resolve_device(device_name)
+    return {
+        "device": device_label(device),
+        "elements": n,
+        "resident fused AdamW + torch.save checkpoint": resident_with_checkpoint(device, volume, n, repeat),
+        "cossd offload (AdamW on the drive)": cossd_offload(device, mountpoint, n, repeat),
+    }
+
+
+def markdown_rows(section: dict[str, Any]) -> list[str]:
+    lines = ["", f"Trainer side, on {section['device']}: one step of {section['elements']:,} parameters, "
+             "each step made durable", "",
+             "| method | seconds per step | of which | bytes over the link | optimizer state on the trainer |",
+             "|---|---|---|---|---|"]
+    for name, row in section.items():
+        if not isinstance(row, dict):
+            continue
+        if "checkpoint_seconds" in row:
+            detail = f"step {row['step_seconds']:.3f} + checkpoint {row['checkpoint_seconds']:.3f}"
+        else:
+            detail = ", ".join(f"{key.removesuffix('_s')} {value:.3f}"
+                               for key, value in row["phases_seconds"].items())
+        lines.append(f"| {name} | {row['seconds']:.3f} | {detail} | {row['bytes_over_link'] / 1e6:.0f} MB "
+                     f"| {row['state_on_trainer_bytes'] / 1e6:.0f} MB |")
+    return lines
