@@ -15,7 +15,7 @@ import numpy as np
 from .errors import DeviceError, Status
 
 
-def _libc_function(name: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
+def libc_function(name: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
     """A libc function by name (Linux), or None where libc has none."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -28,7 +28,7 @@ def _libc_function(name: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
 
 
 def _sync_file_range() -> Any:
-    return _libc_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint),
+    return libc_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint),
                           ctypes.c_int)
 
 
@@ -39,7 +39,7 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not
 def _fstatfs_type() -> Any:
     """fstatfs as a function of a descriptor returning the filesystem's magic number, or None
     where libc has no fstatfs."""
-    function = _libc_function("fstatfs", (ctypes.c_int, ctypes.c_void_p), ctypes.c_int)
+    function = libc_function("fstatfs", (ctypes.c_int, ctypes.c_void_p), ctypes.c_int)
     if function is None:
         return None
 

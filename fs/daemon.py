@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import os
 import select
@@ -19,6 +18,7 @@ import trio
 
 from cossd.emulator import Device, DeviceConfig, DeviceError, Status
 from cossd.emulator.device import SUPERBLOCK_FILE
+from cossd.emulator.media import libc_function
 from cossd.emulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 
 from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
@@ -42,11 +42,9 @@ def keep_request_buffers_on_heap() -> None:
     freed: measured as a tenth of the daemon's CPU (page faults and page clearing) on the
     gradient path. Where libc has no mallopt (not glibc) this does nothing.
     """
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    if mallopt is None:
         return
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt(_M_MMAP_THRESHOLD, _REQUEST_HEAP_BYTES)
     mallopt(_M_TRIM_THRESHOLD, 2 * _REQUEST_HEAP_BYTES)
 

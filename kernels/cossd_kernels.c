@@ -1740,8 +1740,10 @@ COSSD_AVX512_CRC_INLINE void adam_avx512_crc_body(const uint16_t *grad, int gfmt
             _mm_set_epi64x((long long)g_fold[FOLD_512][1], (long long)g_fold[FOLD_512][0]));
         const __m256i k256 = _mm256_broadcastsi128_si256(
             _mm_set_epi64x((long long)g_fold[FOLD_256][1], (long long)g_fold[FOLD_256][0]));
-        /* Streaming needs every output aligned to its vector; master_out is, after the peel. */
-        int stream = aligned_to((float *)ao + i, 64) && aligned_to((float *)vo + i, 64) && aligned_to(po + i, 32);
+        /* Streaming needs every output aligned to its vector. master_out is after a peel, but
+         * a call too short to peel (adam_peel) may start anywhere: check it too. */
+        int stream = aligned_to(mo + i, 64) && aligned_to((float *)ao + i, 64) && aligned_to((float *)vo + i, 64) &&
+                     aligned_to(po + i, 32);
         if (stream)
             ADAM_CRC_LOOP(1);
         else

@@ -634,10 +634,16 @@ def test_adam_step_crc_equals_step_then_checksum(
         expected = run_adam(inp, gfmt, pfmt, sfmt, scalars)
         # Outputs `shift` elements past a 64-byte boundary (all alike: a peel, then streaming
         # stores), or scattered (no streaming); numpy's own placement once more.
-        placements = [("aligned", shift) for shift in (0, 1, 7, 15)] + [("scattered", 0), ("numpy", 0)]
+        # "master off": only master_out off its boundary, which a call too short to peel
+        # (under 128 elements) must not write with streaming stores (they fault unaligned).
+        placements = [("aligned", shift) for shift in (0, 1, 7, 15)] + [("scattered", 0), ("numpy", 0),
+                                                                         ("master off", 1), ("master off", 3)]
         for placement, shift in placements:
             if placement == "aligned":
                 out = {name: _aligned_empty(n, array.dtype, shift) for name, array in expected.items()}
+            elif placement == "master off":
+                out = {name: _aligned_empty(n, array.dtype, shift if name == "master" else 0)
+                       for name, array in expected.items()}
             elif placement == "scattered":
                 out = {name: _aligned_empty(n, array.dtype, index * 3 + 1)
                        for index, (name, array) in enumerate(expected.items())}
