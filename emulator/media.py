@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import json
 import mmap
 import os
@@ -15,11 +16,16 @@ import numpy as np
 from .errors import DeviceError, Status
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    # find_library may run ldconfig: once per process is enough.
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 def libc_function(name: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
     """A libc function by name (Linux), or None where libc has none."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = getattr(libc, name)
+        function = getattr(_libc(), name)
     except (OSError, AttributeError):
         return None
     function.argtypes = argtypes
