@@ -432,6 +432,8 @@ class Namespace:
             "tensors": len(self.layouts),
             "parameters": sum(t.numel for t in self.layouts),
             "state_bytes_per_copy": self._copies[0].size_bytes,
+            # How new state reaches the shadow copy here (media.write_mode_for).
+            "state_writes": self._copies[0].write_mode,
             "model": self.timing.snapshot(),
         }
 

@@ -486,6 +486,7 @@ def test_both_write_modes_give_the_same_bits(tmp_path: Path, monkeypatch: pytest
         with Device.open(backing) as device:
             ns = device.create_namespace(make_spec())
             assert all(copy.write_mode == mode for copy in ns._copies)
+            assert ns.statistics()["state_writes"] == mode  # shown in log page C0h
             load(ns)
             run_steps(ns, range(3))
             before = snapshot(ns)
