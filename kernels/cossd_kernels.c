@@ -1353,22 +1353,16 @@ static uint32_t crc_xnmodp(uint64_t n)
 /* x^(8 * len): what `len` bytes move a CRC register by. */
 static uint32_t crc_x8nmodp(uint64_t len) { return crc_xnmodp(8 * len); }
 
-uint32_t cossd_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b)
-{
-    /* The CRC register is linear over GF(2): A's register, moved past |B| more bytes, XOR
-     * the CRC of B alone. The pre- and post-inversion of both CRCs cancel out. */
-    return crc_multmodp(crc_x8nmodp(len_b), crc_a) ^ crc_b;
-}
-
 /* Elements per pass of cossd_adam_step_crc: its outputs (14-22 bytes an element, 14-22 KiB)
  * stay in L1 between the step, their checksum and the copy out. */
 #define STEP_CRC_CHUNK 1024
 
-#if COSSD_X86
-/* The CRC register `reg` after `len` zero bytes (linear over GF(2): a multiplication). */
-static uint32_t crc_shift_bytes(uint32_t reg, size_t len)
+/* The CRC register (or CRC value: the map is linear) `reg` moved past `len` more bytes. The
+ * chunk joins of cossd_adam_step_crc shift by the same length again and again: that power
+ * is computed once. */
+static uint32_t crc_shift_bytes(uint32_t reg, uint64_t len)
 {
-    static uint32_t chunk_power; /* x^(8 * 2 * STEP_CRC_CHUNK): the usual shift, computed once */
+    static uint32_t chunk_power; /* x^(8 * 2 * STEP_CRC_CHUNK) */
     uint32_t power = __atomic_load_n(&chunk_power, __ATOMIC_RELAXED);
     if (len != 2 * STEP_CRC_CHUNK || power == 0) {
         uint32_t computed = crc_x8nmodp(len);
@@ -1379,6 +1373,15 @@ static uint32_t crc_shift_bytes(uint32_t reg, size_t len)
     return crc_multmodp(power, reg);
 }
 
+uint32_t cossd_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b)
+{
+    /* The CRC register is linear over GF(2): A's register, moved past |B| more bytes, XOR
+     * the CRC of B alone. The pre- and post-inversion of both CRCs cancel out. */
+    return crc_shift_bytes(crc_a, len_b) ^ crc_b;
+}
+
+
+#if COSSD_X86
 /* One chunk of the four output streams (master, exp_avg, exp_avg_sq, param) into their raw
  * CRC registers `regs`. A crc32 instruction waits 3 cycles for its previous one, so every
  * stream is cut into pieces as long as the param's (2 bytes an element): 7 independent chains
@@ -1477,9 +1480,8 @@ static void copy_out(void *dst, const void *src, size_t bytes)
     memcpy(dst, src, bytes);
 }
 
-static int step_crc_in_registers(const float *mo, const void *ao, const void *vo, const uint16_t *po, int sfmt,
-                                 const uint32_t raw[4], size_t n, const uint16_t *grad, int gfmt,
-                                 const float *mi, const void *ai, const void *vi, int pfmt,
+static int step_crc_in_registers(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
+                                 float *mo, void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n,
                                  const cossd_adam_scalars *s, uint32_t crc[4]);
 
 int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
@@ -1501,9 +1503,8 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
     float scratch_avg_sq[STEP_CRC_CHUNK] __attribute__((aligned(64)));
     uint16_t scratch_param[STEP_CRC_CHUNK] __attribute__((aligned(64)));
     uint32_t crc[4] = {0, 0, 0, 0};
-    static const uint32_t fresh[4] = {~0u, ~0u, ~0u, ~0u}; /* the registers of CRC value 0 */
-    if (n && step_crc_in_registers(master_out, exp_avg_out, exp_avg_sq_out, param_out, state_fmt, fresh, n, grad,
-                                   grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, param_fmt, s, crc))
+    if (n && step_crc_in_registers(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                                   exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s, crc))
         goto combine; /* no scratch: the checksum was folded from the registers */
     for (size_t i = 0; i < n; i += STEP_CRC_CHUNK) {
         size_t count = n - i < STEP_CRC_CHUNK ? n - i : STEP_CRC_CHUNK;
@@ -1552,12 +1553,14 @@ static void crc_fold_init(void)
     }
 }
 
+#if COSSD_X86
 #define CRC_FOLD_MIN 256 /* below this the crc32 loop is as fast */
 
 static int crc_fold_usable(size_t len)
 {
     return g_has_vpclmul && len >= CRC_FOLD_MIN && cossd_simd_level() == COSSD_SIMD_AVX512;
 }
+#endif
 
 #if COSSD_X86
 #define COSSD_CLMUL_TARGET "avx512f,avx512bw,avx512dq,avx512vl,vpclmulqdq,pclmul,sse4.2"
@@ -1618,16 +1621,9 @@ __attribute__((target(COSSD_CLMUL_TARGET))) static uint32_t crc32c_fold_impl(uin
 }
 #endif
 
-static uint32_t crc32c_fold(uint32_t reg, const uint8_t *p, size_t len)
-{
 #if COSSD_X86
-    return crc32c_fold_impl(reg, p, len);
-#else
-    (void)p;
-    (void)len;
-    return reg; /* unreachable: crc_fold_usable() is false without x86 */
+static uint32_t crc32c_fold(uint32_t reg, const uint8_t *p, size_t len) { return crc32c_fold_impl(reg, p, len); }
 #endif
-}
 
 
 /* ------------------------------------------------------------------------ */
@@ -1769,24 +1765,24 @@ adam_avx512_crc_dispatch(const uint16_t *grad, int gfmt, const float *mi, const 
 }
 #endif
 
-static int step_crc_in_registers(const float *mo, const void *ao, const void *vo, const uint16_t *po, int sfmt,
-                                 const uint32_t raw[4], size_t n, const uint16_t *grad, int gfmt,
-                                 const float *mi, const void *ai, const void *vi, int pfmt,
+/* cossd_adam_step_crc with the checksum folded from the registers, where the CPU and formats
+ * allow; returns 0 (nothing done) otherwise. crc[] receives the four stream CRCs. */
+static int step_crc_in_registers(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
+                                 float *mo, void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n,
                                  const cossd_adam_scalars *s, uint32_t crc[4])
 {
 #if COSSD_X86
     if (!g_has_vpclmul || sfmt != COSSD_STATE_FP32 || cossd_simd_level() != COSSD_SIMD_AVX512)
         return 0;
     adam_k k = adam_load_scalars(s);
-    uint32_t reg[4] = {raw[0], raw[1], raw[2], raw[3]};
-    adam_avx512_crc_dispatch(grad, gfmt, mi, ai, vi, (float *)mo, (void *)ao, (void *)vo, sfmt, (uint16_t *)po,
-                             pfmt, n, &k, reg);
+    uint32_t reg[4] = {~0u, ~0u, ~0u, ~0u}; /* the registers of CRC value 0 */
+    adam_avx512_crc_dispatch(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, n, &k, reg);
     for (int i = 0; i < 4; i++)
         crc[i] = ~reg[i];
     return 1;
 #else
-    (void)mo; (void)ao; (void)vo; (void)po; (void)sfmt; (void)raw; (void)n; (void)grad; (void)gfmt;
-    (void)mi; (void)ai; (void)vi; (void)pfmt; (void)s; (void)crc;
+    (void)grad; (void)gfmt; (void)mi; (void)ai; (void)vi; (void)mo; (void)ao; (void)vo; (void)sfmt; (void)po;
+    (void)pfmt; (void)n; (void)s; (void)crc;
     return 0;
 #endif
 }
