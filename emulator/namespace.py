@@ -73,6 +73,11 @@ def _hyper_record(hypers: list[Hyperparameters]) -> dict[str, Any]:
     return record
 
 
+def _immutable(data: bytes | memoryview) -> bool:
+    """Whether `data` can never change: bytes, or a view of bytes."""
+    return isinstance(data, bytes) or (isinstance(data, memoryview) and isinstance(data.obj, bytes))
+
+
 class _WouldBlock(Exception):
     """A *_nowait call found that it would have to wait (for the lock or a flush)."""
 
@@ -460,8 +465,24 @@ class Namespace:
         except _WouldBlock:
             return None
 
-    def _read(self, tensor_name: str, role: str, offset: int, size: int, *, wait: bool, copy: bool) -> Any:
-        """The bytes (copy=True: copied while no commit can move the committed copy) or a view."""
+    @contextlib.contextmanager
+    def read_pinned(self, tensor_name: str, role: str, offset: int, size: int) -> Iterator[bytes | memoryview]:
+        """read() without the copy, for a reply written from the committed copy itself (the
+        fs data path's threads): a commit or rollback waits until the block exits, so the
+        view cannot change under the reply. In timed mode the wait comes before the view."""
+        with self.timing.command("read"):
+            view = self._read(tensor_name, role, offset, size, wait=True, copy=False, pin=True)
+        try:
+            yield view
+        finally:
+            with self._cond:
+                self._pins -= 1
+                self._cond.notify_all()
+
+    def _read(self, tensor_name: str, role: str, offset: int, size: int, *, wait: bool, copy: bool,
+              pin: bool = False) -> Any:
+        """The bytes (copy=True: copied while no commit can move the committed copy) or a view.
+        pin=True holds the committed copy (see pinned_committed); the caller unpins."""
         tensor = self._tensor(tensor_name)
         if role == "grad":
             raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
@@ -469,6 +490,8 @@ class Namespace:
         if not self._lock.acquire(blocking=wait):
             raise _WouldBlock
         try:
+            if pin:
+                self._pins += 1  # first: nothing below raises, so the caller's unpin matches
             # Every read request served counts, an empty one at the end of the file too.
             self.counters.read_commands += 1
             if offset >= file_size or size <= 0:
@@ -575,9 +598,10 @@ class Namespace:
         self._check_range(tensor, "grad", offset, length)
         if length == 0:
             return 0, None
-        if not isinstance(data, bytes):
+        if not _immutable(data):
             # Blocks run after this returns (see below) and may use the caller's buffer in
-            # place, so a buffer the caller could reuse is copied; FUSE hands over bytes.
+            # place, so a buffer the caller could reuse is copied; FUSE hands over bytes
+            # (or, on the data path, a view of the request's bytes).
             data = bytes(data)
         grad = np.frombuffer(data, dtype=np.uint16)
         if not self._lock.acquire(blocking=wait):

@@ -21,6 +21,7 @@ from cossd.emulator.device import SUPERBLOCK_FILE
 from cossd.emulator.media import libc_function
 from cossd.emulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 
+from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
 from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
 from .operations import Operations
 
@@ -65,11 +66,23 @@ def mount_options(backing: Path, allow_other: bool, debug: bool) -> set[str]:
     return options
 
 
-async def _serve(operations: Operations, ready_fd: int | None) -> None:
+def io_threads_from_env() -> int:
+    """COSSD_IO_THREADS: the data path's threads (fs/datapath.py); 0 leaves every request
+    to pyfuse3 alone."""
+    value = os.environ.get("COSSD_IO_THREADS", "")
+    return int(value) if value.strip() else DEFAULT_THREADS
+
+
+async def _serve(operations: Operations, ready_fd: int | None, session_fd: int | None,
+                 io_threads: int, data_paths: list[DataPath]) -> None:
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
         nursery.start_soon(_stop_on_signal)
         nursery.start_soon(operations.save_health_periodically)
+        # Before pyfuse3.main() first waits on its descriptor, which this swaps.
+        data_path = DataPath.attach(operations, session_fd, io_threads)
+        if data_path is not None:
+            data_paths.append(data_path)
         if ready_fd is not None:
             os.write(ready_fd, READY_MESSAGE)
             os.close(ready_fd)
@@ -120,8 +133,14 @@ def serve(
     metrics_addr: str = DEFAULT_METRICS_ADDR,
     profile: str = DEFAULT_PROFILE,
     timed: bool = False,
+    io_threads: int | None = None,
 ) -> None:
-    """Serve the device at `mountpoint` until unmounted or signalled (foreground)."""
+    """Serve the device at `mountpoint` until unmounted or signalled (foreground).
+
+    `io_threads` (default COSSD_IO_THREADS, else one per core, at least 2) serve tensor
+    reads and writes in front of pyfuse3 (fs/datapath.py); 0 leaves them to pyfuse3.
+    """
+    io_threads = io_threads_from_env() if io_threads is None else io_threads
     backing_path = Path(backing).resolve()
     # Bound before the device opens: a busy port fails the mount before anything has started
     # (no power cycle counted, nothing mounted).
@@ -138,10 +157,16 @@ def serve(
         operations.fault_hook = fault_hook_from_env()
         if metrics is not None:
             metrics.attach(operations)
+        before = fuse_device_fds()
         pyfuse3.init(operations, str(mountpoint), mount_options(backing_path, allow_other, debug))
+        opened = fuse_device_fds() - before
+        session_fd = opened.pop() if len(opened) == 1 else None
+        data_paths: list[DataPath] = []
         try:
-            trio.run(_serve, operations, ready_fd)
+            trio.run(_serve, operations, ready_fd, session_fd, io_threads, data_paths)
         finally:
+            for data_path in data_paths:
+                data_path.stop()  # gives pyfuse3 its descriptor back for the unmount
             pyfuse3.close(unmount=True)
     finally:
         if metrics is not None:
@@ -162,6 +187,7 @@ def start_background(
     metrics_addr: str = DEFAULT_METRICS_ADDR,
     profile: str = DEFAULT_PROFILE,
     timed: bool = False,
+    io_threads: int | None = None,
 ) -> int:
     """Start a daemon process and return its pid once the mount is ready."""
     # Check what can be checked here, so the common mistakes get a clear one-line error.
@@ -184,6 +210,8 @@ def start_background(
     command += ["--profile", profile if profile in PROFILES else str(Path(profile).resolve())]
     if timed:
         command.append("--timed")
+    if io_threads is not None:
+        command += ["--io-threads", str(io_threads)]
     log_path = Path(log_file) if log_file else Path(backing) / "daemon.log"
     with open(log_path, "ab") as log_stream:
         process = subprocess.Popen(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -9,7 +10,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import pyfuse3
 import trio
@@ -41,14 +42,8 @@ def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]
             return await handler(self, *args)
         except pyfuse3.FUSEError:
             raise
-        except DeviceError as exc:
-            log.debug("%s: %s", handler.__name__, exc)
-            self.errors_by_errno[exc.errno] += 1
-            raise fuse_error(exc.errno or errno.EIO) from None
-        except Exception:
-            log.exception("unexpected error in %s%r", handler.__name__, args)
-            self.errors_by_errno[errno.EIO] += 1
-            raise fuse_error(errno.EIO) from None
+        except Exception as exc:
+            raise fuse_error(self.errno_for(exc, handler.__name__, *args)) from None
 
     return wrapper
 
@@ -99,6 +94,18 @@ class Operations(pyfuse3.Operations):
     def _fault(self, op: str) -> None:
         if self.fault_hook is not None:
             self.fault_hook(op)
+
+    def errno_for(self, exc: BaseException, what: str, *args: Any) -> int:
+        """The errno a failed request answers with, counted (and logged when unexpected)."""
+        if isinstance(exc, pyfuse3.FUSEError):
+            return exc.errno
+        if isinstance(exc, DeviceError):
+            log.debug("%s: %s", what, exc)
+            self.errors_by_errno[exc.errno] += 1
+            return exc.errno or errno.EIO
+        log.error("unexpected error in %s%r", what, args, exc_info=exc)
+        self.errors_by_errno[errno.EIO] += 1
+        return errno.EIO
 
     # ------------------------------------------------------------------ attributes
 
@@ -306,6 +313,46 @@ class Operations(pyfuse3.Operations):
             self._schedule_flush(namespace)
             return written
         return await self._run(namespace.write_state, node.name, node.role, off, buf)
+
+    # ------------------------------------------------------------------ the data path
+
+    # fs/datapath.py serves reads and writes of open tensor and NVM block files on its own
+    # threads, with these blocking calls; they answer as read() and write() above do.
+
+    def data_handle(self, fh: int) -> FileHandle | None:
+        """The handle of `fh` where the data path serves its reads and writes, else None."""
+        handle = self._handles.get(fh)
+        if isinstance(handle, FileHandle) and handle.node.kind in (Kind.ARRAY, Kind.DATA):
+            return handle
+        return None
+
+    def write_data(self, handle: FileHandle, off: int, buf: memoryview) -> int:
+        """A write on the data path. `buf` must not change later: a gradient block may
+        still be read from it after this returns."""
+        self._fault("write")
+        if not handle.writable:
+            raise fuse_error(errno.EBADF)
+        node = handle.node
+        namespace = self.tree.namespace(node)
+        self.controller.injector.check_io(IoOpcode.WRITE, namespace.nsid)
+        if node.kind == Kind.DATA:
+            return namespace.write(off, buf)
+        if node.role == "grad":
+            return namespace.write_grad(node.name, off, buf)
+        return namespace.write_state(node.name, node.role, off, buf)
+
+    @contextlib.contextmanager
+    def read_data(self, handle: FileHandle, off: int, size: int) -> Iterator[bytes | memoryview]:
+        """A read on the data path: the bytes, valid until the block exits."""
+        self._fault("read")
+        node = handle.node
+        namespace = self.tree.namespace(node)
+        self.controller.injector.check_io(IoOpcode.READ, namespace.nsid)
+        if node.kind == Kind.DATA:
+            yield namespace.read(off, size)
+            return
+        with namespace.read_pinned(node.name, node.role, off, size) as view:
+            yield view
 
     # ------------------------------------------------------------------ control file
 

@@ -42,6 +42,14 @@ def parse_port(text: str) -> int:
     return port
 
 
+def parse_threads(text: str) -> int:
+    """A thread count: 0-64."""
+    count = parse_int(text)
+    if not 0 <= count <= 64:
+        raise argparse.ArgumentTypeError(f"not a thread count: {text!r} (0-64)")
+    return count
+
+
 def parse_tensor(text: str) -> tuple[str, int]:
     name, sep, numel = text.rpartition(":")
     if not sep or not name:
@@ -93,12 +101,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
         daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
                      debug=args.debug, ready_fd=args.ready_fd,
                      metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                     profile=args.profile, timed=args.timed)
+                     profile=args.profile, timed=args.timed, io_threads=args.io_threads)
         return 0
     pid = daemon.start_background(args.backing, args.mountpoint, sync=args.sync,
                                   allow_other=args.allow_other, log_file=args.log_file,
                                   metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                                  profile=args.profile, timed=args.timed)
+                                  profile=args.profile, timed=args.timed, io_threads=args.io_threads)
     host = f"[{args.metrics_addr}]" if ":" in args.metrics_addr else args.metrics_addr  # IPv6
     metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
     emit(args, {"mountpoint": str(args.mountpoint), "pid": pid} | ({"metrics": metrics} if metrics else {}),
@@ -591,6 +599,10 @@ def build_parser() -> argparse.ArgumentParser:
                           f"of profile fields (default: {DEFAULT_PROFILE}; `cossd model --list-profiles`)")
     sub.add_argument("--timed", action="store_true",
                      help="complete file I/O and step commands no earlier than their modeled device time")
+    sub.add_argument("--io-threads", type=parse_threads, metavar="N",
+                     help="threads that serve tensor reads and writes in front of pyfuse3; 0 leaves "
+                          "them to pyfuse3's single event loop (default: $COSSD_IO_THREADS, else one "
+                          "per core and at least 2; docs/architecture.md, the data path)")
 
     sub = verb("umount", cmd_umount, "Unmount; waits until the daemon has flushed the state.")
     sub.add_argument("mountpoint", type=Path)
