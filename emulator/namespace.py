@@ -178,6 +178,9 @@ class Namespace:
         # Snapshots copying the committed copy right now (pinned_committed): commits and
         # rollbacks wait for them, so the copy cannot change under a snapshot.
         self._pins = 0
+        # Flips (commits, rollbacks) waiting for the pins to go: new read pins wait behind
+        # them, so that readers one after another cannot hold a commit off for ever.
+        self._flips_waiting = 0
         self.snapshots = SnapshotStore(self)
 
     # ------------------------------------------------------------------ creation, opening
@@ -491,6 +494,8 @@ class Namespace:
             raise _WouldBlock
         try:
             if pin:
+                while self._flips_waiting:
+                    self._cond.wait()
                 self._pins += 1  # first: nothing below raises, so the caller's unpin matches
             # Every read request served counts, an empty one at the end of the file too.
             self.counters.read_commands += 1
@@ -790,8 +795,7 @@ class Namespace:
             return tx.step
 
     def _commit_locked(self, tx: StepTransaction) -> CommitResult:
-        while self._pins:  # a snapshot is copying the committed copy: the flip waits for it
-            self._cond.wait()
+        self._wait_for_pins_locked()  # a snapshot or a reply is reading the committed copy
         if self._tx is not tx:
             raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: step {tx.step} was aborted")
         if self.media_failure is not None:
@@ -839,6 +843,16 @@ class Namespace:
             raise
         finally:
             self._tx = None
+
+    def _wait_for_pins_locked(self) -> None:
+        """Wait until nothing reads the committed copy (caller holds the lock, about to flip)."""
+        self._flips_waiting += 1
+        try:
+            while self._pins:
+                self._cond.wait()
+        finally:
+            self._flips_waiting -= 1
+            self._cond.notify_all()
 
     def _sync(self, media: StateFile | SlotFile) -> None:
         """fsync one file; a failure stops the namespace (see media_failure)."""
@@ -992,8 +1006,7 @@ class Namespace:
         """
         with self._cond:
             self._check_media()
-            while self._pins:
-                self._cond.wait()
+            self._wait_for_pins_locked()
             if self._tx is not None:
                 raise DeviceError(
                     Status.STEP_ALREADY_OPEN,
