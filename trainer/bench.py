@@ -313,11 +313,13 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
 class BenchDevice:
     """A temporary device, mounted, with one namespace of a single n-element tensor."""
 
-    def __init__(self, workdir: Path, n: int) -> None:
+    def __init__(self, workdir: Path, n: int, io_threads: int | None = None) -> None:
         self.backing, self.mountpoint = workdir / "backing", workdir / "mnt"
         self.mountpoint.mkdir()
         Device.format(self.backing)
-        self.pid = daemon.start_background(self.backing, self.mountpoint)
+        self.pid = daemon.start_background(self.backing, self.mountpoint, io_threads=io_threads)
+        self.front_end = ("pyfuse3 alone" if io_threads == 0
+                          else f"data path, {io_threads or daemon.io_threads_from_env()} threads")
         with AdminClient(self.mountpoint) as admin:
             admin.create_namespace({"name": "bench", "tensors": [["w", n]]})
         self.tensor = self.mountpoint / "ns" / "bench" / "tensors" / "w"
@@ -521,14 +523,17 @@ def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: Be
     in_memory = max((row["cossd_gels"] for row in kernel_rows), default=None)  # None: kernel not run
     device_update = max((row["cossd_device_gels"] for row in kernel_rows), default=None)
     file_rows = file_path_rows(device, workdir, args.file_elements, repeat, in_memory, device_update)
-    ram = ram_workdir()
-    if ram is not None:
-        # The same path with the media in RAM: what the mount and the device's own work
-        # cost without the backing disk's writeback.
-        ram_device = BenchDevice(ram, args.file_elements)
+    # The same path with the media in RAM: what the mount and the device's own work cost
+    # without the backing disk's writeback; then, there, pyfuse3 serving every request itself
+    # (--io-threads 0), the front end the data path replaced, for the ratio between them.
+    for io_threads, variants in ((None, FILE_PATH_VARIANTS), (0, FILE_PATH_VARIANTS[1:])):
+        ram = ram_workdir()
+        if ram is None:
+            break
+        ram_device = BenchDevice(ram, args.file_elements, io_threads)
         try:
             file_rows += file_path_rows(ram_device, ram, args.file_elements, repeat, in_memory,
-                                        device_update)
+                                        device_update, variants)
         finally:
             ram_device.stop()
             shutil.rmtree(ram, ignore_errors=True)
@@ -562,22 +567,27 @@ def ram_workdir() -> Path | None:
     return Path(tempfile.mkdtemp(prefix="cossd-bench-ram-", dir=shm))
 
 
+# (O_DIRECT, NaN gradients): buffered; O_DIRECT; O_DIRECT with every step skipped.
+FILE_PATH_VARIANTS = ((False, False), (True, False), (True, True))
+
+
 def file_path_rows(device: BenchDevice, workdir: Path, n: int, repeat: int,
-                   in_memory: float | None, device_update: float | None = None) -> list[dict[str, Any]]:
+                   in_memory: float | None, device_update: float | None = None,
+                   variants: tuple[tuple[bool, bool], ...] = FILE_PATH_VARIANTS) -> list[dict[str, Any]]:
     """One step through the mount, buffered and O_DIRECT, with the backing store named; then
     the same O_DIRECT step with every gradient non-finite (skipped: the mount alone)."""
     media = filesystem_of(workdir)
     rows = []
-    for o_direct, nonfinite in ((False, False), (True, False), (True, True)):
+    for o_direct, nonfinite in variants:
         step = file_path_step(device, o_direct, nonfinite=nonfinite)
         rate = n / statistics.median(timed(step, repeat)) / 1e9
         share = rate / in_memory if in_memory else None
         rows.append({"o_direct": o_direct, "media": media, "gels": rate, "vs_kernel_in_memory": share,
                      "vs_device_update_in_memory": rate / device_update if device_update else None,
-                     "skipped_steps": nonfinite})
+                     "skipped_steps": nonfinite, "front_end": device.front_end})
         what = ("O_DIRECT, every step skipped (no kernel: the mount alone)" if nonfinite
                 else "O_DIRECT" if o_direct else "buffered")
-        _say(f"  file path ({what}, backing on {media}): {rate:.3f} G el/s"
+        _say(f"  file path ({what}, backing on {media}, {device.front_end}): {rate:.3f} G el/s"
              + (f" = {share:.0%} of the kernel in memory" if share else ""))
     return rows
 
@@ -637,9 +647,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += bench_trainer.markdown_rows(report["trainer"])
     if "file_path" not in report:  # no mount section
         return "\n".join(lines)
-    lines += ["", "| through the mount (FP16 grads in, FP16 params out) | backing store | G el/s "
+    lines += ["", "| through the mount (FP16 grads in, FP16 params out) | backing store | front end | G el/s "
               "| of the kernel in memory | of the device block update in memory |",
-              "|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|"]
     for row in report.get("file_path", []):
         share = f"{row['vs_kernel_in_memory']:.0%}" if row["vs_kernel_in_memory"] else "kernel not run"
         device_share = (f"{row['vs_device_update_in_memory']:.0%}" if row.get("vs_device_update_in_memory")
@@ -647,7 +657,8 @@ def markdown(report: dict[str, Any]) -> str:
         what = "O_DIRECT" if row["o_direct"] else "buffered"
         if row.get("skipped_steps"):
             what += ", NaN gradients: every step skipped, no kernel (the mount alone)"
-        lines.append(f"| {what} | {row.get('media', '')} | {row['gels']:.3f} | {share} | {device_share} |")
+        lines.append(f"| {what} | {row.get('media', '')} | {row.get('front_end', '')} | {row['gels']:.3f} "
+                     f"| {share} | {device_share} |")
     lines += ["", "| checkpoint of one step | seconds | bytes over the link |", "|---|---|---|"]
     for name, row in report.get("checkpoint", {}).items():
         extra = ""
