@@ -243,7 +243,7 @@ class Operations(pyfuse3.Operations):
         if writes and node.role in LOADABLE_ROLES and not namespace.loading:
             raise fuse_error(errno.EROFS)
         # direct_io: every read and write reaches the device (no stale page cache, 1 MiB requests).
-        return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, writes)), direct_io=True)
+        return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, writes)), direct_io=not (flags & os.O_DIRECT))
 
     async def release(self, fh: int) -> None:
         self._handles.pop(fh, None)

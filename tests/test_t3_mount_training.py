@@ -90,6 +90,9 @@ def test_any_chunking_is_bit_identical(mount: Mount) -> None:
         "shuffled4k": {"chunk": 4096, "shuffle": 3},
         "odd_pieces": {"chunk": 65538, "shuffle": 5},
         "direct": {"o_direct": True, "chunk": 1 << 20},
+        # O_DIRECT takes the kernel's asynchronous direct I/O: one write of the whole file
+        # goes out as several requests at once, served in parallel, finishing in any order.
+        "direct_whole": {"o_direct": True},
     }
     for label, write in variants.items():
         assert _train_once(mount, label, write) == reference, label

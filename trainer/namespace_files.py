@@ -131,6 +131,10 @@ class NamespaceFiles:
         fd = self._fds.get(key)
         if fd is None:
             flags = os.O_WRONLY if writing else os.O_RDONLY
+            if role in ("grad", "param"):
+                # The kernel's asynchronous direct I/O: a large write or read goes out as
+                # several 1 MiB requests at once, which the daemon serves in parallel.
+                flags |= os.O_DIRECT
             try:
                 fd = self._call(lambda: os.open(self.root / "tensors" / tensor / role, flags),
                                 if_late=os.close)
