@@ -242,8 +242,13 @@ class Operations(pyfuse3.Operations):
             raise fuse_error(errno.EACCES)
         if writes and node.role in LOADABLE_ROLES and not namespace.loading:
             raise fuse_error(errno.EROFS)
-        # direct_io: every read and write reaches the device (no stale page cache, 1 MiB requests).
-        return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, writes)), direct_io=not (flags & os.O_DIRECT))
+        # direct_io: every read and write reaches the device (no stale page cache, 1 MiB
+        # requests), one request at a time per call. An O_DIRECT open bypasses the page cache
+        # by itself, so it goes without: the kernel then sends a large call as several
+        # requests at once (asynchronous direct I/O), which the data path serves in parallel.
+        # (A mapping of such a descriptor would be cached: not a supported use.)
+        direct_io = not flags & os.O_DIRECT
+        return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, writes)), direct_io=direct_io)
 
     async def release(self, fh: int) -> None:
         self._handles.pop(fh, None)
