@@ -103,6 +103,7 @@ class DataPath:
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._serving: set[int] = set()  # uniques of the requests being served here
         # What the data path served, for tests and the daemon log.
+        self._counts_lock = threading.Lock()
         self.requests_served = 0
         self.requests_forwarded = 0
 
@@ -149,6 +150,10 @@ class DataPath:
         os.write(self._wake_w, b"x")  # never read: poll() stays readable for every thread
         assert self._ours is not None
         self._ours.shutdown(socket.SHUT_RDWR)  # ends the pump's recv()
+        # pyfuse3 has stopped reading its end: shut it too, so that a thread blocked sending it
+        # a request (its queue full) fails at once instead of waiting for ever.
+        with socket.socket(fileno=os.dup(self.session_fd)) as theirs:
+            theirs.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join()
         os.dup2(self._device, self.session_fd)
@@ -210,7 +215,8 @@ class DataPath:
                 self._read(unique, handle, offset, size)
         finally:
             self._serving.discard(unique)
-        self.requests_served += 1
+        with self._counts_lock:
+            self.requests_served += 1
         return True
 
     def _write(self, unique: int, handle: "FileHandle", offset: int, data: memoryview) -> None:
@@ -247,7 +253,8 @@ class DataPath:
             self._ours.send(request)
         except OSError:
             return  # pyfuse3 has ended (unmounting)
-        self.requests_forwarded += 1
+        with self._counts_lock:
+            self.requests_forwarded += 1
 
     def _pump_replies(self) -> None:
         """pyfuse3's replies (and notifications) to the device, one message at a time."""

@@ -524,19 +524,23 @@ def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: Be
     device_update = max((row["cossd_device_gels"] for row in kernel_rows), default=None)
     file_rows = file_path_rows(device, workdir, args.file_elements, repeat, in_memory, device_update)
     # The same path with the media in RAM: what the mount and the device's own work cost
-    # without the backing disk's writeback; then, there, pyfuse3 serving every request itself
-    # (--io-threads 0), the front end the data path replaced, for the ratio between them.
-    for io_threads, variants in ((None, FILE_PATH_VARIANTS), (0, FILE_PATH_VARIANTS[1:])):
-        ram = ram_workdir()
-        if ram is None:
-            break
-        ram_device = BenchDevice(ram, args.file_elements, io_threads)
-        try:
-            file_rows += file_path_rows(ram_device, ram, args.file_elements, repeat, in_memory,
-                                        device_update, variants)
-        finally:
+    # without the backing disk's writeback. There, a second device on which pyfuse3 serves
+    # every request itself (--io-threads 0), the front end the data path replaced, takes the
+    # O_DIRECT steps in turns with the first, so their ratio is measured turn by turn.
+    ram, alone_ram = ram_workdir(), ram_workdir()
+    devices: list[BenchDevice] = []
+    try:
+        if ram is not None and alone_ram is not None:
+            devices.append(BenchDevice(ram, args.file_elements))
+            devices.append(BenchDevice(alone_ram, args.file_elements, io_threads=0))
+            file_rows += file_path_rows(devices[0], ram, args.file_elements, repeat, in_memory,
+                                        device_update, pyfuse3_alone=devices[1])
+    finally:
+        for ram_device in devices:
             ram_device.stop()
-            shutil.rmtree(ram, ignore_errors=True)
+        for directory in (ram, alone_ram):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
     report["file_path"] = file_rows
     with checkpoint_volume(device, workdir, create=True) as volume:
         report["checkpoint"] = checkpoint_costs(device, volume, args.file_elements)
@@ -571,24 +575,49 @@ def ram_workdir() -> Path | None:
 FILE_PATH_VARIANTS = ((False, False), (True, False), (True, True))
 
 
+def _file_path_row(device: BenchDevice, media: str, o_direct: bool, nonfinite: bool, seconds: list[float],
+                   n: int, in_memory: float | None, device_update: float | None) -> dict[str, Any]:
+    rate = n / statistics.median(seconds) / 1e9
+    share = rate / in_memory if in_memory else None
+    what = ("O_DIRECT, every step skipped (no kernel: the mount alone)" if nonfinite
+            else "O_DIRECT" if o_direct else "buffered")
+    _say(f"  file path ({what}, backing on {media}, {device.front_end}): {rate:.3f} G el/s"
+         + (f" = {share:.0%} of the kernel in memory" if share else ""))
+    return {"o_direct": o_direct, "media": media, "gels": rate, "vs_kernel_in_memory": share,
+            "vs_device_update_in_memory": rate / device_update if device_update else None,
+            "skipped_steps": nonfinite, "front_end": device.front_end}
+
+
 def file_path_rows(device: BenchDevice, workdir: Path, n: int, repeat: int,
                    in_memory: float | None, device_update: float | None = None,
-                   variants: tuple[tuple[bool, bool], ...] = FILE_PATH_VARIANTS) -> list[dict[str, Any]]:
+                   pyfuse3_alone: BenchDevice | None = None) -> list[dict[str, Any]]:
     """One step through the mount, buffered and O_DIRECT, with the backing store named; then
-    the same O_DIRECT step with every gradient non-finite (skipped: the mount alone)."""
+    the same O_DIRECT step with every gradient non-finite (skipped: the mount alone).
+
+    With `pyfuse3_alone` (a second device on the same backing, mounted with --io-threads 0),
+    each O_DIRECT step takes turns with the same step there; that row follows, with the data
+    path's speed-up as the median of the turn-by-turn ratios."""
     media = filesystem_of(workdir)
     rows = []
-    for o_direct, nonfinite in variants:
+    for o_direct, nonfinite in FILE_PATH_VARIANTS:
         step = file_path_step(device, o_direct, nonfinite=nonfinite)
-        rate = n / statistics.median(timed(step, repeat)) / 1e9
-        share = rate / in_memory if in_memory else None
-        rows.append({"o_direct": o_direct, "media": media, "gels": rate, "vs_kernel_in_memory": share,
-                     "vs_device_update_in_memory": rate / device_update if device_update else None,
-                     "skipped_steps": nonfinite, "front_end": device.front_end})
-        what = ("O_DIRECT, every step skipped (no kernel: the mount alone)" if nonfinite
-                else "O_DIRECT" if o_direct else "buffered")
-        _say(f"  file path ({what}, backing on {media}, {device.front_end}): {rate:.3f} G el/s"
-             + (f" = {share:.0%} of the kernel in memory" if share else ""))
+        if pyfuse3_alone is None or not o_direct:
+            rows.append(_file_path_row(device, media, o_direct, nonfinite, timed(step, repeat), n,
+                                       in_memory, device_update))
+            continue
+        other = file_path_step(pyfuse3_alone, o_direct, nonfinite=nonfinite)
+        step()  # warm-up, both
+        other()
+        ours: list[float] = []
+        theirs: list[float] = []
+        for _ in range(repeat):
+            ours += timed(step, 1, warmup=0)
+            theirs += timed(other, 1, warmup=0)
+        rows.append(_file_path_row(device, media, o_direct, nonfinite, ours, n, in_memory, device_update))
+        alone = _file_path_row(pyfuse3_alone, media, o_direct, nonfinite, theirs, n, in_memory, device_update)
+        alone["data_path_speedup"] = statistics.median(t / o for o, t in zip(ours, theirs))
+        _say(f"    the data path: {alone['data_path_speedup']:.2f}x pyfuse3 alone, turn by turn")
+        rows.append(alone)
     return rows
 
 
@@ -657,6 +686,8 @@ def markdown(report: dict[str, Any]) -> str:
         what = "O_DIRECT" if row["o_direct"] else "buffered"
         if row.get("skipped_steps"):
             what += ", NaN gradients: every step skipped, no kernel (the mount alone)"
+        if row.get("data_path_speedup"):
+            what += f" (the data path is {row['data_path_speedup']:.2f}x this, turn by turn)"
         lines.append(f"| {what} | {row.get('media', '')} | {row.get('front_end', '')} | {row['gels']:.3f} "
                      f"| {share} | {device_share} |")
     lines += ["", "| checkpoint of one step | seconds | bytes over the link |", "|---|---|---|"]
