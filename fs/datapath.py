@@ -207,6 +207,9 @@ class DataPath:
             return False
         if opcode == FUSE_WRITE and length != WRITE_DATA_AT + size:
             return False  # not the layout this code knows: let libfuse judge it
+        if log.isEnabledFor(logging.DEBUG):  # `cossd mount --debug`: libfuse logs the rest
+            log.debug("data path: %s unique %d fh %d offset %d size %d",
+                      "WRITE" if opcode == FUSE_WRITE else "READ", unique, fh, offset, size)
         self._serving.add(unique)
         try:
             if opcode == FUSE_WRITE:
