@@ -83,6 +83,7 @@ async def _serve(operations: Operations, ready_fd: int | None, session_fd: int |
         data_path = DataPath.attach(operations, session_fd, io_threads)
         if data_path is not None:
             data_paths.append(data_path)
+            operations.data_path = data_path
         if ready_fd is not None:
             os.write(ready_fd, READY_MESSAGE)
             os.close(ready_fd)

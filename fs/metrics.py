@@ -73,6 +73,14 @@ class DeviceCollector(Collector):
         for number, count in sorted(errors.items()):
             fs_errors.add_metric((errno.errorcode.get(number, str(number)),), count)
         yield fs_errors
+        data_path = self.operations.data_path
+        if data_path is not None:
+            requests = CounterMetricFamily(
+                "cossd_fs_requests", "FUSE requests by who served them: the data path's threads "
+                "(tensor and NVM block reads and writes) or pyfuse3 (everything else).", labels=("served_by",))
+            requests.add_metric(("data_path",), data_path.requests_served)
+            requests.add_metric(("pyfuse3",), data_path.requests_forwarded)
+            yield requests
 
     def _device_metrics(self, namespaces: list["Namespace"]) -> Iterator[Metric]:
         device = self.operations.device

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 
 import pyfuse3
 import trio
@@ -22,6 +22,9 @@ from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
 from cossd.emulator.protocol import SUBMISSION, Completion, SubmissionError, submission_length
 
 from .tree import FILE_KINDS, SNAPSHOT_KINDS, Kind, Node, Tree, fuse_error
+
+if TYPE_CHECKING:
+    from .datapath import DataPath
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,8 @@ class Operations(pyfuse3.Operations):
         self._started_ns = time.time_ns()
         # Tests set this to a callable(op_name) to inject handler failures on purpose.
         self.fault_hook: Callable[[str], None] | None = None
+        # The threads serving tensor I/O in front of pyfuse3 (fs/datapath.py), once started.
+        self.data_path: DataPath | None = None
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(function, *args, limiter=self.limiter)
