@@ -1,5 +1,5 @@
-"""The data path: threads that serve tensor reads and writes straight off /dev/fuse and pass
-every other request on to pyfuse3.
+"""The data path: threads that serve the frequent requests straight off /dev/fuse (tensor and
+control-file reads and writes, LOOKUP, GETATTR) and pass every other request on to pyfuse3.
 
 Why: pyfuse3 runs every request on the one trio thread, and for 1 MiB gradient and param
 requests that thread, not the kernels, was the limit (its receive, a bytes copy of each
@@ -10,11 +10,14 @@ and the only Python left per request is the namespace's bookkeeping.
 
 How, without a second mount or a change for the client: after pyfuse3 has mounted, its
 session descriptor is swapped (dup2) for one end of a SOCK_SEQPACKET socket pair. The data
-path's threads own the real device descriptor. A READ or WRITE on an open tensor file (or an
-NVM namespace's block file) is served here; anything else (INIT, LOOKUP, the control file...)
-is sent whole through the socket, where libfuse reads it as if from the device, and pyfuse3's
-replies come back through the socket to one pump thread that writes them to the device.
-Both ends keep message boundaries, which is all libfuse needs of its descriptor.
+path's threads own the real device descriptor. A READ or WRITE on an open tensor, NVM block,
+control or text file, and every LOOKUP and GETATTR, is served here with Operations' own
+blocking calls. Anything else (INIT, OPEN, READDIR, RELEASE, FORGET...) is sent whole through
+the socket, where libfuse reads it as if from the device, and pyfuse3's replies come back
+through the socket to one pump thread that writes them to the device. Both ends keep message
+boundaries, which is all libfuse needs of its descriptor. Such a round trip costs two more
+thread wake-ups than pyfuse3 reading the device itself, which is why the requests every
+open and stat makes (one LOOKUP per path component: nothing is cached) are served here.
 """
 from __future__ import annotations
 
@@ -25,10 +28,12 @@ import select
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import pyfuse3
 import trio
+
+from .operations import AdminHandle
 
 if TYPE_CHECKING:
     from .operations import FileHandle, Operations
@@ -36,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # linux/fuse.h
+FUSE_LOOKUP = 1
+FUSE_GETATTR = 3
 FUSE_READ = 15
 FUSE_WRITE = 16
 FUSE_INTERRUPT = 36
@@ -46,6 +53,12 @@ WRITE_DATA_AT = IN_HEADER.size + RW_IN_SIZE
 OUT_HEADER = struct.Struct("<IiQ")  # len, error (negative errno), unique
 WRITE_OUT = struct.Struct("<IiQII")  # out header + fuse_write_out (size, padding)
 INTERRUPT_IN = struct.Struct("<Q")
+# fuse_attr: ino, size, blocks, atime, mtime, ctime, their nanoseconds, mode, nlink, uid, gid,
+# rdev, blksize, flags (88 bytes)
+ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
+ATTR_OUT = struct.Struct("<IiQQII")  # out header + fuse_attr_out's head: attr_valid (s, ns), dummy
+ENTRY_OUT = struct.Struct("<IiQQQQQII")  # out header + fuse_entry_out's head: nodeid, generation,
+# entry_valid, attr_valid, entry_valid_nsec, attr_valid_nsec (timeouts 0: never cached)
 
 # What libfuse reads at a time (FUSE_MAX_MAX_PAGES pages and a page of headers): the kernel
 # refuses a read buffer that could not hold its largest request.
@@ -193,12 +206,20 @@ class DataPath:
                 log.exception("data path: request failed")
 
     def _serve(self, request: bytes) -> bool:
-        """Serve `request` here if it is a tensor read or write; False to pass it on."""
-        length, opcode, unique = IN_HEADER.unpack_from(request)[:3]
+        """Serve `request` here if it is a read or write the data path takes; False to pass
+        it on."""
+        length, opcode, unique, nodeid = IN_HEADER.unpack_from(request)[:4]
         if opcode == FUSE_INTERRUPT:
             # The data path finishes its requests promptly and does not abandon them; an
             # interrupt for one would wait in libfuse's list forever.
             return INTERRUPT_IN.unpack_from(request, IN_HEADER.size)[0] in self._serving
+        if opcode in (FUSE_LOOKUP, FUSE_GETATTR):
+            # Each path component of an open or stat is a LOOKUP (nothing is cached): served
+            # here, they skip the two thread wake-ups a round trip through pyfuse3 costs.
+            self._attributes(unique, opcode, nodeid, request[IN_HEADER.size:length])
+            with self._counts_lock:
+                self.requests_served += 1
+            return True
         if opcode not in (FUSE_READ, FUSE_WRITE) or length < WRITE_DATA_AT:
             return False
         fh, offset, size, _ = RW_IN.unpack_from(request, IN_HEADER.size)
@@ -212,7 +233,9 @@ class DataPath:
                       "WRITE" if opcode == FUSE_WRITE else "READ", unique, fh, offset, size)
         self._serving.add(unique)
         try:
-            if opcode == FUSE_WRITE:
+            if isinstance(handle, AdminHandle):
+                self._command(unique, handle, opcode, request, size)
+            elif opcode == FUSE_WRITE:
                 self._write(unique, handle, offset, memoryview(request)[WRITE_DATA_AT:])
             else:
                 self._read(unique, handle, offset, size)
@@ -240,13 +263,59 @@ class DataPath:
         except Exception as exc:
             self._reply_error(unique, self.operations.errno_for(exc, "read", offset))
 
+    def _attributes(self, unique: int, opcode: int, nodeid: int, argument: bytes) -> None:
+        """LOOKUP (the argument is the name) or GETATTR of `nodeid`, answered as pyfuse3 would."""
+        operations = self.operations
+        try:
+            if opcode == FUSE_LOOKUP:
+                name = argument.split(b"\0", 1)[0]
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("data path: LOOKUP unique %d parent %d name %r", unique, nodeid, name)
+                stat = operations.stat_of(operations.lookup_node(nodeid, name))
+                head = ENTRY_OUT.pack(ENTRY_OUT.size + ATTR.size, 0, unique, stat.ino, 0, 0, 0, 0, 0)
+            else:
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("data path: GETATTR unique %d inode %d", unique, nodeid)
+                stat = operations.stat_of(operations.getattr_node(nodeid))
+                head = ATTR_OUT.pack(ATTR_OUT.size + ATTR.size, 0, unique, 0, 0, 0)
+        except Exception as exc:
+            what = "lookup" if opcode == FUSE_LOOKUP else "getattr"
+            self._reply_error(unique, operations.errno_for(exc, what, nodeid))
+            return
+        seconds, nanoseconds = divmod(stat.time_ns, 1_000_000_000)
+        self._reply(head + ATTR.pack(stat.ino, stat.size, stat.blocks, seconds, seconds, seconds, nanoseconds,
+                                     nanoseconds, nanoseconds, stat.mode, stat.nlink, stat.uid, stat.gid, 0,
+                                     stat.blksize, 0))
+
+    def _command(self, unique: int, handle: "AdminHandle", opcode: int, request: bytes, size: int) -> None:
+        """The control file: a write submits commands, a read takes completions."""
+        try:
+            if opcode == FUSE_WRITE:
+                written = self.operations.write_command(handle, memoryview(request)[WRITE_DATA_AT:])
+                reply = WRITE_OUT.pack(WRITE_OUT.size, 0, unique, written, 0)
+            else:
+                completion = self.operations.read_completion(handle, size)
+                reply = OUT_HEADER.pack(OUT_HEADER.size + len(completion), 0, unique) + completion
+        except Exception as exc:
+            what = "write" if opcode == FUSE_WRITE else "read"
+            self._reply_error(unique, self.operations.errno_for(exc, f"{what} of the control file"))
+            return
+        self._reply(reply)
+        if opcode == FUSE_WRITE:
+            self._on_event_loop(self.operations.schedule_flushes)
+
     def _schedule_flush(self, handle: "FileHandle") -> None:
-        """After a commit, make it durable in the background, as pyfuse3's path does (on the
-        event loop, which owns that bookkeeping; this does not wait for it)."""
+        """After a commit, make it durable in the background, as pyfuse3's path does."""
         namespace = self.operations.tree.namespace(handle.node)
-        if namespace.flush_pending and self._trio_token is not None:
+        if namespace.flush_pending:
+            self._on_event_loop(self.operations._schedule_flush, namespace)
+
+    def _on_event_loop(self, function: Callable[..., object], *args: object) -> None:
+        """Run `function` on the event loop, which owns the background flushes' bookkeeping;
+        without waiting for it."""
+        if self._trio_token is not None:
             try:
-                self._trio_token.run_sync_soon(self.operations._schedule_flush, namespace)
+                self._trio_token.run_sync_soon(function, *args)
             except trio.RunFinishedError:
                 pass  # unmounting: the close flushes
 
@@ -262,14 +331,15 @@ class DataPath:
     def _pump_replies(self) -> None:
         """pyfuse3's replies (and notifications) to the device, one message at a time."""
         assert self._ours is not None
+        scratch = bytearray(DEVICE_BUFFER)
         while True:
             try:
-                message = self._ours.recv(DEVICE_BUFFER)
+                size = self._ours.recv_into(scratch)
             except OSError:
                 return
-            if not message:
+            if not size:
                 return  # shut down
-            self._reply(message)
+            self._reply(memoryview(scratch)[:size])
 
     def _reply(self, *parts: bytes | memoryview) -> None:
         try:

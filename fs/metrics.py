@@ -77,7 +77,7 @@ class DeviceCollector(Collector):
         if data_path is not None:
             requests = CounterMetricFamily(
                 "cossd_fs_requests", "FUSE requests by who served them: the data path's threads "
-                "(tensor and NVM block reads and writes) or pyfuse3 (everything else).", labels=("served_by",))
+                "(file reads and writes, lookups, getattrs) or pyfuse3 (everything else).", labels=("served_by",))
             requests.add_metric(("data_path",), data_path.requests_served)
             requests.add_metric(("pyfuse3",), data_path.requests_forwarded)
             yield requests

@@ -9,8 +9,9 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, NamedTuple, TypeVar
 
 import pyfuse3
 import trio
@@ -51,6 +52,20 @@ def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]
     return wrapper
 
 
+class Stat(NamedTuple):
+    """What GETATTR and LOOKUP answer about a node (the three times are the same)."""
+
+    ino: int
+    size: int
+    blocks: int
+    time_ns: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    blksize: int
+
+
 @dataclasses.dataclass
 class AdminHandle:
     """One open() of the control file: a queue pair. Completions are read back in order."""
@@ -58,6 +73,8 @@ class AdminHandle:
     pending: bytearray = dataclasses.field(default_factory=bytearray)
     completions: collections.deque[bytes] = dataclasses.field(default_factory=collections.deque)
     unread: bytes = b""
+    # The data path's threads may take two requests of one open() at once.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 @dataclasses.dataclass
@@ -135,36 +152,52 @@ class Operations(pyfuse3.Operations):
             return self.tree.namespace(node).capacity_bytes
         return 0
 
+    def stat_of(self, node: Node) -> Stat:
+        """A node's attributes. Namespaces, steps and sizes change under the client's feet,
+        so they are never cached (entry and attribute timeouts 0)."""
+        size = self._size(node)
+        return Stat(ino=self.tree.inode(node), size=size, blocks=(size + 511) // 512, time_ns=self._started_ns,
+                    mode=self.tree.mode(node), nlink=1 if node.kind in FILE_KINDS else 2, uid=self._uid,
+                    gid=self._gid, blksize=1 << 20)
+
     def _attributes(self, node: Node) -> pyfuse3.EntryAttributes:
+        stat = self.stat_of(node)
         attrs = pyfuse3.EntryAttributes()
-        attrs.st_ino = self.tree.inode(node)
-        attrs.st_mode = self.tree.mode(node)
-        attrs.st_nlink = 1 if node.kind in FILE_KINDS else 2
-        attrs.st_uid = self._uid
-        attrs.st_gid = self._gid
-        attrs.st_size = self._size(node)
-        attrs.st_blksize = 1 << 20
-        attrs.st_blocks = (attrs.st_size + 511) // 512
-        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = self._started_ns
-        # Namespaces, steps and sizes change under the client's feet: never cache.
+        attrs.st_ino = stat.ino
+        attrs.st_mode = stat.mode
+        attrs.st_nlink = stat.nlink
+        attrs.st_uid = stat.uid
+        attrs.st_gid = stat.gid
+        attrs.st_size = stat.size
+        attrs.st_blksize = stat.blksize
+        attrs.st_blocks = stat.blocks
+        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = stat.time_ns
         attrs.entry_timeout = 0
         attrs.attr_timeout = 0
         return attrs
 
-    @_guarded
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    def lookup_node(self, parent_inode: int, name: bytes) -> Node:
+        """LOOKUP: the node `name` names in directory `parent_inode` (never blocks)."""
         self._fault("lookup")
         parent = self.tree.node(parent_inode)
         try:
             decoded = name.decode()
         except UnicodeDecodeError:
             raise fuse_error(errno.ENOENT) from None
-        return self._attributes(self.tree.lookup(parent, decoded))
+        return self.tree.lookup(parent, decoded)
+
+    def getattr_node(self, inode: int) -> Node:
+        """GETATTR: the node of `inode`."""
+        self._fault("getattr")
+        return self.tree.node(inode)
+
+    @_guarded
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attributes(self.lookup_node(parent_inode, name))
 
     @_guarded
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        self._fault("getattr")
-        return self._attributes(self.tree.node(inode))
+        return self._attributes(self.getattr_node(inode))
 
     @_guarded
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -329,10 +362,12 @@ class Operations(pyfuse3.Operations):
     # fs/datapath.py serves reads and writes of open tensor and NVM block files on its own
     # threads, with these blocking calls; they answer as read() and write() above do.
 
-    def data_handle(self, fh: int) -> FileHandle | None:
-        """The handle of `fh` where the data path serves its reads and writes, else None."""
+    def data_handle(self, fh: int) -> AdminHandle | FileHandle | None:
+        """The handle of `fh` where the data path serves its reads and writes (tensor, NVM
+        block, control and text files), else None."""
         handle = self._handles.get(fh)
-        if isinstance(handle, FileHandle) and handle.node.kind in (Kind.ARRAY, Kind.DATA):
+        if isinstance(handle, AdminHandle) or (
+                isinstance(handle, FileHandle) and handle.node.kind in (Kind.ARRAY, Kind.DATA, Kind.TEXT)):
             return handle
         return None
 
@@ -356,6 +391,9 @@ class Operations(pyfuse3.Operations):
         """A read on the data path: the bytes, valid until the block exits."""
         self._fault("read")
         node = handle.node
+        if node.kind == Kind.TEXT:  # the snapshot taken at open
+            yield handle.text[off : off + size]
+            return
         namespace = self.tree.namespace(node)
         self.controller.injector.check_io(IoOpcode.READ, namespace.nsid)
         if node.kind == Kind.DATA:
@@ -366,8 +404,10 @@ class Operations(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ control file
 
-    async def _write_command(self, handle: AdminHandle, buf: bytes) -> int:
-        """Accumulate a submission (a large one may arrive in several requests), run it."""
+    @staticmethod
+    def _submissions(handle: AdminHandle, buf: bytes | memoryview) -> Iterator[bytes]:
+        """Accumulate a submission (a large one may arrive in several requests); yield each
+        complete one, to be run before the next is parsed."""
         handle.pending += buf
         while len(handle.pending) >= SUBMISSION.itemsize:
             try:
@@ -380,11 +420,32 @@ class Operations(pyfuse3.Operations):
                 break
             raw = bytes(handle.pending[:needed])
             del handle.pending[:needed]
+            yield raw
+
+    async def _write_command(self, handle: AdminHandle, buf: bytes) -> int:
+        for raw in self._submissions(handle, buf):
             completion: Completion = await self._run(self.controller.submit, raw)
             handle.completions.append(completion.encode())
-            for namespace in list(self.device.namespaces.values()):
-                self._schedule_flush(namespace)
+            self.schedule_flushes()
         return len(buf)
+
+    def write_command(self, handle: AdminHandle, buf: bytes | memoryview) -> int:
+        """_write_command on the data path (blocking); the caller then has
+        schedule_flushes() run on the event loop."""
+        with handle.lock:
+            for raw in self._submissions(handle, buf):
+                handle.completions.append(self.controller.submit(raw).encode())
+        return len(buf)
+
+    def read_completion(self, handle: AdminHandle, size: int) -> bytes:
+        """_read_completion on the data path."""
+        with handle.lock:
+            return self._read_completion(handle, size)
+
+    def schedule_flushes(self) -> None:
+        """After a command: make whatever it committed durable in the background."""
+        for namespace in list(self.device.namespaces.values()):
+            self._schedule_flush(namespace)
 
     def _read_completion(self, handle: AdminHandle, size: int) -> bytes:
         """Completions read as a stream: entry then data; a short read leaves the rest."""

@@ -147,8 +147,9 @@ def test_metrics_scraped_over_http_equal_what_was_done(metrics_mount: tuple[Moun
     assert value(families, "cossd_kernel_seconds_total", **net) == pytest.approx(stats["kernel_ns"] / 1e9)
     assert value(families, "cossd_kernel_blocks_total", **net) == stats["kernel_blocks"] > 0
     assert value(families, "cossd_fs_errors_total", errno="EINVAL") == 1
-    # The data path served every tensor request (the refused one too); pyfuse3 the rest.
-    assert value(families, "cossd_fs_requests_total", served_by="data_path") == \
+    # The data path served every tensor request (the refused one too), and the control
+    # file's and text files' reads and writes; pyfuse3 the rest (lookups, opens...).
+    assert value(families, "cossd_fs_requests_total", served_by="data_path") > \
         stats["write_commands"] + stats["read_commands"] + 1
     assert value(families, "cossd_fs_requests_total", served_by="pyfuse3") > 0
 

@@ -89,6 +89,16 @@ def _session(mp: Path) -> dict[str, object]:
         seen["read at the end"] = os.pread(fd, 100, 4 << 20)
     finally:
         os.close(fd)
+    # LOOKUP and GETATTR (the data path answers them too): every node's attributes, a missing one.
+    paths = [mp, mp / "ns", mp / "ns/m", mp / "ns/m/tensors", tensor_dir(mp, "m", "odd"), mp / "ns/m/step",
+             mp / "ns/m/stats.json", mp / ".admin", *(tensor_dir(mp, "m", "big") / role for role in
+                                                      ("grad", "param", "master", "exp_avg", "exp_avg_sq"))]
+    # (stats.json's size varies from run to run: it holds timings.)
+    seen["stat"] = [(s.st_ino, s.st_mode, s.st_nlink, s.st_size if path.name != "stats.json" else s.st_size > 0,
+                     s.st_blocks if path.name != "stats.json" else None, s.st_blksize, s.st_mtime_ns > 0)
+                    for path, s in zip(paths, map(os.stat, paths))]
+    seen["stat missing"] = _errno_of(lambda: os.stat(mp / "ns/m/tensors/nope/param"))
+    seen["listing"] = sorted(os.listdir(tensor_dir(mp, "m", "big")))
     with AdminClient(mp) as admin:
         admin.create_namespace({"name": "blocks", "kind": "nvm", "capacity_bytes": 1 << 20})
     data = mp / "ns/blocks/data"
@@ -117,10 +127,10 @@ def test_data_path_and_pyfuse3_alone_answer_bit_for_bit_alike(tmp_path: Path) ->
     assert [seen[f"step {i}"] for i in range(1, 5)] == ["1\n", "2\n", "2\n", "3\n"]
     assert seen["misaligned"] == errno.EINVAL and seen["duplicate"] != 0 and seen["sealed master"] != 0
     assert seen["past the end"] != 0 and seen["nvm past the end"] != 0
-    assert seen["read at the end"] == b""
-    # The data path served the tensor and block requests; everything else went to pyfuse3.
+    assert seen["read at the end"] == b"" and seen["stat missing"] == errno.ENOENT
+    # The data path served the reads, writes, lookups and getattrs; opens and the rest went to pyfuse3.
     served = SERVED.search(logs["data-path"])
-    assert served and int(served.group(1)) > 100 and int(served.group(2)) > 100, logs["data-path"][-2000:]
+    assert served and int(served.group(1)) > 1000 and int(served.group(2)) > 20, logs["data-path"][-2000:]
     assert not SERVED.search(logs["pyfuse3"])
 
 
