@@ -96,11 +96,12 @@ def _size_buffers(sock: socket.socket) -> bool:
 
 
 class DataPath:
-    """Serve tensor requests on `threads` threads in front of pyfuse3 (see the module doc).
+    """Serve the frequent requests on `threads` threads in front of pyfuse3 (see the module
+    doc).
 
-    start() must run after pyfuse3.init() and before pyfuse3.main() first waits on its
-    descriptor; stop() after main() returns and before pyfuse3.close(), which then finds its
-    own descriptor back.
+    attach() must run on the event loop after pyfuse3.init() and before pyfuse3.main() first
+    waits on its descriptor; stop() after main() returns and before pyfuse3.close(), which
+    then finds its own descriptor back.
     """
 
     def __init__(self, operations: "Operations", session_fd: int, threads: int = DEFAULT_THREADS) -> None:
