@@ -156,7 +156,7 @@ class DataPath:
         self._threads.append(threading.Thread(target=self._pump_replies, name="cossd-io-replies", daemon=True))
         for thread in self._threads:
             thread.start()
-        log.info("data path: %d threads serve tensor requests in front of pyfuse3", self.thread_count)
+        log.info("data path: %d threads serve requests in front of pyfuse3", self.thread_count)
 
     def stop(self) -> None:
         """End the threads and give pyfuse3 its device descriptor back."""
@@ -204,7 +204,10 @@ class DataPath:
                 if not self._serve(request):
                     self._forward(request)
             except Exception:
+                # A bug here must not leave the caller waiting: answer EIO (should a reply have
+                # gone out already, the device refuses this one as for an unknown request).
                 log.exception("data path: request failed")
+                self._reply_error(IN_HEADER.unpack_from(request)[2], errno.EIO)
 
     def _serve(self, request: bytes) -> bool:
         """Serve `request` here if it is a read or write the data path takes; False to pass
