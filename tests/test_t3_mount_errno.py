@@ -158,14 +158,16 @@ def test_identify_controller_fields(mount: Mount) -> None:
     assert int.from_bytes(page[280:296], "little") == 8 << 30
 
 
+@pytest.mark.parametrize("handler", ["read", "lookup"])
 def test_handler_exception_is_eio_and_mount_keeps_serving(backing: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                          monkeypatch: pytest.MonkeyPatch, handler: str) -> None:
     from cossd.emulator import Device, NamespaceSpec, TensorSpec
 
     with Device.open(backing) as device:
         device.create_namespace(NamespaceSpec("n", (TensorSpec("t", 4),)))
-    # The first read served by the daemon fails with an unexpected exception.
-    monkeypatch.setenv("COSSD_INJECT_HANDLER_FAULT", "read:1")
+    # The first such request the daemon serves fails with an unexpected exception (reading
+    # a file makes a LOOKUP per path component, then a READ).
+    monkeypatch.setenv("COSSD_INJECT_HANDLER_FAULT", f"{handler}:1")
     mounted = start_mount(backing, tmp_path / "mnt")
     try:
         step_file = mounted.mountpoint / "ns/n/step"
