@@ -107,7 +107,7 @@ class Operations(pyfuse3.Operations):
         self._started_ns = time.time_ns()
         # Tests set this to a callable(op_name) to inject handler failures on purpose.
         self.fault_hook: Callable[[str], None] | None = None
-        # The threads serving tensor I/O in front of pyfuse3 (fs/datapath.py), once started.
+        # The threads serving the frequent requests in front of pyfuse3 (fs/datapath.py).
         self.data_path: DataPath | None = None
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
@@ -359,8 +359,9 @@ class Operations(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ the data path
 
-    # fs/datapath.py serves reads and writes of open tensor and NVM block files on its own
-    # threads, with these blocking calls; they answer as read() and write() above do.
+    # fs/datapath.py serves reads and writes of open tensor, NVM block, control and text files
+    # on its own threads with these blocking calls (and write_command, read_completion,
+    # lookup_node, getattr_node, stat_of); they answer as the handlers above do.
 
     def data_handle(self, fh: int) -> AdminHandle | FileHandle | None:
         """The handle of `fh` where the data path serves its reads and writes (tensor, NVM
