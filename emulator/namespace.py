@@ -24,7 +24,7 @@ from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, read_json
 from .snapshots import SnapshotStore
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
 from .superblock import GROUP_FIELDS, Superblock
-from .transaction import ReadyBlock, StepTransaction
+from .transaction import ReadyBlock, StepTransaction, block_pieces
 
 log = logging.getLogger(__name__)
 
@@ -609,6 +609,11 @@ class Namespace:
             # (or, on the data path, a view of the request's bytes).
             data = bytes(data)
         grad = np.frombuffer(data, dtype=np.uint16)
+        # Counted here, outside the lock, while the bytes are still in this core's cache
+        # (on the data path they were just copied in): the block's kernel then needs no pass
+        # of its own over a gradient it may find cold.
+        nonfinite = [kernels.count_nonfinite(piece, self._grad_format)
+                     for piece in block_pieces(offset // 2, grad)]
         if not self._lock.acquire(blocking=wait):
             raise _WouldBlock
         try:
@@ -617,7 +622,7 @@ class Namespace:
                 if not wait:
                     raise _WouldBlock
                 tx = self._begin_locked(None, 1.0, explicit=False)
-            ready = tx.receive(tensor, offset // 2, grad)
+            ready = tx.receive(tensor, offset // 2, grad, nonfinite)
             completes_step = tx.all_received and bool(ready) and not tx.explicit
             # Counted before they are queued, so a commit cannot pass blocks not queued yet.
             tx.inflight += len(ready)
@@ -669,7 +674,7 @@ class Namespace:
         """Check and update one complete gradient block into the shadow copy."""
         try:
             started = time.perf_counter_ns()
-            nonfinite = kernels.count_nonfinite(block.grad, self._grad_format)
+            nonfinite = block.nonfinite
             committed = self._sb.committed_copy
             shadow = committed.other
             tensor = block.tensor

@@ -24,6 +24,7 @@ class PartialBlock:
     grad: np.ndarray
     mask: np.ndarray
     received: int = 0
+    nonfinite: int = 0  # of the pieces received so far
 
 
 @dataclasses.dataclass
@@ -33,6 +34,22 @@ class ReadyBlock:
     tensor: TensorLayout
     local_block: int
     grad: np.ndarray
+    nonfinite: int  # inf/NaN elements in `grad`, counted as its pieces arrived
+
+
+def block_range_of(first_elem: int, end_elem: int) -> range:
+    """The blocks elements first_elem..end_elem-1 of a tensor touch (end_elem > first_elem)."""
+    return range(first_elem // BLOCK_ELEMS, (end_elem - 1) // BLOCK_ELEMS + 1)
+
+
+def block_pieces(first_elem: int, grad: np.ndarray) -> list[np.ndarray]:
+    """`grad` (starting at element first_elem of its tensor) cut at block boundaries."""
+    pieces = []
+    end_elem = first_elem + len(grad)
+    for block in block_range_of(first_elem, end_elem):
+        lo, hi = max(first_elem, block * BLOCK_ELEMS), min(end_elem, (block + 1) * BLOCK_ELEMS)
+        pieces.append(grad[lo - first_elem : hi - first_elem])
+    return pieces
 
 
 class StepTransaction:
@@ -72,15 +89,17 @@ class StepTransaction:
     def all_done(self) -> bool:
         return self.done_blocks == self.total_blocks
 
-    def receive(self, tensor: TensorLayout, first_elem: int, grad: np.ndarray) -> list[ReadyBlock]:
-        """Take a piece of gradient; returns the blocks it completed.
+    def receive(self, tensor: TensorLayout, first_elem: int, grad: np.ndarray,
+                nonfinite: list[int]) -> list[ReadyBlock]:
+        """Take a piece of gradient; returns the blocks it completed. `nonfinite` holds the
+        piece's inf/NaN counts, one per block it touches (block_pieces order).
 
         Validates the whole piece before changing anything, so a write that overlaps an
         already received range is refused as a whole.
         """
         end_elem = first_elem + len(grad)
         states = self._states_of(tensor)
-        touched = range(first_elem // BLOCK_ELEMS, (end_elem - 1) // BLOCK_ELEMS + 1)
+        touched = block_range_of(first_elem, end_elem)
         for block in touched:
             start, stop = tensor.block_range(block)
             lo, hi = max(first_elem, start), min(end_elem, stop)
@@ -95,14 +114,14 @@ class StepTransaction:
                     f"received in step {self.step}",
                 )
         ready = []
-        for block in touched:
+        for block, count in zip(touched, nonfinite, strict=True):
             start, stop = tensor.block_range(block)
             lo, hi = max(first_elem, start), min(end_elem, stop)
             piece = grad[lo - first_elem : hi - first_elem]
             if states[block] == BlockState.EMPTY and lo == start and hi == stop:
                 # The common case: the write covers the block, so run on it without a copy.
                 states[block] = BlockState.RUNNING
-                ready.append(ReadyBlock(tensor, block, piece))
+                ready.append(ReadyBlock(tensor, block, piece, count))
                 self.received_blocks += 1
                 continue
             key = (tensor.name, block)
@@ -117,10 +136,11 @@ class StepTransaction:
             staged.grad[lo - start : hi - start] = piece
             staged.mask[lo - start : hi - start] = True
             staged.received += hi - lo
+            staged.nonfinite += count
             if staged.received == stop - start:
                 del self.partial[key]
                 states[block] = BlockState.RUNNING
-                ready.append(ReadyBlock(tensor, block, staged.grad))
+                ready.append(ReadyBlock(tensor, block, staged.grad, staged.nonfinite))
                 self.received_blocks += 1
         return ready
 

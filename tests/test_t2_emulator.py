@@ -150,6 +150,33 @@ def test_nan_skips_step_and_is_counted(device: Device) -> None:
     assert stats["committed_step"] == 1
 
 
+def test_nonfinite_counted_across_pieces_and_blocks(device: Device) -> None:
+    """Non-finite elements are counted as the pieces arrive: one in each of three pieces of
+    one block (one piece straddling into the next block, with another there), and a write
+    refused as a duplicate counts nothing."""
+    ns = device.create_namespace(make_spec())
+    load(ns)
+    before = snapshot(ns)
+    ns.begin_step()
+    data = grads(ns, 7)
+    w = np.frombuffer(data["w"], dtype=np.float16).copy()
+    for index in (10, 5000, BLOCK_ELEMS - 1, BLOCK_ELEMS + 2):
+        w[index] = np.inf if index % 2 else np.nan
+    raw = w.tobytes()
+    cuts = [0, 4000, 9000, 2 * (BLOCK_ELEMS + 100), len(raw)]  # byte offsets, whole elements
+    for start, end in zip(cuts, cuts[1:]):
+        ns.write_grad("w", start, raw[start:end])
+        if start == 4000:
+            with pytest.raises(DeviceError):  # a duplicate of the piece just taken
+                ns.write_grad("w", start, raw[start:end])
+    for name, piece in data.items():
+        if name != "w":
+            ns.write_grad(name, 0, piece)
+    result = ns.commit_step()
+    assert result.skipped and result.nonfinite_elements == 4
+    assert snapshot(ns) == before
+
+
 def test_file_errors(device: Device) -> None:
     ns = device.create_namespace(make_spec())
     cases = [
