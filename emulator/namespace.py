@@ -478,9 +478,13 @@ class Namespace:
         try:
             yield view
         finally:
-            with self._cond:
-                self._pins -= 1
-                self._cond.notify_all()
+            self._unpin()
+
+    def _unpin(self) -> None:
+        """Release one pin of the committed copy; a flip waiting for the pins may go on."""
+        with self._cond:
+            self._pins -= 1
+            self._cond.notify_all()
 
     def _read(self, tensor_name: str, role: str, offset: int, size: int, *, wait: bool, copy: bool,
               pin: bool = False) -> Any:
@@ -998,9 +1002,7 @@ class Namespace:
         try:
             yield superblock, self._copies[superblock.committed_copy]
         finally:
-            with self._cond:
-                self._pins -= 1
-                self._cond.notify_all()
+            self._unpin()
 
     def restore_committed(self, source: Superblock, fill: Callable[[StateFile], None]) -> int:
         """Make `source`'s state (a snapshot's) the committed one: `fill` writes its bytes

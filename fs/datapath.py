@@ -221,8 +221,7 @@ class DataPath:
             # Each path component of an open or stat is a LOOKUP (nothing is cached): served
             # here, they skip the two thread wake-ups a round trip through pyfuse3 costs.
             self._attributes(unique, opcode, nodeid, request[IN_HEADER.size:length])
-            with self._counts_lock:
-                self.requests_served += 1
+            self._count_served()
             return True
         if opcode not in (FUSE_READ, FUSE_WRITE) or length < WRITE_DATA_AT:
             return False
@@ -245,9 +244,12 @@ class DataPath:
                 self._read(unique, handle, offset, size)
         finally:
             self._serving.discard(unique)
+        self._count_served()
+        return True
+
+    def _count_served(self) -> None:
         with self._counts_lock:
             self.requests_served += 1
-        return True
 
     def _write(self, unique: int, handle: "FileHandle", offset: int, data: memoryview) -> None:
         try:
