@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 
 from . import logpages
+from .cmb import ControllerMemoryBuffer
 from .device import Device
 from .errors import DeviceError, Status
 from .health import CRITICAL_TEMP_KELVIN, WARNING_TEMP_KELVIN
@@ -27,7 +28,7 @@ IDENTIFY_BYTES = 4096
 # returning {opcode: handler}; a handler takes a Command and returns a Completion or raises
 # DeviceError (see Controller.execute).
 COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection", "cossd.emulator.features",
-                                    "cossd.emulator.snapshot_commands")
+                                    "cossd.emulator.snapshot_commands", "cossd.emulator.cmb_commands")
 
 # Effects beyond CSUPP that the Commands Supported and Effects page (LID 05h) announces.
 COMMAND_EFFECTS: dict[int, int] = {
@@ -68,8 +69,10 @@ def _ascii_field(text: str, size: int) -> bytes:
 class Controller:
     """Executes commands against a Device. Synchronous; safe to call from worker threads."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, cmb_bytes: int = 0) -> None:
         self.device = device
+        # The controller memory buffer (emulator/cmb.py), if it has one.
+        self.cmb = ControllerMemoryBuffer(cmb_bytes) if cmb_bytes else None
         self.commands_completed = 0
         self.commands_failed = 0
         # Armed error injections (INJECT_ERROR, emulator/injection.py), checked before dispatch.
@@ -204,7 +207,14 @@ class Controller:
         return Completion(command.cid, Status.SUCCESS, data=data)
 
     def _vendor_identify(self, command: Command) -> Completion:
-        return Completion(command.cid, Status.SUCCESS, data=_json(self.device.describe()))
+        description = self.device.describe()
+        description["cmb"] = self.cmb.describe() if self.cmb is not None else None
+        return Completion(command.cid, Status.SUCCESS, data=_json(description))
+
+    def close(self) -> None:
+        if self.cmb is not None:
+            self.cmb.close()
+            self.cmb = None
 
     # ------------------------------------------------------------------ namespaces
 

@@ -11,7 +11,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -71,6 +71,10 @@ def _hyper_record(hypers: list[Hyperparameters]) -> dict[str, Any]:
         [[getattr(h, field) for field in GROUP_FIELDS] for h in hypers[1:]], dtype=np.float64
     ).reshape(len(hypers) - 1, len(GROUP_FIELDS))
     return record
+
+
+# write_grads_lent stages lent gradients in pieces of this many bytes (4 blocks).
+_LENT_STAGE_BYTES = 4 * BLOCK_ELEMS * 2
 
 
 def _immutable(data: bytes | memoryview) -> bool:
@@ -473,10 +477,25 @@ class Namespace:
         """read() without the copy, for a reply written from the committed copy itself (the
         fs data path's threads): a commit or rollback waits until the block exits, so the
         view cannot change under the reply. In timed mode the wait comes before the view."""
+        with self.read_pinned_many([(tensor_name, role, offset, size)]) as views:
+            yield views[0]
+
+    @contextlib.contextmanager
+    def read_pinned_many(self, reads: Sequence[tuple[str, str, int, int]]) -> Iterator[list[bytes | memoryview]]:
+        """read_pinned of several (tensor, role, offset, size) ranges under one pin, so every
+        view is of the same committed step."""
+        if not reads:
+            yield []
+            return
         with self.timing.command("read"):
-            view = self._read(tensor_name, role, offset, size, wait=True, copy=False, pin=True)
+            views = [self._read(*reads[0], wait=True, copy=False, pin=True)]
         try:
-            yield view
+            # The pin holds the committed copy: the rest need not (and must not: a flip
+            # waiting for this pin would hold a second one back) pin again.
+            for tensor_name, role, offset, size in reads[1:]:
+                with self.timing.command("read"):
+                    views.append(self._read(tensor_name, role, offset, size, wait=True, copy=False))
+            yield views
         finally:
             self._unpin()
 
@@ -514,6 +533,36 @@ class Namespace:
             return view.tobytes() if copy else memoryview(view)
         finally:
             self._lock.release()
+
+    def check_write(self, tensor_name: str, role: str, offset: int, length: int) -> None:
+        """Refuse, changing nothing, a write that write_state would refuse for its file,
+        range or timing (state is writable only before the first step)."""
+        tensor = self._tensor(tensor_name)
+        if role not in LOADABLE_ROLES:
+            raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
+        self._check_range(tensor, role, offset, length)
+        if not self.loading:
+            raise DeviceError(
+                Status.STATE_SEALED,
+                f"{tensor.name}/{role} can only be written before the first step "
+                f"(namespace is at step {self.committed_step})",
+            )
+
+    def check_read(self, tensor_name: str, role: str, offset: int, length: int) -> None:
+        """Refuse, changing nothing, a read of bytes [offset, offset + length) of a tensor file
+        that is not wholly inside a readable file (a transfer whose size the reader fixed
+        beforehand, as CMB_READ's, cannot end short the way a file read does)."""
+        tensor = self._tensor(tensor_name)
+        if role not in ROLES:
+            raise DeviceError(Status.INVALID_FIELD, f"{tensor_name}: no file {role!r} (one of {', '.join(ROLES)})")
+        if role == "grad":
+            raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
+        size = tensor.numel * self.itemsize(role)
+        if offset < 0 or length < 0 or offset + length > size:
+            raise DeviceError(
+                Status.LBA_OUT_OF_RANGE,
+                f"{tensor_name}/{role}: read of {length} bytes at {offset} passes the end ({size} bytes)",
+            )
 
     def _check_range(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
         itemsize = self.itemsize(role)
@@ -598,16 +647,71 @@ class Namespace:
         except _WouldBlock:
             return None
 
+    def write_grads_lent(
+        self, pieces: Sequence[tuple[str, int, bytes | memoryview | np.ndarray]]
+    ) -> CommitResult | None:
+        """Take gradient pieces (tensor, byte offset in its grad file, bytes) from memory the
+        caller lends until this returns, as a drive's DMA reads a host buffer: complete blocks
+        run on it in place, and this returns once every block the pieces completed has run.
+
+        The pieces are checked, against each other and against what the open step already
+        has, before any is taken, so a batch refused for its ranges changes nothing. Returns
+        the commit's result where the pieces completed an implicit step (committed or
+        skipped before this returns), else None.
+        """
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for tensor_name, offset, data in pieces:
+            self._check_range(self._tensor(tensor_name), "grad", offset, len(data))
+            spans.setdefault(tensor_name, []).append((offset, offset + len(data)))
+        for tensor_name, ranges in spans.items():
+            ranges.sort()
+            for (_, end), (start, _) in zip(ranges, ranges[1:]):
+                if start < end:
+                    raise DeviceError(
+                        Status.GRADIENT_DUPLICATE,
+                        f"tensor {tensor_name!r}: gradient bytes from {start} are sent twice in one batch",
+                    )
+        with self._lock:
+            if self._tx is not None:
+                for tensor_name, ranges in spans.items():
+                    for start, end in ranges:
+                        self._tx.check_free(self._tensor(tensor_name), start // 2, end // 2)
+        queued: list[concurrent.futures.Future[None]] = []
+        implicit = None
+        try:
+            for tensor_name, offset, data in pieces:
+                # Staged a few blocks at a time, so the kernel workers start on the first
+                # blocks while this thread still counts the later ones' non-finite elements.
+                position = 0
+                while True:
+                    # Up to the next multiple of _LENT_STAGE_BYTES in the file: whole blocks.
+                    end = min(len(data), (offset + position) // _LENT_STAGE_BYTES * _LENT_STAGE_BYTES
+                              + _LENT_STAGE_BYTES - offset)
+                    with self.timing.command("write_grad"):
+                        _, completed = self._stage_grad(tensor_name, offset + position, data[position:end],
+                                                        wait=True, lent=queued)
+                    implicit = implicit or completed
+                    position = end
+                    if position >= len(data):
+                        break
+        finally:
+            # Even after a failure: the lender may reuse its memory once this returns.
+            concurrent.futures.wait(queued)
+        return self.finish_implicit_step(implicit) if implicit is not None else None
+
     def _stage_grad(
-        self, tensor_name: str, offset: int, data: bytes | memoryview, *, wait: bool
+        self, tensor_name: str, offset: int, data: bytes | memoryview | np.ndarray, *, wait: bool,
+        lent: list[concurrent.futures.Future[None]] | None = None,
     ) -> tuple[int, StepTransaction | None]:
-        """Receive gradient bytes and queue the blocks they complete; see write_grad_nowait."""
+        """Receive gradient bytes and queue the blocks they complete; see write_grad_nowait.
+        With `lent`, `data` is lent memory used in place, and the futures of the blocks queued
+        are appended to it (write_grads_lent waits for them)."""
         tensor = self._tensor(tensor_name)
         length = len(data)
         self._check_range(tensor, "grad", offset, length)
         if length == 0:
             return 0, None
-        if not _immutable(data):
+        if lent is None and not _immutable(data):
             # Blocks run after this returns (see below) and may use the caller's buffer in
             # place, so a buffer the caller could reuse is copied; FUSE hands over bytes
             # (or, on the data path, a view of the request's bytes).
@@ -642,8 +746,10 @@ class Namespace:
         queued = 0
         try:
             for block in ready:
-                _kernel_workers().submit(self._run_block_in_background, tx, block)
+                future = _kernel_workers().submit(self._run_block_in_background, tx, block)
                 queued += 1
+                if lent is not None:
+                    lent.append(future)
         finally:
             if queued < len(ready):
                 with self._cond:
@@ -652,14 +758,15 @@ class Namespace:
                     self._cond.notify_all()
         return length, (tx if completes_step else None)
 
-    def finish_implicit_step(self, tx: StepTransaction) -> None:
+    def finish_implicit_step(self, tx: StepTransaction) -> CommitResult | None:
         """Commit (or skip) implicit step `tx` once its blocks are done: the end of the write
-        that completed its gradients."""
+        that completed its gradients. Its result, or None where another thread got there first."""
         with self.timing.command("commit_step"), self._cond:
             while tx.inflight:
                 self._cond.wait()
             if self._tx is tx:
-                self._commit_locked(tx)
+                return self._commit_locked(tx)
+            return None
 
     def _run_block_in_background(self, tx: StepTransaction, block: ReadyBlock) -> None:
         try:

@@ -77,6 +77,8 @@ class Opcode(enum.IntEnum):
     SNAPSHOT_CLONE = 0xCE
     EXPORT = 0xCF
     INJECT_ERROR = 0xD0
+    CMB_WRITE = 0xD1
+    CMB_READ = 0xD2
 
 
 class IdentifyCns(enum.IntEnum):

@@ -89,18 +89,13 @@ class StepTransaction:
     def all_done(self) -> bool:
         return self.done_blocks == self.total_blocks
 
-    def receive(self, tensor: TensorLayout, first_elem: int, grad: np.ndarray,
-                nonfinite: list[int]) -> list[ReadyBlock]:
-        """Take a piece of gradient; returns the blocks it completed. `nonfinite` holds the
-        piece's inf/NaN counts, one per block it touches (block_pieces order).
-
-        Validates the whole piece before changing anything, so a write that overlaps an
-        already received range is refused as a whole.
-        """
-        end_elem = first_elem + len(grad)
+    def check_free(self, tensor: TensorLayout, first_elem: int, end_elem: int) -> None:
+        """Refuse (GRADIENT_DUPLICATE) elements first_elem..end_elem-1 of `tensor` if any of
+        them already arrived in this step."""
+        if end_elem <= first_elem:
+            return
         states = self._states_of(tensor)
-        touched = block_range_of(first_elem, end_elem)
-        for block in touched:
+        for block in block_range_of(first_elem, end_elem):
             start, stop = tensor.block_range(block)
             lo, hi = max(first_elem, start), min(end_elem, stop)
             state = states[block]
@@ -113,6 +108,19 @@ class StepTransaction:
                     f"tensor {tensor.name!r}: gradient elements {lo}..{hi - 1} already "
                     f"received in step {self.step}",
                 )
+
+    def receive(self, tensor: TensorLayout, first_elem: int, grad: np.ndarray,
+                nonfinite: list[int]) -> list[ReadyBlock]:
+        """Take a piece of gradient; returns the blocks it completed. `nonfinite` holds the
+        piece's inf/NaN counts, one per block it touches (block_pieces order).
+
+        Validates the whole piece before changing anything, so a write that overlaps an
+        already received range is refused as a whole.
+        """
+        end_elem = first_elem + len(grad)
+        self.check_free(tensor, first_elem, end_elem)
+        states = self._states_of(tensor)
+        touched = block_range_of(first_elem, end_elem)
         ready = []
         for block, count in zip(touched, nonfinite, strict=True):
             start, stop = tensor.block_range(block)

@@ -17,6 +17,7 @@ import pyfuse3
 import trio
 
 from cossd.emulator import Device, DeviceConfig, DeviceError, Status
+from cossd.emulator.cmb import DEFAULT_CMB_BYTES
 from cossd.emulator.device import SUPERBLOCK_FILE
 from cossd.emulator.media import libc_function
 from cossd.emulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
@@ -135,11 +136,13 @@ def serve(
     profile: str = DEFAULT_PROFILE,
     timed: bool = False,
     io_threads: int | None = None,
+    cmb_bytes: int = DEFAULT_CMB_BYTES,
 ) -> None:
     """Serve the device at `mountpoint` until unmounted or signalled (foreground).
 
     `io_threads` (default COSSD_IO_THREADS, else one per core, at least 2) serve tensor
     reads and writes in front of pyfuse3 (fs/datapath.py); 0 leaves them to pyfuse3.
+    `cmb_bytes` sizes the controller memory buffer (emulator/cmb.py; 0: none).
     """
     io_threads = io_threads_from_env() if io_threads is None else io_threads
     backing_path = Path(backing).resolve()
@@ -152,9 +155,10 @@ def serve(
         if metrics is not None:
             metrics.close()
         raise
+    operations = None
     try:
         keep_request_buffers_on_heap()
-        operations = Operations(device)
+        operations = Operations(device, cmb_bytes=cmb_bytes)
         operations.fault_hook = fault_hook_from_env()
         if metrics is not None:
             metrics.attach(operations)
@@ -172,6 +176,8 @@ def serve(
     finally:
         if metrics is not None:
             metrics.close()  # before the device closes: a scrape reads the device
+        if operations is not None:
+            operations.controller.close()
         device.close()
         log.info("device %s closed cleanly", backing_path)
 
@@ -189,6 +195,7 @@ def start_background(
     profile: str = DEFAULT_PROFILE,
     timed: bool = False,
     io_threads: int | None = None,
+    cmb_bytes: int | None = None,
 ) -> int:
     """Start a daemon process and return its pid once the mount is ready."""
     # Check what can be checked here, so the common mistakes get a clear one-line error.
@@ -213,6 +220,8 @@ def start_background(
         command.append("--timed")
     if io_threads is not None:
         command += ["--io-threads", str(io_threads)]
+    if cmb_bytes is not None:
+        command += ["--cmb-size", str(cmb_bytes)]
     log_path = Path(log_file) if log_file else Path(backing) / "daemon.log"
     with open(log_path, "ab") as log_stream:
         process = subprocess.Popen(

@@ -91,10 +91,10 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, device: Device, *, worker_threads: int | None = None) -> None:
+    def __init__(self, device: Device, *, worker_threads: int | None = None, cmb_bytes: int = 0) -> None:
         super().__init__()
         self.device = device
-        self.controller = Controller(device)
+        self.controller = Controller(device, cmb_bytes)
         self.tree = Tree(device)
         self.limiter = trio.CapacityLimiter(worker_threads or max(2, os.cpu_count() or 2))
         self.nursery: trio.Nursery | None = None

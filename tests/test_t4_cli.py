@@ -138,8 +138,13 @@ def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert kernel["cossd_gels"] > 0 and kernel["torch_fused_gels"] > 0 and kernel["bandwidth_gbs"] > 0
     # Backing on the temporary directory, then on tmpfs where /dev/shm is one (media in RAM).
     # Each: buffered, O_DIRECT, and O_DIRECT with NaN gradients (skipped steps: the mount alone).
+    # Then, on tmpfs, the two CMB steps in turns with the O_DIRECT file step.
     rows = [(row["o_direct"], row["media"].split()[0], row["skipped_steps"], row["front_end"].split(",")[0])
-            for row in report["file_path"]]
+            for row in report["file_path"] if row["transport"] == "files"]
+    cmb = [(row["transport"], row["media"].split()[0]) for row in report["file_path"] if row["transport"] != "files"]
+    assert cmb in ([], [("cmb", "tmpfs"), ("cmb_in_place", "tmpfs")])
+    assert all(row["vs_file_path"] > 0 and row["gels"] > 0 for row in report["file_path"] if row["transport"] != "files")
+    assert bool(cmb) == (len(rows) > 3) and ("CMB_WRITE" in (tmp_path / "b/bench.md").read_text()) == bool(cmb)
     on_temp = bench.filesystem_of(Path(tempfile.gettempdir())).split()[0]
     path = "data path"
     assert rows[:3] == [(False, on_temp, False, path), (True, on_temp, False, path), (True, on_temp, True, path)]

@@ -42,6 +42,16 @@ def parse_port(text: str) -> int:
     return port
 
 
+def parse_cmb_size(text: str) -> int:
+    """A CMB size: 0, or a multiple of 4 KiB up to 1 TiB."""
+    from cossd.emulator.cmb import MAX_CMB_BYTES
+
+    size = parse_size(text)
+    if size and (size % 4096 or size > MAX_CMB_BYTES):
+        raise argparse.ArgumentTypeError(f"not a CMB size: {text!r} (0, or a multiple of 4K up to 1T)")
+    return size
+
+
 def parse_threads(text: str) -> int:
     """A thread count: 0-64."""
     count = parse_int(text)
@@ -101,12 +111,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
         daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
                      debug=args.debug, ready_fd=args.ready_fd,
                      metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                     profile=args.profile, timed=args.timed, io_threads=args.io_threads)
+                     profile=args.profile, timed=args.timed, io_threads=args.io_threads,
+                     cmb_bytes=args.cmb_size)
         return 0
     pid = daemon.start_background(args.backing, args.mountpoint, sync=args.sync,
                                   allow_other=args.allow_other, log_file=args.log_file,
                                   metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                                  profile=args.profile, timed=args.timed, io_threads=args.io_threads)
+                                  profile=args.profile, timed=args.timed, io_threads=args.io_threads,
+                                  cmb_bytes=args.cmb_size)
     host = f"[{args.metrics_addr}]" if ":" in args.metrics_addr else args.metrics_addr  # IPv6
     metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
     emit(args, {"mountpoint": str(args.mountpoint), "pid": pid} | ({"metrics": metrics} if metrics else {}),
@@ -603,6 +615,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="threads that serve tensor reads and writes in front of pyfuse3; 0 leaves "
                           "them to pyfuse3's single event loop (default: $COSSD_IO_THREADS, else one "
                           "per core and at least 2; docs/architecture.md, the data path)")
+    from cossd.emulator.cmb import DEFAULT_CMB_BYTES
+
+    sub.add_argument("--cmb-size", type=parse_cmb_size, default=DEFAULT_CMB_BYTES, metavar="SIZE",
+                     help="controller memory buffer: shared memory that CMB_WRITE/CMB_READ move tensor "
+                          "bytes through without FUSE copies; memory is used only as clients touch it; "
+                          "0 turns it off (default: 1G; docs/command-set.md)")
 
     sub = verb("umount", cmd_umount, "Unmount; waits until the daemon has flushed the state.")
     sub.add_argument("mountpoint", type=Path)

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import mmap
 import os
 import queue
 import re
 import threading
 from pathlib import Path
 from typing import Any, Callable, TypeVar
+
+import numpy as np
 
 from cossd.emulator import logpages
 from cossd.emulator.errors import DeviceError, Status
@@ -262,3 +265,42 @@ class AdminClient:
     def scrub(self, nsid: int = NSID_ALL) -> dict[str, Any]:
         """Verify block checksums: {namespace: {"blocks": N, "bad": [[tensor, block], ...]}}."""
         return json.loads(self.call(Opcode.SCRUB, nsid=nsid).data)
+
+    def cmb(self) -> "CmbMapping | None":
+        """The controller memory buffer, mapped into this process; None if the device has none."""
+        info = self.describe().get("cmb")
+        return CmbMapping(info["path"], int(info["size"])) if info else None
+
+    def cmb_write(self, nsid: int, transfers: list[dict[str, Any]]) -> dict[str, Any]:
+        """CMB_WRITE: tensor-file bytes from the CMB (each transfer: tensor, role (default
+        grad), offset, length, cmb_offset). A step it completes and the device skips is
+        reported in the result's "commit" rather than raised."""
+        completion = self.call(Opcode.CMB_WRITE, nsid=nsid, payload=json.dumps(transfers).encode(),
+                               allow=(Status.STEP_SKIPPED_NONFINITE,))
+        return json.loads(completion.data)
+
+    def cmb_read(self, nsid: int, transfers: list[dict[str, Any]]) -> dict[str, Any]:
+        """CMB_READ: committed tensor-file bytes (role default param) into the CMB, all of
+        one committed step."""
+        completion = self.call(Opcode.CMB_READ, nsid=nsid, payload=json.dumps(transfers).encode())
+        return json.loads(completion.data)
+
+
+class CmbMapping:
+    """A client's mapping of the device's controller memory buffer (see emulator/cmb.py)."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view handed out is still alive; the mapping goes with it

@@ -20,6 +20,7 @@ import torch
 
 from cossd import kernels
 from cossd.emulator import Device
+from cossd.emulator.cmb import parallel_copy
 from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.fs import daemon
 from cossd.tools.client import AdminClient
@@ -366,6 +367,73 @@ def file_path_step(device: BenchDevice, o_direct: bool, chunk: int = 4 << 20,
     return step
 
 
+def cmb_step(device: BenchDevice, in_place: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One step through the controller memory buffer: CMB_WRITE of the fp16 grads, CMB_READ
+    of the fp16 params, both commands through the mount's control file. in_place=False
+    also copies the grads from the client's own buffer into the CMB and the params back out
+    (what a CPU trainer does); in_place=True leaves them there, as a GPU's DMA straight
+    into and out of the buffer would. Returns (step, close)."""
+    size = 2 * device.n
+    admin = AdminClient(device.mountpoint)
+    cmb = admin.cmb()
+    if cmb is None:
+        admin.close()
+        raise RuntimeError(f"{device.mountpoint}: the device has no controller memory buffer")
+    nsid = admin.nsid("bench")
+    grads = (np.random.default_rng(1).standard_normal(device.n) * 0.01).astype(np.float16).view(np.uint8)
+    params = np.empty(size, dtype=np.uint8)
+    grad_window, param_window = cmb.array[:size], cmb.array[size : 2 * size]
+    grad_window[:] = grads
+    write = [{"tensor": "w", "length": size, "cmb_offset": 0}]
+    read = [{"tensor": "w", "cmb_offset": size}]
+
+    def step() -> None:
+        if not in_place:
+            parallel_copy(grad_window, grads)
+        admin.cmb_write(nsid, write)
+        admin.cmb_read(nsid, read)
+        if not in_place:
+            parallel_copy(params, param_window)
+
+    def close() -> None:
+        cmb.close()
+        admin.close()
+
+    return step, close
+
+
+def cmb_rows(device: BenchDevice, workdir: Path, n: int, repeat: int, in_memory: float | None,
+             device_update: float | None) -> list[dict[str, Any]]:
+    """The O_DIRECT file step and the two CMB steps on the same device, in turns: each CMB
+    row carries its turn-by-turn ratio to the file step."""
+    media = filesystem_of(workdir)
+    contenders = {"file": file_path_step(device, True)}
+    closers = []
+    for in_place in (False, True):
+        step, close = cmb_step(device, in_place)
+        contenders[f"cmb{'_in_place' if in_place else ''}"] = step
+        closers.append(close)
+    try:
+        for step in contenders.values():
+            step()  # warm-up
+        seconds: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(repeat):
+            for name, step in contenders.items():
+                seconds[name] += timed(step, 1, warmup=0)
+    finally:
+        for close in closers:
+            close()
+    rows = []
+    for name, what in (("cmb", "CMB_WRITE + CMB_READ, the client copying grads in and params out"),
+                       ("cmb_in_place", "CMB_WRITE + CMB_READ, grads and params left in the CMB (as DMA)")):
+        row = _file_path_row(device, media, True, False, seconds[name], n, in_memory, device_update, what=what)
+        row["transport"] = name
+        row["vs_file_path"] = statistics.median(f / c for c, f in zip(seconds[name], seconds["file"]))
+        _say(f"    {row['vs_file_path']:.2f}x the O_DIRECT file step, turn by turn")
+        rows.append(row)
+    return rows
+
+
 # ---------------------------------------------------------------------- checkpoint, restore
 
 CHECKPOINT_NAMESPACE = "bench-checkpoints"  # the plain NVM namespace torch.save and DCP write to
@@ -535,6 +603,7 @@ def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: Be
             devices.append(BenchDevice(alone_ram, args.file_elements, io_threads=0))
             file_rows += file_path_rows(devices[0], ram, args.file_elements, repeat, in_memory,
                                         device_update, pyfuse3_alone=devices[1])
+            file_rows += cmb_rows(devices[0], ram, args.file_elements, repeat, in_memory, device_update)
     finally:
         for ram_device in devices:
             ram_device.stop()
@@ -576,16 +645,18 @@ FILE_PATH_VARIANTS = ((False, False), (True, False), (True, True))
 
 
 def _file_path_row(device: BenchDevice, media: str, o_direct: bool, nonfinite: bool, seconds: list[float],
-                   n: int, in_memory: float | None, device_update: float | None) -> dict[str, Any]:
+                   n: int, in_memory: float | None, device_update: float | None,
+                   what: str | None = None) -> dict[str, Any]:
     rate = n / statistics.median(seconds) / 1e9
     share = rate / in_memory if in_memory else None
-    what = ("O_DIRECT, every step skipped (no kernel: the mount alone)" if nonfinite
-            else "O_DIRECT" if o_direct else "buffered")
-    _say(f"  file path ({what}, backing on {media}, {device.front_end}): {rate:.3f} G el/s"
+    what = what or ("O_DIRECT, NaN gradients: every step skipped, no kernel (the mount alone)" if nonfinite
+                    else "O_DIRECT" if o_direct else "buffered")
+    _say(f"  through the mount ({what}, backing on {media}, {device.front_end}): {rate:.3f} G el/s"
          + (f" = {share:.0%} of the kernel in memory" if share else ""))
     return {"o_direct": o_direct, "media": media, "gels": rate, "vs_kernel_in_memory": share,
             "vs_device_update_in_memory": rate / device_update if device_update else None,
-            "skipped_steps": nonfinite, "front_end": device.front_end}
+            "skipped_steps": nonfinite, "front_end": device.front_end, "what": what,
+            "transport": "files"}
 
 
 def file_path_rows(device: BenchDevice, workdir: Path, n: int, repeat: int,
@@ -683,11 +754,11 @@ def markdown(report: dict[str, Any]) -> str:
         share = f"{row['vs_kernel_in_memory']:.0%}" if row["vs_kernel_in_memory"] else "kernel not run"
         device_share = (f"{row['vs_device_update_in_memory']:.0%}" if row.get("vs_device_update_in_memory")
                         else "kernel not run")
-        what = "O_DIRECT" if row["o_direct"] else "buffered"
-        if row.get("skipped_steps"):
-            what += ", NaN gradients: every step skipped, no kernel (the mount alone)"
+        what = row["what"]
         if row.get("data_path_speedup"):
             what += f" (the data path is {row['data_path_speedup']:.2f}x this, turn by turn)"
+        if row.get("vs_file_path"):
+            what += f" ({row['vs_file_path']:.2f}x the O_DIRECT file step, turn by turn)"
         lines.append(f"| {what} | {row.get('media', '')} | {row.get('front_end', '')} | {row['gels']:.3f} "
                      f"| {share} | {device_share} |")
     lines += ["", "| checkpoint of one step | seconds | bytes over the link |", "|---|---|---|"]

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from cossd.emulator.errors import DeviceError, Status
-from cossd.tools.client import DEFAULT_TIMEOUT_S, AdminClient, DeviceTimeoutError
+from cossd.tools.client import DEFAULT_TIMEOUT_S, AdminClient, CmbMapping, DeviceTimeoutError
 
 # What the device calls each wire dtype, and the torch dtype it holds.
 WIRE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -18,6 +20,47 @@ WIRE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # errnos that mean the daemon is gone or wedged rather than that a request was wrong.
 # (EIO is not among them: the daemon answers EIO for a request it failed, and stays up.)
 _LOST_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV, errno.ESHUTDOWN}
+
+
+# Tensors sit in the CMB at offsets aligned to a cache line.
+_CMB_ALIGN = 64
+
+
+def plan_cmb_batches(sizes: list[int], capacity: int) -> list[list[tuple[int, int, int, int]]]:
+    """Cut items of `sizes` bytes into batches that each fit a CMB of `capacity` bytes:
+    per batch, segments (item, offset in the item, length, offset in the CMB). An item larger
+    than the room left is split (at a multiple of 64 bytes, so at an element boundary)."""
+    batches: list[list[tuple[int, int, int, int]]] = []
+    batch: list[tuple[int, int, int, int]] = []
+    used = 0
+    for item, size in enumerate(sizes):
+        done = 0
+        while done < size:
+            length = min(size - done, capacity - used)
+            batch.append((item, done, length, used))
+            done += length
+            used += -(-length // _CMB_ALIGN) * _CMB_ALIGN
+            if used >= capacity:
+                batches.append(batch)
+                batch, used = [], 0
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _lock_whole(fd: int) -> bool:
+    """An exclusive OFD lock on the whole of `fd`, without waiting: False if another client
+    holds one. OFD locks belong to the open file, so they also exclude other threads and
+    processes, and go when the file is closed."""
+    F_OFD_SETLK = 37  # linux/fcntl.h; Python's fcntl module lacks the OFD constants
+    request = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+    try:
+        fcntl.fcntl(fd, F_OFD_SETLK, request)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
 
 
 class DeviceLostError(RuntimeError):
@@ -53,12 +96,21 @@ class NamespaceFiles:
         self._call: Any = self.admin.watchdog.call
         self.nsid: int | None = None
         self._fds: dict[tuple[str, str, bool], int] = {}
+        # The controller memory buffer, once asked for (False: not yet).
+        self._cmb: CmbMapping | None | bool = False
+        self._cmb_lock_fd = -1
 
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
         """Close every handle; a dead mount's handles fail to close cleanly, which is fine."""
         self._close_files()
+        if isinstance(self._cmb, CmbMapping):
+            self._cmb.close()
+        self._cmb = None
+        if self._cmb_lock_fd >= 0:
+            os.close(self._cmb_lock_fd)
+            self._cmb_lock_fd = -1
         try:
             self.admin.close()
         except OSError:
@@ -184,3 +236,55 @@ class NamespaceFiles:
         self.read_into(tensor, role, out)
         return out
 
+    # ------------------------------------------------------------------ the CMB
+
+    def cmb(self) -> CmbMapping | None:
+        """The device's controller memory buffer, mapped and held for this client alone;
+        None where the device has none or another client holds it (then the files serve)."""
+        if self._cmb is False:
+            self._cmb = None
+            mapping = self.command(self.admin.cmb)
+            if mapping is not None:
+                fd = os.open(mapping.path, os.O_RDWR | os.O_CLOEXEC)
+                if _lock_whole(fd):
+                    self._cmb, self._cmb_lock_fd = mapping, fd
+                else:
+                    os.close(fd)
+                    mapping.close()
+        return self._cmb if isinstance(self._cmb, CmbMapping) else None
+
+    def write_many(self, items: list[tuple[str, str, torch.Tensor]]) -> int:
+        """write() of several (tensor, role, CPU tensor) at offset 0, through the CMB where
+        there is one: a copy into shared memory and one command per CMB-full, instead of a
+        FUSE write per tensor (each a copy in the kernel)."""
+        cmb = self.cmb()
+        if cmb is None:
+            return sum(self.write(tensor, role, values) for tensor, role, values in items)
+        arrays = [values.detach().contiguous().view(-1).view(torch.uint8) for _, _, values in items]
+        window = torch.from_numpy(cmb.array)
+        for batch in plan_cmb_batches([array.numel() for array in arrays], cmb.size):
+            for item, offset, length, at in batch:
+                window[at : at + length].copy_(arrays[item][offset : offset + length])
+            self.command(self.admin.cmb_write, self.nsid, [
+                {"tensor": items[item][0], "role": items[item][1], "offset": offset, "length": length,
+                 "cmb_offset": at} for item, offset, length, at in batch])
+        return sum(array.numel() for array in arrays)
+
+    def read_many_into(self, items: list[tuple[str, str, torch.Tensor]]) -> int:
+        """read_into() of several (tensor, role, contiguous CPU tensor), through the CMB
+        where there is one (see write_many)."""
+        cmb = self.cmb()
+        if cmb is None:
+            return sum(self.read_into(tensor, role, out) for tensor, role, out in items)
+        for _, _, out in items:
+            if not out.is_contiguous() or out.device.type != "cpu":
+                raise ValueError("read_many_into needs contiguous CPU tensors")
+        arrays = [out.view(-1).view(torch.uint8) for _, _, out in items]
+        window = torch.from_numpy(cmb.array)
+        for batch in plan_cmb_batches([array.numel() for array in arrays], cmb.size):
+            self.command(self.admin.cmb_read, self.nsid, [
+                {"tensor": items[item][0], "role": items[item][1], "offset": offset, "length": length,
+                 "cmb_offset": at} for item, offset, length, at in batch])
+            for item, offset, length, at in batch:
+                arrays[item][offset : offset + length].copy_(window[at : at + length])
+        return sum(array.numel() for array in arrays)

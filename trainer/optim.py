@@ -180,13 +180,15 @@ class _DeviceAdam(torch.optim.Optimizer):
         self.committed_step = initial_step
 
     def _load_masters(self, masters: list[torch.Tensor] | None) -> None:
+        loads = []
         for entry in self.entries:
             source = masters[entry.index] if masters is not None else entry.param
             master = source.detach().to("cpu", torch.float32).reshape(-1)
             if master.numel() != entry.numel:
                 raise ValueError(f"master weights for {entry.name} have {master.numel()} elements, "
                                  f"not {entry.numel}")
-            self.files.write(entry.name, "master", master)
+            loads.append((entry.name, "master", master))
+        self.files.write_many(loads)
         # The device rounds the masters to the wire dtype; the model starts from exactly that.
         self._read_params()
 
@@ -246,15 +248,28 @@ class _DeviceAdam(torch.optim.Optimizer):
             self.before_grad_write(entry.index)
         return self.files.write(entry.name, "grad", grad)
 
+    def _write_grads(self, grads: list[torch.Tensor]) -> None:
+        """Every gradient of the step at once: through the device's memory buffer when it
+        has one (a command per buffer-full), else a file write per tensor."""
+        if self.before_grad_write is not None:
+            for entry in self.entries:
+                self.before_grad_write(entry.index)
+        self.files.write_many([(entry.name, "grad", grad) for entry, grad in zip(self.entries, grads)])
+
     def _read_params(self) -> None:
         """Copy the committed params into the model (in place where the dtype allows)."""
+        reads, staged = [], []
         for entry in self.entries:
             param = entry.param.detach()
             if param.device.type == "cpu" and param.dtype == self.dtype and param.is_contiguous():
-                self.files.read_into(entry.name, "param", param.view(-1))
+                reads.append((entry.name, "param", param.view(-1)))
             else:
-                values = self.files.read(entry.name, "param", self.dtype, entry.numel)
-                param.copy_(values.view(param.shape))
+                values = torch.empty(entry.numel, dtype=self.dtype)
+                reads.append((entry.name, "param", values))
+                staged.append((param, values))
+        self.files.read_many_into(reads)
+        for param, values in staged:
+            param.copy_(values.view(param.shape))
 
     def _sync_hyperparameters(self) -> None:
         """Send the groups' changed hyperparameters (an lr schedule) before a step begins."""
@@ -374,8 +389,7 @@ class _DeviceAdam(torch.optim.Optimizer):
                 # The device multiplies each gradient by the step's combined scale.
                 self._begin(coefficient / loss_scale)
                 timing["begin_s"] = clock() - began
-                for entry, grad in zip(self.entries, grads):
-                    self._write_grad(entry, grad)
+                self._write_grads(grads)
             committing = clock()
             timing["grads_s"] = committing - started - timing["begin_s"]
             result = self.files.command(self.files.admin.commit_step, self.files.nsid)
@@ -471,6 +485,7 @@ class _DeviceAdam(torch.optim.Optimizer):
         self.files.delete()
         self._create(initial_step=step, masters=master)
         if step > 0:
+            loads = []
             for entry, index in zip(self.entries, order):
                 entry_state = saved_state.get(index)
                 if entry_state is None:
@@ -479,7 +494,8 @@ class _DeviceAdam(torch.optim.Optimizer):
                     values = entry_state[role].detach().to("cpu", torch.float32).reshape(-1)
                     if self.state_dtype == "bf16":
                         values = values.to(torch.bfloat16)
-                    self.files.write(entry.name, role, values)
+                    loads.append((entry.name, role, values))
+            self.files.write_many(loads)
 
 
 class AdamW(_DeviceAdam):

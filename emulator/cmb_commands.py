@@ -1,0 +1,161 @@
+"""CMB_WRITE (D1h) and CMB_READ (D2h): a tensor file's bytes to or from the controller memory buffer."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from .cmb import ControllerMemoryBuffer, parallel_copy
+from .errors import DeviceError, Status
+from .namespace import ROLES, Namespace
+from .protocol import Command, Completion, Opcode
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+# A batch's transfers at most: each is a few dozen bytes of JSON, so a model's every tensor
+# fits the 16 MiB payload many times over.
+MAX_TRANSFERS = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One range of one tensor file and where its bytes sit in the CMB."""
+
+    tensor: str
+    role: str
+    offset: int
+    length: int
+    cmb_offset: int
+
+    @property
+    def what(self) -> str:
+        return f"{self.tensor}/{self.role}"
+
+
+def _integer(entry: dict[str, Any], key: str, default: int | None, index: int) -> int:
+    value = entry.get(key, default)
+    if value is None:
+        raise DeviceError(Status.INVALID_FIELD, f"transfer {index}: {key!r} is required")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DeviceError(Status.INVALID_FIELD, f"transfer {index}: {key!r} must be an integer, got {value!r}")
+    if value < 0:
+        raise DeviceError(Status.INVALID_FIELD, f"transfer {index}: {key!r} must be >= 0, got {value}")
+    return value
+
+
+def parse_transfers(command: Command, default_role: str, sizes: Callable[[str, str], int]) -> list[Transfer]:
+    """The payload's JSON array of transfers ({"tensor", "role", "offset", "length",
+    "cmb_offset"}); malformed ones are INVALID_FIELD. A missing length means the rest of the
+    file (sizes(tensor, role) gives its size)."""
+    try:
+        value = json.loads(command.payload.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DeviceError(Status.INVALID_FIELD, f"payload is not valid JSON: {exc}") from None
+    if not isinstance(value, list) or not value:
+        raise DeviceError(Status.INVALID_FIELD, "payload must be a non-empty JSON array of transfers")
+    if len(value) > MAX_TRANSFERS:
+        raise DeviceError(Status.LIMIT_EXCEEDED, f"{len(value)} transfers in one command; at most {MAX_TRANSFERS}")
+    transfers = []
+    for index, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise DeviceError(Status.INVALID_FIELD, f"transfer {index} is not a JSON object")
+        unknown = set(entry) - {"tensor", "role", "offset", "length", "cmb_offset"}
+        if unknown:
+            raise DeviceError(Status.INVALID_FIELD, f"transfer {index}: unknown fields {sorted(unknown)}")
+        tensor, role = entry.get("tensor"), entry.get("role", default_role)
+        if not isinstance(tensor, str) or not isinstance(role, str):
+            raise DeviceError(Status.INVALID_FIELD, f"transfer {index}: 'tensor' (and 'role') must be strings")
+        if role not in ROLES:
+            raise DeviceError(Status.INVALID_FIELD, f"transfer {index}: no file {role!r} (one of {', '.join(ROLES)})")
+        offset = _integer(entry, "offset", 0, index)
+        cmb_offset = _integer(entry, "cmb_offset", None, index)
+        length = entry.get("length")
+        if length is None:
+            length = max(0, sizes(tensor, role) - offset)
+        transfers.append(Transfer(tensor, role, offset, _integer({"length": length}, "length", None, index),
+                                  cmb_offset))
+    return transfers
+
+
+class CmbCommands:
+    """The two commands, against one controller's CMB and namespaces."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    def _cmb(self) -> ControllerMemoryBuffer:
+        cmb = self.controller.cmb
+        if cmb is None:
+            raise DeviceError(Status.INVALID_FIELD,
+                              "this controller has no memory buffer (mounted with --cmb-size 0)")
+        return cmb
+
+    def _namespace(self, command: Command) -> Namespace:
+        namespace = self.controller.device.namespace_by_id(command.nsid)
+        if not isinstance(namespace, Namespace):
+            raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
+                              f"namespace {command.nsid} is an NVM namespace; CMB transfers move tensor files")
+        return namespace
+
+    def write(self, command: Command) -> Completion:
+        """Bytes from the CMB into tensor files: gradients of the open (or an implicit) step,
+        or master weights and moments before the first step. Every transfer is checked
+        before any is taken; the CMB ranges may be reused once the command completes."""
+        cmb, namespace = self._cmb(), self._namespace(command)
+        transfers = parse_transfers(command, "grad", namespace.file_size)
+        regions = [cmb.region(t.cmb_offset, t.length, f"transfer {i} ({t.what})")
+                   for i, t in enumerate(transfers)]
+        grads = [t.role == "grad" for t in transfers]
+        if any(grads) and not all(grads):
+            raise DeviceError(Status.INVALID_FIELD, "one command carries gradients or state, not both")
+        result = None
+        if all(grads):
+            result = namespace.write_grads_lent(
+                [(t.tensor, t.offset, region) for t, region in zip(transfers, regions)])
+        else:
+            for t in transfers:
+                namespace.check_write(t.tensor, t.role, t.offset, t.length)
+            for t, region in zip(transfers, regions):
+                namespace.write_state(t.tensor, t.role, t.offset, region)
+        moved = sum(t.length for t in transfers)
+        report: dict[str, Any] = {"bytes": moved, "transfers": len(transfers),
+                                  "committed_step": namespace.committed_step, "step_open": namespace.step_open}
+        status = Status.SUCCESS
+        if result is not None:
+            report["commit"] = dataclasses.asdict(result)
+            if result.skipped:
+                status = Status.STEP_SKIPPED_NONFINITE
+        return Completion(command.cid, status, result=moved & 0xFFFFFFFF,
+                          data=json.dumps(report, sort_keys=True).encode())
+
+    def read(self, command: Command) -> Completion:
+        """Committed bytes of tensor files into the CMB, all of one committed step."""
+        cmb, namespace = self._cmb(), self._namespace(command)
+        transfers = parse_transfers(command, "param", namespace.file_size)
+        for t in transfers:
+            namespace.check_read(t.tensor, t.role, t.offset, t.length)
+        regions = [cmb.region(t.cmb_offset, t.length, f"transfer {i} ({t.what})")
+                   for i, t in enumerate(transfers)]
+        # Two transfers into the same CMB bytes would leave them to whichever ran last.
+        spans = sorted((t.cmb_offset, t.cmb_offset + t.length, i) for i, t in enumerate(transfers) if t.length)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise DeviceError(Status.INVALID_FIELD,
+                                  f"transfers {first} and {second} overlap in the CMB (from byte {start})")
+        reads = [(t.tensor, t.role, t.offset, t.length) for t in transfers]
+        with namespace.read_pinned_many(reads) as views:
+            for region, view in zip(regions, views):
+                parallel_copy(region, np.frombuffer(view, dtype=np.uint8) if len(view) else region[:0])
+            step = namespace.committed_step
+        moved = sum(t.length for t in transfers)
+        report = {"bytes": moved, "transfers": len(transfers), "committed_step": step}
+        return Completion(command.cid, Status.SUCCESS, result=moved & 0xFFFFFFFF,
+                          data=json.dumps(report, sort_keys=True).encode())
+
+
+def handlers(controller: Controller) -> dict[int, Callable[[Command], Completion]]:
+    commands = CmbCommands(controller)
+    return {Opcode.CMB_WRITE: commands.write, Opcode.CMB_READ: commands.read}

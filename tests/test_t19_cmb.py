@@ -1,0 +1,283 @@
+"""Mount tier: the controller memory buffer. CMB_WRITE / CMB_READ step bit for bit like the files,
+refuse bad transfers changing nothing, and the trainer's transport over it agrees with the files."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import Mount, force_unmount, is_mounted, wait_for_exit
+from cossd.emulator import Device
+from cossd.emulator.errors import Status
+from cossd.emulator.protocol import Opcode
+from cossd.fs import daemon
+from cossd.tools.client import AdminClient
+from cossd.trainer import AdamW
+from cossd.trainer.namespace_files import NamespaceFiles, plan_cmb_batches
+from helpers import create_namespace, pread_all, pwrite_all, random_half, tensor_dir
+
+TENSORS = [("odd", 300_007), ("big", 600_000)]
+
+
+@pytest.fixture
+def mounted(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Mount]:
+    """A mount whose CMB size the test's `cmb_bytes` marker sets (default: the daemon's)."""
+    marker = request.node.get_closest_marker("cmb_bytes")
+    backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
+    Device.format(backing)
+    mountpoint.mkdir()
+    pid = daemon.start_background(backing, mountpoint, cmb_bytes=marker.args[0] if marker else None)
+    mount = Mount(backing, mountpoint, pid)
+    try:
+        yield mount
+    finally:
+        if is_mounted(mountpoint):
+            subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True)
+            if not wait_for_exit(pid, 30):
+                force_unmount(mountpoint)
+
+
+def _masters(mountpoint: Path, namespace: str, seed: int = 3) -> None:
+    rng = np.random.default_rng(seed)
+    for name, numel in TENSORS:
+        pwrite_all(tensor_dir(mountpoint, namespace, name) / "master",
+                   rng.standard_normal(numel, dtype=np.float32).tobytes())
+
+
+def _files(mountpoint: Path, namespace: str, role: str) -> dict[str, bytes]:
+    return {name: pread_all(tensor_dir(mountpoint, namespace, name) / role) for name, _ in TENSORS}
+
+
+@pytest.mark.mount
+def test_cmb_steps_match_file_steps_bit_for_bit(mounted: Mount) -> None:
+    """Two namespaces from the same start: one steps through the files, the other through the
+    CMB (a tensor's gradient cut into several transfers, in any order, in one command); params,
+    masters and moments agree byte for byte after every step."""
+    mp = mounted.mountpoint
+    for name in ("files", "cmb"):
+        create_namespace(mp, name, TENSORS)
+        _masters(mp, name)
+    rng = np.random.default_rng(11)
+    with AdminClient(mp) as client:
+        nsid = client.nsid("cmb")
+        cmb = client.cmb()
+        assert cmb is not None and cmb.size == 1 << 30 and cmb.path.startswith("/proc/")
+        try:
+            for step in range(1, 4):
+                grads = {name: random_half(rng, numel, "fp16")[0] for name, numel in TENSORS}
+                for name, _ in TENSORS:
+                    pwrite_all(tensor_dir(mp, "files", name) / "grad", grads[name], chunk=1 << 20)
+                # odd's gradient in three pieces at odd element boundaries, big's whole; laid out
+                # in the CMB out of order.
+                cuts = [0, 2 * 77_777, 2 * 250_001, 2 * 300_007]
+                transfers, at = [], 4096
+                for lo, hi in reversed(list(zip(cuts, cuts[1:]))):
+                    cmb.array[at : at + hi - lo] = np.frombuffer(grads["odd"][lo:hi], dtype=np.uint8)
+                    transfers.append({"tensor": "odd", "offset": lo, "length": hi - lo, "cmb_offset": at})
+                    at += hi - lo + 2  # unaligned CMB offsets are fine
+                cmb.array[at : at + len(grads["big"])] = np.frombuffer(grads["big"], dtype=np.uint8)
+                transfers.append({"tensor": "big", "length": len(grads["big"]), "cmb_offset": at})
+                report = client.cmb_write(nsid, transfers)
+                assert report["bytes"] == sum(len(g) for g in grads.values())
+                assert report["commit"] == {"committed_step": step, "nonfinite_elements": 0,
+                                            "skipped": False, "step": step}
+                for role in ("param", "master", "exp_avg_sq"):
+                    expected = _files(mp, "files", role)
+                    reads, at = [], 0
+                    for name, _ in TENSORS:
+                        reads.append({"tensor": name, "role": role, "cmb_offset": at})
+                        at += len(expected[name]) + 64
+                    answer = client.cmb_read(nsid, reads)
+                    assert answer["committed_step"] == step
+                    for entry in reads:
+                        data = expected[entry["tensor"]]
+                        got = cmb.array[entry["cmb_offset"] : entry["cmb_offset"] + len(data)].tobytes()
+                        assert got == data, (step, role, entry["tensor"])
+                # A read of a range, as a file read at an offset would give.
+                client.cmb_read(nsid, [{"tensor": "big", "offset": 1000, "length": 5000, "cmb_offset": 0}])
+                assert cmb.array[:5000].tobytes() == _files(mp, "files", "param")["big"][1000:6000]
+        finally:
+            cmb.close()
+        assert client.statistics(nsid)["committed_step"] == 3
+
+
+def _expect(client: AdminClient, opcode: Opcode, nsid: int, payload: Any, status: Status, text: str = "") -> None:
+    raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    completion = client.submit(opcode, nsid=nsid, payload=raw)
+    assert completion.status == status, (payload, completion.status, completion.data)
+    assert text in completion.data.decode(), completion.data
+
+
+@pytest.mark.mount
+def test_refused_transfers_change_nothing(mounted: Mount) -> None:
+    mp = mounted.mountpoint
+    create_namespace(mp, "m", TENSORS)
+    _masters(mp, "m")
+    with AdminClient(mp) as client:
+        nsid = client.nsid("m")
+        nvm = client.create_namespace({"name": "raw", "kind": "nvm", "capacity_bytes": 1 << 20})
+        cmb = client.cmb()
+        assert cmb is not None
+        rng = np.random.default_rng(1)
+        grad = np.frombuffer(random_half(rng, 300_007, "fp16")[0], dtype=np.uint8)
+        cmb.array[: len(grad)] = grad
+        # One good step first, so that state is sealed and there are params to compare.
+        client.cmb_write(nsid, [{"tensor": "odd", "length": len(grad), "cmb_offset": 0},
+                                {"tensor": "big", "length": 1_200_000, "cmb_offset": 0}])
+        before = {role: _files(mp, "m", role) for role in ("param", "master", "exp_avg")}
+        stats = client.statistics(nsid)
+        end = cmb.size
+        good = {"tensor": "odd", "offset": 0, "length": 1000, "cmb_offset": 0}
+        W, R = Opcode.CMB_WRITE, Opcode.CMB_READ
+        cases = [
+            (W, b"not json", Status.INVALID_FIELD, "not valid JSON"),
+            (W, [], Status.INVALID_FIELD, "non-empty"),
+            (W, {"tensor": "odd"}, Status.INVALID_FIELD, "array"),
+            (W, [good, 7], Status.INVALID_FIELD, "transfer 1 is not"),
+            (W, [good, {**good, "colour": 1}], Status.INVALID_FIELD, "unknown fields"),
+            (W, [good, {**good, "offset": 2000, "cmb_offset": -1}], Status.INVALID_FIELD, ">= 0"),
+            (W, [good, {**good, "offset": 2000, "cmb_offset": "0"}], Status.INVALID_FIELD, "integer"),
+            (W, [good, {**good, "offset": 2000, "cmb_offset": end - 10}], Status.LBA_OUT_OF_RANGE, "outside"),
+            (W, [good, {**good, "offset": 600_000}], Status.LBA_OUT_OF_RANGE, "passes the end"),
+            (W, [good, {**good, "offset": 2001}], Status.MISALIGNED_ACCESS, "element boundaries"),
+            (W, [good, {**good, "offset": 998}], Status.GRADIENT_DUPLICATE, "twice in one batch"),
+            (W, [good, {**good, "tensor": "nope"}], Status.INVALID_NAMESPACE, "nope"),
+            (W, [good, {**good, "role": "colour"}], Status.INVALID_FIELD, "no file"),
+            (W, [good, {**good, "role": "master"}], Status.INVALID_FIELD, "not both"),
+            (W, [{**good, "role": "master"}], Status.STATE_SEALED, "before the first step"),
+            (W, [{**good, "role": "param"}], Status.ACCESS_DENIED, "not writable"),
+            (R, [{"tensor": "odd", "role": "grad", "cmb_offset": 0}], Status.ACCESS_DENIED, "write-only"),
+            (R, [{"tensor": "odd", "offset": 600_000, "length": 100, "cmb_offset": 0}],
+             Status.LBA_OUT_OF_RANGE, "passes the end"),
+            (R, [{"tensor": "odd", "length": 100, "cmb_offset": 0},
+                 {"tensor": "big", "length": 100, "cmb_offset": 50}], Status.INVALID_FIELD, "overlap"),
+            (R, [{"tensor": "odd", "cmb_offset": end - 100}], Status.LBA_OUT_OF_RANGE, "outside"),
+        ]
+        for opcode, payload, status, text in cases:
+            _expect(client, opcode, nsid, payload, status, text)
+        _expect(client, W, nvm, [good], Status.NAMESPACE_KIND_MISMATCH, "NVM")
+        _expect(client, W, 99, [good], Status.INVALID_NAMESPACE)
+        # None of those opened a step, staged a gradient or moved a byte.
+        after = client.statistics(nsid)
+        assert after["step_open"] is None and after["committed_step"] == 1
+        assert after["grad_bytes_in"] == stats["grad_bytes_in"]
+        # A transfer the open step already has (from a file write) is refused, and so is the
+        # whole batch with it: the first, good transfer is not taken either.
+        pwrite_all(tensor_dir(mp, "m", "big") / "grad", bytes(4000))
+        _expect(client, W, nsid, [{"tensor": "odd", "length": 1000, "cmb_offset": 0},
+                                  {"tensor": "big", "offset": 2000, "length": 4000, "cmb_offset": 0}],
+                Status.GRADIENT_DUPLICATE, "already received")
+        assert client.statistics(nsid)["grad_bytes_in"] == stats["grad_bytes_in"] + 4000
+        client.abort_step(nsid)
+        assert {role: _files(mp, "m", role) for role in before} == before
+        cmb.close()
+
+
+@pytest.mark.mount
+def test_nonfinite_gradients_in_the_cmb_skip_the_step(mounted: Mount) -> None:
+    mp = mounted.mountpoint
+    create_namespace(mp, "m", TENSORS)
+    _masters(mp, "m")
+    with AdminClient(mp) as client:
+        nsid, cmb = client.nsid("m"), client.cmb()
+        assert cmb is not None
+        before = _files(mp, "m", "param")
+        grads = np.zeros(900_007, dtype=np.float16)
+        grads[600_123] = np.nan
+        cmb.array[: grads.nbytes] = grads.view(np.uint8)
+        report = client.cmb_write(nsid, [{"tensor": "odd", "length": 600_014, "cmb_offset": 0},
+                                         {"tensor": "big", "cmb_offset": 600_014}])
+        assert report["commit"]["skipped"] and report["commit"]["nonfinite_elements"] == 1
+        assert report["committed_step"] == 0
+        assert _files(mp, "m", "param") == before
+        cmb.close()
+
+
+@pytest.mark.mount
+@pytest.mark.cmb_bytes(0)
+def test_a_mount_without_a_cmb(mounted: Mount) -> None:
+    mp = mounted.mountpoint
+    create_namespace(mp, "m", TENSORS)
+    with AdminClient(mp) as client:
+        assert client.cmb() is None and client.describe()["cmb"] is None
+        _expect(client, Opcode.CMB_WRITE, client.nsid("m"), [{"tensor": "odd", "cmb_offset": 0}],
+                Status.INVALID_FIELD, "--cmb-size 0")
+    files = NamespaceFiles(mp, "m")
+    try:
+        assert files.exists() and files.cmb() is None
+        values = torch.arange(300_007, dtype=torch.float32)
+        files.write_many([("odd", "master", values)])  # the files serve instead
+        out = torch.empty(300_007, dtype=torch.float32)
+        files.read_many_into([("odd", "master", out)])
+        assert torch.equal(out, values)
+    finally:
+        files.close()
+
+
+def test_cmb_size_option_is_checked(tmp_path: Path) -> None:
+    for bad in ("5000", "2T", "-1"):
+        result = subprocess.run([sys.executable, "-m", "cossd.tools.cli", "mount", str(tmp_path),
+                                 str(tmp_path), "--cmb-size", bad], capture_output=True, text=True)
+        assert result.returncode == 2 and "--cmb-size" in result.stderr, result.stderr
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(300, 700), torch.nn.GELU(), torch.nn.Linear(700, 33)).to(torch.bfloat16)
+
+
+@pytest.mark.mount
+@pytest.mark.cmb_bytes(64 << 10)
+def test_trainer_over_the_cmb_agrees_with_the_files(mounted: Mount) -> None:
+    """One optimizer holds the CMB (64 KiB here: tensors are cut into many batches), a second
+    one on the same mount finds it held and uses the files; the two train bit for bit alike."""
+    models = [_model(0), _model(0)]
+    optimizers = [AdamW(m.parameters(), mount=mounted.mountpoint, namespace=f"n{i}", lr=1e-3)
+                  for i, m in enumerate(models)]
+    try:
+        assert optimizers[0].files.cmb() is not None and optimizers[1].files.cmb() is None
+        data = torch.randn(64, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+        for _ in range(4):
+            for model, optimizer in zip(models, optimizers):
+                optimizer.zero_grad()
+                model(data).float().square().mean().backward()
+                optimizer.step()
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)
+        state = [o.state_dict()["state"][0]["exp_avg_sq"] for o in optimizers]
+        assert torch.equal(state[0], state[1]) and state[0].abs().sum() > 0
+        assert optimizers[0].files.statistics()["committed_step"] == 4
+    finally:
+        for optimizer in optimizers:
+            optimizer.close()
+    # Closed, the first releases the CMB: the next client gets it.
+    files = NamespaceFiles(mounted.mountpoint, "n1")
+    try:
+        assert files.exists() and files.cmb() is not None
+    finally:
+        files.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000).map(lambda n: 2 * n), max_size=12),
+       capacity=st.integers(1, 64).map(lambda n: 64 * n))
+def test_cmb_batches_cover_every_byte_once_and_fit(sizes: list[int], capacity: int) -> None:
+    batches = plan_cmb_batches(sizes, capacity)
+    covered: dict[int, int] = {}
+    for batch in batches:
+        assert batch
+        regions = sorted((at, at + length) for _, _, length, at in batch)
+        assert all(at % 64 == 0 for at, _ in regions) and regions[-1][1] <= capacity
+        assert all(end <= start for (_, end), (start, _) in zip(regions, regions[1:]))
+        for item, offset, length, _ in batch:
+            assert length > 0 and offset == covered.get(item, 0)
+            covered[item] = offset + length
+    assert covered == {item: size for item, size in enumerate(sizes) if size}
