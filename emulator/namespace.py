@@ -171,6 +171,8 @@ class Namespace:
         # Modeled device time (emulator/timing.py); the device swaps in its own profile.
         self.timing = NamespaceTiming()
         self._views: dict[tuple[Copy, str, str], np.ndarray] = {}
+        # Per (source copy, tensor): the kernel call that steps its blocks into the other copy.
+        self._block_updates: dict[tuple[Copy, str], kernels.BlockUpdate] = {}
         self._thread_local = threading.local()
         # Blocks (tensor, block in tensor, block in namespace) that failed their checksum in
         # a copy recovery fell back from; the device puts them in its error log.
@@ -314,6 +316,7 @@ class Namespace:
             self.flush()
         finally:
             self._views.clear()
+            self._block_updates.clear()
             for state in self._copies:
                 state.close()
             for slot in self._slots:
@@ -781,6 +784,20 @@ class Namespace:
                 tx.inflight -= 1
                 self._cond.notify_all()
 
+    def _block_update(self, source: Copy, tensor: TensorLayout) -> kernels.BlockUpdate:
+        """The kernel call that steps `tensor`'s blocks from copy `source` into the other one,
+        its arrays checked once (a mapped shadow only)."""
+        key = (source, tensor.name)
+        update = self._block_updates.get(key)
+        if update is None:
+            update = kernels.BlockUpdate(
+                *(self._view(source, tensor, role) for role in ("master", "exp_avg", "exp_avg_sq")),
+                *(self._view(source.other, tensor, role) for role in BLOCK_ROLES),
+                grad_format=self._grad_format, param_format=self._param_format,
+                state_format=self._state_format)
+            self._block_updates[key] = update
+        return update
+
     def _run_block(self, tx: StepTransaction, block: ReadyBlock) -> None:
         """Check and update one complete gradient block into the shadow copy."""
         try:
@@ -799,30 +816,30 @@ class Namespace:
                 if mapped:
                     # The kernel stores the new state straight into the shadow copy's mapping.
                     state.before_mapped_write()
-                    out = {role: self._view(shadow, tensor, role)[start:stop] for role in BLOCK_ROLES}
+                    crc = self._block_update(committed, tensor)(
+                        block.grad, start, tx.scalars[self._group_of[tensor.name]])
+                    written = (stop - start) * sum(self._role_dtype(role).itemsize for role in BLOCK_ROLES)
                 else:
                     # Into this thread's buffers, which pwrite then copies into the shadow
                     # (stores into a disk file's mapping would fault once per page).
                     out = self._staging(stop - start)
-                # One pass: the step, and the checksum of its outputs while they are in cache.
-                crc = kernels.adam_step_crc(
-                    block.grad,
-                    self._view(committed, tensor, "master")[start:stop],
-                    self._view(committed, tensor, "exp_avg")[start:stop],
-                    self._view(committed, tensor, "exp_avg_sq")[start:stop],
-                    out["master"], out["exp_avg"], out["exp_avg_sq"], out["param"],
-                    grad_format=self._grad_format,
-                    param_format=self._param_format,
-                    state_format=self._state_format,
-                    scalars=tx.scalars[self._group_of[tensor.name]],
-                )
-                for role in BLOCK_ROLES:
-                    itemsize = out[role].itemsize
-                    region = self._region_offset(tensor, role) + start * itemsize
-                    if not mapped:
+                    # One pass: the step, and the checksum of its outputs while they are in cache.
+                    crc = kernels.adam_step_crc(
+                        block.grad,
+                        self._view(committed, tensor, "master")[start:stop],
+                        self._view(committed, tensor, "exp_avg")[start:stop],
+                        self._view(committed, tensor, "exp_avg_sq")[start:stop],
+                        out["master"], out["exp_avg"], out["exp_avg_sq"], out["param"],
+                        grad_format=self._grad_format,
+                        param_format=self._param_format,
+                        state_format=self._state_format,
+                        scalars=tx.scalars[self._group_of[tensor.name]],
+                    )
+                    for role in BLOCK_ROLES:
+                        region = self._region_offset(tensor, role) + start * out[role].itemsize
                         state.write_at(region, out[role])
                         state.start_writeback(region, out[role].nbytes)
-                    written += out[role].nbytes
+                        written += out[role].nbytes
             elapsed = time.perf_counter_ns() - started
         except BaseException as exc:
             with self._lock:

@@ -30,6 +30,7 @@ __all__ = [
     "adam_scalars",
     "adam_step",
     "adam_step_crc",
+    "BlockUpdate",
     "count_nonfinite",
     "master_to_param",
     "param_to_master",
@@ -402,6 +403,58 @@ def adam_step_crc(
     crc = _ffi.new("uint32_t *")
     _check_rc(_lib.cossd_adam_step_crc(*args, crc), "adam_step_crc")
     return int(crc[0])
+
+
+class BlockUpdate:
+    """adam_step_crc on ranges of one set of state arrays, checked once here: what the device
+    runs for each gradient block. A call then checks only the gradient and the range.
+
+    Why: adam_step_crc's own checks (eight buffers, their overlaps) cost some 20 µs a call
+    while they hold the GIL, against about 200 µs of arithmetic for a 256K-element block;
+    on two worker threads the wait for the GIL doubles that, and the device's block update
+    measured 15-25% faster in 1M-element calls than in 256K ones for that reason alone.
+    """
+
+    def __init__(self, master_in: Any, exp_avg_in: Any, exp_avg_sq_in: Any, master_out: Any,
+                 exp_avg_out: Any, exp_avg_sq_out: Any, param_out: Any, *, grad_format: HalfFormat,
+                 param_format: HalfFormat, state_format: StateFormat) -> None:
+        self._gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
+        self._pfmt = _enum_arg("param_format", param_format, HalfFormat)
+        self._sfmt = _enum_arg("state_format", state_format, StateFormat)
+        sdt, sct = _state_dtypes(self._sfmt), _state_ctype(self._sfmt)
+        bufs = [
+            _buf("master_in", master_in, (_F32,), _F32_CTYPE),
+            _buf("exp_avg_in", exp_avg_in, sdt, sct),
+            _buf("exp_avg_sq_in", exp_avg_sq_in, sdt, sct),
+            _buf("master_out", master_out, (_F32,), _F32_CTYPE, output=True),
+            _buf("exp_avg_out", exp_avg_out, sdt, sct, output=True),
+            _buf("exp_avg_sq_out", exp_avg_sq_out, sdt, sct, output=True),
+            _buf("param_out", param_out, _half_dtypes(self._pfmt), _HALF_CTYPE, output=True),
+        ]
+        self.n = _check_lengths(bufs)
+        _check_overlap(bufs)  # out of place: no output may be an input
+        self._bufs = bufs  # keeps the arrays (and so the pointers) alive
+        self._outputs = [(b.start, b.end) for b in bufs[3:]]
+        self._half_dtypes = _half_dtypes(self._gfmt)
+
+    def __call__(self, grad: Any, start: int, scalars: AdamScalars) -> int:
+        """Step elements start..start+len(grad)-1 with `grad`; their CRC32C, as adam_step_crc."""
+        g = _buf("grad", grad, self._half_dtypes, _HALF_CTYPE)
+        n = g.arr.size
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + n > self.n:
+            raise KernelArgumentError(f"elements {start}..{start + n} are outside the {self.n} of the state arrays")
+        if not isinstance(scalars, AdamScalars):
+            raise KernelArgumentError(f"scalars must come from adam_scalars(), got {type(scalars).__name__}")
+        if n == 0:
+            return 0
+        for low, high in self._outputs:
+            if g.start < high and low < g.end:
+                raise KernelArgumentError("grad overlaps an output")
+        mi, ai, vi, mo, ao, vo, po = (b.ptr + start for b in self._bufs)
+        crc = _ffi.new("uint32_t *")
+        _check_rc(_lib.cossd_adam_step_crc(g.ptr, self._gfmt, mi, ai, vi, mo, ao, vo, self._sfmt, po, self._pfmt,
+                                           n, scalars._c, crc), "BlockUpdate")
+        return int(crc[0])
 
 
 def count_nonfinite(grad: Any, fmt: HalfFormat) -> int:

@@ -678,6 +678,52 @@ def test_adam_step_crc_refuses_overlap_and_bad_arguments() -> None:
                            np.empty(0, np.float32), *empty, **kw) == 0
 
 
+@pytest.mark.parametrize(("gfmt", "pfmt", "sfmt", "hyper"), ADAM_COMBOS, ids=ADAM_IDS)
+def test_block_update_equals_adam_step_crc_on_each_range(
+    gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper
+) -> None:
+    """The device's checked-once call: ranges at any start and length (a block, a tail, one
+    element) give adam_step_crc's bits and checksum, and only their own elements change."""
+    n = 3 * 4096 + 77
+    inp = make_inputs(n, gfmt, sfmt, seed=3)
+    scalars = k.adam_scalars(hyper, step=4, grad_scale=2.0)
+    kw = dict(grad_format=gfmt, param_format=pfmt, state_format=sfmt)
+    expected = {name: np.zeros(n, array.dtype) for name, array in run_adam(inp, gfmt, pfmt, sfmt, scalars).items()}
+    out = {name: np.zeros(n, array.dtype) for name, array in expected.items()}
+    update = k.BlockUpdate(inp["master"], inp["m"], inp["v"], out["master"], out["m"], out["v"], out["param"], **kw)
+    assert update.n == n
+    for start, stop in ((0, 4096), (4096, 4097), (5000, 3 * 4096 + 77), (4097, 5000)):
+        s = slice(start, stop)
+        crc = update(inp["grad"][s], start, scalars)
+        wanted = k.adam_step_crc(inp["grad"][s], inp["master"][s], inp["m"][s], inp["v"][s], expected["master"][s],
+                                 expected["m"][s], expected["v"][s], expected["param"][s], scalars=scalars, **kw)
+        assert crc == wanted
+        assert_bits_equal(expected, out, f"{start}..{stop}")
+    assert update(np.empty(0, np.uint16), n, scalars) == 0
+
+
+def test_block_update_refuses_bad_ranges_and_overlap() -> None:
+    n = 256
+    inp = make_inputs(n, HalfFormat.FP16, StateFormat.FP32, seed=2)
+    out = [np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.uint16)]
+    kw = dict(grad_format=HalfFormat.FP16, param_format=HalfFormat.FP16, state_format=StateFormat.FP32)
+    scalars = k.adam_scalars(HYPER_W, step=1)
+    with pytest.raises(KernelArgumentError):  # in place is not out of place
+        k.BlockUpdate(inp["master"], inp["m"], inp["v"], inp["master"], *out[1:], **kw)
+    with pytest.raises(KernelArgumentError):  # lengths differ
+        k.BlockUpdate(inp["master"], inp["m"], inp["v"], *out[:3], out[3][:10], **kw)
+    update = k.BlockUpdate(inp["master"], inp["m"], inp["v"], *out, **kw)
+    before = [array.copy() for array in out]
+    for grad, start in ((inp["grad"][:16], n - 15), (inp["grad"][:16], -1), (inp["grad"][:16], True),
+                        (inp["grad"][:16], 2.0), (np.zeros(16, np.float32), 0), (inp["grad"][::2], 0),
+                        (out[3][:16], 0)):  # the last: the gradient is an output's memory
+        with pytest.raises(KernelArgumentError):
+            update(grad, start, scalars)
+    with pytest.raises(KernelArgumentError):
+        update(inp["grad"][:16], 0, None)
+    assert all(np.array_equal(a, b) for a, b in zip(out, before))
+
+
 # ---------------------------------------------------------------------------
 # Argument validation
 # ---------------------------------------------------------------------------

@@ -158,19 +158,19 @@ def cossd_kernel(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
 def cossd_device_update(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
     """What the device does with each complete gradient block, in memory: the step out of
     place (the committed copy in, the shadow copy out) with the block's checksum, one call per
-    BLOCK_ELEMS elements (Namespace._run_block). It moves what the in-place step moves (the
-    outputs go out with streaming stores) plus the checksum's arithmetic."""
+    BLOCK_ELEMS elements, through the same kernels.BlockUpdate as Namespace._run_block. It
+    moves what the in-place step moves (the outputs go out with streaming stores) plus the
+    checksum's arithmetic."""
     b = buffers
     scalars = kernels.adam_scalars(HYPER, 1)
     shadow = [np.empty(b.n, np.float32) for _ in range(3)] + [np.empty(b.n, np.uint16)]
+    block_update = kernels.BlockUpdate(b.master_np, b.exp_avg_np, b.exp_avg_sq_np, *shadow,
+                                       grad_format=kernels.HalfFormat.FP16, param_format=kernels.HalfFormat.FP16,
+                                       state_format=kernels.StateFormat.FP32)
 
     def update(start: int, stop: int) -> None:
         for low in range(start, stop, BLOCK_ELEMS):
-            s = slice(low, min(stop, low + BLOCK_ELEMS))
-            kernels.adam_step_crc(b.grad16[s], b.master_np[s], b.exp_avg_np[s], b.exp_avg_sq_np[s],
-                                  *(array[s] for array in shadow),
-                                  grad_format=kernels.HalfFormat.FP16, param_format=kernels.HalfFormat.FP16,
-                                  state_format=kernels.StateFormat.FP32, scalars=scalars)
+            block_update(b.grad16[low:min(stop, low + BLOCK_ELEMS)], low, scalars)
 
     return lambda: split_run(update, b.n, threads)
 
