@@ -29,6 +29,7 @@ class Transfer:
     offset: int
     length: int
     cmb_offset: int
+    param_cmb_offset: int | None = None  # CMB_WRITE of gradients: where the new params go
 
     @property
     def what(self) -> str:
@@ -62,7 +63,7 @@ def parse_transfers(command: Command, default_role: str, sizes: Callable[[str, s
     for index, entry in enumerate(value):
         if not isinstance(entry, dict):
             raise DeviceError(Status.INVALID_FIELD, f"transfer {index} is not a JSON object")
-        unknown = set(entry) - {"tensor", "role", "offset", "length", "cmb_offset"}
+        unknown = set(entry) - {"tensor", "role", "offset", "length", "cmb_offset", "param_cmb_offset"}
         if unknown:
             raise DeviceError(Status.INVALID_FIELD, f"transfer {index}: unknown fields {sorted(unknown)}")
         tensor, role = entry.get("tensor"), entry.get("role", default_role)
@@ -75,9 +76,43 @@ def parse_transfers(command: Command, default_role: str, sizes: Callable[[str, s
         length = entry.get("length")
         if length is None:
             length = max(0, sizes(tensor, role) - offset)
+        param_cmb_offset = None
+        if "param_cmb_offset" in entry:
+            if command.opcode != Opcode.CMB_WRITE or role != "grad":
+                raise DeviceError(Status.INVALID_FIELD,
+                                  f"transfer {index}: param_cmb_offset goes with a CMB_WRITE of gradients")
+            param_cmb_offset = _integer(entry, "param_cmb_offset", None, index)
         transfers.append(Transfer(tensor, role, offset, _integer({"length": length}, "length", None, index),
-                                  cmb_offset))
+                                  cmb_offset, param_cmb_offset))
     return transfers
+
+
+def check_disjoint(spans: list[tuple[int, int, str]], what: str) -> None:
+    """Refuse (INVALID_FIELD) CMB ranges [start, end) that overlap: `what` says why not."""
+    ordered = sorted(span for span in spans if span[1] > span[0])
+    for (_, end, first), (start, _, second) in zip(ordered, ordered[1:]):
+        if start < end:
+            raise DeviceError(Status.INVALID_FIELD, f"{first} and {second} overlap in the CMB (from byte {start}): {what}")
+
+
+def check_param_copies(transfers: list[Transfer]) -> None:
+    """Refuse (INVALID_FIELD) param copies that overlap each other or any of the command's
+    gradients: the kernel writes params while other blocks' gradients are still being read.
+    (Gradients may overlap each other: they are only read.)"""
+    spans = sorted([(t.cmb_offset, t.cmb_offset + t.length, False, i) for i, t in enumerate(transfers)]
+                   + [(t.param_cmb_offset, t.param_cmb_offset + t.length, True, i)
+                      for i, t in enumerate(transfers) if t.param_cmb_offset is not None])
+    any_end = params_end = 0  # the furthest end so far of any span, of a param copy
+    for start, end, is_params, index in spans:
+        if start == end:
+            continue
+        if start < params_end or (is_params and start < any_end):
+            raise DeviceError(Status.INVALID_FIELD,
+                              f"transfer {index}'s {'params' if is_params else 'gradient'} overlap other bytes of "
+                              f"the command in the CMB (from byte {start}): a param copy may overlap nothing else")
+        any_end = max(any_end, end)
+        if is_params:
+            params_end = max(params_end, end)
 
 
 class CmbCommands:
@@ -111,10 +146,15 @@ class CmbCommands:
         grads = [t.role == "grad" for t in transfers]
         if any(grads) and not all(grads):
             raise DeviceError(Status.INVALID_FIELD, "one command carries gradients or state, not both")
+        copies = [None if t.param_cmb_offset is None
+                  else cmb.region(t.param_cmb_offset, t.length, f"transfer {i} ({t.what}) params")
+                  for i, t in enumerate(transfers)]
+        if any(copy is not None for copy in copies):
+            check_param_copies(transfers)
         result = None
         if all(grads):
             result = namespace.write_grads_lent(
-                [(t.tensor, t.offset, region) for t, region in zip(transfers, regions)])
+                [(t.tensor, t.offset, region, copy) for t, region, copy in zip(transfers, regions, copies)])
         else:
             for t in transfers:
                 namespace.check_write(t.tensor, t.role, t.offset, t.length)
@@ -139,12 +179,8 @@ class CmbCommands:
             namespace.check_read(t.tensor, t.role, t.offset, t.length)
         regions = [cmb.region(t.cmb_offset, t.length, f"transfer {i} ({t.what})")
                    for i, t in enumerate(transfers)]
-        # Two transfers into the same CMB bytes would leave them to whichever ran last.
-        spans = sorted((t.cmb_offset, t.cmb_offset + t.length, i) for i, t in enumerate(transfers) if t.length)
-        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-            if start < end:
-                raise DeviceError(Status.INVALID_FIELD,
-                                  f"transfers {first} and {second} overlap in the CMB (from byte {start})")
+        check_disjoint([(t.cmb_offset, t.cmb_offset + t.length, f"transfer {i}") for i, t in enumerate(transfers)],
+                       "two transfers into the same bytes would leave them to whichever ran last")
         reads = [(t.tensor, t.role, t.offset, t.length) for t in transfers]
         with namespace.read_pinned_many(reads) as views:
             for region, view in zip(regions, views):

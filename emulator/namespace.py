@@ -24,7 +24,7 @@ from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, read_json
 from .snapshots import SnapshotStore
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
 from .superblock import GROUP_FIELDS, Superblock
-from .transaction import ReadyBlock, StepTransaction, block_pieces
+from .transaction import ReadyBlock, StepTransaction, block_pieces, block_range_of
 
 log = logging.getLogger(__name__)
 
@@ -651,11 +651,18 @@ class Namespace:
             return None
 
     def write_grads_lent(
-        self, pieces: Sequence[tuple[str, int, bytes | memoryview | np.ndarray]]
+        self, pieces: Sequence[tuple[str, int, bytes | memoryview | np.ndarray, np.ndarray | None]]
     ) -> CommitResult | None:
-        """Take gradient pieces (tensor, byte offset in its grad file, bytes) from memory the
-        caller lends until this returns, as a drive's DMA reads a host buffer: complete blocks
-        run on it in place, and this returns once every block the pieces completed has run.
+        """Take gradient pieces (tensor, byte offset in its grad file, bytes, param copy) from
+        memory the caller lends until this returns, as a drive's DMA reads a host buffer:
+        complete blocks run on it in place, and this returns once every block the pieces
+        completed has run.
+
+        A piece's param copy (None, or as many bytes as its gradient, sharing memory with no
+        piece's gradient or other copy) receives the step's new params for its elements: the
+        kernel stores them as it computes them, and when the step ends the rest is filled
+        from the committed copy, so once the step is committed, skipped or aborted the copy
+        holds the committed params. Until then it is the device's to write.
 
         The pieces are checked, against each other and against what the open step already
         has, before any is taken, so a batch refused for its ranges changes nothing. Returns
@@ -663,8 +670,11 @@ class Namespace:
         skipped before this returns), else None.
         """
         spans: dict[str, list[tuple[int, int]]] = {}
-        for tensor_name, offset, data in pieces:
+        for tensor_name, offset, data, param_copy in pieces:
             self._check_range(self._tensor(tensor_name), "grad", offset, len(data))
+            if param_copy is not None and len(param_copy) != len(data):
+                raise DeviceError(Status.INVALID_FIELD,
+                                  f"{tensor_name}: a param copy of {len(param_copy)} bytes for {len(data)} of gradient")
             spans.setdefault(tensor_name, []).append((offset, offset + len(data)))
         for tensor_name, ranges in spans.items():
             ranges.sort()
@@ -682,7 +692,7 @@ class Namespace:
         queued: list[concurrent.futures.Future[None]] = []
         implicit = None
         try:
-            for tensor_name, offset, data in pieces:
+            for tensor_name, offset, data, param_copy in pieces:
                 # Staged a few blocks at a time, so the kernel workers start on the first
                 # blocks while this thread still counts the later ones' non-finite elements.
                 position = 0
@@ -690,9 +700,10 @@ class Namespace:
                     # Up to the next multiple of _LENT_STAGE_BYTES in the file: whole blocks.
                     end = min(len(data), (offset + position) // _LENT_STAGE_BYTES * _LENT_STAGE_BYTES
                               + _LENT_STAGE_BYTES - offset)
+                    copy = None if param_copy is None else param_copy[position:end]
                     with self.timing.command("write_grad"):
                         _, completed = self._stage_grad(tensor_name, offset + position, data[position:end],
-                                                        wait=True, lent=queued)
+                                                        wait=True, lent=queued, param_copy=copy)
                     implicit = implicit or completed
                     position = end
                     if position >= len(data):
@@ -704,7 +715,7 @@ class Namespace:
 
     def _stage_grad(
         self, tensor_name: str, offset: int, data: bytes | memoryview | np.ndarray, *, wait: bool,
-        lent: list[concurrent.futures.Future[None]] | None = None,
+        lent: list[concurrent.futures.Future[None]] | None = None, param_copy: np.ndarray | None = None,
     ) -> tuple[int, StepTransaction | None]:
         """Receive gradient bytes and queue the blocks they complete; see write_grad_nowait.
         With `lent`, `data` is lent memory used in place, and the futures of the blocks queued
@@ -722,8 +733,11 @@ class Namespace:
         grad = np.frombuffer(data, dtype=np.uint16)
         # Counted here, outside the lock, while the bytes are still in this core's cache
         # (on the data path they were just copied in): the block's kernel then needs no pass
-        # of its own over a gradient it may find cold.
-        nonfinite = [kernels.count_nonfinite(piece, self._grad_format)
+        # of its own over a gradient it may find cold. Lent memory (the CMB) was not just
+        # copied: a whole block of it is counted by its kernel worker, just before the
+        # kernel reads it again from that core's cache (None here).
+        nonfinite = [None if lent is not None and len(piece) == BLOCK_ELEMS
+                     else kernels.count_nonfinite(piece, self._grad_format)
                      for piece in block_pieces(offset // 2, grad)]
         if not self._lock.acquire(blocking=wait):
             raise _WouldBlock
@@ -733,7 +747,8 @@ class Namespace:
                 if not wait:
                     raise _WouldBlock
                 tx = self._begin_locked(None, 1.0, explicit=False)
-            ready = tx.receive(tensor, offset // 2, grad, nonfinite)
+            params = None if param_copy is None else np.frombuffer(param_copy, dtype=np.uint16)
+            ready = tx.receive(tensor, offset // 2, grad, nonfinite, params)
             completes_step = tx.all_received and bool(ready) and not tx.explicit
             # Counted before they are queued, so a commit cannot pass blocks not queued yet.
             tx.inflight += len(ready)
@@ -803,6 +818,8 @@ class Namespace:
         try:
             started = time.perf_counter_ns()
             nonfinite = block.nonfinite
+            if nonfinite is None:  # lent memory: see _stage_grad
+                nonfinite = kernels.count_nonfinite(block.grad, self._grad_format)
             committed = self._sb.committed_copy
             shadow = committed.other
             tensor = block.tensor
@@ -817,7 +834,7 @@ class Namespace:
                     # The kernel stores the new state straight into the shadow copy's mapping.
                     state.before_mapped_write()
                     crc = self._block_update(committed, tensor)(
-                        block.grad, start, tx.scalars[self._group_of[tensor.name]])
+                        block.grad, start, tx.scalars[self._group_of[tensor.name]], block.param_copy)
                     written = (stop - start) * sum(self._role_dtype(role).itemsize for role in BLOCK_ROLES)
                 else:
                     # Into this thread's buffers, which pwrite then copies into the shadow
@@ -835,6 +852,8 @@ class Namespace:
                         state_format=self._state_format,
                         scalars=tx.scalars[self._group_of[tensor.name]],
                     )
+                    if block.param_copy is not None:
+                        block.param_copy[:] = out["param"]  # still in cache
                     for role in BLOCK_ROLES:
                         region = self._region_offset(tensor, role) + start * out[role].itemsize
                         state.write_at(region, out[role])
@@ -847,7 +866,7 @@ class Namespace:
             log.exception("namespace %s: kernel failed on %s block %d", self.name, block.tensor.name, block.local_block)
             raise DeviceError(Status.INTERNAL_ERROR, f"kernel failed: {exc}") from exc
         with self._lock:
-            tx.finish(block, crc, nonfinite)
+            tx.finish(block, crc, nonfinite, copied=written > 0 and block.param_copy is not None)
             self.counters.kernel_blocks += 1
             self.counters.kernel_ns += elapsed
             self.counters.media_bytes_written += written
@@ -925,6 +944,7 @@ class Namespace:
             tx = self._quiesced_step_locked()
             self._tx = None
             self.counters.steps_aborted += 1
+            self._settle_param_copies(tx, committed=False)
             return tx.step
 
     def _commit_locked(self, tx: StepTransaction) -> CommitResult:
@@ -938,6 +958,7 @@ class Namespace:
         if tx.error is not None:
             self._tx = None
             self.counters.steps_aborted += 1
+            self._settle_param_copies(tx, committed=False)
             raise DeviceError(
                 Status.INTERNAL_ERROR, f"step {tx.step} failed and was aborted: {tx.error}"
             )
@@ -946,6 +967,7 @@ class Namespace:
                 Status.GRADIENT_INCOMPLETE,
                 f"step {tx.step}: gradients incomplete for {', '.join(tx.missing(self.layouts))}",
             )
+        ended = False  # True once the step is committed: the kernel's param copies stand
         try:
             if tx.nonfinite:
                 skipped = self._sb.successor(
@@ -970,12 +992,37 @@ class Namespace:
             )
             self._write_superblock(committed, sync=self.sync_commits)
             self.counters.steps_committed += 1
+            ended = True
             return CommitResult(tx.step, tx.step, False)
         except DeviceError:
             self.counters.steps_aborted += 1
             raise
         finally:
             self._tx = None
+            if self.media_failure is None:
+                self._settle_param_copies(tx, committed=ended)
+
+    def _settle_param_copies(self, tx: StepTransaction, committed: bool) -> None:
+        """Fill what the kernel has not of the host's param copies (write_grads_lent), from
+        the committed copy: blocks assembled from pieces, and every block of a step that
+        ended without committing. Caller holds the lock; the step has ended."""
+        if not tx.param_copies:
+            return
+        moved = 0
+        for tensor, first, copy in tx.param_copies:
+            params = self._view(self._sb.committed_copy, tensor, "param")
+            end = first + len(copy)
+            for block in block_range_of(first, end):
+                if committed and (tensor.name, block) in tx.copied:
+                    continue
+                start, stop = tensor.block_range(block)
+                lo, hi = max(first, start), min(end, stop)
+                copy[lo - first : hi - first] = params[lo:hi]
+            moved += copy.nbytes
+        # Param bytes to the host, as a read of the param file would count them.
+        self.counters.bytes_read += moved
+        self.counters.param_bytes_out += moved
+        self.timing.add(host_out=moved)
 
     def _wait_for_pins_locked(self) -> None:
         """Wait until nothing reads the committed copy (caller holds the lock, about to flip)."""

@@ -34,7 +34,10 @@ class ReadyBlock:
     tensor: TensorLayout
     local_block: int
     grad: np.ndarray
-    nonfinite: int  # inf/NaN elements in `grad`, counted as its pieces arrived
+    nonfinite: int | None  # inf/NaN elements in `grad`, counted as its pieces arrived (None: not yet)
+    # Where the host also wants this block's new params (CMB_WRITE's param_cmb_offset), if
+    # anywhere: the kernel stores them there in the same pass.
+    param_copy: np.ndarray | None = None
 
 
 def block_range_of(first_elem: int, end_elem: int) -> range:
@@ -73,6 +76,10 @@ class StepTransaction:
         self.inflight = 0
         self.nonfinite = 0
         self.error: BaseException | None = None
+        # The host's param copies: (tensor, first element, uint16 array) per lent piece that
+        # asked for one, and the blocks whose kernel already stored into them.
+        self.param_copies: list[tuple[TensorLayout, int, np.ndarray]] = []
+        self.copied: set[tuple[str, int]] = set()
 
     def _states_of(self, tensor: TensorLayout) -> bytearray:
         states = self.states.get(tensor.name)
@@ -110,9 +117,11 @@ class StepTransaction:
                 )
 
     def receive(self, tensor: TensorLayout, first_elem: int, grad: np.ndarray,
-                nonfinite: list[int]) -> list[ReadyBlock]:
+                nonfinite: list[int | None], param_copy: np.ndarray | None = None) -> list[ReadyBlock]:
         """Take a piece of gradient; returns the blocks it completed. `nonfinite` holds the
-        piece's inf/NaN counts, one per block it touches (block_pieces order).
+        piece's inf/NaN counts, one per block it touches (block_pieces order); None for a
+        whole block leaves the count to its kernel worker. `param_copy`
+        (as long as `grad`) is where the host wants the new params of these elements.
 
         Validates the whole piece before changing anything, so a write that overlaps an
         already received range is refused as a whole.
@@ -122,6 +131,8 @@ class StepTransaction:
         states = self._states_of(tensor)
         touched = block_range_of(first_elem, end_elem)
         ready = []
+        if param_copy is not None:
+            self.param_copies.append((tensor, first_elem, param_copy))
         for block, count in zip(touched, nonfinite, strict=True):
             start, stop = tensor.block_range(block)
             lo, hi = max(first_elem, start), min(end_elem, stop)
@@ -129,7 +140,8 @@ class StepTransaction:
             if states[block] == BlockState.EMPTY and lo == start and hi == stop:
                 # The common case: the write covers the block, so run on it without a copy.
                 states[block] = BlockState.RUNNING
-                ready.append(ReadyBlock(tensor, block, piece, count))
+                copy = None if param_copy is None else param_copy[lo - first_elem : hi - first_elem]
+                ready.append(ReadyBlock(tensor, block, piece, count, copy))
                 self.received_blocks += 1
                 continue
             key = (tensor.name, block)
@@ -144,6 +156,7 @@ class StepTransaction:
             staged.grad[lo - start : hi - start] = piece
             staged.mask[lo - start : hi - start] = True
             staged.received += hi - lo
+            assert count is not None, "only a whole block's count may wait for its worker"
             staged.nonfinite += count
             if staged.received == stop - start:
                 del self.partial[key]
@@ -152,7 +165,9 @@ class StepTransaction:
                 self.received_blocks += 1
         return ready
 
-    def finish(self, ready: ReadyBlock, crc: int, nonfinite: int) -> None:
+    def finish(self, ready: ReadyBlock, crc: int, nonfinite: int, copied: bool = False) -> None:
+        if copied:
+            self.copied.add((ready.tensor.name, ready.local_block))
         self.states[ready.tensor.name][ready.local_block] = BlockState.DONE
         self.block_crcs[ready.tensor.first_block + ready.local_block] = crc
         self.nonfinite += nonfinite

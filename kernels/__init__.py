@@ -437,23 +437,34 @@ class BlockUpdate:
         self._outputs = [(b.start, b.end) for b in bufs[3:]]
         self._half_dtypes = _half_dtypes(self._gfmt)
 
-    def __call__(self, grad: Any, start: int, scalars: AdamScalars) -> int:
-        """Step elements start..start+len(grad)-1 with `grad`; their CRC32C, as adam_step_crc."""
+    def __call__(self, grad: Any, start: int, scalars: AdamScalars, param_copy: Any = None) -> int:
+        """Step elements start..start+len(grad)-1 with `grad`; their CRC32C, as adam_step_crc.
+        `param_copy` (as many 16-bit elements) also receives the new params, in the same pass."""
         g = _buf("grad", grad, self._half_dtypes, _HALF_CTYPE)
         n = g.arr.size
         if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + n > self.n:
             raise KernelArgumentError(f"elements {start}..{start + n} are outside the {self.n} of the state arrays")
         if not isinstance(scalars, AdamScalars):
             raise KernelArgumentError(f"scalars must come from adam_scalars(), got {type(scalars).__name__}")
+        copy = _ffi.NULL
+        written = list(self._outputs)
+        if param_copy is not None:
+            c = _buf("param_copy", param_copy, _half_dtypes(self._pfmt), _HALF_CTYPE, output=True)
+            if c.arr.size != n:
+                raise KernelArgumentError(f"param_copy has {c.arr.size} elements but grad has {n}")
+            if n and (c.start < g.end and g.start < c.end
+                      or any(c.start < b.end and b.start < c.end for b in self._bufs)):
+                raise KernelArgumentError("param_copy overlaps the gradient or a state array")
+            copy = c.ptr
         if n == 0:
             return 0
-        for low, high in self._outputs:
+        for low, high in written:
             if g.start < high and low < g.end:
                 raise KernelArgumentError("grad overlaps an output")
         mi, ai, vi, mo, ao, vo, po = (b.ptr + start for b in self._bufs)
         crc = _ffi.new("uint32_t *")
-        _check_rc(_lib.cossd_adam_step_crc(g.ptr, self._gfmt, mi, ai, vi, mo, ao, vo, self._sfmt, po, self._pfmt,
-                                           n, scalars._c, crc), "BlockUpdate")
+        _check_rc(_lib.cossd_adam_step_crc_copy(g.ptr, self._gfmt, mi, ai, vi, mo, ao, vo, self._sfmt, po, copy,
+                                                self._pfmt, n, scalars._c, crc), "BlockUpdate")
         return int(crc[0])
 
 

@@ -1481,13 +1481,22 @@ static void copy_out(void *dst, const void *src, size_t bytes)
 }
 
 static int step_crc_in_registers(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
-                                 float *mo, void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n,
-                                 const cossd_adam_scalars *s, uint32_t crc[4]);
+                                 float *mo, void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt,
+                                 size_t n, const cossd_adam_scalars *s, uint32_t crc[4]);
 
 int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
                         const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                         int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,
                         uint32_t *crc_out)
+{
+    return cossd_adam_step_crc_copy(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                                    exp_avg_sq_out, state_fmt, param_out, NULL, param_fmt, n, s, crc_out);
+}
+
+int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                             const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                             int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt, size_t n,
+                             const cossd_adam_scalars *s, uint32_t *crc_out)
 {
     int rc = adam_check(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
                         exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
@@ -1504,7 +1513,7 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
     uint16_t scratch_param[STEP_CRC_CHUNK] __attribute__((aligned(64)));
     uint32_t crc[4] = {0, 0, 0, 0};
     if (n && step_crc_in_registers(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
-                                   exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s, crc))
+                                   exp_avg_sq_out, state_fmt, param_out, param_copy, param_fmt, n, s, crc))
         goto combine; /* no scratch: the checksum was folded from the registers */
     for (size_t i = 0; i < n; i += STEP_CRC_CHUNK) {
         size_t count = n - i < STEP_CRC_CHUNK ? n - i : STEP_CRC_CHUNK;
@@ -1521,6 +1530,8 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
         copy_out((uint8_t *)exp_avg_out + i * ssz, scratch_avg, lengths[1]);
         copy_out((uint8_t *)exp_avg_sq_out + i * ssz, scratch_avg_sq, lengths[2]);
         copy_out(param_out + i, scratch_param, lengths[3]);
+        if (param_copy)
+            copy_out(param_copy + i, scratch_param, lengths[3]);
     }
 #if COSSD_X86
     _mm_sfence(); /* streaming stores are weakly ordered: visible before the caller goes on */
@@ -1692,6 +1703,12 @@ static void crc_outputs_from_memory(uint32_t reg[4], const float *mo, const void
             z_put_f32((float *)ao + i, m, NT);                                                               \
             z_put_f32((float *)vo + i, v, NT);                                                               \
             z_put16(po + i, xh, NT);                                                                         \
+            if (po2) {                                                                                       \
+                if (nt2)                                                                                     \
+                    _mm256_stream_si256((__m256i *)(void *)(po2 + i), xh);                                   \
+                else                                                                                         \
+                    _mm256_storeu_si256((__m256i *)(void *)(po2 + i), xh);                                   \
+            }                                                                                                \
             xp = _mm512_castps_si512(p);                                                                     \
             xm = _mm512_castps_si512(m);                                                                     \
             xv = _mm512_castps_si512(v);                                                                     \
@@ -1707,7 +1724,7 @@ static void crc_outputs_from_memory(uint32_t reg[4], const float *mo, const void
                 ah = fold_ymm(ah, k256, xh);                                                                 \
             }                                                                                                \
         }                                                                                                    \
-        if (NT)                                                                                              \
+        if (NT || nt2)                                                                                       \
             _mm_sfence();                                                                                    \
         reg[0] = crc_register_of_zmm(ap);                                                                    \
         reg[1] = crc_register_of_zmm(am);                                                                    \
@@ -1717,8 +1734,8 @@ static void crc_outputs_from_memory(uint32_t reg[4], const float *mo, const void
 
 COSSD_AVX512_CRC_INLINE void adam_avx512_crc_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
                                                   const void *vi, float *mo, void *ao, void *vo, int sfmt,
-                                                  uint16_t *po, int pfmt, size_t n, const adam_k *k, int decoupled,
-                                                  uint32_t reg[4])
+                                                  uint16_t *po, uint16_t *po2, int pfmt, size_t n, const adam_k *k,
+                                                  int decoupled, uint32_t reg[4])
 {
     if (sfmt != COSSD_STATE_FP32)
         return; /* never called so: the caller checks */
@@ -1729,6 +1746,8 @@ COSSD_AVX512_CRC_INLINE void adam_avx512_crc_body(const uint16_t *grad, int gfmt
         adam_avx512_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, 0, &c, decoupled,
                         (__mmask16)((1u << i) - 1u), 1, 0);
         crc_outputs_from_memory(reg, mo, ao, vo, po, 0, i);
+        if (po2)
+            memcpy(po2, po, i * sizeof(uint16_t));
     }
     size_t vectors = (n - i) / 16;
     if (vectors) {
@@ -1740,6 +1759,8 @@ COSSD_AVX512_CRC_INLINE void adam_avx512_crc_body(const uint16_t *grad, int gfmt
          * a call too short to peel (adam_peel) may start anywhere: check it too. */
         int stream = aligned_to(mo + i, 64) && aligned_to((float *)ao + i, 64) && aligned_to((float *)vo + i, 64) &&
                      aligned_to(po + i, 32);
+        /* The copy of the params streams where it is aligned too; it is write-only. */
+        const int nt2 = po2 != NULL && aligned_to(po2 + i, 32);
         if (stream)
             ADAM_CRC_LOOP(1);
         else
@@ -1750,16 +1771,19 @@ COSSD_AVX512_CRC_INLINE void adam_avx512_crc_body(const uint16_t *grad, int gfmt
         adam_avx512_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled,
                         (__mmask16)((1u << (n - i)) - 1u), 1, 0);
         crc_outputs_from_memory(reg, mo, ao, vo, po, from, n);
+        if (po2)
+            memcpy(po2 + from, po + from, (n - from) * sizeof(uint16_t));
     }
 }
 #undef ADAM_CRC_LOOP
 
 __attribute__((target(COSSD_AVX512_CRC_TARGET))) static void
 adam_avx512_crc_dispatch(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
-                         void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k,
-                         uint32_t reg[4])
+                         void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt, size_t n,
+                         const adam_k *k, uint32_t reg[4])
 {
-#define ADAM_CRC_CALL(GF, SF, PF, DC) adam_avx512_crc_body(grad, GF, mi, ai, vi, mo, ao, vo, SF, po, PF, n, k, DC, reg)
+#define ADAM_CRC_CALL(GF, SF, PF, DC) \
+    adam_avx512_crc_body(grad, GF, mi, ai, vi, mo, ao, vo, SF, po, po2, PF, n, k, DC, reg)
     ADAM_SPECIALISE(ADAM_CRC_CALL);
 #undef ADAM_CRC_CALL
 }
@@ -1768,21 +1792,21 @@ adam_avx512_crc_dispatch(const uint16_t *grad, int gfmt, const float *mi, const 
 /* cossd_adam_step_crc with the checksum folded from the registers, where the CPU and formats
  * allow; returns 0 (nothing done) otherwise. crc[] receives the four stream CRCs. */
 static int step_crc_in_registers(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
-                                 float *mo, void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n,
-                                 const cossd_adam_scalars *s, uint32_t crc[4])
+                                 float *mo, void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt,
+                                 size_t n, const cossd_adam_scalars *s, uint32_t crc[4])
 {
 #if COSSD_X86
     if (!g_has_vpclmul || sfmt != COSSD_STATE_FP32 || cossd_simd_level() != COSSD_SIMD_AVX512)
         return 0;
     adam_k k = adam_load_scalars(s);
     uint32_t reg[4] = {~0u, ~0u, ~0u, ~0u}; /* the registers of CRC value 0 */
-    adam_avx512_crc_dispatch(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, n, &k, reg);
+    adam_avx512_crc_dispatch(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, po2, pfmt, n, &k, reg);
     for (int i = 0; i < 4; i++)
         crc[i] = ~reg[i];
     return 1;
 #else
     (void)grad; (void)gfmt; (void)mi; (void)ai; (void)vi; (void)mo; (void)ao; (void)vo; (void)sfmt; (void)po;
-    (void)pfmt; (void)n; (void)s; (void)crc;
+    (void)po2; (void)pfmt; (void)n; (void)s; (void)crc;
     return 0;
 #endif
 }

@@ -103,6 +103,15 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
                         int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                         const cossd_adam_scalars *s, uint32_t *crc_out);
 
+/* cossd_adam_step_crc that also stores the params into param_copy (NULL: nowhere), which
+ * must not overlap any other buffer: the device hands a step's params to the host this way
+ * as it computes them (a controller memory buffer), with no second pass. */
+int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *master_in,
+                             const void *exp_avg_in, const void *exp_avg_sq_in,
+                             float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                             int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt,
+                             size_t n, const cossd_adam_scalars *s, uint32_t *crc_out);
+
 int cossd_simd_available(void);
 int cossd_avx512_available(void);
 int cossd_crc_simd_available(void);

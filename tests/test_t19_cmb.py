@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device
-from cossd.emulator.errors import Status
+from cossd.emulator.cmb_commands import Transfer, check_param_copies
+from cossd.emulator.errors import DeviceError, Status
 from cossd.emulator.protocol import Opcode
 from cossd.fs import daemon
 from cossd.tools.client import AdminClient
@@ -25,16 +26,19 @@ from cossd.trainer.namespace_files import NamespaceFiles, plan_cmb_batches
 from helpers import create_namespace, pread_all, pwrite_all, random_half, tensor_dir
 
 TENSORS = [("odd", 300_007), ("big", 600_000)]
+PARAMS = 64 << 20  # where the tests put param copies in the CMB
 
 
 @pytest.fixture
 def mounted(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Mount]:
     """A mount whose CMB size the test's `cmb_bytes` marker sets (default: the daemon's)."""
     marker = request.node.get_closest_marker("cmb_bytes")
+    callspec = getattr(request.node, "callspec", None)
+    size = callspec.params.get("cmb_bytes") if callspec else (marker.args[0] if marker else None)
     backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
     Device.format(backing)
     mountpoint.mkdir()
-    pid = daemon.start_background(backing, mountpoint, cmb_bytes=marker.args[0] if marker else None)
+    pid = daemon.start_background(backing, mountpoint, cmb_bytes=size)
     mount = Mount(backing, mountpoint, pid)
     try:
         yield mount
@@ -79,16 +83,27 @@ def test_cmb_steps_match_file_steps_bit_for_bit(mounted: Mount) -> None:
                 # in the CMB out of order.
                 cuts = [0, 2 * 77_777, 2 * 250_001, 2 * 300_007]
                 transfers, at = [], 4096
+                # Every other step the params come back with the command (param_cmb_offset):
+                # odd's at PARAMS + its offset (an unaligned start), big's after them.
+                with_params = step % 2 == 1
                 for lo, hi in reversed(list(zip(cuts, cuts[1:]))):
                     cmb.array[at : at + hi - lo] = np.frombuffer(grads["odd"][lo:hi], dtype=np.uint8)
-                    transfers.append({"tensor": "odd", "offset": lo, "length": hi - lo, "cmb_offset": at})
+                    transfers.append({"tensor": "odd", "offset": lo, "length": hi - lo, "cmb_offset": at}
+                                     | ({"param_cmb_offset": PARAMS + lo} if with_params else {}))
                     at += hi - lo + 2  # unaligned CMB offsets are fine
                 cmb.array[at : at + len(grads["big"])] = np.frombuffer(grads["big"], dtype=np.uint8)
-                transfers.append({"tensor": "big", "length": len(grads["big"]), "cmb_offset": at})
+                transfers.append({"tensor": "big", "length": len(grads["big"]), "cmb_offset": at}
+                                 | ({"param_cmb_offset": PARAMS + (1 << 20)} if with_params else {}))
+                cmb.array[PARAMS : PARAMS + (4 << 20)] = 0xEE
                 report = client.cmb_write(nsid, transfers)
                 assert report["bytes"] == sum(len(g) for g in grads.values())
                 assert report["commit"] == {"committed_step": step, "nonfinite_elements": 0,
                                             "skipped": False, "step": step}
+                if with_params:  # the kernel's copies (big) and the commit's (odd's pieced blocks)
+                    expected = _files(mp, "files", "param")
+                    assert cmb.array[PARAMS : PARAMS + 600_014].tobytes() == expected["odd"]
+                    assert cmb.array[PARAMS + (1 << 20) : PARAMS + (1 << 20) + 1_200_000].tobytes() == expected["big"]
+                    assert (cmb.array[PARAMS + 600_014 : PARAMS + (1 << 20)] == 0xEE).all()
                 for role in ("param", "master", "exp_avg_sq"):
                     expected = _files(mp, "files", role)
                     reads, at = [], 0
@@ -158,8 +173,15 @@ def test_refused_transfers_change_nothing(mounted: Mount) -> None:
             (R, [{"tensor": "odd", "offset": 600_000, "length": 100, "cmb_offset": 0}],
              Status.LBA_OUT_OF_RANGE, "passes the end"),
             (R, [{"tensor": "odd", "length": 100, "cmb_offset": 0},
-                 {"tensor": "big", "length": 100, "cmb_offset": 50}], Status.INVALID_FIELD, "overlap"),
+                 {"tensor": "big", "length": 100, "cmb_offset": 50}], Status.INVALID_FIELD, "overlap in the CMB"),
             (R, [{"tensor": "odd", "cmb_offset": end - 100}], Status.LBA_OUT_OF_RANGE, "outside"),
+            (R, [{**good, "param_cmb_offset": 5000}], Status.INVALID_FIELD, "goes with a CMB_WRITE of gradients"),
+            (W, [{**good, "role": "master", "param_cmb_offset": 5000}], Status.INVALID_FIELD, "goes with"),
+            (W, [good, {**good, "offset": 2000, "param_cmb_offset": 500}], Status.INVALID_FIELD,
+             "a param copy may overlap nothing else"),
+            (W, [{**good, "param_cmb_offset": 5000}, {**good, "offset": 2000, "param_cmb_offset": 5500}],
+             Status.INVALID_FIELD, "overlap"),
+            (W, [good, {**good, "offset": 2000, "param_cmb_offset": end - 500}], Status.LBA_OUT_OF_RANGE, "params"),
         ]
         for opcode, payload, status, text in cases:
             _expect(client, opcode, nsid, payload, status, text)
@@ -178,6 +200,49 @@ def test_refused_transfers_change_nothing(mounted: Mount) -> None:
         assert client.statistics(nsid)["grad_bytes_in"] == stats["grad_bytes_in"] + 4000
         client.abort_step(nsid)
         assert {role: _files(mp, "m", role) for role in before} == before
+        cmb.close()
+
+
+@pytest.mark.mount
+def test_param_copies_hold_the_committed_params_however_the_step_ends(mounted: Mount) -> None:
+    """Explicit steps: the copies are filled when the step commits (COMMIT_STEP), is skipped
+    or is aborted, never with the params of a step that did not commit."""
+    mp = mounted.mountpoint
+    create_namespace(mp, "m", TENSORS)
+    _masters(mp, "m")
+    rng = np.random.default_rng(4)
+    with AdminClient(mp) as client:
+        nsid, cmb = client.nsid("m"), client.cmb()
+        assert cmb is not None
+        transfers = [{"tensor": "odd", "length": 600_014, "cmb_offset": 0, "param_cmb_offset": PARAMS},
+                     {"tensor": "big", "length": 1_200_000, "cmb_offset": 600_014,
+                      "param_cmb_offset": PARAMS + 600_014}]
+
+        def copies() -> bytes:
+            return cmb.array[PARAMS : PARAMS + 1_800_014].tobytes()
+
+        def committed() -> bytes:
+            params = _files(mp, "m", "param")
+            return params["odd"] + params["big"]
+
+        for ending in ("commit", "nan", "abort", "commit"):
+            grads = random_half(rng, 900_007, "fp16")[0]
+            if ending == "nan":
+                grads = grads[:1000] + np.float16(np.inf).tobytes() + grads[1002:]
+            cmb.array[: len(grads)] = np.frombuffer(grads, dtype=np.uint8)
+            cmb.array[PARAMS : PARAMS + 1_800_014] = 0xEE
+            client.begin_step(nsid)
+            if ending == "abort":  # half the gradients, then the step is dropped
+                client.cmb_write(nsid, transfers[1:])
+                client.abort_step(nsid)
+            else:
+                client.cmb_write(nsid, transfers)
+                assert client.commit_step(nsid)["skipped"] == (ending == "nan")
+            if ending == "abort":  # only what was sent has a copy
+                assert copies()[600_014:] == committed()[600_014:] and set(copies()[:600_014]) == {0xEE}
+            else:
+                assert copies() == committed(), ending
+        assert client.statistics(nsid)["committed_step"] == 2
         cmb.close()
 
 
@@ -235,21 +300,27 @@ def _model(seed: int) -> torch.nn.Module:
 
 
 @pytest.mark.mount
-@pytest.mark.cmb_bytes(64 << 10)
-def test_trainer_over_the_cmb_agrees_with_the_files(mounted: Mount) -> None:
-    """One optimizer holds the CMB (64 KiB here: tensors are cut into many batches), a second
-    one on the same mount finds it held and uses the files; the two train bit for bit alike."""
+@pytest.mark.parametrize("cmb_bytes", [64 << 10, None], ids=["64K", "default"])
+def test_trainer_over_the_cmb_agrees_with_the_files(mounted: Mount, cmb_bytes: int | None) -> None:
+    """One optimizer holds the CMB, a second one on the same mount finds it held and uses the
+    files; the two train bit for bit alike. 64 KiB: tensors are cut into many batches and the
+    params come back by CMB_READ; the default 1 GiB: one CMB_WRITE per step, which also
+    brings the params back."""
     models = [_model(0), _model(0)]
     optimizers = [AdamW(m.parameters(), mount=mounted.mountpoint, namespace=f"n{i}", lr=1e-3)
                   for i, m in enumerate(models)]
     try:
         assert optimizers[0].files.cmb() is not None and optimizers[1].files.cmb() is None
         data = torch.randn(64, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+        reads_before = optimizers[0].files.statistics()["read_commands"]
         for _ in range(4):
             for model, optimizer in zip(models, optimizers):
                 optimizer.zero_grad()
                 model(data).float().square().mean().backward()
                 optimizer.step()
+        # With the default CMB the params came back with each step's CMB_WRITE: no reads.
+        reads = optimizers[0].files.statistics()["read_commands"] - reads_before
+        assert (reads == 0) == (cmb_bytes is None), reads
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(a, b)
         state = [o.state_dict()["state"][0]["exp_avg_sq"] for o in optimizers]
@@ -281,3 +352,22 @@ def test_cmb_batches_cover_every_byte_once_and_fit(sizes: list[int], capacity: i
             assert length > 0 and offset == covered.get(item, 0)
             covered[item] = offset + length
     assert covered == {item: size for item, size in enumerate(sizes) if size}
+
+
+@settings(max_examples=300, deadline=None)
+@given(spans=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20), st.one_of(st.none(), st.integers(0, 60))),
+                      min_size=1, max_size=6))
+def test_param_copy_overlap_check_matches_brute_force(spans: list[tuple[int, int, int | None]]) -> None:
+    transfers = [Transfer("t", "grad", 0, length, at, params) for at, length, params in spans]
+    grads = [(t.cmb_offset, t.cmb_offset + t.length) for t in transfers if t.length]
+    params = [(t.param_cmb_offset, t.param_cmb_offset + t.length) for t in transfers
+              if t.param_cmb_offset is not None and t.length]
+    overlap = lambda a, b: a[0] < b[1] and b[0] < a[1]  # noqa: E731
+    bad = any(overlap(p, q) for i, p in enumerate(params) for q in params[i + 1:]) or any(
+        overlap(p, g) for p in params for g in grads)
+    try:
+        check_param_copies(transfers)
+    except DeviceError as exc:
+        assert bad and exc.status == Status.INVALID_FIELD
+    else:
+        assert not bad

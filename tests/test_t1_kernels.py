@@ -678,28 +678,56 @@ def test_adam_step_crc_refuses_overlap_and_bad_arguments() -> None:
                            np.empty(0, np.float32), *empty, **kw) == 0
 
 
+@pytest.mark.parametrize("path", path_params())
 @pytest.mark.parametrize(("gfmt", "pfmt", "sfmt", "hyper"), ADAM_COMBOS, ids=ADAM_IDS)
 def test_block_update_equals_adam_step_crc_on_each_range(
-    gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper
+    path: str, gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper
 ) -> None:
     """The device's checked-once call: ranges at any start and length (a block, a tail, one
-    element) give adam_step_crc's bits and checksum, and only their own elements change."""
+    element) give adam_step_crc's bits and checksum, and only their own elements change; a
+    param copy, aligned or not, receives exactly the params."""
     n = 3 * 4096 + 77
     inp = make_inputs(n, gfmt, sfmt, seed=3)
     scalars = k.adam_scalars(hyper, step=4, grad_scale=2.0)
     kw = dict(grad_format=gfmt, param_format=pfmt, state_format=sfmt)
-    expected = {name: np.zeros(n, array.dtype) for name, array in run_adam(inp, gfmt, pfmt, sfmt, scalars).items()}
-    out = {name: np.zeros(n, array.dtype) for name, array in expected.items()}
-    update = k.BlockUpdate(inp["master"], inp["m"], inp["v"], out["master"], out["m"], out["v"], out["param"], **kw)
-    assert update.n == n
-    for start, stop in ((0, 4096), (4096, 4097), (5000, 3 * 4096 + 77), (4097, 5000)):
-        s = slice(start, stop)
-        crc = update(inp["grad"][s], start, scalars)
-        wanted = k.adam_step_crc(inp["grad"][s], inp["master"][s], inp["m"][s], inp["v"][s], expected["master"][s],
-                                 expected["m"][s], expected["v"][s], expected["param"][s], scalars=scalars, **kw)
-        assert crc == wanted
-        assert_bits_equal(expected, out, f"{start}..{stop}")
-    assert update(np.empty(0, np.uint16), n, scalars) == 0
+    with kernel_path(path):
+        expected = {name: np.zeros(n, a.dtype) for name, a in run_adam(inp, gfmt, pfmt, sfmt, scalars).items()}
+        out = {name: np.zeros(n, array.dtype) for name, array in expected.items()}
+        update = k.BlockUpdate(inp["master"], inp["m"], inp["v"], out["master"], out["m"], out["v"], out["param"],
+                               **kw)
+        assert update.n == n
+        for shift, (start, stop) in enumerate(((0, 4096), (4096, 4097), (5000, 3 * 4096 + 77), (4097, 5000))):
+            s = slice(start, stop)
+            copy = _aligned_empty(stop - start + 2, np.dtype(np.uint16), 3 * shift)
+            copy[:] = 0xABCD
+            crc = update(inp["grad"][s], start, scalars, param_copy=copy[1:-1] if shift % 2 else None)
+            wanted = k.adam_step_crc(inp["grad"][s], inp["master"][s], inp["m"][s], inp["v"][s],
+                                     expected["master"][s], expected["m"][s], expected["v"][s],
+                                     expected["param"][s], scalars=scalars, **kw)
+            assert crc == wanted
+            assert_bits_equal(expected, out, f"{start}..{stop}")
+            if shift % 2:  # the copy, and not a byte around it
+                assert np.array_equal(copy[1:-1], expected["param"][s]) and copy[0] == copy[-1] == 0xABCD
+            else:
+                assert (copy == 0xABCD).all()
+        assert update(np.empty(0, np.uint16), n, scalars) == 0
+
+
+@pytest.mark.parametrize("path", path_params())
+@pytest.mark.parametrize("n", [1, 15, 16, 200, 4096, 2**18 + 3])
+def test_block_update_param_copy_at_every_alignment(path: str, n: int) -> None:
+    """Peel, vector body and tail all reach the copy, streamed where it is aligned or not."""
+    inp = make_inputs(n, HalfFormat.FP16, StateFormat.FP32, seed=n)
+    scalars = k.adam_scalars(HYPER_W, step=2)
+    kw = dict(grad_format=HalfFormat.FP16, param_format=HalfFormat.FP16, state_format=StateFormat.FP32)
+    with kernel_path(path):
+        for shift in (0, 1, 9, 16):
+            out = [_aligned_empty(n, np.dtype(np.float32), shift), np.empty(n, np.float32), np.empty(n, np.float32),
+                   _aligned_empty(n, np.dtype(np.uint16), shift)]
+            update = k.BlockUpdate(inp["master"], inp["m"], inp["v"], *out, **kw)
+            copy = _aligned_empty(n, np.dtype(np.uint16), (shift * 7) % 32)
+            update(inp["grad"], 0, scalars, param_copy=copy)
+            assert np.array_equal(copy, out[3]), (shift, n)
 
 
 def test_block_update_refuses_bad_ranges_and_overlap() -> None:
@@ -721,6 +749,9 @@ def test_block_update_refuses_bad_ranges_and_overlap() -> None:
             update(grad, start, scalars)
     with pytest.raises(KernelArgumentError):
         update(inp["grad"][:16], 0, None)
+    for copy in (np.zeros(15, np.uint16), out[3][:16], inp["grad"][:16], np.zeros(16, np.float32)):
+        with pytest.raises(KernelArgumentError):  # short, a state array, the gradient, not 16-bit
+            update(inp["grad"][:16], 0, scalars, param_copy=copy)
     assert all(np.array_equal(a, b) for a, b in zip(out, before))
 
 

@@ -368,11 +368,12 @@ def file_path_step(device: BenchDevice, o_direct: bool, chunk: int = 4 << 20,
 
 
 def cmb_step(device: BenchDevice, in_place: bool) -> tuple[Callable[[], None], Callable[[], None]]:
-    """One step through the controller memory buffer: CMB_WRITE of the fp16 grads, CMB_READ
-    of the fp16 params, both commands through the mount's control file. in_place=False
-    also copies the grads from the client's own buffer into the CMB and the params back out
-    (what a CPU trainer does); in_place=True leaves them there, as a GPU's DMA straight
-    into and out of the buffer would. Returns (step, close)."""
+    """One step through the controller memory buffer: one CMB_WRITE of the fp16 grads, through
+    the mount's control file, that also has the device put the new fp16 params in the CMB
+    (param_cmb_offset) as its kernel computes them. in_place=False also copies the grads
+    from the client's own buffer into the CMB and the params back out (what a CPU trainer
+    does); in_place=True leaves them there, as a GPU's DMA straight into and out of the
+    buffer would. Returns (step, close)."""
     size = 2 * device.n
     admin = AdminClient(device.mountpoint)
     cmb = admin.cmb()
@@ -384,14 +385,12 @@ def cmb_step(device: BenchDevice, in_place: bool) -> tuple[Callable[[], None], C
     params = np.empty(size, dtype=np.uint8)
     grad_window, param_window = cmb.array[:size], cmb.array[size : 2 * size]
     grad_window[:] = grads
-    write = [{"tensor": "w", "length": size, "cmb_offset": 0}]
-    read = [{"tensor": "w", "cmb_offset": size}]
+    write = [{"tensor": "w", "length": size, "cmb_offset": 0, "param_cmb_offset": size}]
 
     def step() -> None:
         if not in_place:
             parallel_copy(grad_window, grads)
-        admin.cmb_write(nsid, write)
-        admin.cmb_read(nsid, read)
+        admin.cmb_write(nsid, write)  # an implicit step: committed when this returns
         if not in_place:
             parallel_copy(params, param_window)
 
@@ -424,8 +423,8 @@ def cmb_rows(device: BenchDevice, workdir: Path, n: int, repeat: int, in_memory:
         for close in closers:
             close()
     rows = []
-    for name, what in (("cmb", "CMB_WRITE + CMB_READ, the client copying grads in and params out"),
-                       ("cmb_in_place", "CMB_WRITE + CMB_READ, grads and params left in the CMB (as DMA)")):
+    for name, what in (("cmb", "CMB_WRITE, params back in the CMB; the client copying grads in and params out"),
+                       ("cmb_in_place", "CMB_WRITE, params back in the CMB; grads and params left there (as DMA)")):
         row = _file_path_row(device, media, True, False, seconds[name], n, in_memory, device_update, what=what)
         row["transport"] = name
         row["vs_file_path"] = statistics.median(f / c for c, f in zip(seconds[name], seconds["file"]))

@@ -99,6 +99,9 @@ class NamespaceFiles:
         # The controller memory buffer, once asked for (False: not yet).
         self._cmb: CmbMapping | None | bool = False
         self._cmb_lock_fd = -1
+        # Params the device is putting in the CMB with the last write_many(params_back=True):
+        # tensor -> (CMB offset, bytes); the step's end fills them (see read_many_into).
+        self._params_back: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -253,22 +256,41 @@ class NamespaceFiles:
                     mapping.close()
         return self._cmb if isinstance(self._cmb, CmbMapping) else None
 
-    def write_many(self, items: list[tuple[str, str, torch.Tensor]]) -> int:
+    def write_many(self, items: list[tuple[str, str, torch.Tensor]], params_back: bool = False) -> int:
         """write() of several (tensor, role, CPU tensor) at offset 0, through the CMB where
         there is one: a copy into shared memory and one command per CMB-full, instead of a
-        FUSE write per tensor (each a copy in the kernel)."""
+        FUSE write per tensor (each a copy in the kernel).
+
+        params_back=True (gradients): where gradients and params fit the CMB together, the
+        device also puts each tensor's new params there as it computes them; the
+        read_many_into of those params that follows the step's end then needs no command.
+        """
+        self._params_back = {}
         cmb = self.cmb()
         if cmb is None:
             return sum(self.write(tensor, role, values) for tensor, role, values in items)
         arrays = [values.detach().contiguous().view(-1).view(torch.uint8) for _, _, values in items]
+        sizes = [array.numel() for array in arrays]
         window = torch.from_numpy(cmb.array)
-        for batch in plan_cmb_batches([array.numel() for array in arrays], cmb.size):
+        batches = plan_cmb_batches(sizes + sizes, cmb.size) if params_back else []
+        if len(batches) == 1 and all(role == "grad" for _, role, _ in items):
+            # One batch: segments 0..k-1 are the gradients, k..2k-1 room for their params.
+            placed = {item: at for item, _, _, at in batches[0]}
+            for item, array in enumerate(arrays):
+                window[placed[item] : placed[item] + sizes[item]].copy_(array)
+            self.command(self.admin.cmb_write, self.nsid, [
+                {"tensor": items[item][0], "length": sizes[item], "cmb_offset": placed[item],
+                 "param_cmb_offset": placed[len(items) + item]} for item in range(len(items)) if sizes[item]])
+            self._params_back = {items[item][0]: (placed[len(items) + item], sizes[item])
+                                 for item in range(len(items)) if sizes[item]}
+            return sum(sizes)
+        for batch in plan_cmb_batches(sizes, cmb.size):
             for item, offset, length, at in batch:
                 window[at : at + length].copy_(arrays[item][offset : offset + length])
             self.command(self.admin.cmb_write, self.nsid, [
                 {"tensor": items[item][0], "role": items[item][1], "offset": offset, "length": length,
                  "cmb_offset": at} for item, offset, length, at in batch])
-        return sum(array.numel() for array in arrays)
+        return sum(sizes)
 
     def read_many_into(self, items: list[tuple[str, str, torch.Tensor]]) -> int:
         """read_into() of several (tensor, role, contiguous CPU tensor), through the CMB
@@ -281,6 +303,14 @@ class NamespaceFiles:
                 raise ValueError("read_many_into needs contiguous CPU tensors")
         arrays = [out.view(-1).view(torch.uint8) for _, _, out in items]
         window = torch.from_numpy(cmb.array)
+        back, self._params_back = self._params_back, {}
+        if back and all(role == "param" and back.get(tensor, (0, -1))[1] == array.numel()
+                        for (tensor, role, _), array in zip(items, arrays)):
+            # The step that ended put them there (write_many(params_back=True)).
+            for (tensor, _, _), array in zip(items, arrays):
+                at, length = back[tensor]
+                array.copy_(window[at : at + length])
+            return sum(array.numel() for array in arrays)
         for batch in plan_cmb_batches([array.numel() for array in arrays], cmb.size):
             self.command(self.admin.cmb_read, self.nsid, [
                 {"tensor": items[item][0], "role": items[item][1], "offset": offset, "length": length,

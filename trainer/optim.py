@@ -254,7 +254,8 @@ class _DeviceAdam(torch.optim.Optimizer):
         if self.before_grad_write is not None:
             for entry in self.entries:
                 self.before_grad_write(entry.index)
-        self.files.write_many([(entry.name, "grad", grad) for entry, grad in zip(self.entries, grads)])
+        self.files.write_many([(entry.name, "grad", grad) for entry, grad in zip(self.entries, grads)],
+                              params_back=True)
 
     def _read_params(self) -> None:
         """Copy the committed params into the model (in place where the dtype allows)."""
