@@ -13,40 +13,27 @@ killed daemon leaves nothing behind.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import mmap
 import os
-import threading
 from typing import Any
 
 import numpy as np
 
 from .errors import DeviceError, Status
+from .namespace import kernel_workers
 
 # The default size: address space only until a client touches it (memfd pages are
 # allocated on first use), enough for the gradients and params of a 128M-parameter model.
 DEFAULT_CMB_BYTES = 1 << 30
 # Bounds of `cossd mount --cmb-size` (0 turns the CMB off).
 MAX_CMB_BYTES = 1 << 40
-# Copies into or out of the CMB larger than this are split across the copy threads.
+# Copies into or out of the CMB larger than this are split across the kernel workers.
 _PARALLEL_COPY_BYTES = 4 << 20
-
-_copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_copy_pool_lock = threading.Lock()
-
-
-def _copiers() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads for large copies, one per usable core (numpy copies release the GIL)."""
-    global _copy_pool
-    with _copy_pool_lock:
-        if _copy_pool is None:
-            _copy_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(2, len(os.sched_getaffinity(0))), thread_name_prefix="cossd-cmb")
-        return _copy_pool
 
 
 def parallel_copy(destination: np.ndarray, source: np.ndarray | memoryview | bytes) -> None:
-    """destination[:] = source (uint8, same length), large copies split across cores."""
+    """destination[:] = source (uint8, same length), large copies split across cores (on
+    the kernel workers: numpy copies release the GIL)."""
     source_array = np.frombuffer(source, dtype=np.uint8) if not isinstance(source, np.ndarray) else source
     length = len(destination)
     if length < 2 * _PARALLEL_COPY_BYTES:
@@ -58,7 +45,7 @@ def parallel_copy(destination: np.ndarray, source: np.ndarray | memoryview | byt
     def copy(lo: int, hi: int) -> None:
         destination[lo:hi] = source_array[lo:hi]
 
-    futures = [_copiers().submit(copy, bounds[k], bounds[k + 1]) for k in range(1, pieces)]
+    futures = [kernel_workers().submit(copy, bounds[k], bounds[k + 1]) for k in range(1, pieces)]
     copy(bounds[0], bounds[1])  # this thread takes the first piece
     for future in futures:
         future.result()

@@ -32,7 +32,7 @@ _workers: concurrent.futures.ThreadPoolExecutor | None = None
 _workers_lock = threading.Lock()
 
 
-def _kernel_workers() -> concurrent.futures.ThreadPoolExecutor:
+def kernel_workers() -> concurrent.futures.ThreadPoolExecutor:
     """The threads that run gradient blocks, one per usable core, shared by all namespaces
     (the kernels and file writes release the GIL, so they run in parallel)."""
     global _workers
@@ -764,7 +764,7 @@ class Namespace:
         queued = 0
         try:
             for block in ready:
-                future = _kernel_workers().submit(self._run_block_in_background, tx, block)
+                future = kernel_workers().submit(self._run_block_in_background, tx, block)
                 queued += 1
                 if lent is not None:
                     lent.append(future)

@@ -326,6 +326,23 @@ _ADAM_IN_PLACE = frozenset(
 )
 
 
+def _state_buffers(master_in: Any, exp_avg_in: Any, exp_avg_sq_in: Any, master_out: Any, exp_avg_out: Any,
+                   exp_avg_sq_out: Any, param_out: Any, sfmt: int,
+                   param_dtypes: tuple[np.dtype, ...]) -> list[_Buf]:
+    """The seven state buffers of an Adam step, each checked (lengths and overlaps are the
+    caller's): master, exp_avg, exp_avg_sq in and out, param out."""
+    sdt, sct = _state_dtypes(sfmt), _state_ctype(sfmt)
+    return [
+        _buf("master_in", master_in, (_F32,), _F32_CTYPE),
+        _buf("exp_avg_in", exp_avg_in, sdt, sct),
+        _buf("exp_avg_sq_in", exp_avg_sq_in, sdt, sct),
+        _buf("master_out", master_out, (_F32,), _F32_CTYPE, output=True),
+        _buf("exp_avg_out", exp_avg_out, sdt, sct, output=True),
+        _buf("exp_avg_sq_out", exp_avg_sq_out, sdt, sct, output=True),
+        _buf("param_out", param_out, param_dtypes, _HALF_CTYPE, output=True),
+    ]
+
+
 def _adam_buffers(
     grad: Any, master_in: Any, exp_avg_in: Any, exp_avg_sq_in: Any, master_out: Any,
     exp_avg_out: Any, exp_avg_sq_out: Any, param_out: Any, grad_format: HalfFormat,
@@ -338,16 +355,11 @@ def _adam_buffers(
     sfmt = _enum_arg("state_format", state_format, StateFormat)
     if not isinstance(scalars, AdamScalars):
         raise KernelArgumentError(f"scalars must come from adam_scalars(), got {type(scalars).__name__}")
-    sdt, sct = _state_dtypes(sfmt), _state_ctype(sfmt)
     g = _buf("grad", grad, _half_dtypes(gfmt), _HALF_CTYPE)
-    mi = _buf("master_in", master_in, (_F32,), _F32_CTYPE)
-    ai = _buf("exp_avg_in", exp_avg_in, sdt, sct)
-    vi = _buf("exp_avg_sq_in", exp_avg_sq_in, sdt, sct)
-    mo = _buf("master_out", master_out, (_F32,), _F32_CTYPE, output=True)
-    ao = _buf("exp_avg_out", exp_avg_out, sdt, sct, output=True)
-    vo = _buf("exp_avg_sq_out", exp_avg_sq_out, sdt, sct, output=True)
-    po = _buf("param_out", param_out, _half_dtypes(pfmt), _HALF_CTYPE, output=True)
-    bufs = [g, mi, ai, vi, mo, ao, vo, po]
+    state = _state_buffers(master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
+                           param_out, sfmt, _half_dtypes(pfmt))
+    mi, ai, vi, mo, ao, vo, po = state
+    bufs = [g, *state]
     n = _check_lengths(bufs)
     _check_overlap(bufs, in_place)
     args = [g.ptr, gfmt, mi.ptr, ai.ptr, vi.ptr, mo.ptr, ao.ptr, vo.ptr, sfmt, po.ptr, pfmt, n, scalars._c]
@@ -421,16 +433,8 @@ class BlockUpdate:
         self._gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
         self._pfmt = _enum_arg("param_format", param_format, HalfFormat)
         self._sfmt = _enum_arg("state_format", state_format, StateFormat)
-        sdt, sct = _state_dtypes(self._sfmt), _state_ctype(self._sfmt)
-        bufs = [
-            _buf("master_in", master_in, (_F32,), _F32_CTYPE),
-            _buf("exp_avg_in", exp_avg_in, sdt, sct),
-            _buf("exp_avg_sq_in", exp_avg_sq_in, sdt, sct),
-            _buf("master_out", master_out, (_F32,), _F32_CTYPE, output=True),
-            _buf("exp_avg_out", exp_avg_out, sdt, sct, output=True),
-            _buf("exp_avg_sq_out", exp_avg_sq_out, sdt, sct, output=True),
-            _buf("param_out", param_out, _half_dtypes(self._pfmt), _HALF_CTYPE, output=True),
-        ]
+        bufs = _state_buffers(master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
+                              param_out, self._sfmt, _half_dtypes(self._pfmt))
         self.n = _check_lengths(bufs)
         _check_overlap(bufs)  # out of place: no output may be an input
         self._bufs = bufs  # keeps the arrays (and so the pointers) alive
@@ -620,16 +624,8 @@ def stream_plan(
     name = simd_level() if path is None else path
     if name not in _LEVELS:
         raise KernelArgumentError(f"path must be one of 'avx512', 'avx2', 'scalar', got {path!r}")
-    sdt, sct = _state_dtypes(sfmt), _state_ctype(sfmt)
-    bufs = [
-        _buf("master_in", master_in, (_F32,), _F32_CTYPE),
-        _buf("exp_avg_in", exp_avg_in, sdt, sct),
-        _buf("exp_avg_sq_in", exp_avg_sq_in, sdt, sct),
-        _buf("master_out", master_out, (_F32,), _F32_CTYPE, output=True),
-        _buf("exp_avg_out", exp_avg_out, sdt, sct, output=True),
-        _buf("exp_avg_sq_out", exp_avg_sq_out, sdt, sct, output=True),
-        _buf("param_out", param_out, (_U16, _F16), _HALF_CTYPE, output=True),
-    ]
+    bufs = _state_buffers(master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
+                          param_out, sfmt, (_U16, _F16))
     n = _check_lengths(bufs)
     mi, ai, vi, mo, ao, vo, po = (b.ptr for b in bufs)
     bits = _lib.cossd_adam_stream_plan(_LEVELS[name], mi, ai, vi, mo, ao, vo, sfmt, po, n)

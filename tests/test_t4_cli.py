@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -54,8 +55,10 @@ def test_format_mount_create_train_umount(tmp_path: Path, capsys: pytest.Capture
 
         code, out, _ = run(capsys, "id-ctrl", str(mp))
         assert code == 0 and "CLI1" in out and "net" in out and "step 1" in out
+        assert re.search(r"cmb +: 1073741824 bytes at /proc/\d+/fd/\d+", out), out
         code, out, _ = run(capsys, "id-ctrl", str(mp), "-o", "json")
         assert json.loads(out)["namespaces"][0]["committed_step"] == 1
+        assert json.loads(out)["cmb"]["size"] == 1 << 30
 
         code, _, _ = run(capsys, "delete-ns", str(mp), "net")
         assert code == 0 and not (mp / "ns/net").exists()
