@@ -817,24 +817,28 @@ class Namespace:
         """Check and update one complete gradient block into the shadow copy."""
         try:
             started = time.perf_counter_ns()
+            # None: a whole block of lent memory (_stage_grad), which the kernel counts from the
+            # very registers it steps with; elsewhere counted here first.
             nonfinite = block.nonfinite
-            if nonfinite is None:  # lent memory: see _stage_grad
-                nonfinite = kernels.count_nonfinite(block.grad, self._grad_format)
             committed = self._sb.committed_copy
             shadow = committed.other
             tensor = block.tensor
             start, stop = tensor.block_range(block.local_block)
             crc = 0
             written = 0
+            state = self._copies[shadow]
+            mapped = state.write_mode == "mapped"
+            if nonfinite is None and (not mapped or tx.nonfinite):
+                nonfinite = kernels.count_nonfinite(block.grad, self._grad_format)
             # Once the step is known to be skipped there is no point updating the shadow.
-            if nonfinite == 0 and tx.nonfinite == 0:
-                state = self._copies[shadow]
-                mapped = state.write_mode == "mapped"
+            if not nonfinite and tx.nonfinite == 0:
                 if mapped:
-                    # The kernel stores the new state straight into the shadow copy's mapping.
+                    # The kernel stores the new state straight into the shadow copy's mapping
+                    # (outputs of a gradient it finds non-finite go with the skipped step).
                     state.before_mapped_write()
-                    crc = self._block_update(committed, tensor)(
+                    crc, counted = self._block_update(committed, tensor)(
                         block.grad, start, tx.scalars[self._group_of[tensor.name]], block.param_copy)
+                    nonfinite = counted if nonfinite is None else nonfinite
                     written = (stop - start) * sum(self._role_dtype(role).itemsize for role in BLOCK_ROLES)
                 else:
                     # Into this thread's buffers, which pwrite then copies into the shadow

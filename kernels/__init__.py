@@ -441,9 +441,11 @@ class BlockUpdate:
         self._outputs = [(b.start, b.end) for b in bufs[3:]]
         self._half_dtypes = _half_dtypes(self._gfmt)
 
-    def __call__(self, grad: Any, start: int, scalars: AdamScalars, param_copy: Any = None) -> int:
-        """Step elements start..start+len(grad)-1 with `grad`; their CRC32C, as adam_step_crc.
-        `param_copy` (as many 16-bit elements) also receives the new params, in the same pass."""
+    def __call__(self, grad: Any, start: int, scalars: AdamScalars, param_copy: Any = None) -> tuple[int, int]:
+        """Step elements start..start+len(grad)-1 with `grad`: (their CRC32C as adam_step_crc
+        gives it, the gradient's inf/NaN elements). `param_copy` (as many 16-bit elements) also
+        receives the new params, in the same pass. A gradient with non-finite elements still
+        steps (into outputs the caller then discards)."""
         g = _buf("grad", grad, self._half_dtypes, _HALF_CTYPE)
         n = g.arr.size
         if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + n > self.n:
@@ -461,15 +463,16 @@ class BlockUpdate:
                 raise KernelArgumentError("param_copy overlaps the gradient or a state array")
             copy = c.ptr
         if n == 0:
-            return 0
+            return 0, 0
         for low, high in written:
             if g.start < high and low < g.end:
                 raise KernelArgumentError("grad overlaps an output")
         mi, ai, vi, mo, ao, vo, po = (b.ptr + start for b in self._bufs)
         crc = _ffi.new("uint32_t *")
+        nonfinite = _ffi.new("size_t *")
         _check_rc(_lib.cossd_adam_step_crc_copy(g.ptr, self._gfmt, mi, ai, vi, mo, ao, vo, self._sfmt, po, copy,
-                                                self._pfmt, n, scalars._c, crc), "BlockUpdate")
-        return int(crc[0])
+                                                self._pfmt, n, scalars._c, crc, nonfinite), "BlockUpdate")
+        return int(crc[0]), int(nonfinite[0])
 
 
 def count_nonfinite(grad: Any, fmt: HalfFormat) -> int:

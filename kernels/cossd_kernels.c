@@ -81,7 +81,7 @@ __attribute__((constructor)) static void cossd_init(void)
     g_has_avx512 = g_has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
     g_has_sse42 = __builtin_cpu_supports("sse4.2");
-    g_has_vpclmul = g_has_avx512 && g_has_sse42 && __builtin_cpu_supports("pclmul") &&
+    g_has_vpclmul = g_has_avx512 && g_has_sse42 && __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("popcnt") &&
                     __builtin_cpu_supports("vpclmulqdq");
 #endif
     g_best_level = g_has_avx512 ? COSSD_SIMD_AVX512 : g_has_avx2 ? COSSD_SIMD_AVX2 : COSSD_SIMD_SCALAR;
@@ -747,11 +747,14 @@ COSSD_AVX512_INLINE adam_z adam_z_make(const adam_k *k)
 /* The new master (NaN made canonical), exp_avg and exp_avg_sq of elements i..i+15 (only
  * the lanes in km when masked), in adam_elem's exact operation order. Lanes outside km
  * compute on zeros and are discarded. */
-COSSD_AVX512_INLINE void adam_avx512_math(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
-                                          const void *vi, int sfmt, size_t i, const adam_z *c, int decoupled,
-                                          __mmask16 km, int masked, __m512 *p_out, __m512 *m_out, __m512 *v_out)
+/* adam_avx512_math on gradient bits already loaded (the checksummed loop counts the
+ * non-finite ones from the same register the step uses). */
+COSSD_AVX512_INLINE void adam_avx512_math_bits(__m256i bits, int gfmt, const float *mi, const void *ai,
+                                               const void *vi, int sfmt, size_t i, const adam_z *c, int decoupled,
+                                               __mmask16 km, int masked, __m512 *p_out, __m512 *m_out,
+                                               __m512 *v_out)
 {
-    __m512 g = _mm512_mul_ps(z_half_to_f32(z_load16(grad + i, km, masked), gfmt), c->grad_scale);
+    __m512 g = _mm512_mul_ps(z_half_to_f32(bits, gfmt), c->grad_scale);
     __m512 p = z_loadf(mi + i, km, masked);
     __m512 m_in = z_load_state(ai, i, sfmt, km, masked);
     __m512 v_in = z_load_state(vi, i, sfmt, km, masked);
@@ -767,6 +770,14 @@ COSSD_AVX512_INLINE void adam_avx512_math(const uint16_t *grad, int gfmt, const 
     *p_out = z_canon_nan(p);
     *m_out = m;
     *v_out = v;
+}
+
+COSSD_AVX512_INLINE void adam_avx512_math(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
+                                          const void *vi, int sfmt, size_t i, const adam_z *c, int decoupled,
+                                          __mmask16 km, int masked, __m512 *p_out, __m512 *m_out, __m512 *v_out)
+{
+    adam_avx512_math_bits(z_load16(grad + i, km, masked), gfmt, mi, ai, vi, sfmt, i, c, decoupled, km, masked,
+                          p_out, m_out, v_out);
 }
 
 /* Elements i..i+15 (only the lanes in km when masked): computed and stored. */
@@ -1482,7 +1493,7 @@ static void copy_out(void *dst, const void *src, size_t bytes)
 
 static int step_crc_in_registers(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
                                  float *mo, void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt,
-                                 size_t n, const cossd_adam_scalars *s, uint32_t crc[4]);
+                                 size_t n, const cossd_adam_scalars *s, uint32_t crc[4], size_t *nonfinite);
 
 int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
                         const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
@@ -1490,14 +1501,15 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
                         uint32_t *crc_out)
 {
     return cossd_adam_step_crc_copy(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
-                                    exp_avg_sq_out, state_fmt, param_out, NULL, param_fmt, n, s, crc_out);
+                                    exp_avg_sq_out, state_fmt, param_out, NULL, param_fmt, n, s, crc_out, NULL);
 }
 
 int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
                              const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                              int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt, size_t n,
-                             const cossd_adam_scalars *s, uint32_t *crc_out)
+                             const cossd_adam_scalars *s, uint32_t *crc_out, size_t *nonfinite_out)
 {
+    size_t nonfinite = 0;
     int rc = adam_check(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
                         exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
     if (rc != COSSD_OK)
@@ -1513,10 +1525,13 @@ int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *ma
     uint16_t scratch_param[STEP_CRC_CHUNK] __attribute__((aligned(64)));
     uint32_t crc[4] = {0, 0, 0, 0};
     if (n && step_crc_in_registers(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
-                                   exp_avg_sq_out, state_fmt, param_out, param_copy, param_fmt, n, s, crc))
+                                   exp_avg_sq_out, state_fmt, param_out, param_copy, param_fmt, n, s, crc,
+                                   &nonfinite))
         goto combine; /* no scratch: the checksum was folded from the registers */
     for (size_t i = 0; i < n; i += STEP_CRC_CHUNK) {
         size_t count = n - i < STEP_CRC_CHUNK ? n - i : STEP_CRC_CHUNK;
+        if (nonfinite_out) /* this chunk's gradient, about to be read by the step too */
+            nonfinite += cossd_count_nonfinite(grad + i, grad_fmt, count);
         rc = cossd_adam_step(grad + i, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
                              (const uint8_t *)exp_avg_sq_in + i * ssz, scratch_master, scratch_avg, scratch_avg_sq,
                              state_fmt, scratch_param, param_fmt, count, s);
@@ -1537,6 +1552,8 @@ int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *ma
     _mm_sfence(); /* streaming stores are weakly ordered: visible before the caller goes on */
 #endif
 combine:;
+    if (nonfinite_out)
+        *nonfinite_out = nonfinite;
     uint32_t block = cossd_crc32c_combine(crc[0], crc[1], (uint64_t)n * ssz);
     block = cossd_crc32c_combine(block, crc[2], (uint64_t)n * ssz);
     *crc_out = cossd_crc32c_combine(block, crc[3], (uint64_t)n * 2);
@@ -1643,7 +1660,7 @@ static uint32_t crc32c_fold(uint32_t reg, const uint8_t *p, size_t len) { return
 /* ------------------------------------------------------------------------ */
 
 #if COSSD_X86
-#define COSSD_AVX512_CRC_TARGET COSSD_AVX512_TARGET ",vpclmulqdq,pclmul,sse4.2"
+#define COSSD_AVX512_CRC_TARGET COSSD_AVX512_TARGET ",vpclmulqdq,pclmul,sse4.2,popcnt"
 #define COSSD_AVX512_CRC_INLINE static inline __attribute__((always_inline, target(COSSD_AVX512_CRC_TARGET)))
 
 COSSD_AVX512_CRC_INLINE __m256i fold_ymm(__m256i acc, __m256i k, __m256i next)
@@ -1695,7 +1712,10 @@ static void crc_outputs_from_memory(uint32_t reg[4], const float *mo, const void
         __m512i xp, xm, xv, ap = _mm512_setzero_si512(), am = ap, av = ap;                                   \
         __m256i xh, ah = _mm256_setzero_si256();                                                             \
         for (size_t j = 0; j < vectors; j++, i += 16) {                                                      \
-            adam_avx512_math(grad, gfmt, mi, ai, vi, sfmt, i, &c, decoupled, 0xFFFF, 0, &p, &m, &v);         \
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(const void *)(grad + i));             \
+            nonfinite += (size_t)_mm_popcnt_u32(                                                             \
+                _mm256_cmpeq_epi16_mask(_mm256_and_si256(bits, exponent), exponent));                        \
+            adam_avx512_math_bits(bits, gfmt, mi, ai, vi, sfmt, i, &c, decoupled, 0xFFFF, 0, &p, &m, &v);    \
             m = z_canon_nan(m);                                                                              \
             v = z_canon_nan(v);                                                                              \
             xh = z_f32_to_half(p, pfmt);                                                                     \
@@ -1732,14 +1752,17 @@ static void crc_outputs_from_memory(uint32_t reg[4], const float *mo, const void
         reg[3] = crc_register_of_ymm(ah);                                                                    \
     } while (0)
 
-COSSD_AVX512_CRC_INLINE void adam_avx512_crc_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
-                                                  const void *vi, float *mo, void *ao, void *vo, int sfmt,
-                                                  uint16_t *po, uint16_t *po2, int pfmt, size_t n, const adam_k *k,
-                                                  int decoupled, uint32_t reg[4])
+COSSD_AVX512_CRC_INLINE size_t adam_avx512_crc_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai,
+                                                    const void *vi, float *mo, void *ao, void *vo, int sfmt,
+                                                    uint16_t *po, uint16_t *po2, int pfmt, size_t n,
+                                                    const adam_k *k, int decoupled, uint32_t reg[4])
 {
     if (sfmt != COSSD_STATE_FP32)
-        return; /* never called so: the caller checks */
+        return 0; /* never called so: the caller checks */
     const adam_z c = adam_z_make(k);
+    /* Non-finite gradient elements: all exponent bits set (inf or NaN). */
+    const __m256i exponent = _mm256_set1_epi16((short)(gfmt == COSSD_HALF_BF16 ? 0x7F80 : 0x7C00));
+    size_t nonfinite = 0;
     /* As adam_avx512_body: one masked vector first so that master_out is 64-byte aligned. */
     size_t i = adam_peel(mo, n, 64);
     if (i) {
@@ -1748,6 +1771,7 @@ COSSD_AVX512_CRC_INLINE void adam_avx512_crc_body(const uint16_t *grad, int gfmt
         crc_outputs_from_memory(reg, mo, ao, vo, po, 0, i);
         if (po2)
             memcpy(po2, po, i * sizeof(uint16_t));
+        nonfinite += cossd_count_nonfinite_scalar(grad, gfmt, i);
     }
     size_t vectors = (n - i) / 16;
     if (vectors) {
@@ -1773,19 +1797,23 @@ COSSD_AVX512_CRC_INLINE void adam_avx512_crc_body(const uint16_t *grad, int gfmt
         crc_outputs_from_memory(reg, mo, ao, vo, po, from, n);
         if (po2)
             memcpy(po2 + from, po + from, (n - from) * sizeof(uint16_t));
+        nonfinite += cossd_count_nonfinite_scalar(grad + from, gfmt, n - from);
     }
+    return nonfinite;
 }
 #undef ADAM_CRC_LOOP
 
-__attribute__((target(COSSD_AVX512_CRC_TARGET))) static void
+__attribute__((target(COSSD_AVX512_CRC_TARGET))) static size_t
 adam_avx512_crc_dispatch(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
                          void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt, size_t n,
                          const adam_k *k, uint32_t reg[4])
 {
+    size_t nonfinite = 0;
 #define ADAM_CRC_CALL(GF, SF, PF, DC) \
-    adam_avx512_crc_body(grad, GF, mi, ai, vi, mo, ao, vo, SF, po, po2, PF, n, k, DC, reg)
+    nonfinite = adam_avx512_crc_body(grad, GF, mi, ai, vi, mo, ao, vo, SF, po, po2, PF, n, k, DC, reg)
     ADAM_SPECIALISE(ADAM_CRC_CALL);
 #undef ADAM_CRC_CALL
+    return nonfinite;
 }
 #endif
 
@@ -1793,20 +1821,20 @@ adam_avx512_crc_dispatch(const uint16_t *grad, int gfmt, const float *mi, const 
  * allow; returns 0 (nothing done) otherwise. crc[] receives the four stream CRCs. */
 static int step_crc_in_registers(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
                                  float *mo, void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt,
-                                 size_t n, const cossd_adam_scalars *s, uint32_t crc[4])
+                                 size_t n, const cossd_adam_scalars *s, uint32_t crc[4], size_t *nonfinite)
 {
 #if COSSD_X86
     if (!g_has_vpclmul || sfmt != COSSD_STATE_FP32 || cossd_simd_level() != COSSD_SIMD_AVX512)
         return 0;
     adam_k k = adam_load_scalars(s);
     uint32_t reg[4] = {~0u, ~0u, ~0u, ~0u}; /* the registers of CRC value 0 */
-    adam_avx512_crc_dispatch(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, po2, pfmt, n, &k, reg);
+    *nonfinite = adam_avx512_crc_dispatch(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, po2, pfmt, n, &k, reg);
     for (int i = 0; i < 4; i++)
         crc[i] = ~reg[i];
     return 1;
 #else
     (void)grad; (void)gfmt; (void)mi; (void)ai; (void)vi; (void)mo; (void)ao; (void)vo; (void)sfmt; (void)po;
-    (void)po2; (void)pfmt; (void)n; (void)s; (void)crc;
+    (void)po2; (void)pfmt; (void)n; (void)s; (void)crc; (void)nonfinite;
     return 0;
 #endif
 }

@@ -700,7 +700,8 @@ def test_block_update_equals_adam_step_crc_on_each_range(
             s = slice(start, stop)
             copy = _aligned_empty(stop - start + 2, np.dtype(np.uint16), 3 * shift)
             copy[:] = 0xABCD
-            crc = update(inp["grad"][s], start, scalars, param_copy=copy[1:-1] if shift % 2 else None)
+            crc, nonfinite = update(inp["grad"][s], start, scalars, param_copy=copy[1:-1] if shift % 2 else None)
+            assert nonfinite == k.count_nonfinite(inp["grad"][s], gfmt)
             wanted = k.adam_step_crc(inp["grad"][s], inp["master"][s], inp["m"][s], inp["v"][s],
                                      expected["master"][s], expected["m"][s], expected["v"][s],
                                      expected["param"][s], scalars=scalars, **kw)
@@ -710,7 +711,7 @@ def test_block_update_equals_adam_step_crc_on_each_range(
                 assert np.array_equal(copy[1:-1], expected["param"][s]) and copy[0] == copy[-1] == 0xABCD
             else:
                 assert (copy == 0xABCD).all()
-        assert update(np.empty(0, np.uint16), n, scalars) == 0
+        assert update(np.empty(0, np.uint16), n, scalars) == (0, 0)
 
 
 @pytest.mark.parametrize("path", path_params())
@@ -728,6 +729,28 @@ def test_block_update_param_copy_at_every_alignment(path: str, n: int) -> None:
             copy = _aligned_empty(n, np.dtype(np.uint16), (shift * 7) % 32)
             update(inp["grad"], 0, scalars, param_copy=copy)
             assert np.array_equal(copy, out[3]), (shift, n)
+
+
+@pytest.mark.parametrize("path", path_params())
+@pytest.mark.parametrize("gfmt", [HalfFormat.FP16, HalfFormat.BF16])
+@pytest.mark.parametrize("n", [1, 15, 17, 1000, 4096 + 5])
+def test_block_update_counts_nonfinite_gradient_elements(path: str, gfmt: HalfFormat, n: int) -> None:
+    """Every inf and NaN pattern, in the peel, the vector body and the tail, at any alignment."""
+    rng = np.random.default_rng(n)
+    specials = (special_inputs(64, gfmt, StateFormat.FP32)["grad"])
+    exp = 0x7F80 if gfmt == HalfFormat.BF16 else 0x7C00
+    kw = dict(grad_format=gfmt, param_format=HalfFormat.FP16, state_format=StateFormat.FP32)
+    with kernel_path(path):
+        for shift in (0, 3):
+            inp = make_inputs(n + shift, gfmt, StateFormat.FP32, seed=n)
+            grad = inp["grad"][shift:].copy()
+            spots = rng.choice(n, size=min(n, 9), replace=False)
+            grad[spots] = rng.choice(specials, size=len(spots))
+            grad[spots[:1]] = exp | 1  # a NaN for certain
+            out = [np.empty(n, np.float32) for _ in range(3)] + [np.empty(n, np.uint16)]
+            update = k.BlockUpdate(inp["master"][shift:], inp["m"][shift:], inp["v"][shift:], *out, **kw)
+            _, counted = update(grad, 0, k.adam_scalars(HYPER_W, 1))
+            assert counted == k.count_nonfinite(grad, gfmt) == int(((grad & exp) == exp).sum()) >= 1
 
 
 def test_block_update_refuses_bad_ranges_and_overlap() -> None:
