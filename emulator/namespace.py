@@ -731,12 +731,12 @@ class Namespace:
             # (or, on the data path, a view of the request's bytes).
             data = bytes(data)
         grad = np.frombuffer(data, dtype=np.uint16)
-        # Counted here, outside the lock, while the bytes are still in this core's cache
-        # (on the data path they were just copied in): the block's kernel then needs no pass
-        # of its own over a gradient it may find cold. Lent memory (the CMB) was not just
-        # copied: a whole block of it is counted by its kernel worker, just before the
-        # kernel reads it again from that core's cache (None here).
-        nonfinite = [None if lent is not None and len(piece) == BLOCK_ELEMS
+        # Non-finite elements: a whole block's are counted by its kernel, from the very
+        # registers it steps with (None here), so no pass of its own reads the gradient and
+        # lent memory (the CMB) cannot change between the count and its use. A piece of a
+        # block is counted here, outside the lock, while its bytes are still in this core's
+        # cache (on the data path they were just copied in), before it is staged.
+        nonfinite = [None if len(piece) == BLOCK_ELEMS
                      else kernels.count_nonfinite(piece, self._grad_format)
                      for piece in block_pieces(offset // 2, grad)]
         if not self._lock.acquire(blocking=wait):
@@ -817,8 +817,8 @@ class Namespace:
         """Check and update one complete gradient block into the shadow copy."""
         try:
             started = time.perf_counter_ns()
-            # None: a whole block of lent memory (_stage_grad), which the kernel counts from the
-            # very registers it steps with; elsewhere counted here first.
+            # None: a whole block (_stage_grad), which the kernel counts from the very registers
+            # it steps with; counted here first where no such kernel runs.
             nonfinite = block.nonfinite
             committed = self._sb.committed_copy
             shadow = committed.other
