@@ -12,6 +12,8 @@ import pytest
 
 from conftest import is_mounted, start_mount
 from cossd.emulator import Device, NamespaceSpec, TensorSpec
+from cossd.emulator.errors import DeviceError
+from cossd.tools.client import AdminClient
 from helpers import pread_all, pwrite_all, tensor_dir
 
 pytestmark = pytest.mark.mount
@@ -60,13 +62,34 @@ def mount_digest(mp: Path) -> str:
     return digest(lambda t, r: pread_all(tensor_dir(mp, "crash", t) / r))
 
 
-def run_step(mp: Path, step: int) -> None:
-    for tensor in TENSORS:
-        pwrite_all(tensor_dir(mp, "crash", tensor.name) / "grad", gradient(step, tensor), chunk=1 << 18)
+def run_step(mp: Path, step: int, transport: str = "files") -> None:
+    if transport == "files":
+        for tensor in TENSORS:
+            pwrite_all(tensor_dir(mp, "crash", tensor.name) / "grad", gradient(step, tensor), chunk=1 << 18)
+        return
+    # Through the controller memory buffer: one CMB_WRITE per tensor, in 256 KiB transfers,
+    # the params coming back into the CMB behind the gradients.
+    with AdminClient(mp) as admin:
+        nsid, cmb = admin.nsid("crash"), admin.cmb()
+        assert cmb is not None
+        try:
+            at = 0
+            for tensor in TENSORS:
+                data = gradient(step, tensor)
+                cmb.array[at : at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                admin.cmb_write(nsid, [
+                    {"tensor": tensor.name, "offset": off, "length": min(1 << 18, len(data) - off),
+                     "cmb_offset": at + off, "param_cmb_offset": (64 << 20) + at + off}
+                    for off in range(0, len(data), 1 << 18)])
+                at += len(data)
+        finally:
+            cmb.close()
 
 
-def crash_trial(reference: list[str], backing: Path, mountpoint: Path, trial: int) -> tuple[int, int]:
-    """One trial: train, kill -9 during a step, remount, verify, finish. Returns (crash, recovered)."""
+def crash_trial(reference: list[str], backing: Path, mountpoint: Path, trial: int,
+                transport: str = "files") -> tuple[int, int]:
+    """One trial: train, kill -9 during a step, remount, verify, finish. Returns (crash, recovered).
+    `transport`: the gradients go through the tensor files, or the CMB (CMB_WRITE)."""
     chance = random.Random(trial)
     crash_step = chance.randint(1, STEPS - 1)
     Device.format(backing, capacity_bytes=1 << 30, force=True)
@@ -78,17 +101,19 @@ def crash_trial(reference: list[str], backing: Path, mountpoint: Path, trial: in
     try:
         mp = mount.mountpoint
         for step in range(1, crash_step):
-            run_step(mp, step)
+            run_step(mp, step, transport)
 
         def writer() -> None:
             try:
-                run_step(mp, crash_step)
-            except OSError:
+                run_step(mp, crash_step, transport)
+            except (OSError, DeviceError):
                 pass  # the daemon died under the writer: expected
 
         thread = threading.Thread(target=writer)
         thread.start()
-        time.sleep(chance.uniform(0.0, 0.06))
+        # Where the kill lands (a step through the CMB also maps the CMB and opens a queue
+        # pair): mostly mid-step, sometimes after it committed.
+        time.sleep(chance.uniform(0.0, 0.06 if transport == "files" else 0.1))
         mount.kill()
         thread.join()
         mount.restart()
@@ -97,7 +122,7 @@ def crash_trial(reference: list[str], backing: Path, mountpoint: Path, trial: in
         assert mount_digest(mp) == reference[recovered], f"trial {trial}: torn state at step {recovered}"
         # Finish the run: the final state equals the uninterrupted one.
         for step in range(recovered + 1, STEPS + 1):
-            run_step(mp, step)
+            run_step(mp, step, transport)
         assert mount_digest(mp) == reference[STEPS], f"trial {trial}: final state differs"
         return crash_step, recovered
     finally:
@@ -105,11 +130,14 @@ def crash_trial(reference: list[str], backing: Path, mountpoint: Path, trial: in
             mount.unmount()
 
 
-def run_trials(reference: list[str], tmp_path: Path, trials: int, figures: list[str]) -> None:
+def run_trials(reference: list[str], tmp_path: Path, trials: int, figures: list[str],
+               transport: str = "files") -> None:
     # Any torn, wrong or lost state fails its trial's assertion, so reaching the end means 0.
-    outcomes = [crash_trial(reference, tmp_path / "backing", tmp_path / "mnt", trial) for trial in range(trials)]
+    outcomes = [crash_trial(reference, tmp_path / "backing", tmp_path / "mnt", trial, transport)
+                for trial in range(trials)]
     interrupted = sum(recovered == crash - 1 for crash, recovered in outcomes)
-    figures.append(f"C1 kill -9 mid-step: {trials} trials, 0 failures (0 torn, 0 committed steps lost); "
+    what = "mid-step" if transport == "files" else "mid-step through the CMB"
+    figures.append(f"C1 kill -9 {what}: {trials} trials, 0 failures (0 torn, 0 committed steps lost); "
                    f"recovered N: {interrupted}, N+1: {trials - interrupted}, each bit-identical to a "
                    "reference replay, and each finished run identical (R1)")
     # The instants are spread so that most kills land inside the step.
@@ -123,3 +151,13 @@ def test_kill_9_mid_step(reference: list[str], tmp_path: Path, figures: list[str
 @pytest.mark.slow
 def test_kill_9_mid_step_many(reference: list[str], tmp_path: Path, figures: list[str]) -> None:
     run_trials(reference, tmp_path, trials=200, figures=figures)
+
+
+@pytest.mark.torture
+def test_kill_9_mid_cmb_step(reference: list[str], tmp_path: Path, figures: list[str]) -> None:
+    run_trials(reference, tmp_path, trials=8, figures=figures, transport="cmb")
+
+
+@pytest.mark.slow
+def test_kill_9_mid_cmb_step_many(reference: list[str], tmp_path: Path, figures: list[str]) -> None:
+    run_trials(reference, tmp_path, trials=100, figures=figures, transport="cmb")

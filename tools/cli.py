@@ -219,7 +219,7 @@ def cmd_id_ctrl(args: argparse.Namespace) -> int:
             f"durability: {value['durability']}",
             f"timing    : profile {value['timing']['profile']}" + (" (timed)" if value["timing"]["timed"] else ""),
             f"backing   : {value['backing']}",
-            f"cmb       : " + (f"{value['cmb']['size']} bytes at {value['cmb']['path']}" if value.get("cmb")
+            "cmb       : " + (f"{value['cmb']['size']} bytes at {value['cmb']['path']}" if value.get("cmb")
                                else "none (mounted with --cmb-size 0)"),
             f"namespaces: {len(value['namespaces'])}",
         ]
