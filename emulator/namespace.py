@@ -694,7 +694,7 @@ class Namespace:
         try:
             for tensor_name, offset, data, param_copy in pieces:
                 # Staged a few blocks at a time, so the kernel workers start on the first
-                # blocks while this thread still counts the later ones' non-finite elements.
+                # blocks before this thread has staged the whole batch.
                 position = 0
                 while True:
                     # Up to the next multiple of _LENT_STAGE_BYTES in the file: whole blocks.
