@@ -287,6 +287,25 @@ def test_a_mount_without_a_cmb(mounted: Mount) -> None:
         files.close()
 
 
+@pytest.mark.mount
+def test_a_cmb_this_process_may_not_open_leaves_the_files(mounted: Mount, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's daemon: its /proc/PID/fd cannot be opened. The trainer's client then
+    uses the files, with a warning, instead of failing."""
+    create_namespace(mounted.mountpoint, "m", TENSORS)
+    denied = lambda *args, **kwargs: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))  # noqa: E731
+    monkeypatch.setattr("cossd.tools.client.CmbMapping", denied)
+    files = NamespaceFiles(mounted.mountpoint, "m")
+    try:
+        assert files.exists() and files.cmb() is None
+        values = torch.arange(300_007, dtype=torch.float32)
+        files.write_many([("odd", "master", values)])
+        out = torch.empty(300_007, dtype=torch.float32)
+        files.read_many_into([("odd", "master", out)])
+        assert torch.equal(out, values)
+    finally:
+        files.close()
+
+
 def test_cmb_size_option_is_checked(tmp_path: Path) -> None:
     for bad in ("5000", "2T", "-1"):
         result = subprocess.run([sys.executable, "-m", "cossd.tools.cli", "mount", str(tmp_path),

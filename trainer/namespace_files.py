@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import struct
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 
 from cossd.emulator.errors import DeviceError, Status
 from cossd.tools.client import DEFAULT_TIMEOUT_S, AdminClient, CmbMapping, DeviceTimeoutError
+
+log = logging.getLogger(__name__)
 
 # What the device calls each wire dtype, and the torch dtype it holds.
 WIRE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -243,10 +246,16 @@ class NamespaceFiles:
 
     def cmb(self) -> CmbMapping | None:
         """The device's controller memory buffer, mapped and held for this client alone;
-        None where the device has none or another client holds it (then the files serve)."""
+        None where the device has none, another client holds it, or this process may not
+        open it (the daemon's /proc/PID/fd of another user): then the files serve."""
         if self._cmb is False:
             self._cmb = None
-            mapping = self.command(self.admin.cmb)
+            try:
+                mapping = self.command(self.admin.cmb)
+            except PermissionError as exc:
+                log.warning("%s: the device's memory buffer cannot be opened (%s); using the files",
+                            self.mountpoint, exc)
+                return None
             if mapping is not None:
                 fd = os.open(mapping.path, os.O_RDWR | os.O_CLOEXEC)
                 if _lock_whole(fd):
