@@ -204,8 +204,9 @@ class NamespaceFiles:
         return fd
 
     def write(self, tensor: str, role: str, values: torch.Tensor) -> int:
-        """Write a CPU tensor's bytes at offset 0 of one of a tensor's files."""
-        array = values.detach().contiguous().view(-1)
+        """Write a tensor's bytes (copied to the host first if they are elsewhere) at offset 0
+        of one of a tensor's files."""
+        array = values.detach().to("cpu").contiguous().view(-1)
         buffer = memoryview(array.view(torch.uint8).numpy())
         fd = self._fd(tensor, role, writing=True)
         offset = 0
@@ -266,9 +267,10 @@ class NamespaceFiles:
         return self._cmb if isinstance(self._cmb, CmbMapping) else None
 
     def write_many(self, items: list[tuple[str, str, torch.Tensor]], params_back: bool = False) -> int:
-        """write() of several (tensor, role, CPU tensor) at offset 0, through the CMB where
-        there is one: a copy into shared memory and one command per CMB-full, instead of a
-        FUSE write per tensor (each a copy in the kernel).
+        """write() of several (tensor, role, tensor) at offset 0, through the CMB where there
+        is one: a copy into shared memory (from the tensor's own device, a GPU's included)
+        and one command per CMB-full, instead of a FUSE write per tensor (each a copy in the
+        kernel).
 
         params_back=True (gradients): where gradients and params fit the CMB together, the
         device also puts each tensor's new params there as it computes them; the
@@ -302,14 +304,15 @@ class NamespaceFiles:
         return sum(sizes)
 
     def read_many_into(self, items: list[tuple[str, str, torch.Tensor]]) -> int:
-        """read_into() of several (tensor, role, contiguous CPU tensor), through the CMB
-        where there is one (see write_many)."""
+        """read_into() of several (tensor, role, contiguous tensor), through the CMB where
+        there is one (see write_many), and then `out` may be on any device (a GPU's
+        included); through the files it must be on the host."""
         cmb = self.cmb()
         if cmb is None:
             return sum(self.read_into(tensor, role, out) for tensor, role, out in items)
         for _, _, out in items:
-            if not out.is_contiguous() or out.device.type != "cpu":
-                raise ValueError("read_many_into needs contiguous CPU tensors")
+            if not out.is_contiguous():
+                raise ValueError("read_many_into needs contiguous tensors")
         arrays = [out.view(-1).view(torch.uint8) for _, _, out in items]
         window = torch.from_numpy(cmb.array)
         back, self._params_back = self._params_back, {}

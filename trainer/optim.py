@@ -233,7 +233,9 @@ class _DeviceAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ transfers
 
-    def _wire_grad(self, entry: _Entry) -> torch.Tensor:
+    def _wire_grad(self, entry: _Entry, on_host: bool = True) -> torch.Tensor:
+        """The gradient in the wire dtype, flat: on the host, or (on_host=False, for the
+        memory buffer, which takes it straight from the GPU) wherever it is."""
         grad = entry.param.grad
         if grad is None:
             # The device needs every gradient of a step; a parameter without one gets zeros
@@ -241,7 +243,7 @@ class _DeviceAdam(torch.optim.Optimizer):
             return torch.zeros(entry.numel, dtype=self.dtype)
         if grad.is_sparse:
             raise RuntimeError("cossd optimizers do not support sparse gradients")
-        return grad.detach().to("cpu", self.dtype).reshape(-1)
+        return grad.detach().to("cpu" if on_host else grad.device, self.dtype).reshape(-1)
 
     def _write_grad(self, entry: _Entry, grad: torch.Tensor) -> int:
         if self.before_grad_write is not None:
@@ -260,9 +262,12 @@ class _DeviceAdam(torch.optim.Optimizer):
     def _read_params(self) -> None:
         """Copy the committed params into the model (in place where the dtype allows)."""
         reads, staged = [], []
+        # Through the memory buffer the params go straight to their device (a GPU's
+        # included); through the files they go to the host first.
+        any_device = self.files.cmb() is not None
         for entry in self.entries:
             param = entry.param.detach()
-            if param.device.type == "cpu" and param.dtype == self.dtype and param.is_contiguous():
+            if (any_device or param.device.type == "cpu") and param.dtype == self.dtype and param.is_contiguous():
                 reads.append((entry.name, "param", param.view(-1)))
             else:
                 values = torch.empty(entry.numel, dtype=self.dtype)
@@ -384,7 +389,9 @@ class _DeviceAdam(torch.optim.Optimizer):
                 for future in concurrent.futures.as_completed(self._pending):
                     future.result()
             else:
-                grads = [self._wire_grad(entry) for entry in self.entries]
+                # Through the memory buffer a GPU's gradients go there directly (one copy).
+                on_host = self.files.cmb() is None
+                grads = [self._wire_grad(entry, on_host) for entry in self.entries]
                 coefficient = self._clip_coefficient(grads, loss_scale)
                 began = clock()
                 # The device multiplies each gradient by the step's combined scale.
