@@ -793,7 +793,11 @@ def chart(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     trainer = report.get("trainer")
-    fig, axes = plt.subplots(1, 4 if trainer else 3, figsize=(20 if trainer else 15, 4))
+    # Steps through the mount with the media in RAM: files and the memory buffer.
+    mount_rows = [row for row in report.get("file_path", [])
+                  if row["media"].startswith("tmpfs") and row["o_direct"] and not row["skipped_steps"]]
+    panels = 3 + bool(trainer) + bool(mount_rows)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
     rows = report.get("kernel", [])
     labels = [f"{r['threads']} thr" for r in rows]
     width = 0.16
@@ -818,6 +822,18 @@ def chart(report: dict[str, Any], path: Path) -> None:
         axes[3].bar(list(rows), [row["seconds"] for row in rows.values()], color="#1b9e77")
         axes[3].set(title=f"one durable step, trainer on {trainer['device']}", ylabel="seconds")
         axes[3].tick_params(axis="x", labelsize=7)
+    if mount_rows:
+        labels = {"files": "files", "cmb": "CMB,\nclient copies", "cmb_in_place": "CMB,\nin place"}
+        names = [labels[row.get("transport", "files")] + ("\n(pyfuse3 alone)" if row["front_end"] == "pyfuse3 alone"
+                                                          else "") for row in mount_rows]
+        ax = axes[panels - 1]
+        ax.bar(names, [row["gels"] for row in mount_rows], color="#e7298a")
+        kernel = max((row["cossd_gels"] for row in report.get("kernel", [])), default=None)
+        if kernel:
+            ax.axhline(0.6 * kernel, color="gray", linestyle="--", label="60% of the kernel")
+            ax.legend(fontsize=8)
+        ax.set(title="one step through the mount (tmpfs)", ylabel="G elements/s")
+        ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
