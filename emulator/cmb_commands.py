@@ -49,8 +49,9 @@ def _integer(entry: dict[str, Any], key: str, default: int | None, index: int) -
 
 def parse_transfers(command: Command, default_role: str, sizes: Callable[[str, str], int]) -> list[Transfer]:
     """The payload's JSON array of transfers ({"tensor", "role", "offset", "length",
-    "cmb_offset"}); malformed ones are INVALID_FIELD. A missing length means the rest of the
-    file (sizes(tensor, role) gives its size)."""
+    "cmb_offset", and for CMB_WRITE's gradients "param_cmb_offset"}); malformed ones are
+    INVALID_FIELD. A missing length means the rest of the file (sizes(tensor, role) gives
+    its size)."""
     try:
         value = json.loads(command.payload.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

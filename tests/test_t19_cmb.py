@@ -182,6 +182,7 @@ def test_refused_transfers_change_nothing(mounted: Mount) -> None:
             (W, [{**good, "param_cmb_offset": 5000}, {**good, "offset": 2000, "param_cmb_offset": 5500}],
              Status.INVALID_FIELD, "overlap"),
             (W, [good, {**good, "offset": 2000, "param_cmb_offset": end - 500}], Status.LBA_OUT_OF_RANGE, "params"),
+            (W, [good] * 65537, Status.LIMIT_EXCEEDED, "at most 65536"),
         ]
         for opcode, payload, status, text in cases:
             _expect(client, opcode, nsid, payload, status, text)
