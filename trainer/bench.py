@@ -568,10 +568,19 @@ def run(args: argparse.Namespace) -> int:
         if "mount" in sections:
             _mount_sections(report, args, device, workdir, kernel_rows)
         if "trainer" in sections:
-            with checkpoint_volume(device, workdir, create=True,
-                                   name=bench_trainer.TRAINER_NAMESPACE + "-checkpoints") as volume:
-                report["trainer"] = bench_trainer.trainer_costs(getattr(args, "device", "cpu"), device.mountpoint,
-                                                                volume, args.file_elements, repeat)
+            ram = ram_workdir()
+            ram_device = BenchDevice(ram, BLOCK_ELEMS) if ram is not None else None
+            try:
+                with checkpoint_volume(device, workdir, create=True,
+                                       name=bench_trainer.TRAINER_NAMESPACE + "-checkpoints") as volume:
+                    report["trainer"] = bench_trainer.trainer_costs(
+                        getattr(args, "device", "cpu"), device.mountpoint, volume, args.file_elements, repeat,
+                        ram_mountpoint=ram_device.mountpoint if ram_device is not None else None)
+            finally:
+                if ram_device is not None:
+                    ram_device.stop()
+                if ram is not None:
+                    shutil.rmtree(ram, ignore_errors=True)
             for name, row in report["trainer"].items():
                 if isinstance(row, dict):
                     _say(f"  trainer on {report['trainer']['device']}, {name}: {row['seconds']:.3f} s per step, "
@@ -637,12 +646,17 @@ def filesystem_of(path: Path) -> str:
     return found
 
 
+def ram_workdir_available() -> bool:
+    """Whether /dev/shm is a writable tmpfs here (ram_workdir can make a directory)."""
+    shm = Path("/dev/shm")
+    return shm.is_dir() and filesystem_of(shm).startswith("tmpfs") and os.access(shm, os.W_OK)
+
+
 def ram_workdir() -> Path | None:
     """A fresh directory on /dev/shm (tmpfs), where this machine has one."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or not filesystem_of(shm).startswith("tmpfs") or not os.access(shm, os.W_OK):
+    if not ram_workdir_available():
         return None
-    return Path(tempfile.mkdtemp(prefix="cossd-bench-ram-", dir=shm))
+    return Path(tempfile.mkdtemp(prefix="cossd-bench-ram-", dir="/dev/shm"))
 
 
 # (O_DIRECT, NaN gradients): buffered; O_DIRECT; O_DIRECT with every step skipped.
