@@ -3,6 +3,8 @@ refuse bad transfers changing nothing, and the trainer's transport over it agree
 from __future__ import annotations
 
 import json
+import os
+import threading
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ from cossd.emulator.protocol import Opcode
 from cossd.fs import daemon
 from cossd.tools.client import AdminClient
 from cossd.trainer import AdamW
-from cossd.trainer.namespace_files import NamespaceFiles, plan_cmb_batches
+from cossd.trainer.namespace_files import NamespaceFiles, claim_region, plan_cmb_batches
 from helpers import create_namespace, pread_all, pwrite_all, random_half, tensor_dir
 
 TENSORS = [("odd", 300_007), ("big", 600_000)]
@@ -321,23 +323,39 @@ def _model(seed: int) -> torch.nn.Module:
 
 @pytest.mark.mount
 @pytest.mark.parametrize("cmb_bytes", [64 << 10, None], ids=["64K", "default"])
-def test_trainer_over_the_cmb_agrees_with_the_files(mounted: Mount, cmb_bytes: int | None) -> None:
-    """One optimizer holds the CMB, a second one on the same mount finds it held and uses the
-    files; the two train bit for bit alike. 64 KiB: tensors are cut into many batches and the
-    params come back by CMB_READ; the default 1 GiB: one CMB_WRITE per step, which also
-    brings the params back."""
+def test_trainers_share_the_cmb_or_use_the_files(mounted: Mount, cmb_bytes: int | None) -> None:
+    """Two optimizers on one mount, stepping at the same time on two threads. With the default
+    1 GiB CMB each locks a part of its own (a step's gradients and params), and each step's
+    CMB_WRITE brings the params back: no reads. With 64 KiB the first holds all of it, cuts
+    its tensors into many batches and reads the params back with CMB_READ; the second finds
+    nothing free and uses the files. Either way the two train bit for bit alike."""
     models = [_model(0), _model(0)]
     optimizers = [AdamW(m.parameters(), mount=mounted.mountpoint, namespace=f"n{i}", lr=1e-3)
                   for i, m in enumerate(models)]
     try:
-        assert optimizers[0].files.cmb() is not None and optimizers[1].files.cmb() is None
+        regions = [o.files.cmb() for o in optimizers]
+        assert regions[0] is not None
+        if cmb_bytes is None:  # both hold a part, side by side, each a whole step's worth
+            assert regions[1] is not None
+            wanted = 4 * sum(p.numel() for p in models[0].parameters())
+            assert regions[0].size >= wanted and regions[1].size >= wanted
+            assert regions[0].base + regions[0].size <= regions[1].base
+        else:
+            assert regions[0].size == 64 << 10 and regions[1] is None
         data = torch.randn(64, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
         reads_before = optimizers[0].files.statistics()["read_commands"]
-        for _ in range(4):
-            for model, optimizer in zip(models, optimizers):
+
+        def train(model: torch.nn.Module, optimizer: AdamW) -> None:
+            for _ in range(6):
                 optimizer.zero_grad()
                 model(data).float().square().mean().backward()
                 optimizer.step()
+
+        threads = [threading.Thread(target=train, args=pair) for pair in zip(models, optimizers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         # With the default CMB the params came back with each step's CMB_WRITE: no reads.
         reads = optimizers[0].files.statistics()["read_commands"] - reads_before
         assert (reads == 0) == (cmb_bytes is None), reads
@@ -345,16 +363,38 @@ def test_trainer_over_the_cmb_agrees_with_the_files(mounted: Mount, cmb_bytes: i
             assert torch.equal(a, b)
         state = [o.state_dict()["state"][0]["exp_avg_sq"] for o in optimizers]
         assert torch.equal(state[0], state[1]) and state[0].abs().sum() > 0
-        assert optimizers[0].files.statistics()["committed_step"] == 4
+        assert all(o.files.statistics()["committed_step"] == 6 for o in optimizers)
     finally:
         for optimizer in optimizers:
             optimizer.close()
-    # Closed, the first releases the CMB: the next client gets it.
+    # Closed, the first releases its part: the next client gets one.
     files = NamespaceFiles(mounted.mountpoint, "n1")
     try:
         assert files.exists() and files.cmb() is not None
     finally:
         files.close()
+
+
+def test_cmb_regions_are_claimed_first_fit_and_shrink_to_what_is_free(tmp_path: Path) -> None:
+    path = tmp_path / "cmb"
+    size = 16 << 20
+    path.write_bytes(b"")
+    os.truncate(path, size)
+    fds = [os.open(path, os.O_RDWR) for _ in range(5)]
+    try:
+        assert claim_region(fds[0], size, 5 << 20) == (0, 5 << 20)
+        assert claim_region(fds[1], size, (3 << 20) + 1) == (5 << 20, (3 << 20) + 4096)  # page rounded
+        assert claim_region(fds[2], size, 12 << 20) == ((8 << 20) + 4096, 6 << 20)  # 12 -> 6 MiB free
+        left = size - ((14 << 20) + 4096)
+        assert claim_region(fds[3], size, 8 << 20) == ((14 << 20) + 4096, 1 << 20)  # 8 -> 4 -> 2 -> 1
+        assert left < (2 << 20) and claim_region(fds[4], size, 8 << 20) is None  # under 1 MiB left
+        os.close(fds[1])  # its lock goes with it: the hole is found again
+        fds[1] = os.open(path, os.O_RDWR)
+        assert claim_region(fds[1], size, 2 << 20) == (5 << 20, 2 << 20)
+        assert claim_region(fds[4], size, 100) == ((7 << 20), 1 << 20)  # asks for 1 MiB at least
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,10 +1,12 @@
 """One optimizer namespace on a mounted cossd device, seen through its files and control file."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -51,19 +53,64 @@ def plan_cmb_batches(sizes: list[int], capacity: int) -> list[list[tuple[int, in
     return batches
 
 
-def _lock_whole(fd: int) -> bool:
-    """An exclusive OFD lock on the whole of `fd`, without waiting: False if another client
-    holds one. OFD locks belong to the open file, so they also exclude other threads and
-    processes, and go when the file is closed."""
-    F_OFD_SETLK = 37  # linux/fcntl.h; Python's fcntl module lacks the OFD constants
-    request = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+_F_OFD_GETLK, _F_OFD_SETLK = 36, 37  # linux/fcntl.h; Python's fcntl module lacks the OFD constants
+_FLOCK = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid
+# The least of the CMB a client claims: below this the files do as well.
+_MIN_CMB_REGION = 1 << 20
+
+
+def _ofd_lock(fd: int, start: int, length: int, test: bool) -> tuple[int, int] | None:
+    """An exclusive OFD lock on bytes [start, start + length) of `fd`, or with test=True only
+    a look: None where it is (or would be) taken, else the (start, length) of a lock in the
+    way. OFD locks belong to the open file, so they exclude other threads and processes
+    alike, and go when the file is closed."""
+    request = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
+    if test:
+        kind, _, other_start, other_length, _ = struct.unpack(_FLOCK, fcntl.fcntl(fd, _F_OFD_GETLK, request))
+        return None if kind == fcntl.F_UNLCK else (other_start, other_length)
     try:
-        fcntl.fcntl(fd, F_OFD_SETLK, request)
+        fcntl.fcntl(fd, _F_OFD_SETLK, request)
     except OSError as exc:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return False
+            return (start, length)  # taken meanwhile: the caller looks again
         raise
-    return True
+    return None
+
+
+def claim_region(fd: int, size: int, wanted: int) -> tuple[int, int] | None:
+    """Lock a free range of the `size`-byte file `fd` for this client: (start, length), of
+    `wanted` bytes where such a range is free, else the largest power-of-two fraction of it
+    that is (down to _MIN_CMB_REGION, which is also the least it asks for); None if not even
+    that is. Ranges are page aligned."""
+    least = min(_MIN_CMB_REGION, size)
+    length = min(size, max(least, -(-wanted // mmap.PAGESIZE) * mmap.PAGESIZE))
+    while length >= least:
+        start = 0
+        while start + length <= size:
+            in_the_way = _ofd_lock(fd, start, length, test=True)
+            if in_the_way is None:
+                in_the_way = _ofd_lock(fd, start, length, test=False)
+                if in_the_way is None:
+                    return start, length
+                continue  # another client got there first: look again from here
+            other_start, other_length = in_the_way
+            end = size if other_length == 0 else other_start + other_length  # 0: to the end of file
+            start = -(-max(end, start + 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+        length = length // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+    return None
+
+
+@dataclasses.dataclass
+class CmbRegion:
+    """The part of the device's CMB this client holds: CMB bytes [base, base + size)."""
+
+    mapping: CmbMapping
+    base: int
+    size: int
+
+    @property
+    def array(self) -> Any:
+        return self.mapping.array[self.base : self.base + self.size]
 
 
 class DeviceLostError(RuntimeError):
@@ -99,8 +146,9 @@ class NamespaceFiles:
         self._call: Any = self.admin.watchdog.call
         self.nsid: int | None = None
         self._fds: dict[tuple[str, str, bool], int] = {}
-        # The controller memory buffer, once asked for (False: not yet).
-        self._cmb: CmbMapping | None | bool = False
+        # The part of the controller memory buffer this client holds, once asked for (False:
+        # not yet), and the open file that holds its lock.
+        self._cmb: CmbRegion | None | bool = False
         self._cmb_lock_fd = -1
         # Params the device is putting in the CMB with the last write_many(params_back=True):
         # tensor -> (CMB offset, bytes); the step's end fills them (see read_many_into).
@@ -111,8 +159,8 @@ class NamespaceFiles:
     def close(self) -> None:
         """Close every handle; a dead mount's handles fail to close cleanly, which is fine."""
         self._close_files()
-        if isinstance(self._cmb, CmbMapping):
-            self._cmb.close()
+        if isinstance(self._cmb, CmbRegion):
+            self._cmb.mapping.close()
         self._cmb = None
         if self._cmb_lock_fd >= 0:
             os.close(self._cmb_lock_fd)
@@ -245,10 +293,12 @@ class NamespaceFiles:
 
     # ------------------------------------------------------------------ the CMB
 
-    def cmb(self) -> CmbMapping | None:
-        """The device's controller memory buffer, mapped and held for this client alone;
-        None where the device has none, another client holds it, or this process may not
-        open it (the daemon's /proc/PID/fd of another user): then the files serve."""
+    def cmb(self) -> CmbRegion | None:
+        """This client's part of the device's controller memory buffer: a range it locks
+        (OFD locks, which every cossd client takes), as large as a step's gradients and
+        params (4 bytes a parameter) where that much is free, else the largest part that is.
+        None where the device has none, other clients hold all of it, or this process may
+        not open it (the daemon's /proc/PID/fd of another user): then the files serve."""
         if self._cmb is False:
             self._cmb = None
             try:
@@ -258,13 +308,15 @@ class NamespaceFiles:
                             self.mountpoint, exc)
                 return None
             if mapping is not None:
+                wanted = 4 * sum(int(t["numel"]) for t in self.config()["tensors"])
                 fd = os.open(mapping.path, os.O_RDWR | os.O_CLOEXEC)
-                if _lock_whole(fd):
-                    self._cmb, self._cmb_lock_fd = mapping, fd
+                claimed = claim_region(fd, mapping.size, wanted)
+                if claimed is not None:
+                    self._cmb, self._cmb_lock_fd = CmbRegion(mapping, *claimed), fd
                 else:
                     os.close(fd)
                     mapping.close()
-        return self._cmb if isinstance(self._cmb, CmbMapping) else None
+        return self._cmb if isinstance(self._cmb, CmbRegion) else None
 
     def write_many(self, items: list[tuple[str, str, torch.Tensor]], params_back: bool = False) -> int:
         """write() of several (tensor, role, tensor) at offset 0, through the CMB where there
@@ -290,8 +342,9 @@ class NamespaceFiles:
             for item, array in enumerate(arrays):
                 window[placed[item] : placed[item] + sizes[item]].copy_(array)
             self.command(self.admin.cmb_write, self.nsid, [
-                {"tensor": items[item][0], "length": sizes[item], "cmb_offset": placed[item],
-                 "param_cmb_offset": placed[len(items) + item]} for item in range(len(items)) if sizes[item]])
+                {"tensor": items[item][0], "length": sizes[item], "cmb_offset": cmb.base + placed[item],
+                 "param_cmb_offset": cmb.base + placed[len(items) + item]}
+                for item in range(len(items)) if sizes[item]])
             self._params_back = {items[item][0]: (placed[len(items) + item], sizes[item])
                                  for item in range(len(items)) if sizes[item]}
             return sum(sizes)
@@ -300,7 +353,7 @@ class NamespaceFiles:
                 window[at : at + length].copy_(arrays[item][offset : offset + length])
             self.command(self.admin.cmb_write, self.nsid, [
                 {"tensor": items[item][0], "role": items[item][1], "offset": offset, "length": length,
-                 "cmb_offset": at} for item, offset, length, at in batch])
+                 "cmb_offset": cmb.base + at} for item, offset, length, at in batch])
         return sum(sizes)
 
     def read_many_into(self, items: list[tuple[str, str, torch.Tensor]]) -> int:
@@ -326,7 +379,7 @@ class NamespaceFiles:
         for batch in plan_cmb_batches([array.numel() for array in arrays], cmb.size):
             self.command(self.admin.cmb_read, self.nsid, [
                 {"tensor": items[item][0], "role": items[item][1], "offset": offset, "length": length,
-                 "cmb_offset": at} for item, offset, length, at in batch])
+                 "cmb_offset": cmb.base + at} for item, offset, length, at in batch])
             for item, offset, length, at in batch:
                 arrays[item][offset : offset + length].copy_(window[at : at + length])
         return sum(array.numel() for array in arrays)
