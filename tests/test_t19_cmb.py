@@ -375,6 +375,26 @@ def test_trainers_share_the_cmb_or_use_the_files(mounted: Mount, cmb_bytes: int 
         files.close()
 
 
+@pytest.mark.mount
+def test_use_cmb_false_keeps_to_the_files(mounted: Mount) -> None:
+    """The opt-out: the same training through the files, bit for bit, the CMB left free."""
+    models = [_model(1), _model(1)]
+    optimizers = [AdamW(m.parameters(), mount=mounted.mountpoint, namespace=f"u{i}", lr=1e-3, use_cmb=i == 0)
+                  for i, m in enumerate(models)]
+    try:
+        assert optimizers[0].files.cmb() is not None and optimizers[1].files.cmb() is None
+        data = torch.randn(32, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        for _ in range(3):
+            for model, optimizer in zip(models, optimizers):
+                optimizer.zero_grad()
+                model(data).float().square().mean().backward()
+                optimizer.step()
+        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    finally:
+        for optimizer in optimizers:
+            optimizer.close()
+
+
 def test_cmb_regions_are_claimed_first_fit_and_shrink_to_what_is_free(tmp_path: Path) -> None:
     path = tmp_path / "cmb"
     size = 16 << 20

@@ -173,8 +173,10 @@ def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "Trainer side, on cpu" in (tmp_path / "b/bench.md").read_text()
     # And the offload again on a device whose media is in RAM, where /dev/shm is tmpfs.
     in_ram = trainer.get("cossd offload, the drive's media in RAM")
-    assert (in_ram is not None) == (bench.ram_workdir_available())
-    assert in_ram is None or (in_ram["seconds"] > 0 and in_ram["bytes_over_link"] == 4 * 65536)
+    files = trainer.get("cossd offload, media in RAM, through the tensor files")
+    assert (in_ram is not None) == (files is not None) == bench.ram_workdir_available()
+    assert in_ram is None or (in_ram["seconds"] > 0 and files["seconds"] > 0
+                              and in_ram["bytes_over_link"] == files["bytes_over_link"] == 4 * 65536)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")

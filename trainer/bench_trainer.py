@@ -91,12 +91,14 @@ def resident_with_checkpoint(device: torch.device, volume: NvmVolume, n: int, re
     }
 
 
-def cossd_offload(device: torch.device, mountpoint: Path, n: int, repeat: int) -> dict[str, Any]:
+def cossd_offload(device: torch.device, mountpoint: Path, n: int, repeat: int,
+                  use_cmb: bool = True) -> dict[str, Any]:
     """cossd.trainer.AdamW: BF16 gradients out, the step and its commit on the drive, BF16
-    params back, every step durable on the drive."""
+    params back, every step durable on the drive; through the drive's memory buffer, or
+    (use_cmb=False) through the tensor files."""
     generator = torch.Generator().manual_seed(4)
     param = torch.nn.Parameter(torch.randn(n, generator=generator).to(device, torch.bfloat16))
-    optimizer = AdamW([param], mount=mountpoint, namespace=TRAINER_NAMESPACE, lr=LR)
+    optimizer = AdamW([param], mount=mountpoint, namespace=TRAINER_NAMESPACE, lr=LR, use_cmb=use_cmb)
     try:
         param.grad = (torch.randn(n, generator=generator) * 0.01).to(device, torch.bfloat16)
         optimizer.step()  # the first step seals the initial state
@@ -123,9 +125,10 @@ def cossd_offload(device: torch.device, mountpoint: Path, n: int, repeat: int) -
 def trainer_costs(device_name: str, mountpoint: Path, volume: NvmVolume, n: int, repeat: int,
                   ram_mountpoint: Path | None = None) -> dict[str, Any]:
     """Both methods on the bench's device; with `ram_mountpoint` (a device whose media is in
-    RAM) the offload once more there, where the emulator's own writes of the new state into
-    the page cache of a disk filesystem do not set its pace: what a drive that writes its
-    media by DMA would leave for the transfers and the step."""
+    RAM) the offload twice more there, through the memory buffer and through the files,
+    where the emulator's own writes of the new state into the page cache of a disk
+    filesystem do not set its pace: what a drive that writes its media by DMA would leave
+    for the transfers and the step."""
     device = resolve_device(device_name)
     costs = {
         "device": device_label(device),
@@ -135,6 +138,8 @@ def trainer_costs(device_name: str, mountpoint: Path, volume: NvmVolume, n: int,
     }
     if ram_mountpoint is not None:
         costs["cossd offload, the drive's media in RAM"] = cossd_offload(device, ram_mountpoint, n, repeat)
+        costs["cossd offload, media in RAM, through the tensor files"] = cossd_offload(
+            device, ram_mountpoint, n, repeat, use_cmb=False)
     return costs
 
 

@@ -132,8 +132,9 @@ class NamespaceFiles:
     """
 
     def __init__(self, mountpoint: str | os.PathLike[str], name: str,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, use_cmb: bool = True) -> None:
         self.mountpoint = Path(mountpoint)
+        self.use_cmb = use_cmb  # False: the tensor files only, even where the device has a CMB
         self.name = name
         self.root = self.mountpoint / "ns" / name
         try:
@@ -301,6 +302,8 @@ class NamespaceFiles:
         not open it (the daemon's /proc/PID/fd of another user): then the files serve."""
         if self._cmb is False:
             self._cmb = None
+            if not self.use_cmb:
+                return None
             try:
                 mapping = self.command(self.admin.cmb)
             except PermissionError as exc:

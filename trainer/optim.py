@@ -65,6 +65,7 @@ class _DeviceAdam(torch.optim.Optimizer):
         streaming: bool = False,
         scaler: torch.amp.GradScaler | None = None,
         timeout_s: float | None = 120.0,
+        use_cmb: bool = True,
         **torch_options: Any,
     ) -> None:
         # torch's own class validates every argument and supplies its defaults, so the param
@@ -112,7 +113,7 @@ class _DeviceAdam(torch.optim.Optimizer):
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         # Called with each tensor's index before its gradient is written (fault injection).
         self.before_grad_write: Callable[[int], None] | None = None
-        self.files = NamespaceFiles(mount, namespace, timeout_s)
+        self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb)
         try:
             if self.files.exists():
                 self._attach()
