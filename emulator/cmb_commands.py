@@ -5,12 +5,11 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-
 from .cmb import ControllerMemoryBuffer, parallel_copy
 from .errors import DeviceError, Status
 from .namespace import ROLES, Namespace
 from .protocol import Command, Completion, Opcode
+from .transaction import first_overlap
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -90,10 +89,10 @@ def parse_transfers(command: Command, default_role: str, sizes: Callable[[str, s
 
 def check_disjoint(spans: list[tuple[int, int, str]], what: str) -> None:
     """Refuse (INVALID_FIELD) CMB ranges [start, end) that overlap: `what` says why not."""
-    ordered = sorted(span for span in spans if span[1] > span[0])
-    for (_, end, first), (start, _, second) in zip(ordered, ordered[1:]):
-        if start < end:
-            raise DeviceError(Status.INVALID_FIELD, f"{first} and {second} overlap in the CMB (from byte {start}): {what}")
+    overlap = first_overlap([span for span in spans if span[1] > span[0]])
+    if overlap is not None:
+        start, first, second = overlap
+        raise DeviceError(Status.INVALID_FIELD, f"{first} and {second} overlap in the CMB (from byte {start}): {what}")
 
 
 def check_param_copies(transfers: list[Transfer]) -> None:
@@ -185,7 +184,7 @@ class CmbCommands:
         reads = [(t.tensor, t.role, t.offset, t.length) for t in transfers]
         with namespace.read_pinned_many(reads) as views:
             for region, view in zip(regions, views):
-                parallel_copy(region, np.frombuffer(view, dtype=np.uint8) if len(view) else region[:0])
+                parallel_copy(region, view)
             step = namespace.committed_step
         moved = sum(t.length for t in transfers)
         report = {"bytes": moved, "transfers": len(transfers), "committed_step": step}

@@ -24,7 +24,7 @@ from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, read_json
 from .snapshots import SnapshotStore
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
 from .superblock import GROUP_FIELDS, Superblock
-from .transaction import ReadyBlock, StepTransaction, block_pieces, block_range_of
+from .transaction import ReadyBlock, StepTransaction, block_pieces, block_range_of, first_overlap
 
 log = logging.getLogger(__name__)
 
@@ -677,13 +677,12 @@ class Namespace:
                                   f"{tensor_name}: a param copy of {len(param_copy)} bytes for {len(data)} of gradient")
             spans.setdefault(tensor_name, []).append((offset, offset + len(data)))
         for tensor_name, ranges in spans.items():
-            ranges.sort()
-            for (_, end), (start, _) in zip(ranges, ranges[1:]):
-                if start < end:
-                    raise DeviceError(
-                        Status.GRADIENT_DUPLICATE,
-                        f"tensor {tensor_name!r}: gradient bytes from {start} are sent twice in one batch",
-                    )
+            overlap = first_overlap([(start, end, None) for start, end in ranges])
+            if overlap is not None:
+                raise DeviceError(
+                    Status.GRADIENT_DUPLICATE,
+                    f"tensor {tensor_name!r}: gradient bytes from {overlap[0]} are sent twice in one batch",
+                )
         with self._lock:
             if self._tx is not None:
                 for tensor_name, ranges in spans.items():

@@ -40,6 +40,16 @@ class ReadyBlock:
     param_copy: np.ndarray | None = None
 
 
+def first_overlap(ranges: list[tuple[int, int, object]]) -> tuple[int, object, object] | None:
+    """The first overlap among ranges [start, end) (each with a label): (where it starts, the
+    two labels), or None. Sorted by start, any overlap shows between neighbours."""
+    ordered = sorted(ranges, key=lambda span: (span[0], span[1]))
+    for (_, end, first), (start, _, second) in zip(ordered, ordered[1:]):
+        if start < end:
+            return start, first, second
+    return None
+
+
 def block_range_of(first_elem: int, end_elem: int) -> range:
     """The blocks elements first_elem..end_elem-1 of a tensor touch (end_elem > first_elem)."""
     return range(first_elem // BLOCK_ELEMS, (end_elem - 1) // BLOCK_ELEMS + 1)

@@ -453,7 +453,6 @@ class BlockUpdate:
         if not isinstance(scalars, AdamScalars):
             raise KernelArgumentError(f"scalars must come from adam_scalars(), got {type(scalars).__name__}")
         copy = _ffi.NULL
-        written = list(self._outputs)
         if param_copy is not None:
             c = _buf("param_copy", param_copy, _half_dtypes(self._pfmt), _HALF_CTYPE, output=True)
             if c.arr.size != n:
@@ -464,7 +463,7 @@ class BlockUpdate:
             copy = c.ptr
         if n == 0:
             return 0, 0
-        for low, high in written:
+        for low, high in self._outputs:
             if g.start < high and low < g.end:
                 raise KernelArgumentError("grad overlaps an output")
         mi, ai, vi, mo, ao, vo, po = (b.ptr + start for b in self._bufs)
