@@ -170,6 +170,9 @@ def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert resident["bytes_over_link"] >= 12 * 65536  # master and both moments, through ext4
     assert offload["seconds"] > 0 and offload["bytes_over_link"] == 4 * 65536
     assert {"grads_s", "commit_s"} <= set(offload["phases_seconds"])
+    # Through the device's memory buffer, not page-locked (that is for a GPU's copies).
+    assert offload["transport"] == "cmb" and offload["cmb_pinned_for_cuda"] is False
+    assert trainer["checkpoint_target"].startswith("ext4 on a plain NVM namespace")
     assert "Trainer side, on cpu" in (tmp_path / "b/bench.md").read_text()
     # And the offload again on a device whose media is in RAM, where /dev/shm is tmpfs.
     in_ram = trainer.get("cossd offload, the drive's media in RAM")
@@ -177,6 +180,26 @@ def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert (in_ram is not None) == (files is not None) == bench.ram_workdir_available()
     assert in_ram is None or (in_ram["seconds"] > 0 and files["seconds"] > 0
                               and in_ram["bytes_over_link"] == files["bytes_over_link"] == 4 * 65536)
+    assert in_ram is None or (in_ram["transport"], files["transport"]) == ("cmb", "files")
+
+
+def test_bench_trainer_without_ext4_checkpoints_into_a_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no ext4 can be made on the bench's device (a container without loop devices; here
+    mkfs.ext4 refuses an option), the trainer section still runs, its resident row
+    checkpointing into a plain directory, and says so."""
+    from cossd.trainer import nvm_volume
+    monkeypatch.setattr(nvm_volume, "MKFS_OPTIONS", ("--no-such-option",))
+    code, out, err = run(capsys, "bench", "--sections", "trainer", "--file-elements", "65536",
+                         "--repeat", "1", "--output", str(tmp_path / "b"))
+    assert code == 0, out + err
+    assert "trainer checkpoints go to a plain directory" in out
+    trainer = json.loads((tmp_path / "b/bench.json").read_text())["trainer"]
+    assert trainer["checkpoint_target"].startswith("a plain directory (no ext4 on the device here: mkfs.ext4")
+    resident = trainer["resident fused AdamW + torch.save checkpoint"]
+    # The bytes this process wrote for each checkpoint: master and both moments, at least.
+    assert resident["checkpoint_seconds"] > 0 and resident["bytes_over_link"] >= 12 * 65536
+    assert "checkpoints go into a plain directory" in (tmp_path / "b/bench.md").read_text()
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -13,7 +14,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -448,6 +449,24 @@ def checkpoint_volume(device: BenchDevice, workdir: Path, *, create: bool,
                      keep_namespace=name == CHECKPOINT_NAMESPACE, create=create)
 
 
+@contextlib.contextmanager
+def trainer_checkpoint_target(device: BenchDevice, workdir: Path) -> Iterator[NvmVolume | bench_trainer.LocalCheckpointDir]:
+    """The trainer section's checkpoint volume; where this machine cannot make one (no loop
+    devices, no mkfs.ext4: a container), a plain directory beside the backing, said so."""
+    try:
+        volume = checkpoint_volume(device, workdir, create=True,
+                                   name=bench_trainer.TRAINER_NAMESPACE + "-checkpoints").open()
+    except (RuntimeError, OSError) as exc:
+        reason = f"no ext4 on the device here: {exc}"
+        _say(f"  trainer checkpoints go to a plain directory on {filesystem_of(workdir)} ({reason})")
+        yield bench_trainer.LocalCheckpointDir(workdir / "trainer-checkpoints", reason)
+        return
+    try:
+        yield volume
+    finally:
+        volume.close()
+
+
 def checkpoint_costs(device: BenchDevice, volume: NvmVolume, n: int) -> dict[str, dict[str, float]]:
     """Seconds to make one step's state durable, and the bytes the drive took for it."""
     import torch.distributed.checkpoint as dcp
@@ -571,8 +590,7 @@ def run(args: argparse.Namespace) -> int:
             ram = ram_workdir()
             ram_device = BenchDevice(ram, BLOCK_ELEMS) if ram is not None else None
             try:
-                with checkpoint_volume(device, workdir, create=True,
-                                       name=bench_trainer.TRAINER_NAMESPACE + "-checkpoints") as volume:
+                with trainer_checkpoint_target(device, workdir) as volume:
                     report["trainer"] = bench_trainer.trainer_costs(
                         getattr(args, "device", "cpu"), device.mountpoint, volume, args.file_elements, repeat,
                         ram_mountpoint=ram_device.mountpoint if ram_device is not None else None)

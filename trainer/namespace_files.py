@@ -1,6 +1,7 @@
 """One optimizer namespace on a mounted cossd device, seen through its files and control file."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -113,6 +114,30 @@ class CmbRegion:
         return self.mapping.array[self.base : self.base + self.size]
 
 
+def _clear_cuda_error() -> None:
+    """Read (and so clear) CUDA's last error: a failed cudaHostRegister leaves it set, and
+    torch would report it as its own at the next kernel launch. torch does not bind
+    cudaGetLastError, so it is called in the libcudart this process has loaded."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libcudart.so" in line:
+                ctypes.CDLL(line.split()[-1]).cudaGetLastError()
+                return
+
+
+def pin_for_cuda(pointer: int, size: int) -> bool:
+    """Page-lock host memory for the GPU (cudaHostRegister), so copies between the GPU and
+    it go by DMA at the link's speed rather than through CUDA's staging buffer. False, with
+    a warning, where CUDA refuses (the copies still work, only slower)."""
+    status = int(torch.cuda.cudart().cudaHostRegister(pointer, size, 0))
+    if status == 0:
+        return True
+    _clear_cuda_error()
+    log.warning("cudaHostRegister of the CMB failed (CUDA error %d); GPU copies to and from it "
+                "go through CUDA's staging buffer", status)
+    return False
+
+
 class DeviceLostError(RuntimeError):
     """The device stopped answering (daemon killed, mount gone); the committed step is safe."""
 
@@ -151,6 +176,7 @@ class NamespaceFiles:
         # not yet), and the open file that holds its lock.
         self._cmb: CmbRegion | None | bool = False
         self._cmb_lock_fd = -1
+        self._cmb_pinned = 0  # the address cudaHostRegister took, to unregister at close
         # Params the device is putting in the CMB with the last write_many(params_back=True):
         # tensor -> (CMB offset, bytes); the step's end fills them (see read_many_into).
         self._params_back: dict[str, tuple[int, int]] = {}
@@ -160,6 +186,9 @@ class NamespaceFiles:
     def close(self) -> None:
         """Close every handle; a dead mount's handles fail to close cleanly, which is fine."""
         self._close_files()
+        if self._cmb_pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._cmb_pinned)
+            self._cmb_pinned = 0
         if isinstance(self._cmb, CmbRegion):
             self._cmb.mapping.close()
         self._cmb = None
@@ -320,6 +349,18 @@ class NamespaceFiles:
                     os.close(fd)
                     mapping.close()
         return self._cmb if isinstance(self._cmb, CmbRegion) else None
+
+    def pin_cmb_for_cuda(self) -> bool:
+        """Page-lock this client's part of the CMB for a GPU's copies (see pin_for_cuda).
+        False where there is no part, or CUDA refused."""
+        cmb = self.cmb()
+        if cmb is None:
+            return False
+        if not self._cmb_pinned:
+            pointer = cmb.array.ctypes.data
+            if pin_for_cuda(pointer, cmb.size):
+                self._cmb_pinned = pointer
+        return bool(self._cmb_pinned)
 
     def write_many(self, items: list[tuple[str, str, torch.Tensor]], params_back: bool = False) -> int:
         """write() of several (tensor, role, tensor) at offset 0, through the CMB where there

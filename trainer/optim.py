@@ -123,6 +123,10 @@ class _DeviceAdam(torch.optim.Optimizer):
             self.files.close()
             raise
         self._initialized = True
+        # A GPU model's gradients and params cross between the GPU and the CMB: page-locked,
+        # each crossing is one DMA instead of a copy through CUDA's staging buffer.
+        self.cmb_pinned = (any(entry.param.device.type == "cuda" for entry in self.entries)
+                           and self.files.pin_cmb_for_cuda())
         if streaming:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cossd-grads")
             for entry in self.entries:
