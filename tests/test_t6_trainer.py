@@ -344,3 +344,27 @@ def test_stopped_daemon_times_out_with_a_clear_error(opened, mount: Mount) -> No
     # Resumed, the device serves again; the abandoned step never committed.
     with AdminClient(mount.mountpoint) as admin:
         assert admin.statistics(admin.nsid("hang"))["committed_step"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
+@pytest.mark.parametrize("use_cmb", [True, False])
+def test_cuda_model_steps_like_a_cpu_model(opened, mount: Mount, use_cmb: bool) -> None:
+    """A model on a GPU (its gradients and params crossing between the GPU and the page-locked
+    CMB, or the files) steps bit for bit as the same model on the CPU: the device does the
+    arithmetic either way."""
+    cpu_model = make_model(torch.bfloat16)
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    on_cpu = opened(AdamW, cpu_model.parameters(), mount=mount.mountpoint, namespace="on-cpu")
+    on_gpu = opened(AdamW, gpu_model.parameters(), mount=mount.mountpoint, namespace="on-gpu", use_cmb=use_cmb)
+    assert on_gpu.cmb_pinned == use_cmb  # CUDA page-locked the optimizer's part of the CMB
+    for step in range(1, 6):
+        for model, optimizer in ((cpu_model, on_cpu), (gpu_model, on_gpu)):
+            optimizer.zero_grad()
+            x, y = batch(step, torch.bfloat16)
+            device = next(model.parameters()).device
+            F.cross_entropy(model(x.to(device)).float(), y.to(device)).backward()
+        for p, q in zip(cpu_model.parameters(), gpu_model.parameters()):
+            q.grad.copy_(p.grad)  # the GPU's matmuls round differently: step the same gradients
+        on_cpu.step()
+        on_gpu.step()
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(bits(cpu_model), bits(gpu_model)))
