@@ -376,6 +376,29 @@ def test_trainers_share_the_cmb_or_use_the_files(mounted: Mount, cmb_bytes: int 
 
 
 @pytest.mark.mount
+@pytest.mark.cmb_bytes(64 << 10)
+def test_streaming_takes_the_files_where_the_cmb_part_cannot_hold_a_step(mounted: Mount) -> None:
+    """Streaming gives each tensor a fixed place in the CMB part for its gradients and params;
+    where the part (64 KiB here) cannot hold them all, streamed gradients go through the files
+    and the params come back with CMB_READ, bit for bit as a step sent whole."""
+    models = [_model(2), _model(2)]
+    optimizers = [AdamW(models[0].parameters(), mount=mounted.mountpoint, namespace="s", lr=1e-3, streaming=True),
+                  AdamW(models[1].parameters(), mount=mounted.mountpoint, namespace="p", lr=1e-3, use_cmb=False)]
+    try:
+        assert optimizers[0].files.cmb() is not None and optimizers[0].files.stream_slots() is None
+        data = torch.randn(16, 300, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        for _ in range(3):
+            for model, optimizer in zip(models, optimizers):
+                optimizer.zero_grad()
+                model(data).float().square().mean().backward()
+                optimizer.step()
+        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    finally:
+        for optimizer in optimizers:
+            optimizer.close()
+
+
+@pytest.mark.mount
 def test_use_cmb_false_keeps_to_the_files(mounted: Mount) -> None:
     """The opt-out: the same training through the files, bit for bit, the CMB left free."""
     models = [_model(1), _model(1)]

@@ -212,17 +212,28 @@ def test_gradscaler_scaled_steps_match_unscaled(opened, mount: Mount) -> None:
     optimizer.close()
 
 
-def test_streaming_equals_step_time_transfer(opened, mount: Mount) -> None:
+@pytest.mark.parametrize("use_cmb", [True, False])
+def test_streaming_equals_step_time_transfer(opened, mount: Mount, use_cmb: bool) -> None:
+    """Gradients sent one tensor at a time as backward produces them (through the CMB, each
+    tensor's place fixed there, or through the files) step exactly as those sent at step()."""
     models = [make_model(torch.bfloat16) for _ in range(2)]
     streaming = opened(AdamW, models[0].parameters(), mount=mount.mountpoint, namespace="stream",
-                      streaming=True)
+                      streaming=True, use_cmb=use_cmb)
+    assert (streaming.files.stream_slots() is not None) == use_cmb
     plain = opened(AdamW, models[1].parameters(), mount=mount.mountpoint, namespace="plain")
+    before = streaming.files.statistics()
     for step in range(1, 6):
         for model, opt in zip(models, (streaming, plain)):
             opt.zero_grad()
             loss_of(model, step, torch.bfloat16).backward()
             opt.step()
         assert all(torch.equal(a, b) for a, b in zip(bits(models[0]), bits(models[1])))
+    after = streaming.files.statistics()
+    # One write per tensor and step either way; through the CMB the params come back with
+    # those writes (no reads), through the files each tensor's params are read.
+    tensors = len(streaming.entries)
+    assert after["write_commands"] - before["write_commands"] == 5 * tensors
+    assert after["read_commands"] - before["read_commands"] == (0 if use_cmb else 5 * tensors)
     streaming.close()
     plain.close()
 

@@ -177,9 +177,13 @@ class NamespaceFiles:
         self._cmb: CmbRegion | None | bool = False
         self._cmb_lock_fd = -1
         self._cmb_pinned = 0  # the address cudaHostRegister took, to unregister at close
-        # Params the device is putting in the CMB with the last write_many(params_back=True):
-        # tensor -> (CMB offset, bytes); the step's end fills them (see read_many_into).
+        # Params the device is putting in the CMB with this step's write_many(params_back=True)
+        # or write_streamed: tensor -> (CMB offset, bytes); the step's end fills them (see
+        # read_many_into).
         self._params_back: dict[str, tuple[int, int]] = {}
+        # Streaming: each tensor's fixed place in this client's CMB part, once worked out
+        # (False: not yet; None: the part cannot hold every gradient and param at once).
+        self._stream_slots: dict[str, tuple[int, int, int]] | None | bool = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -361,6 +365,51 @@ class NamespaceFiles:
             if pin_for_cuda(pointer, cmb.size):
                 self._cmb_pinned = pointer
         return bool(self._cmb_pinned)
+
+    def step_began(self) -> None:
+        """A new step: params put in the CMB by an earlier one are no longer the ones to read."""
+        self._params_back = {}
+
+    def stream_slots(self) -> dict[str, tuple[int, int, int]] | None:
+        """For gradients sent one tensor at a time as backward produces them (streaming): a
+        fixed place in this client's CMB part for each tensor, {tensor: (gradient offset,
+        param offset, bytes)} (offsets in the part), where the part holds every tensor's
+        gradient and params at once; else None, and such gradients go through the files."""
+        if self._stream_slots is False:
+            self._stream_slots = None
+            cmb = self.cmb()
+            if cmb is not None:
+                tensors = [(t["name"], 2 * int(t["numel"])) for t in self.config()["tensors"]]
+                sizes = [size for _, size in tensors]
+                batches = plan_cmb_batches(sizes + sizes, cmb.size)
+                if len(batches) == 1:
+                    placed = {item: at for item, _, _, at in batches[0]}
+                    self._stream_slots = {name: (placed[item], placed[len(tensors) + item], size)
+                                          for item, (name, size) in enumerate(tensors)}
+        return self._stream_slots if isinstance(self._stream_slots, dict) else None
+
+    def write_streamed(self, tensor: str, values: torch.Tensor) -> int:
+        """One tensor's gradients of the open step (from any device, a GPU's included, where
+        stream_slots() has a place for them; else from the host, through its file). Through
+        the CMB the device also puts the tensor's new params there as its kernel computes
+        them, for read_many_into after the step's end. The command returns once the
+        tensor's complete blocks have run."""
+        slots = self.stream_slots()
+        if slots is None:
+            return self.write(tensor, "grad", values)
+        cmb = self.cmb()
+        assert cmb is not None
+        grad_at, param_at, size = slots[tensor]
+        array = values.detach().contiguous().view(-1).view(torch.uint8)
+        if array.numel() != size:
+            raise ValueError(f"{tensor}: {array.numel()} bytes of gradients, the tensor takes {size}")
+        if size:
+            torch.from_numpy(cmb.array)[grad_at : grad_at + size].copy_(array)
+            self.command(self.admin.cmb_write, self.nsid, [
+                {"tensor": tensor, "length": size, "cmb_offset": cmb.base + grad_at,
+                 "param_cmb_offset": cmb.base + param_at}])
+        self._params_back[tensor] = (param_at, size)
+        return size
 
     def write_many(self, items: list[tuple[str, str, torch.Tensor]], params_back: bool = False) -> int:
         """write() of several (tensor, role, tensor) at offset 0, through the CMB where there

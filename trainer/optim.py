@@ -251,9 +251,15 @@ class _DeviceAdam(torch.optim.Optimizer):
         return grad.detach().to("cpu" if on_host else grad.device, self.dtype).reshape(-1)
 
     def _write_grad(self, entry: _Entry, grad: torch.Tensor) -> int:
+        """One tensor's gradients, streamed (on the writer thread)."""
         if self.before_grad_write is not None:
             self.before_grad_write(entry.index)
-        return self.files.write(entry.name, "grad", grad)
+        return self.files.write_streamed(entry.name, grad)
+
+    def _streamed_grad(self, entry: _Entry) -> torch.Tensor:
+        """The gradient to stream: where it goes through the CMB it stays on its device (a
+        GPU's copies straight into the CMB), else it comes to the host for the file."""
+        return self._wire_grad(entry, on_host=self.files.stream_slots() is None)
 
     def _write_grads(self, grads: list[torch.Tensor]) -> None:
         """Every gradient of the step at once: through the device's memory buffer when it
@@ -295,6 +301,7 @@ class _DeviceAdam(torch.optim.Optimizer):
 
     def _begin(self, grad_scale: float) -> None:
         self._sync_hyperparameters()
+        self.files.step_began()
         self.files.command(
             self.files.admin.begin_step, self.files.nsid, self.committed_step + 1, grad_scale
         )
@@ -361,7 +368,7 @@ class _DeviceAdam(torch.optim.Optimizer):
             scale = float(self.scaler.get_scale()) if self.scaler is not None and self.scaler.is_enabled() else 1.0
             self._stream_scale = scale
             self._begin(1.0 / scale)
-        grad = self._wire_grad(entry)
+        grad = self._streamed_grad(entry)
         self._streamed.add(entry.index)
         assert self._writer is not None
         self._pending.append(self._writer.submit(self._write_grad, entry, grad))
@@ -390,7 +397,7 @@ class _DeviceAdam(torch.optim.Optimizer):
                 for entry in self.entries:
                     if entry.index not in self._streamed:
                         self._pending.append(self._writer.submit(  # type: ignore[union-attr]
-                            self._write_grad, entry, self._wire_grad(entry)))
+                            self._write_grad, entry, self._streamed_grad(entry)))
                 for future in concurrent.futures.as_completed(self._pending):
                     future.result()
             else:
