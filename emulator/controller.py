@@ -50,6 +50,26 @@ ERROR_LOCATION: dict[tuple[int | None, Status], int] = {
 }
 
 
+# GET LOG PAGE's byte offset (LPOL, LPOU): cdw12 and cdw13, bytes 48-55 of a submission.
+LOG_PAGE_OFFSET_AT = 48
+
+
+def log_range(command: Command, page: bytes) -> bytes:
+    """The part of a log page a GET LOG PAGE asks for, as NVMe has it: NUMD + 1 dwords (NUMD
+    zero's based: NUMDL in cdw10 bits 31:16, NUMDU in cdw11 bits 15:0) from byte offset LPO
+    (cdw12, cdw13; a multiple of 4). Where the page ends first the data is shorter, and the
+    completion's data_len says how long; so NUMD all ones reads any page whole."""
+    dwords = ((command.cdw11 & 0xFFFF) << 16 | command.cdw10 >> 16) + 1
+    offset = command.cdw12 | command.cdw13 << 32
+    if offset % 4:
+        raise DeviceError(Status.INVALID_FIELD, f"log page offset {offset} is not a multiple of 4",
+                          LOG_PAGE_OFFSET_AT)
+    if offset > len(page):
+        raise DeviceError(Status.INVALID_FIELD, f"log page offset {offset} is past the page's end "
+                          f"({len(page)} bytes)", LOG_PAGE_OFFSET_AT)
+    return page[offset : offset + 4 * dwords]
+
+
 def _json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True).encode()
 
@@ -104,6 +124,7 @@ class Controller:
         handler = self._handlers.get(command.opcode)
         # An armed injection answers in the command's place: the command does not run.
         injected = self.injector.take(Queue.ADMIN, command.opcode, command.nsid, command.cid)
+        location: int | None = None  # the submission byte a refusal names, where the handler says
         if injected is not None:
             completion = Completion(command.cid, injected.status, data=injected.message.encode())
         elif handler is None:
@@ -116,6 +137,7 @@ class Controller:
                 completion = handler(command)
             except DeviceError as exc:
                 completion = Completion(command.cid, exc.status, data=exc.message.encode())
+                location = exc.location
             except Exception as exc:  # a bug must not take the device down
                 log.exception("opcode %#04x failed", command.opcode)
                 completion = Completion(
@@ -125,16 +147,17 @@ class Controller:
             self.commands_completed += 1
         else:
             self.commands_failed += 1
-            self._log_error(command, completion)
+            self._log_error(command, completion, location)
         return completion
 
-    def _log_error(self, command: Command, completion: Completion) -> None:
+    def _log_error(self, command: Command, completion: Completion, location: int | None = None) -> None:
         """Every failed command gets an Error Information entry (LID 01h)."""
         status = completion.status
-        location = NOT_APPLICABLE
-        if isinstance(status, Status):
-            location = ERROR_LOCATION.get((command.opcode, status),
-                                          ERROR_LOCATION.get((None, status), NOT_APPLICABLE))
+        if location is None:
+            location = NOT_APPLICABLE
+            if isinstance(status, Status):
+                location = ERROR_LOCATION.get((command.opcode, status),
+                                              ERROR_LOCATION.get((None, status), NOT_APPLICABLE))
         self.device.health.log_error(int(status), sqid=0, cmdid=command.cid, nsid=command.nsid,
                                      opcode=command.opcode, parm_error_location=location)
 
@@ -180,8 +203,7 @@ class Controller:
     # ------------------------------------------------------------------ log pages
 
     def _get_log_page(self, command: Command) -> Completion:
-        """cdw10 bits 7:0 select the page; the data is the whole page (NUMD and the offset are
-        not used: the completion's data_len carries the length)."""
+        """cdw10 bits 7:0 select the page; NUMD and the offset the part of it (log_range)."""
         lid = command.cdw10 & 0xFF
         if lid == LogId.ERROR:
             entries = [entry.fields() for entry in self.device.health.error_entries()]
@@ -204,7 +226,7 @@ class Controller:
             data = self.log_pages[lid](command)
         else:
             raise DeviceError(Status.INVALID_LOG_PAGE, f"invalid log page {lid:#04x}")
-        return Completion(command.cid, Status.SUCCESS, data=data)
+        return Completion(command.cid, Status.SUCCESS, data=log_range(command, data))
 
     def _vendor_identify(self, command: Command) -> Completion:
         description = self.device.describe()

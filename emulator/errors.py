@@ -118,10 +118,13 @@ STATUS_ERRNO: dict[Status, int] = {
 class DeviceError(Exception):
     """A command or file operation the device refused; carries the completion status."""
 
-    def __init__(self, status: Status, message: str) -> None:
+    def __init__(self, status: Status, message: str, location: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        # The submission byte at fault, for the error log's parameter error location, where
+        # the (opcode, status) pair alone does not say (see controller.ERROR_LOCATION).
+        self.location = location
 
     @property
     def errno(self) -> int:

@@ -276,6 +276,41 @@ def test_every_log_id_answers_and_the_error_log_keeps_the_latest_64(mount: Mount
         assert admin.describe()["identity"]["model"]  # still serving
 
 
+def test_get_log_page_reads_the_part_numd_and_the_offset_ask_for(mount: Mount) -> None:
+    """NUMD (zero's based dwords, cdw10 31:16 and cdw11 15:0) and LPO (cdw12-13) select a part
+    of a page, as NVMe has it; past the page's end the data is shorter (data_len). A
+    misaligned or out-of-page offset is INVALID_FIELD, logged at byte 48, and changes nothing."""
+    mp = mount.mountpoint
+    create_namespace(mp, "net", [("b", B_NUMEL)])
+    with AdminClient(mp) as admin:
+        smart = admin.get_log_page(LogId.SMART)
+        assert len(smart) == 512
+
+        def part(cdw10: int, cdw11: int = 0, offset: int = 0):
+            return admin.submit(Opcode.GET_LOG_PAGE, nsid=NSID_ALL, cdw10=LogId.SMART | cdw10 << 16, cdw11=cdw11,
+                                cdw12=offset & 0xFFFFFFFF, cdw13=offset >> 32)
+
+        assert part(0).data == smart[:4]  # NUMD 0: one dword
+        assert part(127).data == smart and part(0xFFFF, 0xFFFF).data == smart
+        assert part(1, offset=8).data == smart[8:16]
+        assert part(0xFFFF, offset=500).data == smart[500:]  # the page ends first: 12 bytes
+        assert part(3, offset=512).data == b""  # at the very end: nothing
+        assert part(0, 1).data == smart  # NUMDU counts 64K dwords
+        assert admin.get_log_page(LogId.SMART, length=16, offset=496) == smart[496:]
+        assert admin.get_log_page(LogId.OPTIMIZER_STATISTICS, length=4, offset=0) == b'{"ne'
+        with pytest.raises(ValueError, match="multiple of 4"):
+            admin.get_log_page(LogId.SMART, length=6)
+        failures = [part(3, offset=2), part(3, offset=516), part(3, offset=1 << 40)]
+        assert [c.status for c in failures] == [Status.INVALID_FIELD] * 3
+        assert failures[0].data == b"log page offset 2 is not a multiple of 4"
+        assert failures[1].data == b"log page offset 516 is past the page's end (512 bytes)"
+        entries = admin.error_log()[:3]
+        assert [(e["cmdid"], e["parm_error_location"]) for e in entries] == [(c.cid, 48) for c in reversed(failures)]
+        # The SMART page's own nsid refusal still names the nsid (byte 4).
+        wrong = admin.submit(Opcode.GET_LOG_PAGE, nsid=7, cdw10=LogId.SMART | 127 << 16)
+        assert wrong.status == Status.INVALID_FIELD and admin.error_log()[0]["parm_error_location"] == 4
+
+
 def test_failed_commands_are_logged_with_their_command(mount: Mount) -> None:
     mp = mount.mountpoint
     nsid = create_namespace(mp, "net", [("b", B_NUMEL)])
@@ -338,6 +373,17 @@ def test_cli_smart_log_error_log_and_get_log(mount: Mount, capsys: pytest.Captur
     assert json.loads(out)["power_cycles"] == 1
     code, out, _ = run(capsys, "get-log", mp, "-i", "1", "-o", "json")
     assert json.loads(out)["errors"][0]["error_count"] == 1
+    # nvme-cli's --log-len and --lpo: a part of the page, dumped at its offsets.
+    code, out, _ = run(capsys, "get-log", mp, "-i", "2", "-l", "16", "-L", "0x10")
+    assert code == 0 and out.startswith(f"Device:{mp} log-id:0x02 namespace-id:0xffffffff offset:16 length:16\n")
+    assert out.splitlines()[2].startswith("0010: ") and len(out.splitlines()) == 3
+    code, out, _ = run(capsys, "get-log", mp, "-i", "2", "--log-len", "8", "-o", "json")
+    assert json.loads(out) == {"log_id": 2, "offset": 0, "length": 8, "data": "002c01640a000000"}
+    with pytest.raises(SystemExit) as refused:
+        main(["get-log", mp, "-i", "2", "-l", "6"])
+    assert refused.value.code == 2 and "a log length is a positive multiple of 4" in capsys.readouterr().err
+    code, _, err = run(capsys, "get-log", mp, "-i", "2", "-L", "6")
+    assert code == 1 and err == "cossd get-log: log page offset 6 is not a multiple of 4 [INVALID_FIELD]\n"
     code, out, _ = run(capsys, "get-log", mp, "-i", "5", "-o", "json")
     assert "ACS_202 (SCRUB)" in json.loads(out)["admin_cmd_set"]
     code, out, _ = run(capsys, "get-log", mp, "-i", "0xc0", "--namespace", "net")

@@ -34,6 +34,22 @@ def parse_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r} (examples: 2, 0xc0)") from None
 
 
+def parse_log_len(text: str) -> int:
+    """GET LOG PAGE's length: bytes, a positive multiple of 4 (NUMD counts dwords)."""
+    length = parse_int(text)
+    if length <= 0 or length % 4 or length > 1 << 34:
+        raise argparse.ArgumentTypeError(f"a log length is a positive multiple of 4 up to 16 GiB, got {text}")
+    return length
+
+
+def parse_log_offset(text: str) -> int:
+    """GET LOG PAGE's byte offset: a multiple of 4 (the device refuses others: INVALID_FIELD)."""
+    offset = parse_int(text)
+    if not 0 <= offset < 1 << 64:
+        raise argparse.ArgumentTypeError(f"a log page offset is 0 to 2**64-1, got {text}")
+    return offset
+
+
 def parse_port(text: str) -> int:
     """A TCP port to listen on: 1-65535."""
     port = parse_int(text)
@@ -389,13 +405,14 @@ def cmd_error_log(args: argparse.Namespace) -> int:
     return 0
 
 
-def hexdump(data: bytes) -> str:
-    """nvme-cli's raw page dump: 16 bytes per row, offset, hex, then the printable ASCII."""
+def hexdump(data: bytes, start: int = 0) -> str:
+    """nvme-cli's raw page dump: 16 bytes per row, offset (counted from `start`, where the
+    data begins in the page), hex, then the printable ASCII."""
     lines = ["       0  1  2  3  4  5  6  7  8  9  a  b  c  d  e  f"]
     for offset in range(0, len(data), 16):
         row = data[offset : offset + 16]
         text = "".join(chr(byte) if 32 <= byte < 127 else "." for byte in row)
-        lines.append(f"{offset:04x}: {' '.join(f'{byte:02x}' for byte in row):<47} \"{text}\"")
+        lines.append(f"{start + offset:04x}: {' '.join(f'{byte:02x}' for byte in row):<47} \"{text}\"")
     return "\n".join(lines)
 
 
@@ -406,9 +423,18 @@ def cmd_get_log(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         nsid = client.nsid(args.namespace) if args.namespace else NSID_ALL
-        data = client.get_log_page(args.log_id, nsid)
+        data = client.get_log_page(args.log_id, nsid, args.log_len, args.lpo)
     if args.output_format == "binary":
         write_binary(data)
+        return 0
+    if args.log_len is not None or args.lpo:
+        # A part of a page: bytes, which no page decoder takes.
+        if args.output_format == "json":
+            print(json.dumps({"log_id": args.log_id, "offset": args.lpo, "length": len(data), "data": data.hex()},
+                             indent=2))
+        else:
+            print(f"Device:{args.mountpoint} log-id:{args.log_id:#04x} namespace-id:{nsid:#x} "
+                  f"offset:{args.lpo} length:{len(data)}\n{hexdump(data, args.lpo)}")
         return 0
     json_page = args.log_id in (LogId.OPTIMIZER_STATISTICS, LogId.SNAPSHOTS, LogId.JOBS)  # vendor JSON pages
     if args.output_format == "json":
@@ -689,6 +715,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("-i", "--log-id", type=parse_int, required=True,
                      help="log page identifier, e.g. 2 or 0xc0")
     sub.add_argument("-n", "--namespace", help="namespace name, for namespace-scoped pages (default: all)")
+    sub.add_argument("-l", "--log-len", type=parse_log_len,
+                     help="bytes to read, a multiple of 4 (NUMD); fewer come back where the page ends "
+                          "first (default: the whole page, from --lpo)")
+    sub.add_argument("-L", "--lpo", type=parse_log_offset, default=0,
+                     help="byte offset into the page to read from, a multiple of 4 (LPOL/LPOU; default 0)")
 
     sub = verb("id-ns", cmd_id_ns, "Identify a namespace (NVMe CNS 00h): sizes in 4 KiB blocks, LBA format.",
                formats=("normal", "json", "binary"))

@@ -246,9 +246,21 @@ class AdminClient:
     def flush(self, nsid: int) -> int:
         return self.call(Opcode.FLUSH, nsid=nsid).result
 
-    def get_log_page(self, log_id: int, nsid: int = NSID_ALL) -> bytes:
-        """The raw bytes of log page `log_id` (cdw10 bits 7:0)."""
-        return self.call(Opcode.GET_LOG_PAGE, nsid=nsid, cdw10=log_id & 0xFF).data
+    def get_log_page(self, log_id: int, nsid: int = NSID_ALL, length: int | None = None,
+                     offset: int = 0) -> bytes:
+        """The raw bytes of log page `log_id` (cdw10 bits 7:0): the whole page, or `length`
+        bytes (a multiple of 4, as NUMD counts dwords) from byte `offset`, fewer where the
+        page ends first."""
+        if length is None:
+            numd = 0xFFFF_FFFF  # as many dwords as NUMD can ask for: the whole page
+        elif length <= 0 or length % 4 or length > 1 << 34:
+            raise ValueError(f"a log page length is a positive multiple of 4 up to 16 GiB, got {length}")
+        else:
+            numd = length // 4 - 1
+        if not 0 <= offset < 1 << 64:
+            raise ValueError(f"a log page offset is 0 to 2**64-1, got {offset}")
+        return self.call(Opcode.GET_LOG_PAGE, nsid=nsid, cdw10=(log_id & 0xFF) | (numd & 0xFFFF) << 16,
+                         cdw11=numd >> 16, cdw12=offset & 0xFFFF_FFFF, cdw13=offset >> 32).data
 
     def smart_log(self) -> dict[str, int]:
         """SMART / Health Information, keyed as nvme-cli's `smart-log -o json` prints it."""
