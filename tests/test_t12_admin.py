@@ -427,6 +427,21 @@ def test_cli_scrub_and_list(mount: Mount, capsys: pytest.CaptureFixture[str]) ->
     code, _, err = run(capsys, "scrub", mp, "nope")
     assert code == 1 and "no namespace named 'nope'" in err
 
+    # flush: the step the implicit write above committed is durable once it returns.
+    code, out, _ = run(capsys, "flush", mp, "net")
+    assert code == 0 and out == "NVMe Flush: success (namespace net, durable step 1)\n"
+    with AdminClient(mount.mountpoint) as admin:
+        assert admin.statistics(admin.nsid("net"))["durable_step"] == 1
+        admin.create_namespace({"name": "raw", "kind": "nvm", "capacity_bytes": 1 << 20})
+    code, out, _ = run(capsys, "flush", mp, "raw", "-o", "json")
+    assert code == 0 and json.loads(out) == {"namespace": "raw", "nsid": 2, "durable_step": None}
+    code, out, _ = run(capsys, "flush", mp)
+    assert code == 0 and out == "NVMe Flush: success (every namespace)\n"
+    code, _, err = run(capsys, "flush", mp, "nope")
+    assert code == 1 and "no namespace named 'nope'" in err
+    with AdminClient(mount.mountpoint) as admin:
+        admin.delete_namespace(admin.nsid("raw"))
+
     assert (mount.mountpoint.resolve(), mount.backing.resolve()) in mounted_devices()
     code, out, _ = run(capsys, "list")
     line = next(row for row in out.splitlines() if row.startswith(mp))

@@ -504,6 +504,23 @@ def cmd_admin_passthru(args: argparse.Namespace) -> int:
     return 0 if completion.status == 0 or status == "STEP_SKIPPED_NONFINITE" else 1
 
 
+def cmd_flush(args: argparse.Namespace) -> int:
+    """FLUSH (C9h), like `nvme flush`: make one namespace's committed step (or an NVM
+    namespace's acknowledged writes) durable, or every namespace's."""
+    from cossd.emulator.protocol import NSID_ALL
+
+    with _client(args) as client:
+        nsid = client.nsid(args.name) if args.name else NSID_ALL
+        kind = client.statistics(nsid).get("kind", "optimizer") if args.name else None
+        result = client.flush(nsid)
+    value = {"namespace": args.name, "nsid": nsid,
+             "durable_step": result if kind == "optimizer" else None}
+    emit(args, value, lambda v: "NVMe Flush: success" + (
+        f" (namespace {v['namespace']}, durable step {v['durable_step']})" if v["durable_step"] is not None
+        else f" (namespace {v['namespace']})" if v["namespace"] else " (every namespace)"))
+    return 0
+
+
 def cmd_scrub(args: argparse.Namespace) -> int:
     from cossd.emulator.protocol import NSID_ALL
 
@@ -735,6 +752,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument(f"--cdw{n}", type=parse_int, default=0, help=argparse.SUPPRESS if n > 13 else f"command dword {n}")
     sub.add_argument("--input-file", type=Path, help="payload to send after the entry (data_len is its size)")
     sub.add_argument("-r", "--raw-data", action="store_true", help="with -o normal, hex-dump the returned data")
+
+    sub = verb("flush", cmd_flush, "Make a namespace's committed step durable (an NVM namespace: its "
+               "acknowledged writes), or every namespace's (FLUSH C9h, like nvme flush).")
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("name", nargs="?", help="namespace (default: every namespace)")
 
     sub = verb("scrub", cmd_scrub, "Verify every block checksum of a namespace (default: all); "
                "exits 1 if any block is bad.")
