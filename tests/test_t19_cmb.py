@@ -376,6 +376,30 @@ def test_trainers_share_the_cmb_or_use_the_files(mounted: Mount, cmb_bytes: int 
 
 
 @pytest.mark.mount
+def test_the_claimed_part_holds_a_step_with_each_tensor_padded_to_a_cache_line(mounted: Mount) -> None:
+    """Each tensor's gradients and params sit at 64-byte boundaries in the CMB part, so the
+    part claimed is what that takes, not 4 bytes a parameter: with 262143 + 1 parameters
+    (4 B/param is exactly 1 MiB, the padding 128 bytes more) a step still goes in one
+    CMB_WRITE that brings the params back (no reads), streamed or not."""
+    for streaming in (False, True):
+        params = [torch.nn.Parameter(torch.randn(262143).to(torch.bfloat16)),
+                  torch.nn.Parameter(torch.randn(1).to(torch.bfloat16))]
+        optimizer = AdamW(params, mount=mounted.mountpoint, namespace=f"pad{int(streaming)}", lr=1e-3,
+                          streaming=streaming)
+        try:
+            assert optimizer.files.cmb().size >= 2 * (524288 + 64)
+            assert optimizer.files.stream_slots() is not None
+            before = optimizer.files.statistics()["read_commands"]
+            for _ in range(2):
+                for param in params:
+                    param.grad = torch.full_like(param, 0.01)
+                optimizer.step()
+            assert optimizer.files.statistics()["read_commands"] == before
+        finally:
+            optimizer.close()
+
+
+@pytest.mark.mount
 @pytest.mark.cmb_bytes(64 << 10)
 def test_streaming_takes_the_files_where_the_cmb_part_cannot_hold_a_step(mounted: Mount) -> None:
     """Streaming gives each tensor a fixed place in the CMB part for its gradients and params;

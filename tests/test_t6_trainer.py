@@ -379,3 +379,28 @@ def test_cuda_model_steps_like_a_cpu_model(opened, mount: Mount, use_cmb: bool) 
         on_cpu.step()
         on_gpu.step()
         assert all(torch.equal(a, b.cpu()) for a, b in zip(bits(cpu_model), bits(gpu_model)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
+def test_cuda_streaming_on_a_side_stream_steps_like_the_cpu(opened, mount: Mount) -> None:
+    """Streaming from a GPU whose backward runs on a side stream: the writer thread waits for
+    each gradient (an event on that stream) before copying it into the CMB, so the steps
+    are the CPU model's, bit for bit, with each CPU gradient given to the GPU model first."""
+    cpu_model = make_model(torch.bfloat16)
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    on_cpu = opened(AdamW, cpu_model.parameters(), mount=mount.mountpoint, namespace="s-cpu")
+    on_gpu = opened(AdamW, gpu_model.parameters(), mount=mount.mountpoint, namespace="s-gpu", streaming=True)
+    assert on_gpu.files.stream_slots() is not None
+    side = torch.cuda.Stream()
+    for step in range(1, 6):
+        on_cpu.zero_grad()
+        x, y = batch(step, torch.bfloat16)
+        F.cross_entropy(cpu_model(x).float(), y).backward()
+        on_gpu.zero_grad()
+        with torch.cuda.stream(side):
+            # A loss whose gradient is exactly the CPU one, made on the side stream by backward.
+            targets = [p.grad.cuda(non_blocking=False) for p in cpu_model.parameters()]
+            sum((q * t).sum() for q, t in zip(gpu_model.parameters(), targets)).backward()
+        on_cpu.step()
+        on_gpu.step()
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(bits(cpu_model), bits(gpu_model)))

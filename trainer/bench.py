@@ -458,6 +458,9 @@ def trainer_checkpoint_target(device: BenchDevice, workdir: Path) -> Iterator[Nv
                                    name=bench_trainer.TRAINER_NAMESPACE + "-checkpoints").open()
     except (RuntimeError, OSError) as exc:
         reason = f"no ext4 on the device here: {exc}"
+    else:
+        reason = None
+    if reason is not None:
         _say(f"  trainer checkpoints go to a plain directory on {filesystem_of(workdir)} ({reason})")
         yield bench_trainer.LocalCheckpointDir(workdir / "trainer-checkpoints", reason)
         return

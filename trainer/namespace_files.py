@@ -115,27 +115,44 @@ class CmbRegion:
 
 
 def _clear_cuda_error() -> None:
-    """Read (and so clear) CUDA's last error: a failed cudaHostRegister leaves it set, and
-    torch would report it as its own at the next kernel launch. torch does not bind
-    cudaGetLastError, so it is called in the libcudart this process has loaded."""
+    """Read (and so clear) CUDA's last error: a failed cudaHostRegister or Unregister leaves
+    it set, and torch would report it as its own at the next kernel launch. torch does not
+    bind cudaGetLastError, so it is called in the libcudart this process has loaded."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             if "libcudart.so" in line:
                 ctypes.CDLL(line.split()[-1]).cudaGetLastError()
                 return
+    log.warning("no libcudart in this process to clear CUDA's last error with; torch may report "
+                "the failed page-locking at its next kernel launch")
 
 
-def pin_for_cuda(pointer: int, size: int) -> bool:
-    """Page-lock host memory for the GPU (cudaHostRegister), so copies between the GPU and
-    it go by DMA at the link's speed rather than through CUDA's staging buffer. False, with
-    a warning, where CUDA refuses (the copies still work, only slower)."""
-    status = int(torch.cuda.cudart().cudaHostRegister(pointer, size, 0))
+# cudaHostRegisterPortable: every CUDA context sees the memory as page-locked, not only the
+# current device's.
+_CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+def pin_for_cuda(pointer: int, size: int, device: torch.device) -> bool:
+    """Page-lock host memory for the GPUs (cudaHostRegister, portable, made with `device`
+    current), so copies between a GPU and it go by DMA at the link's speed rather than
+    through CUDA's staging buffer. False, with a warning, where CUDA refuses (the copies
+    still work, only slower)."""
+    with torch.cuda.device(device):
+        status = int(torch.cuda.cudart().cudaHostRegister(pointer, size, _CUDA_HOST_REGISTER_PORTABLE))
     if status == 0:
         return True
     _clear_cuda_error()
     log.warning("cudaHostRegister of the CMB failed (CUDA error %d); GPU copies to and from it "
                 "go through CUDA's staging buffer", status)
     return False
+
+
+def unpin_for_cuda(pointer: int) -> None:
+    """Undo pin_for_cuda (before the memory is unmapped)."""
+    status = int(torch.cuda.cudart().cudaHostUnregister(pointer))
+    if status != 0:
+        _clear_cuda_error()
+        log.warning("cudaHostUnregister of the CMB failed (CUDA error %d)", status)
 
 
 class DeviceLostError(RuntimeError):
@@ -191,7 +208,7 @@ class NamespaceFiles:
         """Close every handle; a dead mount's handles fail to close cleanly, which is fine."""
         self._close_files()
         if self._cmb_pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._cmb_pinned)
+            unpin_for_cuda(self._cmb_pinned)
             self._cmb_pinned = 0
         if isinstance(self._cmb, CmbRegion):
             self._cmb.mapping.close()
@@ -344,7 +361,9 @@ class NamespaceFiles:
                             self.mountpoint, exc)
                 return None
             if mapping is not None:
-                wanted = 4 * sum(int(t["numel"]) for t in self.config()["tensors"])
+                # Gradients and params, each tensor's padded to a cache line (plan_cmb_batches).
+                wanted = 2 * sum(-(-2 * int(t["numel"]) // _CMB_ALIGN) * _CMB_ALIGN
+                                 for t in self.config()["tensors"])
                 fd = os.open(mapping.path, os.O_RDWR | os.O_CLOEXEC)
                 claimed = claim_region(fd, mapping.size, wanted)
                 if claimed is not None:
@@ -354,15 +373,15 @@ class NamespaceFiles:
                     mapping.close()
         return self._cmb if isinstance(self._cmb, CmbRegion) else None
 
-    def pin_cmb_for_cuda(self) -> bool:
-        """Page-lock this client's part of the CMB for a GPU's copies (see pin_for_cuda).
-        False where there is no part, or CUDA refused."""
+    def pin_cmb_for_cuda(self, device: torch.device) -> bool:
+        """Page-lock this client's part of the CMB for the GPUs' copies (see pin_for_cuda;
+        `device` is a GPU the model is on). False where there is no part, or CUDA refused."""
         cmb = self.cmb()
         if cmb is None:
             return False
         if not self._cmb_pinned:
             pointer = cmb.array.ctypes.data
-            if pin_for_cuda(pointer, cmb.size):
+            if pin_for_cuda(pointer, cmb.size, device):
                 self._cmb_pinned = pointer
         return bool(self._cmb_pinned)
 
@@ -376,7 +395,7 @@ class NamespaceFiles:
         param offset, bytes)} (offsets in the part), where the part holds every tensor's
         gradient and params at once; else None, and such gradients go through the files."""
         if self._stream_slots is False:
-            self._stream_slots = None
+            slots = None
             cmb = self.cmb()
             if cmb is not None:
                 tensors = [(t["name"], 2 * int(t["numel"])) for t in self.config()["tensors"]]
@@ -384,16 +403,21 @@ class NamespaceFiles:
                 batches = plan_cmb_batches(sizes + sizes, cmb.size)
                 if len(batches) == 1:
                     placed = {item: at for item, _, _, at in batches[0]}
-                    self._stream_slots = {name: (placed[item], placed[len(tensors) + item], size)
-                                          for item, (name, size) in enumerate(tensors)}
+                    slots = {name: (placed[item], placed[len(tensors) + item], size)
+                             for item, (name, size) in enumerate(tensors)}
+            self._stream_slots = slots  # only once worked out: a failed read is tried again
         return self._stream_slots if isinstance(self._stream_slots, dict) else None
 
-    def write_streamed(self, tensor: str, values: torch.Tensor) -> int:
+    def write_streamed(self, tensor: str, values: torch.Tensor,
+                       ready: "torch.cuda.Event | None" = None) -> int:
         """One tensor's gradients of the open step (from any device, a GPU's included, where
         stream_slots() has a place for them; else from the host, through its file). Through
         the CMB the device also puts the tensor's new params there as its kernel computes
         them, for read_many_into after the step's end. The command returns once the
-        tensor's complete blocks have run."""
+        tensor's complete blocks have run. `ready`: an event recorded where a GPU gradient
+        was made (backward's stream), which this thread's copy must wait for."""
+        if ready is not None:
+            ready.synchronize()
         slots = self.stream_slots()
         if slots is None:
             return self.write(tensor, "grad", values)

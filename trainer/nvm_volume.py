@@ -45,8 +45,11 @@ def syncfs(path: Path) -> None:
 
 
 def loop_devices_of(backing_file: Path) -> list[str]:
-    """The loop devices attached to `backing_file` (losetup -j)."""
-    result = _run(["losetup", "-j", str(backing_file)])
+    """The loop devices attached to `backing_file` (losetup -j); none where there is no losetup."""
+    try:
+        result = _run(["losetup", "-j", str(backing_file)])
+    except FileNotFoundError:
+        return []
     return [line.split(":", 1)[0] for line in result.stdout.splitlines() if line.strip()]
 
 

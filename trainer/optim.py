@@ -125,9 +125,10 @@ class _DeviceAdam(torch.optim.Optimizer):
         self._initialized = True
         # A GPU model's gradients and params cross between the GPU and the CMB: page-locked,
         # each crossing is one DMA instead of a copy through CUDA's staging buffer.
-        self.cmb_pinned = (any(entry.param.device.type == "cuda" for entry in self.entries)
-                           and self.files.pin_cmb_for_cuda())
+        gpu = next((entry.param.device for entry in self.entries if entry.param.device.type == "cuda"), None)
+        self.cmb_pinned = gpu is not None and self.files.pin_cmb_for_cuda(gpu)
         if streaming:
+            self.files.stream_slots()  # where streamed gradients go, worked out before any backward
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cossd-grads")
             for entry in self.entries:
                 entry.param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -250,16 +251,22 @@ class _DeviceAdam(torch.optim.Optimizer):
             raise RuntimeError("cossd optimizers do not support sparse gradients")
         return grad.detach().to("cpu" if on_host else grad.device, self.dtype).reshape(-1)
 
-    def _write_grad(self, entry: _Entry, grad: torch.Tensor) -> int:
+    def _write_grad(self, entry: _Entry, grad: tuple[torch.Tensor, "torch.cuda.Event | None"]) -> int:
         """One tensor's gradients, streamed (on the writer thread)."""
         if self.before_grad_write is not None:
             self.before_grad_write(entry.index)
-        return self.files.write_streamed(entry.name, grad)
+        return self.files.write_streamed(entry.name, *grad)
 
-    def _streamed_grad(self, entry: _Entry) -> torch.Tensor:
-        """The gradient to stream: where it goes through the CMB it stays on its device (a
-        GPU's copies straight into the CMB), else it comes to the host for the file."""
-        return self._wire_grad(entry, on_host=self.files.stream_slots() is None)
+    def _streamed_grad(self, entry: _Entry) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """The gradient to stream, and for one on a GPU an event the writer thread waits for:
+        where it goes through the CMB it stays on its device (the writer copies it straight
+        into the CMB, after backward's stream has made it), else it comes to the host here."""
+        grad = self._wire_grad(entry, on_host=self.files.stream_slots() is None)
+        ready = None
+        if grad.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()  # on this thread's current stream: the one backward made it on
+        return grad, ready
 
     def _write_grads(self, grads: list[torch.Tensor]) -> None:
         """Every gradient of the step at once: through the device's memory buffer when it
