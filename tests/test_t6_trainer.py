@@ -271,8 +271,10 @@ def test_state_dict_moves_between_cossd_and_stock(opened, mount: Mount) -> None:
     imported.close()
 
 
-def test_quick_restore_after_daemon_killed_mid_step(opened, mount: Mount) -> None:
-    """kill -9 while gradients are in flight; a new job reattaches and continues bit for bit."""
+@pytest.mark.parametrize("streaming", [False, True])
+def test_quick_restore_after_daemon_killed_mid_step(opened, mount: Mount, streaming: bool) -> None:
+    """kill -9 while gradients are in flight (sent at step(), or streamed through the CMB from
+    the writer thread while backward runs); a new job reattaches and continues bit for bit."""
     straight = make_model(torch.bfloat16)
     straight_opt = opened(AdamW, straight.parameters(), mount=mount.mountpoint, namespace="straight")
     for step in range(1, 11):
@@ -282,16 +284,20 @@ def test_quick_restore_after_daemon_killed_mid_step(opened, mount: Mount) -> Non
     straight_opt.close()
 
     model = make_model(torch.bfloat16)
-    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="crashy")
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="crashy",
+                       streaming=streaming)
+    assert not streaming or optimizer.files.stream_slots() is not None  # through the CMB
     for step in range(1, 6):
         optimizer.zero_grad()
+        if step == 5:  # before backward: streamed gradients leave during it
+            optimizer.before_grad_write = lambda index: mount.kill() if index == 2 else None
         loss_of(model, step, torch.bfloat16).backward()
         if step == 5:
-            optimizer.before_grad_write = lambda index: mount.kill() if index == 2 else None
             with pytest.raises(DeviceLostError, match="remount"):
                 optimizer.step()
         else:
             optimizer.step()
+    optimizer.close()
     mount.restart()
 
     restarted = make_model(torch.bfloat16, seed=99)  # a new job: its own random init
