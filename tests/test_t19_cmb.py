@@ -375,6 +375,18 @@ def test_trainers_share_the_cmb_or_use_the_files(mounted: Mount, cmb_bytes: int 
         files.close()
 
 
+def _train_alike(models: list[torch.nn.Module], optimizers: list[AdamW], batch: int, seed: int) -> None:
+    """Three steps of each model on the same data, one after the other; then they must be
+    bit for bit alike."""
+    data = torch.randn(batch, 300, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    for _ in range(3):
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            model(data).float().square().mean().backward()
+            optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
 @pytest.mark.mount
 def test_the_claimed_part_holds_a_step_with_each_tensor_padded_to_a_cache_line(mounted: Mount) -> None:
     """Each tensor's gradients and params sit at 64-byte boundaries in the CMB part, so the
@@ -410,13 +422,7 @@ def test_streaming_takes_the_files_where_the_cmb_part_cannot_hold_a_step(mounted
                   AdamW(models[1].parameters(), mount=mounted.mountpoint, namespace="p", lr=1e-3, use_cmb=False)]
     try:
         assert optimizers[0].files.cmb() is not None and optimizers[0].files.stream_slots() is None
-        data = torch.randn(16, 300, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-        for _ in range(3):
-            for model, optimizer in zip(models, optimizers):
-                optimizer.zero_grad()
-                model(data).float().square().mean().backward()
-                optimizer.step()
-        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+        _train_alike(models, optimizers, batch=16, seed=3)
     finally:
         for optimizer in optimizers:
             optimizer.close()
@@ -430,13 +436,7 @@ def test_use_cmb_false_keeps_to_the_files(mounted: Mount) -> None:
                   for i, m in enumerate(models)]
     try:
         assert optimizers[0].files.cmb() is not None and optimizers[1].files.cmb() is None
-        data = torch.randn(32, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-        for _ in range(3):
-            for model, optimizer in zip(models, optimizers):
-                optimizer.zero_grad()
-                model(data).float().square().mean().backward()
-                optimizer.step()
-        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+        _train_alike(models, optimizers, batch=32, seed=2)
     finally:
         for optimizer in optimizers:
             optimizer.close()
