@@ -79,7 +79,7 @@ class Status(enum.IntEnum):
 
 
 # errno for each status where a file operation (not a command) must fail; the table in
-# docs/errno.md lists the same rows and tests/test_t3_mount_errno.py covers each.
+# docs/errno.md lists the same rows and tests/test_t11_errno_table.py covers each.
 STATUS_ERRNO: dict[Status, int] = {
     Status.SUCCESS: 0,
     Status.INVALID_OPCODE: errno.EINVAL,
