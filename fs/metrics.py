@@ -103,7 +103,7 @@ class DeviceCollector(Collector):
             ("cossd_endurance_used_ratio", "SMART percentage used (modeled wear), as a ratio.",
              smart["percent_used"] / 100),
             ("cossd_capacity_bytes", "Device capacity.", device.capacity_bytes),
-            ("cossd_allocated_bytes", "Bytes allocated to namespaces (both state copies).",
+            ("cossd_allocated_bytes", "Bytes allocated to namespaces (state copies, snapshots, NVM data).",
              device.allocated_bytes),
             ("cossd_namespaces", "Namespaces served.", len(namespaces)),
             ("cossd_failed_namespaces", "Namespaces that failed recovery at mount.",
