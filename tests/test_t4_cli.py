@@ -181,6 +181,14 @@ def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert in_ram is None or (in_ram["seconds"] > 0 and files["seconds"] > 0
                               and in_ram["bytes_over_link"] == files["bytes_over_link"] == 4 * 65536)
     assert in_ram is None or (in_ram["transport"], files["transport"]) == ("cmb", "files")
+    # Whole iterations (forward, backward, step) of an MLP of about as many parameters.
+    iterations = trainer["iterations"]
+    rows = {name: row for name, row in iterations.items() if isinstance(row, dict)}
+    assert len(rows) == 4 and all(row["seconds"] > 0 for row in rows.values())
+    assert all(row["phases_seconds"]["forward_backward_s"] > 0 for row in rows.values())
+    assert rows["resident fused AdamW (BF16 autocast) + torch.save checkpoint"]["phases_seconds"]["checkpoint_s"] > 0
+    assert rows["cossd offload, gradients streamed during backward"]["state_on_trainer_bytes"] == 0
+    assert "66,304 parameters" in iterations["model"] and "Whole iterations" in (tmp_path / "b/bench.md").read_text()
 
 
 def test_bench_trainer_without_ext4_checkpoints_into_a_directory(

@@ -603,9 +603,12 @@ def run(args: argparse.Namespace) -> int:
                 if ram is not None:
                     shutil.rmtree(ram, ignore_errors=True)
             for name, row in report["trainer"].items():
-                if isinstance(row, dict):
+                if isinstance(row, dict) and name != "iterations":
                     _say(f"  trainer on {report['trainer']['device']}, {name}: {row['seconds']:.3f} s per step, "
                          f"{row['bytes_over_link'] / 1e6:.0f} MB over the link")
+            for name, row in report["trainer"]["iterations"].items():
+                if isinstance(row, dict):
+                    _say(f"  iteration on {report['trainer']['device']}, {name}: {row['seconds']:.3f} s")
     finally:
         device.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -853,7 +856,8 @@ def chart(report: dict[str, Any], path: Path) -> None:
     axes[2].set(title="restore (cold)", ylabel="seconds")
     axes[2].tick_params(axis="x", labelsize=7)
     if trainer:
-        rows = {name.split(" (")[0]: row for name, row in trainer.items() if isinstance(row, dict)}
+        rows = {name.split(" (")[0]: row for name, row in trainer.items()
+                if isinstance(row, dict) and name != "iterations"}
         axes[3].bar(list(rows), [row["seconds"] for row in rows.values()], color="#1b9e77")
         axes[3].set(title=f"one durable step, trainer on {trainer['device']}", ylabel="seconds")
         axes[3].tick_params(axis="x", labelsize=7)

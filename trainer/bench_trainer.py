@@ -26,6 +26,7 @@ import torch
 
 from cossd.tools.client import AdminClient
 
+from . import bench_iteration
 from .nvm_volume import NvmVolume, syncfs
 from .optim import AdamW
 
@@ -165,6 +166,11 @@ def trainer_costs(device_name: str, mountpoint: Path, volume: NvmVolume | LocalC
         costs["cossd offload, the drive's media in RAM"] = cossd_offload(device, ram_mountpoint, n, repeat)
         costs["cossd offload, media in RAM, through the tensor files"] = cossd_offload(
             device, ram_mountpoint, n, repeat, use_cmb=False)
+    # Whole iterations: the offload's drive in RAM where there is one (as a drive writing
+    # its media by DMA), else the bench's device.
+    costs["iterations"] = bench_iteration.iteration_costs(
+        device, ram_mountpoint or mountpoint, volume, n, repeat,
+        "tmpfs (media in RAM)" if ram_mountpoint is not None else "the bench's temporary directory")
     return costs
 
 
@@ -175,7 +181,7 @@ def markdown_rows(section: dict[str, Any]) -> list[str]:
              "| method | seconds per step | of which | bytes over the link | optimizer state on the trainer |",
              "|---|---|---|---|---|"]
     for name, row in section.items():
-        if not isinstance(row, dict):
+        if not isinstance(row, dict) or name == "iterations":
             continue
         if "checkpoint_seconds" in row:
             detail = f"step {row['step_seconds']:.3f} + checkpoint {row['checkpoint_seconds']:.3f}"
@@ -184,4 +190,6 @@ def markdown_rows(section: dict[str, Any]) -> list[str]:
                                for key, value in row["phases_seconds"].items())
         lines.append(f"| {name} | {row['seconds']:.3f} | {detail} | {row['bytes_over_link'] / 1e6:.0f} MB "
                      f"| {row['state_on_trainer_bytes'] / 1e6:.0f} MB |")
+    if "iterations" in section:
+        lines += bench_iteration.markdown_rows(section["iterations"])
     return lines
