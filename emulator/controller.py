@@ -50,15 +50,24 @@ ERROR_LOCATION: dict[tuple[int | None, Status], int] = {
 }
 
 
-# GET LOG PAGE's byte offset (LPOL, LPOU): cdw12 and cdw13, bytes 48-55 of a submission.
+# GET LOG PAGE's byte offset (LPOL, LPOU): cdw12 and cdw13, bytes 48 and 52 of a submission;
+# cdw14 (byte 56) holds the offset type (bit 23: LPO is an index, not a byte offset).
 LOG_PAGE_OFFSET_AT = 48
+LOG_PAGE_OFFSET_UPPER_AT = 52
+LOG_PAGE_CDW14_AT = 56
+LOG_PAGE_OFFSET_TYPE_INDEX = 1 << 23
 
 
 def log_range(command: Command, page: bytes) -> bytes:
     """The part of a log page a GET LOG PAGE asks for, as NVMe has it: NUMD + 1 dwords (NUMD
     zero's based: NUMDL in cdw10 bits 31:16, NUMDU in cdw11 bits 15:0) from byte offset LPO
     (cdw12, cdw13; a multiple of 4). Where the page ends first the data is shorter, and the
-    completion's data_len says how long; so NUMD all ones reads any page whole."""
+    completion's data_len says how long; so NUMD all ones reads any page whole. An offset
+    given as an index (cdw14 bit 23, OT) is not supported: no page here is a list of
+    entries that an index would pick."""
+    if command.cdw14 & LOG_PAGE_OFFSET_TYPE_INDEX:
+        raise DeviceError(Status.INVALID_FIELD, "log page offset type 1 (an index) is not supported",
+                          LOG_PAGE_CDW14_AT)
     dwords = ((command.cdw11 & 0xFFFF) << 16 | command.cdw10 >> 16) + 1
     offset = command.cdw12 | command.cdw13 << 32
     if offset % 4:
@@ -66,7 +75,7 @@ def log_range(command: Command, page: bytes) -> bytes:
                           LOG_PAGE_OFFSET_AT)
     if offset > len(page):
         raise DeviceError(Status.INVALID_FIELD, f"log page offset {offset} is past the page's end "
-                          f"({len(page)} bytes)", LOG_PAGE_OFFSET_AT)
+                          f"({len(page)} bytes)", LOG_PAGE_OFFSET_UPPER_AT if command.cdw13 else LOG_PAGE_OFFSET_AT)
     return page[offset : offset + 4 * dwords]
 
 

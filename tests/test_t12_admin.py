@@ -305,7 +305,16 @@ def test_get_log_page_reads_the_part_numd_and_the_offset_ask_for(mount: Mount) -
         assert failures[0].data == b"log page offset 2 is not a multiple of 4"
         assert failures[1].data == b"log page offset 516 is past the page's end (512 bytes)"
         entries = admin.error_log()[:3]
-        assert [(e["cmdid"], e["parm_error_location"]) for e in entries] == [(c.cid, 48) for c in reversed(failures)]
+        # LPOL (byte 48) is at fault but for the last offset, past the end by its LPOU (byte 52).
+        assert [(e["cmdid"], e["parm_error_location"]) for e in entries] == [
+            (c.cid, at) for c, at in reversed(list(zip(failures, (48, 48, 52))))]
+        # Past the end through LPOU names cdw13 (byte 52); an index offset (cdw14 bit 23, OT) is
+        # refused at byte 56.
+        upper = admin.submit(Opcode.GET_LOG_PAGE, nsid=NSID_ALL, cdw10=LogId.SMART | 3 << 16, cdw13=1)
+        index = admin.submit(Opcode.GET_LOG_PAGE, nsid=NSID_ALL, cdw10=LogId.SMART | 3 << 16, cdw14=1 << 23)
+        assert (upper.status, index.status) == (Status.INVALID_FIELD, Status.INVALID_FIELD)
+        assert index.data == b"log page offset type 1 (an index) is not supported"
+        assert [e["parm_error_location"] for e in admin.error_log()[:2]] == [56, 52]
         # The SMART page's own nsid refusal still names the nsid (byte 4).
         wrong = admin.submit(Opcode.GET_LOG_PAGE, nsid=7, cdw10=LogId.SMART | 127 << 16)
         assert wrong.status == Status.INVALID_FIELD and admin.error_log()[0]["parm_error_location"] == 4

@@ -511,10 +511,11 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         nsid = client.nsid(args.name) if args.name else NSID_ALL
-        kind = client.statistics(nsid).get("kind", "optimizer") if args.name else None
-        result = client.flush(nsid)
+        client.flush(nsid)
+        # The durable step in full (FLUSH's result dword holds only its low 32 bits).
+        stats = client.statistics(nsid) if args.name else {}
     value = {"namespace": args.name, "nsid": nsid,
-             "durable_step": result if kind == "optimizer" else None}
+             "durable_step": stats["durable_step"] if args.name and "kind" not in stats else None}
     emit(args, value, lambda v: "NVMe Flush: success" + (
         f" (namespace {v['namespace']}, durable step {v['durable_step']})" if v["durable_step"] is not None
         else f" (namespace {v['namespace']})" if v["namespace"] else " (every namespace)"))
