@@ -126,6 +126,12 @@ def test_cmb_steps_match_file_steps_bit_for_bit(mounted: Mount) -> None:
         assert client.statistics(nsid)["committed_step"] == 3
 
 
+def _loaded_namespace(mp: Path) -> None:
+    """Namespace "m" of TENSORS, its master weights loaded."""
+    create_namespace(mp, "m", TENSORS)
+    _masters(mp, "m")
+
+
 def _expect(client: AdminClient, opcode: Opcode, nsid: int, payload: Any, status: Status, text: str = "") -> None:
     raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     completion = client.submit(opcode, nsid=nsid, payload=raw)
@@ -136,8 +142,7 @@ def _expect(client: AdminClient, opcode: Opcode, nsid: int, payload: Any, status
 @pytest.mark.mount
 def test_refused_transfers_change_nothing(mounted: Mount) -> None:
     mp = mounted.mountpoint
-    create_namespace(mp, "m", TENSORS)
-    _masters(mp, "m")
+    _loaded_namespace(mp)
     with AdminClient(mp) as client:
         nsid = client.nsid("m")
         nvm = client.create_namespace({"name": "raw", "kind": "nvm", "capacity_bytes": 1 << 20})
@@ -211,8 +216,7 @@ def test_param_copies_hold_the_committed_params_however_the_step_ends(mounted: M
     """Explicit steps: the copies are filled when the step commits (COMMIT_STEP), is skipped
     or is aborted, never with the params of a step that did not commit."""
     mp = mounted.mountpoint
-    create_namespace(mp, "m", TENSORS)
-    _masters(mp, "m")
+    _loaded_namespace(mp)
     rng = np.random.default_rng(4)
     with AdminClient(mp) as client:
         nsid, cmb = client.nsid("m"), client.cmb()
@@ -252,8 +256,7 @@ def test_param_copies_hold_the_committed_params_however_the_step_ends(mounted: M
 @pytest.mark.mount
 def test_nonfinite_gradients_in_the_cmb_skip_the_step(mounted: Mount) -> None:
     mp = mounted.mountpoint
-    create_namespace(mp, "m", TENSORS)
-    _masters(mp, "m")
+    _loaded_namespace(mp)
     with AdminClient(mp) as client:
         nsid, cmb = client.nsid("m"), client.cmb()
         assert cmb is not None

@@ -390,10 +390,11 @@ class NamespaceFiles:
         self._params_back = {}
 
     def stream_slots(self) -> dict[str, tuple[int, int, int]] | None:
-        """For gradients sent one tensor at a time as backward produces them (streaming): a
-        fixed place in this client's CMB part for each tensor, {tensor: (gradient offset,
+        """Each tensor's fixed places in this client's CMB part, {tensor: (gradient offset,
         param offset, bytes)} (offsets in the part), where the part holds every tensor's
-        gradient and params at once; else None, and such gradients go through the files."""
+        gradients and params at once; else None. A step's gradients go there, streamed one
+        tensor at a time (write_streamed) or all at once (write_many); without places,
+        streamed gradients go through the files and whole steps through the CMB in batches."""
         if self._stream_slots is False:
             slots = None
             cmb = self.cmb()
@@ -421,19 +422,26 @@ class NamespaceFiles:
         slots = self.stream_slots()
         if slots is None:
             return self.write(tensor, "grad", values)
-        cmb = self.cmb()
-        assert cmb is not None
-        grad_at, param_at, size = slots[tensor]
         array = values.detach().contiguous().view(-1).view(torch.uint8)
-        if array.numel() != size:
-            raise ValueError(f"{tensor}: {array.numel()} bytes of gradients, the tensor takes {size}")
-        if size:
-            torch.from_numpy(cmb.array)[grad_at : grad_at + size].copy_(array)
-            self.command(self.admin.cmb_write, self.nsid, [
-                {"tensor": tensor, "length": size, "cmb_offset": cmb.base + grad_at,
-                 "param_cmb_offset": cmb.base + param_at}])
-        self._params_back[tensor] = (param_at, size)
-        return size
+        if array.numel() != slots[tensor][2]:
+            raise ValueError(f"{tensor}: {array.numel()} bytes of gradients, the tensor takes {slots[tensor][2]}")
+        return self._grads_to_slots([(tensor, array)])
+
+    def _grads_to_slots(self, grads: list[tuple[str, torch.Tensor]]) -> int:
+        """Gradients (tensor, their bytes, of the size stream_slots() gives) copied into their
+        fixed places in the CMB and sent in one CMB_WRITE, which has the device put each
+        tensor's new params in its params place; noted for read_many_into."""
+        cmb, slots = self.cmb(), self.stream_slots()
+        assert cmb is not None and slots is not None
+        window = torch.from_numpy(cmb.array)
+        for tensor, array in grads:
+            grad_at, _, size = slots[tensor]
+            window[grad_at : grad_at + size].copy_(array)
+        self.command(self.admin.cmb_write, self.nsid, [
+            {"tensor": tensor, "length": slots[tensor][2], "cmb_offset": cmb.base + slots[tensor][0],
+             "param_cmb_offset": cmb.base + slots[tensor][1]} for tensor, _ in grads])
+        self._params_back.update({tensor: slots[tensor][1:] for tensor, _ in grads})
+        return sum(slots[tensor][2] for tensor, _ in grads)
 
     def write_many(self, items: list[tuple[str, str, torch.Tensor]], params_back: bool = False) -> int:
         """write() of several (tensor, role, tensor) at offset 0, through the CMB where there
@@ -441,9 +449,10 @@ class NamespaceFiles:
         and one command per CMB-full, instead of a FUSE write per tensor (each a copy in the
         kernel).
 
-        params_back=True (gradients): where gradients and params fit the CMB together, the
-        device also puts each tensor's new params there as it computes them; the
-        read_many_into of those params that follows the step's end then needs no command.
+        params_back=True (gradients): where gradients and params fit the CMB together (each
+        tensor has its places, stream_slots()), the device also puts each tensor's new
+        params there as it computes them; the read_many_into of those params that follows
+        the step's end then needs no command.
         """
         self._params_back = {}
         cmb = self.cmb()
@@ -451,20 +460,11 @@ class NamespaceFiles:
             return sum(self.write(tensor, role, values) for tensor, role, values in items)
         arrays = [values.detach().contiguous().view(-1).view(torch.uint8) for _, _, values in items]
         sizes = [array.numel() for array in arrays]
+        slots = self.stream_slots() if params_back else None
+        if slots is not None and all(role == "grad" and tensor in slots and slots[tensor][2] == size
+                                     for (tensor, role, _), size in zip(items, sizes)):
+            return self._grads_to_slots([(tensor, array) for (tensor, _, _), array in zip(items, arrays)])
         window = torch.from_numpy(cmb.array)
-        batches = plan_cmb_batches(sizes + sizes, cmb.size) if params_back else []
-        if len(batches) == 1 and all(role == "grad" for _, role, _ in items):
-            # One batch: segments 0..k-1 are the gradients, k..2k-1 room for their params.
-            placed = {item: at for item, _, _, at in batches[0]}
-            for item, array in enumerate(arrays):
-                window[placed[item] : placed[item] + sizes[item]].copy_(array)
-            self.command(self.admin.cmb_write, self.nsid, [
-                {"tensor": items[item][0], "length": sizes[item], "cmb_offset": cmb.base + placed[item],
-                 "param_cmb_offset": cmb.base + placed[len(items) + item]}
-                for item in range(len(items)) if sizes[item]])
-            self._params_back = {items[item][0]: (placed[len(items) + item], sizes[item])
-                                 for item in range(len(items)) if sizes[item]}
-            return sum(sizes)
         for batch in plan_cmb_batches(sizes, cmb.size):
             for item, offset, length, at in batch:
                 window[at : at + length].copy_(arrays[item][offset : offset + length])
