@@ -82,6 +82,18 @@ def _immutable(data: bytes | memoryview) -> bool:
     return isinstance(data, bytes) or (isinstance(data, memoryview) and isinstance(data.obj, bytes))
 
 
+def _backing_mtime_ns(directory: Path) -> int:
+    """The newest mtime among a namespace's files on the media (its state last changed no
+    later than that), or now where none can be read."""
+    times = []
+    for name in ("meta.json", "sb.0", "sb.1", "state.A", "state.B"):
+        try:
+            times.append(os.lstat(directory / name).st_mtime_ns)
+        except OSError:
+            pass
+    return max(times) if times else time.time_ns()
+
+
 class _WouldBlock(Exception):
     """A *_nowait call found that it would have to wait (for the lock or a flush)."""
 
@@ -188,6 +200,12 @@ class Namespace:
         # them, so that readers one after another cannot hold a commit off for ever.
         self._flips_waiting = 0
         self.snapshots = SnapshotStore(self)
+        # Wall-clock times (ns) the mount shows as mtime/ctime: of the last change to the
+        # committed state (a commit, a rollback, the seal, an initial-state write) and of the
+        # hyperparameters, so rsync, backups and `find -newer` see each step. After a
+        # restart the backing files' own times stand in (never older than the change).
+        self.changed_ns = _backing_mtime_ns(directory)
+        self.config_changed_ns = self.changed_ns
 
     # ------------------------------------------------------------------ creation, opening
 
@@ -614,6 +632,7 @@ class Namespace:
                 )
                 media_bytes += 2 * len(source)  # the param bytes derived from the master
             self.counters.state_bytes_loaded += length
+            self.changed_ns = time.time_ns()
             self.counters.write_commands += 1
             self.counters.media_bytes_written += media_bytes
             self.timing.add(host_in=length, media_write=media_bytes)
@@ -1065,6 +1084,7 @@ class Namespace:
             self._durable_seq = superblock.seq
             self._durable_step = superblock.committed_step
         self._sb = superblock
+        self.changed_ns = time.time_ns()
 
     def set_hyperparameters(self, group: int | None = None, **changes: Any) -> Hyperparameters:
         """Change hyperparameters for the next step (persisted with the next commit).
@@ -1087,6 +1107,7 @@ class Namespace:
             updated = {index: self._hypers[index].replace(**changes) for index in targets}
             for index, hyper in updated.items():
                 self._hypers[index] = hyper
+            self.config_changed_ns = time.time_ns()
             return updated[targets[0]]
 
     # ------------------------------------------------------------------ durability

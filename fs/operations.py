@@ -22,6 +22,7 @@ from cossd.emulator.injection import IoOpcode
 from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
 from cossd.emulator.protocol import SUBMISSION, Completion, SubmissionError, submission_length
 
+from .times import NodeTimes
 from .tree import FILE_KINDS, SNAPSHOT_KINDS, Kind, Node, Tree, fuse_error
 
 if TYPE_CHECKING:
@@ -53,7 +54,8 @@ def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]
 
 
 class Stat(NamedTuple):
-    """What GETATTR and LOOKUP answer about a node (the three times are the same)."""
+    """What GETATTR and LOOKUP answer about a node (mtime, ctime and atime are the same:
+    fs/times.py)."""
 
     ino: int
     size: int
@@ -105,6 +107,7 @@ class Operations(pyfuse3.Operations):
         self._uid = os.getuid()
         self._gid = os.getgid()
         self._started_ns = time.time_ns()
+        self.times = NodeTimes(device, self.tree, self._started_ns)
         # Tests set this to a callable(op_name) to inject handler failures on purpose.
         self.fault_hook: Callable[[str], None] | None = None
         # The threads serving the frequent requests in front of pyfuse3 (fs/datapath.py).
@@ -156,7 +159,7 @@ class Operations(pyfuse3.Operations):
         """A node's attributes. Namespaces, steps and sizes change under the client's feet,
         so they are never cached (entry and attribute timeouts 0)."""
         size = self._size(node)
-        return Stat(ino=self.tree.inode(node), size=size, blocks=(size + 511) // 512, time_ns=self._started_ns,
+        return Stat(ino=self.tree.inode(node), size=size, blocks=(size + 511) // 512, time_ns=self.times.of(node),
                     mode=self.tree.mode(node), nlink=1 if node.kind in FILE_KINDS else 2, uid=self._uid,
                     gid=self._gid, blksize=1 << 20)
 
@@ -211,6 +214,10 @@ class Operations(pyfuse3.Operations):
             raise fuse_error(errno.EROFS)
         if fields.update_size and attr.st_size not in (0, self._size(node)):
             raise fuse_error(errno.EINVAL)
+        # The device keeps each file's times (fs/times.py): setting one by hand (touch, cp -p)
+        # would make a stale file look current to rsync, so it is refused, not ignored.
+        if (fields.update_mtime or fields.update_atime) and not fields.update_size:
+            raise fuse_error(errno.EPERM)
         return self._attributes(node)
 
     @_guarded
@@ -274,7 +281,9 @@ class Operations(pyfuse3.Operations):
         if node.kind != Kind.ARRAY:
             raise fuse_error(errno.EISDIR)
         namespace = self.tree.namespace(node)
-        if node.role == "grad" and reads:
+        # O_RDWR is how fio and many tools open a file they write; only a read-only open of
+        # a grad is refused here (its reads are refused as they come: EACCES).
+        if node.role == "grad" and not writes:
             raise fuse_error(errno.EACCES)
         if writes and node.role == "param":
             raise fuse_error(errno.EACCES)

@@ -144,8 +144,16 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from cossd.tools.client import AdminClient
+    from cossd.tools.client import MOUNT_FSTYPE, AdminClient, mount_type_at
 
+    # Only ever a cossd mount: fusermount3 would detach any FUSE mount of this user, and as
+    # root any filesystem at all (a tmpfs, an ext4 loop mount).
+    fstype = mount_type_at(args.mountpoint)
+    if fstype is None:
+        raise SystemExit(f"cossd umount: nothing is mounted at {args.mountpoint}")
+    if fstype != MOUNT_FSTYPE:
+        raise SystemExit(f"cossd umount: {args.mountpoint} is a {fstype} mount, not a cossd device "
+                         f"({MOUNT_FSTYPE}); refusing to unmount it")
     pid = None
     try:
         with AdminClient(args.mountpoint) as client:

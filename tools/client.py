@@ -60,6 +60,19 @@ def mounted_devices(mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo") 
     return devices
 
 
+def mount_type_at(path: os.PathLike[str], mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo") -> str | None:
+    """The filesystem type mounted on `path` (the topmost mount there), or None if nothing is."""
+    target = os.path.realpath(path)
+    found = None
+    with open(mountinfo) as lines:
+        for line in lines:
+            mount_fields, separator, fs_fields = line.rstrip("\n").partition(" - ")
+            fields, fs = mount_fields.split(" "), fs_fields.split(" ")
+            if separator and len(fields) >= 5 and fs and _unescape_mountinfo(fields[4]) == target:
+                found = fs[0]  # later lines are mounts on top of earlier ones
+    return found
+
+
 class DeviceTimeoutError(TimeoutError):
     """The daemon did not answer in time: stopped (SIGSTOP), hung or badly overloaded."""
 

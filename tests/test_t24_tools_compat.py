@@ -1,0 +1,150 @@
+"""Tier 24: ordinary tools against a mount: rsync sees each step (mtimes), umount only ever
+detaches cossd, fio writes gradients through O_RDWR opens, and the CLI's small courtesies."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import Mount, is_mounted
+from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
+
+pytestmark = pytest.mark.mount
+
+NUMEL = 4096
+CLI = [sys.executable, "-m", "cossd.tools.cli"]
+
+
+def _cli(*args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, check=check, timeout=120)
+
+
+def _step(mount: Mount, name: str, seed: int) -> None:
+    grad = np.random.default_rng(seed).standard_normal(NUMEL).astype(np.float16).tobytes()
+    pwrite_all(tensor_dir(mount.mountpoint, name, "w") / "grad", grad)
+
+
+def _rsync(source: Path, dest: Path) -> list[str]:
+    """rsync -a SOURCE/ DEST/, returning the files it transferred."""
+    result = subprocess.run(["rsync", "-a", "--exclude=grad", "--out-format=%n", f"{source}/", f"{dest}/"],
+                            capture_output=True, text=True, check=True, timeout=120)
+    return [line for line in result.stdout.splitlines() if line and not line.endswith("/")]
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="rsync is not installed (make system-deps)")
+def test_rsync_twice_across_a_commit_copies_the_changed_files(mount: Mount, tmp_path: Path) -> None:
+    create_namespace(mount.mountpoint, "run", [("w", NUMEL)])
+    _step(mount, "run", 1)
+    tensors = tensor_dir(mount.mountpoint, "run", "w")
+    backup = tmp_path / "backup"
+    first = _rsync(tensors, backup)
+    assert {"param", "master", "exp_avg", "exp_avg_sq"} <= set(first)
+    # Nothing changed: nothing to copy (the times are stable between commits).
+    assert _rsync(tensors, backup) == []
+    # rsync's quick check compares whole seconds (--modify-window 0): step in a later second.
+    time.sleep(1.1)
+    before = os.stat(tensors / "master").st_mtime_ns
+    _step(mount, "run", 2)
+    after = os.stat(tensors / "master").st_mtime_ns
+    assert after > before
+    assert os.stat(mount.mountpoint / "ns" / "run" / "step").st_mtime_ns == after
+    second = _rsync(tensors, backup)
+    assert {"param", "master", "exp_avg", "exp_avg_sq"} <= set(second)
+    assert (backup / "master").read_bytes() == pread_all(tensors / "master")
+
+
+def test_times_follow_the_state_and_survive_a_remount(mount: Mount, tmp_path: Path) -> None:
+    create_namespace(mount.mountpoint, "run", [("w", NUMEL)])
+    master = tensor_dir(mount.mountpoint, "run", "w") / "master"
+    loaded_before = os.stat(master).st_mtime_ns
+    time.sleep(0.02)
+    pwrite_all(master, np.ones(NUMEL, dtype=np.float32).tobytes())  # an initial-state write
+    loaded = os.stat(master).st_mtime_ns
+    assert loaded > loaded_before
+    reference = tmp_path / "reference"
+    reference.touch()
+    time.sleep(0.02)
+    _step(mount, "run", 1)
+    committed = os.stat(master).st_mtime_ns
+    assert committed > loaded
+    # find -newer sees the commit.
+    found = subprocess.run(["find", str(tensor_dir(mount.mountpoint, "run", "w")), "-newer", str(reference)],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert str(master) in found
+    # Reading changes nothing, and the times are those of the commit, not of the reads.
+    pread_all(master)
+    assert os.stat(master).st_mtime_ns == committed
+    # Setting a time by hand would make a stale file look current: refused.
+    with pytest.raises(PermissionError):
+        os.utime(master, ns=(0, 0))
+    mount.unmount()
+    mount.restart()
+    remounted = os.stat(master).st_mtime_ns
+    # After a restart the media's own times stand in: those of the writes of the last change
+    # (the kernel stamps files from its coarse clock, a tick or so before the daemon's own).
+    assert committed - 50_000_000 <= remounted <= time.time_ns()
+
+
+def test_umount_refuses_a_tmpfs_and_says_when_nothing_is_mounted(tmp_path: Path) -> None:
+    target = tmp_path / "tmpfs"
+    target.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(target)], check=True)
+    try:
+        result = _cli("umount", str(target))
+        assert result.returncode != 0
+        assert "not a cossd device" in result.stderr and "tmpfs" in result.stderr
+        assert is_mounted(target)
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+    result = _cli("umount", str(target))
+    assert result.returncode != 0
+    assert "nothing is mounted at" in result.stderr
+    assert "Invalid argument" not in result.stderr
+
+
+def test_umount_of_a_cossd_mount_still_works(mount: Mount) -> None:
+    result = _cli("umount", str(mount.mountpoint))
+    assert result.returncode == 0, result.stderr
+    assert not is_mounted(mount.mountpoint)
+
+
+def test_grad_opens_read_write_but_reads_are_refused(mount: Mount) -> None:
+    create_namespace(mount.mountpoint, "run", [("w", NUMEL)])
+    grad = tensor_dir(mount.mountpoint, "run", "w") / "grad"
+    with pytest.raises(PermissionError):
+        os.open(grad, os.O_RDONLY)
+    fd = os.open(grad, os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as refused:
+            os.pread(fd, 16, 0)
+        assert refused.value.errno == errno.EACCES
+        data = np.zeros(NUMEL, dtype=np.float16).tobytes()
+        assert os.pwrite(fd, data, 0) == len(data)
+    finally:
+        os.close(fd)
+    assert (mount.mountpoint / "ns" / "run" / "step").read_text().strip() == "1"
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (make system-deps)")
+def test_fio_writes_a_gradient_file(mount: Mount) -> None:
+    create_namespace(mount.mountpoint, "run", [("w", 1 << 20)])
+    grad = tensor_dir(mount.mountpoint, "run", "w") / "grad"
+    result = subprocess.run(
+        ["fio", "--name=grads", f"--filename={grad}", "--rw=write", "--bs=256k", "--size=2M",
+         "--ioengine=psync", "--direct=1", "--zero_buffers", "--output-format=json"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    assert report["jobs"][0]["write"]["io_bytes"] == 2 << 20
+    # Zero gradients (--zero_buffers; fio's default random bytes hold NaNs): one step, committed.
+    assert (mount.mountpoint / "ns" / "run" / "step").read_text().strip() == "1"
+    stats = json.loads((mount.mountpoint / "ns" / "run" / "stats.json").read_text())
+    assert (stats["steps_committed"], stats["steps_skipped"]) == (1, 0)
