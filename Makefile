@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.stamp-install
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-slow torture system-deps install clean
+.PHONY: all demo test test-slow torture system-deps install frameworks clean
 
 all: test
 
@@ -18,13 +18,16 @@ system-deps:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq fuse3 libfuse3-dev pkg-config; \
 	fi
 	@# mkfs.ext4 and losetup: the demo's baselines write through ext4 on a plain NVM namespace.
-	@if ! command -v mkfs.ext4 >/dev/null 2>&1 || ! command -v losetup >/dev/null 2>&1; then \
-	  echo "== installing e2fsprogs mount"; \
+	@# rsync and fio: the tests run them against a mount, as users do.
+	@if ! command -v mkfs.ext4 >/dev/null 2>&1 || ! command -v losetup >/dev/null 2>&1 || \
+	    ! command -v rsync >/dev/null 2>&1 || ! command -v fio >/dev/null 2>&1; then \
+	  echo "== installing e2fsprogs mount rsync fio"; \
 	  $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq e2fsprogs mount; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq e2fsprogs mount rsync fio; \
 	fi
 
-$(STAMP): pyproject.toml setup.py kernels/_build.py kernels/cossd_kernels.c kernels/cossd_kernels.h
+$(STAMP): pyproject.toml setup.py kernels/_build.py kernels/cossd_kernels.c kernels/cossd_kernels.h \
+          kernels/cossd_guard.c kernels/cossd_guard.h
 	@$(MAKE) --no-print-directory system-deps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi
@@ -33,6 +36,19 @@ $(STAMP): pyproject.toml setup.py kernels/_build.py kernels/cossd_kernels.c kern
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The optional test tier: the frameworks users run cossd under (DeepSpeed, Hugging Face
+# transformers and accelerate, Lightning). `make test` runs their tests where they are
+# installed and skips them, saying why, where not; .ci/run installs them first.
+# DeepSpeed has no wheel: it builds from its source distribution, with ninja for the JIT ops.
+FRAMEWORKS_STAMP := $(VENV)/.stamp-frameworks
+$(FRAMEWORKS_STAMP): $(STAMP)
+	$(PY) -m pip install -q ninja
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,frameworks]'
+	$(PY) -m pip install -q --no-build-isolation 'deepspeed==0.19.8'
+	touch $(FRAMEWORKS_STAMP)
+
+frameworks: $(FRAMEWORKS_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m cossd.tools.cli demo
@@ -49,3 +65,25 @@ test-slow: torture
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis kernels/*.so
+
+# A GPU node that reaches no package index (docs/benchmarks.md, "A GPU node without a package
+# index"): `make gpu-bundle` puts the wheels and fuse3 .debs it needs into build/gpu-bundle/;
+# `make gpu-bundle-check` runs the node's script here as a CPU dry run, from the bundle only,
+# with no network, under a stand-in for the node's Python (a venv with torch alone).
+GPU_BUNDLE  := build/gpu-bundle
+GPU_STANDIN := build/gpu-node-standin
+NO_NETWORK  := $(shell unshare --net true 2>/dev/null && echo unshare --net)
+.PHONY: gpu-bundle gpu-bundle-check
+
+gpu-bundle: $(STAMP)
+	PY=$(PY) bash tools/gpu_bundle.sh $(GPU_BUNDLE)
+
+$(GPU_STANDIN)/.stamp-torch:
+	test -x $(GPU_STANDIN)/bin/python || $(PYTHON) -m venv $(GPU_STANDIN)
+	$(GPU_STANDIN)/bin/python -m pip install -q torch==2.13.0
+	touch $@
+
+gpu-bundle-check: gpu-bundle $(GPU_STANDIN)/.stamp-torch
+	rm -rf build/gpu-node-dry-run
+	PIP_NO_INDEX=1 $(NO_NETWORK) $(GPU_STANDIN)/bin/python tools/gpu_node_run.py $(GPU_BUNDLE) \
+	  --cpu-dry-run --bundled-fuse --out build/gpu-node-dry-run

@@ -51,10 +51,7 @@ def parse_transfers(command: Command, default_role: str, sizes: Callable[[str, s
     "cmb_offset", and for CMB_WRITE's gradients "param_cmb_offset"}); malformed ones are
     INVALID_FIELD. A missing length means the rest of the file (sizes(tensor, role) gives
     its size)."""
-    try:
-        value = json.loads(command.payload.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DeviceError(Status.INVALID_FIELD, f"payload is not valid JSON: {exc}") from None
+    value = command.json  # INVALID_FIELD for anything malformed (protocol.decode_json_payload)
     if not isinstance(value, list) or not value:
         raise DeviceError(Status.INVALID_FIELD, "payload must be a non-empty JSON array of transfers")
     if len(value) > MAX_TRANSFERS:

@@ -18,6 +18,7 @@ from .injection import Injector, Queue
 from .logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
 from .namespace import Namespace
 from .protocol import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
+from .superblock import GROUP_FIELDS
 from . import kinds
 
 log = logging.getLogger(__name__)
@@ -79,15 +80,32 @@ def log_range(command: Command, page: bytes) -> bytes:
     return page[offset : offset + 4 * dwords]
 
 
+# Commands whose payload is JSON, and when (a snapshot command's payload may be empty,
+# INJECT_ERROR's clear takes none): such a payload is decoded with the protocol's limits
+# (decode_json_payload: depth, duplicate keys, NaN, 64-bit numbers) before the handler runs,
+# so that no shape of JSON reaches a handler as anything but INVALID_FIELD.
+_ALWAYS: Callable[[Command], bool] = lambda command: True
+_IF_GIVEN: Callable[[Command], bool] = lambda command: bool(command.payload)
+JSON_PAYLOADS: dict[int, Callable[[Command], bool]] = {
+    Opcode.CREATE_NAMESPACE: _ALWAYS,
+    Opcode.SET_HYPERPARAMETERS: _ALWAYS,
+    Opcode.SNAPSHOT_CREATE: _IF_GIVEN,
+    Opcode.SNAPSHOT_DELETE: _IF_GIVEN,
+    Opcode.SNAPSHOT_ROLLBACK: _IF_GIVEN,
+    Opcode.SNAPSHOT_CLONE: _IF_GIVEN,
+    Opcode.EXPORT: _IF_GIVEN,
+    Opcode.INJECT_ERROR: lambda command: command.cdw10 & 0xFF in (0, 1),  # arm, corrupt
+    Opcode.CMB_WRITE: _ALWAYS,
+    Opcode.CMB_READ: _ALWAYS,
+    # SET_FEATURES decodes C0h's and C1h's payloads itself (emulator/features.py).
+}
+# SET_HYPERPARAMETERS: the fields a payload may change (mode is fixed at creation: refused by
+# the namespace with its own message), and "group", which picks one group.
+HYPERPARAMETER_KEYS = (*GROUP_FIELDS, "mode", "group")
+
+
 def _json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True).encode()
-
-
-def _payload_json(command: Command) -> Any:
-    try:
-        return json.loads(command.payload.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DeviceError(Status.INVALID_FIELD, f"payload is not valid JSON: {exc}") from None
 
 
 def _ascii_field(text: str, size: int) -> bytes:
@@ -143,6 +161,9 @@ class Controller:
             )
         else:
             try:
+                takes_json = JSON_PAYLOADS.get(command.opcode)
+                if takes_json is not None and takes_json(command):
+                    command.json  # INVALID_FIELD unless well-formed; handlers parse it again
                 completion = handler(command)
             except DeviceError as exc:
                 completion = Completion(command.cid, exc.status, data=exc.message.encode())
@@ -192,6 +213,7 @@ class Controller:
             page[262] = logpages.ERROR_LOG_ENTRIES - 1  # elpe (0's based)
             struct.pack_into("<HH", page, 266, WARNING_TEMP_KELVIN, CRITICAL_TEMP_KELVIN)  # wctemp, cctemp
             struct.pack_into("<I", page, 516, 1024)  # nn: namespaces supported
+            logpages.fill_identify_controller(page, identity)  # VER, CNTRLTYPE, SQES, CQES, SUBNQN
             vendor = _json({"kernels": ["adamw", "adam"], "grad_dtypes": ["fp16", "bf16"],
                             "param_dtypes": ["fp16", "bf16"], "state_dtypes": ["fp32", "bf16"],
                             "profile": self.device.timing_model.profile.name,
@@ -250,7 +272,7 @@ class Controller:
     # ------------------------------------------------------------------ namespaces
 
     def _create_namespace(self, command: Command) -> Completion:
-        spec = kinds.spec_from_payload(_payload_json(command))  # optimizer or nvm
+        spec = kinds.spec_from_payload(command.json)  # optimizer or nvm
         namespace = self.device.create_namespace(spec)
         return Completion(command.cid, Status.SUCCESS, result=namespace.nsid,
                           data=_json(namespace.config()))
@@ -282,10 +304,15 @@ class Controller:
                           data=_json({"aborted_step": step}))
 
     def _set_hyperparameters(self, command: Command) -> Completion:
-        changes = _payload_json(command)
+        changes = command.json
         if not isinstance(changes, dict):
             raise DeviceError(Status.INVALID_FIELD, "payload must be a JSON object")
-        hyper = self._namespace(command).set_hyperparameters(**changes)
+        unknown = sorted(set(changes) - set(HYPERPARAMETER_KEYS))
+        if unknown:
+            raise DeviceError(Status.INVALID_FIELD, f"unknown hyperparameter(s) {', '.join(map(repr, unknown))[:200]}; "
+                              f"this command takes {', '.join(GROUP_FIELDS)} and group")
+        group = changes.pop("group", None)  # checked by the namespace: an int in 0..G-1
+        hyper = self._namespace(command).set_hyperparameters(group, **changes)
         return Completion(command.cid, Status.SUCCESS, data=_json(dataclasses.asdict(hyper)))
 
     def _namespace_statistics(self, command: Command) -> Completion:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import os
 import secrets
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .backing import BackingDirectory
 from .errors import DeviceError, Status
 from .health import Health, LifetimeCounters
 from . import kinds
@@ -48,11 +48,12 @@ class DeviceConfig:
 class Device:
     """A formatted backing directory, opened exclusively by one process."""
 
-    def __init__(self, path: Path, superblock: dict[str, Any], config: DeviceConfig, lock_fd: int) -> None:
+    def __init__(self, path: Path, superblock: dict[str, Any], config: DeviceConfig,
+                 backing: BackingDirectory) -> None:
         self.path = path
         self.config = config
         self._superblock = superblock
-        self._lock_fd = lock_fd
+        self._backing = backing  # held (flocked) until close
         self._lock = threading.Lock()
         self.namespaces: dict[str, kinds.AnyNamespace] = {}
         self.failed_namespaces: dict[str, str] = {}
@@ -70,16 +71,38 @@ class Device:
         serial: str | None = None,
         force: bool = False,
     ) -> dict[str, Any]:
-        """Create an empty device in directory `path`; returns its identity."""
+        """Create an empty device in directory `path`; returns its identity.
+
+        Refused (NAMESPACE_NOT_READY) while a process has the device open, --force or not:
+        the lock is held from the check to the end, so no daemon can open it meanwhile."""
         root = Path(path)
         root.mkdir(parents=True, exist_ok=True)
-        if (root / SUPERBLOCK_FILE).exists() and not force:
+        try:
+            backing = BackingDirectory.lock(root)
+        except DeviceError as exc:
+            if exc.status != Status.NAMESPACE_NOT_READY:
+                raise
+            raise DeviceError(
+                Status.NAMESPACE_NOT_READY,
+                f"{root} is in use: the device is mounted (or opened by another process); "
+                "unmount it before formatting",
+            ) from None
+        try:
+            return Device._format_locked(root, capacity_bytes, serial, force)
+        finally:
+            backing.close()
+
+    @staticmethod
+    def _format_locked(root: Path, capacity_bytes: int | None, serial: str | None,
+                       force: bool) -> dict[str, Any]:
+        if os.path.lexists(root / SUPERBLOCK_FILE) and not force:
             raise DeviceError(
                 Status.INVALID_FIELD, f"{root} already holds a cossd device (use --force to erase it)"
             )
         if force:
             for child in root.iterdir():
-                if child.is_dir():
+                # A link is removed, never followed (rmtree refuses one anyway).
+                if child.is_dir() and not child.is_symlink():
                     shutil.rmtree(child)
                 else:
                     child.unlink()
@@ -126,23 +149,19 @@ class Device:
     @classmethod
     def open(cls, path: str | os.PathLike[str], config: DeviceConfig = DeviceConfig()) -> "Device":
         root = Path(path)
-        cls._read_superblock(root)  # a clear error before touching the lock file
+        cls._read_superblock(root)  # a clear error before taking the lock
         TimingModel.named(config.profile)  # likewise for an unknown profile
-        lock_fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(lock_fd)
-            raise DeviceError(
-                Status.NAMESPACE_NOT_READY, f"{root} is already opened by another process"
-            ) from None
+        backing = BackingDirectory.lock(root)
         try:
             # Read again under the lock: a previous owner may have closed (and saved) since.
             superblock = cls._read_superblock(root)
+            # Before anything is written or deleted: no link or foreign file where the
+            # device writes (emulator/backing.py).
+            backing.check()
         except BaseException:
-            os.close(lock_fd)
+            backing.close()
             raise
-        device = cls(root, superblock, config, lock_fd)
+        device = cls(root, superblock, config, backing)
         try:
             device._power_on()
             device._open_namespaces()
@@ -173,12 +192,16 @@ class Device:
                 log.error("namespace %s (nsid %d) cannot be served: %s", name, nsid, exc)
                 continue
             self._attach_timing(namespace)
+            self._attach_error_log(namespace)
             self.namespaces[name] = namespace
             # Blocks recovery found bad are media errors (counted by the namespace) and, like
             # those scrub finds, error log entries; no command caused them.
             for _tensor, _block, index in namespace.recovery_errors:
                 self.health.log_error(Status.UNRECOVERED_READ_ERROR, sqid=0xFFFF, lba=index,
                                       nsid=namespace.nsid)
+            # A state copy recovery found missing or short (and re-created): one entry each.
+            for _reason in getattr(namespace, "damaged_copies", ()):
+                self.health.log_error(Status.UNRECOVERED_READ_ERROR, sqid=0xFFFF, nsid=namespace.nsid)
         # Directories not in the registry are leftovers of a create or delete that crashed
         # before (create) or after (delete) its commit point.
         for child in (self.path / "ns").iterdir():
@@ -193,14 +216,21 @@ class Device:
         """Flush every namespace, save the health figures as a clean shutdown, release the
         backing directory."""
         try:
+            flushed = True
             try:
                 for namespace in list(self.namespaces.values()):
-                    namespace.close()
+                    # One namespace whose media failed (a file deleted under it) must not keep
+                    # the others from flushing and releasing their files.
+                    try:
+                        namespace.close()
+                    except DeviceError as exc:
+                        flushed = False
+                        log.error("namespace %s could not be flushed at close: %s", namespace.name, exc.message)
             finally:
                 for namespace in list(self.namespaces.values()):
                     self.health.fold(namespace.counters)
                 self.namespaces.clear()
-            if self._lock_fd >= 0:
+            if self._backing.held and flushed:
                 with self._lock:
                     try:
                         self._store(dict(self._superblock), clean=True)
@@ -208,9 +238,7 @@ class Device:
                         # The mark stays set: the next open counts an unsafe shutdown.
                         log.error("could not record a clean shutdown: %s", exc.message)
         finally:
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)
-                self._lock_fd = -1
+            self._backing.close()
 
     def __enter__(self) -> "Device":
         return self
@@ -237,6 +265,16 @@ class Device:
         """Optimizer namespaces account their commands on the device's timing model."""
         if namespace.kind == kinds.OPTIMIZER_KIND:
             namespace.timing = NamespaceTiming(self.timing_model, timed=self.config.timed)
+
+    def _attach_error_log(self, namespace: kinds.AnyNamespace) -> None:
+        """A state copy found damaged while serving is an Error Information entry (a media
+        error no command caused), as the blocks recovery and scrub find bad are."""
+        nsid = namespace.nsid
+
+        def log_media_error() -> None:
+            self.health.log_error(Status.UNRECOVERED_READ_ERROR, sqid=0xFFFF, nsid=nsid)
+
+        namespace.media_error_sink = log_media_error
 
     def describe(self) -> dict[str, Any]:
         """Identity, capacity and namespaces, as the vendor identify command returns them."""
@@ -356,6 +394,7 @@ class Device:
                 shutil.rmtree(directory, ignore_errors=True)
                 raise
             self._attach_timing(namespace)
+            self._attach_error_log(namespace)
             self.namespaces[name] = namespace
             return namespace
 
@@ -371,7 +410,7 @@ class Device:
     def save_health(self) -> None:
         """Persist the health figures (the daemon does so periodically, and close does)."""
         with self._lock:
-            if self._lock_fd >= 0:
+            if self._backing.held:
                 self._store(dict(self._superblock), clean=False)
 
     @property

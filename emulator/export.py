@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,13 @@ if TYPE_CHECKING:
     from .namespace import Namespace
 
 EXPORTS_DIR = "exports"
+# Default file names, under BACKING/exports/<namespace>/: a name is one path component (no '/',
+# not '.' or '..'), so each namespace has its own directory, and in it the two prefixes keep
+# a committed step and a snapshot apart (tag "step-1" gives snapshot-step-1). So distinct
+# (namespace, step) and (namespace, tag) never share a file, and the longest names (128
+# characters each) still fit a file name's 255 bytes.
+STEP_EXPORT = "step-{step}.safetensors"
+SNAPSHOT_EXPORT = "snapshot-{tag}.safetensors"
 SAFETENSORS_DTYPES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
 STATE_ROLES = ("master", "exp_avg", "exp_avg_sq")
 PAYLOAD_KEYS = {"tag", "path", "optimizer_state", "overwrite"}
@@ -144,16 +152,58 @@ def stream(plan_: ExportPlan, source_fd: int, superblock: Superblock, out_fd: in
 # ---------------------------------------------------------------------- the command
 
 
+def default_path(backing: Path, namespace: str, step: int, tag: str | None) -> Path:
+    """Where an export without a path goes (see STEP_EXPORT)."""
+    name = SNAPSHOT_EXPORT.format(tag=tag) if tag else STEP_EXPORT.format(step=step)
+    return backing / EXPORTS_DIR / namespace / name
+
+
 def clean_staging(backing: Path) -> None:
-    """Remove what exports cut short by a crash or unmount left in BACKING/exports."""
+    """Remove what exports cut short by a crash or unmount left in BACKING/exports: staging
+    directories there, temporary files there and in each namespace's directory (no name
+    starts with '.')."""
     directory = backing / EXPORTS_DIR
-    if directory.is_dir():
-        for entry in directory.iterdir():
-            if entry.name.startswith("."):
-                if entry.is_dir():
-                    shutil.rmtree(entry, ignore_errors=True)
-                else:
-                    entry.unlink(missing_ok=True)
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        if entry.name.startswith("."):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        elif entry.is_dir():
+            for inner in entry.iterdir():
+                if inner.name.startswith(".") and inner.is_file():
+                    inner.unlink(missing_ok=True)
+
+
+# How to ask for a replace, in the payload and on the command line.
+_REPLACE_HINT = "replaced only when asked: the payload's overwrite, `cossd export --force`"
+
+
+def _refuse_existing(target: Path) -> None:
+    if target.exists():
+        raise DeviceError(Status.INVALID_FIELD, f"{target} exists ({_REPLACE_HINT})")
+
+
+def _publish(temporary: Path, final: Path, overwrite: bool) -> None:
+    """Give the finished file its name. Without overwrite a file that appeared meanwhile (another
+    export to the same name) is never replaced: a hard link fails where the name is taken."""
+    if overwrite:
+        os.replace(temporary, final)
+        return
+    try:
+        os.link(temporary, final)
+    except FileExistsError:
+        raise DeviceError(Status.INVALID_FIELD,
+                          f"{final} was created meanwhile; nothing replaced ({_REPLACE_HINT})") from None
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            raise
+        _refuse_existing(final)  # a file system without hard links: checked, then renamed
+        os.replace(temporary, final)
+        return
+    temporary.unlink()
 
 
 def _path_error(exc: OSError, path: Path) -> DeviceError:
@@ -190,15 +240,16 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) ->
     job_id = jobs.next_id()
     staging = device.path / EXPORTS_DIR / f".job-{job_id}"
     target = Path(request["path"]) if request.get("path") else None
+    overwrite = request.get("overwrite", False)
     tmp: Path | None = None
+    made_directory: Path | None = None  # a namespace's default directory, removed if left empty
     out_fd = source_fd = -1
     try:
         if target is not None:
             if target.is_dir():
                 raise DeviceError(Status.INVALID_FIELD, f"{target} is a directory")
-            if target.exists() and not request.get("overwrite", False):
-                raise DeviceError(Status.INVALID_FIELD,
-                                  f"{target} exists (set overwrite to replace it)")
+            if not overwrite:
+                _refuse_existing(target)
             tmp, out_fd = _open_temp(target, job_id)
         if snapshot is not None:
             superblock = snapshot.superblock
@@ -209,15 +260,17 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) ->
             source = staging / STATE_FILE
         file_plan = plan(namespace, superblock, tag, optimizer_state)
         if target is None:
-            name = f"{namespace.name}-{tag}" if tag else f"{namespace.name}-step{superblock.committed_step}"
-            target = device.path / EXPORTS_DIR / f"{name}.safetensors"
-            target.parent.mkdir(exist_ok=True)
-            tmp, out_fd = _open_temp(target, job_id)
+            target = default_path(device.path, namespace.name, superblock.committed_step, tag)
+            if not overwrite:
+                _refuse_existing(target)
+            with _DIRECTORIES:  # not removed by another job's cleanup before the file is in it
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp, out_fd = _open_temp(target, job_id)
+            made_directory = target.parent
         source_fd = os.open(source, os.O_RDONLY)  # a snapshot deleted meanwhile stays readable
     except BaseException:
         _close(out_fd, source_fd)
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        _remove_temporary(tmp, made_directory)
         shutil.rmtree(staging, ignore_errors=True)
         raise
     assert tmp is not None
@@ -229,17 +282,35 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) ->
         try:
             stream(file_plan, source_fd, superblock, out_fd, job)
             media.sync_fd(out_fd, temporary)
-            os.replace(temporary, final)
+            _publish(temporary, final, overwrite)
             media.fsync_dir(final.parent)
         except OSError as exc:
             raise media.media_error(exc, f"writing {final}") from exc
 
     def cleanup() -> None:
         _close(out_fd, source_fd)
-        temporary.unlink(missing_ok=True)
+        _remove_temporary(temporary, made_directory)
         shutil.rmtree(staging, ignore_errors=True)
 
     return jobs.start(job, work, cleanup)
+
+
+# Held while a default directory is made and the temporary file put in it, and while a job's
+# cleanup removes that directory if nothing is left in it.
+_DIRECTORIES = threading.Lock()
+
+
+def _remove_temporary(tmp: Path | None, directory: Path | None) -> None:
+    """Remove an export's temporary file, and the namespace's default directory if the failed
+    export leaves it empty (a successful one has its file in it)."""
+    with _DIRECTORIES:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if directory is not None:
+            try:
+                directory.rmdir()
+            except OSError:
+                pass  # not empty: other exports are in it
 
 
 def _open_temp(target: Path, job_id: int) -> tuple[Path, int]:

@@ -84,15 +84,13 @@ def _json(value: Any) -> bytes:
 
 def _payload_object(command: Command, allowed: tuple[str, ...]) -> dict[str, Any]:
     """The payload as a non-empty JSON object whose keys are all in `allowed`."""
-    try:
-        value = json.loads(command.payload.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _invalid(f"payload is not valid JSON: {exc}") from None
+    value = command.json  # INVALID_FIELD for malformed JSON of any shape (protocol.py)
     if not isinstance(value, dict) or not value:
         raise _invalid(f"payload must be a JSON object with some of: {', '.join(allowed)}")
     unknown = set(value) - set(allowed)
     if unknown:
-        raise _invalid(f"unknown key(s) {', '.join(sorted(unknown))}; this feature takes {', '.join(allowed)}")
+        raise _invalid(f"unknown key(s) {', '.join(map(repr, sorted(unknown)))[:200]}; "
+                       f"this feature takes {', '.join(allowed)}")
     return value
 
 

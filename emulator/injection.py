@@ -157,10 +157,7 @@ class Injector:
 
 
 def _payload_object(command: Command, keys: set[str]) -> dict[str, Any]:
-    try:
-        value = json.loads(command.payload.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DeviceError(Status.INVALID_FIELD, f"payload is not valid JSON: {exc}") from None
+    value = command.json  # INVALID_FIELD for anything malformed (protocol.decode_json_payload)
     if not isinstance(value, dict):
         raise DeviceError(Status.INVALID_FIELD, "payload must be a JSON object")
     unknown = set(value) - keys

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .protocol import Opcode
+from .protocol import COMPLETION, SUBMISSION, Opcode
 
 # A 128-bit little-endian counter, as (low, high) 64-bit halves: numpy has no u128.
 U128 = ("<u8", (2,))
@@ -100,6 +100,35 @@ LBCC = 1 << 1  # logical block content change
 NCC = 1 << 2  # namespace capability change
 NIC = 1 << 3  # namespace inventory change
 CCC = 1 << 4  # controller capability change
+
+
+# Identify Controller (CNS 01h) fields that describe the protocol rather than the device
+# (emulator/controller.py fills in the rest). Byte offsets as in the NVMe base specification.
+NVME_VERSION = 0x00010400  # VER, byte 80: NVMe 1.4 (major 31:16, minor 15:8, tertiary 7:0)
+CONTROLLER_TYPE_IO = 0x01  # CNTRLTYPE, byte 111: an I/O controller
+# SQES, byte 512, and CQES, byte 513: log2 of the entry sizes, the maximum in bits 7:4 and
+# the required one in bits 3:0; .admin takes one size each (protocol.py: 64 and 16 bytes).
+SQES = (SUBMISSION.itemsize.bit_length() - 1) * 0x11
+CQES = (COMPLETION.itemsize.bit_length() - 1) * 0x11
+assert (SQES, CQES) == (0x66, 0x44), (SQES, CQES)
+SUBNQN_AT, SUBNQN_BYTES = 768, 256
+
+
+def subsystem_nqn(identity: Mapping[str, Any]) -> str:
+    """The NVM subsystem's NQN: NVMe's form for a subsystem without an assigned one
+    (nqn.2014-08.org.nvmexpress: VID, SSVID, then SN and MN padded to 20 and 40)."""
+    vid = int(identity["vid"])
+    return (f"nqn.2014-08.org.nvmexpress:{vid:04x}{vid:04x}"
+            f"{str(identity['serial']):<20.20}{str(identity['model']):<40.40}")
+
+
+def fill_identify_controller(page: bytearray, identity: Mapping[str, Any]) -> None:
+    """VER, CNTRLTYPE, SQES, CQES and SUBNQN of an Identify Controller page."""
+    page[80:84] = NVME_VERSION.to_bytes(4, "little")
+    page[111] = CONTROLLER_TYPE_IO
+    page[512], page[513] = SQES, CQES
+    nqn = subsystem_nqn(identity).encode("ascii", "replace")[: SUBNQN_BYTES - 1]
+    page[SUBNQN_AT : SUBNQN_AT + SUBNQN_BYTES] = nqn.ljust(SUBNQN_BYTES, b"\0")  # NUL terminated
 
 
 class LogId(enum.IntEnum):

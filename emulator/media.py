@@ -6,12 +6,15 @@ import ctypes.util
 import errno
 import functools
 import json
-import mmap
 import os
+import resource
+import stat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from cossd.kernels import guard
 
 from .errors import DeviceError, Status
 
@@ -111,11 +114,14 @@ def fsync_dir(path: Path) -> None:
     """Make a directory's entries (creations, renames, removals) durable."""
     if _hooks is not None:
         _hooks.before_dir_sync(path)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise media_error(exc, f"syncing directory {path}") from exc
     if _hooks is not None:
         _hooks.after_dir_sync(path)
 
@@ -138,7 +144,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             _write_all_synced(fd, tmp, data)
         finally:
@@ -176,45 +182,118 @@ def sync_fd(fd: int, path: Path) -> None:
 
 def media_error(exc: OSError, doing: str) -> DeviceError:
     """Translate an OSError of the backing store into the device status a client sees."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return DeviceError(Status.LIMIT_EXCEEDED, f"out of file descriptors while {doing} ({exc.strerror}; "
+                                                  f"the daemon's limit is {descriptor_limit()}): raise ulimit -n")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DeviceError(Status.CAPACITY_EXCEEDED, f"backing store full while {doing}: {exc}")
     return DeviceError(Status.WRITE_FAULT, f"backing store failed while {doing}: {exc}")
 
 
+def open_error(exc: OSError, path: Path, doing: str) -> DeviceError:
+    """Translate a failed open of a backing file: a symbolic link or another file type where
+    the device keeps a file is refused (never followed), and running out of descriptors says so."""
+    if exc.errno == errno.ELOOP:
+        return DeviceError(Status.UNRECOVERED_READ_ERROR,
+                           f"{path} is a symbolic link: the device never follows links in its backing directory")
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return DeviceError(Status.LIMIT_EXCEEDED, f"out of file descriptors while {doing} ({exc.strerror}; "
+                                                  f"the daemon's limit is {descriptor_limit()}): raise ulimit -n")
+    if exc.errno == errno.ENOENT:
+        return DeviceError(Status.UNRECOVERED_READ_ERROR, f"{path} is missing")
+    return media_error(exc, doing)
+
+
+def descriptor_limit() -> int:
+    """This process's soft limit on open file descriptors."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _require_regular(fd: int, path: Path) -> os.stat_result:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                          f"{path} is not a regular file (mode {stat.filemode(info.st_mode)})")
+    return info
+
+
+# Every open of a device file: never through a symbolic link, never blocking on a fifo.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 class StateFile:
-    """One preallocated, memory-mapped copy (A or B) of a namespace's state arrays.
+    """One preallocated copy (A or B) of a namespace's state arrays, mapped shared; or, with
+    mapped=False, a preallocated file only read and written with pread/pwrite (NVM data).
 
     Preallocation (fallocate) makes a full disk fail when the namespace is created rather
-    than as SIGBUS in the middle of a step.
+    than in the middle of a step. The mapping holds no descriptor of its own (one per copy
+    in all) and is guarded (kernels/guard.py): if the file is cut short under it, the access
+    completes on a zero page and `damage()` reports the copy, instead of a SIGBUS.
     """
 
-    def __init__(self, path: Path, size_bytes: int, *, create: bool) -> None:
+    def __init__(self, path: Path, size_bytes: int, *, create: bool, mapped: bool = True) -> None:
         self.path = path
         self.size_bytes = size_bytes
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        self.fd = os.open(path, flags, 0o600)
+        flags = os.O_RDWR | _OPEN_FLAGS | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
+            self.fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise open_error(exc, path, f"opening {path.name}") from exc
+        self._mapping: guard.GuardedMapping | None = None
+        try:
+            info = _require_regular(self.fd, path)
             if create:
                 os.posix_fallocate(self.fd, 0, size_bytes)
-            elif os.fstat(self.fd).st_size != size_bytes:
+            elif info.st_size != size_bytes:
                 raise DeviceError(
                     Status.UNRECOVERED_READ_ERROR,
-                    f"{path} has {os.fstat(self.fd).st_size} bytes, expected {size_bytes}",
+                    f"{path} has {info.st_size} bytes, expected {size_bytes}",
                 )
-            self._mmap = mmap.mmap(self.fd, size_bytes, mmap.MAP_SHARED)
+            self._identity = (info.st_dev, info.st_ino)
+            if mapped:
+                self._mapping = guard.GuardedMapping(self.fd, size_bytes)
             self.write_mode = write_mode_for(self.fd)
         except OSError as exc:
             os.close(self.fd)
-            raise media_error(exc, f"allocating {path.name}") from exc
+            raise open_error(exc, path, f"allocating {path.name}") from exc
         except BaseException:
             os.close(self.fd)
             raise
-        self.bytes = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.bytes = (np.frombuffer(self._mapping.buffer, dtype=np.uint8) if self._mapping is not None
+                      else np.empty(0, dtype=np.uint8))
 
     def view(self, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
         """A zero-copy array of `count` items of `dtype` starting at byte `offset`."""
         size = count * np.dtype(dtype).itemsize
         return self.bytes[offset : offset + size].view(dtype)
+
+    def faults(self) -> int:
+        """Bus errors contained in this copy's mapping so far (see kernels/guard.py)."""
+        return self._mapping.faults() if self._mapping is not None else 0
+
+    def damage(self) -> str | None:
+        """Why this copy can no longer be trusted, or None: its mapping faulted (the file was
+        cut short while mapped), or the file now has another size, or was deleted or replaced.
+        A few system calls: cheap enough for every step."""
+        name = self.path.name
+        faults = self.faults()
+        if faults:
+            return f"{name}: {faults} page(s) of its mapping faulted (the file was cut short under it)"
+        try:
+            info = os.fstat(self.fd)
+        except OSError as exc:
+            return f"{name} cannot be checked: {exc.strerror}"
+        if info.st_size != self.size_bytes:
+            return f"{name} has {info.st_size} bytes, expected {self.size_bytes} (truncated or extended)"
+        if info.st_nlink == 0:
+            return f"{name} was deleted or replaced while in use"
+        try:
+            current = os.stat(self.path, follow_symlinks=False)
+        except OSError as exc:
+            return f"{name} is gone from its directory ({exc.strerror})"
+        if (current.st_dev, current.st_ino) != self._identity:
+            return f"{name} was replaced by another file while in use"
+        return None
 
     def write_at(self, offset: int, data: np.ndarray) -> None:
         """Write `data` at byte `offset` with pwrite rather than through the mapping.
@@ -256,47 +335,84 @@ class StateFile:
         sync_fd(self.fd, self.path)
 
     def close(self) -> None:
+        # The mapping goes when the last view of it does (GuardedMapping), so an array that
+        # escaped (a test holding one) never points at unmapped memory.
         self.bytes = np.empty(0, dtype=np.uint8)
-        try:
-            self._mmap.close()
-        except BufferError:
-            # A view escaped (a test holding an array); the mapping dies with it.
-            pass
-        os.close(self.fd)
+        self._mapping = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SlotFile:
-    """A small file rewritten in place with one pwrite (a superblock slot)."""
+    """A small file rewritten in place with one pwrite (a superblock slot).
+
+    It holds no descriptor between uses: each read, write and sync opens it (never through
+    a symbolic link) and closes it again, so a namespace keeps only its two state copies
+    open. fsync through a new descriptor syncs the file's dirty pages all the same, and
+    reports a writeback error no descriptor has seen yet.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def _open(self, flags: int, doing: str) -> int:
+        try:
+            fd = os.open(self.path, flags | _OPEN_FLAGS, 0o600)
+        except OSError as exc:
+            raise open_error(exc, self.path, doing) from exc
+        try:
+            _require_regular(fd, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def read(self) -> bytes:
-        return os.pread(self.fd, os.fstat(self.fd).st_size, 0)
+        """The slot's bytes; empty where the file is missing (no superblock there)."""
+        try:
+            fd = self._open(os.O_RDONLY, f"reading {self.path.name}")
+        except DeviceError:
+            if not os.path.lexists(self.path):
+                return b""
+            raise
+        try:
+            return os.pread(fd, os.fstat(fd).st_size, 0)
+        finally:
+            os.close(fd)
 
     def allocate(self, size_bytes: int) -> None:
         """Reserve the slot's blocks (it reads as zeros: no valid superblock)."""
+        fd = self._open(os.O_RDWR | os.O_CREAT, f"allocating {self.path.name}")
         try:
-            os.posix_fallocate(self.fd, 0, size_bytes)
+            os.posix_fallocate(fd, 0, size_bytes)
         except OSError as exc:
             raise media_error(exc, f"allocating {self.path.name}") from exc
+        finally:
+            os.close(fd)
 
     def write(self, data: bytes) -> None:
+        fd = self._open(os.O_WRONLY | os.O_CREAT, f"writing {self.path.name}")
         try:
             if _hooks is not None:
                 _hooks.before_write(self.path)
-            written = os.pwrite(self.fd, data, 0)
+            written = os.pwrite(fd, data, 0)
             if written != len(data):
                 raise OSError(errno.EIO, "short write")
         except OSError as exc:
             raise media_error(exc, f"writing {self.path.name}") from exc
+        finally:
+            os.close(fd)
 
     def sync(self) -> None:
-        sync_fd(self.fd, self.path)
+        fd = self._open(os.O_RDONLY, f"syncing {self.path.name}")
+        try:
+            sync_fd(fd, self.path)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Nothing to release (no descriptor is held); kept for the callers' symmetry."""
 
 
 def write_new_file(path: Path, data: bytes) -> None:

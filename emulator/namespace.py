@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -20,16 +21,18 @@ from cossd import kernels
 from .accounting import NamespaceTiming, modeled_command
 from .errors import DeviceError, Status
 from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout, region_offset
-from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, read_json
+from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, media_error, read_json
 from .snapshots import SnapshotStore
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
-from .superblock import GROUP_FIELDS, Superblock
-from .transaction import ReadyBlock, StepTransaction, block_pieces, block_range_of, first_overlap
+from .superblock import GROUP_FIELDS, SkipCounts, Superblock
+from .transaction import ReadyBlock, StepTransaction, block_range_of, first_overlap
 
 log = logging.getLogger(__name__)
 
 _workers: concurrent.futures.ThreadPoolExecutor | None = None
 _workers_lock = threading.Lock()
+# Taken only to record a damaged state copy once (Namespace._media_damaged).
+_damage_lock = threading.Lock()
 
 
 def kernel_workers() -> concurrent.futures.ThreadPoolExecutor:
@@ -256,7 +259,13 @@ class Namespace:
 
     @classmethod
     def open(cls, directory: Path, sync: bool) -> "Namespace":
-        """Open an existing namespace, recovering to the newest valid committed step."""
+        """Open an existing namespace, recovering to the newest valid committed step.
+
+        Each state copy is judged on its own: one that is missing or has the wrong size is a
+        media error of that copy. Superblocks naming it are passed over, and the copy is
+        re-created at full size as the new shadow (its contents are not needed by the step
+        served). A link or another file type is refused, never followed (StateFile).
+        """
         meta = read_json(directory / "meta.json")
         spec = NamespaceSpec.from_json(meta["spec"])
         layouts, copy_bytes = plan_layout(
@@ -264,14 +273,17 @@ class Namespace:
         )
         if copy_bytes != meta["copy_bytes"]:
             raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{directory}: layout mismatch")
-        opened: list[StateFile | SlotFile] = []
+        copies: dict[Copy, StateFile] = {}
+        damaged: dict[Copy, str] = {}
         try:
-            copies = []
             for copy in Copy:
-                copies.append(StateFile(directory / f"state.{copy.name}", copy_bytes, create=False))
-                opened.append(copies[-1])
+                path = directory / f"state.{copy.name}"
+                reason = cls._copy_damage(path, copy_bytes)
+                if reason is None:
+                    copies[copy] = StateFile(path, copy_bytes, create=False)
+                else:
+                    damaged[copy] = reason
             slots = (SlotFile(directory / "sb.0"), SlotFile(directory / "sb.1"))
-            opened.extend(slots)
             total_blocks = sum(t.block_count for t in layouts)
             groups = len(spec.group_hypers)
             candidates = [Superblock.decode(slot.read(), total_blocks, groups) for slot in slots]
@@ -280,14 +292,65 @@ class Namespace:
                 raise DeviceError(
                     Status.UNRECOVERED_READ_ERROR, f"namespace {spec.name!r}: no valid superblock"
                 )
-            namespace = cls(directory, meta["nsid"], spec, (copies[0], copies[1]), slots, valid[0],
-                            sync, layouts)
-            namespace._recover(valid)
+            usable = [sb for sb in valid if sb.committed_copy not in damaged]
+            for superblock in valid:
+                if superblock.committed_copy in damaged:
+                    log.warning("namespace %s: step %d (seq %d) is in a damaged copy (%s); falling back",
+                                spec.name, superblock.committed_step, superblock.seq,
+                                damaged[superblock.committed_copy])
+            if not usable:
+                raise DeviceError(
+                    Status.UNRECOVERED_READ_ERROR,
+                    f"namespace {spec.name!r}: no committed step can be served "
+                    f"({'; '.join(damaged.values())})",
+                )
+            for copy, reason in damaged.items():
+                log.error("namespace %s: %s; re-creating it at full size as the shadow copy", spec.name, reason)
+                copies[copy] = cls._recreate_copy(directory / f"state.{copy.name}", copy_bytes)
+            namespace = cls(directory, meta["nsid"], spec, (copies[Copy.A], copies[Copy.B]), slots,
+                            usable[0], sync, layouts)
+            # Media errors of whole copies, for the device's error log and SMART figures.
+            namespace.damaged_copies = list(damaged.values())
+            namespace.counters.checksum_failures += len(damaged)
+            namespace._recover(usable)
         except BaseException:
-            for resource in opened:
-                resource.close()
+            for state in copies.values():
+                state.close()
             raise
         return namespace
+
+    @staticmethod
+    def _copy_damage(path: Path, copy_bytes: int) -> str | None:
+        """Why the state copy at `path` cannot be opened as one (missing, wrong size), or None."""
+        try:
+            info = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return f"{path.name} is missing"
+        if stat.S_ISREG(info.st_mode) and info.st_size != copy_bytes:
+            return f"{path.name} has {info.st_size} bytes, expected {copy_bytes}"
+        return None  # whole, or a link or foreign file that StateFile refuses
+
+    @staticmethod
+    def _recreate_copy(path: Path, copy_bytes: int) -> StateFile:
+        """A new, preallocated copy in place of a damaged one, durable before it is used:
+        built under a temporary name and renamed over the damaged file."""
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.unlink(missing_ok=True)
+        state = StateFile(temporary, copy_bytes, create=True)
+        try:
+            state.sync()
+            os.replace(temporary, path)
+            fsync_dir(path.parent)
+        except OSError as exc:
+            state.close()
+            temporary.unlink(missing_ok=True)
+            raise media_error(exc, f"re-creating {path.name}") from exc
+        except BaseException:
+            state.close()
+            temporary.unlink(missing_ok=True)
+            raise
+        state.path = path
+        return state
 
     def _recover(self, candidates: list[Superblock]) -> None:
         """Serve the newest superblock whose copy proves intact by its block checksums."""
@@ -314,7 +377,8 @@ class Namespace:
         self._sb = chosen
         self._hypers = _hypers_of(chosen)
         self.counters.steps_committed = chosen.steps_committed
-        self.counters.steps_skipped = chosen.steps_skipped
+        self._recorded_skips = SkipCounts.load(self.directory)
+        self.counters.steps_skipped = self._skips().steps_skipped
         # What survived a daemon crash may still sit in the page cache only: make it durable
         # before anything can overwrite the other copy.
         for state in self._copies:
@@ -359,6 +423,15 @@ class Namespace:
             buffers = {role: np.empty(BLOCK_ELEMS, dtype=self._role_dtype(role)) for role in BLOCK_ROLES}
             self._thread_local.buffers = buffers
         return {role: array[:count] for role, array in buffers.items()}
+
+    def _private_grad(self, count: int) -> np.ndarray:
+        """This worker thread's own gradient buffer for one block (lent gradients are copied
+        into it before they are counted and stepped), allocated once per thread."""
+        buffer = getattr(self._thread_local, "grad", None)
+        if buffer is None:
+            buffer = np.empty(BLOCK_ELEMS, dtype=np.uint16)
+            self._thread_local.grad = buffer
+        return buffer[:count]
 
     def _role_dtype(self, role: str) -> np.dtype:
         if role == "master":
@@ -454,12 +527,14 @@ class Namespace:
         # Lock-free on purpose: the fs layer reads it on its event loop, and the lock may be
         # held across an fsync. Counters are plain ints; a torn view is off by one at most.
         counters = dataclasses.asdict(self.counters)
+        skips = self._skips()
         return counters | {
             "name": self.name,
             "nsid": self.nsid,
+            "steps_skipped": skips.steps_skipped,
             "committed_step": self._sb.committed_step,
             "durable_step": self._durable_step,
-            "last_skipped_step": self._sb.last_skipped_step,
+            "last_skipped_step": skips.last_skipped_step,
             "step_open": self.step_open,
             "loading": self.loading,
             "tensors": len(self.layouts),
@@ -467,6 +542,9 @@ class Namespace:
             "state_bytes_per_copy": self._copies[0].size_bytes,
             # How new state reaches the shadow copy here (media.write_mode_for).
             "state_writes": self._copies[0].write_mode,
+            # The superblock sequence: moves at every commit, rollback and seal (trainer's
+            # load_state_dict tells its own state from an older one of the same step by it).
+            "seq": self._sb.seq,
             "model": self.timing.snapshot(),
         }
 
@@ -537,6 +615,10 @@ class Namespace:
         if not self._lock.acquire(blocking=wait):
             raise _WouldBlock
         try:
+            state = self._copies[self._sb.committed_copy]
+            # A page the guard replaced with zeros (the file cut from under its mapping) is
+            # never served as the state: refused before the pin, so no unpin is owed.
+            self._refuse_faulted(state)
             if pin:
                 while self._flips_waiting:
                     self._cond.wait()
@@ -551,9 +633,20 @@ class Namespace:
             if role == "param":
                 self.counters.param_bytes_out += len(view)
             self.timing.add(host_out=len(view), media_read=len(view))
-            return view.tobytes() if copy else memoryview(view)
+            if not copy:
+                return memoryview(view)
+            data = view.tobytes()
+            self._refuse_faulted(state)  # the copy itself may have met a cut page
+            return data
         finally:
             self._lock.release()
+
+    def _refuse_faulted(self, state: StateFile) -> None:
+        """UNRECOVERED_READ_ERROR where the guard has contained a bus error in `state`'s
+        mapping: what was read there may be its zeros, not the state."""
+        if state.faults():
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                              f"namespace {self.name!r}: {self.media_failure or state.path.name + ' is damaged'}")
 
     def check_write(self, tensor_name: str, role: str, offset: int, length: int) -> None:
         """Refuse, changing nothing, a write that write_state would refuse for its file,
@@ -674,8 +767,10 @@ class Namespace:
     ) -> CommitResult | None:
         """Take gradient pieces (tensor, byte offset in its grad file, bytes, param copy) from
         memory the caller lends until this returns, as a drive's DMA reads a host buffer:
-        complete blocks run on it in place, and this returns once every block the pieces
-        completed has run.
+        each gradient element is read from it exactly once (a whole block by its kernel
+        worker, into that thread's buffer; a part of a block into the block's staging), so
+        the lender changing it meanwhile cannot make a step use values other than those it
+        was checked on. Returns once every block the pieces completed has run.
 
         A piece's param copy (None, or as many bytes as its gradient, sharing memory with no
         piece's gradient or other copy) receives the step's new params for its elements: the
@@ -736,8 +831,9 @@ class Namespace:
         lent: list[concurrent.futures.Future[None]] | None = None, param_copy: np.ndarray | None = None,
     ) -> tuple[int, StepTransaction | None]:
         """Receive gradient bytes and queue the blocks they complete; see write_grad_nowait.
-        With `lent`, `data` is lent memory used in place, and the futures of the blocks queued
-        are appended to it (write_grads_lent waits for them)."""
+        With `lent`, `data` is lent memory, read only by the blocks' workers (see _run_block),
+        and the futures of the blocks queued are appended to it (write_grads_lent waits for
+        them)."""
         tensor = self._tensor(tensor_name)
         length = len(data)
         self._check_range(tensor, "grad", offset, length)
@@ -749,14 +845,10 @@ class Namespace:
             # (or, on the data path, a view of the request's bytes).
             data = bytes(data)
         grad = np.frombuffer(data, dtype=np.uint16)
-        # Non-finite elements: a whole block's are counted by its kernel, from the very
-        # registers it steps with (None here), so no pass of its own reads the gradient and
-        # lent memory (the CMB) cannot change between the count and its use. A piece of a
-        # block is counted here, outside the lock, while its bytes are still in this core's
-        # cache (on the data path they were just copied in), before it is staged.
-        nonfinite = [None if len(piece) == BLOCK_ELEMS
-                     else kernels.count_nonfinite(piece, self._grad_format)
-                     for piece in block_pieces(offset // 2, grad)]
+        # Lent memory other than bytes (the CMB) may change under the device at any time, so
+        # each of its elements must be read exactly once (see _run_block): nothing here reads
+        # it, and the blocks' workers count what they step.
+        shared = lent is not None and not _immutable(data)
         if not self._lock.acquire(blocking=wait):
             raise _WouldBlock
         try:
@@ -766,7 +858,7 @@ class Namespace:
                     raise _WouldBlock
                 tx = self._begin_locked(None, 1.0, explicit=False)
             params = None if param_copy is None else np.frombuffer(param_copy, dtype=np.uint16)
-            ready = tx.receive(tensor, offset // 2, grad, nonfinite, params)
+            ready = tx.receive(tensor, offset // 2, grad, shared, params)
             completes_step = tx.all_received and bool(ready) and not tx.explicit
             # Counted before they are queued, so a commit cannot pass blocks not queued yet.
             tx.inflight += len(ready)
@@ -835,9 +927,6 @@ class Namespace:
         """Check and update one complete gradient block into the shadow copy."""
         try:
             started = time.perf_counter_ns()
-            # None: a whole block (_stage_grad), which the kernel counts from the very registers
-            # it steps with; counted here first where no such kernel runs.
-            nonfinite = block.nonfinite
             committed = self._sb.committed_copy
             shadow = committed.other
             tensor = block.tensor
@@ -846,17 +935,24 @@ class Namespace:
             written = 0
             state = self._copies[shadow]
             mapped = state.write_mode == "mapped"
-            if nonfinite is None and (not mapped or tx.nonfinite):
-                nonfinite = kernels.count_nonfinite(block.grad, self._grad_format)
+            grad = block.grad
+            if block.shared:
+                # Every element of a lent gradient is read from the host's memory exactly once:
+                # copied into this thread's buffer, which alone is counted and stepped, so the
+                # step always uses the values it was checked on.
+                grad = self._private_grad(stop - start)
+                np.copyto(grad, block.grad)
+            # Counted before the step, from memory only the device writes: a block found
+            # non-finite never reaches the shadow copy, which still holds the step before
+            # the committed one (the fallback; see _commit_locked).
+            nonfinite = kernels.count_nonfinite(grad, self._grad_format)
             # Once the step is known to be skipped there is no point updating the shadow.
             if not nonfinite and tx.nonfinite == 0:
                 if mapped:
-                    # The kernel stores the new state straight into the shadow copy's mapping
-                    # (outputs of a gradient it finds non-finite go with the skipped step).
+                    # The kernel stores the new state straight into the shadow copy's mapping.
                     state.before_mapped_write()
-                    crc, counted = self._block_update(committed, tensor)(
-                        block.grad, start, tx.scalars[self._group_of[tensor.name]], block.param_copy)
-                    nonfinite = counted if nonfinite is None else nonfinite
+                    crc, _ = self._block_update(committed, tensor)(
+                        grad, start, tx.scalars[self._group_of[tensor.name]], block.param_copy)
                     written = (stop - start) * sum(self._role_dtype(role).itemsize for role in BLOCK_ROLES)
                 else:
                     # Into this thread's buffers, which pwrite then copies into the shadow
@@ -864,7 +960,7 @@ class Namespace:
                     out = self._staging(stop - start)
                     # One pass: the step, and the checksum of its outputs while they are in cache.
                     crc = kernels.adam_step_crc(
-                        block.grad,
+                        grad,
                         self._view(committed, tensor, "master")[start:stop],
                         self._view(committed, tensor, "exp_avg")[start:stop],
                         self._view(committed, tensor, "exp_avg_sq")[start:stop],
@@ -992,11 +1088,9 @@ class Namespace:
         ended = False  # True once the step is committed: the kernel's param copies stand
         try:
             if tx.nonfinite:
-                skipped = self._sb.successor(
-                    steps_skipped=self._sb.steps_skipped + 1, last_skipped_step=tx.step
-                )
-                self._write_superblock(skipped, sync=self.sync_commits)
-                self.counters.steps_skipped += 1
+                # A skip writes no superblock: both slots keep naming the committed step and
+                # the one before it, the fallback should the committed copy fail its checksums.
+                self._record_skip_locked(tx.step)
                 self.counters.nonfinite_elements += tx.nonfinite
                 log.info("namespace %s: step %d skipped (%d non-finite gradient elements)",
                          self.name, tx.step, tx.nonfinite)
@@ -1004,11 +1098,14 @@ class Namespace:
             shadow = self._sb.committed_copy.other
             if self.sync_commits:
                 self._sync(self._copies[shadow])
+            skips = self._skips()
             committed = self._sb.successor(
                 committed_step=tx.step,
                 committed_copy=shadow,
                 block_crcs=tx.block_crcs,
                 steps_committed=self._sb.steps_committed + 1,
+                steps_skipped=skips.steps_skipped,
+                last_skipped_step=skips.last_skipped_step,
                 last_grad_scale=tx.grad_scale,
                 **_hyper_record(self._hypers),
             )
@@ -1023,6 +1120,26 @@ class Namespace:
             self._tx = None
             if self.media_failure is None:
                 self._settle_param_copies(tx, committed=ended)
+
+    def _skips(self) -> SkipCounts:
+        """The skip counters: the newer of the superblock's (as of the last commit) and the
+        side record's (as of the last skip), the record read once per open."""
+        recorded = getattr(self, "_recorded_skips", None)  # set on first use, not at open
+        if recorded is None:
+            recorded = self._recorded_skips = SkipCounts.load(self.directory)
+        return max(SkipCounts.of(self._sb), recorded)
+
+    def _record_skip_locked(self, step: int) -> None:
+        """Count skipped step `step`: durably in the side record, and in the superblock in
+        force in memory only, so that the next superblock written carries it."""
+        skips = SkipCounts(self._skips().steps_skipped + 1, step)
+        written = skips.store_or_warn(self.directory)
+        self.counters.media_bytes_written += written
+        self.timing.add(media_write=written)
+        self._recorded_skips = skips
+        self._sb = dataclasses.replace(
+            self._sb, steps_skipped=skips.steps_skipped, last_skipped_step=skips.last_skipped_step)
+        self.counters.steps_skipped = skips.steps_skipped
 
     def _settle_param_copies(self, tx: StepTransaction, committed: bool) -> None:
         """Fill what the kernel has not of the host's param copies (write_grads_lent), from
@@ -1066,12 +1183,61 @@ class Namespace:
             raise
 
     def _check_media(self) -> None:
-        if self.media_failure is not None:
+        """Refuse to go on once the media failed: a failed fsync (WRITE_FAULT), or a state copy
+        damaged under the namespace (UNRECOVERED_READ_ERROR), which every call checks for
+        first (a few system calls: both copies' size, link count and identity, and the
+        guard's fault counts)."""
+        if self.media_failure is None:
+            self._check_copies()
+        failure = self.media_failure
+        if failure is not None:
             raise DeviceError(
-                Status.WRITE_FAULT,
-                f"namespace {self.name!r} stopped after a failed sync ({self.media_failure}); "
+                self.__dict__.get("_media_status", Status.WRITE_FAULT),
+                f"namespace {self.name!r} stopped ({failure}); "
                 "remount the device to recover the last durable step",
             )
+
+    def _check_copies(self) -> None:
+        """Stop the namespace if either state copy is damaged (see StateFile.damage)."""
+        for state in self._copies:
+            reason = state.damage()
+            if reason is not None:
+                self._media_damaged(reason)
+                return
+
+    def _media_damaged(self, reason: str) -> str:
+        """Record a damaged state copy: a media error (SMART, statistics), logged, and the
+        namespace refuses steps until the device is opened again, when recovery judges each
+        copy on its own. Returns the failure as media_failure gives it."""
+        with _damage_lock:
+            if self.__dict__.get("_media_failure") is None:
+                self._media_status = Status.UNRECOVERED_READ_ERROR
+                self._media_failure = reason
+                self.counters.checksum_failures += 1
+                log.error("namespace %s: media error: %s; refusing steps until remounted", self.name, reason)
+                sink = self.__dict__.get("media_error_sink")  # the device's error log
+                if sink is not None:
+                    sink()
+            return str(self._media_failure)
+
+    @property
+    def media_failure(self) -> str | None:
+        """Why the namespace stopped (a failed fsync, a damaged state copy), or None.
+
+        Reading it also collects the bus errors the guard contained in either copy's mapping
+        (kernels/guard.py): a step whose kernels read or wrote a page cut from under them
+        reads zeros there, and the commit, which checks this first, refuses it.
+        """
+        failure: str | None = self.__dict__.get("_media_failure")
+        if failure is None:
+            for state in self.__dict__.get("_copies", ()):
+                if state.faults():
+                    return self._media_damaged(state.damage() or f"{state.path.name}: its mapping faulted")
+        return failure
+
+    @media_failure.setter
+    def media_failure(self, value: str | None) -> None:
+        self._media_failure = value
 
     def _write_superblock(self, superblock: Superblock, sync: bool) -> None:
         slot = self._slots[superblock.slot]

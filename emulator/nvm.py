@@ -148,7 +148,9 @@ class NvmNamespace:
         data: StateFile | None = None
         try:
             # The media layer's preallocated file: a full disk fails here, never a write.
-            data = StateFile(directory / DATA_FILE, spec.capacity_bytes, create=True)
+            # Read and written with pread/pwrite only: unmapped, so a file cut short can only
+            # give a short read (checked), never a bus error.
+            data = StateFile(directory / DATA_FILE, spec.capacity_bytes, create=True, mapped=False)
             # Size and extents durable before the registry names the namespace.
             data.sync()
             atomic_write_json(directory / META_FILE, {"kind": KIND, "nsid": nsid, "spec": spec.to_json(),
@@ -167,7 +169,7 @@ class NvmNamespace:
         meta = read_json(directory / META_FILE)
         spec = NvmSpec.from_json(meta["spec"])
         # A size other than the recorded one is UNRECOVERED_READ_ERROR (StateFile checks).
-        data = StateFile(directory / DATA_FILE, spec.capacity_bytes, create=False)
+        data = StateFile(directory / DATA_FILE, spec.capacity_bytes, create=False, mapped=False)
         try:
             # Writes a crashed daemon left in the page cache reach the media now, as the
             # optimizer namespaces' recovery does, before anything new is acknowledged.
@@ -234,6 +236,12 @@ class NvmNamespace:
             except OSError as exc:
                 raise DeviceError(Status.UNRECOVERED_READ_ERROR,
                                   f"reading {self.path.name}: {exc}") from exc
+            if len(data) != end - offset:
+                # The file was cut short under the namespace: the missing bytes are lost, not
+                # zeros (never serve them as data).
+                raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                                  f"reading {self.path.name}: {len(data)} of {end - offset} bytes at "
+                                  f"{offset}; {self._data.damage() or 'the file is short'}")
         elapsed = time.perf_counter_ns() - started
         with self._lock:
             # Every read request served counts, an empty one at the end too (as tensor files).

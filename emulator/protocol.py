@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import json
+import math
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +55,11 @@ COMPLETION = np.dtype(
 assert COMPLETION.itemsize == 16, COMPLETION.itemsize
 
 NSID_ALL = 0xFFFFFFFF
+
+# JSON payloads: nesting deeper than this is refused (no command's payload goes past 4), and so
+# is any number that does not fit 64 bits or is not finite, before a handler sees it.
+MAX_JSON_DEPTH = 32
+JSON_INT_BOUND = 1 << 64
 
 
 class Opcode(enum.IntEnum):
@@ -113,6 +122,11 @@ class Command:
     def cdw12_13_f64(self) -> float:
         return struct.unpack("<d", struct.pack("<II", self.cdw12, self.cdw13))[0]
 
+    @functools.cached_property
+    def json(self) -> Any:
+        """The payload decoded by decode_json_payload (once per command)."""
+        return decode_json_payload(self.payload)
+
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
@@ -145,6 +159,88 @@ def submission_length(prefix: bytes) -> int:
     if data_len > MAX_PAYLOAD_BYTES:
         raise SubmissionError(f"payload of {data_len} bytes exceeds {MAX_PAYLOAD_BYTES}")
     return SUBMISSION.itemsize + data_len
+
+
+def _invalid_json(message: str) -> DeviceError:
+    return DeviceError(Status.INVALID_FIELD, f"payload is not valid JSON: {message}")
+
+
+def _no_constant(name: str) -> Any:
+    raise _invalid_json(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _invalid_json(f"{text[:40]} does not fit a 64-bit float")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 21:  # more digits than any 64-bit value (and no 4300-digit conversion)
+        raise _invalid_json(f"integer {text[:40]}... does not fit 64 bits")
+    value = int(text)
+    if not -JSON_INT_BOUND < value < JSON_INT_BOUND:
+        raise _invalid_json(f"integer {text} does not fit 64 bits")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        counts: dict[str, int] = {}
+        for key, _ in pairs:
+            counts[key] = counts.get(key, 0) + 1
+        twice = next(key for key, count in counts.items() if count > 1)
+        raise _invalid_json(f"key {twice[:80]!r} appears twice in one object")
+    return value
+
+
+# +1 for an opening bracket, -1 for a closing one, by byte value.
+_NESTING = np.zeros(256, np.int8)
+_NESTING[list(b"[{")] = 1
+_NESTING[list(b"]}")] = -1
+_QUOTE = ord('"')
+_DEPTH_CHUNK = 1 << 20  # bytes counted at a time: a few MiB of scratch at most
+
+
+def _depth(payload: bytes) -> int:
+    """How deeply JSON text that json.loads accepted nests lists and objects, counted over its
+    brackets outside strings in C (numpy), a chunk at a time. In such text every backslash
+    starts a two-character escape, so once escaped backslashes and quotes are gone, each quote
+    left opens or closes a string. The decoder gave up past about 1000 levels, so int16 holds
+    every level."""
+    text = payload.replace(b"\\\\", b"").replace(b'\\"', b"")
+    deepest = depth = inside = 0
+    for start in range(0, len(text), _DEPTH_CHUNK):
+        chunk = np.frombuffer(text, np.uint8, count=min(_DEPTH_CHUNK, len(text) - start), offset=start)
+        quotes = np.cumsum(chunk == _QUOTE, dtype=np.uint8)  # wraps, but keeps the parity
+        outside = ((quotes + inside) & 1) == 0
+        levels = np.cumsum(np.where(outside, _NESTING[chunk], 0), dtype=np.int16)
+        deepest = max(deepest, depth + int(levels.max()))
+        depth += int(levels[-1])
+        inside = (inside + int(quotes[-1])) & 1
+    return deepest
+
+
+def decode_json_payload(payload: bytes) -> Any:
+    """A command's JSON payload, or INVALID_FIELD: not UTF-8, not JSON, nested past
+    MAX_JSON_DEPTH, a key twice in one object, NaN or Infinity, or a number that does not fit
+    64 bits. What the value must look like is each command's own check."""
+    try:
+        text = payload.decode()
+    except UnicodeDecodeError as exc:
+        raise _invalid_json(str(exc)) from None
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float,
+                           parse_int=_bounded_int, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as exc:
+        raise _invalid_json(str(exc)) from None
+    except RecursionError:  # the decoder nests one call per level
+        raise _invalid_json(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if _depth(payload) > MAX_JSON_DEPTH:
+        raise _invalid_json(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
 
 
 def decode_submission(raw: bytes) -> Command:

@@ -47,7 +47,11 @@ class SnapshotCommands:
     def __init__(self, controller: controller_module.Controller) -> None:
         self.device = controller.device
         self.jobs = JobTable()
-        export.clean_staging(self.device.path)
+        # Only in a real directory: through a link, the cleaning would remove the '.'-entries
+        # of wherever it points (the device's open refuses such a link first).
+        exports = self.device.path / export.EXPORTS_DIR
+        if not exports.is_symlink():
+            export.clean_staging(self.device.path)
 
     def _namespace(self, command: Command) -> Namespace:
         namespace = self.device.namespace_by_id(command.nsid)

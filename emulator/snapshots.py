@@ -5,8 +5,8 @@ import contextlib
 import dataclasses
 import json
 import logging
-import mmap
 import os
+import stat
 import secrets
 import shutil
 import threading
@@ -113,8 +113,15 @@ class SnapshotStore:
     # ------------------------------------------------------------------ listing
 
     def _load(self) -> None:
-        if not self.root.is_dir():
+        try:
+            mode = os.lstat(self.root).st_mode
+        except FileNotFoundError:
             return
+        if not stat.S_ISDIR(mode):
+            # Never listed (nor its '.'-entries removed) through a link: the device's own
+            # check at open refuses this first (emulator/backing.py).
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                              f"{self.root} is not a directory (a link is never followed)")
         for entry in sorted(self.root.iterdir()):
             if entry.name.startswith("."):
                 log.warning("namespace %s: removing leftover %s of an interrupted snapshot "
@@ -188,7 +195,7 @@ class SnapshotStore:
         wanted = None if only is None else set(only)
         bad = []
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{path} cannot be read: {exc}") from None
         try:
@@ -196,36 +203,38 @@ class SnapshotStore:
             if size != self.copy_bytes:
                 raise DeviceError(Status.UNRECOVERED_READ_ERROR,
                                   f"{path}: {size} bytes, expected {self.copy_bytes}")
-            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    for tensor in self.namespace.layouts:
-                        for block in range(tensor.block_count):
-                            index = tensor.first_block + block
-                            if wanted is not None and index not in wanted:
-                                continue
-                            if self._block_crc(view, tensor, block) != int(superblock.block_crcs[index]):
-                                bad.append((tensor.name, block))
-                finally:
-                    view.release()
+            # Read with pread, not through a mapping: a file cut short meanwhile gives a short
+            # read (an error), never a SIGBUS in the daemon.
+            for tensor in self.namespace.layouts:
+                for block in range(tensor.block_count):
+                    index = tensor.first_block + block
+                    if wanted is not None and index not in wanted:
+                        continue
+                    if self._block_crc(fd, path, tensor, block) != int(superblock.block_crcs[index]):
+                        bad.append((tensor.name, block))
         finally:
             os.close(fd)
         return bad
 
-    def _block_crc(self, view: memoryview, tensor: TensorLayout, block: int) -> int:
+    def _block_crc(self, fd: int, path: Path, tensor: TensorLayout, block: int) -> int:
         start, stop = tensor.block_range(block)
         crc = 0
         for role in CHECKSUM_ROLES:
             size = self._itemsizes[role]
-            base = region_offset(tensor, role)
-            crc = kernels.crc32c(view[base + start * size : base + stop * size], crc)
+            offset = region_offset(tensor, role) + start * size
+            length = (stop - start) * size
+            data = os.pread(fd, length, offset)
+            if len(data) != length:
+                raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                                  f"{path} ends inside {tensor.name} block {block} (cut short)")
+            crc = kernels.crc32c(data, crc)
         return crc
 
     @staticmethod
     def open_state(snapshot: Snapshot) -> int:
         """A read-only descriptor of the snapshot's state file."""
         try:
-            return os.open(snapshot.state_path, os.O_RDONLY)
+            return os.open(snapshot.state_path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
             raise DeviceError(Status.UNRECOVERED_READ_ERROR,
                               f"snapshot {snapshot.tag!r} cannot be read: {exc}") from None

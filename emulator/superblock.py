@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+from pathlib import Path
 
 import numpy as np
 
 from cossd import kernels
 
+from .errors import DeviceError
 from .layout import (
     FORMAT_VERSION,
     SUPERBLOCK_CRC_START,
@@ -15,9 +19,14 @@ from .layout import (
     Copy,
     SuperblockFlags,
 )
+from .media import atomic_write_bytes, read_json
+
+log = logging.getLogger(__name__)
 
 # The per-group hyperparameters a superblock records with its step, in stored order.
 GROUP_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+# Beside the slots: the skip counters as of the last skip (see SkipCounts).
+SKIP_RECORD = "skips.json"
 
 
 @dataclasses.dataclass
@@ -121,3 +130,56 @@ class Superblock:
         """The next superblock (seq + 1), i.e. the one written into the other slot."""
         fields = dataclasses.asdict(self) | {"seq": self.seq + 1} | changes
         return Superblock(**fields)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class SkipCounts:
+    """Steps skipped for non-finite gradients over a namespace's life, and the last one's number.
+
+    A skip writes no superblock (that would overwrite the slot naming the fallback copy), so
+    its counters go to a side record, `skips.json`, replaced atomically; the next commit's
+    superblock carries them too. Counts only grow, so of the two the one with more skips is
+    the newer (the ordering compares steps_skipped first).
+    """
+
+    steps_skipped: int = 0
+    last_skipped_step: int = 0
+
+    @classmethod
+    def of(cls, superblock: Superblock) -> "SkipCounts":
+        return cls(superblock.steps_skipped, superblock.last_skipped_step)
+
+    @classmethod
+    def load(cls, directory: Path) -> "SkipCounts":
+        """The record in `directory`; none (no skip since the namespace was created) is zero.
+        One that cannot be read counts as none, with a warning: it holds statistics only."""
+        try:
+            record = read_json(directory / SKIP_RECORD)
+            counts = cls(int(record["steps_skipped"]), int(record["last_skipped_step"]))
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("%s: unreadable skip record (%s); skip counters from the superblock", directory, exc)
+            return cls()
+        if counts.steps_skipped < 0 or counts.last_skipped_step < 0:
+            log.warning("%s: skip record with negative counts ignored", directory)
+            return cls()
+        return counts
+
+    def encode(self) -> bytes:
+        return (json.dumps(dataclasses.asdict(self), sort_keys=True) + "\n").encode()
+
+    def store(self, directory: Path) -> int:
+        """Replace the record (atomically, durably); returns the bytes written. Raises DeviceError."""
+        encoded = self.encode()
+        atomic_write_bytes(directory / SKIP_RECORD, encoded)
+        return len(encoded)
+
+    def store_or_warn(self, directory: Path) -> int:
+        """store(), logging a failure (and returning 0) instead of raising: the skipped step
+        changed no state, and the next commit's superblock carries the counters anyway."""
+        try:
+            return self.store(directory)
+        except DeviceError as exc:
+            log.warning("%s: skip counters not recorded (%s); the next commit carries them", directory, exc.message)
+            return 0

@@ -21,10 +21,9 @@ class BlockState(enum.IntEnum):
 class PartialBlock:
     """Staging for a block that arrived in pieces; `mask` marks the elements received."""
 
-    grad: np.ndarray
+    grad: np.ndarray  # private: the pieces are copied in, so the host cannot change them
     mask: np.ndarray
     received: int = 0
-    nonfinite: int = 0  # of the pieces received so far
 
 
 @dataclasses.dataclass
@@ -34,7 +33,9 @@ class ReadyBlock:
     tensor: TensorLayout
     local_block: int
     grad: np.ndarray
-    nonfinite: int | None  # inf/NaN elements in `grad`, counted as its pieces arrived (None: not yet)
+    # True where `grad` lies in memory the host lends and may change at any time (the CMB):
+    # its worker reads it once, into private memory, and counts and steps that copy.
+    shared: bool
     # Where the host also wants this block's new params (CMB_WRITE's param_cmb_offset), if
     # anywhere: the kernel stores them there in the same pass.
     param_copy: np.ndarray | None = None
@@ -53,16 +54,6 @@ def first_overlap(ranges: list[tuple[int, int, object]]) -> tuple[int, object, o
 def block_range_of(first_elem: int, end_elem: int) -> range:
     """The blocks elements first_elem..end_elem-1 of a tensor touch (end_elem > first_elem)."""
     return range(first_elem // BLOCK_ELEMS, (end_elem - 1) // BLOCK_ELEMS + 1)
-
-
-def block_pieces(first_elem: int, grad: np.ndarray) -> list[np.ndarray]:
-    """`grad` (starting at element first_elem of its tensor) cut at block boundaries."""
-    pieces = []
-    end_elem = first_elem + len(grad)
-    for block in block_range_of(first_elem, end_elem):
-        lo, hi = max(first_elem, block * BLOCK_ELEMS), min(end_elem, (block + 1) * BLOCK_ELEMS)
-        pieces.append(grad[lo - first_elem : hi - first_elem])
-    return pieces
 
 
 class StepTransaction:
@@ -126,11 +117,12 @@ class StepTransaction:
                     f"received in step {self.step}",
                 )
 
-    def receive(self, tensor: TensorLayout, first_elem: int, grad: np.ndarray,
-                nonfinite: list[int | None], param_copy: np.ndarray | None = None) -> list[ReadyBlock]:
-        """Take a piece of gradient; returns the blocks it completed. `nonfinite` holds the
-        piece's inf/NaN counts, one per block it touches (block_pieces order); None for a
-        whole block leaves the count to its kernel worker. `param_copy`
+    def receive(self, tensor: TensorLayout, first_elem: int, grad: np.ndarray, shared: bool,
+                param_copy: np.ndarray | None = None) -> list[ReadyBlock]:
+        """Take a piece of gradient; returns the blocks it completed. `shared`: `grad` lies
+        in memory the host may change (see ReadyBlock). A whole block is handed on in place;
+        parts of blocks are copied into private staging, read there once, so an assembled
+        block is private. Its worker counts every block's inf/NaN elements. `param_copy`
         (as long as `grad`) is where the host wants the new params of these elements.
 
         Validates the whole piece before changing anything, so a write that overlaps an
@@ -143,15 +135,16 @@ class StepTransaction:
         ready = []
         if param_copy is not None:
             self.param_copies.append((tensor, first_elem, param_copy))
-        for block, count in zip(touched, nonfinite, strict=True):
+        for block in touched:
             start, stop = tensor.block_range(block)
             lo, hi = max(first_elem, start), min(end_elem, stop)
             piece = grad[lo - first_elem : hi - first_elem]
             if states[block] == BlockState.EMPTY and lo == start and hi == stop:
-                # The common case: the write covers the block, so run on it without a copy.
+                # The common case: the write covers the block, so it skips the staging (a
+                # shared one is copied once by its worker, a file write's bytes not at all).
                 states[block] = BlockState.RUNNING
                 copy = None if param_copy is None else param_copy[lo - first_elem : hi - first_elem]
-                ready.append(ReadyBlock(tensor, block, piece, count, copy))
+                ready.append(ReadyBlock(tensor, block, piece, shared, copy))
                 self.received_blocks += 1
                 continue
             key = (tensor.name, block)
@@ -166,12 +159,10 @@ class StepTransaction:
             staged.grad[lo - start : hi - start] = piece
             staged.mask[lo - start : hi - start] = True
             staged.received += hi - lo
-            assert count is not None, "only a whole block's count may wait for its worker"
-            staged.nonfinite += count
             if staged.received == stop - start:
                 del self.partial[key]
                 states[block] = BlockState.RUNNING
-                ready.append(ReadyBlock(tensor, block, staged.grad, staged.nonfinite))
+                ready.append(ReadyBlock(tensor, block, staged.grad, shared=False))
                 self.received_blocks += 1
         return ready
 

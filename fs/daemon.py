@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
+import resource
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -17,10 +20,12 @@ import pyfuse3
 import trio
 
 from cossd.emulator import Device, DeviceConfig, DeviceError, Status
+from cossd.emulator.backing import BackingDirectory
 from cossd.emulator.cmb import DEFAULT_CMB_BYTES
 from cossd.emulator.device import SUPERBLOCK_FILE
 from cossd.emulator.media import libc_function
 from cossd.emulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
+from cossd.kernels import guard
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
 from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
@@ -49,6 +54,49 @@ def keep_request_buffers_on_heap() -> None:
         return
     mallopt(_M_MMAP_THRESHOLD, _REQUEST_HEAP_BYTES)
     mallopt(_M_TRIM_THRESHOLD, 2 * _REQUEST_HEAP_BYTES)
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise the soft limit on open descriptors to the hard one; returns (soft, hard) now.
+
+    A namespace keeps its two state copies open (one descriptor each), so 1,024 namespaces
+    need more than the usual default soft limit of 1,024. Where the hard limit is unlimited,
+    the kernel's per-process ceiling (fs.nr_open) is the target.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as exc:
+            log.warning("could not raise the descriptor limit from %d to %d: %s", soft, target, exc)
+    return soft, hard
+
+
+def open_default_log(path: Path) -> int:
+    """Open BACKING/daemon.log for appending, refusing (never following) a link or a file
+    of another type there; a descriptor for the daemon's stdout and stderr."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link; a fifo nobody reads
+            raise DeviceError(Status.INVALID_FIELD,
+                              f"refusing {path}: it is {'a symbolic link' if exc.errno == errno.ELOOP else 'a fifo'}; "
+                              "the device never follows links or writes other file types in its "
+                              "backing directory (remove it)") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise DeviceError(Status.INVALID_FIELD, f"refusing {path}: it is not a regular file (remove it)")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def mount_options(backing: Path, allow_other: bool, debug: bool) -> set[str]:
@@ -133,6 +181,7 @@ def serve(
     ready_fd: int | None = None,
     metrics_port: int | None = None,
     metrics_addr: str = DEFAULT_METRICS_ADDR,
+    metrics_token_file: str | os.PathLike[str] | None = None,
     profile: str = DEFAULT_PROFILE,
     timed: bool = False,
     io_threads: int | None = None,
@@ -146,9 +195,14 @@ def serve(
     """
     io_threads = io_threads_from_env() if io_threads is None else io_threads
     backing_path = Path(backing).resolve()
+    soft, hard = raise_descriptor_limit()
+    log.info("descriptor limit %d (hard %d): two per namespace", soft, hard)
+    # A state copy cut short under its mapping must fault into the guard, not kill the daemon.
+    guard.install()
     # Bound before the device opens: a busy port fails the mount before anything has started
     # (no power cycle counted, nothing mounted).
-    metrics = MetricsServer.bind(metrics_port, metrics_addr) if metrics_port is not None else None
+    metrics = (MetricsServer.bind(metrics_port, metrics_addr, metrics_token_file)
+               if metrics_port is not None else None)
     try:
         device = Device.open(backing_path, DeviceConfig(sync=sync, profile=profile, timed=timed))
     except BaseException:
@@ -192,6 +246,7 @@ def start_background(
     timeout_s: float = 60.0,
     metrics_port: int | None = None,
     metrics_addr: str = DEFAULT_METRICS_ADDR,
+    metrics_token_file: str | os.PathLike[str] | None = None,
     profile: str = DEFAULT_PROFILE,
     timed: bool = False,
     io_threads: int | None = None,
@@ -204,6 +259,12 @@ def start_background(
     if not Path(mountpoint).is_dir():
         raise DeviceError(Status.INVALID_FIELD, f"mountpoint {mountpoint} is not a directory")
     load_profile(profile)  # an unknown profile, likewise
+    # A link or foreign file where the device writes, likewise (the daemon checks again
+    # under its lock before it writes anything).
+    BackingDirectory.inspect(Path(backing))
+    # A device another daemon has open, likewise (taken and released: the daemon takes it
+    # for good; a race between the two ends in the daemon's own refusal).
+    BackingDirectory.lock(Path(backing)).close()
     read_fd, write_fd = os.pipe()
     command = [
         sys.executable, "-m", "cossd.tools.cli", "mount", "--foreground",
@@ -215,6 +276,8 @@ def start_background(
         command.append("--allow-other")
     if metrics_port is not None:
         command += ["--metrics-port", str(metrics_port), "--metrics-addr", metrics_addr]
+        if metrics_token_file is not None:
+            command += ["--metrics-token-file", str(Path(metrics_token_file).resolve())]
     command += ["--profile", profile if profile in PROFILES else str(Path(profile).resolve())]
     if timed:
         command.append("--timed")
@@ -223,7 +286,14 @@ def start_background(
     if cmb_bytes is not None:
         command += ["--cmb-size", str(cmb_bytes)]
     log_path = Path(log_file) if log_file else Path(backing) / "daemon.log"
-    with open(log_path, "ab") as log_stream:
+    try:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) if log_file \
+            else open_default_log(log_path)
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
+    with open(log_fd, "ab") as log_stream:
         process = subprocess.Popen(
             command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_stream,
             stderr=log_stream, start_new_session=True,

@@ -9,7 +9,6 @@ import functools
 import json
 import logging
 import os
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, NamedTuple, TypeVar
 
@@ -20,8 +19,8 @@ from cossd.emulator import Device, DeviceError
 from cossd.emulator.controller import Controller
 from cossd.emulator.injection import IoOpcode
 from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
-from cossd.emulator.protocol import SUBMISSION, Completion, SubmissionError, submission_length
 
+from .admin_queue import AdminHandle
 from .times import NodeTimes
 from .tree import FILE_KINDS, SNAPSHOT_KINDS, Kind, Node, Tree, fuse_error
 
@@ -66,17 +65,6 @@ class Stat(NamedTuple):
     uid: int
     gid: int
     blksize: int
-
-
-@dataclasses.dataclass
-class AdminHandle:
-    """One open() of the control file: a queue pair. Completions are read back in order."""
-
-    pending: bytearray = dataclasses.field(default_factory=bytearray)
-    completions: collections.deque[bytes] = dataclasses.field(default_factory=collections.deque)
-    unread: bytes = b""
-    # The data path's threads may take two requests of one open() at once.
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 @dataclasses.dataclass
@@ -298,7 +286,9 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, writes)), direct_io=direct_io)
 
     async def release(self, fh: int) -> None:
-        self._handles.pop(fh, None)
+        handle = self._handles.pop(fh, None)
+        if isinstance(handle, AdminHandle):
+            handle.close()  # what its queue pair held goes back to the daemon's budget
 
     @_guarded
     async def flush(self, fh: int) -> None:
@@ -414,43 +404,25 @@ class Operations(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ control file
 
-    @staticmethod
-    def _submissions(handle: AdminHandle, buf: bytes | memoryview) -> Iterator[bytes]:
-        """Accumulate a submission (a large one may arrive in several requests); yield each
-        complete one, to be run before the next is parsed."""
-        handle.pending += buf
-        while len(handle.pending) >= SUBMISSION.itemsize:
-            try:
-                needed = submission_length(bytes(handle.pending[: SUBMISSION.itemsize]))
-            except SubmissionError as exc:
-                handle.pending.clear()
-                log.info("rejected submission: %s", exc)
-                raise fuse_error(errno.EINVAL) from None
-            if len(handle.pending) < needed:
-                break
-            raw = bytes(handle.pending[:needed])
-            del handle.pending[:needed]
-            yield raw
+    # The control file's queue pairs are bounded (fs/admin_queue.py): a write refused for a full
+    # completion queue is EAGAIN, for the daemon's partly written submissions ENOMEM.
 
     async def _write_command(self, handle: AdminHandle, buf: bytes) -> int:
-        for raw in self._submissions(handle, buf):
-            completion: Completion = await self._run(self.controller.submit, raw)
-            handle.completions.append(completion.encode())
-            self.schedule_flushes()
-        return len(buf)
+        # On a worker thread, as the data path runs it: the commands of one write in order,
+        # one write of a handle at a time.
+        written = await self._run(self.write_command, handle, buf)
+        self.schedule_flushes()
+        return written
 
     def write_command(self, handle: AdminHandle, buf: bytes | memoryview) -> int:
-        """_write_command on the data path (blocking); the caller then has
+        """Submissions written to the control file (blocking); the caller then has
         schedule_flushes() run on the event loop."""
         with handle.lock:
-            for raw in self._submissions(handle, buf):
-                handle.completions.append(self.controller.submit(raw).encode())
-        return len(buf)
+            return handle.take(buf, self.controller.submit)
 
     def read_completion(self, handle: AdminHandle, size: int) -> bytes:
         """_read_completion on the data path."""
-        with handle.lock:
-            return self._read_completion(handle, size)
+        return self._read_completion(handle, size)
 
     def schedule_flushes(self) -> None:
         """After a command: make whatever it committed durable in the background."""
@@ -458,13 +430,9 @@ class Operations(pyfuse3.Operations):
             self._schedule_flush(namespace)
 
     def _read_completion(self, handle: AdminHandle, size: int) -> bytes:
-        """Completions read as a stream: entry then data; a short read leaves the rest."""
-        if not handle.unread:
-            if not handle.completions:
-                return b""
-            handle.unread = handle.completions.popleft()
-        chunk, handle.unread = handle.unread[:size], handle.unread[size:]
-        return chunk
+        """Completions read as a stream: entry then data; a short read leaves the rest. Never
+        waits for a command that is running."""
+        return handle.read(size)
 
     # ------------------------------------------------------------------ background work
 

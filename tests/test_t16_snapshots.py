@@ -220,7 +220,7 @@ def test_export_loads_with_safetensors_and_matches(mount: Mount, tmp_path: Path)
     at_2 = live_state(mp, "net")
     with AdminClient(mp) as admin:
         job = wait(admin, snapshot_cmds.export(admin, nsid, optimizer_state=True))
-        assert job["path"] == str(mount.backing / "exports/net-step2.safetensors")
+        assert job["path"] == str(mount.backing / "exports/net/step-2.safetensors")
         tensors = safetensors.numpy.load_file(job["path"])
         assert sorted(tensors) == sorted(
             [t for t, _ in TENSORS] + [f"{t}.{r}" for t, _ in TENSORS for r in ROLES[1:]])
@@ -736,7 +736,8 @@ def test_cli_verbs_normal_and_json(mount: Mount, tmp_path: Path, capsys: pytest.
     assert len(safetensors.numpy.load_file(target)) == 8
     code, out, _ = run_cli(capsys, "export", mp, "ft", "--no-wait")
     assert code == 0 and out.startswith("export job 3 started: namespace of 'ft' (step 2) to ")
-    code, out, _ = run_cli(capsys, "export", mp, "ft", "--no-wait", "-o", "json")
+    # The same step again: refused unless replacing the first export is asked for.
+    code, out, _ = run_cli(capsys, "export", mp, "ft", "--no-wait", "--force", "-o", "json")
     with AdminClient(mount.mountpoint) as admin:
         assert snapshot_cmds.wait_for_job(admin, json.loads(out))["state"] == "done"
 

@@ -105,7 +105,7 @@ def test_create_write_read_remount_delete(mount: Mount, capsys: pytest.CaptureFi
     ours = mp.parent / "mountinfo"  # only this test's mount: others on the machine may hang
     ours.write_text("".join(line for line in open("/proc/self/mountinfo") if f" {mp} " in line))
     code, out, _ = cli(capsys, "list", "--mountinfo", str(ours), "-o", "json")
-    assert code == 0 and json.loads(out)["Devices"][0]["Namespaces"] == [{"NameSpace": 1, "Name": "raw"}]
+    assert code == 0 and json.loads(out)["cossd"]["Devices"][0]["Namespaces"] == [{"NameSpace": 1, "Name": "raw"}]
 
     # A clean remount: the same bytes, bit for bit.
     mount.unmount()

@@ -148,3 +148,60 @@ def test_fio_writes_a_gradient_file(mount: Mount) -> None:
     assert (mount.mountpoint / "ns" / "run" / "step").read_text().strip() == "1"
     stats = json.loads((mount.mountpoint / "ns" / "run" / "stats.json").read_text())
     assert (stats["steps_committed"], stats["steps_skipped"]) == (1, 0)
+
+
+def test_a_closed_pipe_ends_the_cli_quietly(mount: Mount) -> None:
+    for index in range(40):
+        subprocess.run([*CLI, "create-ns", str(mount.mountpoint), f"raw{index}", "--nvm", "--size", "4096"],
+                       check=True, capture_output=True)
+    # `cossd list | head -1`: the reader leaves after one line.
+    listing = subprocess.Popen([*CLI, "list", "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert listing.stdout is not None
+    listing.stdout.readline()
+    listing.stdout.close()
+    _, stderr = listing.communicate(timeout=60)
+    assert stderr == b"", stderr.decode()
+    assert listing.returncode in (0, 141)
+
+
+def test_every_flag_and_positional_says_what_it_is_and_its_default() -> None:
+    import argparse
+
+    from cossd.tools.cli import build_parser
+
+    parser = build_parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for verb, sub in verbs.choices.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+                continue
+            if not action.help:
+                missing.append(f"{verb} {action.dest}: no help")
+            elif (action.option_strings and action.default not in (None, False)
+                  and "default" not in action.help):
+                missing.append(f"{verb} {action.dest}: its default ({action.default!r}) is not said")
+    assert not missing, "\n".join(missing)
+    shown = " ".join(_cli("create-ns", "--help", check=True).stdout.split())  # unwrapped
+    for flag, default in (("--lr", "0.001"), ("--beta1", "0.9"), ("--beta2", "0.999"),
+                          ("--eps", "1e-08"), ("--weight-decay", "0.01")):
+        assert flag in shown and f"default: {default}" in shown, flag
+
+
+def test_a_second_mount_says_where_the_device_is_mounted(mount: Mount, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    result = _cli("mount", str(mount.backing), str(other))
+    assert result.returncode == 1
+    assert f"already mounted at {mount.mountpoint.resolve()}" in result.stderr, result.stderr
+    assert not is_mounted(other)
+
+
+def test_export_onto_an_existing_file_names_the_flag(mount: Mount, tmp_path: Path) -> None:
+    create_namespace(mount.mountpoint, "run", [("w", NUMEL)])
+    _step(mount, "run", 1)
+    target = tmp_path / "out.safetensors"
+    _cli("export", str(mount.mountpoint), "run", "--path", str(target), "-q", check=True)
+    result = _cli("export", str(mount.mountpoint), "run", "--path", str(target), "-q")
+    assert result.returncode == 1 and "--force" in result.stderr, result.stderr
+    assert _cli("export", str(mount.mountpoint), "run", "--path", str(target), "-q", "--force").returncode == 0

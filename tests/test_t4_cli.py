@@ -57,8 +57,9 @@ def test_format_mount_create_train_umount(tmp_path: Path, capsys: pytest.Capture
         assert code == 0 and "CLI1" in out and "net" in out and "step 1" in out
         assert re.search(r"cmb +: 1073741824 bytes at /proc/\d+/fd/\d+", out), out
         code, out, _ = run(capsys, "id-ctrl", str(mp), "-o", "json")
-        assert json.loads(out)["namespaces"][0]["committed_step"] == 1
-        assert json.loads(out)["cmb"]["size"] == 1 << 30
+        value = json.loads(out)  # nvme-cli's keys; cossd's own under "cossd"
+        assert value["sn"].strip() == "CLI1" and value["cossd"]["namespaces"][0]["committed_step"] == 1
+        assert value["cossd"]["cmb"]["size"] == 1 << 30
 
         code, _, _ = run(capsys, "delete-ns", str(mp), "net")
         assert code == 0 and not (mp / "ns/net").exists()
@@ -76,7 +77,7 @@ def test_namespace_and_step_verbs_in_json(mount: Mount, capsys: pytest.CaptureFi
     code, out, _ = run(capsys, "create-ns", mp, "net", "--tensor", "w:1000", "-o", "json")
     assert code == 0 and json.loads(out) == {"name": "net", "nsid": 1}
     code, out, _ = run(capsys, "id-ns", mp, "net", "-o", "json")
-    assert code == 0 and json.loads(out)["nsid"] == 1 and json.loads(out)["nsze"] > 0
+    assert code == 0 and json.loads(out)["cossd"]["nsid"] == 1 and json.loads(out)["nsze"] > 0
     code, out, _ = run(capsys, "begin-step", mp, "net", "-o", "json")
     assert code == 0 and json.loads(out) == {"step": 1}
     code, out, _ = run(capsys, "abort-step", mp, "net", "-o", "json")

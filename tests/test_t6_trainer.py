@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -410,3 +412,69 @@ def test_cuda_streaming_on_a_side_stream_steps_like_the_cpu(opened, mount: Mount
         on_cpu.step()
         on_gpu.step()
         assert all(torch.equal(a, b.cpu()) for a, b in zip(bits(cpu_model), bits(gpu_model)))
+
+
+def test_step_without_gradients_is_skipped_with_a_warning(opened, mount: Mount) -> None:
+    """step() with every .grad None sends nothing and commits nothing, and says so."""
+    model = make_model(torch.bfloat16)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="nograd", lr=1e-2)
+    loss_of(model, 1, torch.bfloat16).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    before = bits(model)
+    with pytest.warns(RuntimeWarning, match="no gradients"):
+        optimizer.step()
+    assert (optimizer.committed_step, optimizer.steps_skipped_no_grads, optimizer.last_step_skipped) == (1, 1, True)
+    assert optimizer.files.statistics()["committed_step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, bits(model)))
+    loss_of(model, 2, torch.bfloat16).backward()
+    optimizer.step()
+    assert (optimizer.committed_step, optimizer.last_step_skipped) == (2, False)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["at-step", "streamed"])
+def test_step_with_some_gradients_missing_is_refused(opened, mount: Mount, streaming: bool) -> None:
+    """A zero gradient is not torch's "no gradient" (moments and weight decay move): such a
+    step is refused before anything commits, and goes through once the gradient is explicit."""
+    model = make_model(torch.bfloat16)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace=f"partial{int(streaming)}",
+                       lr=1e-2, streaming=streaming)
+    model.fc1.bias.requires_grad_(False)  # no gradient this step
+    before = bits(model)
+    loss_of(model, 1, torch.bfloat16).backward()
+    with pytest.raises(RuntimeError, match="1 of 4 params have no gradient"):
+        optimizer.step()
+    assert optimizer.committed_step == 0 and optimizer.files.statistics()["committed_step"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, bits(model)))
+    model.fc1.bias.requires_grad_(True)
+    optimizer.zero_grad(set_to_none=True)
+    loss_of(model, 1, torch.bfloat16).backward()
+    optimizer.step()
+    assert optimizer.committed_step == 1
+
+
+def test_fp32_params_get_the_fp32_masters(opened, mount: Mount) -> None:
+    """An FP32 param is given the device's FP32 master, not its BF16 rounding."""
+    model = make_model(torch.float32)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="fp32", lr=1e-2)
+    for step in range(1, 3):
+        loss_of(model, step, torch.float32).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert all(torch.equal(p.detach(), m) for p, m in zip(model.parameters(), optimizer.master_weights()))
+    assert any(not torch.equal(p.detach(), p.detach().to(torch.bfloat16).float()) for p in model.parameters())
+
+
+def test_bench_report_without_matplotlib_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`cossd bench` without the trainer extra's matplotlib: the figures are written, the
+    chart is not, and the output says what to install (it used to crash at its very end)."""
+    from cossd.trainer import bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when absent
+    report = {"created": "now", "elements": 1, "repeat": 1,
+              "machine": {"cpu": "x", "cores": 1, "torch": torch.__version__, "simd": "scalar", "python": "3"}}
+    bench._write_report(report, tmp_path / "out")
+    assert json.loads((tmp_path / "out/bench.json").read_text())["created"] == "now"
+    assert (tmp_path / "out/bench.md").exists() and not (tmp_path / "out/bench.png").exists()
+    assert "pip install 'cossd[trainer]'" in capsys.readouterr().out

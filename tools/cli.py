@@ -5,6 +5,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from cossd.emulator.errors import DeviceError
+from cossd.emulator.errors import DeviceError, Status
 
 _SIZE = re.compile(r"(\d+)([KMGT]?)(i?B?)?", re.IGNORECASE)
 
@@ -127,20 +128,42 @@ def cmd_mount(args: argparse.Namespace) -> int:
         daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
                      debug=args.debug, ready_fd=args.ready_fd,
                      metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                     profile=args.profile, timed=args.timed, io_threads=args.io_threads,
-                     cmb_bytes=args.cmb_size)
+                     metrics_token_file=args.metrics_token_file, profile=args.profile, timed=args.timed,
+                     io_threads=args.io_threads, cmb_bytes=args.cmb_size)
         return 0
-    pid = daemon.start_background(args.backing, args.mountpoint, sync=args.sync,
-                                  allow_other=args.allow_other, log_file=args.log_file,
-                                  metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                                  profile=args.profile, timed=args.timed, io_threads=args.io_threads,
-                                  cmb_bytes=args.cmb_size)
+    if args.metrics_token_file is not None:  # a one-line error before anything starts
+        from cossd.fs.metrics import MetricsPortError, load_token
+
+        if args.metrics_port is None:
+            raise MetricsPortError("--metrics-token-file goes with --metrics-port")
+        load_token(args.metrics_token_file)
+    try:
+        pid = daemon.start_background(args.backing, args.mountpoint, sync=args.sync,
+                                      allow_other=args.allow_other, log_file=args.log_file,
+                                      metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+                                      metrics_token_file=args.metrics_token_file,
+                                      profile=args.profile, timed=args.timed,
+                                      io_threads=args.io_threads, cmb_bytes=args.cmb_size)
+    except DeviceError as exc:
+        where = _mounted_at(args.backing) if exc.status == Status.NAMESPACE_NOT_READY else []
+        if where:
+            raise DeviceError(exc.status, f"{args.backing} is already mounted at "
+                                          f"{', '.join(map(str, where))}") from None
+        raise
     host = f"[{args.metrics_addr}]" if ":" in args.metrics_addr else args.metrics_addr  # IPv6
     metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
     emit(args, {"mountpoint": str(args.mountpoint), "pid": pid} | ({"metrics": metrics} if metrics else {}),
          lambda v: f"mounted {args.backing} at {v['mountpoint']} (daemon pid {v['pid']})"
          + (f", metrics at {metrics}" if metrics else ""))
     return 0
+
+
+def _mounted_at(backing: Path) -> list[Path]:
+    """The mountpoints where the device in `backing` is mounted now (from mountinfo)."""
+    from cossd.tools.client import mounted_devices
+
+    target = os.path.realpath(backing)
+    return [mountpoint for mountpoint, source in mounted_devices() if os.path.realpath(source) == target]
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -224,14 +247,37 @@ def cmd_delete_ns(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nvme_device(args: argparse.Namespace) -> str | None:
+    """Point args.mountpoint at the mount of the device an nvme-cli style verb names (a
+    mountpoint, a namespace directory MOUNTPOINT/ns/NAME, or a path under them); return the
+    namespace such a path names, if any."""
+    from cossd.tools.client import mounted_devices
+    from cossd.tools.nvme_json import resolve_device
+
+    args.mountpoint, namespace = resolve_device(args.mountpoint, mounted_devices())
+    return namespace
+
+
+def _binary(args: argparse.Namespace) -> bool:
+    """-o binary, or nvme-cli's -b/--raw-binary."""
+    return args.output_format == "binary" or getattr(args, "raw_binary", False)
+
+
 def cmd_id_ctrl(args: argparse.Namespace) -> int:
     from cossd.emulator.protocol import IdentifyCns, Opcode
+    from cossd.tools import nvme_json
 
+    _nvme_device(args)
     with _client(args) as client:
-        if args.output_format == "binary":  # the 4096-byte Identify Controller page
-            write_binary(client.call(Opcode.IDENTIFY, cdw10=IdentifyCns.CONTROLLER).data)
+        page = client.call(Opcode.IDENTIFY, cdw10=IdentifyCns.CONTROLLER).data
+        if _binary(args):  # the 4096-byte Identify Controller page
+            write_binary(page)
             return 0
         described = client.describe()
+    if args.output_format == "json":  # nvme-cli's keys from the page, cossd's own under one key
+        value = nvme_json.id_ctrl(page, nvme_json.version_for(args.verbose))
+        emit(args, value | {nvme_json.VENDOR_KEY: described}, str, sort_keys=False)
+        return 0
 
     def normal(value: dict[str, Any]) -> str:
         identity = value["identity"]
@@ -274,6 +320,26 @@ def cmd_step(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- nvme-cli shaped verbs
 
+DEVICE_HELP = ("the device: its mountpoint, or a namespace's directory MOUNTPOINT/ns/NAME "
+               "(the DevicePath `list -o json` shows)")
+
+
+def add_nvme_options(sub: argparse.ArgumentParser) -> None:
+    """The options nvme-cli's verbs share: -v/--verbose (JSON as nvme-cli 2.11 prints it),
+    -b/--raw-binary (-o binary)."""
+    sub.add_argument("-v", "--verbose", action="store_true",
+                     help="-o json shaped as nvme-cli 2.11 (default: as nvme-cli 2.3)")
+    sub.add_argument("-b", "--raw-binary", action="store_true", help="the raw page (-o binary)")
+
+
+def parse_log_entries(text: str) -> int:
+    """error-log -e: a positive entry count (nvme-cli refuses 0)."""
+    count = parse_int(text)
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"give a positive number of log entries, got {text}")
+    return count
+
+
 # Critical warning bits as nvme-cli names them (-H).
 CRITICAL_WARNING_BITS = (
     ("available_spare", "Available Spare[0]"),
@@ -302,25 +368,28 @@ def _line(label: str, value: object) -> str:
 def cmd_smart_log(args: argparse.Namespace) -> int:
     from cossd.emulator.health import DATA_UNIT_BYTES
 
-    from cossd.emulator.logpages import LogId
+    from cossd.emulator.logpages import LogId, decode_smart
     from cossd.emulator.protocol import NSID_ALL
+    from cossd.tools import nvme_json
 
+    _nvme_device(args)  # SMART is controller wide: a namespace's path reads its controller's
     with _client(args) as client:
-        if args.output_format == "binary":  # the 512-byte page, as nvme smart-log -o binary
-            write_binary(client.get_log_page(LogId.SMART, NSID_ALL))
+        page = client.get_log_page(LogId.SMART, NSID_ALL)
+        if _binary(args):  # the 512-byte page, as nvme smart-log -o binary
+            write_binary(page)
             return 0
-        smart = client.smart_log()
         backing = client.describe()["backing"] if args.media else None
+    smart = decode_smart(page)
     warning = smart["critical_warning"]
     bits = {name: (warning >> bit) & 1 for bit, (name, _) in enumerate(CRITICAL_WARNING_BITS)}
-    value: dict[str, Any] = dict(smart)
-    if args.human_readable:
-        value["critical_warning"] = {"value": warning} | bits  # as nvme-cli -H -o json
+    # nvme-cli's JSON: its keys, order and types (the 128-bit counters strings in 2.3).
+    value = nvme_json.smart_log(page, nvme_json.version_for(args.verbose), human=args.human_readable)
     media = None
     if backing is not None:  # --media: the real drive under the backing directory
         from cossd.tools.media_health import media_report, render_media
 
-        media = value["media"] = media_report(backing)
+        media = media_report(backing)
+        value[nvme_json.VENDOR_KEY] = {"media": media}
 
     def normal(_: object) -> str:
         lines = [f"Smart Log for NVME device:{args.mountpoint} namespace-id:ffffffff",
@@ -401,15 +470,22 @@ def _error_entries_text(device: object, entries: list[dict[str, int]]) -> str:
 
 
 def cmd_error_log(args: argparse.Namespace) -> int:
-    from cossd.emulator.logpages import LogId
+    from cossd.emulator.logpages import ERROR_LOG_ENTRIES, LogId, decode_error_log
+    from cossd.tools import nvme_json
 
+    _nvme_device(args)
     with _client(args) as client:
-        if args.output_format == "binary":  # 64 entries of 64 bytes, as nvme error-log -o binary
-            write_binary(client.get_log_page(LogId.ERROR))
-            return 0
-        entries = client.error_log()
-    emit(args, {"errors": entries}, lambda v: _error_entries_text(args.mountpoint, v["errors"]),
-         sort_keys=False)
+        page = client.get_log_page(LogId.ERROR)
+    # As many entries as nvme-cli asks for: -e, at most ELPE + 1 (all of the page).
+    count = min(args.log_entries or ERROR_LOG_ENTRIES, ERROR_LOG_ENTRIES)
+    page = page[: count * nvme_json.ERROR_ENTRY_BYTES]
+    if _binary(args):  # 64-byte entries, as nvme error-log -o binary
+        write_binary(page)
+        return 0
+    if args.output_format == "json":  # every entry asked for, the empty ones too, as nvme-cli
+        emit(args, nvme_json.error_log(page, count), str, sort_keys=False)
+        return 0
+    print(_error_entries_text(args.mountpoint, decode_error_log(page)))  # people: the valid ones
     return 0
 
 
@@ -463,29 +539,35 @@ def cmd_get_log(args: argparse.Namespace) -> int:
 
 
 def cmd_id_ns(args: argparse.Namespace) -> int:
-    """Identify Namespace (CNS 00h), decoded with nvme-cli's field names."""
-    import struct
-
+    """Identify Namespace (CNS 00h), decoded with nvme-cli's field names. The namespace: NAME,
+    else -n NSID, else the one a device path MOUNTPOINT/ns/NAME names."""
     from cossd.emulator.protocol import IdentifyCns, Opcode
+    from cossd.tools import nvme_json
 
+    named = _nvme_device(args)
     with _client(args) as client:
-        nsid = client.nsid(args.name)
+        if args.name is not None:
+            nsid, name = client.nsid(args.name), args.name
+        elif args.namespace_id is not None:
+            nsid = args.namespace_id
+            name = next((ns["name"] for ns in client.describe()["namespaces"] if ns["nsid"] == nsid), None)
+        elif named is not None:
+            nsid, name = client.nsid(named), named
+        else:
+            raise SystemExit("cossd id-ns: name the namespace: NAME, -n NSID, or the device "
+                             "MOUNTPOINT/ns/NAME (as `cossd list` shows it)")
         page = client.call(Opcode.IDENTIFY, nsid=nsid, cdw10=int(IdentifyCns.NAMESPACE)).data
-    nsze, ncap, nuse = struct.unpack_from("<QQQ", page, 0)
-    lbaf0 = struct.unpack_from("<I", page, 128)[0]
-    value = {"nsid": nsid, "name": args.name, "nsze": nsze, "ncap": ncap, "nuse": nuse,
-             "nlbaf": page[25], "flbas": page[26],
-             "lbafs": [{"ms": lbaf0 & 0xFFFF, "ds": (lbaf0 >> 16) & 0xFF, "rp": (lbaf0 >> 24) & 0x3}]}
-    if args.output_format == "binary":
-        sys.stdout.buffer.write(page)
-        sys.stdout.buffer.flush()
+    if _binary(args):
+        write_binary(page)
         return 0
-    emit(args, value, lambda v: "\n".join([
-        f"NVME Identify Namespace {v['nsid']} ({v['name']}):",
+    value = nvme_json.id_ns(page, nvme_json.version_for(args.verbose))
+    lbaf0 = value["lbafs"][0]
+    emit(args, value | {nvme_json.VENDOR_KEY: {"nsid": nsid, "name": name}}, lambda v: "\n".join([
+        f"NVME Identify Namespace {nsid} ({name}):",
         f"nsze    : {v['nsze']:#x}", f"ncap    : {v['ncap']:#x}", f"nuse    : {v['nuse']:#x}",
         f"nlbaf   : {v['nlbaf']}", f"flbas   : {v['flbas']:#x}",
-        f"lbaf  0 : ms:{v['lbafs'][0]['ms']} lbads:{v['lbafs'][0]['ds']} rp:{v['lbafs'][0]['rp']} (in use)",
-    ]))
+        f"lbaf  0 : ms:{lbaf0['ms']} lbads:{lbaf0['ds']} rp:{lbaf0['rp']} (in use)",
+    ]), sort_keys=False)
     return 0
 
 
@@ -552,21 +634,27 @@ def cmd_scrub(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """nvme-cli's list: -o json as 2.3 (a flat entry per namespace), with -v as 2.11 (hosts,
+    subsystems, controllers, namespaces); every cossd mount, also a crashed one, under "cossd"."""
     from cossd.emulator.device import SUPERBLOCK_FILE
+    from cossd.tools import nvme_json
     from cossd.tools.client import AdminClient, mounted_devices
 
-    devices = []
+    devices, controllers = [], []
     for mountpoint, backing in mounted_devices(args.mountinfo):
         entry: dict[str, Any] = {"DevicePath": str(mountpoint), "Backing": str(backing)}
         try:
             with AdminClient(mountpoint, timeout_s=args.timeout) as client:
                 described = client.describe()
+                controllers.append(nvme_json.listed_controller(client, mountpoint, backing,
+                                                               described["namespaces"]))
             identity = described["identity"]
             namespaces = [{"NameSpace": ns["nsid"], "Name": ns["name"]} for ns in described["namespaces"]]
             entry |= {"State": "live", "Pid": described["pid"],
                       "UsedBytes": described["allocated_bytes"]}
         except (OSError, DeviceError, ValueError, KeyError) as exc:
-            # A crashed or stopped daemon: what the backing directory itself says.
+            # A crashed or stopped daemon: what the backing directory itself says (it has
+            # no identify pages to answer nvme-cli's part with, so it is only listed here).
             entry |= {"State": f"not answering ({exc})"}
             try:
                 stored = json.loads((backing / SUPERBLOCK_FILE).read_text())
@@ -582,14 +670,16 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     def normal(value: dict[str, Any]) -> str:
         rows = [("Node", "Backing", "SN", "Namespaces"), ("-" * 24, "-" * 32, "-" * 20, "-" * 24)]
-        for device in value["Devices"]:
+        for device in value[nvme_json.VENDOR_KEY]["Devices"]:
             names = ", ".join(f"{ns['Name']}({ns['NameSpace']})" for ns in device["Namespaces"]) or "-"
             if device["State"] != "live":
                 names += f" [{device['State']}]"
             rows.append((device["DevicePath"], device["Backing"], device["SerialNumber"], names))
         return "\n".join(f"{a:<24} {b:<32} {c:<20} {d}" for a, b, c, d in rows)
 
-    emit(args, {"Devices": devices}, normal, sort_keys=False)
+    shaped = (nvme_json.detail_list(controllers, nvme_json.host_identity()) if args.verbose
+              else nvme_json.simple_list(controllers))
+    emit(args, shaped | {nvme_json.VENDOR_KEY: {"Devices": devices}}, normal, sort_keys=False)
     return 0
 
 
@@ -621,9 +711,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 VERB_MODULES: tuple[str, ...] = ("cossd.tools.top", "cossd.tools.feature_cmds", "cossd.tools.inject_cmds", "cossd.tools.model_cmd", "cossd.tools.snapshot_cmds")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "cossd") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cossd",
+        prog=prog,
         description="An emulated computational SSD that runs the Adam optimizer inside the drive.",
         epilog="Run `cossd VERB --help` for a verb's options. Docs: docs/ in the source tree.",
     )
@@ -655,9 +745,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--log-file", type=Path, help="daemon log (default: BACKING/daemon.log)")
     sub.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     sub.add_argument("--metrics-port", type=parse_port, metavar="N",
-                     help="serve Prometheus metrics on this TCP port (docs/metrics.md)")
+                     help="serve Prometheus metrics on this TCP port (docs/metrics.md). Unauthenticated "
+                          "unless --metrics-token-file is given: any local user (and anyone who can reach "
+                          "ADDR) can read them, namespace names included, even without --allow-other")
     sub.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
-                     help="address the metrics endpoint listens on (default: 127.0.0.1)")
+                     help="address the metrics endpoint listens on (default: 127.0.0.1, loopback only)")
+    sub.add_argument("--metrics-token-file", metavar="FILE",
+                     help="require 'Authorization: Bearer TOKEN' on every metrics request, TOKEN being "
+                          "FILE's content (one word; the file must not be readable by every user); others "
+                          "get 401. Prometheus: authorization: {credentials_file: FILE}")
     from cossd.emulator.profiles import DEFAULT_PROFILE, PROFILES
 
     sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE.json",
@@ -679,7 +775,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = verb("umount", cmd_umount, "Unmount; waits until the daemon has flushed the state.")
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("--lazy", action="store_true", help="detach even if busy (fusermount3 -z)")
-    sub.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the daemon")
+    sub.add_argument("--timeout", type=float, default=120.0,
+                     help="seconds to wait for the daemon to flush and exit (default: %(default)s)")
 
     sub = verb("create-ns", cmd_create_ns, "Create an optimizer namespace (one optimizer), or with "
                "--nvm a plain NVM namespace (a raw data file).")
@@ -691,25 +788,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--nvm", action="store_true",
                      help="a plain NVM namespace: MOUNTPOINT/ns/NAME/data, 4 KiB blocks")
     sub.add_argument("--size", type=parse_size, help="with --nvm: its size, e.g. 1G (a multiple of 4096)")
-    sub.add_argument("--lr", type=float, default=1e-3)
-    sub.add_argument("--beta1", type=float, default=0.9)
-    sub.add_argument("--beta2", type=float, default=0.999)
-    sub.add_argument("--eps", type=float, default=1e-8)
-    sub.add_argument("--weight-decay", type=float, default=0.01)
+    sub.add_argument("--lr", type=float, default=1e-3, help="learning rate (default: %(default)s)")
+    sub.add_argument("--beta1", type=float, default=0.9,
+                     help="decay of the first moment, exp_avg (default: %(default)s)")
+    sub.add_argument("--beta2", type=float, default=0.999,
+                     help="decay of the second moment, exp_avg_sq (default: %(default)s)")
+    sub.add_argument("--eps", type=float, default=1e-8,
+                     help="term added to the denominator for stability (default: %(default)s)")
+    sub.add_argument("--weight-decay", type=float, default=0.01,
+                     help="weight decay, decoupled in adamw mode (default: %(default)s)")
     sub.add_argument("--mode", choices=("adamw", "adam"), default="adamw",
-                     help="adamw: decoupled weight decay; adam: L2 penalty added to the gradient")
-    sub.add_argument("--grad-dtype", choices=("fp16", "bf16"), default="fp16")
-    sub.add_argument("--param-dtype", choices=("fp16", "bf16"), default="fp16")
+                     help="adamw: decoupled weight decay; adam: L2 penalty added to the gradient "
+                          "(default: %(default)s)")
+    sub.add_argument("--grad-dtype", choices=("fp16", "bf16"), default="fp16",
+                     help="dtype the trainer writes gradients in (default: %(default)s)")
+    sub.add_argument("--param-dtype", choices=("fp16", "bf16"), default="fp16",
+                     help="dtype the device hands params back in (default: %(default)s)")
     sub.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
-                     help="dtype of the Adam moments (master weights are always fp32)")
+                     help="dtype of the Adam moments; master weights are always fp32 "
+                          "(default: %(default)s)")
 
     sub = verb("delete-ns", cmd_delete_ns, "Delete a namespace and its state.")
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("name")
 
     sub = verb("id-ctrl", cmd_id_ctrl, "Identify the device: serial, model, capacity, namespaces "
-               "(-o binary: the raw Identify Controller page).", formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=Path)
+               "(-o json: nvme-cli's keys, cossd's own under \"cossd\"; -o binary: the raw Identify "
+               "Controller page).", formats=("normal", "json", "binary"))
+    sub.add_argument("mountpoint", type=Path, metavar="DEVICE", help=DEVICE_HELP)
+    add_nvme_options(sub)
 
     for name, text in (("begin-step", "Open a step transaction."),
                        ("commit-step", "Commit the open step (reports a skip on inf/NaN)."),
@@ -720,11 +827,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "begin-step":
             sub.add_argument("--step", type=int, help="step number (default: the next one)")
             sub.add_argument("--grad-scale", type=float, default=1.0,
-                             help="combined gradient scale: 1/loss_scale x clip coefficient")
+                             help="combined gradient scale: 1/loss_scale x clip coefficient "
+                                  "(default: %(default)s)")
 
     sub = verb("smart-log", cmd_smart_log, "SMART / health log (log page 02h), as nvme smart-log prints it.",
                formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("mountpoint", type=Path, metavar="DEVICE", help=DEVICE_HELP)
+    add_nvme_options(sub)
     sub.add_argument("-H", "--human-readable", action="store_true",
                      help="decode the critical warning bits")
     sub.add_argument("--media", action="store_true",
@@ -732,8 +841,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(runs `nvme smart-log DEV -o json`)")
 
     sub = verb("error-log", cmd_error_log, "Error information log (log page 01h): the latest failed "
-               "commands and media errors, newest first.", formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=Path)
+               "commands and media errors, newest first (-o json: every entry, empty ones too, "
+               "as nvme-cli).", formats=("normal", "json", "binary"))
+    sub.add_argument("mountpoint", type=Path, metavar="DEVICE", help=DEVICE_HELP)
+    sub.add_argument("-e", "--log-entries", type=parse_log_entries, metavar="N",
+                     help="entries to read (default: all the device keeps, ELPE + 1 = 64)")
+    add_nvme_options(sub)
 
     sub = verb("get-log", cmd_get_log, "Any log page, raw (hex dump, -o binary) or decoded (-o json).",
                formats=("normal", "json", "binary"))
@@ -749,8 +862,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub = verb("id-ns", cmd_id_ns, "Identify a namespace (NVMe CNS 00h): sizes in 4 KiB blocks, LBA format.",
                formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=Path)
-    sub.add_argument("name", help="namespace name")
+    sub.add_argument("mountpoint", type=Path, metavar="DEVICE", help=DEVICE_HELP)
+    sub.add_argument("name", nargs="?", help="namespace name (or -n NSID, or DEVICE MOUNTPOINT/ns/NAME)")
+    sub.add_argument("-n", "--namespace-id", type=parse_int, metavar="NSID", help="namespace id")
+    add_nvme_options(sub)
 
     sub = verb("admin-passthru", cmd_admin_passthru, "Send a raw admin command through .admin "
                "(like nvme admin-passthru); exits 1 unless it succeeds.", formats=("normal", "json", "binary"))
@@ -772,10 +887,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("name", nargs="?", help="namespace (default: every namespace)")
 
-    sub = verb("list", cmd_list, "List the mounted cossd devices (from /proc/self/mountinfo).")
-    sub.add_argument("--mountinfo", default="/proc/self/mountinfo", help=argparse.SUPPRESS)
+    sub = verb("list", cmd_list, "List the mounted cossd devices (from /proc/self/mountinfo); -o json "
+               "as nvme-cli 2.3 (one entry per namespace), with -v as nvme-cli 2.11 (subsystems, "
+               "controllers, namespaces).")
+    sub.add_argument("-v", "--verbose", action="store_true",
+                     help="nvme-cli 2.11's JSON layout (Subsystems/Controllers/Namespaces)")
+    # Which mounts to list; $COSSD_MOUNTINFO lets a test show a script only its own mount.
+    sub.add_argument("--mountinfo", default=os.environ.get("COSSD_MOUNTINFO", "/proc/self/mountinfo"),
+                     help=argparse.SUPPRESS)
     sub.add_argument("--timeout", type=float, default=5.0,
                      help="seconds to wait for each daemon (default: 5)")
+
+    verb("version", cmd_version, "Show cossd's version and the nvme-cli versions whose JSON it prints.")
 
     sub = verb("demo", cmd_demo, "Train a small GPT through a temporary mount, crash the device "
                "mid-step, restore, and compare with torch.save and DCP checkpointing.")
@@ -789,19 +912,85 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in VERB_MODULES:
         importlib.import_module(module).register(verb)
+    _describe_common_arguments(verbs)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+# What the positionals most verbs share mean, said once for every verb that takes them.
+COMMON_ARGUMENT_HELP = {
+    "mountpoint": "where the device is mounted (as `cossd mount` was given it)",
+    "backing": "the device's backing directory (as `cossd format` was given it)",
+    "name": "namespace name",
+}
+
+
+def _describe_common_arguments(verbs: argparse._SubParsersAction) -> None:
+    for sub in verbs.choices.values():
+        for action in sub._actions:
+            if action.help is None and action.dest in COMMON_ARGUMENT_HELP:
+                action.help = COMMON_ARGUMENT_HELP[action.dest]
+
+
+# Run as `nvme` (argv[0], e.g. a symlink to the cossd entry point), cossd answers nvme-cli's
+# verbs, so that monitoring scripts written for nvme-cli run against it unchanged.
+NVME_PROG = "nvme"
+NVME_VERBS = ("list", "id-ctrl", "id-ns", "smart-log", "error-log", "get-log", "admin-passthru",
+              "version", "help")
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    from cossd import __version__
+    from cossd.tools.nvme_json import PLAIN_VERSION, VERBOSE_VERSION
+
+    value = {"cossd": __version__, "nvme_cli_json": PLAIN_VERSION, "nvme_cli_json_verbose": VERBOSE_VERSION}
+    if getattr(args, "prog", "cossd") == NVME_PROG:
+        # nvme-cli's two lines; scripts read the first (`^nvme version (\S+)`).
+        text = (f"nvme version {PLAIN_VERSION} (git cossd-{__version__})\n"
+                f"libnvme version none (cossd {__version__} answering as nvme: JSON as nvme-cli "
+                f"{PLAIN_VERSION}, with --verbose as {VERBOSE_VERSION})")
+    else:
+        text = (f"cossd version {__version__}\nnvme-cli JSON: as nvme-cli {PLAIN_VERSION}, with "
+                f"-v/--verbose as {VERBOSE_VERSION}; run as `nvme` (a symlink), cossd answers as nvme-cli")
+    emit(args, value, lambda _: text, sort_keys=False)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    if prog is None:  # the name it was run by: `nvme` answers as nvme-cli
+        prog = NVME_PROG if argv is None and Path(sys.argv[0]).name == NVME_PROG else "cossd"
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
+    if not words or words == ["help"]:
+        # The bare name prints the usage and succeeds, as nvme-cli does: scripts probe for
+        # nvme-cli that way (nvme_metrics.py runs `nvme` and stops on a failure).
+        parser.print_help()
+        return 0
+    if words[0] == "help":  # nvme-cli's `help VERB`
+        words = [words[1], "--help"]
+    elif words[0] == "--version":
+        words[0] = "version"
+    if prog == NVME_PROG and not words[0].startswith("-") and words[0] not in NVME_VERBS:
+        print(f"{prog}: {words[0]!r} is not a verb cossd answers as nvme-cli "
+              f"({', '.join(NVME_VERBS)}); run it as `cossd {words[0]}`", file=sys.stderr)
+        return 1
+    args = parser.parse_args(words)
+    args.prog = prog
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`cossd list | head`): stop quietly, as a C tool killed by
+        # SIGPIPE would. Later writes, and the flush at exit, go to /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for such a tool
     except DeviceError as exc:
-        print(f"cossd {args.verb}: {exc.message} [{exc.status.name}]", file=sys.stderr)
+        print(f"{prog} {args.verb}: {exc.message} [{exc.status.name}]", file=sys.stderr)
         return 1
     except (OSError, RuntimeError) as exc:
-        print(f"cossd {args.verb}: {exc}", file=sys.stderr)
+        print(f"{prog} {args.verb}: {exc}", file=sys.stderr)
         return 1
 
 

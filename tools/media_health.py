@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -123,10 +122,39 @@ def locate(path: str | os.PathLike[str], *, sysfs: Path = Path("/sys"),
     return BackingDevice(str(path), fstype, source, device, disks, nvme)
 
 
+# cossd answers as nvme-cli when run as `nvme` (tools/cli.py); such an `nvme` on PATH (a symlink
+# to cossd's entry point, or a wrapper script that runs cossd) is not the real nvme-cli, and
+# asking it about /dev/nvmeXnY would only fail. Its first bytes name cossd; nvme-cli's do not.
+COSSD_MARK = b"cossd"
+SNIFF_BYTES = 4096
+
+
+def is_cossd(executable: str) -> bool:
+    """Whether an executable is cossd itself (its entry point or a script that runs it)."""
+    try:
+        with open(os.path.realpath(executable), "rb") as stream:
+            return COSSD_MARK in stream.read(SNIFF_BYTES)
+    except OSError:
+        return False
+
+
+def find_nvme_cli(nvme: str = "nvme") -> str | None:
+    """The nvme-cli executable: `nvme` (a name on PATH, or a path), passing over cossd itself."""
+    if os.sep in nvme:
+        candidates = [nvme]
+    else:
+        candidates = [os.path.join(directory or os.curdir, nvme)
+                      for directory in os.environ.get("PATH", os.defpath).split(os.pathsep)]
+    for candidate in candidates:
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK) and not is_cossd(candidate):
+            return candidate
+    return None
+
+
 def nvme_smart_log(device: str, nvme: str = "nvme") -> dict[str, Any]:
     """`nvme smart-log DEVICE -o json`, parsed. Raises FileNotFoundError without nvme-cli and
     RuntimeError when it fails."""
-    executable = shutil.which(nvme)
+    executable = find_nvme_cli(nvme)
     if executable is None:
         raise FileNotFoundError(nvme)
     try:
@@ -167,7 +195,7 @@ def media_report(backing: str | os.PathLike[str], *, sysfs: Path = Path("/sys"),
         except FileNotFoundError:
             return report | {"status": "nvme_cli_missing", "message": (
                 f"{where.describe()} (NVMe), but nvme-cli is not installed: no `{nvme}` on PATH "
-                "(Debian/Ubuntu: apt-get install nvme-cli)")}
+                "other than cossd's own (Debian/Ubuntu: apt-get install nvme-cli)")}
         except RuntimeError as exc:
             return report | {"status": "failed", "message": f"{where.describe()} (NVMe): {exc}"}
         lines.append(device)

@@ -225,11 +225,13 @@ def register(verb: Callable[..., argparse.ArgumentParser]) -> None:
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("name", help="namespace")
     sub.add_argument("--tag", help="export this snapshot instead of the committed step")
-    sub.add_argument("--path", help="output file (default: BACKING/exports/NS-stepN.safetensors "
-                                    "or NS-TAG.safetensors)")
+    sub.add_argument("--path", help="output file (default: BACKING/exports/NS/step-N.safetensors, "
+                                    "or BACKING/exports/NS/snapshot-TAG.safetensors with --tag)")
     sub.add_argument("--with-state", action="store_true",
                      help="also export master weights and both moments (<tensor>.master, "
                           "<tensor>.exp_avg, <tensor>.exp_avg_sq)")
-    sub.add_argument("--force", action="store_true", help="replace --path if it exists")
+    sub.add_argument("--force", action="store_true",
+                     help="replace the output file if it exists (without it an existing export is "
+                          "never replaced)")
     sub.add_argument("--no-wait", action="store_true", help="return once the job has started")
     sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

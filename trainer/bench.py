@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import mmap
 import os
@@ -222,14 +223,28 @@ def torch_adamw(buffers: KernelBuffers, threads: int, **options: Any) -> Callabl
     return _stepping(optimizer, threads)
 
 
+DEEPSPEED_INSTALL = "pip install ninja, then pip install --no-build-isolation deepspeed==0.19.8"
+# Why DeepSpeed's CPUAdam has no figures, where it has none (the same for every row).
+_deepspeed_missing: str | None = None
+
+
 def deepspeed_cpuadam(buffers: KernelBuffers, threads: int) -> Callable[[], None] | None:
+    """DeepSpeed's CPUAdam (its AVX C++ op, JIT-built on first use) on the shared buffers;
+    None, with the reason in _deepspeed_missing, where deepspeed is absent or its op fails."""
+    global _deepspeed_missing
+    if importlib.util.find_spec("deepspeed") is None:
+        _deepspeed_missing = f"not installed ({DEEPSPEED_INSTALL})"
+        return None
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
-    except Exception:  # noqa: BLE001 - optional peer: absent, or its extension fails to build
+
+        param = _shared_param(buffers)
+        optimizer = DeepSpeedCPUAdam([param], lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                     weight_decay=HYPER.weight_decay, adamw_mode=True)
+    except Exception as exc:  # noqa: BLE001 - an optional peer whose op can fail to build in many ways
+        _deepspeed_missing = f"its CPUAdam op did not build or load: {type(exc).__name__}: {exc}"[:300]
         return None
-    param = _shared_param(buffers)
-    optimizer = DeepSpeedCPUAdam([param], lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
-                                 weight_decay=HYPER.weight_decay, adamw_mode=True)
+    _deepspeed_missing = None
     optimizer.state[param] = {"step": 0, "exp_avg": buffers.exp_avg, "exp_avg_sq": buffers.exp_avg_sq}
     return _stepping(optimizer, threads)
 
@@ -302,6 +317,7 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
         "torch_fused_gels": rate["torch_fused"],
         "torch_foreach_gels": rate["torch_foreach"],
         "deepspeed_gels": rate.get("deepspeed"),
+        "deepspeed_missing": _deepspeed_missing if "deepspeed" not in rate else None,
         "cossd_vs_fused": ratio["torch_fused"],
         "cossd_vs_fused_round_range": spread["torch_fused"],
         "cossd_vs_deepspeed": ratio.get("deepspeed"),
@@ -739,10 +755,17 @@ def _write_report(report: dict[str, Any], output: Path) -> None:
     output.mkdir(parents=True, exist_ok=True)
     (output / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     (output / "bench.md").write_text(markdown(report) + "\n")
-    chart(report, output / "bench.png")
+    written = [output / "bench.json", output / "bench.md"]
+    try:
+        chart(report, output / "bench.png")
+        written.append(output / "bench.png")
+        drawn = ""
+    except ImportError as exc:  # matplotlib comes with the trainer extra
+        drawn = (f"\nbench.png not drawn: {exc.name or 'matplotlib'} is not installed "
+                 "(pip install 'cossd[trainer]', or pip install matplotlib); the figures are in the files above")
     _say("")
     _say(markdown(report))
-    _say(f"\nwritten: {output / 'bench.json'}, {output / 'bench.md'}, {output / 'bench.png'}")
+    _say(f"\nwritten: {', '.join(str(path) for path in written)}{drawn}")
 
 
 def _cpu_name() -> str:
@@ -764,10 +787,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "Kernel, in memory: every contender steps on the same buffers, in turns; G el/s are medians, "
                   "the ratios are medians of turn-by-turn ratios, with the range of the round medians.", "",
                   "| threads | memory bandwidth | roofline (28 B/el) | cossd kernel | torch fused | torch foreach "
-                  "| DeepSpeed CPUAdam | cossd / fused | cossd / roofline | device block update |",
+                  "| DeepSpeed CPUAdam (cossd / it) | cossd / fused | cossd / roofline | device block update |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report.get("kernel", []):
-        deepspeed = f"{row['deepspeed_gels']:.2f}" if row["deepspeed_gels"] else "not installed"
+        deepspeed = (f"{row['deepspeed_gels']:.2f} ({row['cossd_vs_deepspeed']:.2f}x)" if row["deepspeed_gels"]
+                     else "not installed" if (row.get("deepspeed_missing") or "").startswith("not installed")
+                     else "did not build")
         fused_low, fused_high = row["cossd_vs_fused_round_range"]
         roof_low, roof_high = row["cossd_vs_roofline_round_range"]
         lines.append(f"| {row['threads']} | {row['bandwidth_gbs']:.1f} GB/s | {row['adam_roofline_gels']:.2f} G el/s "
@@ -775,6 +800,9 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {deepspeed} | {row['cossd_vs_fused']:.2f}x ({fused_low:.2f}-{fused_high:.2f}) "
                      f"| {row['cossd_vs_roofline']:.0%} ({roof_low:.0%}-{roof_high:.0%}) "
                      f"| {row['cossd_device_gels']:.2f} ({row['device_update_vs_kernel']:.0%} of the kernel) |")
+    missing = next((row["deepspeed_missing"] for row in report.get("kernel", []) if row.get("deepspeed_missing")), None)
+    if missing:
+        lines += ["", f"DeepSpeed CPUAdam: {missing}."]
     if report.get("kernel"):
         moved = report["kernel"][0]["bytes_per_element"]
         lines += ["", "Bytes per element, read + written: " + "; ".join(
@@ -838,13 +866,14 @@ def chart(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
     rows = report.get("kernel", [])
     labels = [f"{r['threads']} thr" for r in rows]
-    width = 0.16
-    for offset, (key, name) in enumerate((("cossd_gels", "cossd"), ("cossd_device_gels", "device update"),
-                                          ("torch_fused_gels", "torch fused"),
-                                          ("torch_foreach_gels", "torch foreach"),
-                                          ("adam_roofline_gels", "roofline"))):
+    bars = [("cossd_gels", "cossd"), ("cossd_device_gels", "device update"), ("torch_fused_gels", "torch fused"),
+            ("torch_foreach_gels", "torch foreach"), ("deepspeed_gels", "DeepSpeed CPUAdam"),
+            ("adam_roofline_gels", "roofline")]
+    bars = [(key, name) for key, name in bars if all(r.get(key) for r in rows)]
+    width = 0.8 / max(1, len(bars))
+    for offset, (key, name) in enumerate(bars):
         axes[0].bar([i + offset * width for i in range(len(rows))], [r[key] for r in rows], width, label=name)
-    axes[0].set_xticks([i + 2 * width for i in range(len(rows))], labels)
+    axes[0].set_xticks([i + (len(bars) - 1) * width / 2 for i in range(len(rows))], labels)
     axes[0].set(title="Adam kernel, in memory", ylabel="G elements/s")
     axes[0].legend(fontsize=8)
     checkpoint = report.get("checkpoint", {})

@@ -239,6 +239,13 @@ class NamespaceFiles:
             self.command(self.admin.delete_namespace, self.nsid)
         self.nsid = None
 
+    def retarget(self, name: str, nsid: int | None) -> None:
+        """Point these files at another namespace with the same tensors (the staging
+        namespace of an atomic replace, trainer/namespace_swap.py); the CMB part stays."""
+        self._close_files()
+        self.name, self.root, self.nsid = name, self.mountpoint / "ns" / name, nsid
+        self._params_back = {}
+
     def _close_files(self) -> None:
         fds = list(self._fds.values())
         self._fds.clear()

@@ -5,8 +5,10 @@ import concurrent.futures
 import dataclasses
 import os
 import re
+import sys
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -14,6 +16,7 @@ import torch
 
 from cossd.emulator.errors import DeviceError
 
+from . import namespace_swap
 from .namespace_files import WIRE_DTYPES, DeviceLostError, NamespaceFiles
 
 # The constructor options of torch's Adam family that the device's kernel implements
@@ -45,6 +48,26 @@ def _group_hyper(group: dict[str, Any]) -> dict[str, float]:
     }
 
 
+class _SplitIntoGroups:
+    """In place of the files of an optimizer whose groups each went to a namespace of their
+    own (see _DeviceAdam._rebind): what needs the one namespace says why it is gone."""
+
+    def __init__(self, names: list[str], mountpoint: os.PathLike[str]) -> None:
+        self.names, self.mountpoint, self.name = names, mountpoint, names[0]
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):  # copy, pickle and friends probe for these
+            raise AttributeError(attribute)
+        raise RuntimeError(
+            f"this optimizer's param groups are stepped one at a time (DeepSpeed ZeRO 1/2 with "
+            f"{len(self.names)} groups), each on its own namespace ({', '.join(self.names)}); "
+            "state_dict() and load_state_dict() of such a split are not supported yet: use one "
+            "param group, or ZeRO stage 0, for DeepSpeed checkpoints")
+
+
 class _DeviceAdam(torch.optim.Optimizer):
     """The Adam family with its state on a cossd namespace; see AdamW and Adam."""
 
@@ -52,6 +75,8 @@ class _DeviceAdam(torch.optim.Optimizer):
     # GradScaler hands a custom-scaling optimizer its scale and found_inf instead of
     # unscaling FP16 gradients itself (which it refuses to do).
     _step_supports_amp_scaling = True
+    # Called with each stage of load_state_dict's replace (namespace_swap.STAGES; fault injection).
+    load_hook: Callable[[str], None] | None = None
 
     def __init__(
         self,
@@ -87,6 +112,12 @@ class _DeviceAdam(torch.optim.Optimizer):
         self._mode = "adamw" if defaults.get("decoupled_weight_decay") else "adam"
         self._initialized = False
         super().__init__(params, defaults)
+        # What a namespace for params that a wrapper (DeepSpeed) puts in place of these is
+        # made with: see _rebind.
+        self._torch_options = dict(torch_options)
+        self._state_options = {"state_dtype": state_dtype, "timeout_s": timeout_s, "use_cmb": use_cmb}
+        self._groups_at_init = list(self.param_groups)
+        self._bound: dict[int, _DeviceAdam] = {}
         self.max_grad_norm = max_grad_norm
         self.streaming = streaming
         self.scaler = scaler
@@ -98,6 +129,8 @@ class _DeviceAdam(torch.optim.Optimizer):
         # What the trainer can read: the step the device has committed, how it went.
         self.committed_step = 0
         self.steps_skipped = 0
+        # step() calls that found no gradient at all: skipped here with a warning, not sent.
+        self.steps_skipped_no_grads = 0
         self.last_step_skipped = False
         self.last_grad_norm: float | None = None
         self.restored = False
@@ -115,6 +148,10 @@ class _DeviceAdam(torch.optim.Optimizer):
         self.before_grad_write: Callable[[int], None] | None = None
         self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb)
         try:
+            # A load_state_dict that a killed job left half done is finished or undone first.
+            done = namespace_swap.resolve_interrupted(self.files)
+            if done is not None:
+                warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=3)
             if self.files.exists():
                 self._attach()
             else:
@@ -185,7 +222,8 @@ class _DeviceAdam(torch.optim.Optimizer):
         self._load_masters(masters)
         self.committed_step = initial_step
 
-    def _load_masters(self, masters: list[torch.Tensor] | None) -> None:
+    def _master_loads(self, masters: list[torch.Tensor] | None) -> list[tuple[str, str, torch.Tensor]]:
+        """The FP32 masters to write (from `masters` by entry, else the params), checked."""
         loads = []
         for entry in self.entries:
             source = masters[entry.index] if masters is not None else entry.param
@@ -194,7 +232,10 @@ class _DeviceAdam(torch.optim.Optimizer):
                 raise ValueError(f"master weights for {entry.name} have {master.numel()} elements, "
                                  f"not {entry.numel}")
             loads.append((entry.name, "master", master))
-        self.files.write_many(loads)
+        return loads
+
+    def _load_masters(self, masters: list[torch.Tensor] | None) -> None:
+        self.files.write_many(self._master_loads(masters))
         # The device rounds the masters to the wire dtype; the model starts from exactly that.
         self._read_params()
 
@@ -220,8 +261,18 @@ class _DeviceAdam(torch.optim.Optimizer):
             {field: float(group[field]) for field in _HYPER_FIELDS} for group in config["groups"]
         ]
         stats = self.files.statistics()
+        if stats["loading"] and int(stats["committed_step"]) != 0:
+            # Only an import can load state at a later step (load_state_dict stages its loads
+            # elsewhere, so this is an older cossd's, or a CREATE with initial_step): its
+            # masters and moments are partly written, and nothing here can tell how far.
+            raise RuntimeError(
+                f"namespace {self.files.name!r} is still loading state for step "
+                f"{stats['committed_step']}: an import of optimizer state was interrupted and "
+                "its master weights and moments are incomplete. Delete it with `cossd delete-ns "
+                f"{self.files.name}` and load the checkpoint again")
         if stats["loading"]:
-            # A previous job died before its first step: load the initial weights again.
+            # A previous job died before its first step (this optimizer's own start, which
+            # never trained): load the initial weights again.
             self._load_masters(None)
         else:
             # Quick restore: params only; master weights and moments never leave the device.
@@ -232,6 +283,8 @@ class _DeviceAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Release the namespace's files (the device keeps its state)."""
+        for child in self._bound.values():
+            child.close()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
@@ -243,10 +296,8 @@ class _DeviceAdam(torch.optim.Optimizer):
         """The gradient in the wire dtype, flat: on the host, or (on_host=False, for the
         memory buffer, which takes it straight from the GPU) wherever it is."""
         grad = entry.param.grad
-        if grad is None:
-            # The device needs every gradient of a step; a parameter without one gets zeros
-            # (its moments decay), unlike torch, which leaves such a parameter alone.
-            return torch.zeros(entry.numel, dtype=self.dtype)
+        if grad is None:  # _check_grads refuses such a step before anything is sent
+            raise RuntimeError(f"{entry.name} has no gradient")
         if grad.is_sparse:
             raise RuntimeError("cossd optimizers do not support sparse gradients")
         return grad.detach().to("cpu" if on_host else grad.device, self.dtype).reshape(-1)
@@ -285,11 +336,15 @@ class _DeviceAdam(torch.optim.Optimizer):
         any_device = self.files.cmb() is not None
         for entry in self.entries:
             param = entry.param.detach()
-            if (any_device or param.device.type == "cpu") and param.dtype == self.dtype and param.is_contiguous():
-                reads.append((entry.name, "param", param.view(-1)))
+            # An FP32 param (an FP32 model, DeepSpeed's FP32 master partitions) gets the FP32
+            # master itself rather than its rounding to the wire dtype: it then holds exactly
+            # what torch's AdamW on FP32 params would.
+            role, dtype = ("master", torch.float32) if param.dtype == torch.float32 else ("param", self.dtype)
+            if (any_device or param.device.type == "cpu") and param.dtype == dtype and param.is_contiguous():
+                reads.append((entry.name, role, param.view(-1)))
             else:
-                values = torch.empty(entry.numel, dtype=self.dtype)
-                reads.append((entry.name, "param", values))
+                values = torch.empty(entry.numel, dtype=dtype)
+                reads.append((entry.name, role, values))
                 staged.append((param, values))
         self.files.read_many_into(reads)
         for param, values in staged:
@@ -380,6 +435,141 @@ class _DeviceAdam(torch.optim.Optimizer):
         assert self._writer is not None
         self._pending.append(self._writer.submit(self._write_grad, entry, grad))
 
+    # ------------------------------------------------------------------ which gradients
+
+    def _check_grads(self) -> bool:
+        """True where every param has a gradient. None has one: False, after a warning and
+        a count (nothing is sent, no step taken). Only some have: RuntimeError, for the
+        device steps every tensor of a namespace, and a zero gradient is not torch's "no
+        gradient" (moments would decay and weight decay apply where torch leaves the param
+        alone)."""
+        missing = [entry for entry in self.entries if entry.param.grad is None]
+        if not missing:
+            return True
+        if len(missing) == len(self.entries) and not self._step_open:
+            self.steps_skipped_no_grads += 1
+            self.last_step_skipped = True
+            warnings.warn(
+                f"cossd: step() found no gradients for namespace {self.files.name!r}: nothing sent, "
+                f"step {self.committed_step + 1} not taken ({self.steps_skipped_no_grads} such "
+                "steps skipped); call backward() before step()", RuntimeWarning, stacklevel=3)
+            return False
+        self._abort()
+        names = ", ".join(entry.name for entry in missing[:4]) + (", ..." if len(missing) > 4 else "")
+        raise RuntimeError(
+            f"{len(missing)} of {len(self.entries)} params have no gradient this step ({names}): "
+            "the device steps every tensor of a namespace, and a zero gradient would still move "
+            "their moments and decay their weights, where torch leaves them alone. Leave frozen "
+            "or unused params out of the optimizer, or set p.grad = torch.zeros_like(p) for "
+            "them to step them with a zero gradient")
+
+    # ------------------------------------------------------------------ params a wrapper put in place
+
+    def _params_moved(self) -> bool:
+        """Whether the param groups hold other tensors than this namespace was made for
+        (DeepSpeed's wrappers put their FP32 copies or flat partitions there)."""
+        if any(all(group is not known for known in self._groups_at_init) for group in self.param_groups):
+            return True
+        current = [param for group in self._groups_at_init for param in group["params"]]
+        return len(current) != len(self.entries) or any(
+            param is not entry.param for param, entry in zip(current, self.entries))
+
+    def _rebind(self) -> None:
+        """Follow the tensors a wrapper put in the param groups, with their values as the
+        masters. The model's namespace, made at construction and never stepped, goes, and
+        one of the same name holds the new tensors; where a step() call carries only some of
+        the groups (ZeRO 1/2 steps one group per call), each group gets a namespace of its
+        own instead (`name`, then `name.g1`, ...), for the device steps a namespace whole."""
+        groups = [group for group in self._groups_at_init if group["params"]]
+        old = [entry.param for entry in self.entries]
+        new = [param for group in groups for param in group["params"]]
+        if "deepspeed" in sys.modules:
+            from cossd.integrations import deepspeed as ds_support
+            ds_support.check_rebind(self, old, new)
+        name = self.files.name
+        if self.committed_step > 0 or self.restored:
+            raise RuntimeError(
+                f"the param groups now hold other tensors than namespace {name!r} (at step "
+                f"{self.committed_step}) was made for; a namespace that has trained cannot move to "
+                "them (resuming a DeepSpeed run from the device is not supported yet: see "
+                "docs/trainer.md, DeepSpeed). Create the optimizer for deepspeed.initialize on a "
+                "new namespace")
+        if self.streaming or self.max_grad_norm is not None:
+            raise ValueError(
+                "under a wrapper that steps its own copies of the params (DeepSpeed), streaming "
+                "and max_grad_norm do not apply: the wrapper hands over unscaled FP32 gradients "
+                "after backward. Clip with DeepSpeed's gradient_clipping")
+        for param in new:
+            if param.dtype not in (torch.float32, *WIRE_DTYPES):
+                raise ValueError(f"cannot step {param.dtype} tensors on the device")
+        known = {id(group) for group in groups}
+        given = [group for group in self.param_groups if group["params"]]
+        if not groups or any(id(group) not in known for group in given):
+            raise RuntimeError("step() was given param groups this optimizer was not created with")
+        self._abort()
+        if len(given) == len(groups):
+            # Every group in each call (DeepSpeed's FP16/BF16 wrappers, ZeRO with one group):
+            # this optimizer moves to the new tensors, one namespace as before.
+            self.files.delete()
+            self.files.close()
+            self.files = NamespaceFiles(self.files.mountpoint, name, self._state_options["timeout_s"],
+                                        use_cmb=self._state_options["use_cmb"])
+            self._groups_at_init = given
+            self.entries = self._plan()
+            self._entry_of = {id(entry.param): entry for entry in self.entries}
+            self.dtype = torch.bfloat16  # the gradients come unscaled in FP32: BF16 keeps their range
+            self._create(initial_step=0, masters=None)
+            gpu = next((entry.param.device for entry in self.entries if entry.param.device.type == "cuda"), None)
+            self.cmb_pinned = gpu is not None and self.files.pin_cmb_for_cuda(gpu)
+            return
+        names = [name] + [f"{name}.g{index}" for index in range(1, len(groups))]
+        for other in names[1:]:
+            if not _TENSOR_NAME.fullmatch(other):
+                raise ValueError(f"namespace {name!r} is too long to name its groups' namespaces")
+            probe = NamespaceFiles(self.files.mountpoint, other, self._state_options["timeout_s"], use_cmb=False)
+            try:
+                if probe.exists():
+                    raise RuntimeError(f"namespace {other!r} (for param group {names.index(other)}) "
+                                       "exists already; delete it with `cossd delete-ns`")
+            finally:
+                probe.close()
+        self.files.delete()
+        self.files.close()
+        self.files = _SplitIntoGroups(names, self.files.mountpoint)  # type: ignore[assignment]
+        for group, child_name in zip(groups, names):
+            child = type(self).__new__(type(self))
+            # The gradients come unscaled in FP32: BF16 on the wire keeps their range.
+            _DeviceAdam.__init__(child, [group], mount=self.files.mountpoint, namespace=child_name,
+                                 dtype=torch.bfloat16, **self._state_options, **self._torch_options)
+            self._bound[id(group)] = child
+
+    def _step_bound(self) -> None:
+        """One step() of the groups a wrapper asks for, each on its own namespace."""
+        children = []
+        for index, group in enumerate(self.param_groups):
+            child = self._bound.get(id(group))
+            if child is None or child._params_moved():
+                raise RuntimeError(
+                    f"param group {index} holds other tensors than the namespace cossd made for "
+                    "the wrapper's (DeepSpeed's) params; it follows one such change, at the start")
+            children.append(child)
+        scaling = {key: getattr(self, key) for key in ("grad_scale", "found_inf") if hasattr(self, key)}
+        skipped = False
+        for child in children:
+            child.__dict__.update(scaling)  # a GradScaler's, passed on
+            try:
+                child.step()
+            finally:
+                for key in scaling:
+                    child.__dict__.pop(key, None)
+            skipped |= child.last_step_skipped
+        everyone = list(self._bound.values())
+        self.last_step_skipped = skipped
+        self.committed_step = min(child.committed_step for child in everyone)
+        self.steps_skipped = max(child.steps_skipped for child in everyone)
+        self.steps_skipped_no_grads = max(child.steps_skipped_no_grads for child in everyone)
+        self.last_timing = children[-1].last_timing if children else {}
+
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
@@ -389,6 +579,13 @@ class _DeviceAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._bound and self._params_moved():
+            self._rebind()
+        if self._bound:
+            self._step_bound()
+            return loss
+        if not self._check_grads():
+            return loss
         loss_scale = self._loss_scale()
         found_inf = self._scaler_found_inf()
         clock = time.perf_counter
@@ -457,12 +654,44 @@ class _DeviceAdam(torch.optim.Optimizer):
         values = self.files.read(entry.name, role, dtype, entry.numel)
         return values.to(torch.float32).view(entry.param.shape)
 
+    def _identity(self) -> dict[str, Any]:
+        """Which state the namespace holds now, cheap to read at any size: the device (its
+        serial), the namespace (nsids are never reused), its committed step, and the step
+        counters its superblock carries over its life (a commit or a skip moves them)."""
+        if getattr(self, "_device_serial", None) is None:
+            self._device_serial = str(self.files.command(self.files.admin.describe)["identity"]["serial"])
+        stats = self.files.statistics()
+        identity = {"device": self._device_serial, "name": self.files.name, "nsid": self.files.nsid}
+        for key in ("committed_step", "loading", "steps_committed", "steps_skipped",
+                    "last_skipped_step", "seq"):
+            if key in stats:  # seq: the superblock's, where the device reports it
+                identity[key] = stats[key]
+        return identity
+
+    def _unchanged_since_handed_out(self, state_dict: dict[str, Any]) -> bool:
+        """False where a tensor that state_dict() returned has been changed in place since
+        (torch counts in-place changes in a tensor's _version); tensors it did not hand out
+        (copies, a file's) are taken as the identity says."""
+        handed_out = getattr(self, "_handed_out", {})
+        tensors = [value for entry in state_dict["state"].values() for value in entry.values()]
+        tensors += list(state_dict.get("cossd_master", {}).values())
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            known = handed_out.get(id(tensor))
+            if known is not None and known[0]() is tensor and tensor._version != known[1]:
+                return False
+        return True
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """torch.optim.AdamW's format, read from the device; loads into the stock optimizer.
 
         The extra key "cossd_master" holds the FP32 master weights by param index (torch
-        ignores it; a stock mixed-precision setup loads them into its FP32 copies).
+        ignores it; a stock mixed-precision setup loads them into its FP32 copies), and
+        "cossd_namespace" says which namespace state it is, so that loading it back into
+        that state is a no-op.
         """
+        identity = self._identity()
         state: dict[int, dict[str, torch.Tensor]] = {}
         if self.committed_step > 0:
             for entry in self.entries:
@@ -477,7 +706,10 @@ class _DeviceAdam(torch.optim.Optimizer):
             packed["params"] = [e.index for e in self.entries if e.group == group_index]
             groups.append(packed)
         masters = {index: values for index, values in enumerate(self.master_weights())}
-        return {"state": state, "param_groups": groups, "cossd_master": masters}
+        handed = [t for entry in state.values() for t in entry.values()] + list(masters.values())
+        self._handed_out = {id(t): (weakref.ref(t), t._version) for t in handed}
+        return {"state": state, "param_groups": groups, "cossd_master": masters,
+                "cossd_namespace": identity}
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: dict[str, Any], master: list[torch.Tensor] | None = None
@@ -485,9 +717,15 @@ class _DeviceAdam(torch.optim.Optimizer):
         """Replace the device's state with a torch Adam(W) state_dict.
 
         Master weights come from `master`, else the dict's "cossd_master", else the current
-        params. The namespace is re-created at the dict's step, so a running namespace's
-        state is replaced.
+        params. A dict that state_dict() returned for the state the namespace still holds
+        loads as a no-op (only the param groups' options are taken). Any other state goes
+        into a staging namespace first and replaces the namespace atomically
+        (namespace_swap.replace): a kill at any instant leaves the old run or the new one.
         """
+        # DeepSpeed's load_checkpoint comes before the first step: follow its tensors first,
+        # or the masters would be checked against the model's, not its partitions.
+        if not self._bound and self._params_moved():
+            self._rebind()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -502,27 +740,48 @@ class _DeviceAdam(torch.optim.Optimizer):
             raise ValueError(f"params are at different steps {sorted(steps)}; the device "
                              "steps a namespace as a whole")
         step = int(steps.pop()) if steps else 0
+        noop = (master is None and state_dict.get("cossd_namespace") is not None
+                and state_dict["cossd_namespace"] == self._identity()
+                and self._unchanged_since_handed_out(state_dict))
         if master is None and "cossd_master" in state_dict:
             master = [state_dict["cossd_master"][i] for i in order]
-        for saved, group in zip(saved_groups, self.param_groups):
-            for key, value in saved.items():
-                if key not in ("params", "param_names"):
-                    group[key] = value
-        self._abort()
-        self.files.delete()
-        self._create(initial_step=step, masters=master)
-        if step > 0:
-            loads = []
+        # Everything is checked before anything changes: bad input leaves the run as it was.
+        loads = [] if noop else self._master_loads(master)
+        if step > 0 and not noop:
             for entry, index in zip(self.entries, order):
                 entry_state = saved_state.get(index)
                 if entry_state is None:
                     raise ValueError(f"state for param {index} ({entry.name}) is missing")
                 for role in ("exp_avg", "exp_avg_sq"):
                     values = entry_state[role].detach().to("cpu", torch.float32).reshape(-1)
+                    if values.numel() != entry.numel:
+                        raise ValueError(f"{role} for param {index} ({entry.name}) has "
+                                         f"{values.numel()} elements, not {entry.numel}")
                     if self.state_dtype == "bf16":
                         values = values.to(torch.bfloat16)
                     loads.append((entry.name, role, values))
-            self.files.write_many(loads)
+        before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        for saved, group in zip(saved_groups, self.param_groups):
+            for key, value in saved.items():
+                if key not in ("params", "param_names"):
+                    group[key] = value
+        if noop:
+            return  # the groups' changed options go to the device with the next step
+        self._abort()
+        hook = self.load_hook or (lambda stage: None)
+        try:
+            namespace_swap.replace(self.files, self._description(step),
+                                   lambda: self.files.write_many(loads), hook)
+        except BaseException:
+            for group, options in zip(self.param_groups, before):  # the old run goes on as it was
+                group.update(options)
+            raise
+        self._sent_hypers = [_group_hyper(group) for group in self.param_groups]
+        self.committed_step = step
+        self.steps_skipped = 0
+        self.last_step_skipped = False
+        # The device rounds the masters to the wire dtype; the model continues from that.
+        self._read_params()
 
 
 class AdamW(_DeviceAdam):

@@ -42,7 +42,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model size: tiny ~0.1M, small ~3.3M (default), medium ~10.8M params")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--weight-decay", type=float, default=0.1,
+                        help="AdamW weight decay of every method (default: %(default)s)")
     parser.add_argument("--checkpoint-interval", type=int, default=1,
                         help="steps between the conventional baselines' checkpoints (default 1)")
     parser.add_argument("--dcp-steps", type=int, default=None,
@@ -54,7 +55,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                              "scaling, and CPUs without fp16 matmul units are slow at it)")
     parser.add_argument("--backing", type=Path, default=None,
                         help="an existing backing directory to use (default: a temporary one)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the model's initial weights and the data (default: %(default)s)")
     parser.add_argument("--output", type=Path, default=Path("demo-out"),
                         help="directory for report.json and demo.png (default ./demo-out)")
 
@@ -102,7 +104,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="elements of the tensor behind the mount (default 16M)")
     parser.add_argument("--threads", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2],
                         help="thread counts for the kernel runs, comma separated (default 1,2)")
-    parser.add_argument("--repeat", type=int, default=5, help="runs per figure; the median is reported")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per figure; the median is reported (default: %(default)s)")
     parser.add_argument("--rounds", type=_positive_int, default=3,
                         help="kernel section: fresh buffer allocations, each timed --repeat times per "
                              "contender (default 3)")

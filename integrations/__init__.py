@@ -1,0 +1,1 @@
+"""cossd beside the frameworks its optimizers run under (DeepSpeed)."""

@@ -1,0 +1,57 @@
+"""Which of DeepSpeed's optimizer wrappers a cossd optimizer can step under, found from the call.
+
+DeepSpeed wraps the optimizer a script passes to `deepspeed.initialize`: for FP16/BF16 it
+keeps FP32 master copies of the params (FP16_UnfusedOptimizer), for ZeRO 1/2 one flat FP32
+partition per param group (DeepSpeedZeroOptimizer, BF16_Optimizer), and puts those in the
+optimizer's param groups in place of the model's params. cossd's optimizer follows them
+(optim._DeviceAdam._rebind); this module refuses, with the reason, the wrappers whose
+tensors cannot be a fixed namespace: ZeRO-3 (a different flat sub-group at each step call)
+and DeepSpeed's own optimizer offload (cossd's state already lives on the device).
+Nothing here imports deepspeed: it is only consulted when deepspeed is imported already.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+# Where DeepSpeed's ZeRO-3 and offload classes live; matched by module, not imported.
+_STAGE3_MODULES = ("deepspeed.runtime.zero.stage3", "deepspeed.runtime.superoffload")
+
+
+def calling_wrapper(optimizer: torch.optim.Optimizer) -> Any | None:
+    """The DeepSpeed object whose method is calling into `optimizer` (a wrapper holds it as
+    `.optimizer`), found on the stack; None where DeepSpeed is not the caller."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if (candidate is not None and candidate is not optimizer
+                and type(candidate).__module__.startswith("deepspeed.")
+                and getattr(candidate, "optimizer", None) is optimizer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def check_rebind(optimizer: torch.optim.Optimizer, old: list[torch.Tensor], new: list[torch.Tensor]) -> None:
+    """Raise, saying why, where the params DeepSpeed put in place of `old` cannot be followed."""
+    wrapper = calling_wrapper(optimizer)
+    module = type(wrapper).__module__ if wrapper is not None else ""
+    zero3 = module.startswith(_STAGE3_MODULES) or any(hasattr(p, "ds_id") for p in old + new)
+    if zero3:
+        raise NotImplementedError(
+            "cossd optimizers do not run under DeepSpeed ZeRO stage 3: it hands the optimizer a "
+            "different flat sub-group at each call, where a cossd namespace holds a fixed set of "
+            "tensors. Use zero_optimization.stage 0, 1 or 2 (the optimizer state is on the "
+            "cossd device either way)")
+    if wrapper is None:
+        return
+    if getattr(wrapper, "cpu_offload", False) or getattr(wrapper, "offload_optimizer", False):
+        raise NotImplementedError(
+            "DeepSpeed's optimizer offload (zero_optimization.offload_optimizer) and a cossd "
+            "optimizer both move the optimizer state off the accelerator; the cossd device "
+            "already holds it. Remove offload_optimizer from the DeepSpeed config")
+    if getattr(wrapper, "zenflow", False):
+        raise NotImplementedError("DeepSpeed ZenFlow steps its own CPU optimizer; it does not run "
+                                  "with a cossd optimizer")

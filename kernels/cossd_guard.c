@@ -1,0 +1,159 @@
+/* cossd_guard.c: shared file mappings whose bus errors (a file truncated under the mapping) are contained and counted. */
+
+/*
+ * A store or load through a MAP_SHARED mapping past the end of its file raises SIGBUS, which
+ * kills the process. The state copies are such mappings, and anything with access to the
+ * backing directory can truncate them. This handler turns a bus error inside a guarded range
+ * into a fault record: it maps an anonymous zero page over the faulting page (so the access
+ * completes, reading zeros) and counts the fault for that range. The device polls the counts
+ * after its reads and kernel runs and refuses the copy, so the zeros are never served.
+ *
+ * Signal safety: the handler reads the registry with atomic loads and calls only mmap,
+ * sigaction and raise (system calls). Registration takes a mutex the handler never touches.
+ */
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "cossd_guard.h"
+
+typedef struct {
+    uintptr_t start;
+    uintptr_t end;
+    uint64_t faults;
+    int used;
+} guard_range;
+
+static guard_range guard_ranges[COSSD_GUARD_SLOTS];
+static pthread_mutex_t guard_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct sigaction guard_previous;
+static uintptr_t guard_page_size = 4096;
+
+static void guard_handler(int sig, siginfo_t *info, void *context);
+
+static int guard_is_current(void) {
+    struct sigaction current;
+    if (sigaction(SIGBUS, NULL, &current) != 0) {
+        return 0;
+    }
+    return (current.sa_flags & SA_SIGINFO) && current.sa_sigaction == guard_handler;
+}
+
+static void guard_chain(int sig, siginfo_t *info) {
+    /* Not ours: give the signal back to whoever had it (Python's faulthandler, or the default
+     * action). A fault retried on return reaches that handler; a sent signal is raised again. */
+    sigaction(SIGBUS, &guard_previous, NULL);
+    if (info == NULL || info->si_code <= 0) {
+        raise(sig);
+    }
+}
+
+static void guard_handler(int sig, siginfo_t *info, void *context) {
+    (void)context;
+    int saved_errno = errno;
+    if (info != NULL && info->si_code > 0) {  /* a fault of this thread, not kill() */
+        uintptr_t address = (uintptr_t)info->si_addr;
+        for (int i = 0; i < COSSD_GUARD_SLOTS; i++) {
+            guard_range *range = &guard_ranges[i];
+            if (!__atomic_load_n(&range->used, __ATOMIC_ACQUIRE)) {
+                continue;
+            }
+            if (address < range->start || address >= range->end) {
+                continue;
+            }
+            void *page = (void *)(address & ~(guard_page_size - 1));
+            void *mapped = mmap(page, guard_page_size, PROT_READ | PROT_WRITE,
+                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            if (mapped == MAP_FAILED) {
+                break;
+            }
+            __atomic_add_fetch(&range->faults, 1, __ATOMIC_SEQ_CST);
+            errno = saved_errno;
+            return;
+        }
+    }
+    guard_chain(sig, info);
+    errno = saved_errno;
+}
+
+int cossd_guard_install(void) {
+    pthread_mutex_lock(&guard_lock);
+    int rc = 0;
+    if (!guard_is_current()) {
+        long page = sysconf(_SC_PAGESIZE);
+        if (page > 0) {
+            guard_page_size = (uintptr_t)page;
+        }
+        struct sigaction action;
+        memset(&action, 0, sizeof(action));
+        action.sa_sigaction = guard_handler;
+        action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+        sigemptyset(&action.sa_mask);
+        rc = sigaction(SIGBUS, &action, &guard_previous);
+    }
+    pthread_mutex_unlock(&guard_lock);
+    return rc;
+}
+
+int cossd_guard_installed(void) {
+    return guard_is_current();
+}
+
+void *cossd_guard_map(int fd, size_t length, int writable, int *slot) {
+    if (length == 0 || slot == NULL) {
+        errno = EINVAL;
+        return NULL;
+    }
+    if (cossd_guard_install() != 0) {
+        return NULL;
+    }
+    int prot = PROT_READ | (writable ? PROT_WRITE : 0);
+    void *address = mmap(NULL, length, prot, MAP_SHARED, fd, 0);
+    if (address == MAP_FAILED) {
+        return NULL;
+    }
+    pthread_mutex_lock(&guard_lock);
+    int found = -1;
+    for (int i = 0; i < COSSD_GUARD_SLOTS; i++) {
+        if (!__atomic_load_n(&guard_ranges[i].used, __ATOMIC_ACQUIRE)) {
+            found = i;
+            break;
+        }
+    }
+    if (found >= 0) {
+        guard_ranges[found].start = (uintptr_t)address;
+        guard_ranges[found].end = (uintptr_t)address + length;
+        __atomic_store_n(&guard_ranges[found].faults, 0, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&guard_ranges[found].used, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&guard_lock);
+    if (found < 0) {
+        munmap(address, length);
+        errno = ENOSPC;
+        return NULL;
+    }
+    *slot = found;
+    return address;
+}
+
+int cossd_guard_unmap(void *address, size_t length, int slot) {
+    if (slot >= 0 && slot < COSSD_GUARD_SLOTS) {
+        pthread_mutex_lock(&guard_lock);
+        __atomic_store_n(&guard_ranges[slot].used, 0, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&guard_lock);
+    }
+    return munmap(address, length);
+}
+
+uint64_t cossd_guard_faults(int slot) {
+    if (slot < 0 || slot >= COSSD_GUARD_SLOTS) {
+        return 0;
+    }
+    return __atomic_load_n(&guard_ranges[slot].faults, __ATOMIC_SEQ_CST);
+}
