@@ -250,6 +250,11 @@ class StateFile:
                     f"{path} has {info.st_size} bytes, expected {size_bytes}",
                 )
             self._identity = (info.st_dev, info.st_ino)
+            # Whether every byte had its blocks when opened (preallocated, as the device makes
+            # them): such a copy that later has fewer was cut short and extended again (a
+            # pwrite past the end), and its holes read as zeros. A filesystem that stores
+            # files in fewer blocks than their size (compression) is not checked this way.
+            self._whole_at_open = os.fstat(self.fd).st_blocks * 512 >= size_bytes
             if mapped:
                 self._mapping = guard.GuardedMapping(self.fd, size_bytes)
             self.write_mode = write_mode_for(self.fd)
@@ -285,6 +290,9 @@ class StateFile:
             return f"{name} cannot be checked: {exc.strerror}"
         if info.st_size != self.size_bytes:
             return f"{name} has {info.st_size} bytes, expected {self.size_bytes} (truncated or extended)"
+        if self._whole_at_open and info.st_blocks * 512 < self.size_bytes:
+            return (f"{name} has holes ({info.st_blocks * 512} of {self.size_bytes} bytes allocated): "
+                    "it was cut short and extended again")
         if info.st_nlink == 0:
             return f"{name} was deleted or replaced while in use"
         try:

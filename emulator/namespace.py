@@ -333,12 +333,16 @@ class Namespace:
     @staticmethod
     def _recreate_copy(path: Path, copy_bytes: int) -> StateFile:
         """A new, preallocated copy in place of a damaged one, durable before it is used:
-        built under a temporary name and renamed over the damaged file."""
+        built under a temporary name and renamed into place. The damaged file is kept aside
+        as `state.X.damaged` (replacing an older one), never destroyed: recovery may yet find
+        no other copy to serve, and what it held is then all there is to salvage."""
         temporary = path.with_name(f".{path.name}.tmp")
         temporary.unlink(missing_ok=True)
         state = StateFile(temporary, copy_bytes, create=True)
         try:
             state.sync()
+            if os.path.lexists(path):
+                os.replace(path, path.with_name(f"{path.name}.damaged"))
             os.replace(temporary, path)
             fsync_dir(path.parent)
         except OSError as exc:
@@ -615,13 +619,14 @@ class Namespace:
         if not self._lock.acquire(blocking=wait):
             raise _WouldBlock
         try:
-            state = self._copies[self._sb.committed_copy]
-            # A page the guard replaced with zeros (the file cut from under its mapping) is
-            # never served as the state: refused before the pin, so no unpin is owed.
-            self._refuse_faulted(state)
             if pin:
                 while self._flips_waiting:
                     self._cond.wait()
+            state = self._copies[self._sb.committed_copy]  # after any flip the wait let by
+            # A damaged copy (cut short, holes, replaced; a page the guard replaced with
+            # zeros) is never served as the state: refused before the pin, so no unpin is owed.
+            self._refuse_damaged(state)
+            if pin:
                 self._pins += 1  # first: nothing below raises, so the caller's unpin matches
             # Every read request served counts, an empty one at the end of the file too.
             self.counters.read_commands += 1
@@ -636,17 +641,20 @@ class Namespace:
             if not copy:
                 return memoryview(view)
             data = view.tobytes()
-            self._refuse_faulted(state)  # the copy itself may have met a cut page
+            if state.faults():  # the copy itself met a page cut from under the mapping
+                self._refuse_damaged(state)
             return data
         finally:
             self._lock.release()
 
-    def _refuse_faulted(self, state: StateFile) -> None:
-        """UNRECOVERED_READ_ERROR where the guard has contained a bus error in `state`'s
-        mapping: what was read there may be its zeros, not the state."""
-        if state.faults():
-            raise DeviceError(Status.UNRECOVERED_READ_ERROR,
-                              f"namespace {self.name!r}: {self.media_failure or state.path.name + ' is damaged'}")
+    def _refuse_damaged(self, state: StateFile) -> None:
+        """UNRECOVERED_READ_ERROR where `state` can no longer be trusted (StateFile.damage:
+        a few system calls, next to a read of up to 1 MiB): what a read would give may be
+        zeros standing in for the state."""
+        reason = state.damage()
+        if reason is not None:
+            self._media_damaged(reason)
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"namespace {self.name!r}: {reason}")
 
     def check_write(self, tensor_name: str, role: str, offset: int, length: int) -> None:
         """Refuse, changing nothing, a write that write_state would refuse for its file,
@@ -1098,6 +1106,10 @@ class Namespace:
             shadow = self._sb.committed_copy.other
             if self.sync_commits:
                 self._sync(self._copies[shadow])
+            # The last look at both copies before the flip: a shadow cut short or punched
+            # while its blocks were written (pwrite extends it again, leaving holes that read
+            # as zeros) must fail this step, not become the committed one.
+            self._check_media()
             skips = self._skips()
             committed = self._sb.successor(
                 committed_step=tx.step,

@@ -127,7 +127,8 @@ class AdminHandle:
         the completion queue filled or the pending budget ran out part way; where it could take
         nothing, raises EAGAIN (queue full: read completions, then write the rest again) or
         ENOMEM (the daemon holds all the partly written submissions it may). A data_len past
-        16 MiB is EINVAL and discards this handle's unfinished input."""
+        16 MiB is EINVAL and discards this handle's unfinished input (a short write first, where
+        submissions before it in the same write ran)."""
         view = memoryview(buf).cast("B")
         pos = 0
         while pos < len(view):
@@ -143,6 +144,11 @@ class AdminHandle:
                 except SubmissionError as exc:
                     self._drop_pending()
                     log.info("rejected submission: %s", exc)
+                    if pos:
+                        # Submissions before it in this write have run: say so with a short
+                        # write (a retry of the rest meets the bad header alone: EINVAL),
+                        # rather than an error that a client would answer by running them again.
+                        return pos
                     raise pyfuse3.FUSEError(errno.EINVAL) from None
             else:
                 needed = self.needed

@@ -113,6 +113,30 @@ def test_loading_its_own_state_is_a_no_op(mount: Mount, figures: list[str]) -> N
                    f"(no-op), other state {real_s * 1e3:.0f} ms (staged and switched)")
 
 
+def test_a_replaced_or_copied_state_is_loaded_for_real(mount: Mount) -> None:
+    import copy
+
+    model = make_model(0)
+    optimizer = AdamW(model.parameters(), mount=mount.mountpoint, namespace="edited", lr=1e-3)
+    train(model, optimizer, range(1, 3))
+    for edit in ("replaced", "deep copy", "earlier call"):
+        state = optimizer.state_dict()
+        if edit == "replaced":
+            state["state"][0]["exp_avg"] = torch.zeros_like(state["state"][0]["exp_avg"])
+        elif edit == "deep copy":
+            state = copy.deepcopy(state)
+            state["state"][0]["exp_avg"].zero_()
+        else:
+            state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"].clone().zero_()
+            optimizer.state_dict()  # a later call: the first dict is no longer the one handed out
+        nsid = optimizer.files.nsid
+        optimizer.load_state_dict(state)
+        assert optimizer.files.nsid != nsid, edit  # a real load, not a no-op
+        loaded = optimizer.state_dict()["state"][0]["exp_avg"]
+        assert torch.equal(loaded, torch.zeros_like(loaded)), edit
+    optimizer.close()
+
+
 def test_a_state_dict_that_does_not_fit_changes_nothing(mount: Mount) -> None:
     model = make_model(0)
     optimizer = AdamW(model.parameters(), mount=mount.mountpoint, namespace="fit", lr=1e-3)

@@ -61,8 +61,10 @@ def mounted_devices(mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo") 
 
 
 def mount_type_at(path: os.PathLike[str], mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo") -> str | None:
-    """The filesystem type mounted on `path` (the topmost mount there), or None if nothing is."""
-    target = os.path.realpath(path)
+    """The filesystem type mounted on `path` (the topmost mount there), or None if nothing is.
+    Only the parent is resolved: a stat of a hung FUSE mount itself would hang."""
+    given = os.path.abspath(path)
+    target = os.path.join(os.path.realpath(os.path.dirname(given)), os.path.basename(given))
     found = None
     with open(mountinfo) as lines:
         for line in lines:

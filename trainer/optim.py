@@ -669,9 +669,11 @@ class _DeviceAdam(torch.optim.Optimizer):
         return identity
 
     def _unchanged_since_handed_out(self, state_dict: dict[str, Any]) -> bool:
-        """False where a tensor that state_dict() returned has been changed in place since
-        (torch counts in-place changes in a tensor's _version); tensors it did not hand out
-        (copies, a file's) are taken as the identity says."""
+        """Whether every tensor of `state_dict` is one the latest state_dict() call handed out,
+        unchanged in place since (torch counts in-place changes in a tensor's _version). A
+        tensor it did not hand out (a replaced entry, a deep copy, a file's, an older call's)
+        could hold anything, so it makes the load a real one: a no-op is only ever taken for
+        the very dict handed out, as accelerate hands it back."""
         handed_out = getattr(self, "_handed_out", {})
         tensors = [value for entry in state_dict["state"].values() for value in entry.values()]
         tensors += list(state_dict.get("cossd_master", {}).values())
@@ -679,7 +681,7 @@ class _DeviceAdam(torch.optim.Optimizer):
             if not isinstance(tensor, torch.Tensor):
                 continue
             known = handed_out.get(id(tensor))
-            if known is not None and known[0]() is tensor and tensor._version != known[1]:
+            if known is None or known[0]() is not tensor or tensor._version != known[1]:
                 return False
         return True
 
