@@ -9,10 +9,12 @@ and CMB_READ commands (emulator/cmb_commands.py) move a tensor file's bytes betw
 the namespace, with the same checks as a file write or read.
 
 A memfd, not a file in /dev/shm: it goes away with the daemon, however that ends, so a
-killed daemon leaves nothing behind.
+killed daemon leaves nothing behind. It is sealed against resizing, so no client can cut it
+short under the daemon's mapping.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 from typing import Any
@@ -58,9 +60,14 @@ class ControllerMemoryBuffer:
         if not 0 < size <= MAX_CMB_BYTES or size % mmap.PAGESIZE:
             raise ValueError(f"CMB size must be a multiple of {mmap.PAGESIZE} in 1..{MAX_CMB_BYTES}, got {size}")
         self.size = size
-        self.fd = os.memfd_create("cossd-cmb", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("cossd-cmb", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
+            # Every client opens this memfd read-write: unsealed, one ftruncate by any of them
+            # would make the daemon's next CMB access a SIGBUS (this mapping is not guarded).
+            # Sealed, its size is fixed (ftruncate fails with EPERM) and the seals themselves
+            # cannot be changed; writes through mappings stay allowed.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._map = mmap.mmap(self.fd, size)
         except BaseException:
             os.close(self.fd)

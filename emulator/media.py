@@ -256,7 +256,10 @@ class StateFile:
             # files in fewer blocks than their size (compression) is not checked this way.
             self._whole_at_open = os.fstat(self.fd).st_blocks * 512 >= size_bytes
             if mapped:
-                self._mapping = guard.GuardedMapping(self.fd, size_bytes)
+                try:
+                    self._mapping = guard.GuardedMapping(self.fd, size_bytes)
+                except guard.SlotsFull as exc:  # ENOSPC, but no disk is full
+                    raise DeviceError(Status.LIMIT_EXCEEDED, f"mapping {path.name}: {exc.strerror}") from exc
             self.write_mode = write_mode_for(self.fd)
         except OSError as exc:
             os.close(self.fd)

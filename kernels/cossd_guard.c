@@ -8,8 +8,14 @@
  * completes, reading zeros) and counts the fault for that range. The device polls the counts
  * after its reads and kernel runs and refuses the copy, so the zeros are never served.
  *
- * Signal safety: the handler reads the registry with atomic loads and calls only mmap,
- * sigaction and raise (system calls). Registration takes a mutex the handler never touches.
+ * Anything else (a fault outside every guarded range, a signal sent with kill) goes to the
+ * handler the guard replaced, called directly: the guard stays installed. Previous default
+ * action: the process dies of SIGBUS. Ignored: a sent signal is dropped, a fault is fatal (as
+ * the kernel makes an ignored fault).
+ *
+ * Signal safety: the handler reads the registry and the previous action with atomic loads
+ * and calls only mmap, sigaction, pthread_sigmask, sigpending and raise (system calls), and
+ * the signal-set helpers. Registration takes a mutex the handler never touches.
  */
 
 #define _GNU_SOURCE
@@ -32,7 +38,10 @@ typedef struct {
 
 static guard_range guard_ranges[COSSD_GUARD_SLOTS];
 static pthread_mutex_t guard_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct sigaction guard_previous;
+/* The action the guard replaced, published whole before the guard is installed: the handler
+ * reads guard_previous[guard_previous_index], registration writes the other one. */
+static struct sigaction guard_previous[2];
+static int guard_previous_index;
 static uintptr_t guard_page_size = 4096;
 
 static void guard_handler(int sig, siginfo_t *info, void *context);
@@ -45,12 +54,45 @@ static int guard_is_current(void) {
     return (current.sa_flags & SA_SIGINFO) && current.sa_sigaction == guard_handler;
 }
 
-static void guard_chain(int sig, siginfo_t *info) {
-    /* Not ours: give the signal back to whoever had it (Python's faulthandler, or the default
-     * action). A fault retried on return reaches that handler; a sent signal is raised again. */
-    sigaction(SIGBUS, &guard_previous, NULL);
-    if (info == NULL || info->si_code <= 0) {
-        raise(sig);
+static void guard_die(int sig) {
+    /* The default action, as if the guard were not there: the signal is blocked while its
+     * handler runs, so raise() leaves it pending and it kills the process on return. */
+    struct sigaction action;
+    memset(&action, 0, sizeof(action));
+    action.sa_handler = SIG_DFL;
+    sigemptyset(&action.sa_mask);
+    sigaction(sig, &action, NULL);
+    raise(sig);
+}
+
+static void guard_chain(int sig, siginfo_t *info, void *context) {
+    /* Not ours: call whoever had the signal before (Python's faulthandler or signal module, or
+     * the default action), leaving the guard installed. */
+    const struct sigaction *previous =
+        &guard_previous[__atomic_load_n(&guard_previous_index, __ATOMIC_ACQUIRE)];
+    int sent = info == NULL || info->si_code <= 0;
+    if (!(previous->sa_flags & SA_SIGINFO) && previous->sa_handler == SIG_IGN && sent) {
+        return;
+    }
+    if (!(previous->sa_flags & SA_SIGINFO) &&
+        (previous->sa_handler == SIG_DFL || previous->sa_handler == SIG_IGN)) {
+        guard_die(sig);
+        return;
+    }
+    sigset_t mask;
+    pthread_sigmask(SIG_BLOCK, &previous->sa_mask, &mask);  /* as its own delivery would */
+    if (previous->sa_flags & SA_SIGINFO) {
+        previous->sa_sigaction(sig, info, context);
+    } else {
+        previous->sa_handler(sig);
+    }
+    pthread_sigmask(SIG_SETMASK, &mask, NULL);
+    /* A fatal handler (faulthandler) restores the action it replaced, which may be this guard,
+     * and raises the signal again to pass it on. Pending for the guard again, it would come
+     * back here forever: it gets the default action instead. */
+    sigset_t pending;
+    if (sigpending(&pending) == 0 && sigismember(&pending, sig) == 1 && guard_is_current()) {
+        guard_die(sig);
     }
 }
 
@@ -78,7 +120,7 @@ static void guard_handler(int sig, siginfo_t *info, void *context) {
             return;
         }
     }
-    guard_chain(sig, info);
+    guard_chain(sig, info, context);
     errno = saved_errno;
 }
 
@@ -90,12 +132,19 @@ int cossd_guard_install(void) {
         if (page > 0) {
             guard_page_size = (uintptr_t)page;
         }
-        struct sigaction action;
-        memset(&action, 0, sizeof(action));
-        action.sa_sigaction = guard_handler;
-        action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
-        sigemptyset(&action.sa_mask);
-        rc = sigaction(SIGBUS, &action, &guard_previous);
+        /* The action being replaced is published before the guard replaces it, so a signal
+         * at any moment finds a complete one to chain to. */
+        int next = 1 - __atomic_load_n(&guard_previous_index, __ATOMIC_ACQUIRE);
+        rc = sigaction(SIGBUS, NULL, &guard_previous[next]);
+        if (rc == 0) {
+            __atomic_store_n(&guard_previous_index, next, __ATOMIC_RELEASE);
+            struct sigaction action;
+            memset(&action, 0, sizeof(action));
+            action.sa_sigaction = guard_handler;
+            action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+            sigemptyset(&action.sa_mask);
+            rc = sigaction(SIGBUS, &action, NULL);
+        }
     }
     pthread_mutex_unlock(&guard_lock);
     return rc;

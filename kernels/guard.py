@@ -6,15 +6,21 @@ any fault as a media error of that file (the zeros are not data).
 """
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
 from ._cossd_kernels import ffi as _ffi
 from ._cossd_kernels import lib as _lib
 
-__all__ = ["GuardedMapping", "install", "installed", "SLOTS"]
+__all__ = ["GuardedMapping", "SlotsFull", "install", "installed", "SLOTS"]
 
 SLOTS = int(_lib.COSSD_GUARD_SLOTS)
+
+
+class SlotsFull(OSError):
+    """Every slot of the guard's registry is in use: a limit of this process, not a full disk
+    (its errno is ENOSPC, as the C side reports it)."""
 
 
 def install() -> None:
@@ -42,8 +48,10 @@ class GuardedMapping:
         address = _lib.cossd_guard_map(fd, size, 1 if writable else 0, slot)
         if address == _ffi.NULL:
             code = _ffi.errno
-            if code == 28:  # ENOSPC: every registry slot is taken
-                raise OSError(code, f"more than {SLOTS} guarded mappings at once")
+            if code == errno.ENOSPC:  # the only ENOSPC of cossd_guard_map: every slot is taken
+                raise SlotsFull(code, f"all {SLOTS} guarded mappings of this process are in use (two per open "
+                                      "optimizer namespace, and those whose arrays are still referenced): "
+                                      "close namespaces or devices, or drop arrays of deleted ones")
             raise OSError(code, os.strerror(code))
         self.slot = int(slot[0])
         self.size = size

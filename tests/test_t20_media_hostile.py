@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import signal
 import subprocess
 import sys
 import textwrap
@@ -356,3 +357,163 @@ def test_running_out_of_descriptors_is_a_clear_error(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused: out of file descriptors" in result.stdout and "ulimit -n" in result.stdout, result.stdout
+
+
+# ---------------------------------------------------------------------- the controller memory buffer
+
+
+def test_a_client_cannot_resize_the_cmb(mount: Mount) -> None:
+    """A client opens the CMB read-write, as the trainer does, and tries to cut it short (a
+    SIGBUS in the daemon at its next CMB access) or grow it: refused, and the daemon still
+    steps through the CMB."""
+    mp = mount.mountpoint
+    create_namespace(mp, "net", [("w", NUMEL)])
+    with AdminClient(mp) as client:
+        cmb = client.cmb()
+        assert cmb is not None
+        fd = os.open(cmb.path, os.O_RDWR)
+        try:
+            for length in (0, cmb.size // 2, cmb.size + 4096):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, length)
+            assert os.fstat(fd).st_size == cmb.size
+        finally:
+            os.close(fd)
+        cmb.array[:2 * NUMEL] = np.frombuffer(grad(1), dtype=np.uint8)
+        report = client.cmb_write(client.nsid("net"), [{"tensor": "w", "length": 2 * NUMEL, "cmb_offset": 0}])
+        assert report["commit"]["committed_step"] == 1
+        cmb.close()
+    assert alive(mount.pid)
+    assert namespace_state(mp)["committed_step"] == 1
+
+
+# ---------------------------------------------------------------------- the guard and other SIGBUS handlers
+
+CHAIN_SCRIPT = textwrap.dedent('''
+    import faulthandler, mmap, os, signal, sys, time
+    from cossd.kernels import guard
+    mode, directory = sys.argv[1], sys.argv[2]
+
+    def cut_mapping(name):
+        """A file of 64 KiB mapped, then cut to nothing: touching the mapping is a SIGBUS."""
+        path = os.path.join(directory, name)
+        with open(path, "wb") as f:
+            f.truncate(1 << 16)
+        fd = os.open(path, os.O_RDWR)
+        return path, fd
+
+    if mode == "python-handler":
+        received = []
+        signal.signal(signal.SIGBUS, lambda signum, frame: received.append(signum))
+        guard.install()
+        path, fd = cut_mapping("guarded")
+        mapping = guard.GuardedMapping(fd, 1 << 16)
+        os.kill(os.getpid(), signal.SIGBUS)  # not a fault: goes to the handler before the guard
+        for _ in range(200):
+            if received:
+                break
+            time.sleep(0.01)
+        assert received == [signal.SIGBUS], received
+        assert guard.installed(), "the guard uninstalled itself after passing a signal on"
+        os.truncate(path, 0)
+        assert bytes(mapping.buffer[4096:4100]) == bytes(4) and mapping.faults() == 1
+        signal.signal(signal.SIGBUS, signal.SIG_IGN)
+        guard.install()
+        os.kill(os.getpid(), signal.SIGBUS)  # ignored, as it was before the guard
+        assert guard.installed()
+        print("contained")
+    else:  # a bus error outside every guarded mapping: fatal, as without the guard
+        guard.install()
+        if mode == "faulthandler":
+            faulthandler.enable()  # after the guard: the next map installs the guard again
+            guard.install()
+        path, fd = cut_mapping("foreign")
+        foreign = mmap.mmap(fd, 1 << 16)
+        os.truncate(path, 0)
+        foreign[8192]
+        print("survived a bus error")
+''')
+
+
+@pytest.mark.parametrize("mode", ["python-handler", "default", "faulthandler"])
+def test_guard_chains_to_the_previous_sigbus_handler(tmp_path: Path, mode: str) -> None:
+    """Signals and faults the guard does not own reach the handler it replaced, and the guard
+    stays installed: a signal sent to the process goes to a Python handler and a guarded fault
+    after it is still contained; a foreign fault kills the process with SIGBUS (after
+    faulthandler's traceback, when faulthandler was enabled), never loops or hangs."""
+    try:
+        result = subprocess.run([sys.executable, "-c", CHAIN_SCRIPT, mode, str(tmp_path)],
+                                capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung: {str(exc.stderr)[-1000:]}")
+    if mode == "python-handler":
+        assert result.returncode == 0 and "contained" in result.stdout, result.stderr[-3000:]
+    else:
+        assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-3000:])
+        assert "survived" not in result.stdout
+        if mode == "faulthandler":
+            assert result.stderr.count("Fatal Python error: Bus error") == 1, result.stderr[-3000:]
+
+
+GUARD_SLOTS_SCRIPT = textwrap.dedent('''
+    import os, sys
+    from cossd.emulator import Device, DeviceError, NamespaceSpec, Status, TensorSpec
+    from cossd.kernels import guard
+    backing = sys.argv[1]
+    Device.format(backing, capacity_bytes=1 << 30)
+    with open(f"{backing}.page", "wb") as f:
+        f.truncate(4096)
+    fd = os.open(f"{backing}.page", os.O_RDWR)
+    with Device.open(backing) as device:
+        # Every slot but one taken: the new namespace's copy A is mapped, copy B is refused.
+        held = [guard.GuardedMapping(fd, 4096) for _ in range(guard.SLOTS - 1)]
+        try:
+            device.create_namespace(NamespaceSpec("net", (TensorSpec("w", 1000),)))
+        except DeviceError as exc:
+            assert exc.status == Status.LIMIT_EXCEEDED, exc
+            assert not device.namespaces, device.namespaces
+            print("refused:", exc.message)
+        else:
+            raise SystemExit("a namespace was created with no guard slot for its state")
+        del held
+        device.create_namespace(NamespaceSpec("net", (TensorSpec("w", 1000),)))
+        print("created after release")
+''')
+
+
+def test_guard_slots_full_is_a_limit_not_a_full_disk(tmp_path: Path) -> None:
+    """Every guarded mapping of the process in use: a new namespace is refused with
+    LIMIT_EXCEEDED and a message saying which limit (not CAPACITY_EXCEEDED, "backing store
+    full"), nothing is left of it, and it is created once mappings are released."""
+    result = subprocess.run([sys.executable, "-c", GUARD_SLOTS_SCRIPT, str(tmp_path / "dev")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused:" in result.stdout and "guarded" in result.stdout, result.stdout
+    assert "backing store full" not in result.stdout, result.stdout
+    assert "created after release" in result.stdout, result.stdout
+
+
+# ---------------------------------------------------------------------- tools/gpu_bundle.sh's folder
+
+
+@pytest.mark.parametrize("contents", ["foreign", "bundle", "failed build"])
+def test_gpu_bundle_never_wipes_a_folder_not_its_own(tmp_path: Path, contents: str) -> None:
+    """The bundle script empties its folder before building: a non-empty folder holding no
+    bundle of its own (no manifest.json, or other files than a failed build leaves) is refused
+    and left as it was. PY points nowhere, so an accepted folder stops at the next check,
+    before anything is removed."""
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    names = {"foreign": ["precious.txt", "wheels"], "bundle": ["manifest.json", "wheels"],
+             "failed build": ["build.log", "wheels"]}[contents]
+    for name in names:
+        (bundle / name).write_text("keep")
+    script = Path(__file__).resolve().parent.parent / "tools" / "gpu_bundle.sh"
+    result = subprocess.run(["bash", str(script), str(bundle)], capture_output=True, text=True, timeout=60,
+                            env=os.environ | {"PY": str(tmp_path / "no-python")})
+    assert result.returncode != 0
+    if contents == "foreign":
+        assert "is not empty and holds no bundle" in result.stderr and "precious.txt" in result.stderr, result.stderr
+    else:
+        assert "no Python at" in result.stderr, result.stderr
+    assert sorted(p.name for p in bundle.iterdir()) == sorted(names)

@@ -17,6 +17,25 @@ cd "$ROOT"
 say() { echo "== gpu-bundle: $*"; }
 die() { echo "gpu-bundle: FAILED: $*" >&2; exit 1; }
 
+# The folder is emptied before the build: only ever one this script made. That is an empty
+# or new one, a finished bundle (manifest.json), or what a failed build left (only the
+# entries below; the manifest is written last), never a folder someone named by mistake.
+if [ -e "$BUNDLE" ] || [ -L "$BUNDLE" ]; then
+  [ ! -L "$BUNDLE" ] || die "$BUNDLE is a symbolic link (it would be removed, not its folder): give the folder itself"
+  [ -d "$BUNDLE" ] || die "$BUNDLE exists and is not a folder: give a new or empty folder"
+  if [ ! -f "$BUNDLE/manifest.json" ]; then
+    foreign=()
+    while IFS= read -r -d '' entry; do
+      case "${entry##*/}" in
+        wheels|debs|build.log) ;;
+        *) foreign+=("${entry##*/}") ;;
+      esac
+    done < <(find "$BUNDLE" -mindepth 1 -maxdepth 1 -print0)
+    [ "${#foreign[@]}" -eq 0 ] || die "$BUNDLE is not empty and holds no bundle (no manifest.json; it has" \
+      "${foreign[*]:0:5}${foreign[5]+ ...}): it would be wiped. Give a new or empty folder, or the folder of an earlier bundle"
+  fi
+fi
+
 # Versions as the project's venv has them: the bundle is the set the tests passed with here.
 pinned() {  # pinned NAME -> NAME==VERSION from $PY's environment, or NAME when it has none
   "$PY" -c 'import sys, importlib.metadata as m
