@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from cossd import kernels
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .health import WARNING_TEMP_KELVIN
-from .protocol import NSID_ALL, Command, Completion, Opcode
+from ..protocol.entries import NSID_ALL, Command, Completion, Opcode
 from .superblock import GROUP_FIELDS
 
 if TYPE_CHECKING:

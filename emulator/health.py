@@ -8,8 +8,8 @@ import threading
 import time
 from typing import Any, Iterable
 
-from .errors import Status
-from .logpages import (
+from ..protocol.status import Status
+from ..protocol.logpages import (
     ERROR_LOG_ENTRIES,
     NOT_APPLICABLE,
     WARN_RELIABILITY,

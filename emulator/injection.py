@@ -9,10 +9,10 @@ import json
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .health import Health
-from .logpages import NOT_APPLICABLE, LogId
-from .protocol import NSID_ALL, Command, Completion, Opcode
+from ..protocol.logpages import NOT_APPLICABLE, LogId
+from ..protocol.entries import NSID_ALL, Command, Completion, Opcode
 
 if TYPE_CHECKING:
     from .controller import Controller

@@ -17,9 +17,9 @@ import pytest
 
 from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
 from cossd.emulator import Device, DeviceError, NamespaceSpec, Status, TensorSpec
-from cossd.emulator.errors import STATUS_ERRNO
+from cossd.protocol.status import STATUS_ERRNO
 from cossd.emulator.names import MAX_GROUPS, MAX_NAMESPACES, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE
-from cossd.emulator.protocol import Opcode, encode_submission
+from cossd.protocol.entries import Opcode, encode_submission
 from cossd.tools.client import AdminClient
 from helpers import create_namespace, pwrite_all
 

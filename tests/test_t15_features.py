@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from conftest import Mount
-from cossd.emulator.errors import Status
+from cossd.protocol.status import Status
 from cossd.emulator.features import ALL_GROUPS, SAVE_BIT, FeatureId
 from cossd.emulator.health import WARNING_TEMP_KELVIN
 from cossd.emulator.injection import DATA_PATH_SQID, MAX_ARMED, IoOpcode
-from cossd.emulator.logpages import WARN_TEMPERATURE
-from cossd.emulator.protocol import NSID_ALL, Opcode
+from cossd.protocol.logpages import WARN_TEMPERATURE
+from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
 from cossd.tools.client import AdminClient
 from cossd.tools.feature_cmds import get_feature, set_feature

@@ -27,9 +27,9 @@ from conftest import Mount
 from cossd import kernels
 from cossd.emulator import Device
 from cossd.emulator.controller import Controller
-from cossd.emulator.errors import Status
-from cossd.emulator.names import MAX_PAYLOAD_BYTES
-from cossd.emulator.protocol import (
+from cossd.protocol.status import Status
+from cossd.protocol.entries import MAX_PAYLOAD_BYTES
+from cossd.protocol.entries import (
     COMPLETION,
     NSID_ALL,
     Completion,

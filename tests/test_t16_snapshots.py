@@ -29,9 +29,9 @@ from cossd.emulator import (
     media,
 )
 from cossd.emulator.layout import BLOCK_ELEMS
-from cossd.emulator.logpages import CSUPP, LBCC, NIC, LogId
+from cossd.protocol.logpages import CSUPP, LBCC, NIC, LogId
 from cossd.emulator.namespace import Namespace
-from cossd.emulator.protocol import Opcode
+from cossd.protocol.entries import Opcode
 from cossd.tools import cli, snapshot_cmds
 from cossd.tools.client import AdminClient
 from helpers import create_namespace, pread_all, pwrite_all, tensor_dir

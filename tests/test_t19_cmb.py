@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device
 from cossd.emulator.cmb_commands import Transfer, check_param_copies
-from cossd.emulator.errors import DeviceError, Status
-from cossd.emulator.protocol import Opcode
+from cossd.protocol.status import DeviceError, Status
+from cossd.protocol.entries import Opcode
 from cossd.fs import daemon
 from cossd.tools.client import AdminClient
 from cossd.trainer import AdamW

@@ -12,7 +12,7 @@ import pytest
 import safetensors
 
 from conftest import Mount
-from cossd.emulator.errors import DeviceError, Status
+from cossd.protocol.status import DeviceError, Status
 from cossd.emulator.export import default_path
 from cossd.tools import snapshot_cmds
 from cossd.tools.client import AdminClient

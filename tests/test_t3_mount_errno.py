@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import Mount, start_mount
-from cossd.emulator.errors import Status
-from cossd.emulator.protocol import SUBMISSION, Opcode, encode_submission
+from cossd.protocol.status import Status
+from cossd.protocol.entries import SUBMISSION, Opcode, encode_submission
 from cossd.tools.client import AdminClient
 from helpers import create_namespace, pread_all, pwrite_all
 

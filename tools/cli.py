@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from cossd.emulator.errors import DeviceError, Status
+from cossd.protocol.status import DeviceError, Status
 
 _SIZE = re.compile(r"(\d+)([KMGT]?)(i?B?)?", re.IGNORECASE)
 
@@ -264,7 +264,7 @@ def _binary(args: argparse.Namespace) -> bool:
 
 
 def cmd_id_ctrl(args: argparse.Namespace) -> int:
-    from cossd.emulator.protocol import IdentifyCns, Opcode
+    from cossd.protocol.entries import IdentifyCns, Opcode
     from cossd.tools import nvme_json
 
     _nvme_device(args)
@@ -368,8 +368,8 @@ def _line(label: str, value: object) -> str:
 def cmd_smart_log(args: argparse.Namespace) -> int:
     from cossd.emulator.health import DATA_UNIT_BYTES
 
-    from cossd.emulator.logpages import LogId, decode_smart
-    from cossd.emulator.protocol import NSID_ALL
+    from cossd.protocol.logpages import LogId, decode_smart
+    from cossd.protocol.entries import NSID_ALL
     from cossd.tools import nvme_json
 
     _nvme_device(args)  # SMART is controller wide: a namespace's path reads its controller's
@@ -430,7 +430,7 @@ def cmd_smart_log(args: argparse.Namespace) -> int:
 
 def _status_name(status_field: int) -> str:
     """The Status named by an error log entry's status field (without its phase tag)."""
-    from cossd.emulator.errors import Status
+    from cossd.protocol.status import Status
 
     status = Status.from_field((status_field >> 8) & 0x7, status_field & 0xFF)
     return status.name if isinstance(status, Status) else f"{status:#05x}"
@@ -438,7 +438,7 @@ def _status_name(status_field: int) -> str:
 
 def _opcode_name(opcode: int, sqid: int = 0) -> str:
     from cossd.emulator.injection import DATA_PATH_SQID, IoOpcode
-    from cossd.emulator.protocol import Opcode
+    from cossd.protocol.entries import Opcode
 
     try:
         # An injected data-path failure is logged with sqid 1 and an I/O opcode (D0h).
@@ -470,7 +470,7 @@ def _error_entries_text(device: object, entries: list[dict[str, int]]) -> str:
 
 
 def cmd_error_log(args: argparse.Namespace) -> int:
-    from cossd.emulator.logpages import ERROR_LOG_ENTRIES, LogId, decode_error_log
+    from cossd.protocol.logpages import ERROR_LOG_ENTRIES, LogId, decode_error_log
     from cossd.tools import nvme_json
 
     _nvme_device(args)
@@ -501,9 +501,9 @@ def hexdump(data: bytes, start: int = 0) -> str:
 
 
 def cmd_get_log(args: argparse.Namespace) -> int:
-    from cossd.emulator import logpages
-    from cossd.emulator.logpages import LogId
-    from cossd.emulator.protocol import NSID_ALL
+    from cossd.protocol import logpages
+    from cossd.protocol.logpages import LogId
+    from cossd.protocol.entries import NSID_ALL
 
     with _client(args) as client:
         nsid = client.nsid(args.namespace) if args.namespace else NSID_ALL
@@ -541,7 +541,7 @@ def cmd_get_log(args: argparse.Namespace) -> int:
 def cmd_id_ns(args: argparse.Namespace) -> int:
     """Identify Namespace (CNS 00h), decoded with nvme-cli's field names. The namespace: NAME,
     else -n NSID, else the one a device path MOUNTPOINT/ns/NAME names."""
-    from cossd.emulator.protocol import IdentifyCns, Opcode
+    from cossd.protocol.entries import IdentifyCns, Opcode
     from cossd.tools import nvme_json
 
     named = _nvme_device(args)
@@ -597,7 +597,7 @@ def cmd_admin_passthru(args: argparse.Namespace) -> int:
 def cmd_flush(args: argparse.Namespace) -> int:
     """FLUSH (C9h), like `nvme flush`: make one namespace's committed step (or an NVM
     namespace's acknowledged writes) durable, or every namespace's."""
-    from cossd.emulator.protocol import NSID_ALL
+    from cossd.protocol.entries import NSID_ALL
 
     with _client(args) as client:
         nsid = client.nsid(args.name) if args.name else NSID_ALL
@@ -613,7 +613,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 
 def cmd_scrub(args: argparse.Namespace) -> int:
-    from cossd.emulator.protocol import NSID_ALL
+    from cossd.protocol.entries import NSID_ALL
 
     with _client(args) as client:
         nsid = client.nsid(args.name) if args.name else NSID_ALL

@@ -13,10 +13,10 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from cossd.emulator import logpages
-from cossd.emulator.errors import DeviceError, Status
-from cossd.emulator.logpages import LogId
-from cossd.emulator.protocol import (
+from cossd.protocol import logpages
+from cossd.protocol.status import DeviceError, Status
+from cossd.protocol.logpages import LogId
+from cossd.protocol.entries import (
     COMPLETION,
     NSID_ALL,
     Completion,

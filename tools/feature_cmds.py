@@ -19,7 +19,7 @@ from cossd.emulator.features import (
     FeatureId,
     Select,
 )
-from cossd.emulator.protocol import Completion, Opcode
+from cossd.protocol.entries import Completion, Opcode
 
 if TYPE_CHECKING:
     from cossd.tools.client import AdminClient

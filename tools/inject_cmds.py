@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from cossd.emulator.injection import InjectAction, IoOpcode, Queue
-from cossd.emulator.logpages import LogId
-from cossd.emulator.protocol import NSID_ALL, Opcode
+from cossd.protocol.logpages import LogId
+from cossd.protocol.entries import NSID_ALL, Opcode
 
 if TYPE_CHECKING:
     from cossd.tools.client import AdminClient

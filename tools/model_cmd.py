@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any, Callable
 
-from cossd.emulator.errors import DeviceError
+from cossd.protocol.status import DeviceError
 from cossd.emulator.profiles import (
     DEFAULT_PROFILE,
     PROFILES,

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cossd.emulator.errors import DeviceError, Status
-from cossd.emulator.logpages import LogId
-from cossd.emulator.protocol import NSID_ALL, Opcode
+from cossd.protocol.status import DeviceError, Status
+from cossd.protocol.logpages import LogId
+from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.client import AdminClient
 
 POLL_INTERVAL_S = 0.1

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from cossd.emulator.errors import DeviceError, Status
+from cossd.protocol.status import DeviceError, Status
 from cossd.tools.client import DEFAULT_TIMEOUT_S, AdminClient, CmbMapping, DeviceTimeoutError
 
 log = logging.getLogger(__name__)

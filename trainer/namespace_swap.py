@@ -5,7 +5,7 @@ import hashlib
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from cossd.emulator.errors import DeviceError, Status
+from cossd.protocol.status import DeviceError, Status
 from cossd.tools import snapshot_cmds
 
 if TYPE_CHECKING:

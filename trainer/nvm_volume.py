@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from cossd.emulator.errors import DeviceError, Status
+from cossd.protocol.status import DeviceError, Status
 from cossd.tools.client import AdminClient
 
 log = logging.getLogger(__name__)

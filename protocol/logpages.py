@@ -6,7 +6,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .protocol import COMPLETION, SUBMISSION, Opcode
+from .entries import COMPLETION, SUBMISSION, Opcode
 
 # A 128-bit little-endian counter, as (low, high) 64-bit halves: numpy has no u128.
 U128 = ("<u8", (2,))
