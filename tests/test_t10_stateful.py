@@ -24,7 +24,7 @@ from conftest import FIGURES, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device, Status
 from cossd.protocol.entries import Opcode
 from cossd.fs import daemon
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from test_t1_kernels import ref_adam
 
 pytestmark = pytest.mark.mount

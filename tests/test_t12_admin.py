@@ -26,7 +26,7 @@ from cossd.protocol.logpages import LogId
 from cossd.emulator.namespace import NamespaceCounters
 from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient, mounted_devices
+from cossd.client import AdminClient, mounted_devices
 from helpers import create_namespace, tensor_dir
 
 pytestmark = pytest.mark.mount

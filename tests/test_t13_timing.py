@@ -32,7 +32,7 @@ from cossd.emulator.timing import (
 )
 from cossd.fs import daemon
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.tools.step_model import StepSetup, predict_all, smart_infinity_table
 from helpers import create_namespace, tensor_dir
 

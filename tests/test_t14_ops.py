@@ -24,7 +24,7 @@ from cossd.emulator.health import DATA_UNIT_BYTES
 from cossd.fs import daemon
 from cossd.tools import media_health, top
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from helpers import create_namespace, tensor_dir
 
 pytestmark = pytest.mark.mount

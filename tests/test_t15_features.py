@@ -19,7 +19,7 @@ from cossd.emulator.injection import DATA_PATH_SQID, MAX_ARMED, IoOpcode
 from cossd.protocol.logpages import WARN_TEMPERATURE
 from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.tools.feature_cmds import get_feature, set_feature
 from cossd.tools.inject_cmds import arm_injection, clear_injections, corrupt_block, injection_log
 from helpers import create_namespace, pread_all, pwrite_all, tensor_dir

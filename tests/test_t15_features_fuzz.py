@@ -38,7 +38,7 @@ from cossd.protocol.entries import (
     decode_completion,
     encode_submission,
 )
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.tools.inject_cmds import clear_injections, injection_log
 from helpers import pwrite_all, tensor_dir
 

@@ -21,7 +21,7 @@ from cossd.emulator import media
 from cossd.emulator.kinds import spec_from_payload
 from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.trainer.nvm_volume import NvmVolume, loop_devices_of
 from helpers import create_namespace, pread_all
 from powerloss import PowerLossRecorder

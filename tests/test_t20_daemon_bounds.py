@@ -16,7 +16,7 @@ from cossd.protocol.status import Status
 from cossd.protocol.entries import COMPLETION, Opcode, decode_completion, encode_submission
 from cossd.fs import daemon
 from cossd.fs.admin_queue import COMPLETION_OVERHEAD, QUEUE_DEPTH, TOTAL_PENDING_BYTES, TOTAL_QUEUED_BYTES
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 
 pytestmark = pytest.mark.mount
 

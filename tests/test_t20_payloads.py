@@ -19,7 +19,7 @@ from cossd import kernels
 from cossd.emulator import Device
 from cossd.protocol.status import Status
 from cossd.protocol.entries import MAX_JSON_DEPTH, Opcode
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from test_t15_features_fuzz import BASELINE, Entry, InProcess
 
 EXAMPLES = 300

@@ -20,7 +20,7 @@ from cossd.protocol.status import Status
 from cossd.protocol.entries import IdentifyCns, Opcode
 from cossd.tools import media_health
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.tools.nvme_json import resolve_device
 from helpers import create_namespace
 

@@ -160,14 +160,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _mounted_at(backing: Path) -> list[Path]:
     """The mountpoints where the device in `backing` is mounted now (from mountinfo)."""
-    from cossd.tools.client import mounted_devices
+    from cossd.client import mounted_devices
 
     target = os.path.realpath(backing)
     return [mountpoint for mountpoint, source in mounted_devices() if os.path.realpath(source) == target]
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from cossd.tools.client import MOUNT_FSTYPE, AdminClient, mount_type_at
+    from cossd.client import MOUNT_FSTYPE, AdminClient, mount_type_at
 
     # Only ever a cossd mount: fusermount3 would detach any FUSE mount of this user, and as
     # root any filesystem at all (a tmpfs, an ext4 loop mount).
@@ -203,7 +203,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from cossd.tools.client import AdminClient
+    from cossd.client import AdminClient
 
     return AdminClient(args.mountpoint)
 
@@ -251,7 +251,7 @@ def _nvme_device(args: argparse.Namespace) -> str | None:
     """Point args.mountpoint at the mount of the device an nvme-cli style verb names (a
     mountpoint, a namespace directory MOUNTPOINT/ns/NAME, or a path under them); return the
     namespace such a path names, if any."""
-    from cossd.tools.client import mounted_devices
+    from cossd.client import mounted_devices
     from cossd.tools.nvme_json import resolve_device
 
     args.mountpoint, namespace = resolve_device(args.mountpoint, mounted_devices())
@@ -638,7 +638,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     subsystems, controllers, namespaces); every cossd mount, also a crashed one, under "cossd"."""
     from cossd.emulator.device import SUPERBLOCK_FILE
     from cossd.tools import nvme_json
-    from cossd.tools.client import AdminClient, mounted_devices
+    from cossd.client import AdminClient, mounted_devices
 
     devices, controllers = [], []
     for mountpoint, backing in mounted_devices(args.mountinfo):

@@ -22,7 +22,7 @@ from cossd.emulator.features import (
 from cossd.protocol.entries import Completion, Opcode
 
 if TYPE_CHECKING:
-    from cossd.tools.client import AdminClient
+    from cossd.client import AdminClient
 
 # nvme-cli's names of the features, as its get-feature prints them.
 FEATURE_NAMES = {

@@ -11,7 +11,7 @@ from cossd.protocol.logpages import LogId
 from cossd.protocol.entries import NSID_ALL, Opcode
 
 if TYPE_CHECKING:
-    from cossd.tools.client import AdminClient
+    from cossd.client import AdminClient
 
 
 # ---------------------------------------------------------------------- client helpers

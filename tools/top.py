@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from cossd.tools.client import AdminClient
+from ..client import AdminClient
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
