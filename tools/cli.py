@@ -6,7 +6,6 @@ import importlib
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
@@ -15,24 +14,7 @@ from typing import Any, Callable, Sequence
 
 from cossd.protocol.status import DeviceError, Status
 
-_SIZE = re.compile(r"(\d+)([KMGT]?)(i?B?)?", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'64G', '512MiB', '1000000' -> bytes (binary multiples)."""
-    match = _SIZE.fullmatch(text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 64G)")
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[match.group(2).upper()]
-    return int(match.group(1)) * scale
-
-
-def parse_int(text: str) -> int:
-    """An integer in any base Python reads: '2', '0xc0'."""
-    try:
-        return int(text, 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (examples: 2, 0xc0)") from None
+from .output import emit, open_client, parse_int, parse_size, write_binary
 
 
 def parse_log_len(text: str) -> int:
@@ -86,23 +68,6 @@ def parse_tensor(text: str) -> tuple[str, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"element count of {name!r} is not an integer: {numel!r}") from None
     return name, count
-
-
-def emit(args: argparse.Namespace, value: Any, normal: Callable[[Any], str], *,
-         sort_keys: bool = True) -> None:
-    """Print `value` as JSON (-o json) or as `normal` renders it. nvme-cli shaped verbs keep
-    nvme-cli's key order (sort_keys=False)."""
-    if getattr(args, "output_format", "normal") == "json":
-        print(json.dumps(value, indent=2, sort_keys=sort_keys))
-    else:
-        print(normal(value))
-
-
-def write_binary(data: bytes) -> None:
-    """-o binary: the raw page on stdout, as nvme-cli writes it (for xxd or a parser)."""
-    sys.stdout.flush()
-    sys.stdout.buffer.write(data)
-    sys.stdout.buffer.flush()
 
 
 # ---------------------------------------------------------------------- verbs
@@ -202,12 +167,6 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from cossd.client import AdminClient
-
-    return AdminClient(args.mountpoint)
-
-
 def cmd_create_ns(args: argparse.Namespace) -> int:
     if args.nvm:
         return _create_nvm_ns(args)
@@ -222,7 +181,7 @@ def cmd_create_ns(args: argparse.Namespace) -> int:
         "param_dtype": args.param_dtype,
         "state_dtype": args.state_dtype,
     }
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.create_namespace(description)
     emit(args, {"name": args.name, "nsid": nsid},
          lambda v: f"created namespace {v['name']!r} (nsid {v['nsid']}, {len(args.tensor)} tensors)")
@@ -233,7 +192,7 @@ def _create_nvm_ns(args: argparse.Namespace) -> int:
     """create-ns --nvm: a plain NVM namespace of --size bytes (emulator/nvm.py)."""
     if args.size is None or args.tensor:
         raise SystemExit("cossd create-ns: --nvm takes --size (a multiple of 4096) and no --tensor")
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.create_namespace({"name": args.name, "kind": "nvm", "capacity_bytes": args.size})
     emit(args, {"name": args.name, "nsid": nsid, "kind": "nvm", "capacity_bytes": args.size},
          lambda v: f"created nvm namespace {v['name']!r} (nsid {v['nsid']}, {v['capacity_bytes']} bytes)")
@@ -241,7 +200,7 @@ def _create_nvm_ns(args: argparse.Namespace) -> int:
 
 
 def cmd_delete_ns(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with open_client(args) as client:
         client.delete_namespace(client.nsid(args.name))
     emit(args, {"deleted": args.name}, lambda v: f"deleted namespace {args.name!r}")
     return 0
@@ -268,7 +227,7 @@ def cmd_id_ctrl(args: argparse.Namespace) -> int:
     from cossd.tools import nvme_json
 
     _nvme_device(args)
-    with _client(args) as client:
+    with open_client(args) as client:
         page = client.call(Opcode.IDENTIFY, cdw10=IdentifyCns.CONTROLLER).data
         if _binary(args):  # the 4096-byte Identify Controller page
             write_binary(page)
@@ -306,7 +265,7 @@ def cmd_id_ctrl(args: argparse.Namespace) -> int:
 
 
 def cmd_step(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.name)
         if args.verb == "begin-step":
             value: Any = {"step": client.begin_step(nsid, args.step or 0, args.grad_scale)}
@@ -373,7 +332,7 @@ def cmd_smart_log(args: argparse.Namespace) -> int:
     from cossd.tools import nvme_json
 
     _nvme_device(args)  # SMART is controller wide: a namespace's path reads its controller's
-    with _client(args) as client:
+    with open_client(args) as client:
         page = client.get_log_page(LogId.SMART, NSID_ALL)
         if _binary(args):  # the 512-byte page, as nvme smart-log -o binary
             write_binary(page)
@@ -474,7 +433,7 @@ def cmd_error_log(args: argparse.Namespace) -> int:
     from cossd.tools import nvme_json
 
     _nvme_device(args)
-    with _client(args) as client:
+    with open_client(args) as client:
         page = client.get_log_page(LogId.ERROR)
     # As many entries as nvme-cli asks for: -e, at most ELPE + 1 (all of the page).
     count = min(args.log_entries or ERROR_LOG_ENTRIES, ERROR_LOG_ENTRIES)
@@ -505,7 +464,7 @@ def cmd_get_log(args: argparse.Namespace) -> int:
     from cossd.protocol.logpages import LogId
     from cossd.protocol.entries import NSID_ALL
 
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.namespace) if args.namespace else NSID_ALL
         data = client.get_log_page(args.log_id, nsid, args.log_len, args.lpo)
     if args.output_format == "binary":
@@ -545,7 +504,7 @@ def cmd_id_ns(args: argparse.Namespace) -> int:
     from cossd.tools import nvme_json
 
     named = _nvme_device(args)
-    with _client(args) as client:
+    with open_client(args) as client:
         if args.name is not None:
             nsid, name = client.nsid(args.name), args.name
         elif args.namespace_id is not None:
@@ -577,7 +536,7 @@ def cmd_admin_passthru(args: argparse.Namespace) -> int:
     if args.input_file is not None:
         payload = args.input_file.read_bytes()
     fields = {f"cdw{n}": getattr(args, f"cdw{n}") for n in range(10, 16)}
-    with _client(args) as client:
+    with open_client(args) as client:
         completion = client.submit(args.opcode, nsid=args.namespace_id, payload=payload, **fields)
     status = getattr(completion.status, "name", str(completion.status))
     value = {"opcode": args.opcode, "nsid": args.namespace_id, "result": completion.result,
@@ -599,7 +558,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
     namespace's acknowledged writes) durable, or every namespace's."""
     from cossd.protocol.entries import NSID_ALL
 
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.name) if args.name else NSID_ALL
         client.flush(nsid)
         # The durable step in full (FLUSH's result dword holds only its low 32 bits).
@@ -615,7 +574,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
 def cmd_scrub(args: argparse.Namespace) -> int:
     from cossd.protocol.entries import NSID_ALL
 
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.name) if args.name else NSID_ALL
         report = client.scrub(nsid)
 

@@ -21,6 +21,7 @@ from ..client.snapshots import (
     wait_for_job,
 )
 from ..protocol.entries import NSID_ALL
+from .output import emit, open_client
 
 
 def _size(count: int) -> str:
@@ -33,12 +34,11 @@ def _size(count: int) -> str:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
     if args.list:
         if args.tag is not None:
             raise SystemExit("cossd snapshot: --list takes no TAG")
-        with _client(args) as client:
+        with open_client(args) as client:
             nsid = client.nsid(args.name) if args.name else NSID_ALL
             listing = snapshots(client, nsid)
 
@@ -61,13 +61,13 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     if args.delete is not None:
         if args.tag is not None:
             raise SystemExit("cossd snapshot: give the tag to delete once, after --delete")
-        with _client(args) as client:
+        with open_client(args) as client:
             value = delete_snapshot(client, client.nsid(args.name), args.delete)
         emit(args, value, lambda v: f"deleted snapshot {v['deleted']!r} of namespace {v['namespace']!r}")
         return 0
     if args.tag is None:
         raise SystemExit("cossd snapshot: give TAG to create a snapshot (or --list, or --delete TAG)")
-    with _client(args) as client:
+    with open_client(args) as client:
         value = create_snapshot(client, client.nsid(args.name), args.tag)
     emit(args, value, lambda v: f"snapshot {v['tag']!r} of namespace {v['namespace']!r} at step "
                                 f"{v['step']} ({_size(v['bytes'])})")
@@ -75,9 +75,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
-    with _client(args) as client:
+    with open_client(args) as client:
         value = rollback(client, client.nsid(args.name), args.tag)
     emit(args, value, lambda v: f"namespace {v['namespace']!r} rolled back to snapshot {v['tag']!r}: "
                                 f"step {v['step']} (was {v['previous_step']})")
@@ -85,9 +84,8 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_clone(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
-    with _client(args) as client:
+    with open_client(args) as client:
         value = clone(client, client.nsid(args.name), args.tag, args.new_name)
     emit(args, value, lambda v: f"cloned snapshot {v['tag']!r} of namespace {v['source']!r} into "
                                 f"namespace {v['name']!r} (nsid {v['nsid']}, step {v['committed_step']})")
@@ -95,10 +93,9 @@ def cmd_clone(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
     path = os.path.abspath(args.path) if args.path else None  # the daemon has its own cwd
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.name)
         job = export(client, nsid, tag=args.tag, path=path, optimizer_state=args.with_state,
                      overwrite=args.force)
