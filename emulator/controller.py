@@ -14,7 +14,8 @@ from .cmb import ControllerMemoryBuffer
 from .device import Device
 from ..protocol.status import DeviceError, Status
 from .health import CRITICAL_TEMP_KELVIN, WARNING_TEMP_KELVIN
-from .injection import Injector, Queue
+from ..protocol.injection import Queue
+from .injection import Injector
 from ..protocol.logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
 from .namespace import Namespace
 from ..protocol.entries import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission

@@ -16,8 +16,8 @@ import trio
 
 from cossd.emulator import Device, DeviceError
 from cossd.emulator.controller import Controller
-from cossd.emulator.injection import IoOpcode
 from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
+from cossd.protocol.entries import IoOpcode
 
 from .admin_queue import AdminHandle
 from .handles import FileHandle, Stat

@@ -2,8 +2,9 @@
 
 What a device and its clients must agree on, declared once: the 64-byte submission and
 16-byte completion entries with the opcodes (`entries`), the completion statuses with the
-errno each becomes at the file edge and `DeviceError` (`status`), and the log-page and
-identify layouts (`logpages`). Imports nothing of cossd, so a client ships it without the
+errno each becomes at the file edge and `DeviceError` (`status`), the log-page and
+identify layouts (`logpages`), and the fields of Get/Set Features (`features`) and of
+INJECT_ERROR (`injection`). Imports nothing of cossd, so a client ships it without the
 device's code.
 """
 

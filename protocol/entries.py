@@ -92,6 +92,14 @@ class Opcode(enum.IntEnum):
     CMB_READ = 0xD2
 
 
+class IoOpcode(enum.IntEnum):
+    """NVMe's I/O opcodes, standing for the data path: writes and reads of the tensor files
+    (and of an nvm namespace's data file)."""
+
+    WRITE = 0x01
+    READ = 0x02
+
+
 class IdentifyCns(enum.IntEnum):
     NAMESPACE = 0x00
     CONTROLLER = 0x01

@@ -13,9 +13,11 @@ import pytest
 
 from conftest import Mount
 from cossd.protocol.status import Status
-from cossd.emulator.features import ALL_GROUPS, SAVE_BIT, FeatureId
+from cossd.protocol.features import ALL_GROUPS, SAVE_BIT, FeatureId
 from cossd.emulator.health import WARNING_TEMP_KELVIN
-from cossd.emulator.injection import DATA_PATH_SQID, MAX_ARMED, IoOpcode
+from cossd.emulator.injection import MAX_ARMED
+from cossd.protocol.entries import IoOpcode
+from cossd.protocol.logpages import DATA_PATH_SQID
 from cossd.protocol.logpages import WARN_TEMPERATURE
 from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main

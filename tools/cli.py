@@ -325,7 +325,7 @@ def _line(label: str, value: object) -> str:
 
 
 def cmd_smart_log(args: argparse.Namespace) -> int:
-    from cossd.emulator.health import DATA_UNIT_BYTES
+    from cossd.protocol.logpages import DATA_UNIT_BYTES
 
     from cossd.protocol.logpages import LogId, decode_smart
     from cossd.protocol.entries import NSID_ALL
@@ -396,8 +396,8 @@ def _status_name(status_field: int) -> str:
 
 
 def _opcode_name(opcode: int, sqid: int = 0) -> str:
-    from cossd.emulator.injection import DATA_PATH_SQID, IoOpcode
-    from cossd.protocol.entries import Opcode
+    from cossd.protocol.entries import IoOpcode, Opcode
+    from cossd.protocol.logpages import DATA_PATH_SQID
 
     try:
         # An injected data-path failure is logged with sqid 1 and an I/O opcode (D0h).

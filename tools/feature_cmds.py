@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from cossd.emulator.features import (
+from cossd.protocol.features import (
     ALL_GROUPS,
     CAP_CHANGEABLE,
     CAP_NAMESPACE_SPECIFIC,

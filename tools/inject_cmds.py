@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from cossd.emulator.injection import InjectAction, IoOpcode, Queue
+from cossd.protocol.entries import NSID_ALL, IoOpcode, Opcode
+from cossd.protocol.injection import InjectAction, Queue
 from cossd.protocol.logpages import LogId
-from cossd.protocol.entries import NSID_ALL, Opcode
 
 from .output import emit, open_client
 
