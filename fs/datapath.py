@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from cossd.emulator.namespace import Namespace
 
     from .handles import Stat
-    from .tree import Node, Tree
+    from .nodes import Node
+    from .tree import Tree
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from .tree import Node
+from .nodes import Node
 
 
 class Stat(NamedTuple):

@@ -21,8 +21,9 @@ from cossd.protocol.entries import IoOpcode
 
 from .admin_queue import AdminHandle
 from .handles import FileHandle, Stat
+from .nodes import FILE_KINDS, SNAPSHOT_KINDS, Kind, Node, fuse_error
 from .times import NodeTimes
-from .tree import FILE_KINDS, SNAPSHOT_KINDS, Kind, Node, Tree, fuse_error
+from .tree import Tree
 
 if TYPE_CHECKING:
     from .datapath import DataPath
