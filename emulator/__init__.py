@@ -1,10 +1,12 @@
 """The emulated computational SSD: device, namespaces, step transactions, media, commands.
 
-Synchronous and importable without FUSE; imports only cossd.kernels, numpy and the
-standard library. fs/ drives it from its event loop; tests drive it directly.
+Synchronous and importable without FUSE; imports only cossd.protocol (the wire format it
+speaks), cossd.kernels, numpy and the standard library. fs/ drives it from its event loop;
+tests drive it directly. DeviceError and Status are re-exported from cossd.protocol because
+the device's own API raises them.
 """
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .device import Device, DeviceConfig
 from .namespace import Namespace, NamespaceSpec, TensorSpec, CommitResult
 

@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 from typing import Iterator
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 
 # Files at the top of the backing directory that the device writes (or the CLI appends to),
 # and the type each must have. Anything else at the top is the user's and is left alone.

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .namespace import kernel_workers
 
 # The default size: address space only until a client touches it (memfd pages are

@@ -6,9 +6,9 @@ import json
 from typing import TYPE_CHECKING, Any, Callable
 
 from .cmb import ControllerMemoryBuffer, parallel_copy
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .namespace import ROLES, Namespace
-from .protocol import Command, Completion, Opcode
+from ..protocol.entries import Command, Completion, Opcode
 from .transaction import first_overlap
 
 if TYPE_CHECKING:

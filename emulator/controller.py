@@ -9,15 +9,16 @@ import struct
 from typing import Any, Callable
 
 
-from . import logpages
+from ..protocol import logpages
 from .cmb import ControllerMemoryBuffer
 from .device import Device
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .health import CRITICAL_TEMP_KELVIN, WARNING_TEMP_KELVIN
-from .injection import Injector, Queue
-from .logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
+from ..protocol.injection import Queue
+from .injection import Injector
+from ..protocol.logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
 from .namespace import Namespace
-from .protocol import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
+from ..protocol.entries import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
 from .superblock import GROUP_FIELDS
 from . import kinds
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .backing import BackingDirectory
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .health import Health, LifetimeCounters
 from . import kinds
 from .layout import FORMAT_VERSION

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from cossd import kernels
 
 from . import media
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .jobs import Job, JobTable
 from .layout import TensorLayout, region_offset
 from .snapshots import CHECKSUM_ROLES, STATE_FILE, Snapshot

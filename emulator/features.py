@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import logging
 import os
@@ -10,9 +9,25 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from cossd import kernels
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .health import WARNING_TEMP_KELVIN
-from .protocol import NSID_ALL, Command, Completion, Opcode
+from ..protocol.entries import NSID_ALL, Command, Completion, Opcode
+from ..protocol.features import (
+    ALL_GROUPS,
+    CAP_CHANGEABLE,
+    CAP_NAMESPACE_SPECIFIC,
+    CAP_SAVEABLE,
+    DURABILITY_MODES,
+    KERNEL_CHOICES,
+    QUEUE_PAIRS_0S_BASED,
+    SAVE_BIT,
+    THSEL_OVER,
+    THSEL_UNDER,
+    TMPSEL_ALL,
+    TMPSEL_COMPOSITE,
+    FeatureId,
+    Select,
+)
 from .superblock import GROUP_FIELDS
 
 if TYPE_CHECKING:
@@ -22,28 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class FeatureId(enum.IntEnum):
-    """cdw10 bits 7:0: NVMe's own identifiers, then the vendor range (C0h-FFh)."""
-
-    TEMPERATURE_THRESHOLD = 0x04
-    NUMBER_OF_QUEUES = 0x07
-    HYPERPARAMETERS = 0xC0  # of one namespace
-    DEVICE_SETTINGS = 0xC1  # durability mode and kernel path
-
-
-class Select(enum.IntEnum):
-    """Get Features cdw10 bits 10:8 (SEL)."""
-
-    CURRENT = 0
-    DEFAULT = 1
-    SAVED = 2
-    SUPPORTED_CAPABILITIES = 3
-
-
-# Supported capabilities (SEL 3), returned in the completion's result dword as NVMe defines.
-CAP_SAVEABLE = 1 << 0
-CAP_NAMESPACE_SPECIFIC = 1 << 1
-CAP_CHANGEABLE = 1 << 2
 CAPABILITIES = {
     FeatureId.TEMPERATURE_THRESHOLD: CAP_SAVEABLE | CAP_CHANGEABLE,
     FeatureId.NUMBER_OF_QUEUES: 0,
@@ -53,21 +46,8 @@ CAPABILITIES = {
 # Why a feature cannot be changed or saved, for the completion's message.
 WHY_NOT_CHANGEABLE = {FeatureId.NUMBER_OF_QUEUES: "each open() of .admin is one queue pair"}
 WHY_NOT_SAVEABLE = {FeatureId.HYPERPARAMETERS: "hyperparameters are stored with the next committed step"}
-SAVE_BIT = 1 << 31  # Set Features cdw10 bit 31 (SV)
-ALL_GROUPS = 0xFFFFFFFF  # C0h cdw11: every hyperparameter group
-
-# Temperature threshold (04h) cdw11 / result: TMPTH 15:0 (Kelvin), TMPSEL 19:16, THSEL 21:20.
-TMPSEL_COMPOSITE = 0x0
-TMPSEL_ALL = 0xF  # set only: every sensor the device has (here: the composite one)
-THSEL_OVER, THSEL_UNDER = 0, 1
 DEFAULT_THRESHOLDS = {"over": WARNING_TEMP_KELVIN, "under": 0}
 
-# Number of queues (07h): each open() of .admin is one queue pair, opened rather than
-# allocated, with no limit below what the field can say: 65535 (FFFEh, 0's based) each way.
-QUEUE_PAIRS_0S_BASED = 0xFFFE
-
-DURABILITY_MODES = ("sync", "plp")
-KERNEL_CHOICES = ("auto", "scalar", "avx2", "avx512")
 DEFAULT_SETTINGS = {"durability": "plp", "kernel": "auto"}
 
 # Keys of the saved values in superblock.json ("features").

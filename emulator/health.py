@@ -8,8 +8,9 @@ import threading
 import time
 from typing import Any, Iterable
 
-from .errors import Status
-from .logpages import (
+from ..protocol.status import Status
+from ..protocol.logpages import (
+    DATA_UNIT_BYTES,
     ERROR_LOG_ENTRIES,
     NOT_APPLICABLE,
     WARN_RELIABILITY,
@@ -17,8 +18,6 @@ from .logpages import (
 )
 from .namespace import NamespaceCounters
 
-# NVMe's data unit: 1000 x 512 bytes, reported rounded up.
-DATA_UNIT_BYTES = 512 * 1000
 
 # Modeled figures; docs/command-set.md states each formula.
 AMBIENT_KELVIN = 300

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import functools
 import json
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .health import Health
-from .logpages import NOT_APPLICABLE, LogId
-from .protocol import NSID_ALL, Command, Completion, Opcode
+from ..protocol.entries import NSID_ALL, Command, Completion, IoOpcode, Opcode
+from ..protocol.injection import InjectAction, Queue
+from ..protocol.logpages import DATA_PATH_SQID, NOT_APPLICABLE, LogId
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -20,31 +20,6 @@ if TYPE_CHECKING:
 # At most this many injections armed at once; and the fired / corrupted history kept for C3h.
 MAX_ARMED = 64
 HISTORY_ENTRIES = 64
-# The data path has no submission queue; its injected failures are logged as from I/O queue 1.
-DATA_PATH_SQID = 1
-
-
-class InjectAction(enum.IntEnum):
-    """INJECT_ERROR cdw10 bits 7:0."""
-
-    ARM = 0x00
-    CORRUPT = 0x01
-    CLEAR = 0x02
-
-
-class IoOpcode(enum.IntEnum):
-    """NVMe's I/O opcodes, standing for the data path: writes and reads of the tensor files
-    (and of an nvm namespace's data file)."""
-
-    WRITE = 0x01
-    READ = 0x02
-
-
-class Queue(str, enum.Enum):
-    ADMIN = "admin"  # commands through .admin
-    IO = "io"  # the data path
-
-
 # A failure that stands for an error must be one: not SUCCESS, not the skip (a completion).
 NOT_INJECTABLE = (Status.SUCCESS, Status.STEP_SKIPPED_NONFINITE)
 

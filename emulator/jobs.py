@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 
 log = logging.getLogger(__name__)
 

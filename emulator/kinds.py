@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Union
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .layout import plan_layout
 from .media import read_json
 from .namespace import Namespace

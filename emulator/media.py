@@ -16,7 +16,7 @@ import numpy as np
 
 from cossd.kernels import guard
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 
 
 @functools.lru_cache(maxsize=1)

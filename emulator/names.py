@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 
 # One path component of a safe alphabet. The first character may not be '.', which keeps
 # '.', '..' and hidden names out; '/' and NUL can never match.
@@ -15,7 +15,6 @@ MAX_TENSORS_PER_NAMESPACE = 65536
 MAX_TENSOR_ELEMENTS = 1 << 40
 # Hyperparameter groups (torch param groups) per namespace; each is 40 bytes of superblock.
 MAX_GROUPS = 1024
-MAX_PAYLOAD_BYTES = 16 << 20
 
 
 def check_name(name: object, what: str) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 from cossd import kernels
 
 from .accounting import NamespaceTiming, modeled_command
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout, region_offset
 from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, media_error, read_json
 from .snapshots import SnapshotStore

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .health import LifetimeCounters
 from .media import StateFile, atomic_write_json, fsync_dir, read_json
 from .names import check_name

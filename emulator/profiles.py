@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 
 NS_PER_S = 1_000_000_000
 KIB = 1 << 10

@@ -7,11 +7,11 @@ from typing import Any
 
 from . import controller as controller_module
 from . import export
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .jobs import JobTable
-from .logpages import LBCC, NIC, LogId
+from ..protocol.logpages import LBCC, NIC, LogId
 from .namespace import Namespace
-from .protocol import NSID_ALL, Command, Completion, Opcode
+from ..protocol.entries import NSID_ALL, Command, Completion, Opcode
 
 # What the Commands Supported and Effects page (LID 05h) announces beyond CSUPP.
 EFFECTS = {

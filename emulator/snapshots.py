@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from cossd import kernels
 
 from . import media
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout, region_offset
 from .names import check_name
 from .superblock import Superblock

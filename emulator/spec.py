@@ -7,7 +7,7 @@ from typing import Any
 
 from cossd import kernels
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .names import MAX_GROUPS, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
 
 HALF_FORMATS = {"fp16": kernels.HalfFormat.FP16, "bf16": kernels.HalfFormat.BF16}

@@ -10,7 +10,7 @@ import numpy as np
 
 from cossd import kernels
 
-from .errors import DeviceError
+from ..protocol.status import DeviceError
 from .layout import (
     FORMAT_VERSION,
     SUPERBLOCK_CRC_START,

@@ -6,7 +6,7 @@ import enum
 
 import numpy as np
 
-from .errors import DeviceError, Status
+from ..protocol.status import DeviceError, Status
 from .layout import BLOCK_ELEMS, TensorLayout
 
 

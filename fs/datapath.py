@@ -28,17 +28,53 @@ import select
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 import pyfuse3
 import trio
 
-from .operations import AdminHandle
+from .admin_queue import AdminHandle
+from .handles import FileHandle
 
 if TYPE_CHECKING:
-    from .operations import FileHandle, Operations
+    from cossd.emulator.namespace import Namespace
+
+    from .handles import Stat
+    from .nodes import Node
+    from .tree import Tree
 
 log = logging.getLogger(__name__)
+
+
+class Served(Protocol):
+    """What the data path serves requests with: the blocking calls of Operations
+    (fs/operations.py), which answer as its pyfuse3 handlers do. Declared here, so the data
+    path does not import the handlers that start it."""
+
+    tree: "Tree"
+
+    def data_handle(self, fh: int) -> AdminHandle | FileHandle | None: ...
+
+    def write_data(self, handle: FileHandle, off: int, buf: memoryview) -> int: ...
+
+    def read_data(self, handle: FileHandle, off: int, size: int) -> ContextManager[bytes | memoryview]: ...
+
+    def write_command(self, handle: AdminHandle, buf: bytes | memoryview) -> int: ...
+
+    def read_completion(self, handle: AdminHandle, size: int) -> bytes: ...
+
+    def lookup_node(self, parent_inode: int, name: bytes) -> "Node": ...
+
+    def getattr_node(self, inode: int) -> "Node": ...
+
+    def stat_of(self, node: "Node") -> "Stat": ...
+
+    def errno_for(self, exc: BaseException, what: str, *args: Any) -> int: ...
+
+    def schedule_flushes(self) -> None: ...
+
+    def schedule_flush(self, namespace: "Namespace") -> None: ...
+
 
 # linux/fuse.h
 FUSE_LOOKUP = 1
@@ -104,7 +140,7 @@ class DataPath:
     then finds its own descriptor back.
     """
 
-    def __init__(self, operations: "Operations", session_fd: int, threads: int = DEFAULT_THREADS) -> None:
+    def __init__(self, operations: Served, session_fd: int, threads: int = DEFAULT_THREADS) -> None:
         self.operations = operations
         self.session_fd = session_fd
         self.thread_count = threads
@@ -124,7 +160,7 @@ class DataPath:
     # ------------------------------------------------------------------ set up, tear down
 
     @classmethod
-    def attach(cls, operations: "Operations", session_fd: int | None,
+    def attach(cls, operations: Served, session_fd: int | None,
                threads: int = DEFAULT_THREADS) -> "DataPath | None":
         """A started data path, or None (pyfuse3 then reads the device itself) where it cannot
         run: no session descriptor found, or socket buffers the system will not size."""
@@ -314,7 +350,7 @@ class DataPath:
         """After a commit, make it durable in the background, as pyfuse3's path does."""
         namespace = self.operations.tree.namespace(handle.node)
         if namespace.flush_pending:
-            self._on_event_loop(self.operations._schedule_flush, namespace)
+            self._on_event_loop(self.operations.schedule_flush, namespace)
 
     def _on_event_loop(self, function: Callable[..., object], *args: object) -> None:
         """Run `function` on the event loop, which owns the background flushes' bookkeeping;

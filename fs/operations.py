@@ -3,26 +3,27 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import errno
 import functools
 import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 
 import pyfuse3
 import trio
 
 from cossd.emulator import Device, DeviceError
 from cossd.emulator.controller import Controller
-from cossd.emulator.injection import IoOpcode
 from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
+from cossd.protocol.entries import IoOpcode
 
 from .admin_queue import AdminHandle
+from .handles import FileHandle, Stat
+from .nodes import FILE_KINDS, SNAPSHOT_KINDS, Kind, Node, fuse_error
 from .times import NodeTimes
-from .tree import FILE_KINDS, SNAPSHOT_KINDS, Kind, Node, Tree, fuse_error
+from .tree import Tree
 
 if TYPE_CHECKING:
     from .datapath import DataPath
@@ -50,28 +51,6 @@ def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]
             raise fuse_error(self.errno_for(exc, handler.__name__, *args)) from None
 
     return wrapper
-
-
-class Stat(NamedTuple):
-    """What GETATTR and LOOKUP answer about a node (mtime, ctime and atime are the same:
-    fs/times.py)."""
-
-    ino: int
-    size: int
-    blocks: int
-    time_ns: int
-    mode: int
-    nlink: int
-    uid: int
-    gid: int
-    blksize: int
-
-
-@dataclasses.dataclass
-class FileHandle:
-    node: Node
-    writable: bool
-    text: bytes = b""  # snapshot of a text file taken at open
 
 
 class Operations(pyfuse3.Operations):
@@ -352,7 +331,7 @@ class Operations(pyfuse3.Operations):
                 written, implicit = staged
                 if implicit is not None:
                     await self._run(namespace.finish_implicit_step, implicit)
-            self._schedule_flush(namespace)
+            self.schedule_flush(namespace)
             return written
         return await self._run(namespace.write_state, node.name, node.role, off, buf)
 
@@ -427,7 +406,7 @@ class Operations(pyfuse3.Operations):
     def schedule_flushes(self) -> None:
         """After a command: make whatever it committed durable in the background."""
         for namespace in list(self.device.namespaces.values()):
-            self._schedule_flush(namespace)
+            self.schedule_flush(namespace)
 
     def _read_completion(self, handle: AdminHandle, size: int) -> bytes:
         """Completions read as a stream: entry then data; a short read leaves the rest. Never
@@ -445,7 +424,7 @@ class Operations(pyfuse3.Operations):
             except Exception:
                 log.exception("saving the health figures failed")
 
-    def _schedule_flush(self, namespace: Namespace) -> None:
+    def schedule_flush(self, namespace: Namespace) -> None:
         """Make a committed step durable in the background (the power-loss-protected mode)."""
         if self.device.config.sync or self.nursery is None:
             return

@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import errno
 import stat
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from cossd.emulator.namespace import Namespace
 from cossd.emulator.snapshots import Snapshot
 
-from .tree import SNAPSHOT_DIR_KINDS, Kind, Node, fuse_error
-
-if TYPE_CHECKING:
-    from .tree import Tree
+from .nodes import SNAPSHOT_DIR_KINDS, Kind, Node, fuse_error
 
 SNAPSHOTS_NAME = "snapshots"
 STEP_NAME = "step"
@@ -28,11 +25,12 @@ class SnapshotTree:
     one's bytes.
     """
 
-    def __init__(self, tree: Tree) -> None:
-        self.tree = tree
+    def __init__(self, namespace_of: Callable[[Node], Namespace]) -> None:
+        # The Tree's namespace lookup: the live namespace a node belongs to (ENOENT if gone).
+        self.namespace_of = namespace_of
 
     def _namespace(self, node: Node) -> Namespace:
-        namespace = self.tree.namespace(node)
+        namespace = self.namespace_of(node)
         if not isinstance(namespace, Namespace):
             raise fuse_error(errno.ENOENT)
         return namespace

@@ -8,7 +8,8 @@ from pathlib import Path
 from cossd.emulator import Device
 from cossd.emulator.namespace import Namespace
 
-from .tree import Kind, Node, Tree
+from .nodes import Kind, Node
+from .tree import Tree
 
 # The device registry: rewritten whole (atomically) whenever a namespace is created or deleted.
 _REGISTRY_FILE = "superblock.json"

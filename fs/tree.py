@@ -1,8 +1,6 @@
 """The file tree a mount shows: stable inode numbers for paths, and what each path is."""
 from __future__ import annotations
 
-import dataclasses
-import enum
 import errno
 import stat
 
@@ -11,51 +9,13 @@ import pyfuse3
 from cossd.emulator import Device, DeviceError
 from cossd.emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
 
+from .nodes import SNAPSHOT_KINDS, Kind, Node, fuse_error
+from .snapshot_tree import SnapshotTree
+
 ADMIN_NAME = ".admin"
 TEXT_FILES = ("config.json", "step", "stats.json")
 NVM_TEXT_FILES = ("config.json", "stats.json")
 NVM_DATA_NAME = "data"
-
-
-class Kind(enum.Enum):
-    ROOT = "root"
-    ADMIN = "admin"
-    NS_ROOT = "ns-root"
-    NAMESPACE = "namespace"
-    TEXT = "text"
-    TENSORS = "tensors"
-    TENSOR = "tensor"
-    ARRAY = "array"
-    DATA = "data"  # the data file of a plain NVM namespace
-    # ns/<ns>/snapshots/ and below (fs/snapshot_tree.py), all read-only
-    SNAPSHOTS = "snapshots"
-    SNAPSHOT = "snapshot"
-    SNAP_TEXT = "snapshot-text"
-    SNAP_TENSORS = "snapshot-tensors"
-    SNAP_TENSOR = "snapshot-tensor"
-    SNAP_ARRAY = "snapshot-array"
-
-
-SNAPSHOT_DIR_KINDS = frozenset({Kind.SNAPSHOTS, Kind.SNAPSHOT, Kind.SNAP_TENSORS, Kind.SNAP_TENSOR})
-SNAPSHOT_KINDS = SNAPSHOT_DIR_KINDS | {Kind.SNAP_TEXT, Kind.SNAP_ARRAY}
-# Nodes that are files (every other kind is a directory).
-FILE_KINDS = frozenset({Kind.ADMIN, Kind.TEXT, Kind.ARRAY, Kind.DATA, Kind.SNAP_TEXT, Kind.SNAP_ARRAY})
-
-
-@dataclasses.dataclass(frozen=True)
-class Node:
-    """A path of the tree. Namespaces are keyed by nsid so a re-created name is a new node."""
-
-    kind: Kind
-    nsid: int = 0
-    name: str = ""  # text file name, tensor name
-    role: str = ""  # array role (grad, param, master, exp_avg, exp_avg_sq)
-    tag: str = ""  # snapshot tag, and its id (a tag taken again is a new snapshot)
-    snapshot_id: int = 0
-
-
-def fuse_error(code: int) -> pyfuse3.FUSEError:
-    return pyfuse3.FUSEError(code)
 
 
 class Tree:
@@ -70,9 +30,7 @@ class Tree:
         }
         self._nodes: dict[int, Node] = {inode: node for node, inode in self._inodes.items()}
         self._next_inode = pyfuse3.ROOT_INODE + 3
-        from .snapshot_tree import SnapshotTree  # it builds on Kind and Node above
-
-        self.snapshots = SnapshotTree(self)
+        self.snapshots = SnapshotTree(self.namespace)
 
     def inode(self, node: Node) -> int:
         inode = self._inodes.get(node)

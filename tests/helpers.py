@@ -10,7 +10,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 
 
 def create_namespace(mountpoint: Path, name: str, tensors: Iterable[tuple[str, int]], *,

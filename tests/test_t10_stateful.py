@@ -22,9 +22,9 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 import cossd.kernels as k
 from conftest import FIGURES, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device, Status
-from cossd.emulator.protocol import Opcode
+from cossd.protocol.entries import Opcode
 from cossd.fs import daemon
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from test_t1_kernels import ref_adam
 
 pytestmark = pytest.mark.mount
@@ -323,7 +323,7 @@ def _json(value: object) -> bytes:
 
 
 def _f64(value: float) -> dict[str, int]:
-    from cossd.emulator.protocol import f64_to_dwords
+    from cossd.protocol.entries import f64_to_dwords
 
     low, high = f64_to_dwords(value)
     return {"cdw12": low, "cdw13": high}

@@ -17,10 +17,10 @@ import pytest
 
 from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
 from cossd.emulator import Device, DeviceError, NamespaceSpec, Status, TensorSpec
-from cossd.emulator.errors import STATUS_ERRNO
+from cossd.protocol.status import STATUS_ERRNO
 from cossd.emulator.names import MAX_GROUPS, MAX_NAMESPACES, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE
-from cossd.emulator.protocol import Opcode, encode_submission
-from cossd.tools.client import AdminClient
+from cossd.protocol.entries import Opcode, encode_submission
+from cossd.client import AdminClient
 from helpers import create_namespace, pwrite_all
 
 pytestmark = pytest.mark.mount
@@ -200,7 +200,7 @@ def row_read_while_step_open(env: Env) -> int:
 
 def row_read_admin_nothing_pending(env: Env) -> int:
     with AdminClient(env.mp) as fresh:
-        assert os.read(fresh.fd, 16) == b""
+        assert os.read(fresh.transport.admin_fd, 16) == b""
     return 0
 
 
@@ -280,16 +280,16 @@ def row_admin_oversized(env: Env) -> int:
     header = bytearray(encode_submission(Opcode.VENDOR_IDENTIFY))
     header[24:28] = (64 << 20).to_bytes(4, "little")
     with AdminClient(env.mp) as fresh:
-        return errno_of(lambda: os.write(fresh.fd, bytes(header)))
+        return errno_of(lambda: os.write(fresh.transport.admin_fd, bytes(header)))
 
 
 def row_admin_partial(env: Env) -> int:
     raw = encode_submission(Opcode.VENDOR_IDENTIFY, cid=7)
     with AdminClient(env.mp) as fresh:
-        assert os.write(fresh.fd, raw[:10]) == 10
-        assert os.read(fresh.fd, 16) == b""  # nothing ran yet
-        assert os.write(fresh.fd, raw[10:]) == len(raw) - 10
-        assert len(os.read(fresh.fd, 16)) == 16
+        assert os.write(fresh.transport.admin_fd, raw[:10]) == 10
+        assert os.read(fresh.transport.admin_fd, 16) == b""  # nothing ran yet
+        assert os.write(fresh.transport.admin_fd, raw[10:]) == len(raw) - 10
+        assert len(os.read(fresh.transport.admin_fd, 16)) == 16
     return 0
 
 
@@ -318,7 +318,7 @@ def row_fsync_tensor_file(env: Env) -> int:
 
 def row_fsync_admin(env: Env) -> int:
     with AdminClient(env.mp) as fresh:
-        os.fsync(fresh.fd)
+        os.fsync(fresh.transport.admin_fd)
     return 0
 
 
@@ -459,10 +459,10 @@ def row_nvm_create_bad_size(env: Env) -> int:
 
 def _snapshot(env: Env) -> Path:
     """A sealed namespace with a snapshot "s"; returns the snapshot's tensors/t directory."""
-    from cossd.tools import snapshot_cmds
+    from cossd.client import snapshots as snapshot_calls
 
     root = env.fresh(sealed=True)
-    snapshot_cmds.create_snapshot(env.admin, env.admin.nsid(root.name), "s")
+    snapshot_calls.create_snapshot(env.admin, env.admin.nsid(root.name), "s")
     return root / "snapshots/s/tensors/t"
 
 
@@ -499,12 +499,12 @@ def row_limit_snapshot_tags(env: Env) -> int:
 
 
 def row_snapshot_deleted_handle(env: Env) -> int:
-    from cossd.tools import snapshot_cmds
+    from cossd.client import snapshots as snapshot_calls
 
     tensor = _snapshot(env)
     fd = os.open(tensor / "param", os.O_RDONLY)
     try:
-        snapshot_cmds.delete_snapshot(env.admin, env.admin.nsid(tensor.parents[3].name), "s")
+        snapshot_calls.delete_snapshot(env.admin, env.admin.nsid(tensor.parents[3].name), "s")
         return errno_of(lambda: os.pread(fd, 2, 0))
     finally:
         os.close(fd)

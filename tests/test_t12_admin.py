@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import Mount, wait_for_exit
-from cossd.emulator import logpages
-from cossd.emulator.errors import Status
+from cossd.protocol import logpages
+from cossd.protocol.status import Status
 from cossd.emulator.health import (
     AMBIENT_KELVIN,
     CRITICAL_TEMP_KELVIN,
@@ -22,11 +22,11 @@ from cossd.emulator.health import (
     Health,
 )
 from cossd.emulator.layout import SUPERBLOCK_HEADER
-from cossd.emulator.logpages import LogId
+from cossd.protocol.logpages import LogId
 from cossd.emulator.namespace import NamespaceCounters
-from cossd.emulator.protocol import NSID_ALL, Opcode
+from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient, mounted_devices
+from cossd.client import AdminClient, mounted_devices
 from helpers import create_namespace, tensor_dir
 
 pytestmark = pytest.mark.mount

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device, DeviceConfig, Namespace, NamespaceSpec
-from cossd.emulator.errors import DeviceError, Status
+from cossd.protocol.status import DeviceError, Status
 from cossd.emulator.profiles import (
     PROFILES,
     DeviceProfile,
     load_profile,
     pcie_bytes_per_s,
 )
-from cossd.emulator.protocol import IdentifyCns, Opcode
+from cossd.protocol.entries import IdentifyCns, Opcode
 from cossd.emulator.timing import (
     TimingModel,
     Traffic,
@@ -32,7 +32,7 @@ from cossd.emulator.timing import (
 )
 from cossd.fs import daemon
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.tools.step_model import StepSetup, predict_all, smart_infinity_table
 from helpers import create_namespace, tensor_dir
 

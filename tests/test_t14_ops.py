@@ -20,11 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
 from cossd.emulator import Device
 from cossd.emulator.device import SUPERBLOCK_FILE
-from cossd.emulator.health import DATA_UNIT_BYTES
+from cossd.protocol.logpages import DATA_UNIT_BYTES
 from cossd.fs import daemon
 from cossd.tools import media_health, top
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from helpers import create_namespace, tensor_dir
 
 pytestmark = pytest.mark.mount

@@ -12,14 +12,16 @@ import numpy as np
 import pytest
 
 from conftest import Mount
-from cossd.emulator.errors import Status
-from cossd.emulator.features import ALL_GROUPS, SAVE_BIT, FeatureId
+from cossd.protocol.status import Status
+from cossd.protocol.features import ALL_GROUPS, SAVE_BIT, FeatureId
 from cossd.emulator.health import WARNING_TEMP_KELVIN
-from cossd.emulator.injection import DATA_PATH_SQID, MAX_ARMED, IoOpcode
-from cossd.emulator.logpages import WARN_TEMPERATURE
-from cossd.emulator.protocol import NSID_ALL, Opcode
+from cossd.emulator.injection import MAX_ARMED
+from cossd.protocol.entries import IoOpcode
+from cossd.protocol.logpages import DATA_PATH_SQID
+from cossd.protocol.logpages import WARN_TEMPERATURE
+from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.tools.feature_cmds import get_feature, set_feature
 from cossd.tools.inject_cmds import arm_injection, clear_injections, corrupt_block, injection_log
 from helpers import create_namespace, pread_all, pwrite_all, tensor_dir

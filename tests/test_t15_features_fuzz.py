@@ -27,9 +27,9 @@ from conftest import Mount
 from cossd import kernels
 from cossd.emulator import Device
 from cossd.emulator.controller import Controller
-from cossd.emulator.errors import Status
-from cossd.emulator.names import MAX_PAYLOAD_BYTES
-from cossd.emulator.protocol import (
+from cossd.protocol.status import Status
+from cossd.protocol.entries import MAX_PAYLOAD_BYTES
+from cossd.protocol.entries import (
     COMPLETION,
     NSID_ALL,
     Completion,
@@ -38,7 +38,7 @@ from cossd.emulator.protocol import (
     decode_completion,
     encode_submission,
 )
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.tools.inject_cmds import clear_injections, injection_log
 from helpers import pwrite_all, tensor_dir
 

@@ -29,11 +29,12 @@ from cossd.emulator import (
     media,
 )
 from cossd.emulator.layout import BLOCK_ELEMS
-from cossd.emulator.logpages import CSUPP, LBCC, NIC, LogId
+from cossd.protocol.logpages import CSUPP, LBCC, NIC, LogId
 from cossd.emulator.namespace import Namespace
-from cossd.emulator.protocol import Opcode
-from cossd.tools import cli, snapshot_cmds
-from cossd.tools.client import AdminClient
+from cossd.protocol.entries import Opcode
+from cossd.client import snapshots as snapshot_calls
+from cossd.tools import cli
+from cossd.client import AdminClient
 from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
 from powerloss import PowerLossRecorder
 
@@ -102,7 +103,7 @@ def fingerprint(mount: Mount, admin: AdminClient) -> tuple[Any, ...]:
     files = sorted(str(p.relative_to(mount.backing)) for p in mount.backing.rglob("*")
                    if p.name not in ("daemon.log", "superblock.json", ".superblock.json.tmp"))
     described = admin.describe()
-    return (live_state(mp, "net"), step_of(mp, "net"), snapshot_cmds.snapshots(admin),
+    return (live_state(mp, "net"), step_of(mp, "net"), snapshot_calls.snapshots(admin),
             [(ns["name"], ns["nsid"]) for ns in described["namespaces"]],
             described["allocated_bytes"], files)
 
@@ -115,7 +116,7 @@ def test_snapshot_and_rollback_round_trip_bit_identical(mount: Mount) -> None:
     nsid = make_namespace(mp, "net", steps=2)
     at_2 = live_state(mp, "net")
     with AdminClient(mp) as admin:
-        created = snapshot_cmds.create_snapshot(admin, nsid, "s2")
+        created = snapshot_calls.create_snapshot(admin, nsid, "s2")
         assert (created["tag"], created["step"], created["state"]) == ("s2", 2, "ready")
 
         # The snapshot in the mount: read-only, the committed bytes of step 2.
@@ -135,7 +136,7 @@ def test_snapshot_and_rollback_round_trip_bit_identical(mount: Mount) -> None:
         assert live_state(mp, "net") != at_3 != at_2
         assert snapshot_state(mp, "net", "s2") == at_2  # training never touches a snapshot
 
-        done = snapshot_cmds.rollback(admin, nsid, "s2")
+        done = snapshot_calls.rollback(admin, nsid, "s2")
         assert (done["step"], done["previous_step"]) == (2, 4)
         assert step_of(mp, "net") == 2
         assert live_state(mp, "net") == at_2
@@ -144,7 +145,7 @@ def test_snapshot_and_rollback_round_trip_bit_identical(mount: Mount) -> None:
         assert step_of(mp, "net") == 3 and live_state(mp, "net") == at_3
         assert admin.scrub(nsid) == {"net": {"blocks": 3, "bad": []}}
         # A rollback keeps the snapshot; it can be used again.
-        assert [s["tag"] for s in snapshot_cmds.snapshots(admin, nsid)["net"]] == ["s2"]
+        assert [s["tag"] for s in snapshot_calls.snapshots(admin, nsid)["net"]] == ["s2"]
 
 
 def test_snapshot_with_a_step_open_takes_the_committed_step(mount: Mount) -> None:
@@ -154,7 +155,7 @@ def test_snapshot_with_a_step_open_takes_the_committed_step(mount: Mount) -> Non
     with AdminClient(mp) as admin:
         admin.begin_step(nsid)
         pwrite_all(tensor_dir(mp, "net", "w") / "grad", gradient(2, TENSORS[0][1]))
-        assert snapshot_cmds.create_snapshot(admin, nsid, "mid")["step"] == 1
+        assert snapshot_calls.create_snapshot(admin, nsid, "mid")["step"] == 1
         pwrite_all(tensor_dir(mp, "net", "b") / "grad", gradient(2, TENSORS[1][1]))
         assert admin.commit_step(nsid)["committed_step"] == 2
     assert snapshot_state(mp, "net", "mid") == at_1
@@ -168,11 +169,11 @@ def test_clone_trains_independently(mount: Mount) -> None:
         admin.set_hyperparameters(nsid, lr=5e-4)  # in force from step 2: the clone inherits it
         train(mp, "net", 2)
         at_2 = live_state(mp, "net")
-        snapshot_cmds.create_snapshot(admin, nsid, "base")
+        snapshot_calls.create_snapshot(admin, nsid, "base")
         train(mp, "net", 3)
         original_3 = live_state(mp, "net")
 
-        config = snapshot_cmds.clone(admin, nsid, "base", "ft")
+        config = snapshot_calls.clone(admin, nsid, "base", "ft")
         assert (config["name"], config["committed_step"], config["source"]) == ("ft", 2, "net")
         assert config["hyperparameters"]["lr"] == 5e-4
         clone_nsid = config["nsid"]
@@ -194,7 +195,7 @@ def test_clone_trains_independently(mount: Mount) -> None:
         assert live_state(mp, "net") != clone_4
         assert admin.scrub() == {"net": {"blocks": 3, "bad": []}, "ft": {"blocks": 3, "bad": []}}
         # The clone has no snapshots of its own; the source keeps its snapshot.
-        listing = snapshot_cmds.snapshots(admin)
+        listing = snapshot_calls.snapshots(admin)
         assert listing["ft"] == [] and [s["tag"] for s in listing["net"]] == ["base"]
 
     # Both survive a remount as they are.
@@ -208,7 +209,7 @@ def test_clone_trains_independently(mount: Mount) -> None:
 
 
 def wait(admin: AdminClient, job: dict[str, Any]) -> dict[str, Any]:
-    done = snapshot_cmds.wait_for_job(admin, job)
+    done = snapshot_calls.wait_for_job(admin, job)
     assert done["state"] == "done", done
     assert done["bytes_done"] == done["bytes_total"] == os.path.getsize(done["path"])
     return done
@@ -219,7 +220,7 @@ def test_export_loads_with_safetensors_and_matches(mount: Mount, tmp_path: Path)
     nsid = make_namespace(mp, "net", steps=2)
     at_2 = live_state(mp, "net")
     with AdminClient(mp) as admin:
-        job = wait(admin, snapshot_cmds.export(admin, nsid, optimizer_state=True))
+        job = wait(admin, snapshot_calls.export(admin, nsid, optimizer_state=True))
         assert job["path"] == str(mount.backing / "exports/net/step-2.safetensors")
         tensors = safetensors.numpy.load_file(job["path"])
         assert sorted(tensors) == sorted(
@@ -237,17 +238,17 @@ def test_export_loads_with_safetensors_and_matches(mount: Mount, tmp_path: Path)
         assert json.loads(metadata["cossd.hyperparameters"])["lr"] == 1e-3
 
         # A snapshot's export is the snapshot, whatever the namespace did since.
-        snapshot_cmds.create_snapshot(admin, nsid, "s2")
+        snapshot_calls.create_snapshot(admin, nsid, "s2")
         train(mp, "net", 3)
         target = tmp_path / "out" / "s2.safetensors"
         target.parent.mkdir()
-        job = wait(admin, snapshot_cmds.export(admin, nsid, tag="s2", path=str(target)))
+        job = wait(admin, snapshot_calls.export(admin, nsid, tag="s2", path=str(target)))
         params = safetensors.numpy.load_file(target)
         assert sorted(params) == ["b", "w"]  # params only, by default
         assert all(params[t].tobytes() == at_2[f"{t}/param"] for t, _ in TENSORS)
         with safetensors.safe_open(target, "np") as opened:
             assert opened.metadata()["cossd.snapshot"] == "s2"
-        assert [entry["job"] for entry in snapshot_cmds.jobs(admin, nsid)] == [1, 2]
+        assert [entry["job"] for entry in snapshot_calls.jobs(admin, nsid)] == [1, 2]
         assert not list(target.parent.glob(".*")) and not list((mount.backing / "exports").glob(".*"))
 
 
@@ -259,7 +260,7 @@ def test_export_of_bf16_state(mount: Mount) -> None:
     nsid = make_namespace(mp, "half", steps=2, param_dtype="bf16", state_dtype="bf16")
     state = live_state(mp, "half")
     with AdminClient(mp) as admin:
-        job = wait(admin, snapshot_cmds.export(admin, nsid, optimizer_state=True))
+        job = wait(admin, snapshot_calls.export(admin, nsid, optimizer_state=True))
     loaded = safetensors.torch.load_file(job["path"])
     assert loaded["w"].dtype == torch.bfloat16 and loaded["w.exp_avg"].dtype == torch.bfloat16
     assert loaded["w.master"].dtype == torch.float32
@@ -280,7 +281,7 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(mount: Mount, tmp_pat
     existing = tmp_path / "existing.safetensors"
     existing.write_bytes(b"keep me")
     with AdminClient(mp) as admin:
-        snapshot_cmds.create_snapshot(admin, nsid, "s1")
+        snapshot_calls.create_snapshot(admin, nsid, "s1")
         train(mp, "net", 2)
         create_namespace(mp, "fresh", TENSORS)  # still loading: nothing committed to snapshot
         plain = admin.create_namespace({"name": "plain", "kind": "nvm", "capacity_bytes": 8192})
@@ -290,42 +291,42 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(mount: Mount, tmp_pat
             return admin.submit(opcode, nsid=target, payload=payload).status
 
         cases: list[tuple[str, Callable[[], object], Status]] = [
-            ("duplicate tag", lambda: snapshot_cmds.create_snapshot(admin, nsid, "s1"), Status.SNAPSHOT_EXISTS),
-            ("tag with a slash", lambda: snapshot_cmds.create_snapshot(admin, nsid, "a/b"), Status.INVALID_NAME),
-            ("tag '..'", lambda: snapshot_cmds.create_snapshot(admin, nsid, ".."), Status.INVALID_NAME),
-            ("hidden tag", lambda: snapshot_cmds.create_snapshot(admin, nsid, ".s1.tmp"), Status.INVALID_NAME),
-            ("empty tag", lambda: snapshot_cmds.create_snapshot(admin, nsid, ""), Status.INVALID_NAME),
-            ("tag not a string", lambda: snapshot_cmds.create_snapshot(admin, nsid, 5), Status.INVALID_NAME),  # type: ignore[arg-type]
+            ("duplicate tag", lambda: snapshot_calls.create_snapshot(admin, nsid, "s1"), Status.SNAPSHOT_EXISTS),
+            ("tag with a slash", lambda: snapshot_calls.create_snapshot(admin, nsid, "a/b"), Status.INVALID_NAME),
+            ("tag '..'", lambda: snapshot_calls.create_snapshot(admin, nsid, ".."), Status.INVALID_NAME),
+            ("hidden tag", lambda: snapshot_calls.create_snapshot(admin, nsid, ".s1.tmp"), Status.INVALID_NAME),
+            ("empty tag", lambda: snapshot_calls.create_snapshot(admin, nsid, ""), Status.INVALID_NAME),
+            ("tag not a string", lambda: snapshot_calls.create_snapshot(admin, nsid, 5), Status.INVALID_NAME),  # type: ignore[arg-type]
             ("no tag", lambda: admin.call(Opcode.SNAPSHOT_CREATE, nsid=nsid, payload=b"{}"), Status.INVALID_FIELD),
             ("unknown key", lambda: admin.call(Opcode.SNAPSHOT_CREATE, nsid=nsid,
                                                payload=b'{"tag": "x", "when": 1}'), Status.INVALID_FIELD),
             ("not JSON", lambda: admin.call(Opcode.SNAPSHOT_ROLLBACK, nsid=nsid, payload=b"s1"), Status.INVALID_FIELD),
-            ("unknown namespace", lambda: snapshot_cmds.create_snapshot(admin, 99, "x"), Status.INVALID_NAMESPACE),
-            ("snapshot while loading", lambda: snapshot_cmds.create_snapshot(admin, admin.nsid("fresh"), "x"),
+            ("unknown namespace", lambda: snapshot_calls.create_snapshot(admin, 99, "x"), Status.INVALID_NAMESPACE),
+            ("snapshot while loading", lambda: snapshot_calls.create_snapshot(admin, admin.nsid("fresh"), "x"),
              Status.NAMESPACE_NOT_READY),
-            ("export while loading", lambda: snapshot_cmds.export(admin, admin.nsid("fresh")),
+            ("export while loading", lambda: snapshot_calls.export(admin, admin.nsid("fresh")),
              Status.NAMESPACE_NOT_READY),
-            ("snapshot of a plain NVM namespace", lambda: snapshot_cmds.create_snapshot(admin, plain, "x"),
+            ("snapshot of a plain NVM namespace", lambda: snapshot_calls.create_snapshot(admin, plain, "x"),
              Status.NAMESPACE_KIND_MISMATCH),
-            ("export of a plain NVM namespace", lambda: snapshot_cmds.export(admin, plain),
+            ("export of a plain NVM namespace", lambda: snapshot_calls.export(admin, plain),
              Status.NAMESPACE_KIND_MISMATCH),
-            ("delete unknown tag", lambda: snapshot_cmds.delete_snapshot(admin, nsid, "nope"), Status.SNAPSHOT_NOT_FOUND),
-            ("rollback unknown tag", lambda: snapshot_cmds.rollback(admin, nsid, "nope"), Status.SNAPSHOT_NOT_FOUND),
-            ("clone unknown tag", lambda: snapshot_cmds.clone(admin, nsid, "nope", "c"), Status.SNAPSHOT_NOT_FOUND),
-            ("export unknown tag", lambda: snapshot_cmds.export(admin, nsid, tag="nope"), Status.SNAPSHOT_NOT_FOUND),
-            ("clone onto an existing name", lambda: snapshot_cmds.clone(admin, nsid, "s1", "fresh"),
+            ("delete unknown tag", lambda: snapshot_calls.delete_snapshot(admin, nsid, "nope"), Status.SNAPSHOT_NOT_FOUND),
+            ("rollback unknown tag", lambda: snapshot_calls.rollback(admin, nsid, "nope"), Status.SNAPSHOT_NOT_FOUND),
+            ("clone unknown tag", lambda: snapshot_calls.clone(admin, nsid, "nope", "c"), Status.SNAPSHOT_NOT_FOUND),
+            ("export unknown tag", lambda: snapshot_calls.export(admin, nsid, tag="nope"), Status.SNAPSHOT_NOT_FOUND),
+            ("clone onto an existing name", lambda: snapshot_calls.clone(admin, nsid, "s1", "fresh"),
              Status.NAMESPACE_EXISTS),
-            ("clone onto its own name", lambda: snapshot_cmds.clone(admin, nsid, "s1", "net"), Status.NAMESPACE_EXISTS),
-            ("clone to a bad name", lambda: snapshot_cmds.clone(admin, nsid, "s1", "../c"), Status.INVALID_NAME),
+            ("clone onto its own name", lambda: snapshot_calls.clone(admin, nsid, "s1", "net"), Status.NAMESPACE_EXISTS),
+            ("clone to a bad name", lambda: snapshot_calls.clone(admin, nsid, "s1", "../c"), Status.INVALID_NAME),
             ("export into a missing directory",
-             lambda: snapshot_cmds.export(admin, nsid, path=str(tmp_path / "missing/x.safetensors")),
+             lambda: snapshot_calls.export(admin, nsid, path=str(tmp_path / "missing/x.safetensors")),
              Status.INVALID_FIELD),
             ("export below a file",
-             lambda: snapshot_cmds.export(admin, nsid, path=str(existing / "x.safetensors")), Status.INVALID_FIELD),
-            ("export over a file", lambda: snapshot_cmds.export(admin, nsid, path=str(existing)), Status.INVALID_FIELD),
-            ("export onto a directory", lambda: snapshot_cmds.export(admin, nsid, path=str(tmp_path)),
+             lambda: snapshot_calls.export(admin, nsid, path=str(existing / "x.safetensors")), Status.INVALID_FIELD),
+            ("export over a file", lambda: snapshot_calls.export(admin, nsid, path=str(existing)), Status.INVALID_FIELD),
+            ("export onto a directory", lambda: snapshot_calls.export(admin, nsid, path=str(tmp_path)),
              Status.INVALID_FIELD),
-            ("export to a relative path", lambda: snapshot_cmds.export(admin, nsid, path="x.safetensors"),
+            ("export to a relative path", lambda: snapshot_calls.export(admin, nsid, path="x.safetensors"),
              Status.INVALID_FIELD),
             ("export with a bad flag", lambda: admin.call(Opcode.EXPORT, nsid=nsid,
                                                           payload=b'{"optimizer_state": 1}'), Status.INVALID_FIELD),
@@ -339,7 +340,7 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(mount: Mount, tmp_pat
         # Rollback with a step open: refused, the open step goes on and commits.
         admin.begin_step(nsid)
         with_step_open = fingerprint(mount, admin)
-        assert status_of(lambda: snapshot_cmds.rollback(admin, nsid, "s1")) == Status.STEP_ALREADY_OPEN
+        assert status_of(lambda: snapshot_calls.rollback(admin, nsid, "s1")) == Status.STEP_ALREADY_OPEN
         assert fingerprint(mount, admin) == with_step_open
         train(mp, "net", 3)
         assert admin.commit_step(nsid)["committed_step"] == 3
@@ -354,7 +355,7 @@ def test_a_corrupt_snapshot_is_never_served(mount: Mount) -> None:
     mp = mount.mountpoint
     nsid = make_namespace(mp, "net", steps=2)
     with AdminClient(mp) as admin:
-        snapshot_cmds.create_snapshot(admin, nsid, "s2")
+        snapshot_calls.create_snapshot(admin, nsid, "s2")
         train(mp, "net", 3)
         before = live_state(mp, "net")
         # Flip one byte of w's second block (its master) in the snapshot's state file.
@@ -369,19 +370,19 @@ def test_a_corrupt_snapshot_is_never_served(mount: Mount) -> None:
         root = mp / "ns/net/snapshots/s2/tensors"
         assert pread_all(root / "b/param")  # other blocks still read
         assert errno_of(lambda: pread_all(root / "w/master")) == errno.EIO
-        assert status_of(lambda: snapshot_cmds.rollback(admin, nsid, "s2")) == Status.UNRECOVERED_READ_ERROR
+        assert status_of(lambda: snapshot_calls.rollback(admin, nsid, "s2")) == Status.UNRECOVERED_READ_ERROR
         assert live_state(mp, "net") == before and step_of(mp, "net") == 3
-        assert status_of(lambda: snapshot_cmds.clone(admin, nsid, "s2", "c")) == Status.UNRECOVERED_READ_ERROR
+        assert status_of(lambda: snapshot_calls.clone(admin, nsid, "s2", "c")) == Status.UNRECOVERED_READ_ERROR
         assert "c" not in [ns["name"] for ns in admin.describe()["namespaces"]]
         assert not (mount.backing / "ns/c").exists()
-        job = snapshot_cmds.wait_for_job(admin, snapshot_cmds.export(admin, nsid, tag="s2"))
+        job = snapshot_calls.wait_for_job(admin, snapshot_calls.export(admin, nsid, tag="s2"))
         assert (job["state"], job["status"]) == ("failed", "UNRECOVERED_READ_ERROR")
         assert "w block 1" in job["error"]
         assert not any((mount.backing / "exports").iterdir())  # nothing half-written left
         # Training goes on, and the bad snapshot can be deleted.
         train(mp, "net", 4)
-        snapshot_cmds.delete_snapshot(admin, nsid, "s2")
-        assert snapshot_cmds.snapshots(admin, nsid) == {"net": []}
+        snapshot_calls.delete_snapshot(admin, nsid, "s2")
+        assert snapshot_calls.snapshots(admin, nsid) == {"net": []}
 
 
 # ---------------------------------------------------------------------- device-level behaviour
@@ -427,11 +428,11 @@ def test_effects_page_and_vendor_pages(mount: Mount) -> None:
             assert effects[opcode] == CSUPP
         assert effects[Opcode.SNAPSHOT_ROLLBACK] == CSUPP | LBCC
         assert effects[Opcode.SNAPSHOT_CLONE] == CSUPP | NIC
-        assert snapshot_cmds.snapshots(admin) == {"net": []}
-        assert snapshot_cmds.jobs(admin) == []
+        assert snapshot_calls.snapshots(admin) == {"net": []}
+        assert snapshot_calls.jobs(admin) == []
         assert admin.submit(Opcode.GET_LOG_PAGE, nsid=77, cdw10=LogId.SNAPSHOTS).status == Status.INVALID_NAMESPACE
-        snapshot_cmds.create_snapshot(admin, nsid, "one")
-        (entry,) = snapshot_cmds.snapshots(admin, nsid)["net"]
+        snapshot_calls.create_snapshot(admin, nsid, "one")
+        (entry,) = snapshot_calls.snapshots(admin, nsid)["net"]
         assert entry["tag"] == "one" and entry["step"] == 1 and entry["state"] == "ready"
         assert entry["bytes"] > 0
 
@@ -489,7 +490,7 @@ def test_kill_9_during_and_after_snapshot_and_rollback(tmp_path: Path, figures: 
     try:
         admin = AdminClient(mp)
         nsid = admin.nsid("big")
-        snapshot_cmds.create_snapshot(admin, nsid, "base")  # acknowledged: must survive
+        snapshot_calls.create_snapshot(admin, nsid, "base")  # acknowledged: must survive
         admin.close()
         mount.kill()
         mount.restart()
@@ -498,7 +499,7 @@ def test_kill_9_during_and_after_snapshot_and_rollback(tmp_path: Path, figures: 
         # Kills at random instants while a snapshot is being taken: whole or absent.
         for trial in range(3):
             tag = f"k{trial}"
-            thread = in_background(lambda tag=tag: snapshot_cmds.create_snapshot(AdminClient(mp), nsid, tag))
+            thread = in_background(lambda tag=tag: snapshot_calls.create_snapshot(AdminClient(mp), nsid, tag))
             time.sleep(chance.uniform(0.0, 0.15))
             mount.kill()
             thread.join()
@@ -517,7 +518,7 @@ def test_kill_9_during_and_after_snapshot_and_rollback(tmp_path: Path, figures: 
                 pwrite_all(tensor_dir(mp, "big", tensor) / "grad", gradient(step, numel))
         at_4 = big_live(mp)
         for trial in range(3):
-            thread = in_background(lambda: snapshot_cmds.rollback(AdminClient(mp), nsid, "base"))
+            thread = in_background(lambda: snapshot_calls.rollback(AdminClient(mp), nsid, "base"))
             time.sleep(chance.uniform(0.0, 0.15))
             mount.kill()
             thread.join()
@@ -537,7 +538,7 @@ def test_kill_9_during_and_after_snapshot_and_rollback(tmp_path: Path, figures: 
 
         # An acknowledged rollback survives a kill right after it.
         with AdminClient(mp) as admin:
-            snapshot_cmds.rollback(admin, nsid, "base")
+            snapshot_calls.rollback(admin, nsid, "base")
         mount.kill()
         mount.restart()
         assert step_of(mp, "big") == 2 and big_live(mp) == at_2
@@ -739,7 +740,7 @@ def test_cli_verbs_normal_and_json(mount: Mount, tmp_path: Path, capsys: pytest.
     # The same step again: refused unless replacing the first export is asked for.
     code, out, _ = run_cli(capsys, "export", mp, "ft", "--no-wait", "--force", "-o", "json")
     with AdminClient(mount.mountpoint) as admin:
-        assert snapshot_cmds.wait_for_job(admin, json.loads(out))["state"] == "done"
+        assert snapshot_calls.wait_for_job(admin, json.loads(out))["state"] == "done"
 
     # The vendor pages through get-log: JSON in both formats.
     code, out, _ = run_cli(capsys, "get-log", mp, "-i", "0xc1", "-n", "net", "-o", "json")

@@ -19,9 +19,9 @@ from conftest import Mount, is_mounted
 from cossd.emulator import Device, DeviceConfig, DeviceError, Status
 from cossd.emulator import media
 from cossd.emulator.kinds import spec_from_payload
-from cossd.emulator.protocol import NSID_ALL, Opcode
+from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.trainer.nvm_volume import NvmVolume, loop_devices_of
 from helpers import create_namespace, pread_all
 from powerloss import PowerLossRecorder

@@ -20,7 +20,7 @@ import torch
 from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device
 from cossd.fs import daemon, datapath
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from helpers import TorchReference, create_namespace, pread_all, pwrite_all, random_half, tensor_dir
 
 pytestmark = pytest.mark.mount

@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device
 from cossd.emulator.cmb_commands import Transfer, check_param_copies
-from cossd.emulator.errors import DeviceError, Status
-from cossd.emulator.protocol import Opcode
+from cossd.protocol.status import DeviceError, Status
+from cossd.protocol.entries import Opcode
 from cossd.fs import daemon
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.trainer import AdamW
-from cossd.trainer.namespace_files import NamespaceFiles, claim_region, plan_cmb_batches
+from cossd.client import claim_region, plan_cmb_batches
+from cossd.trainer.namespace_files import NamespaceFiles
 from helpers import create_namespace, pread_all, pwrite_all, random_half, tensor_dir
 
 TENSORS = [("odd", 300_007), ("big", 600_000)]
@@ -299,7 +300,7 @@ def test_a_cmb_this_process_may_not_open_leaves_the_files(mounted: Mount, monkey
     uses the files, with a warning, instead of failing."""
     create_namespace(mounted.mountpoint, "m", TENSORS)
     denied = lambda *args, **kwargs: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))  # noqa: E731
-    monkeypatch.setattr("cossd.tools.client.CmbMapping", denied)
+    monkeypatch.setattr("cossd.client.transport.CmbMapping", denied)
     files = NamespaceFiles(mounted.mountpoint, "m")
     try:
         assert files.exists() and files.cmb() is None

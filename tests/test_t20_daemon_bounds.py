@@ -12,11 +12,11 @@ from typing import Iterator
 import pytest
 
 from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
-from cossd.emulator.errors import Status
-from cossd.emulator.protocol import COMPLETION, Opcode, decode_completion, encode_submission
+from cossd.protocol.status import Status
+from cossd.protocol.entries import COMPLETION, Opcode, decode_completion, encode_submission
 from cossd.fs import daemon
 from cossd.fs.admin_queue import COMPLETION_OVERHEAD, QUEUE_DEPTH, TOTAL_PENDING_BYTES, TOTAL_QUEUED_BYTES
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 
 pytestmark = pytest.mark.mount
 

@@ -12,10 +12,10 @@ import pytest
 import safetensors
 
 from conftest import Mount
-from cossd.emulator.errors import DeviceError, Status
+from cossd.protocol.status import DeviceError, Status
 from cossd.emulator.export import default_path
-from cossd.tools import snapshot_cmds
-from cossd.tools.client import AdminClient
+from cossd.client import snapshots as snapshot_calls
+from cossd.client import AdminClient
 from helpers import create_namespace, pwrite_all, tensor_dir
 
 
@@ -24,7 +24,7 @@ def train_one_step(mp: Path, name: str, numel: int, value: float) -> None:
 
 
 def finished(admin: AdminClient, job: dict) -> dict:
-    done = snapshot_cmds.wait_for_job(admin, job)
+    done = snapshot_calls.wait_for_job(admin, job)
     assert done["state"] in ("done", "failed"), done
     return done
 
@@ -55,12 +55,12 @@ def test_colliding_exports_keep_both_files_and_never_replace(mount: Mount) -> No
     train_one_step(mp, "a", 64, -0.5)
     with AdminClient(mp) as admin:
         nsid_ab, nsid_a = admin.nsid("a-b"), admin.nsid("a")
-        snapshot_cmds.create_snapshot(admin, nsid_a, "b-step1")
-        snapshot_cmds.create_snapshot(admin, nsid_a, "step-1")  # against a's own step 1
-        first = finished(admin, snapshot_cmds.export(admin, nsid_ab))
-        second = finished(admin, snapshot_cmds.export(admin, nsid_a, tag="b-step1"))
-        third = finished(admin, snapshot_cmds.export(admin, nsid_a, tag="step-1"))
-        fourth = finished(admin, snapshot_cmds.export(admin, nsid_a))
+        snapshot_calls.create_snapshot(admin, nsid_a, "b-step1")
+        snapshot_calls.create_snapshot(admin, nsid_a, "step-1")  # against a's own step 1
+        first = finished(admin, snapshot_calls.export(admin, nsid_ab))
+        second = finished(admin, snapshot_calls.export(admin, nsid_a, tag="b-step1"))
+        third = finished(admin, snapshot_calls.export(admin, nsid_a, tag="step-1"))
+        fourth = finished(admin, snapshot_calls.export(admin, nsid_a))
         jobs = [first, second, third, fourth]
         assert [job["state"] for job in jobs] == ["done"] * 4, jobs
         paths = [job["path"] for job in jobs]
@@ -73,19 +73,19 @@ def test_colliding_exports_keep_both_files_and_never_replace(mount: Mount) -> No
 
         # Again without overwrite: refused before anything starts, the file untouched.
         with pytest.raises(DeviceError) as refused:
-            snapshot_cmds.export(admin, nsid_ab)
+            snapshot_calls.export(admin, nsid_ab)
         assert refused.value.status == Status.INVALID_FIELD and "exists" in refused.value.message
         assert Path(paths[0]).read_bytes() == ab_bytes
         # The namespace trains on: its step 2 gets a file of its own; step 1's stays.
         train_one_step(mp, "a-b", 64, 0.25)
-        step2 = finished(admin, snapshot_cmds.export(admin, nsid_ab))
+        step2 = finished(admin, snapshot_calls.export(admin, nsid_ab))
         assert step2["state"] == "done" and step2["path"] == str(mount.backing / "exports/a-b/step-2.safetensors")
         assert Path(paths[0]).read_bytes() == ab_bytes
         # With overwrite the caller asked for it.
-        snapshot_cmds.create_snapshot(admin, nsid_ab, "late")
-        again = finished(admin, snapshot_cmds.export(admin, nsid_ab, tag="late", overwrite=True))
+        snapshot_calls.create_snapshot(admin, nsid_ab, "late")
+        again = finished(admin, snapshot_calls.export(admin, nsid_ab, tag="late", overwrite=True))
         assert again["state"] == "done"
-        replaced = finished(admin, snapshot_cmds.export(admin, nsid_ab, tag="late", overwrite=True))
+        replaced = finished(admin, snapshot_calls.export(admin, nsid_ab, tag="late", overwrite=True))
         assert replaced["state"] == "done" and replaced["path"] == again["path"]
     leftovers = [p for p in (mount.backing / "exports").rglob(".*")]
     assert leftovers == []
@@ -103,7 +103,7 @@ def test_a_race_to_the_same_name_never_replaces(mount: Mount) -> None:
         jobs = []
         for _ in range(2):
             try:
-                jobs.append(snapshot_cmds.export(admin, nsid, optimizer_state=True))
+                jobs.append(snapshot_calls.export(admin, nsid, optimizer_state=True))
             except DeviceError as exc:
                 assert exc.status == Status.INVALID_FIELD and "exists" in exc.message
         results = [finished(admin, job) for job in jobs]

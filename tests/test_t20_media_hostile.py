@@ -15,7 +15,7 @@ import pytest
 
 from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
 from cossd.emulator import Device, DeviceError, NamespaceSpec, TensorSpec
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from helpers import create_namespace, pread_all, tensor_dir
 
 pytestmark = pytest.mark.mount

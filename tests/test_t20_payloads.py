@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from conftest import Mount
 from cossd import kernels
 from cossd.emulator import Device
-from cossd.emulator.errors import Status
-from cossd.emulator.protocol import MAX_JSON_DEPTH, Opcode
-from cossd.tools.client import AdminClient
+from cossd.protocol.status import Status
+from cossd.protocol.entries import MAX_JSON_DEPTH, Opcode
+from cossd.client import AdminClient
 from test_t15_features_fuzz import BASELINE, Entry, InProcess
 
 EXAMPLES = 300

@@ -19,7 +19,7 @@ from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.emulator.namespace import Namespace
 from cossd.emulator.superblock import Superblock
 from cossd.fs import daemon
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
 from powerloss import PowerLossRecorder
 

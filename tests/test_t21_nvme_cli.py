@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from conftest import Mount
-from cossd.emulator.errors import Status
-from cossd.emulator.protocol import IdentifyCns, Opcode
+from cossd.protocol.status import Status
+from cossd.protocol.entries import IdentifyCns, Opcode
 from cossd.tools import media_health
 from cossd.tools.cli import main
-from cossd.tools.client import AdminClient
+from cossd.client import AdminClient
 from cossd.tools.nvme_json import resolve_device
 from helpers import create_namespace
 

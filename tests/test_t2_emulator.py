@@ -332,7 +332,7 @@ def test_controller_answers_every_input(device: Device) -> None:
     from hypothesis import HealthCheck, given, settings, strategies as st
 
     from cossd.emulator.controller import Controller
-    from cossd.emulator.protocol import SUBMISSION, Opcode, SubmissionError, encode_submission
+    from cossd.protocol.entries import SUBMISSION, Opcode, SubmissionError, encode_submission
 
     controller = Controller(device)
     device.create_namespace(make_spec())
@@ -390,7 +390,7 @@ def test_out_of_float32_range_values_are_refused_before_any_change(device: Devic
 
 def test_damaged_namespace_is_isolated_and_deletable(backing: Path) -> None:
     from cossd.emulator.controller import Controller
-    from cossd.emulator.protocol import Opcode, encode_submission
+    from cossd.protocol.entries import Opcode, encode_submission
 
     with Device.open(backing) as device:
         for name in ("good", "bad"):

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import Mount, start_mount
-from cossd.emulator.errors import Status
-from cossd.emulator.protocol import SUBMISSION, Opcode, encode_submission
-from cossd.tools.client import AdminClient
+from cossd.protocol.status import Status
+from cossd.protocol.entries import SUBMISSION, Opcode, encode_submission
+from cossd.client import AdminClient
 from helpers import create_namespace, pread_all, pwrite_all
 
 pytestmark = pytest.mark.mount
@@ -105,7 +105,7 @@ def test_master_write_alignment(ns: Path) -> None:
 def test_control_file_errors(mount: Mount, ns: Path) -> None:
     with AdminClient(mount.mountpoint) as client:
         # errno channel: not a well-formed submission
-        expect_errno(errno.EINVAL, os.write, client.fd, _oversized_header())
+        expect_errno(errno.EINVAL, os.write, client.transport.admin_fd, _oversized_header())
         # status channel: unknown opcode, bad fields; never a state change
         assert client.submit(0x7F).status == Status.INVALID_OPCODE
         assert client.submit(0xFE).status == Status.INVALID_OPCODE

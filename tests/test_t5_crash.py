@@ -12,8 +12,8 @@ import pytest
 
 from conftest import is_mounted, start_mount
 from cossd.emulator import Device, NamespaceSpec, TensorSpec
-from cossd.emulator.errors import DeviceError
-from cossd.tools.client import AdminClient
+from cossd.protocol.status import DeviceError
+from cossd.client import AdminClient
 from helpers import pread_all, pwrite_all, tensor_dir
 
 pytestmark = pytest.mark.mount

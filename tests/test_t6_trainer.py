@@ -339,7 +339,7 @@ def test_stopped_daemon_times_out_with_a_clear_error(opened, mount: Mount) -> No
     import signal
     import time
 
-    from cossd.tools.client import AdminClient, DeviceTimeoutError
+    from cossd.client import AdminClient, DeviceTimeoutError
 
     model = make_model(torch.bfloat16)
     optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="hang", timeout_s=1.5)

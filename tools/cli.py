@@ -6,33 +6,15 @@ import importlib
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from cossd.emulator.errors import DeviceError, Status
+from cossd.protocol.status import DeviceError, Status
 
-_SIZE = re.compile(r"(\d+)([KMGT]?)(i?B?)?", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'64G', '512MiB', '1000000' -> bytes (binary multiples)."""
-    match = _SIZE.fullmatch(text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 64G)")
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[match.group(2).upper()]
-    return int(match.group(1)) * scale
-
-
-def parse_int(text: str) -> int:
-    """An integer in any base Python reads: '2', '0xc0'."""
-    try:
-        return int(text, 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (examples: 2, 0xc0)") from None
+from .output import emit, open_client, parse_int, parse_size, write_binary
 
 
 def parse_log_len(text: str) -> int:
@@ -86,23 +68,6 @@ def parse_tensor(text: str) -> tuple[str, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"element count of {name!r} is not an integer: {numel!r}") from None
     return name, count
-
-
-def emit(args: argparse.Namespace, value: Any, normal: Callable[[Any], str], *,
-         sort_keys: bool = True) -> None:
-    """Print `value` as JSON (-o json) or as `normal` renders it. nvme-cli shaped verbs keep
-    nvme-cli's key order (sort_keys=False)."""
-    if getattr(args, "output_format", "normal") == "json":
-        print(json.dumps(value, indent=2, sort_keys=sort_keys))
-    else:
-        print(normal(value))
-
-
-def write_binary(data: bytes) -> None:
-    """-o binary: the raw page on stdout, as nvme-cli writes it (for xxd or a parser)."""
-    sys.stdout.flush()
-    sys.stdout.buffer.write(data)
-    sys.stdout.buffer.flush()
 
 
 # ---------------------------------------------------------------------- verbs
@@ -160,14 +125,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _mounted_at(backing: Path) -> list[Path]:
     """The mountpoints where the device in `backing` is mounted now (from mountinfo)."""
-    from cossd.tools.client import mounted_devices
+    from cossd.client import mounted_devices
 
     target = os.path.realpath(backing)
     return [mountpoint for mountpoint, source in mounted_devices() if os.path.realpath(source) == target]
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from cossd.tools.client import MOUNT_FSTYPE, AdminClient, mount_type_at
+    from cossd.client import MOUNT_FSTYPE, AdminClient, mount_type_at
 
     # Only ever a cossd mount: fusermount3 would detach any FUSE mount of this user, and as
     # root any filesystem at all (a tmpfs, an ext4 loop mount).
@@ -202,12 +167,6 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from cossd.tools.client import AdminClient
-
-    return AdminClient(args.mountpoint)
-
-
 def cmd_create_ns(args: argparse.Namespace) -> int:
     if args.nvm:
         return _create_nvm_ns(args)
@@ -222,7 +181,7 @@ def cmd_create_ns(args: argparse.Namespace) -> int:
         "param_dtype": args.param_dtype,
         "state_dtype": args.state_dtype,
     }
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.create_namespace(description)
     emit(args, {"name": args.name, "nsid": nsid},
          lambda v: f"created namespace {v['name']!r} (nsid {v['nsid']}, {len(args.tensor)} tensors)")
@@ -233,7 +192,7 @@ def _create_nvm_ns(args: argparse.Namespace) -> int:
     """create-ns --nvm: a plain NVM namespace of --size bytes (emulator/nvm.py)."""
     if args.size is None or args.tensor:
         raise SystemExit("cossd create-ns: --nvm takes --size (a multiple of 4096) and no --tensor")
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.create_namespace({"name": args.name, "kind": "nvm", "capacity_bytes": args.size})
     emit(args, {"name": args.name, "nsid": nsid, "kind": "nvm", "capacity_bytes": args.size},
          lambda v: f"created nvm namespace {v['name']!r} (nsid {v['nsid']}, {v['capacity_bytes']} bytes)")
@@ -241,7 +200,7 @@ def _create_nvm_ns(args: argparse.Namespace) -> int:
 
 
 def cmd_delete_ns(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with open_client(args) as client:
         client.delete_namespace(client.nsid(args.name))
     emit(args, {"deleted": args.name}, lambda v: f"deleted namespace {args.name!r}")
     return 0
@@ -251,7 +210,7 @@ def _nvme_device(args: argparse.Namespace) -> str | None:
     """Point args.mountpoint at the mount of the device an nvme-cli style verb names (a
     mountpoint, a namespace directory MOUNTPOINT/ns/NAME, or a path under them); return the
     namespace such a path names, if any."""
-    from cossd.tools.client import mounted_devices
+    from cossd.client import mounted_devices
     from cossd.tools.nvme_json import resolve_device
 
     args.mountpoint, namespace = resolve_device(args.mountpoint, mounted_devices())
@@ -264,11 +223,11 @@ def _binary(args: argparse.Namespace) -> bool:
 
 
 def cmd_id_ctrl(args: argparse.Namespace) -> int:
-    from cossd.emulator.protocol import IdentifyCns, Opcode
+    from cossd.protocol.entries import IdentifyCns, Opcode
     from cossd.tools import nvme_json
 
     _nvme_device(args)
-    with _client(args) as client:
+    with open_client(args) as client:
         page = client.call(Opcode.IDENTIFY, cdw10=IdentifyCns.CONTROLLER).data
         if _binary(args):  # the 4096-byte Identify Controller page
             write_binary(page)
@@ -306,7 +265,7 @@ def cmd_id_ctrl(args: argparse.Namespace) -> int:
 
 
 def cmd_step(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.name)
         if args.verb == "begin-step":
             value: Any = {"step": client.begin_step(nsid, args.step or 0, args.grad_scale)}
@@ -366,14 +325,14 @@ def _line(label: str, value: object) -> str:
 
 
 def cmd_smart_log(args: argparse.Namespace) -> int:
-    from cossd.emulator.health import DATA_UNIT_BYTES
+    from cossd.protocol.logpages import DATA_UNIT_BYTES
 
-    from cossd.emulator.logpages import LogId, decode_smart
-    from cossd.emulator.protocol import NSID_ALL
+    from cossd.protocol.logpages import LogId, decode_smart
+    from cossd.protocol.entries import NSID_ALL
     from cossd.tools import nvme_json
 
     _nvme_device(args)  # SMART is controller wide: a namespace's path reads its controller's
-    with _client(args) as client:
+    with open_client(args) as client:
         page = client.get_log_page(LogId.SMART, NSID_ALL)
         if _binary(args):  # the 512-byte page, as nvme smart-log -o binary
             write_binary(page)
@@ -430,15 +389,15 @@ def cmd_smart_log(args: argparse.Namespace) -> int:
 
 def _status_name(status_field: int) -> str:
     """The Status named by an error log entry's status field (without its phase tag)."""
-    from cossd.emulator.errors import Status
+    from cossd.protocol.status import Status
 
     status = Status.from_field((status_field >> 8) & 0x7, status_field & 0xFF)
     return status.name if isinstance(status, Status) else f"{status:#05x}"
 
 
 def _opcode_name(opcode: int, sqid: int = 0) -> str:
-    from cossd.emulator.injection import DATA_PATH_SQID, IoOpcode
-    from cossd.emulator.protocol import Opcode
+    from cossd.protocol.entries import IoOpcode, Opcode
+    from cossd.protocol.logpages import DATA_PATH_SQID
 
     try:
         # An injected data-path failure is logged with sqid 1 and an I/O opcode (D0h).
@@ -470,11 +429,11 @@ def _error_entries_text(device: object, entries: list[dict[str, int]]) -> str:
 
 
 def cmd_error_log(args: argparse.Namespace) -> int:
-    from cossd.emulator.logpages import ERROR_LOG_ENTRIES, LogId, decode_error_log
+    from cossd.protocol.logpages import ERROR_LOG_ENTRIES, LogId, decode_error_log
     from cossd.tools import nvme_json
 
     _nvme_device(args)
-    with _client(args) as client:
+    with open_client(args) as client:
         page = client.get_log_page(LogId.ERROR)
     # As many entries as nvme-cli asks for: -e, at most ELPE + 1 (all of the page).
     count = min(args.log_entries or ERROR_LOG_ENTRIES, ERROR_LOG_ENTRIES)
@@ -501,11 +460,11 @@ def hexdump(data: bytes, start: int = 0) -> str:
 
 
 def cmd_get_log(args: argparse.Namespace) -> int:
-    from cossd.emulator import logpages
-    from cossd.emulator.logpages import LogId
-    from cossd.emulator.protocol import NSID_ALL
+    from cossd.protocol import logpages
+    from cossd.protocol.logpages import LogId
+    from cossd.protocol.entries import NSID_ALL
 
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.namespace) if args.namespace else NSID_ALL
         data = client.get_log_page(args.log_id, nsid, args.log_len, args.lpo)
     if args.output_format == "binary":
@@ -541,11 +500,11 @@ def cmd_get_log(args: argparse.Namespace) -> int:
 def cmd_id_ns(args: argparse.Namespace) -> int:
     """Identify Namespace (CNS 00h), decoded with nvme-cli's field names. The namespace: NAME,
     else -n NSID, else the one a device path MOUNTPOINT/ns/NAME names."""
-    from cossd.emulator.protocol import IdentifyCns, Opcode
+    from cossd.protocol.entries import IdentifyCns, Opcode
     from cossd.tools import nvme_json
 
     named = _nvme_device(args)
-    with _client(args) as client:
+    with open_client(args) as client:
         if args.name is not None:
             nsid, name = client.nsid(args.name), args.name
         elif args.namespace_id is not None:
@@ -577,7 +536,7 @@ def cmd_admin_passthru(args: argparse.Namespace) -> int:
     if args.input_file is not None:
         payload = args.input_file.read_bytes()
     fields = {f"cdw{n}": getattr(args, f"cdw{n}") for n in range(10, 16)}
-    with _client(args) as client:
+    with open_client(args) as client:
         completion = client.submit(args.opcode, nsid=args.namespace_id, payload=payload, **fields)
     status = getattr(completion.status, "name", str(completion.status))
     value = {"opcode": args.opcode, "nsid": args.namespace_id, "result": completion.result,
@@ -597,9 +556,9 @@ def cmd_admin_passthru(args: argparse.Namespace) -> int:
 def cmd_flush(args: argparse.Namespace) -> int:
     """FLUSH (C9h), like `nvme flush`: make one namespace's committed step (or an NVM
     namespace's acknowledged writes) durable, or every namespace's."""
-    from cossd.emulator.protocol import NSID_ALL
+    from cossd.protocol.entries import NSID_ALL
 
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.name) if args.name else NSID_ALL
         client.flush(nsid)
         # The durable step in full (FLUSH's result dword holds only its low 32 bits).
@@ -613,9 +572,9 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 
 def cmd_scrub(args: argparse.Namespace) -> int:
-    from cossd.emulator.protocol import NSID_ALL
+    from cossd.protocol.entries import NSID_ALL
 
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.name) if args.name else NSID_ALL
         report = client.scrub(nsid)
 
@@ -638,7 +597,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     subsystems, controllers, namespaces); every cossd mount, also a crashed one, under "cossd"."""
     from cossd.emulator.device import SUPERBLOCK_FILE
     from cossd.tools import nvme_json
-    from cossd.tools.client import AdminClient, mounted_devices
+    from cossd.client import AdminClient, mounted_devices
 
     devices, controllers = [], []
     for mountpoint, backing in mounted_devices(args.mountinfo):

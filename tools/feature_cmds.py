@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from cossd.emulator.features import (
+from cossd.protocol.features import (
     ALL_GROUPS,
     CAP_CHANGEABLE,
     CAP_NAMESPACE_SPECIFIC,
@@ -19,10 +19,12 @@ from cossd.emulator.features import (
     FeatureId,
     Select,
 )
-from cossd.emulator.protocol import Completion, Opcode
+from cossd.protocol.entries import Completion, Opcode
+
+from .output import emit, open_client, parse_int
 
 if TYPE_CHECKING:
-    from cossd.tools.client import AdminClient
+    from cossd.client import AdminClient
 
 # nvme-cli's names of the features, as its get-feature prints them.
 FEATURE_NAMES = {
@@ -105,9 +107,8 @@ def _nsid(client: AdminClient, name: str | None) -> int:
 
 
 def cmd_get_feature(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = _nsid(client, args.namespace)
         completion = get_feature(client, args.feature_id, nsid=nsid, select=args.sel, cdw11=args.cdw11)
     if args.output_format == "binary":
@@ -150,7 +151,6 @@ def _set_payload(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def cmd_set_feature(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
     payload = _set_payload(args)
     value = args.value
@@ -162,7 +162,7 @@ def cmd_set_feature(args: argparse.Namespace) -> int:
                              "(or --data / named flags for a vendor feature)")
         else:
             value = 0
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = _nsid(client, args.namespace)
         completion = set_feature(client, args.feature_id, nsid=nsid, value=value, data=payload, save=args.save)
     shown = {"feature_id": args.feature_id, "feature_name": feature_name(args.feature_id), "nsid": nsid,
@@ -178,7 +178,6 @@ def cmd_set_feature(args: argparse.Namespace) -> int:
 
 
 def _select(text: str) -> int:
-    from cossd.tools.cli import parse_int
 
     select = parse_int(text)
     if select not in tuple(Select):
@@ -188,7 +187,6 @@ def _select(text: str) -> int:
 
 
 def register(verb: Callable[..., argparse.ArgumentParser]) -> None:
-    from cossd.tools.cli import parse_int
 
     fids = ", ".join(f"{int(fid):#04x} {name}" for fid, name in FEATURE_NAMES.items())
     sub = verb("get-feature", cmd_get_feature, f"Get Features (0Ah), like nvme get-feature: {fids}.",

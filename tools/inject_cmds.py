@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from cossd.emulator.injection import InjectAction, IoOpcode, Queue
-from cossd.emulator.logpages import LogId
-from cossd.emulator.protocol import NSID_ALL, Opcode
+from cossd.protocol.entries import NSID_ALL, IoOpcode, Opcode
+from cossd.protocol.injection import InjectAction, Queue
+from cossd.protocol.logpages import LogId
+
+from .output import emit, open_client
 
 if TYPE_CHECKING:
-    from cossd.tools.client import AdminClient
+    from cossd.client import AdminClient
 
 
 # ---------------------------------------------------------------------- client helpers
@@ -89,13 +91,12 @@ def _log_text(page: dict[str, Any]) -> str:
 
 
 def cmd_inject_error(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
     if args.opcode is not None and args.status is None:
         raise SystemExit("cossd inject-error: --opcode needs --status NAME")
     if args.corrupt is not None and args.tensor is None:
         raise SystemExit("cossd inject-error: --corrupt needs --tensor T (and --block K)")
-    with _client(args) as client:
+    with open_client(args) as client:
         if args.opcode is not None:
             queue, opcode = args.opcode
             nsid = client.nsid(args.namespace) if args.namespace else 0

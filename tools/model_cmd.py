@@ -7,7 +7,7 @@ import math
 import re
 from typing import Any, Callable
 
-from cossd.emulator.errors import DeviceError
+from cossd.protocol.status import DeviceError
 from cossd.emulator.profiles import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -15,6 +15,7 @@ from cossd.emulator.profiles import (
     load_profile,
 )
 
+from .output import emit
 from .step_model import (
     DTYPE_BYTES,
     GPU_ADAM_ELEMENTS_PER_S,
@@ -129,7 +130,6 @@ def _prediction_text(value: dict[str, Any]) -> str:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import emit
 
     if args.list_profiles:
         profiles = [profile.to_json() for profile in PROFILES.values()]

@@ -1,94 +1,27 @@
-"""CLI verbs and client helpers for snapshots, rollback, clone and export (CBh-CFh, C1h, C2h)."""
+"""CLI verbs for snapshots, rollback, clone and export (CBh-CFh, C1h, C2h); the calls
+themselves are cossd.client.snapshots."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cossd.emulator.errors import DeviceError, Status
-from cossd.emulator.logpages import LogId
-from cossd.emulator.protocol import NSID_ALL, Opcode
-from cossd.tools.client import AdminClient
-
-POLL_INTERVAL_S = 0.1
-
-
-# ---------------------------------------------------------------------- client helpers
-
-
-def _call(client: AdminClient, opcode: int, nsid: int, payload: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(client.call(opcode, nsid=nsid, payload=json.dumps(payload).encode()).data)
-
-
-def create_snapshot(client: AdminClient, nsid: int, tag: str) -> dict[str, Any]:
-    """Snapshot the committed step of namespace `nsid` under `tag`."""
-    return _call(client, Opcode.SNAPSHOT_CREATE, nsid, {"tag": tag})
-
-
-def delete_snapshot(client: AdminClient, nsid: int, tag: str) -> dict[str, Any]:
-    return _call(client, Opcode.SNAPSHOT_DELETE, nsid, {"tag": tag})
-
-
-def rollback(client: AdminClient, nsid: int, tag: str) -> dict[str, Any]:
-    """Make the snapshot's state the namespace's committed one: {"step", "previous_step", ...}."""
-    return _call(client, Opcode.SNAPSHOT_ROLLBACK, nsid, {"tag": tag})
-
-
-def clone(client: AdminClient, nsid: int, tag: str, name: str) -> dict[str, Any]:
-    """A new namespace `name` from the snapshot; returns its config (with "nsid")."""
-    return _call(client, Opcode.SNAPSHOT_CLONE, nsid, {"tag": tag, "name": name})
-
-
-def snapshots(client: AdminClient, nsid: int = NSID_ALL) -> dict[str, list[dict[str, Any]]]:
-    """Log page C1h: {namespace: [snapshot, ...]} for one namespace or all."""
-    return json.loads(client.get_log_page(LogId.SNAPSHOTS, nsid))
-
-
-def jobs(client: AdminClient, nsid: int = NSID_ALL) -> list[dict[str, Any]]:
-    """Log page C2h: the device's background jobs with their progress."""
-    return json.loads(client.get_log_page(LogId.JOBS, nsid))["jobs"]
-
-
-def export(client: AdminClient, nsid: int, *, tag: str | None = None, path: str | None = None,
-           optimizer_state: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Start an export job; returns the job as log page C2h describes it."""
-    payload: dict[str, Any] = {"optimizer_state": optimizer_state, "overwrite": overwrite}
-    if tag is not None:
-        payload["tag"] = tag
-    if path is not None:
-        payload["path"] = path
-    return _call(client, Opcode.EXPORT, nsid, payload)
-
-
-def wait_for_job(client: AdminClient, job: dict[str, Any],
-                 progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Poll log page C2h until the job is no longer running; returns its last state."""
-    while True:
-        current = next((j for j in jobs(client, job["nsid"]) if j["job"] == job["job"]), None)
-        if current is None:
-            raise DeviceError(Status.INTERNAL_ERROR, f"job {job['job']} vanished from log page C2h")
-        if progress is not None:
-            progress(current)
-        if current["state"] != "running":
-            return current
-        time.sleep(POLL_INTERVAL_S)
-
-
-def raise_if_failed(job: dict[str, Any]) -> None:
-    if job["state"] == "failed":
-        try:
-            status = Status[job["status"]]
-        except KeyError:
-            status = Status.INTERNAL_ERROR
-        raise DeviceError(status, f"export job {job['job']} failed: {job['error']}")
-
-
-# ---------------------------------------------------------------------- verbs
+from ..client import AdminClient
+from ..client.snapshots import (
+    clone,
+    create_snapshot,
+    delete_snapshot,
+    export,
+    raise_if_failed,
+    rollback,
+    snapshots,
+    wait_for_job,
+)
+from ..protocol.entries import NSID_ALL
+from .output import emit, open_client
 
 
 def _size(count: int) -> str:
@@ -101,12 +34,11 @@ def _size(count: int) -> str:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
     if args.list:
         if args.tag is not None:
             raise SystemExit("cossd snapshot: --list takes no TAG")
-        with _client(args) as client:
+        with open_client(args) as client:
             nsid = client.nsid(args.name) if args.name else NSID_ALL
             listing = snapshots(client, nsid)
 
@@ -129,13 +61,13 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     if args.delete is not None:
         if args.tag is not None:
             raise SystemExit("cossd snapshot: give the tag to delete once, after --delete")
-        with _client(args) as client:
+        with open_client(args) as client:
             value = delete_snapshot(client, client.nsid(args.name), args.delete)
         emit(args, value, lambda v: f"deleted snapshot {v['deleted']!r} of namespace {v['namespace']!r}")
         return 0
     if args.tag is None:
         raise SystemExit("cossd snapshot: give TAG to create a snapshot (or --list, or --delete TAG)")
-    with _client(args) as client:
+    with open_client(args) as client:
         value = create_snapshot(client, client.nsid(args.name), args.tag)
     emit(args, value, lambda v: f"snapshot {v['tag']!r} of namespace {v['namespace']!r} at step "
                                 f"{v['step']} ({_size(v['bytes'])})")
@@ -143,9 +75,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
-    with _client(args) as client:
+    with open_client(args) as client:
         value = rollback(client, client.nsid(args.name), args.tag)
     emit(args, value, lambda v: f"namespace {v['namespace']!r} rolled back to snapshot {v['tag']!r}: "
                                 f"step {v['step']} (was {v['previous_step']})")
@@ -153,9 +84,8 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_clone(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
-    with _client(args) as client:
+    with open_client(args) as client:
         value = clone(client, client.nsid(args.name), args.tag, args.new_name)
     emit(args, value, lambda v: f"cloned snapshot {v['tag']!r} of namespace {v['source']!r} into "
                                 f"namespace {v['name']!r} (nsid {v['nsid']}, step {v['committed_step']})")
@@ -163,10 +93,9 @@ def cmd_clone(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from cossd.tools.cli import _client, emit
 
     path = os.path.abspath(args.path) if args.path else None  # the daemon has its own cwd
-    with _client(args) as client:
+    with open_client(args) as client:
         nsid = client.nsid(args.name)
         job = export(client, nsid, tag=args.tag, path=path, optimizer_state=args.with_state,
                      overwrite=args.force)

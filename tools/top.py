@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from cossd.tools.client import AdminClient
+from ..client import AdminClient
+from .output import parse_int
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -20,6 +21,7 @@ RATES = (
     ("grad_bytes_in", "grad_bytes_per_s"),
     ("param_bytes_out", "param_bytes_per_s"),
 )
+
 # Namespace figures shown as they are (C0h keys).
 SHOWN = ("committed_step", "durable_step", "step_open", "steps_committed", "steps_skipped",
          "grad_bytes_in", "param_bytes_out", "kernel_ns", "loading")
@@ -180,7 +182,6 @@ def _positive_float(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    from cossd.tools.cli import parse_int
 
     value = parse_int(text)
     if value < 1:

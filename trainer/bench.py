@@ -25,7 +25,7 @@ from cossd.emulator import Device
 from cossd.emulator.cmb import parallel_copy
 from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.fs import daemon
-from cossd.tools.client import AdminClient
+from ..client import AdminClient
 
 from . import bench_trainer
 from .checkpointing import drop_from_page_cache, files_under

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from cossd.tools.client import AdminClient
+from ..client import AdminClient
 
 from .nvm_volume import NvmVolume
 from .optim import AdamW

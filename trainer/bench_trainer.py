@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from cossd.tools.client import AdminClient
+from ..client import AdminClient
 
 from . import bench_iteration
 from .nvm_volume import NvmVolume, syncfs

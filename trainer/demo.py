@@ -278,7 +278,7 @@ class Demo:
                 "checkpoint_file_bytes": sum(f.stat().st_size for f in files), "recovered_step": step}
 
     def _smart(self) -> dict[str, int]:
-        from cossd.tools.client import AdminClient
+        from cossd.client import AdminClient
 
         with AdminClient(self.mountpoint) as admin:
             return admin.smart_log()
@@ -356,7 +356,7 @@ def _smart_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int
 
 def _remove_demo_namespaces(mountpoint: Path) -> None:
     """Start from scratch on a reused backing directory: drop the demo's own namespaces."""
-    from cossd.tools.client import AdminClient
+    from cossd.client import AdminClient
 
     with AdminClient(mountpoint) as admin:
         for entry in admin.describe()["namespaces"]:

@@ -2,21 +2,18 @@
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import errno
-import fcntl
 import json
 import logging
-import mmap
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cossd.emulator.errors import DeviceError, Status
-from cossd.tools.client import DEFAULT_TIMEOUT_S, AdminClient, CmbMapping, DeviceTimeoutError
+from ..client import DEFAULT_TIMEOUT_S, AdminClient, CmbRegion, DeviceTimeoutError, plan_cmb_batches
+from ..client.cmb import CMB_ALIGN
+from ..protocol.status import DeviceError, Status
 
 log = logging.getLogger(__name__)
 
@@ -26,92 +23,6 @@ WIRE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # errnos that mean the daemon is gone or wedged rather than that a request was wrong.
 # (EIO is not among them: the daemon answers EIO for a request it failed, and stays up.)
 _LOST_ERRNOS = {errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV, errno.ESHUTDOWN}
-
-
-# Tensors sit in the CMB at offsets aligned to a cache line.
-_CMB_ALIGN = 64
-
-
-def plan_cmb_batches(sizes: list[int], capacity: int) -> list[list[tuple[int, int, int, int]]]:
-    """Cut items of `sizes` bytes into batches that each fit a CMB of `capacity` bytes:
-    per batch, segments (item, offset in the item, length, offset in the CMB). An item larger
-    than the room left is split (at a multiple of 64 bytes, so at an element boundary)."""
-    batches: list[list[tuple[int, int, int, int]]] = []
-    batch: list[tuple[int, int, int, int]] = []
-    used = 0
-    for item, size in enumerate(sizes):
-        done = 0
-        while done < size:
-            length = min(size - done, capacity - used)
-            batch.append((item, done, length, used))
-            done += length
-            used += -(-length // _CMB_ALIGN) * _CMB_ALIGN
-            if used >= capacity:
-                batches.append(batch)
-                batch, used = [], 0
-    if batch:
-        batches.append(batch)
-    return batches
-
-
-_F_OFD_GETLK, _F_OFD_SETLK = 36, 37  # linux/fcntl.h; Python's fcntl module lacks the OFD constants
-_FLOCK = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid
-# The least of the CMB a client claims: below this the files do as well.
-_MIN_CMB_REGION = 1 << 20
-
-
-def _ofd_lock(fd: int, start: int, length: int, test: bool) -> tuple[int, int] | None:
-    """An exclusive OFD lock on bytes [start, start + length) of `fd`, or with test=True only
-    a look: None where it is (or would be) taken, else the (start, length) of a lock in the
-    way. OFD locks belong to the open file, so they exclude other threads and processes
-    alike, and go when the file is closed."""
-    request = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
-    if test:
-        kind, _, other_start, other_length, _ = struct.unpack(_FLOCK, fcntl.fcntl(fd, _F_OFD_GETLK, request))
-        return None if kind == fcntl.F_UNLCK else (other_start, other_length)
-    try:
-        fcntl.fcntl(fd, _F_OFD_SETLK, request)
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return (start, length)  # taken meanwhile: the caller looks again
-        raise
-    return None
-
-
-def claim_region(fd: int, size: int, wanted: int) -> tuple[int, int] | None:
-    """Lock a free range of the `size`-byte file `fd` for this client: (start, length), of
-    `wanted` bytes where such a range is free, else the largest power-of-two fraction of it
-    that is (down to _MIN_CMB_REGION, which is also the least it asks for); None if not even
-    that is. Ranges are page aligned."""
-    least = min(_MIN_CMB_REGION, size)
-    length = min(size, max(least, -(-wanted // mmap.PAGESIZE) * mmap.PAGESIZE))
-    while length >= least:
-        start = 0
-        while start + length <= size:
-            in_the_way = _ofd_lock(fd, start, length, test=True)
-            if in_the_way is None:
-                in_the_way = _ofd_lock(fd, start, length, test=False)
-                if in_the_way is None:
-                    return start, length
-                continue  # another client got there first: look again from here
-            other_start, other_length = in_the_way
-            end = size if other_length == 0 else other_start + other_length  # 0: to the end of file
-            start = -(-max(end, start + 1) // mmap.PAGESIZE) * mmap.PAGESIZE
-        length = length // 2 // mmap.PAGESIZE * mmap.PAGESIZE
-    return None
-
-
-@dataclasses.dataclass
-class CmbRegion:
-    """The part of the device's CMB this client holds: CMB bytes [base, base + size)."""
-
-    mapping: CmbMapping
-    base: int
-    size: int
-
-    @property
-    def array(self) -> Any:
-        return self.mapping.array[self.base : self.base + self.size]
 
 
 def _clear_cuda_error() -> None:
@@ -185,14 +96,14 @@ class NamespaceFiles:
             raise FileNotFoundError(
                 f"{self.mountpoint} is not a mounted cossd device (start one with `cossd mount`)"
             ) from None
-        # Every file operation goes through it: a stopped daemon becomes a DeviceTimeoutError.
-        self._call: Any = self.admin.watchdog.call
+        # Every file operation goes through it (a local mount's: under its watchdog, so a
+        # stopped daemon becomes a DeviceTimeoutError).
+        self.transport = self.admin.transport
         self.nsid: int | None = None
         self._fds: dict[tuple[str, str, bool], int] = {}
-        # The part of the controller memory buffer this client holds, once asked for (False:
-        # not yet), and the open file that holds its lock.
+        # The part of the controller memory buffer this client holds (its mapping holds the
+        # lock), once asked for (False: not yet).
         self._cmb: CmbRegion | None | bool = False
-        self._cmb_lock_fd = -1
         self._cmb_pinned = 0  # the address cudaHostRegister took, to unregister at close
         # Params the device is putting in the CMB with this step's write_many(params_back=True)
         # or write_streamed: tensor -> (CMB offset, bytes); the step's end fills them (see
@@ -211,11 +122,8 @@ class NamespaceFiles:
             unpin_for_cuda(self._cmb_pinned)
             self._cmb_pinned = 0
         if isinstance(self._cmb, CmbRegion):
-            self._cmb.mapping.close()
+            self._cmb.mapping.close()  # unmaps, then lets go of the lock
         self._cmb = None
-        if self._cmb_lock_fd >= 0:
-            os.close(self._cmb_lock_fd)
-            self._cmb_lock_fd = -1
         try:
             self.admin.close()
         except OSError:
@@ -250,11 +158,8 @@ class NamespaceFiles:
         fds = list(self._fds.values())
         self._fds.clear()
         for fd in fds:
-            if self.admin.watchdog.stuck:
-                self.admin.watchdog.close_later(fd)
-                continue
             try:
-                self._call(lambda fd=fd: os.close(fd))
+                self.transport.close_file(fd)
             except OSError:
                 pass
 
@@ -280,9 +185,9 @@ class NamespaceFiles:
 
     def _read_text(self, name: str) -> str:
         try:
-            return self._call((self.root / name).read_text)
+            return self.transport.read_text(f"ns/{self.name}/{name}")
         except OSError as exc:
-            if exc.errno in _LOST_ERRNOS or not (self.mountpoint / ".admin").exists():
+            if exc.errno in _LOST_ERRNOS or not self.transport.reachable():
                 raise _lost(self.mountpoint, exc) from exc
             raise
 
@@ -294,16 +199,14 @@ class NamespaceFiles:
         key = (tensor, role, writing)
         fd = self._fds.get(key)
         if fd is None:
-            flags = os.O_WRONLY if writing else os.O_RDONLY
-            if role in ("grad", "param"):
-                # The kernel's asynchronous direct I/O: a large write or read goes out as
-                # several 1 MiB requests at once, which the daemon serves in parallel.
-                flags |= os.O_DIRECT
             try:
-                fd = self._call(lambda: os.open(self.root / "tensors" / tensor / role, flags),
-                                if_late=os.close)
+                # Direct I/O for grad and param: on a local mount, the kernel's asynchronous
+                # direct I/O sends a large write or read as several 1 MiB requests at once,
+                # which the daemon serves in parallel.
+                fd = self.transport.open_file(f"ns/{self.name}/tensors/{tensor}/{role}", writing,
+                                              direct=role in ("grad", "param"))
             except OSError as exc:
-                if exc.errno in _LOST_ERRNOS or not (self.mountpoint / ".admin").exists():
+                if exc.errno in _LOST_ERRNOS or not self.transport.reachable():
                     raise _lost(self.mountpoint, exc) from exc
                 raise
             self._fds[key] = fd
@@ -318,7 +221,7 @@ class NamespaceFiles:
         offset = 0
         try:
             while offset < len(buffer):
-                offset += self._call(lambda: os.pwrite(fd, buffer[offset:], offset))
+                offset += self.transport.write_at(fd, buffer[offset:], offset)
         except OSError as exc:
             if exc.errno in _LOST_ERRNOS:
                 raise _lost(self.mountpoint, exc) from exc
@@ -334,7 +237,7 @@ class NamespaceFiles:
         offset = 0
         try:
             while offset < len(buffer):
-                count = self._call(lambda: os.preadv(fd, [buffer[offset:]], offset))
+                count = self.transport.read_at(fd, buffer[offset:], offset)
                 if count == 0:
                     raise OSError(errno.EIO, f"{tensor}/{role}: file ended at byte {offset}")
                 offset += count
@@ -369,14 +272,12 @@ class NamespaceFiles:
                 return None
             if mapping is not None:
                 # Gradients and params, each tensor's padded to a cache line (plan_cmb_batches).
-                wanted = 2 * sum(-(-2 * int(t["numel"]) // _CMB_ALIGN) * _CMB_ALIGN
+                wanted = 2 * sum(-(-2 * int(t["numel"]) // CMB_ALIGN) * CMB_ALIGN
                                  for t in self.config()["tensors"])
-                fd = os.open(mapping.path, os.O_RDWR | os.O_CLOEXEC)
-                claimed = claim_region(fd, mapping.size, wanted)
-                if claimed is not None:
-                    self._cmb, self._cmb_lock_fd = CmbRegion(mapping, *claimed), fd
+                region = mapping.claim(wanted)
+                if region is not None:
+                    self._cmb = region
                 else:
-                    os.close(fd)
                     mapping.close()
         return self._cmb if isinstance(self._cmb, CmbRegion) else None
 

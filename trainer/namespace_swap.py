@@ -5,8 +5,8 @@ import hashlib
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from cossd.emulator.errors import DeviceError, Status
-from cossd.tools import snapshot_cmds
+from ..protocol.status import DeviceError, Status
+from ..client import snapshots as snapshot_calls
 
 if TYPE_CHECKING:
     from .namespace_files import NamespaceFiles
@@ -52,14 +52,14 @@ def _delete(files: NamespaceFiles, nsid: int) -> None:
 def _switch(files: NamespaceFiles, staging_nsid: int, hook: Callable[[str], None]) -> int:
     """Clone the sealed staging namespace's snapshot under the target's name (the target is
     gone), then drop the staging namespace. Returns the new nsid."""
-    listed = files.command(snapshot_cmds.snapshots, files.admin, staging_nsid)
+    listed = files.command(snapshot_calls.snapshots, files.admin, staging_nsid)
     state = {snapshot["tag"]: snapshot["state"] for snapshot in listed.get(staging_name(files.name), [])}
     if state.get(SNAPSHOT_TAG) != "ready":
         if SNAPSHOT_TAG in state:  # damaged: the sealed staging namespace itself is whole
-            files.command(snapshot_cmds.delete_snapshot, files.admin, staging_nsid, SNAPSHOT_TAG)
-        files.command(snapshot_cmds.create_snapshot, files.admin, staging_nsid, SNAPSHOT_TAG)
+            files.command(snapshot_calls.delete_snapshot, files.admin, staging_nsid, SNAPSHOT_TAG)
+        files.command(snapshot_calls.create_snapshot, files.admin, staging_nsid, SNAPSHOT_TAG)
     try:
-        nsid = int(files.command(snapshot_cmds.clone, files.admin, staging_nsid, SNAPSHOT_TAG,
+        nsid = int(files.command(snapshot_calls.clone, files.admin, staging_nsid, SNAPSHOT_TAG,
                                  files.name)["nsid"])
     except DeviceError as exc:
         # A clone a killed job had sent may have completed meanwhile: then it is the new run.
@@ -127,7 +127,7 @@ def replace(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[
         hook("began")
         files.command(files.admin.abort_step, files.nsid)
         hook("sealed")
-        files.command(snapshot_cmds.create_snapshot, files.admin, files.nsid, SNAPSHOT_TAG)
+        files.command(snapshot_calls.create_snapshot, files.admin, files.nsid, SNAPSHOT_TAG)
         hook("snapshotted")
     except BaseException:
         staging_nsid = files.nsid

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from cossd.emulator.errors import DeviceError, Status
-from cossd.tools.client import AdminClient
+from ..protocol.status import DeviceError, Status
+from ..client import AdminClient
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from cossd.emulator.errors import DeviceError
+from ..protocol.status import DeviceError
 
 from . import namespace_swap
 from .namespace_files import WIRE_DTYPES, DeviceLostError, NamespaceFiles

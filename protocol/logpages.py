@@ -6,7 +6,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .protocol import COMPLETION, SUBMISSION, Opcode
+from .entries import COMPLETION, SUBMISSION, Opcode
 
 # A 128-bit little-endian counter, as (low, high) 64-bit halves: numpy has no u128.
 U128 = ("<u8", (2,))
@@ -91,6 +91,10 @@ ERROR_LOG_ENTRY = np.dtype(
 assert ERROR_LOG_ENTRY.itemsize == 64, ERROR_LOG_ENTRY.itemsize
 ERROR_LOG_ENTRIES = 64  # kept in memory and returned; identify ELPE = 63 (0's based)
 NOT_APPLICABLE = 0xFFFF  # sqid, cmdid or parameter location of an error no command caused
+# The data path has no submission queue; its injected failures are logged as from I/O queue 1.
+DATA_PATH_SQID = 1
+# NVMe's data unit: 1000 x 512 bytes, reported rounded up.
+DATA_UNIT_BYTES = 512 * 1000
 
 # Commands Supported and Effects (LID 05h): one dword per admin opcode, then per I/O opcode.
 EFFECTS_LOG = np.dtype([("acs", "<u4", (256,)), ("iocs", "<u4", (256,)), ("rsvd2048", "u1", (2048,))])

@@ -11,10 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DeviceError, Status
-from .names import MAX_PAYLOAD_BYTES
+from .status import DeviceError, Status
 
 PROTOCOL_VERSION = 1
+
+# The largest payload one submission may carry; the queue refuses a longer one before reading it.
+MAX_PAYLOAD_BYTES = 16 << 20
 
 # 64-byte submission entry. NVMe's PRP/SGL data pointer has no meaning for a file, so its
 # first dword carries the length of the payload that follows the entry in the same write.
@@ -88,6 +90,14 @@ class Opcode(enum.IntEnum):
     INJECT_ERROR = 0xD0
     CMB_WRITE = 0xD1
     CMB_READ = 0xD2
+
+
+class IoOpcode(enum.IntEnum):
+    """NVMe's I/O opcodes, standing for the data path: writes and reads of the tensor files
+    (and of an nvm namespace's data file)."""
+
+    WRITE = 0x01
+    READ = 0x02
 
 
 class IdentifyCns(enum.IntEnum):

@@ -1,0 +1,149 @@
+"""AdminClient: a device's commands over a Transport (today a local mount's control file)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..protocol import logpages
+from ..protocol.entries import NSID_ALL, Completion, Opcode, encode_submission, f64_to_dwords, status_error
+from ..protocol.logpages import LogId
+from ..protocol.status import DeviceError, Status
+from .cmb import CmbMapping
+from .transport import LocalMount, Transport
+from .watchdog import DEFAULT_TIMEOUT_S
+
+
+class AdminClient:
+    """One queue pair of a device. Not thread-safe; open one per thread.
+
+    Takes a mountpoint (a LocalMount: one open() of MOUNTPOINT/.admin) or any Transport.
+    """
+
+    def __init__(self, where: str | os.PathLike[str] | Transport,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
+        self.transport: Transport = (
+            LocalMount(where, timeout_s) if isinstance(where, (str, os.PathLike)) else where)
+        self.mountpoint = self.transport.location
+        self._cid = 0
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> "AdminClient":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def submit(self, opcode: int, *, payload: bytes = b"", **fields: int) -> Completion:
+        """Send one command and return its completion (whatever its status).
+
+        An OSError here is the errno channel: the submission itself was malformed.
+        """
+        self._cid = (self._cid + 1) & 0xFFFF
+        raw = encode_submission(opcode, cid=self._cid, payload=payload, **fields)
+        return self.transport.exchange(raw)
+
+    def call(self, opcode: int, *, allow: tuple[Status, ...] = (), **fields: Any) -> Completion:
+        """Submit and raise DeviceError unless the status is SUCCESS (or in `allow`)."""
+        completion = self.submit(opcode, **fields)
+        if completion.status != Status.SUCCESS and completion.status not in allow:
+            raise status_error(completion)
+        return completion
+
+    # ------------------------------------------------------------------ typed commands
+
+    def describe(self) -> dict[str, Any]:
+        return json.loads(self.call(Opcode.VENDOR_IDENTIFY).data)
+
+    def nsid(self, name: str) -> int:
+        for entry in self.describe()["namespaces"]:
+            if entry["name"] == name:
+                return int(entry["nsid"])
+        raise DeviceError(Status.INVALID_NAMESPACE, f"no namespace named {name!r}")
+
+    def create_namespace(self, description: dict[str, Any]) -> int:
+        payload = json.dumps(description).encode()
+        return self.call(Opcode.CREATE_NAMESPACE, payload=payload).result
+
+    def delete_namespace(self, nsid: int) -> None:
+        self.call(Opcode.DELETE_NAMESPACE, nsid=nsid)
+
+    def begin_step(self, nsid: int, step: int = 0, grad_scale: float = 1.0) -> int:
+        low, high = f64_to_dwords(grad_scale)
+        completion = self.call(
+            Opcode.BEGIN_STEP, nsid=nsid, cdw10=step & 0xFFFFFFFF, cdw11=step >> 32,
+            cdw12=low, cdw13=high,
+        )
+        return int(json.loads(completion.data)["step"])
+
+    def commit_step(self, nsid: int) -> dict[str, Any]:
+        """Commit; the result says whether the step was skipped (non-finite gradients)."""
+        completion = self.call(Opcode.COMMIT_STEP, nsid=nsid, allow=(Status.STEP_SKIPPED_NONFINITE,))
+        return json.loads(completion.data)
+
+    def abort_step(self, nsid: int) -> int:
+        return int(json.loads(self.call(Opcode.ABORT_STEP, nsid=nsid).data)["aborted_step"])
+
+    def set_hyperparameters(self, nsid: int, **changes: Any) -> dict[str, Any]:
+        payload = json.dumps(changes).encode()
+        return json.loads(self.call(Opcode.SET_HYPERPARAMETERS, nsid=nsid, payload=payload).data)
+
+    def statistics(self, nsid: int) -> dict[str, Any]:
+        return json.loads(self.call(Opcode.NAMESPACE_STATISTICS, nsid=nsid).data)
+
+    def flush(self, nsid: int) -> int:
+        return self.call(Opcode.FLUSH, nsid=nsid).result
+
+    def get_log_page(self, log_id: int, nsid: int = NSID_ALL, length: int | None = None,
+                     offset: int = 0) -> bytes:
+        """The raw bytes of log page `log_id` (cdw10 bits 7:0): the whole page, or `length`
+        bytes (a multiple of 4, as NUMD counts dwords) from byte `offset`, fewer where the
+        page ends first."""
+        if length is None:
+            numd = 0xFFFF_FFFF  # as many dwords as NUMD can ask for: the whole page
+        elif length <= 0 or length % 4 or length > 1 << 34:
+            raise ValueError(f"a log page length is a positive multiple of 4 up to 16 GiB, got {length}")
+        else:
+            numd = length // 4 - 1
+        if not 0 <= offset < 1 << 64:
+            raise ValueError(f"a log page offset is 0 to 2**64-1, got {offset}")
+        return self.call(Opcode.GET_LOG_PAGE, nsid=nsid, cdw10=(log_id & 0xFF) | (numd & 0xFFFF) << 16,
+                         cdw11=numd >> 16, cdw12=offset & 0xFFFF_FFFF, cdw13=offset >> 32).data
+
+    def smart_log(self) -> dict[str, int]:
+        """SMART / Health Information, keyed as nvme-cli's `smart-log -o json` prints it."""
+        return logpages.decode_smart(self.get_log_page(LogId.SMART))
+
+    def error_log(self) -> list[dict[str, int]]:
+        """The valid Error Information entries, newest first, keyed as nvme-cli prints them."""
+        return logpages.decode_error_log(self.get_log_page(LogId.ERROR))
+
+    def optimizer_log(self, nsid: int = NSID_ALL) -> dict[str, Any]:
+        """The vendor page C0h: per-namespace optimizer statistics, by namespace name."""
+        return json.loads(self.get_log_page(LogId.OPTIMIZER_STATISTICS, nsid))
+
+    def scrub(self, nsid: int = NSID_ALL) -> dict[str, Any]:
+        """Verify block checksums: {namespace: {"blocks": N, "bad": [[tensor, block], ...]}}."""
+        return json.loads(self.call(Opcode.SCRUB, nsid=nsid).data)
+
+    def cmb(self) -> "CmbMapping | None":
+        """The controller memory buffer, mapped into this process; None if the device has none."""
+        info = self.describe().get("cmb")
+        return self.transport.map_cmb(info["path"], int(info["size"])) if info else None
+
+    def cmb_write(self, nsid: int, transfers: list[dict[str, Any]]) -> dict[str, Any]:
+        """CMB_WRITE: tensor-file bytes from the CMB (each transfer: tensor, role (default
+        grad), offset, length, cmb_offset). A step it completes and the device skips is
+        reported in the result's "commit" rather than raised."""
+        completion = self.call(Opcode.CMB_WRITE, nsid=nsid, payload=json.dumps(transfers).encode(),
+                               allow=(Status.STEP_SKIPPED_NONFINITE,))
+        return json.loads(completion.data)
+
+    def cmb_read(self, nsid: int, transfers: list[dict[str, Any]]) -> dict[str, Any]:
+        """CMB_READ: committed tensor-file bytes (role default param) into the CMB, all of
+        one committed step."""
+        completion = self.call(Opcode.CMB_READ, nsid=nsid, payload=json.dumps(transfers).encode())
+        return json.loads(completion.data)
+
