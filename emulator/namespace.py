@@ -421,21 +421,15 @@ class Namespace:
         return view
 
     def _staging(self, count: int) -> dict[str, np.ndarray]:
-        """Per-thread output buffers for one block, allocated once per worker thread."""
+        """Per-thread buffers for one block, allocated once per worker thread: the outputs
+        (BLOCK_ROLES) and "grad", where a lent gradient is copied before it is counted and
+        stepped."""
         buffers = getattr(self._thread_local, "buffers", None)
         if buffers is None:
             buffers = {role: np.empty(BLOCK_ELEMS, dtype=self._role_dtype(role)) for role in BLOCK_ROLES}
+            buffers["grad"] = np.empty(BLOCK_ELEMS, dtype=np.uint16)
             self._thread_local.buffers = buffers
         return {role: array[:count] for role, array in buffers.items()}
-
-    def _private_grad(self, count: int) -> np.ndarray:
-        """This worker thread's own gradient buffer for one block (lent gradients are copied
-        into it before they are counted and stepped), allocated once per thread."""
-        buffer = getattr(self._thread_local, "grad", None)
-        if buffer is None:
-            buffer = np.empty(BLOCK_ELEMS, dtype=np.uint16)
-            self._thread_local.grad = buffer
-        return buffer[:count]
 
     def _role_dtype(self, role: str) -> np.dtype:
         if role == "master":
@@ -943,12 +937,13 @@ class Namespace:
             written = 0
             state = self._copies[shadow]
             mapped = state.write_mode == "mapped"
+            buffers = self._staging(stop - start)
             grad = block.grad
             if block.shared:
                 # Every element of a lent gradient is read from the host's memory exactly once:
                 # copied into this thread's buffer, which alone is counted and stepped, so the
                 # step always uses the values it was checked on.
-                grad = self._private_grad(stop - start)
+                grad = buffers["grad"]
                 np.copyto(grad, block.grad)
             # Counted before the step, from memory only the device writes: a block found
             # non-finite never reaches the shadow copy, which still holds the step before
@@ -965,7 +960,7 @@ class Namespace:
                 else:
                     # Into this thread's buffers, which pwrite then copies into the shadow
                     # (stores into a disk file's mapping would fault once per page).
-                    out = self._staging(stop - start)
+                    out = buffers
                     # One pass: the step, and the checksum of its outputs while they are in cache.
                     crc = kernels.adam_step_crc(
                         grad,

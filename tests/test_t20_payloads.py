@@ -8,19 +8,17 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import Mount
-from cossd import kernels
-from cossd.emulator import Device
 from cossd.protocol.status import Status
 from cossd.protocol.entries import MAX_JSON_DEPTH, Opcode
 from cossd.client import AdminClient
-from test_t15_features_fuzz import BASELINE, Entry, InProcess
+from test_t15_features_fuzz import BASELINE, Entry, InProcess, in_process  # noqa: F401 (a fixture)
 
 EXAMPLES = 300
 
@@ -78,16 +76,6 @@ def safe(opcode: int, payload: bytes, directory: Path) -> bytes:
         value["path"] = str(directory / "export.safetensors")
         return json.dumps(value).encode()
     return payload
-
-
-@pytest.fixture
-def in_process(tmp_path: Path) -> Iterator[InProcess]:
-    Device.format(tmp_path / "dev", capacity_bytes=8 << 30)
-    with Device.open(tmp_path / "dev") as device:
-        try:
-            yield InProcess(device)
-        finally:
-            kernels.use_kernel("auto")  # C1h may have capped it: the kernel path is process wide
 
 
 def test_random_json_shapes_never_give_internal_error(in_process: InProcess, tmp_path: Path,
