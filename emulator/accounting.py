@@ -3,7 +3,7 @@
 Each file operation or step command of a namespace is one modeled command. The namespace
 marks its methods with `modeled_command`; while one runs, whatever it moves (host bytes,
 media bytes, elements, flushes) is added to that command on the same thread, and when it
-returns the command's modeled time is computed once (emulator/timing.py) and summed. In
+returns the command's modeled time is computed once (model/timing.py) and summed. In
 timed mode the command then returns no earlier than its modeled time after it started.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from .profiles import DEFAULT_PROFILE
-from .timing import TRAFFIC_FIELDS, Timing, TimingModel, Traffic
+from ..model.profiles import DEFAULT_PROFILE
+from ..model.timing import TRAFFIC_FIELDS, Timing, TimingModel, Traffic
 
 F = TypeVar("F", bound=Callable[..., Any])
 

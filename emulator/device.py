@@ -20,8 +20,8 @@ from .layout import FORMAT_VERSION
 from .media import atomic_write_json, fsync_dir, read_json
 from .names import MAX_NAMESPACES
 from .accounting import NamespaceTiming
-from .profiles import DEFAULT_PROFILE
-from .timing import TimingModel
+from ..model.profiles import DEFAULT_PROFILE
+from ..model.timing import TimingModel
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class DeviceConfig:
     # acts like a drive with power-loss protection; a commit is acknowledged once it would
     # survive a daemon crash and reaches the media in the background (lag: one step).
     sync: bool = False
-    # The timing model's device profile: a built-in name or a JSON file (emulator/profiles.py).
+    # The timing model's device profile: a built-in name or a JSON file (model/profiles.py).
     profile: str = DEFAULT_PROFILE
     # True: file I/O and step commands complete no earlier than their modeled device time.
     timed: bool = False

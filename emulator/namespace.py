@@ -183,7 +183,7 @@ class Namespace:
         self.counters = NamespaceCounters(
             steps_committed=superblock.steps_committed, steps_skipped=superblock.steps_skipped
         )
-        # Modeled device time (emulator/timing.py); the device swaps in its own profile.
+        # Modeled device time (model/timing.py); the device swaps in its own profile.
         self.timing = NamespaceTiming()
         self._views: dict[tuple[Copy, str, str], np.ndarray] = {}
         # Per (source copy, tensor): the kernel call that steps its blocks into the other copy.

@@ -24,7 +24,7 @@ from cossd.emulator.backing import BackingDirectory
 from cossd.emulator.cmb import DEFAULT_CMB_BYTES
 from cossd.emulator.device import SUPERBLOCK_FILE
 from cossd.emulator.media import libc_function
-from cossd.emulator.profiles import DEFAULT_PROFILE, PROFILES, load_profile
+from cossd.model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 from cossd.kernels import guard
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds

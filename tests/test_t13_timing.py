@@ -16,14 +16,14 @@ import pytest
 from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device, DeviceConfig, Namespace, NamespaceSpec
 from cossd.protocol.status import DeviceError, Status
-from cossd.emulator.profiles import (
+from cossd.model.profiles import (
     PROFILES,
     DeviceProfile,
     load_profile,
     pcie_bytes_per_s,
 )
 from cossd.protocol.entries import IdentifyCns, Opcode
-from cossd.emulator.timing import (
+from cossd.model.timing import (
     TimingModel,
     Traffic,
     pipeline_ns,

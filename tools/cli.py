@@ -713,7 +713,7 @@ def build_parser(prog: str = "cossd") -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer TOKEN' on every metrics request, TOKEN being "
                           "FILE's content (one word; the file must not be readable by every user); others "
                           "get 401. Prometheus: authorization: {credentials_file: FILE}")
-    from cossd.emulator.profiles import DEFAULT_PROFILE, PROFILES
+    from cossd.model.profiles import DEFAULT_PROFILE, PROFILES
 
     sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE.json",
                      help=f"device profile of the timing model: {', '.join(PROFILES)}, or a JSON file "

@@ -8,7 +8,7 @@ import re
 from typing import Any, Callable
 
 from cossd.protocol.status import DeviceError
-from cossd.emulator.profiles import (
+from cossd.model.profiles import (
     DEFAULT_PROFILE,
     PROFILES,
     DeviceProfile,
