@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..protocol.status import DeviceError, Status
-from .namespace import kernel_workers
+from .workers import KernelWorkers
 
 # The default size: address space only until a client touches it (memfd pages are
 # allocated on first use), enough for the gradients and params of a 128M-parameter model.
@@ -33,21 +33,23 @@ MAX_CMB_BYTES = 1 << 40
 _PARALLEL_COPY_BYTES = 4 << 20
 
 
-def parallel_copy(destination: np.ndarray, source: np.ndarray | memoryview | bytes) -> None:
+def parallel_copy(destination: np.ndarray, source: np.ndarray | memoryview | bytes,
+                  workers: KernelWorkers | None) -> None:
     """destination[:] = source (uint8, same length), large copies split across cores (on
-    the kernel workers: numpy copies release the GIL)."""
+    `workers`, the device's kernel workers: numpy copies release the GIL; None: on this
+    thread alone)."""
     source_array = np.frombuffer(source, dtype=np.uint8) if not isinstance(source, np.ndarray) else source
     length = len(destination)
-    if length < 2 * _PARALLEL_COPY_BYTES:
+    if workers is None or length < 2 * _PARALLEL_COPY_BYTES:
         destination[:] = source_array
         return
-    pieces = max(2, len(os.sched_getaffinity(0)))
+    pieces = workers.threads
     bounds = [length * k // pieces for k in range(pieces + 1)]
 
     def copy(lo: int, hi: int) -> None:
         destination[lo:hi] = source_array[lo:hi]
 
-    futures = [kernel_workers().submit(copy, bounds[k], bounds[k + 1]) for k in range(1, pieces)]
+    futures = [workers.submit(copy, bounds[k], bounds[k + 1]) for k in range(1, pieces)]
     copy(bounds[0], bounds[1])  # this thread takes the first piece
     for future in futures:
         future.result()

@@ -181,7 +181,7 @@ class CmbCommands:
         reads = [(t.tensor, t.role, t.offset, t.length) for t in transfers]
         with namespace.read_pinned_many(reads) as views:
             for region, view in zip(regions, views):
-                parallel_copy(region, view)
+                parallel_copy(region, view, namespace.workers)
             step = namespace.committed_step
         moved = sum(t.length for t in transfers)
         report = {"bytes": moved, "transfers": len(transfers), "committed_step": step}

@@ -19,6 +19,7 @@ from . import kinds
 from .layout import FORMAT_VERSION
 from .media import atomic_write_json, fsync_dir, read_json
 from .names import MAX_NAMESPACES
+from .workers import KernelWorkers
 from .accounting import NamespaceTiming
 from ..model.profiles import DEFAULT_PROFILE
 from ..model.timing import TimingModel
@@ -60,6 +61,8 @@ class Device:
         self.opened_at = time.time()
         self.health = Health(superblock.get("health"))
         self.timing_model = TimingModel.named(config.profile)
+        # The threads every optimizer namespace of this device steps its blocks on.
+        self.workers = KernelWorkers()
 
     # ------------------------------------------------------------------ format, open
 
@@ -191,8 +194,7 @@ class Device:
                 self.failed_namespaces[name] = str(exc)
                 log.error("namespace %s (nsid %d) cannot be served: %s", name, nsid, exc)
                 continue
-            self._attach_timing(namespace)
-            self._attach_error_log(namespace)
+            self._attach(namespace)
             self.namespaces[name] = namespace
             # Blocks recovery found bad are media errors (counted by the namespace) and, like
             # those scrub finds, error log entries; no command caused them.
@@ -238,6 +240,7 @@ class Device:
                         # The mark stays set: the next open counts an unsafe shutdown.
                         log.error("could not record a clean shutdown: %s", exc.message)
         finally:
+            self.workers.shutdown()
             self._backing.close()
 
     def __enter__(self) -> "Device":
@@ -261,10 +264,14 @@ class Device:
         namespaces = list(self.namespaces.values())  # created/deleted from other threads
         return sum(ns.allocated_bytes for ns in namespaces)
 
-    def _attach_timing(self, namespace: kinds.AnyNamespace) -> None:
-        """Optimizer namespaces account their commands on the device's timing model."""
+    def _attach(self, namespace: kinds.AnyNamespace) -> None:
+        """Give a namespace the device's parts: optimizer namespaces account their commands on
+        the device's timing model and step their blocks on the device's kernel workers; every
+        namespace reports damaged media to the device's error log."""
         if namespace.kind == kinds.OPTIMIZER_KIND:
             namespace.timing = NamespaceTiming(self.timing_model, timed=self.config.timed)
+            namespace.workers = self.workers
+        self._attach_error_log(namespace)
 
     def _attach_error_log(self, namespace: kinds.AnyNamespace) -> None:
         """A state copy found damaged while serving is an Error Information entry (a media
@@ -393,8 +400,7 @@ class Device:
                 namespace.close()
                 shutil.rmtree(directory, ignore_errors=True)
                 raise
-            self._attach_timing(namespace)
-            self._attach_error_log(namespace)
+            self._attach(namespace)
             self.namespaces[name] = namespace
             return namespace
 

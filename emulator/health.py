@@ -16,7 +16,7 @@ from ..protocol.logpages import (
     WARN_RELIABILITY,
     WARN_TEMPERATURE,
 )
-from .namespace import NamespaceCounters
+from .namespace_common import NamespaceCounters
 
 
 # Modeled figures; docs/command-set.md states each formula.

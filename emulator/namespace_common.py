@@ -1,0 +1,78 @@
+"""What the optimizer namespace's modules share: the file roles, the hyperparameter records of
+a superblock, the counters, a commit's result."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .spec import Hyperparameters
+from .superblock import GROUP_FIELDS, Superblock
+
+ROLES = ("grad", "param", "master", "exp_avg", "exp_avg_sq")
+LOADABLE_ROLES = ("master", "exp_avg", "exp_avg_sq")
+# The arrays a block checksum covers, in checksum order.
+BLOCK_ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
+
+def hypers_of(superblock: Superblock) -> list[Hyperparameters]:
+    """The hyperparameters of every group, as a superblock recorded them with its step."""
+    mode = "adamw" if superblock.decoupled else "adam"
+    first = Hyperparameters(
+        **{field: getattr(superblock, field) for field in GROUP_FIELDS}, mode=mode
+    )
+    rest = [
+        Hyperparameters(**{f: float(v) for f, v in zip(GROUP_FIELDS, row)}, mode=mode)
+        for row in superblock.extra_groups
+    ]
+    return [first, *rest]
+
+
+def hyper_record(hypers: list[Hyperparameters]) -> dict[str, Any]:
+    """Superblock fields recording `hypers` (group 0 in the header, the rest in a table)."""
+    record: dict[str, Any] = {field: getattr(hypers[0], field) for field in GROUP_FIELDS}
+    record["decoupled"] = hypers[0].mode == "adamw"
+    record["extra_groups"] = np.array(
+        [[getattr(h, field) for field in GROUP_FIELDS] for h in hypers[1:]], dtype=np.float64
+    ).reshape(len(hypers) - 1, len(GROUP_FIELDS))
+    return record
+
+
+class WouldBlock(Exception):
+    """A *_nowait call found that it would have to wait (for the lock or a flush)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitResult:
+    """What a commit did: the step now current, and whether this one was skipped."""
+
+    step: int
+    committed_step: int
+    skipped: bool
+    nonfinite_elements: int = 0
+
+
+@dataclasses.dataclass
+class NamespaceCounters:
+    """Since the namespace was opened (the step counts: over its life, from its superblock).
+
+    The device's SMART figures add these up (emulator/health.py), so each counts exactly what
+    its name says: host bytes and requests on the tensor files, media bytes, busy time.
+    """
+
+    steps_committed: int = 0
+    steps_skipped: int = 0
+    steps_aborted: int = 0
+    nonfinite_elements: int = 0
+    grad_bytes_in: int = 0
+    state_bytes_loaded: int = 0
+    bytes_read: int = 0
+    param_bytes_out: int = 0
+    read_commands: int = 0
+    write_commands: int = 0
+    media_bytes_written: int = 0
+    kernel_blocks: int = 0
+    kernel_ns: int = 0
+    flushes: int = 0
+    flush_ns: int = 0
+    checksum_failures: int = 0

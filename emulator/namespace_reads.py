@@ -1,0 +1,167 @@
+"""Reads of an optimizer namespace's committed state (copied, in place or pinned) and the range checks of every transfer."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..protocol.status import DeviceError, Status
+from .accounting import modeled_command
+from .layout import TensorLayout
+from .media import StateFile
+from .namespace_common import LOADABLE_ROLES, ROLES, WouldBlock
+
+
+class _Reads:
+    """Reads of the committed state (copied, in place, pinned) and the range checks of every transfer.
+
+    A part of Namespace (emulator/namespace.py), which holds the state these methods share.
+    """
+
+    @modeled_command("read")
+    def read(self, tensor_name: str, role: str, offset: int, size: int) -> bytes:
+        """Bytes of a committed state array (param, master or a moment)."""
+        return self._read(tensor_name, role, offset, size, wait=True, copy=True)
+
+    def read_nowait(self, tensor_name: str, role: str, offset: int, size: int) -> memoryview | None:
+        """read() without the copy and without blocking, for the fs layer's event loop.
+
+        A view of the committed copy: valid while the caller does not yield, because a later
+        step can only write into this copy after a step that begins on a request this same
+        loop has yet to take. None where it would block (timed mode, or the namespace lock is
+        held, perhaps across a flush): call read() in a thread instead.
+        """
+        if self.timing.timed:
+            return None
+        try:
+            with self.timing.command("read"):
+                return self._read(tensor_name, role, offset, size, wait=False, copy=False)
+        except WouldBlock:
+            return None
+
+    @contextlib.contextmanager
+    def read_pinned(self, tensor_name: str, role: str, offset: int, size: int) -> Iterator[bytes | memoryview]:
+        """read() without the copy, for a reply written from the committed copy itself (the
+        fs data path's threads): a commit or rollback waits until the block exits, so the
+        view cannot change under the reply. In timed mode the wait comes before the view."""
+        with self.read_pinned_many([(tensor_name, role, offset, size)]) as views:
+            yield views[0]
+
+    @contextlib.contextmanager
+    def read_pinned_many(self, reads: Sequence[tuple[str, str, int, int]]) -> Iterator[list[bytes | memoryview]]:
+        """read_pinned of several (tensor, role, offset, size) ranges under one pin, so every
+        view is of the same committed step."""
+        if not reads:
+            yield []
+            return
+        with self.timing.command("read"):
+            views = [self._read(*reads[0], wait=True, copy=False, pin=True)]
+        try:
+            # The pin holds the committed copy: the rest need not (and must not: a flip
+            # waiting for this pin would hold a second one back) pin again.
+            for tensor_name, role, offset, size in reads[1:]:
+                with self.timing.command("read"):
+                    views.append(self._read(tensor_name, role, offset, size, wait=True, copy=False))
+            yield views
+        finally:
+            self._unpin()
+
+    def _unpin(self) -> None:
+        """Release one pin of the committed copy; a flip waiting for the pins may go on."""
+        with self._cond:
+            self._pins -= 1
+            self._cond.notify_all()
+
+    def _read(self, tensor_name: str, role: str, offset: int, size: int, *, wait: bool, copy: bool,
+              pin: bool = False) -> Any:
+        """The bytes (copy=True: copied while no commit can move the committed copy) or a view.
+        pin=True holds the committed copy (see pinned_committed); the caller unpins."""
+        tensor = self._tensor(tensor_name)
+        if role == "grad":
+            raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
+        file_size = tensor.numel * self.itemsize(role)
+        if not self._lock.acquire(blocking=wait):
+            raise WouldBlock
+        try:
+            if pin:
+                while self._flips_waiting:
+                    self._cond.wait()
+            state = self._copies[self._sb.committed_copy]  # after any flip the wait let by
+            # A damaged copy (cut short, holes, replaced; a page the guard replaced with
+            # zeros) is never served as the state: refused before the pin, so no unpin is owed.
+            self._refuse_damaged(state)
+            if pin:
+                self._pins += 1  # first: nothing below raises, so the caller's unpin matches
+            # Every read request served counts, an empty one at the end of the file too.
+            self.counters.read_commands += 1
+            if offset >= file_size or size <= 0:
+                return b""
+            end = min(file_size, offset + size)
+            view = self._view(self._sb.committed_copy, tensor, role).view(np.uint8)[offset:end]
+            self.counters.bytes_read += len(view)
+            if role == "param":
+                self.counters.param_bytes_out += len(view)
+            self.timing.add(host_out=len(view), media_read=len(view))
+            if not copy:
+                return memoryview(view)
+            data = view.tobytes()
+            if state.faults():  # the copy itself met a page cut from under the mapping
+                self._refuse_damaged(state)
+            return data
+        finally:
+            self._lock.release()
+
+    def _refuse_damaged(self, state: StateFile) -> None:
+        """UNRECOVERED_READ_ERROR where `state` can no longer be trusted (StateFile.damage:
+        a few system calls, next to a read of up to 1 MiB): what a read would give may be
+        zeros standing in for the state."""
+        reason = state.damage()
+        if reason is not None:
+            self._media_damaged(reason)
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"namespace {self.name!r}: {reason}")
+
+    def check_write(self, tensor_name: str, role: str, offset: int, length: int) -> None:
+        """Refuse, changing nothing, a write that write_state would refuse for its file,
+        range or timing (state is writable only before the first step)."""
+        tensor = self._tensor(tensor_name)
+        if role not in LOADABLE_ROLES:
+            raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
+        self._check_range(tensor, role, offset, length)
+        if not self.loading:
+            raise DeviceError(
+                Status.STATE_SEALED,
+                f"{tensor.name}/{role} can only be written before the first step "
+                f"(namespace is at step {self.committed_step})",
+            )
+
+    def check_read(self, tensor_name: str, role: str, offset: int, length: int) -> None:
+        """Refuse, changing nothing, a read of bytes [offset, offset + length) of a tensor file
+        that is not wholly inside a readable file (a transfer whose size the reader fixed
+        beforehand, as CMB_READ's, cannot end short the way a file read does)."""
+        tensor = self._tensor(tensor_name)
+        if role not in ROLES:
+            raise DeviceError(Status.INVALID_FIELD, f"{tensor_name}: no file {role!r} (one of {', '.join(ROLES)})")
+        if role == "grad":
+            raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
+        size = tensor.numel * self.itemsize(role)
+        if offset < 0 or length < 0 or offset + length > size:
+            raise DeviceError(
+                Status.LBA_OUT_OF_RANGE,
+                f"{tensor_name}/{role}: read of {length} bytes at {offset} passes the end ({size} bytes)",
+            )
+
+    def _check_range(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
+        itemsize = self.itemsize(role)
+        if offset < 0 or offset % itemsize or length % itemsize:
+            raise DeviceError(
+                Status.MISALIGNED_ACCESS,
+                f"{tensor.name}/{role}: writes must start and end on {itemsize}-byte "
+                f"element boundaries (offset {offset}, length {length})",
+            )
+        if offset + length > tensor.numel * itemsize:
+            raise DeviceError(
+                Status.LBA_OUT_OF_RANGE,
+                f"{tensor.name}/{role}: write of {length} bytes at {offset} passes the end "
+                f"({tensor.numel * itemsize} bytes)",
+            )

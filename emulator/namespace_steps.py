@@ -1,0 +1,301 @@
+"""An optimizer namespace's step commands: begin, commit or skip, abort; hyperparameters; the committed copy pinned for and restored from snapshots."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from .. import kernels
+from ..protocol.status import DeviceError, Status
+from .accounting import modeled_command
+from .layout import SuperblockFlags
+from .media import StateFile
+from .namespace_common import CommitResult, hyper_record, hypers_of
+from .spec import Hyperparameters
+from .superblock import SkipCounts, Superblock
+from .transaction import StepTransaction, block_range_of
+
+log = logging.getLogger("cossd.emulator.namespace")
+
+
+class _Steps:
+    """The step transaction (begin, commit or skip, abort), hyperparameters, and the flips that snapshots pin and restore.
+
+    A part of Namespace (emulator/namespace.py), which holds the state these methods share.
+    """
+
+    @modeled_command("begin_step")
+    def begin_step(self, step: int | None = None, grad_scale: float = 1.0) -> int:
+        """Open step `step` (default: the next one) with a combined gradient scale."""
+        with self._lock:
+            return self._begin_locked(step, grad_scale, explicit=True).step
+
+    def _begin_locked(self, step: int | None, grad_scale: float, explicit: bool) -> StepTransaction:
+        self._check_media()
+        if self._tx is not None:
+            raise DeviceError(
+                Status.STEP_ALREADY_OPEN,
+                f"namespace {self.name!r}: step {self._tx.step} is already open "
+                "(commit or abort it first)",
+            )
+        expected = self._sb.committed_step + 1
+        if step is not None and step != expected:
+            raise DeviceError(
+                Status.STEP_NUMBER_MISMATCH,
+                f"namespace {self.name!r}: next step is {expected}, not {step}",
+            )
+        if not (isinstance(grad_scale, float) and math.isfinite(grad_scale) and grad_scale > 0):
+            raise DeviceError(
+                Status.INVALID_FIELD, f"grad_scale must be a finite number > 0, got {grad_scale!r}"
+            )
+        try:
+            scalars = [kernels.adam_scalars(h.kernel, expected, grad_scale) for h in self._hypers]
+        except kernels.KernelArgumentError as exc:
+            raise DeviceError(Status.INVALID_FIELD, str(exc)) from None
+        if self.loading:
+            self._seal_locked()
+        # The shadow copy still holds the previous step; it may be the only complete
+        # copy on the media until the committed step is durable. Never overwrite it first.
+        self._flush_to(self._sb)
+        self._tx = StepTransaction(expected, grad_scale, scalars, explicit, self.total_blocks)
+        return self._tx
+
+    def _seal_locked(self) -> None:
+        """End the loading phase: checksum the initial state and make it durable."""
+        crcs = np.zeros(self.total_blocks, dtype=np.uint32)
+        copy = self._sb.committed_copy
+        for tensor in self.layouts:
+            for block in range(tensor.block_count):
+                crcs[tensor.first_block + block] = self._block_crc(copy, tensor, block)
+        self._sync(self._copies[copy])
+        sealed = self._sb.successor(flags=SuperblockFlags.NONE, block_crcs=crcs)
+        self._write_superblock(sealed, sync=True)
+
+    def _quiesced_step_locked(self) -> StepTransaction:
+        """The open step, once no kernel of it is still running (caller holds the lock)."""
+        tx = self._tx
+        if tx is None:
+            raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: no step is open")
+        while tx.inflight:
+            self._cond.wait()
+        return tx
+
+    @modeled_command("commit_step")
+    def commit_step(self) -> CommitResult:
+        """Commit the open step once all its gradient blocks are in (or skip it)."""
+        with self._cond:
+            return self._commit_locked(self._quiesced_step_locked())
+
+    def abort_step(self) -> int:
+        """Drop the open step; the committed state is untouched. Returns its number."""
+        with self._cond:
+            tx = self._quiesced_step_locked()
+            self._tx = None
+            self.counters.steps_aborted += 1
+            self._settle_param_copies(tx, committed=False)
+            return tx.step
+
+    def _commit_locked(self, tx: StepTransaction) -> CommitResult:
+        self._wait_for_pins_locked()  # a snapshot or a reply is reading the committed copy
+        if self._tx is not tx:
+            raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: step {tx.step} was aborted")
+        if self.media_failure is not None:
+            self._tx = None
+            self.counters.steps_aborted += 1
+            self._check_media()
+        if tx.error is not None:
+            self._tx = None
+            self.counters.steps_aborted += 1
+            self._settle_param_copies(tx, committed=False)
+            raise DeviceError(
+                Status.INTERNAL_ERROR, f"step {tx.step} failed and was aborted: {tx.error}"
+            )
+        if not tx.all_done:
+            raise DeviceError(
+                Status.GRADIENT_INCOMPLETE,
+                f"step {tx.step}: gradients incomplete for {', '.join(tx.missing(self.layouts))}",
+            )
+        ended = False  # True once the step is committed: the kernel's param copies stand
+        try:
+            if tx.nonfinite:
+                # A skip writes no superblock: both slots keep naming the committed step and
+                # the one before it, the fallback should the committed copy fail its checksums.
+                self._record_skip_locked(tx.step)
+                self.counters.nonfinite_elements += tx.nonfinite
+                log.info("namespace %s: step %d skipped (%d non-finite gradient elements)",
+                         self.name, tx.step, tx.nonfinite)
+                return CommitResult(tx.step, self._sb.committed_step, True, tx.nonfinite)
+            shadow = self._sb.committed_copy.other
+            if self.sync_commits:
+                self._sync(self._copies[shadow])
+            # The last look at both copies before the flip: a shadow cut short or punched
+            # while its blocks were written (pwrite extends it again, leaving holes that read
+            # as zeros) must fail this step, not become the committed one.
+            self._check_media()
+            skips = self._skips()
+            committed = self._sb.successor(
+                committed_step=tx.step,
+                committed_copy=shadow,
+                block_crcs=tx.block_crcs,
+                steps_committed=self._sb.steps_committed + 1,
+                steps_skipped=skips.steps_skipped,
+                last_skipped_step=skips.last_skipped_step,
+                last_grad_scale=tx.grad_scale,
+                **hyper_record(self._hypers),
+            )
+            self._write_superblock(committed, sync=self.sync_commits)
+            self.counters.steps_committed += 1
+            ended = True
+            return CommitResult(tx.step, tx.step, False)
+        except DeviceError:
+            self.counters.steps_aborted += 1
+            raise
+        finally:
+            self._tx = None
+            if self.media_failure is None:
+                self._settle_param_copies(tx, committed=ended)
+
+    def _skips(self) -> SkipCounts:
+        """The skip counters: the newer of the superblock's (as of the last commit) and the
+        side record's (as of the last skip), the record read once per open."""
+        recorded = getattr(self, "_recorded_skips", None)  # set on first use, not at open
+        if recorded is None:
+            recorded = self._recorded_skips = SkipCounts.load(self.directory)
+        return max(SkipCounts.of(self._sb), recorded)
+
+    def _record_skip_locked(self, step: int) -> None:
+        """Count skipped step `step`: durably in the side record, and in the superblock in
+        force in memory only, so that the next superblock written carries it."""
+        skips = SkipCounts(self._skips().steps_skipped + 1, step)
+        written = skips.store_or_warn(self.directory)
+        self.counters.media_bytes_written += written
+        self.timing.add(media_write=written)
+        self._recorded_skips = skips
+        self._sb = dataclasses.replace(
+            self._sb, steps_skipped=skips.steps_skipped, last_skipped_step=skips.last_skipped_step)
+        self.counters.steps_skipped = skips.steps_skipped
+
+    def _settle_param_copies(self, tx: StepTransaction, committed: bool) -> None:
+        """Fill what the kernel has not of the host's param copies (write_grads_lent), from
+        the committed copy: blocks assembled from pieces, and every block of a step that
+        ended without committing. Caller holds the lock; the step has ended."""
+        if not tx.param_copies:
+            return
+        moved = 0
+        for tensor, first, copy in tx.param_copies:
+            params = self._view(self._sb.committed_copy, tensor, "param")
+            end = first + len(copy)
+            for block in block_range_of(first, end):
+                if committed and (tensor.name, block) in tx.copied:
+                    continue
+                start, stop = tensor.block_range(block)
+                lo, hi = max(first, start), min(end, stop)
+                copy[lo - first : hi - first] = params[lo:hi]
+            moved += copy.nbytes
+        # Param bytes to the host, as a read of the param file would count them.
+        self.counters.bytes_read += moved
+        self.counters.param_bytes_out += moved
+        self.timing.add(host_out=moved)
+
+    def _wait_for_pins_locked(self) -> None:
+        """Wait until nothing reads the committed copy (caller holds the lock, about to flip)."""
+        self._flips_waiting += 1
+        try:
+            while self._pins:
+                self._cond.wait()
+        finally:
+            self._flips_waiting -= 1
+            self._cond.notify_all()
+
+    def set_hyperparameters(self, group: int | None = None, **changes: Any) -> Hyperparameters:
+        """Change hyperparameters for the next step (persisted with the next commit).
+
+        `group` picks one group; None changes every group. Nothing changes unless every
+        new value validates. Returns the (first) changed group's hyperparameters.
+        """
+        if "mode" in changes:
+            raise DeviceError(Status.INVALID_FIELD, "mode is fixed when a namespace is created")
+        with self._lock:
+            if group is None:
+                targets = range(len(self._hypers))
+            elif isinstance(group, int) and not isinstance(group, bool) and 0 <= group < len(self._hypers):
+                targets = range(group, group + 1)
+            else:
+                raise DeviceError(
+                    Status.INVALID_FIELD,
+                    f"group {group!r} outside 0..{len(self._hypers) - 1}",
+                )
+            updated = {index: self._hypers[index].replace(**changes) for index in targets}
+            for index, hyper in updated.items():
+                self._hypers[index] = hyper
+            self.config_changed_ns = time.time_ns()
+            return updated[targets[0]]
+
+    @contextlib.contextmanager
+    def pinned_committed(self) -> Iterator[tuple[Superblock, StateFile]]:
+        """The committed superblock and its copy, held still while the block runs: a commit
+        or rollback waits until it exits (a step may stay open and keep computing: it only
+        writes the shadow). Emulator/snapshots.py copies the state under it."""
+        with self._lock:
+            self._check_media()
+            if self.loading:
+                raise DeviceError(
+                    Status.NAMESPACE_NOT_READY,
+                    f"namespace {self.name!r} is still loading its initial state and has no "
+                    f"committed step yet (step {self._sb.committed_step + 1} seals it)",
+                )
+            self._pins += 1
+            superblock = self._sb
+        try:
+            yield superblock, self._copies[superblock.committed_copy]
+        finally:
+            self._unpin()
+
+    def restore_committed(self, source: Superblock, fill: Callable[[StateFile], None]) -> int:
+        """Make `source`'s state (a snapshot's) the committed one: `fill` writes its bytes
+        into the shadow copy, which must then match `source`'s block checksums, and a new
+        superblock (seq + 1) commits it durably. Returns the step it replaced.
+
+        Crash safe like a step: the committed copy is untouched until the slot write flips.
+        """
+        with self._cond:
+            self._check_media()
+            self._wait_for_pins_locked()
+            if self._tx is not None:
+                raise DeviceError(
+                    Status.STEP_ALREADY_OPEN,
+                    f"namespace {self.name!r}: step {self._tx.step} is open (commit or abort it "
+                    "before rolling back)",
+                )
+            previous = self._sb.committed_step
+            # As for a begin: the shadow may hold the only complete older step until the
+            # committed one is durable, so never overwrite it first.
+            self._flush_to(self._sb)
+            shadow = self._sb.committed_copy.other
+            fill(self._copies[shadow])
+            bad = self._verify_copy(dataclasses.replace(source, committed_copy=shadow))
+            if bad:
+                tensor, block = bad[0]
+                raise DeviceError(
+                    Status.UNRECOVERED_READ_ERROR,
+                    f"snapshot of step {source.committed_step} fails its checksum in {len(bad)} "
+                    f"block(s) (first: {tensor} block {block}); namespace {self.name!r} is unchanged",
+                )
+            self._sync(self._copies[shadow])
+            restored = self._sb.successor(
+                committed_step=source.committed_step,
+                committed_copy=shadow,
+                flags=SuperblockFlags.NONE,
+                block_crcs=source.block_crcs.copy(),
+                last_grad_scale=source.last_grad_scale,
+                **hyper_record(hypers_of(source)),
+            )
+            self._write_superblock(restored, sync=True)
+            self._hypers = hypers_of(restored)
+            self.counters.media_bytes_written += self._copies[shadow].size_bytes
+            return previous

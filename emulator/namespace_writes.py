@@ -1,0 +1,333 @@
+"""Writes into an optimizer namespace: initial state while loading, gradients staged into blocks that the device's kernel workers step."""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .. import kernels
+from ..protocol.status import DeviceError, Status
+from .accounting import modeled_command
+from .layout import BLOCK_ELEMS, Copy, TensorLayout
+from .namespace_common import BLOCK_ROLES, LOADABLE_ROLES, CommitResult, WouldBlock
+from .transaction import ReadyBlock, StepTransaction, first_overlap
+
+log = logging.getLogger("cossd.emulator.namespace")
+
+# write_grads_lent stages lent gradients in pieces of this many bytes (4 blocks).
+_LENT_STAGE_BYTES = 4 * BLOCK_ELEMS * 2
+
+
+def _immutable(data: bytes | memoryview) -> bool:
+    """Whether `data` can never change: bytes, or a view of bytes."""
+    return isinstance(data, bytes) or (isinstance(data, memoryview) and isinstance(data.obj, bytes))
+
+
+class _Writes:
+    """Initial-state loading and the gradient path: staging, the blocks' kernels on the device's workers.
+
+    A part of Namespace (emulator/namespace.py), which holds the state these methods share.
+    """
+
+    @modeled_command("write_state")
+    def write_state(self, tensor_name: str, role: str, offset: int, data: bytes | memoryview) -> int:
+        """Load initial master weights or moments (only before the first step)."""
+        tensor = self._tensor(tensor_name)
+        if role not in LOADABLE_ROLES:
+            raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
+        length = len(data)
+        self._check_range(tensor, role, offset, length)
+        if length == 0:
+            return 0
+        with self._lock:
+            self._check_media()
+            if not self.loading:
+                raise DeviceError(
+                    Status.STATE_SEALED,
+                    f"{tensor.name}/{role} can only be written before the first step "
+                    f"(namespace is at step {self._sb.committed_step})",
+                )
+            itemsize = self.itemsize(role)
+            first = offset // itemsize
+            view = self._view(self._sb.committed_copy, tensor, role)
+            source = np.frombuffer(data, dtype=view.dtype)
+            view[first : first + len(source)] = source
+            media_bytes = length
+            if role == "master":
+                kernels.master_to_param(
+                    view[first : first + len(source)],
+                    self._view(self._sb.committed_copy, tensor, "param")[first : first + len(source)],
+                    self._param_format,
+                )
+                media_bytes += 2 * len(source)  # the param bytes derived from the master
+            self.counters.state_bytes_loaded += length
+            self.changed_ns = time.time_ns()
+            self.counters.write_commands += 1
+            self.counters.media_bytes_written += media_bytes
+            self.timing.add(host_in=length, media_write=media_bytes)
+        return length
+
+    @modeled_command("write_grad")
+    def write_grad(self, tensor_name: str, offset: int, data: bytes | memoryview) -> int:
+        """Take gradient bytes of the open step (opening an implicit step if none is).
+
+        The write that completes the last gradient of an implicit step returns only once
+        that step is committed or skipped.
+        """
+        length, implicit = self._stage_grad(tensor_name, offset, data, wait=True)
+        if implicit is not None:
+            self.finish_implicit_step(implicit)
+        return length
+
+    def write_grad_nowait(
+        self, tensor_name: str, offset: int, data: bytes | memoryview
+    ) -> tuple[int, StepTransaction | None] | None:
+        """write_grad's part that never blocks, for the fs layer's event loop.
+
+        None where it would block (timed mode, the namespace lock held, or no step open: a
+        begin may wait for a flush); call write_grad in a thread instead. Otherwise
+        (length, implicit): `implicit`, when not None, is the implicit step this write
+        completed, and finish_implicit_step (which blocks) must commit it before the write
+        is acknowledged.
+        """
+        if self.timing.timed:
+            return None
+        try:
+            with self.timing.command("write_grad"):
+                return self._stage_grad(tensor_name, offset, data, wait=False)
+        except WouldBlock:
+            return None
+
+    def write_grads_lent(
+        self, pieces: Sequence[tuple[str, int, bytes | memoryview | np.ndarray, np.ndarray | None]]
+    ) -> CommitResult | None:
+        """Take gradient pieces (tensor, byte offset in its grad file, bytes, param copy) from
+        memory the caller lends until this returns, as a drive's DMA reads a host buffer:
+        each gradient element is read from it exactly once (a whole block by its kernel
+        worker, into that thread's buffer; a part of a block into the block's staging), so
+        the lender changing it meanwhile cannot make a step use values other than those it
+        was checked on. Returns once every block the pieces completed has run.
+
+        A piece's param copy (None, or as many bytes as its gradient, sharing memory with no
+        piece's gradient or other copy) receives the step's new params for its elements: the
+        kernel stores them as it computes them, and when the step ends the rest is filled
+        from the committed copy, so once the step is committed, skipped or aborted the copy
+        holds the committed params. Until then it is the device's to write.
+
+        The pieces are checked, against each other and against what the open step already
+        has, before any is taken, so a batch refused for its ranges changes nothing. Returns
+        the commit's result where the pieces completed an implicit step (committed or
+        skipped before this returns), else None.
+        """
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for tensor_name, offset, data, param_copy in pieces:
+            self._check_range(self._tensor(tensor_name), "grad", offset, len(data))
+            if param_copy is not None and len(param_copy) != len(data):
+                raise DeviceError(Status.INVALID_FIELD,
+                                  f"{tensor_name}: a param copy of {len(param_copy)} bytes for {len(data)} of gradient")
+            spans.setdefault(tensor_name, []).append((offset, offset + len(data)))
+        for tensor_name, ranges in spans.items():
+            overlap = first_overlap([(start, end, None) for start, end in ranges])
+            if overlap is not None:
+                raise DeviceError(
+                    Status.GRADIENT_DUPLICATE,
+                    f"tensor {tensor_name!r}: gradient bytes from {overlap[0]} are sent twice in one batch",
+                )
+        with self._lock:
+            if self._tx is not None:
+                for tensor_name, ranges in spans.items():
+                    for start, end in ranges:
+                        self._tx.check_free(self._tensor(tensor_name), start // 2, end // 2)
+        queued: list[concurrent.futures.Future[None]] = []
+        implicit = None
+        try:
+            for tensor_name, offset, data, param_copy in pieces:
+                # Staged a few blocks at a time, so the kernel workers start on the first
+                # blocks before this thread has staged the whole batch.
+                position = 0
+                while True:
+                    # Up to the next multiple of _LENT_STAGE_BYTES in the file: whole blocks.
+                    end = min(len(data), (offset + position) // _LENT_STAGE_BYTES * _LENT_STAGE_BYTES
+                              + _LENT_STAGE_BYTES - offset)
+                    copy = None if param_copy is None else param_copy[position:end]
+                    with self.timing.command("write_grad"):
+                        _, completed = self._stage_grad(tensor_name, offset + position, data[position:end],
+                                                        wait=True, lent=queued, param_copy=copy)
+                    implicit = implicit or completed
+                    position = end
+                    if position >= len(data):
+                        break
+        finally:
+            # Even after a failure: the lender may reuse its memory once this returns.
+            concurrent.futures.wait(queued)
+        return self.finish_implicit_step(implicit) if implicit is not None else None
+
+    def _stage_grad(
+        self, tensor_name: str, offset: int, data: bytes | memoryview | np.ndarray, *, wait: bool,
+        lent: list[concurrent.futures.Future[None]] | None = None, param_copy: np.ndarray | None = None,
+    ) -> tuple[int, StepTransaction | None]:
+        """Receive gradient bytes and queue the blocks they complete; see write_grad_nowait.
+        With `lent`, `data` is lent memory, read only by the blocks' workers (see _run_block),
+        and the futures of the blocks queued are appended to it (write_grads_lent waits for
+        them)."""
+        tensor = self._tensor(tensor_name)
+        length = len(data)
+        self._check_range(tensor, "grad", offset, length)
+        if length == 0:
+            return 0, None
+        if lent is None and not _immutable(data):
+            # Blocks run after this returns (see below) and may use the caller's buffer in
+            # place, so a buffer the caller could reuse is copied; FUSE hands over bytes
+            # (or, on the data path, a view of the request's bytes).
+            data = bytes(data)
+        grad = np.frombuffer(data, dtype=np.uint16)
+        # Lent memory other than bytes (the CMB) may change under the device at any time, so
+        # each of its elements must be read exactly once (see _run_block): nothing here reads
+        # it, and the blocks' workers count what they step.
+        shared = lent is not None and not _immutable(data)
+        if not self._lock.acquire(blocking=wait):
+            raise WouldBlock
+        try:
+            tx = self._tx
+            if tx is None:
+                if not wait:
+                    raise WouldBlock
+                tx = self._begin_locked(None, 1.0, explicit=False)
+            params = None if param_copy is None else np.frombuffer(param_copy, dtype=np.uint16)
+            ready = tx.receive(tensor, offset // 2, grad, shared, params)
+            completes_step = tx.all_received and bool(ready) and not tx.explicit
+            # Counted before they are queued, so a commit cannot pass blocks not queued yet.
+            tx.inflight += len(ready)
+            self.counters.grad_bytes_in += length
+            self.counters.write_commands += 1
+            self.timing.add(host_in=length)
+        finally:
+            self._lock.release()
+        # Like an SSD acknowledging a write once it sits in its write buffer, the request
+        # returns once its bytes are staged: complete blocks run on the kernel workers, so
+        # a single writer's next request overlaps them and both cores update blocks.
+        # A block that fails marks the step (tx.error), and its commit reports it.
+        queued = 0
+        try:
+            for block in ready:
+                future = self.workers.submit(self._run_block_in_background, tx, block)
+                queued += 1
+                if lent is not None:
+                    lent.append(future)
+        finally:
+            if queued < len(ready):
+                with self._cond:
+                    tx.inflight -= len(ready) - queued
+                    tx.error = tx.error or RuntimeError("gradient blocks could not be queued")
+                    self._cond.notify_all()
+        return length, (tx if completes_step else None)
+
+    def finish_implicit_step(self, tx: StepTransaction) -> CommitResult | None:
+        """Commit (or skip) implicit step `tx` once its blocks are done: the end of the write
+        that completed its gradients. Its result, or None where another thread got there first."""
+        with self.timing.command("commit_step"), self._cond:
+            while tx.inflight:
+                self._cond.wait()
+            if self._tx is tx:
+                return self._commit_locked(tx)
+            return None
+
+    def _run_block_in_background(self, tx: StepTransaction, block: ReadyBlock) -> None:
+        try:
+            # Modeled as the controller's own work; in timed mode the block (and so the
+            # commit that waits for it) finishes no earlier than the model says.
+            with self.timing.command("kernel_block", host_command=False):
+                self._run_block(tx, block)
+        except DeviceError:
+            pass  # recorded in tx.error and logged; the commit reports it
+        finally:
+            with self._cond:
+                tx.inflight -= 1
+                self._cond.notify_all()
+
+    def _block_update(self, source: Copy, tensor: TensorLayout) -> kernels.BlockUpdate:
+        """The kernel call that steps `tensor`'s blocks from copy `source` into the other one,
+        its arrays checked once (a mapped shadow only)."""
+        key = (source, tensor.name)
+        update = self._block_updates.get(key)
+        if update is None:
+            update = kernels.BlockUpdate(
+                *(self._view(source, tensor, role) for role in ("master", "exp_avg", "exp_avg_sq")),
+                *(self._view(source.other, tensor, role) for role in BLOCK_ROLES),
+                grad_format=self._grad_format, param_format=self._param_format,
+                state_format=self._state_format)
+            self._block_updates[key] = update
+        return update
+
+    def _run_block(self, tx: StepTransaction, block: ReadyBlock) -> None:
+        """Check and update one complete gradient block into the shadow copy."""
+        try:
+            started = time.perf_counter_ns()
+            committed = self._sb.committed_copy
+            shadow = committed.other
+            tensor = block.tensor
+            start, stop = tensor.block_range(block.local_block)
+            crc = 0
+            written = 0
+            state = self._copies[shadow]
+            mapped = state.write_mode == "mapped"
+            buffers = self._staging(stop - start)
+            grad = block.grad
+            if block.shared:
+                # Every element of a lent gradient is read from the host's memory exactly once:
+                # copied into this thread's buffer, which alone is counted and stepped, so the
+                # step always uses the values it was checked on.
+                grad = buffers["grad"]
+                np.copyto(grad, block.grad)
+            # Counted before the step, from memory only the device writes: a block found
+            # non-finite never reaches the shadow copy, which still holds the step before
+            # the committed one (the fallback; see _commit_locked).
+            nonfinite = kernels.count_nonfinite(grad, self._grad_format)
+            # Once the step is known to be skipped there is no point updating the shadow.
+            if not nonfinite and tx.nonfinite == 0:
+                if mapped:
+                    # The kernel stores the new state straight into the shadow copy's mapping.
+                    state.before_mapped_write()
+                    crc, _ = self._block_update(committed, tensor)(
+                        grad, start, tx.scalars[self._group_of[tensor.name]], block.param_copy)
+                    written = (stop - start) * sum(self._role_dtype(role).itemsize for role in BLOCK_ROLES)
+                else:
+                    # Into this thread's buffers, which pwrite then copies into the shadow
+                    # (stores into a disk file's mapping would fault once per page).
+                    out = buffers
+                    # One pass: the step, and the checksum of its outputs while they are in cache.
+                    crc = kernels.adam_step_crc(
+                        grad,
+                        self._view(committed, tensor, "master")[start:stop],
+                        self._view(committed, tensor, "exp_avg")[start:stop],
+                        self._view(committed, tensor, "exp_avg_sq")[start:stop],
+                        out["master"], out["exp_avg"], out["exp_avg_sq"], out["param"],
+                        grad_format=self._grad_format,
+                        param_format=self._param_format,
+                        state_format=self._state_format,
+                        scalars=tx.scalars[self._group_of[tensor.name]],
+                    )
+                    if block.param_copy is not None:
+                        block.param_copy[:] = out["param"]  # still in cache
+                    for role in BLOCK_ROLES:
+                        region = self._region_offset(tensor, role) + start * out[role].itemsize
+                        state.write_at(region, out[role])
+                        state.start_writeback(region, out[role].nbytes)
+                        written += out[role].nbytes
+            elapsed = time.perf_counter_ns() - started
+        except BaseException as exc:
+            with self._lock:
+                tx.error = exc
+            log.exception("namespace %s: kernel failed on %s block %d", self.name, block.tensor.name, block.local_block)
+            raise DeviceError(Status.INTERNAL_ERROR, f"kernel failed: {exc}") from exc
+        with self._lock:
+            tx.finish(block, crc, nonfinite, copied=written > 0 and block.param_copy is not None)
+            self.counters.kernel_blocks += 1
+            self.counters.kernel_ns += elapsed
+            self.counters.media_bytes_written += written
+        if written:  # the kernel ran: master and moments read, the new state written
+            self.timing.add(media_read=(stop - start) * (4 + 2 * self._state_dtype.itemsize),
+                            media_write=written, elements=stop - start)
