@@ -126,11 +126,8 @@ class CmbCommands:
         return cmb
 
     def _namespace(self, command: Command) -> Namespace:
-        namespace = self.controller.device.namespace_by_id(command.nsid)
-        if not isinstance(namespace, Namespace):
-            raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
-                              f"namespace {command.nsid} is an NVM namespace; CMB transfers move tensor files")
-        return namespace
+        return self.controller.device.optimizer_namespace(
+            command.nsid, "a CMB transfer (it moves tensor files)")
 
     def write(self, command: Command) -> Completion:
         """Bytes from the CMB into tensor files: gradients of the open (or an implicit) step,

@@ -29,7 +29,7 @@ IDENTIFY_BYTES = 4096
 # Modules that add command families beside the ones below. Each has `handlers(controller)`
 # returning {opcode: handler}; a handler takes a Command and returns a Completion or raises
 # DeviceError (see Controller.execute).
-COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection", "cossd.emulator.features",
+COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection_commands", "cossd.emulator.features",
                                     "cossd.emulator.snapshot_commands", "cossd.emulator.cmb_commands")
 
 # Effects beyond CSUPP that the Commands Supported and Effects page (LID 05h) announces.
@@ -286,7 +286,7 @@ class Controller:
     # ------------------------------------------------------------------ steps
 
     def _begin_step(self, command: Command) -> Completion:
-        namespace = self._namespace(command)
+        namespace = self.device.optimizer_namespace(command.nsid, "begin step")
         step = command.cdw10_11 or None
         grad_scale = command.cdw12_13_f64 if (command.cdw12 or command.cdw13) else 1.0
         opened = namespace.begin_step(step, grad_scale)
@@ -294,13 +294,13 @@ class Controller:
                           data=_json({"step": opened, "grad_scale": grad_scale}))
 
     def _commit_step(self, command: Command) -> Completion:
-        result = self._namespace(command).commit_step()
+        result = self.device.optimizer_namespace(command.nsid, "commit step").commit_step()
         status = Status.STEP_SKIPPED_NONFINITE if result.skipped else Status.SUCCESS
         return Completion(command.cid, status, result=result.committed_step & 0xFFFFFFFF,
                           data=_json(dataclasses.asdict(result)))
 
     def _abort_step(self, command: Command) -> Completion:
-        step = self._namespace(command).abort_step()
+        step = self.device.optimizer_namespace(command.nsid, "abort step").abort_step()
         return Completion(command.cid, Status.SUCCESS, result=step & 0xFFFFFFFF,
                           data=_json({"aborted_step": step}))
 
@@ -313,7 +313,7 @@ class Controller:
             raise DeviceError(Status.INVALID_FIELD, f"unknown hyperparameter(s) {', '.join(map(repr, unknown))[:200]}; "
                               f"this command takes {', '.join(GROUP_FIELDS)} and group")
         group = changes.pop("group", None)  # checked by the namespace: an int in 0..G-1
-        hyper = self._namespace(command).set_hyperparameters(group, **changes)
+        hyper = self.device.optimizer_namespace(command.nsid, "set hyperparameters").set_hyperparameters(group, **changes)
         return Completion(command.cid, Status.SUCCESS, data=_json(dataclasses.asdict(hyper)))
 
     def _namespace_statistics(self, command: Command) -> Completion:
@@ -324,10 +324,10 @@ class Controller:
         """Verify every block checksum of one namespace or all; bad blocks are media errors
         (counted by the namespace) and error log entries."""
         if command.nsid == NSID_ALL:  # every namespace that has checksums: not the nvm ones
-            namespaces = sorted((ns for ns in self.device.namespaces.values() if ns.kind != "nvm"),
+            namespaces = sorted((ns for ns in self.device.namespaces.values() if isinstance(ns, Namespace)),
                                 key=lambda ns: ns.nsid)
         else:
-            namespaces = [self._namespace(command)]
+            namespaces = [self.device.optimizer_namespace(command.nsid, "scrub (block checksums)")]
         report: dict[str, Any] = {}
         for namespace in namespaces:
             blocks, bad = namespace.scrub_blocks()

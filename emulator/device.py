@@ -328,6 +328,17 @@ class Device:
                 return namespace
         raise DeviceError(Status.INVALID_NAMESPACE, f"no namespace with nsid {nsid}")
 
+    def optimizer_namespace(self, nsid: int, needs: str) -> kinds.Namespace:
+        """Optimizer namespace `nsid`, for a command or transfer (`needs`, as the error names
+        it) that only that kind serves: NAMESPACE_KIND_MISMATCH for a namespace of another
+        kind, which has no steps, state or snapshots to offer."""
+        namespace = self.namespace_by_id(nsid)
+        if not isinstance(namespace, kinds.Namespace):
+            raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
+                              f"namespace {namespace.name!r} is a plain {namespace.kind} namespace: "
+                              f"{needs} needs an optimizer namespace")
+        return namespace
+
     def create_namespace(self, spec: kinds.AnySpec) -> kinds.AnyNamespace:
         """Allocate a namespace of either kind; the registry update in the device superblock
         commits it."""

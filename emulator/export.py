@@ -39,7 +39,6 @@ EXPORTS_DIR = "exports"
 STEP_EXPORT = "step-{step}.safetensors"
 SNAPSHOT_EXPORT = "snapshot-{tag}.safetensors"
 SAFETENSORS_DTYPES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
-STATE_ROLES = ("master", "exp_avg", "exp_avg_sq")
 PAYLOAD_KEYS = {"tag", "path", "optimizer_state", "overwrite"}
 
 

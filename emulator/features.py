@@ -28,6 +28,7 @@ from ..protocol.features import (
     FeatureId,
     Select,
 )
+from .nvm import NvmNamespace
 from .superblock import GROUP_FIELDS
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ class Features:
 
     def _set_namespace_durability(self, sync: bool) -> None:
         for namespace in list(self.device.namespaces.values()):
-            if namespace.kind == "nvm":
+            if isinstance(namespace, NvmNamespace):
                 namespace.write_through = sync  # an nvm namespace writes through, or caches
             else:
                 namespace.sync_commits = sync
@@ -207,12 +208,7 @@ class Features:
             raise DeviceError(Status.INVALID_NAMESPACE,
                               f"feature {FeatureId.HYPERPARAMETERS:#04x} is namespace specific: "
                               f"nsid must name a namespace, not {command.nsid:#x}")
-        namespace = self.device.namespace_by_id(command.nsid)
-        if namespace.kind != "optimizer":
-            raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
-                              f"namespace {namespace.name!r} is a plain {namespace.kind} namespace: "
-                              "it has no hyperparameters")
-        return namespace
+        return self.device.optimizer_namespace(command.nsid, "the hyperparameters feature")
 
     @staticmethod
     def _groups(hypers: Any) -> tuple[int, bytes]:

@@ -8,13 +8,12 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from ..protocol.status import DeviceError, Status
 from .health import LifetimeCounters
 from .media import StateFile, atomic_write_json, fsync_dir, read_json
 from .names import check_name
-from .namespace import Namespace
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +95,6 @@ class NvmCounters:
             busy_ns=self.io_ns + self.flush_ns,
             media_bytes_written=self.media_bytes_written,
         )
-
-
-def _kind_mismatch(name: str, what: str) -> NoReturn:
-    raise DeviceError(
-        Status.NAMESPACE_KIND_MISMATCH,
-        f"namespace {name!r} is a plain nvm namespace: {what} needs an optimizer namespace",
-    )
 
 
 class NvmNamespace:
@@ -314,36 +306,3 @@ class NvmNamespace:
                 f"namespace {self.name!r} stopped after a failed sync ({self.media_failure}); "
                 "remount the device",
             )
-
-    # ------------------------------------------------------------------ optimizer commands
-
-    def begin_step(self, *args: Any, **kwargs: Any) -> NoReturn:
-        _kind_mismatch(self.name, "begin step")
-
-    def commit_step(self) -> NoReturn:
-        _kind_mismatch(self.name, "commit step")
-
-    def abort_step(self) -> NoReturn:
-        _kind_mismatch(self.name, "abort step")
-
-    def set_hyperparameters(self, *args: Any, **kwargs: Any) -> NoReturn:
-        _kind_mismatch(self.name, "set hyperparameters")
-
-    def scrub_blocks(self) -> NoReturn:
-        _kind_mismatch(self.name, "scrub (block checksums)")
-
-    def scrub(self) -> NoReturn:
-        _kind_mismatch(self.name, "scrub (block checksums)")
-
-    def write_grad(self, *args: Any, **kwargs: Any) -> NoReturn:
-        _kind_mismatch(self.name, "a gradient write")
-
-    def write_state(self, *args: Any, **kwargs: Any) -> NoReturn:
-        _kind_mismatch(self.name, "a state write")
-
-    def __getattr__(self, attribute: str) -> Any:
-        # Any other optimizer operation (added by later commands) refuses clearly, never with
-        # an AttributeError that would surface as INTERNAL_ERROR.
-        if not attribute.startswith("_") and hasattr(Namespace, attribute):
-            _kind_mismatch(self.name, attribute)
-        raise AttributeError(attribute)

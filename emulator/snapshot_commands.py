@@ -10,6 +10,7 @@ from . import export
 from ..protocol.status import DeviceError, Status
 from .jobs import JobTable
 from ..protocol.logpages import LBCC, NIC, LogId
+from . import snapshot_clone
 from .namespace import Namespace
 from ..protocol.entries import NSID_ALL, Command, Completion, Opcode
 
@@ -54,12 +55,7 @@ class SnapshotCommands:
             export.clean_staging(self.device.path)
 
     def _namespace(self, command: Command) -> Namespace:
-        namespace = self.device.namespace_by_id(command.nsid)
-        if not isinstance(namespace, Namespace):
-            raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
-                              f"namespace {namespace.name!r} is not an optimizer namespace: "
-                              "it has no snapshots")
-        return namespace
+        return self.device.optimizer_namespace(command.nsid, "a snapshot command")
 
     def create(self, command: Command) -> Completion:
         namespace = self._namespace(command)
@@ -86,7 +82,7 @@ class SnapshotCommands:
     def clone(self, command: Command) -> Completion:
         namespace = self._namespace(command)
         request = _payload(command, ("tag", "name"))
-        clone = namespace.snapshots.clone(request["tag"], request["name"], self.device)
+        clone = snapshot_clone.clone(namespace.snapshots, request["tag"], request["name"], self.device)
         return Completion(command.cid, Status.SUCCESS, result=clone.nsid,
                           data=_json(clone.config() | {"committed_step": clone.committed_step,
                                                        "source": namespace.name,

@@ -13,19 +13,36 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cossd import kernels
 
 from . import media
 from ..protocol.status import DeviceError, Status
-from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, plan_layout, region_offset
+from .layout import BLOCK_ELEMS, TensorLayout, plan_layout, region_offset
 from .names import check_name
+from .namespace_common import BLOCK_ROLES
 from .superblock import Superblock
 
-if TYPE_CHECKING:
-    from .device import Device
-    from .namespace import Namespace
+
+
+class SnapshotSource(Protocol):
+    """What a snapshot store needs of the namespace it belongs to (emulator/namespace.py)."""
+
+    name: str
+    nsid: int
+    directory: Path
+    spec: Any
+    layouts: list[TensorLayout]
+    tensors: dict[str, TensorLayout]
+    total_blocks: int
+    sync_commits: bool
+
+    def itemsize(self, role: str) -> int: ...
+
+    def pinned_committed(self) -> contextlib.AbstractContextManager[tuple[Superblock, media.StateFile]]: ...
+
+    def restore_committed(self, source: Superblock, fill: Callable[[media.StateFile], None]) -> int: ...
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +51,8 @@ STATE_FILE = "state"
 SUPERBLOCK_FILE = "sb"
 META_FILE = "meta.json"
 MAX_SNAPSHOTS = 1024  # per namespace
-# The arrays a block checksum covers, in checksum order (namespace.BLOCK_ROLES; the
-# namespace module imports this one, so the order is restated here).
-CHECKSUM_ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
+# The arrays a block checksum covers, in checksum order.
+CHECKSUM_ROLES = BLOCK_ROLES
 
 Reserve = Callable[[int, str], contextlib.AbstractContextManager[None]]
 
@@ -95,14 +111,14 @@ class SnapshotStore:
     are leftovers of an interrupted create or delete and are removed when the store opens.
     """
 
-    def __init__(self, namespace: Namespace) -> None:
+    def __init__(self, namespace: SnapshotSource) -> None:
         self.namespace = namespace
         self.root = namespace.directory / SNAPSHOTS_DIR
         spec = namespace.spec
         _, self.copy_bytes = plan_layout([(t.name, t.numel) for t in spec.tensors],
                                          spec.state_itemsize, 2)
         self._itemsizes = {role: namespace.itemsize(role) for role in CHECKSUM_ROLES}
-        self._lock = threading.Lock()  # one create, delete, rollback or clone at a time
+        self.lock = threading.Lock()  # one create, delete, rollback or clone at a time
         self._snapshots: dict[str, Snapshot] = {}
         self._damaged: dict[str, Damaged] = {}
         # Blocks (global indices) of each snapshot already verified for reads from the mount.
@@ -285,7 +301,7 @@ class SnapshotStore:
         """Snapshot the committed step under `tag`; `reserve(bytes, what)` holds the device's
         capacity for it while it is built."""
         tag = check_name(tag, "snapshot tag")
-        with self._lock:
+        with self.lock:
             if tag in self._snapshots or tag in self._damaged:
                 raise DeviceError(Status.SNAPSHOT_EXISTS,
                                   f"namespace {self.namespace.name!r} already has a snapshot {tag!r}")
@@ -353,7 +369,7 @@ class SnapshotStore:
 
     def delete(self, tag: object) -> None:
         tag = check_name(tag, "snapshot tag")
-        with self._lock:
+        with self.lock:
             if tag not in self._snapshots and tag not in self._damaged:
                 raise DeviceError(Status.SNAPSHOT_NOT_FOUND,
                                   f"namespace {self.namespace.name!r} has no snapshot {tag!r}")
@@ -403,12 +419,12 @@ class SnapshotStore:
         finally:
             os.close(fd)
 
-    # ------------------------------------------------------------------ rollback, clone
+    # ------------------------------------------------------------------ rollback (clones: emulator/snapshot_clone.py)
 
     def rollback(self, tag: object) -> tuple[Snapshot, int]:
         """Commit the snapshot's state as the namespace's newest step (no step may be open);
         returns the snapshot and the step it replaced."""
-        with self._lock:
+        with self.lock:
             snapshot = self.get(tag)
             fd = self.open_state(snapshot)
             try:
@@ -422,69 +438,3 @@ class SnapshotStore:
         log.info("namespace %s: rolled back from step %d to snapshot %s (step %d)",
                  self.namespace.name, previous, snapshot.tag, snapshot.step)
         return snapshot, previous
-
-    def clone(self, tag: object, new_name: object, device: Device) -> Namespace:
-        """A new namespace `new_name` whose committed state is the snapshot's (same tensors,
-        dtypes and hyperparameters, at the snapshot's step); it trains on its own."""
-        source = self.namespace
-        new_name = check_name(new_name, "namespace")
-        with self._lock:
-            snapshot = self.get(tag)
-            # The clone's description: the source's, renamed, starting at the snapshot's step.
-            spec = dataclasses.replace(source.spec, name=new_name,
-                                       initial_step=snapshot.step).validate()
-
-            def build(directory: Path, nsid: int) -> Namespace:
-                return self._build_clone(snapshot, spec, directory, nsid)
-
-            return device.adopt_namespace(new_name, 2 * self.copy_bytes, build)
-
-    def _build_clone(self, snapshot: Snapshot, spec: Any, directory: Path, nsid: int) -> Namespace:
-        from .namespace import Namespace  # the namespace module imports this one
-
-        self.verify(snapshot)
-        try:
-            directory.mkdir(parents=True)
-            source_fd = self.open_state(snapshot)
-            try:
-                for copy in Copy:
-                    path = directory / f"state.{copy.name}"
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                    try:
-                        # Real blocks, preallocated like a created namespace's: no step of
-                        # the clone can run out of space.
-                        os.posix_fallocate(fd, 0, self.copy_bytes)
-                        if copy == Copy.A:
-                            media.copy_range(source_fd, fd, path, self.copy_bytes, share_extents=False)
-                        media.sync_fd(fd, path)
-                    finally:
-                        os.close(fd)
-            finally:
-                os.close(source_fd)
-            superblock = dataclasses.replace(
-                snapshot.superblock, seq=1, committed_copy=Copy.A, flags=SuperblockFlags.NONE,
-                steps_committed=0, steps_skipped=0, last_skipped_step=0,
-                block_crcs=snapshot.superblock.block_crcs.copy(),
-            )
-            encoded = superblock.encode()
-            slots = (media.SlotFile(directory / "sb.0"), media.SlotFile(directory / "sb.1"))
-            try:
-                slots[1 - superblock.slot].allocate(len(encoded))
-                slots[superblock.slot].write(encoded)
-                for slot in slots:
-                    slot.sync()
-            finally:
-                for slot in slots:
-                    slot.close()
-            media.atomic_write_json(directory / "meta.json",
-                                    {"nsid": nsid, "spec": spec.to_json(), "copy_bytes": self.copy_bytes})
-            media.fsync_dir(directory)
-            media.fsync_dir(directory.parent)
-            # Opening verifies every block of the new copy against the checksums.
-            return Namespace.open(directory, self.namespace.sync_commits)
-        except OSError as exc:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise media.media_error(exc, f"cloning snapshot {snapshot.tag!r}") from exc
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise

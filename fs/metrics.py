@@ -17,6 +17,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from cossd.emulator.kinds import OPTIMIZER_KIND
 
 if TYPE_CHECKING:
     from cossd.emulator.namespace import Namespace
@@ -180,7 +181,7 @@ class DeviceCollector(Collector):
                 if key in figures:  # a plain NVM namespace has the I/O counters only
                     # Integers stay integers; only the nanosecond timers become float seconds.
                     counters[name].add_metric(label, figures[key] * scale if scale != 1 else figures[key])
-            if figures.get("kind", "optimizer") != "optimizer":
+            if figures.get("kind", OPTIMIZER_KIND) != OPTIMIZER_KIND:
                 continue
             values = {
                 "cossd_committed_step": figures["committed_step"],

@@ -16,8 +16,8 @@ import trio
 
 from cossd.emulator import Device, DeviceError
 from cossd.emulator.controller import Controller
+from cossd.emulator.io import DATA_ROLE, DeviceIO
 from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
-from cossd.protocol.entries import IoOpcode
 
 from .admin_queue import AdminHandle
 from .handles import FileHandle, Stat
@@ -53,6 +53,14 @@ def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]
     return wrapper
 
 
+def _file_of(node: Node) -> tuple[str | None, str]:
+    """The device file a tensor-file or NVM-data node stands for: (tensor, role), or
+    (None, "data") for an NVM namespace's data."""
+    if node.kind == Kind.DATA:
+        return None, DATA_ROLE
+    return node.name, node.role
+
+
 class Operations(pyfuse3.Operations):
     """The cossd file API. Device work runs on worker threads, off the event loop."""
 
@@ -64,6 +72,7 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.device = device
         self.controller = Controller(device, cmb_bytes)
+        self.io = DeviceIO(self.controller)  # tensor and NVM data I/O: the device's one entry
         self.tree = Tree(device)
         self.limiter = trio.CapacityLimiter(worker_threads or max(2, os.cpu_count() or 2))
         self.nursery: trio.Nursery | None = None
@@ -295,15 +304,13 @@ class Operations(pyfuse3.Operations):
         if handle.node.kind == Kind.SNAP_ARRAY:
             return await self._run(self.tree.snapshots.read, handle.node, off, size)
         namespace = self.tree.namespace(handle.node)
-        self.controller.injector.check_io(IoOpcode.READ, namespace.nsid)  # INJECT_ERROR, data path
-        if handle.node.kind == Kind.DATA:
-            return await self._run(namespace.read, off, size)
+        tensor, role = _file_of(handle.node)
         # On this thread, without a copy, where that cannot block the loop: pyfuse3 replies
         # with the view before this task yields (see Namespace.read_nowait).
-        view = namespace.read_nowait(handle.node.name, handle.node.role, off, size)
+        view = self.io.read_nowait(namespace, tensor, role, off, size)
         if view is not None:
             return view
-        return await self._run(namespace.read, handle.node.name, handle.node.role, off, size)
+        return await self._run(functools.partial(self.io.read, namespace, tensor, role, off, size, checked=True))
 
     @_guarded
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -315,25 +322,20 @@ class Operations(pyfuse3.Operations):
             return await self._write_command(handle, buf)
         if not handle.writable:
             raise fuse_error(errno.EBADF)
-        node = handle.node
-        namespace = self.tree.namespace(node)
-        self.controller.injector.check_io(IoOpcode.WRITE, namespace.nsid)  # INJECT_ERROR, data path
-        if node.kind == Kind.DATA:
-            return await self._run(namespace.write, off, buf)
-        if node.role == "grad":
-            # Staging a gradient piece never waits, so it runs on this thread (a hop to a
-            # worker thread costs more than the staging); a thread takes what may wait: a
-            # begin (it may wait for a flush), a busy lock, and the commit of a step.
-            staged = namespace.write_grad_nowait(node.name, off, buf)
-            if staged is None:
-                written = await self._run(namespace.write_grad, node.name, off, buf)
-            else:
-                written, implicit = staged
-                if implicit is not None:
-                    await self._run(namespace.finish_implicit_step, implicit)
-            self.schedule_flush(namespace)
-            return written
-        return await self._run(namespace.write_state, node.name, node.role, off, buf)
+        namespace = self.tree.namespace(handle.node)
+        tensor, role = _file_of(handle.node)
+        # Staging a gradient piece never waits, so it runs on this thread (a hop to a worker
+        # thread costs more than the staging); a thread takes what may wait: a begin (it may
+        # wait for a flush), a busy lock, the commit of a step, NVM data and state writes.
+        staged = self.io.write_nowait(namespace, tensor, role, off, buf)
+        if staged is None:
+            written = await self._run(functools.partial(self.io.write, namespace, tensor, role, off, buf, checked=True))
+        else:
+            written = staged.written
+            if staged.implicit is not None:
+                await self._run(self.io.finish, namespace, staged)
+        self.schedule_flush(namespace)
+        return written
 
     # ------------------------------------------------------------------ the data path
 
@@ -356,14 +358,7 @@ class Operations(pyfuse3.Operations):
         self._fault("write")
         if not handle.writable:
             raise fuse_error(errno.EBADF)
-        node = handle.node
-        namespace = self.tree.namespace(node)
-        self.controller.injector.check_io(IoOpcode.WRITE, namespace.nsid)
-        if node.kind == Kind.DATA:
-            return namespace.write(off, buf)
-        if node.role == "grad":
-            return namespace.write_grad(node.name, off, buf)
-        return namespace.write_state(node.name, node.role, off, buf)
+        return self.io.write(self.tree.namespace(handle.node), *_file_of(handle.node), off, buf)
 
     @contextlib.contextmanager
     def read_data(self, handle: FileHandle, off: int, size: int) -> Iterator[bytes | memoryview]:
@@ -373,12 +368,7 @@ class Operations(pyfuse3.Operations):
         if node.kind == Kind.TEXT:  # the snapshot taken at open
             yield handle.text[off : off + size]
             return
-        namespace = self.tree.namespace(node)
-        self.controller.injector.check_io(IoOpcode.READ, namespace.nsid)
-        if node.kind == Kind.DATA:
-            yield namespace.read(off, size)
-            return
-        with namespace.read_pinned(node.name, node.role, off, size) as view:
+        with self.io.read_view(self.tree.namespace(node), *_file_of(node), off, size) as view:
             yield view
 
     # ------------------------------------------------------------------ control file
@@ -397,7 +387,7 @@ class Operations(pyfuse3.Operations):
         """Submissions written to the control file (blocking); the caller then has
         schedule_flushes() run on the event loop."""
         with handle.lock:
-            return handle.take(buf, self.controller.submit)
+            return handle.take(buf, self.io.submit)
 
     def read_completion(self, handle: AdminHandle, size: int) -> bytes:
         """_read_completion on the data path."""
@@ -426,9 +416,7 @@ class Operations(pyfuse3.Operations):
 
     def schedule_flush(self, namespace: Namespace) -> None:
         """Make a committed step durable in the background (the power-loss-protected mode)."""
-        if self.device.config.sync or self.nursery is None:
-            return
-        if not namespace.flush_pending or namespace.nsid in self._flushing:
+        if self.nursery is None or not self.io.flush_wanted(namespace) or namespace.nsid in self._flushing:
             return
         self._flushing.add(namespace.nsid)
         self.nursery.start_soon(self._flush_in_background, namespace)

@@ -10,7 +10,6 @@ from cossd.emulator.snapshots import Snapshot
 
 from .nodes import SNAPSHOT_DIR_KINDS, Kind, Node, fuse_error
 
-SNAPSHOTS_NAME = "snapshots"
 STEP_NAME = "step"
 TENSORS_NAME = "tensors"
 # A snapshot keeps the state a step left: no gradient.

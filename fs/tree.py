@@ -8,6 +8,7 @@ import pyfuse3
 
 from cossd.emulator import Device, DeviceError
 from cossd.emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
+from cossd.emulator.nvm import NvmNamespace
 
 from .nodes import SNAPSHOT_KINDS, Kind, Node, fuse_error
 from .snapshot_tree import SnapshotTree
@@ -73,7 +74,7 @@ class Tree:
                 (ns.name, Node(Kind.NAMESPACE, ns.nsid))
                 for ns in sorted(self.device.namespaces.values(), key=lambda n: n.nsid)
             ]
-        if node.kind == Kind.NAMESPACE and self.namespace(node).kind == "nvm":
+        if node.kind == Kind.NAMESPACE and isinstance(self.namespace(node), NvmNamespace):
             return [(name, Node(Kind.TEXT, node.nsid, name)) for name in NVM_TEXT_FILES] + [
                 (NVM_DATA_NAME, Node(Kind.DATA, node.nsid))]
         if node.kind == Kind.NAMESPACE:

@@ -19,7 +19,6 @@ docs/timing-model.md derives each term.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from .profiles import NS_PER_S, DeviceProfile, load_profile
 
@@ -167,6 +166,3 @@ def step_traffic(elements: int, *, grad_bytes: int = 2, param_bytes: int = 2,
         elements=elements,
     )
 
-
-def timing_json(timing: Timing) -> dict[str, Any]:
-    return dataclasses.asdict(timing) | {"bottleneck": timing.bottleneck}

@@ -13,8 +13,6 @@ import numpy as np
 
 from .status import DeviceError, Status
 
-PROTOCOL_VERSION = 1
-
 # The largest payload one submission may carry; the queue refuses a longer one before reading it.
 MAX_PAYLOAD_BYTES = 16 << 20
 

@@ -31,11 +31,12 @@ from cossd.emulator import (
 from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.protocol.logpages import CSUPP, LBCC, NIC, LogId
 from cossd.emulator.namespace import Namespace
+from cossd.emulator import snapshot_clone
 from cossd.protocol.entries import Opcode
 from cossd.client import snapshots as snapshot_calls
 from cossd.tools import cli
 from cossd.client import AdminClient
-from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
+from helpers import create_namespace, pread_all, pwrite_all, run_cli, tensor_dir
 from powerloss import PowerLossRecorder
 
 pytestmark = pytest.mark.mount
@@ -408,7 +409,7 @@ def test_snapshots_count_against_capacity_and_survive_reopen(tmp_path: Path) -> 
         assert refused.value.status == Status.NAMESPACE_INSUFFICIENT_CAPACITY
         assert not list((ns.directory / "snapshots").glob(".*"))
         with pytest.raises(DeviceError) as no_room:
-            ns.snapshots.clone("a", "c", device)
+            snapshot_clone.clone(ns.snapshots, "a", "c", device)
         assert no_room.value.status == Status.NAMESPACE_INSUFFICIENT_CAPACITY
         ns.snapshots.delete("a")
         assert device.allocated_bytes == base
@@ -614,7 +615,7 @@ class SnapshotPowerLoss:
                 ns.snapshots.rollback("a")
                 self.steps = {2}
                 self.clone_allowed = True
-                ns.snapshots.clone("a", "c", device)
+                snapshot_clone.clone(ns.snapshots, "a", "c", device)
                 self.clone_needed = True
                 self.snapshot_needed = False
                 ns.snapshots.delete("a")
@@ -683,12 +684,6 @@ def test_power_loss_at_every_sync_of_snapshot_rollback_clone_delete(tmp_path: Pa
 
 
 # ---------------------------------------------------------------------- CLI
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_cli_verbs_normal_and_json(mount: Mount, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -194,7 +194,7 @@ def test_refused_transfers_change_nothing(mounted: Mount) -> None:
         ]
         for opcode, payload, status, text in cases:
             _expect(client, opcode, nsid, payload, status, text)
-        _expect(client, W, nvm, [good], Status.NAMESPACE_KIND_MISMATCH, "NVM")
+        _expect(client, W, nvm, [good], Status.NAMESPACE_KIND_MISMATCH, "plain nvm namespace")
         _expect(client, W, 99, [good], Status.INVALID_NAMESPACE)
         # None of those opened a step, staged a gradient or moved a byte.
         after = client.statistics(nsid)
