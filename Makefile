@@ -26,8 +26,10 @@ system-deps:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq e2fsprogs mount rsync fio; \
 	fi
 
-$(STAMP): pyproject.toml setup.py kernels/_build.py kernels/cossd_kernels.c kernels/cossd_kernels.h \
-          kernels/cossd_guard.c kernels/cossd_guard.h
+# Every C file and header of the kernels (kernels/_build.py lists the sources); cffi's
+# generated _cossd_kernels.c is left out, since the build writes it.
+$(STAMP): pyproject.toml setup.py kernels/_build.py \
+          $(filter-out kernels/_cossd_kernels.c,$(wildcard kernels/*.c kernels/*.h))
 	@$(MAKE) --no-print-directory system-deps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel cffi

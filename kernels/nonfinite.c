@@ -1,0 +1,111 @@
+/* nonfinite.c: the count of a 16-bit gradient's inf/NaN elements, per level (scalar, AVX2, AVX-512) and dispatching. */
+
+#include "cossd_internal.h"
+
+/* The AVX2 and AVX-512 counters are two algorithms (per-lane counters against opmask
+ * popcounts), not one body in two widths, so they are written out here, each with its
+ * target attribute. Every one takes the format's exponent mask. */
+typedef size_t count_kernel_fn(const uint16_t *grad, uint16_t mask16, size_t n);
+
+static size_t count_nonfinite_scalar_impl(const uint16_t *grad, uint16_t mask, size_t n)
+{
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++)
+        count += (grad[i] & mask) == mask;
+    return count;
+}
+
+#if COSSD_X86
+COSSD_AVX2 static size_t count_nonfinite_avx2_impl(const uint16_t *grad, uint16_t mask16, size_t n)
+{
+    const __m256i mask = _mm256_set1_epi16((short)mask16);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    size_t count = 0;
+    size_t i = 0;
+    while (i + 16 <= n) {
+        /* Per-lane 16-bit counters (compare gives -1, subtracting adds 1) are
+         * flushed after at most 32767 hits, because madd_epi16 below reads
+         * them as signed. */
+        __m256i acc = _mm256_setzero_si256();
+        size_t block_end = n - i > (size_t)16 * 32767 ? i + (size_t)16 * 32767 : n;
+        for (; i + 16 <= block_end; i += 16) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)(grad + i));
+            __m256i hit = _mm256_cmpeq_epi16(_mm256_and_si256(h, mask), mask);
+            acc = _mm256_sub_epi16(acc, hit);
+        }
+        __m256i s32 = _mm256_madd_epi16(acc, ones16); /* pairs -> 8 x int32, each <= 65534 */
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+        count += (uint32_t)_mm_cvtsi128_si32(s);
+    }
+    for (; i < n; i++)
+        count += (grad[i] & mask16) == mask16;
+    return count;
+}
+
+COSSD_AVX512 static size_t count_nonfinite_avx512_impl(const uint16_t *grad, uint16_t mask16, size_t n)
+{
+    const __m512i mask = _mm512_set1_epi16((short)mask16);
+    const __m512i ones16 = _mm512_set1_epi16(1);
+    size_t count = 0;
+    size_t i = 0;
+    while (i + 32 <= n) {
+        /* Same per-lane 16-bit counters as the AVX2 path, flushed after at
+         * most 32767 hits per lane (madd_epi16 reads them as signed). */
+        __m512i acc = _mm512_setzero_si512();
+        size_t block_end = n - i > (size_t)32 * 32767 ? i + (size_t)32 * 32767 : n;
+        for (; i + 32 <= block_end; i += 32) {
+            __m512i h = _mm512_loadu_si512((const void *)(grad + i));
+            __mmask32 hit = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, mask), mask);
+            acc = _mm512_mask_add_epi16(acc, hit, acc, ones16);
+        }
+        count += (uint32_t)_mm512_reduce_add_epi32(_mm512_madd_epi16(acc, ones16));
+    }
+    if (i < n) { /* 1..31 left: masked load, the lanes outside read as 0 (finite) */
+        __mmask32 km = (__mmask32)((1u << (n - i)) - 1u);
+        __m512i h = _mm512_maskz_loadu_epi16(km, (const void *)(grad + i));
+        __mmask32 hit = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h, mask), mask);
+        count += (size_t)__builtin_popcount((unsigned)(hit & km));
+    }
+    return count;
+}
+#endif
+
+/* Indexed by COSSD_SIMD_* level; NULL where this build has no such path. */
+static count_kernel_fn *const count_kernels[COSSD_SIMD_AVX512 + 1] = {
+    [COSSD_SIMD_SCALAR] = count_nonfinite_scalar_impl,
+#if COSSD_X86
+    [COSSD_SIMD_AVX2] = count_nonfinite_avx2_impl,
+    [COSSD_SIMD_AVX512] = count_nonfinite_avx512_impl,
+#endif
+};
+
+/* Returns the count, or COSSD_COUNT_ERROR for a bad format, a NULL buffer or a level this
+ * CPU lacks (a size_t result has no room for the return codes). */
+static size_t count_nonfinite_at(int level, const uint16_t *grad, int fmt, size_t n)
+{
+    if (!half_fmt_ok(fmt) || (n > 0 && !grad) || !cossd_level_present(level))
+        return COSSD_COUNT_ERROR;
+    return count_kernels[level](grad, exp_mask(fmt), n);
+}
+
+size_t cossd_count_nonfinite_scalar(const uint16_t *grad, int fmt, size_t n)
+{
+    return count_nonfinite_at(COSSD_SIMD_SCALAR, grad, fmt, n);
+}
+
+size_t cossd_count_nonfinite_avx2(const uint16_t *grad, int fmt, size_t n)
+{
+    return count_nonfinite_at(COSSD_SIMD_AVX2, grad, fmt, n);
+}
+
+size_t cossd_count_nonfinite_avx512(const uint16_t *grad, int fmt, size_t n)
+{
+    return count_nonfinite_at(COSSD_SIMD_AVX512, grad, fmt, n);
+}
+
+size_t cossd_count_nonfinite(const uint16_t *grad, int fmt, size_t n)
+{
+    return count_nonfinite_at(simd_level_now(), grad, fmt, n);
+}

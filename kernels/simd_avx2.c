@@ -1,0 +1,11 @@
+/* simd_avx2.c: the AVX2 + F16C + FMA kernels (Adam step, conversions), compiled from the bodies written once on simd.h. */
+
+#include "cossd_internal.h"
+
+#if COSSD_X86
+#define SIMD_ISA_AVX2 1
+#include "simd.h"
+#include "adam_body.h"
+#include "convert_body.h"
+#include "simd_kernels.h"
+#endif
