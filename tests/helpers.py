@@ -4,10 +4,12 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+import pytest
 import torch
 
 from cossd.client import AdminClient
@@ -108,3 +110,20 @@ class TorchReference:
 
     def master(self, name: str) -> np.ndarray:
         return self.params[name].detach().numpy()
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: object,
+            prog: str | None = None) -> tuple[int, str, str]:
+    """Run `cossd ARGV...` (as `prog`: "nvme" answers as nvme-cli) in this process: its exit
+    status, stdout and stderr. A SystemExit (argparse's usage errors, --help, a verb's one-line
+    refusal) ends the run as it ends the process: its code, or 1 with its message on stderr."""
+    from cossd.tools.cli import main  # here: tests that never run the CLI do not load it
+
+    try:
+        code = main([str(arg) for arg in argv], prog=prog)
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -27,7 +27,7 @@ from cossd.emulator.namespace import NamespaceCounters
 from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
 from cossd.client import AdminClient, mounted_devices
-from helpers import create_namespace, tensor_dir
+from helpers import create_namespace, run_cli, tensor_dir
 
 pytestmark = pytest.mark.mount
 
@@ -67,12 +67,6 @@ def pread_pieces(path: Path, size: int) -> tuple[bytes, int]:
 def smart(mp: Path) -> dict[str, int]:
     with AdminClient(mp) as admin:
         return admin.smart_log()
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def committed_copy(backing: Path, name: str) -> str:
@@ -195,14 +189,14 @@ def test_scrub_finds_a_flipped_byte_and_recovery_counts_it(mount: Mount, capsys:
     nsid = create_namespace(mp, "net", [("w", 2000), ("b", B_NUMEL)])
     pwrite_pieces(tensor_dir(mp, "net", "w") / "grad", np.ones(2000, np.float16).tobytes())
     pwrite_pieces(tensor_dir(mp, "net", "b") / "grad", np.ones(B_NUMEL, np.float16).tobytes())
-    code, out, _ = run(capsys, "scrub", str(mp))
+    code, out, _ = run_cli(capsys, "scrub", str(mp))
     assert code == 0 and "net: 2 blocks verified, 0 bad" in out
     before = smart(mp)
 
     flip_byte(mount.backing, "net", 4 * 1000)  # w's master (first region of the copy), block 0
-    code, out, _ = run(capsys, "scrub", str(mp), "net")
+    code, out, _ = run_cli(capsys, "scrub", str(mp), "net")
     assert code == 1 and "1 bad" in out and "bad block: tensor w block 0" in out
-    code, out, _ = run(capsys, "scrub", str(mp), "net", "-o", "json")
+    code, out, _ = run_cli(capsys, "scrub", str(mp), "net", "-o", "json")
     assert code == 1 and json.loads(out) == {"net": {"blocks": 2, "bad": [["w", 0]]}}
 
     after = smart(mp)
@@ -348,61 +342,61 @@ def test_failed_commands_are_logged_with_their_command(mount: Mount) -> None:
 def test_cli_smart_log_error_log_and_get_log(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
     mp = str(mount.mountpoint)
     create_namespace(mount.mountpoint, "net", [("b", B_NUMEL)])
-    code, out, _ = run(capsys, "smart-log", mp)
+    code, out, _ = run_cli(capsys, "smart-log", mp)
     assert code == 0 and out.startswith(f"Smart Log for NVME device:{mp} namespace-id:ffffffff")
     assert "temperature                             : 27 °C (300 K)" in out
     assert "power_cycles                            : 1" in out and "Data Units Read" in out
-    code, out, _ = run(capsys, "smart-log", mp, "-o", "json")
+    code, out, _ = run_cli(capsys, "smart-log", mp, "-o", "json")
     value = json.loads(out)
     assert list(value)[:18] == list(logpages.SMART_FIELDS)  # nvme-cli's keys, in its order
     # 128-bit counters are strings in nvme-cli 2.3's JSON (tests/test_t21_nvme_cli.py)
     assert value["temperature"] >= 300 and value["power_cycles"] == "1"
-    code, out, _ = run(capsys, "smart-log", mp, "-H")
+    code, out, _ = run_cli(capsys, "smart-log", mp, "-H")
     assert code == 0 and "Temp. Threshold[1]" in out
-    code, out, _ = run(capsys, "smart-log", mp, "-H", "-o", "json")
+    code, out, _ = run_cli(capsys, "smart-log", mp, "-H", "-o", "json")
     assert json.loads(out)["critical_warning"] == {"value": 0, "available_spare": 0, "temp_threshold": 0,
                                                    "reliability_degraded": 0, "ro": 0, "vmbu_failed": 0,
                                                    "pmr_ro": 0}
 
-    code, out, _ = run(capsys, "error-log", mp, "-o", "json")
+    code, out, _ = run_cli(capsys, "error-log", mp, "-o", "json")
     # No errors yet: nvme-cli prints ELPE + 1 entries all the same, each empty (error_count 0).
     assert code == 0 and [entry["error_count"] for entry in json.loads(out)["errors"]] == [0] * 64
-    code, _, err = run(capsys, "get-log", mp, "--log-id", "0x42")
+    code, _, err = run_cli(capsys, "get-log", mp, "--log-id", "0x42")
     assert code == 1 and err == "cossd get-log: invalid log page 0x42 [INVALID_LOG_PAGE]\n"
-    code, out, _ = run(capsys, "error-log", mp)
+    code, out, _ = run_cli(capsys, "error-log", mp)
     assert code == 0 and "entries:1" in out and "(INVALID_LOG_PAGE)" in out and "GET_LOG_PAGE" in out
-    code, out, _ = run(capsys, "error-log", mp, "-o", "json")
+    code, out, _ = run_cli(capsys, "error-log", mp, "-o", "json")
     entry, *empty = json.loads(out)["errors"]
     assert entry["error_count"] == 1 and all(e["error_count"] == 0 for e in empty)
     assert list(entry) == ["error_count", "sqid", "cmdid", "status_field", "phase_tag", "parm_error_location",
                            "lba", "nsid", "vs", "trtype", "cs", "trtype_spec_info"]
     assert entry["status_field"] == 0x4000 | Status.INVALID_LOG_PAGE  # DNR | SCT 1 | SC 09h
 
-    code, out, _ = run(capsys, "get-log", mp, "-i", "2")
+    code, out, _ = run_cli(capsys, "get-log", mp, "-i", "2")
     assert code == 0 and out.startswith(f"Device:{mp} log-id:0x02 namespace-id:0xffffffff")
     assert "0000: 00 2c 01 64 0a" in out  # warning 0, 300 K, spare 100 %, threshold 10 %
-    code, out, _ = run(capsys, "get-log", mp, "-i", "2", "-o", "json")
+    code, out, _ = run_cli(capsys, "get-log", mp, "-i", "2", "-o", "json")
     assert json.loads(out)["power_cycles"] == 1
-    code, out, _ = run(capsys, "get-log", mp, "-i", "1", "-o", "json")
+    code, out, _ = run_cli(capsys, "get-log", mp, "-i", "1", "-o", "json")
     assert json.loads(out)["errors"][0]["error_count"] == 1
     # nvme-cli's --log-len and --lpo: a part of the page, dumped at its offsets.
-    code, out, _ = run(capsys, "get-log", mp, "-i", "2", "-l", "16", "-L", "0x10")
+    code, out, _ = run_cli(capsys, "get-log", mp, "-i", "2", "-l", "16", "-L", "0x10")
     assert code == 0 and out.startswith(f"Device:{mp} log-id:0x02 namespace-id:0xffffffff offset:16 length:16\n")
     assert out.splitlines()[2].startswith("0010: ") and len(out.splitlines()) == 3
-    code, out, _ = run(capsys, "get-log", mp, "-i", "2", "--log-len", "8", "-o", "json")
+    code, out, _ = run_cli(capsys, "get-log", mp, "-i", "2", "--log-len", "8", "-o", "json")
     assert json.loads(out) == {"log_id": 2, "offset": 0, "length": 8, "data": "002c01640a000000"}
     with pytest.raises(SystemExit) as refused:
         main(["get-log", mp, "-i", "2", "-l", "6"])
     assert refused.value.code == 2 and "a log length is a positive multiple of 4" in capsys.readouterr().err
-    code, _, err = run(capsys, "get-log", mp, "-i", "2", "-L", "6")
+    code, _, err = run_cli(capsys, "get-log", mp, "-i", "2", "-L", "6")
     assert code == 1 and err == "cossd get-log: log page offset 6 is not a multiple of 4 [INVALID_FIELD]\n"
-    code, out, _ = run(capsys, "get-log", mp, "-i", "5", "-o", "json")
+    code, out, _ = run_cli(capsys, "get-log", mp, "-i", "5", "-o", "json")
     assert "ACS_202 (SCRUB)" in json.loads(out)["admin_cmd_set"]
-    code, out, _ = run(capsys, "get-log", mp, "-i", "0xc0", "--namespace", "net")
+    code, out, _ = run_cli(capsys, "get-log", mp, "-i", "0xc0", "--namespace", "net")
     assert code == 0 and json.loads(out.split("\n", 1)[1])["net"]["steps_committed"] == 0
-    code, out, _ = run(capsys, "get-log", mp, "-i", "0xc0", "-o", "json")
+    code, out, _ = run_cli(capsys, "get-log", mp, "-i", "0xc0", "-o", "json")
     assert json.loads(out)["net"]["nsid"] == 1
-    code, _, err = run(capsys, "get-log", mp, "-i", "0xc0", "--namespace", "nope")
+    code, _, err = run_cli(capsys, "get-log", mp, "-i", "0xc0", "--namespace", "nope")
     assert code == 1 and "INVALID_NAMESPACE" in err
 
 
@@ -431,34 +425,34 @@ def test_cli_get_log_binary(mount: Mount, capsysbinary: pytest.CaptureFixture[by
 def test_cli_scrub_and_list(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
     mp = str(mount.mountpoint)
     create_namespace(mount.mountpoint, "net", [("b", B_NUMEL)])
-    code, out, _ = run(capsys, "scrub", mp)
+    code, out, _ = run_cli(capsys, "scrub", mp)
     assert code == 0 and out == "net: 0 blocks verified (still loading: no checksums yet), 0 bad\n"
     pwrite_pieces(tensor_dir(mount.mountpoint, "net", "b") / "grad", np.ones(B_NUMEL, np.float16).tobytes())
-    code, out, _ = run(capsys, "scrub", mp, "-o", "json")
+    code, out, _ = run_cli(capsys, "scrub", mp, "-o", "json")
     assert code == 0 and json.loads(out) == {"net": {"blocks": 1, "bad": []}}
-    code, _, err = run(capsys, "scrub", mp, "nope")
+    code, _, err = run_cli(capsys, "scrub", mp, "nope")
     assert code == 1 and "no namespace named 'nope'" in err
 
     # flush: the step the implicit write above committed is durable once it returns.
-    code, out, _ = run(capsys, "flush", mp, "net")
+    code, out, _ = run_cli(capsys, "flush", mp, "net")
     assert code == 0 and out == "NVMe Flush: success (namespace net, durable step 1)\n"
     with AdminClient(mount.mountpoint) as admin:
         assert admin.statistics(admin.nsid("net"))["durable_step"] == 1
         admin.create_namespace({"name": "raw", "kind": "nvm", "capacity_bytes": 1 << 20})
-    code, out, _ = run(capsys, "flush", mp, "raw", "-o", "json")
+    code, out, _ = run_cli(capsys, "flush", mp, "raw", "-o", "json")
     assert code == 0 and json.loads(out) == {"namespace": "raw", "nsid": 2, "durable_step": None}
-    code, out, _ = run(capsys, "flush", mp)
+    code, out, _ = run_cli(capsys, "flush", mp)
     assert code == 0 and out == "NVMe Flush: success (every namespace)\n"
-    code, _, err = run(capsys, "flush", mp, "nope")
+    code, _, err = run_cli(capsys, "flush", mp, "nope")
     assert code == 1 and "no namespace named 'nope'" in err
     with AdminClient(mount.mountpoint) as admin:
         admin.delete_namespace(admin.nsid("raw"))
 
     assert (mount.mountpoint.resolve(), mount.backing.resolve()) in mounted_devices()
-    code, out, _ = run(capsys, "list")
+    code, out, _ = run_cli(capsys, "list")
     line = next(row for row in out.splitlines() if row.startswith(mp))
     assert code == 0 and str(mount.backing) in line and "TESTSERIAL0001" in line and "net(1)" in line
-    code, out, _ = run(capsys, "list", "-o", "json")
+    code, out, _ = run_cli(capsys, "list", "-o", "json")
     # cossd's per-device view rides under "cossd" (nvme-cli's own layout: tests/test_t21_nvme_cli.py)
     (device,) = [d for d in json.loads(out)["cossd"]["Devices"] if d["DevicePath"] == mp]
     assert device["Backing"] == str(mount.backing) and device["SerialNumber"] == "TESTSERIAL0001"
@@ -469,14 +463,14 @@ def test_cli_scrub_and_list(mount: Mount, capsys: pytest.CaptureFixture[str]) ->
     # A crashed daemon whose mount is still attached is listed from its backing directory.
     os.kill(mount.pid, signal.SIGKILL)
     wait_for_exit(mount.pid)
-    code, out, _ = run(capsys, "list", "-o", "json")
+    code, out, _ = run_cli(capsys, "list", "-o", "json")
     listed = json.loads(out)
     (device,) = [d for d in listed["cossd"]["Devices"] if d["DevicePath"] == mp]
     assert code == 0 and device["State"].startswith("not answering")
     # Without identify pages to answer with, it is not in nvme-cli's part of the list.
     assert not [d for d in listed["Devices"] if d["cossd"]["mountpoint"] == mp]
     assert device["SerialNumber"] == "TESTSERIAL0001" and device["Namespaces"] == [{"NameSpace": 1, "Name": "net"}]
-    code, out, _ = run(capsys, "list")
+    code, out, _ = run_cli(capsys, "list")
     assert code == 0 and "[not answering" in out
 
 
@@ -511,21 +505,21 @@ def test_modeled_temperature_and_wear() -> None:
 def test_id_ns_and_admin_passthru(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
     mp = mount.mountpoint
     create_namespace(mp, "n", [("t", 1 << 20)])
-    code, out, _ = run(capsys, "id-ns", str(mp), "n", "-o", "json")
+    code, out, _ = run_cli(capsys, "id-ns", str(mp), "n", "-o", "json")
     assert code == 0
     ns = json.loads(out)
     with AdminClient(mp) as admin:
         size = admin.statistics(admin.nsid("n"))["state_bytes_per_copy"]
     # NSZE counts both state copies in 4 KiB blocks; LBA format 0 has 2^12-byte blocks.
     assert ns["nsze"] == ns["ncap"] == ns["nuse"] == 2 * size // 4096 and ns["lbafs"][0]["ds"] == 12
-    code, out, _ = run(capsys, "id-ns", str(mp), "n")
+    code, out, _ = run_cli(capsys, "id-ns", str(mp), "n")
     assert code == 0 and "nsze" in out and "lbads:12" in out
     # A raw Identify Controller (CNS 01h) through admin-passthru: the serial at bytes 4-23.
-    code, out, _ = run(capsys, "admin-passthru", str(mp), "--opcode", "0x06", "--cdw10", "1", "-o", "json")
+    code, out, _ = run_cli(capsys, "admin-passthru", str(mp), "--opcode", "0x06", "--cdw10", "1", "-o", "json")
     assert code == 0
     page = bytes.fromhex(json.loads(out)["data"])
     assert len(page) == 4096 and page[4:24].decode().strip() == "TESTSERIAL0001"
-    code, out, _ = run(capsys, "admin-passthru", str(mp), "--opcode", "0x7f")
+    code, out, _ = run_cli(capsys, "admin-passthru", str(mp), "--opcode", "0x7f")
     assert code == 1 and "INVALID_OPCODE" in out
-    code, out, err = run(capsys, "id-ns", str(mp), "missing")
+    code, out, err = run_cli(capsys, "id-ns", str(mp), "missing")
     assert code == 1 and "INVALID_NAMESPACE" in err

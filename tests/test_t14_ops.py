@@ -22,10 +22,10 @@ from cossd.emulator import Device
 from cossd.emulator.device import SUPERBLOCK_FILE
 from cossd.protocol.logpages import DATA_UNIT_BYTES
 from cossd.fs import daemon
-from cossd.tools import media_health, top
+from cossd.tools import media_health, verbs_top
 from cossd.tools.cli import main
 from cossd.client import AdminClient
-from helpers import create_namespace, tensor_dir
+from helpers import create_namespace, run_cli, tensor_dir
 
 pytestmark = pytest.mark.mount
 
@@ -55,12 +55,6 @@ def scrape(port: int) -> dict[str, tuple[str, dict[tuple[tuple[str, str], ...], 
 
 def value(families: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
     return families[name][1][tuple(sorted(labels.items()))]
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    code = main([str(arg) for arg in argv])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def write(path: Path, data: bytes) -> None:
@@ -205,7 +199,7 @@ def test_second_mount_on_a_busy_metrics_port_fails_cleanly(
     mountpoint = tmp_path / "mnt2"
     mountpoint.mkdir()
 
-    code, out, err = run(capsys, "mount", other, mountpoint, "--metrics-port", port)
+    code, out, err = run_cli(capsys, "mount", other, mountpoint, "--metrics-port", port)
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and f"cannot serve metrics on 127.0.0.1:{port}: address already in use" in err
     # Nothing started: not mounted, the device never opened (no power cycle written), the
@@ -233,7 +227,7 @@ def test_top_shows_rates_that_match_while_a_step_runs(
     create_namespace(mp, "net", [("w", W_NUMEL), ("b", B_NUMEL)])
     grad_w = np.full(W_NUMEL, 0.01, np.float16).tobytes()
     grad_b = np.ones(B_NUMEL, np.float16).tobytes()
-    real_pause = top.pause
+    real_pause = verbs_top.pause
     done: list[int] = []
 
     def step_between_samples(seconds: float) -> None:
@@ -248,8 +242,8 @@ def test_top_shows_rates_that_match_while_a_step_runs(
             read(tensor_dir(mp, "net", "w") / "param")
         real_pause(seconds)
 
-    monkeypatch.setattr(top, "pause", step_between_samples)
-    code, out, err = run(capsys, "top", mp, "--interval", "0.2", "--iterations", "2", "-o", "json")
+    monkeypatch.setattr(verbs_top, "pause", step_between_samples)
+    code, out, err = run_cli(capsys, "top", mp, "--interval", "0.2", "--iterations", "2", "-o", "json")
     assert code == 0 and err == ""
     first, second = [json.loads(line) for line in out.splitlines()]
     assert [first["refresh"], second["refresh"]] == [1, 2]
@@ -276,7 +270,7 @@ def test_top_shows_rates_that_match_while_a_step_runs(
     # Normal output: the same step seen open, then committed; steps/s x interval = 1 step.
     done.clear()
     create_namespace(mp, "idle", [("x", 10)])
-    code, out, err = run(capsys, "top", mp, "-d", "0.5", "-n", "2")
+    code, out, err = run_cli(capsys, "top", mp, "-d", "0.5", "-n", "2")
     assert code == 0 and err == ""
     screens = re.split(r"\n(?=cossd top - )", out.strip())
     assert len(screens) == 2 and "\x1b[" not in out  # not a terminal: no escape codes
@@ -295,7 +289,7 @@ def test_top_shows_rates_that_match_while_a_step_runs(
 
 
 def test_top_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "top", tmp_path, "-n", "1")
+    code, out, err = run_cli(capsys, "top", tmp_path, "-n", "1")
     assert code == 1 and out == "" and err.strip() == f"cossd top: {tmp_path} is not a mounted cossd device"
     for option in (("--interval", "0"), ("--interval", "-1"), ("--interval", "nan"), ("--iterations", "0")):
         with pytest.raises(SystemExit) as usage:
@@ -452,10 +446,10 @@ def test_loop_device_backing_through_the_cli(
 
     mounted = start_mount(backing, tmp_path / "loopmnt")
     try:
-        code, out, err = run(capsys, "smart-log", mounted.mountpoint, "--media")
+        code, out, err = run_cli(capsys, "smart-log", mounted.mountpoint, "--media")
         assert code == 0 and err == ""
         assert out.rstrip().endswith(f"\n\nmedia: {backing} is on {loop}, not an NVMe device")
-        code, out, err = run(capsys, "smart-log", mounted.mountpoint, "--media", "-o", "json")
+        code, out, err = run_cli(capsys, "smart-log", mounted.mountpoint, "--media", "-o", "json")
         media = json.loads(out)["cossd"]["media"]  # cossd's own, under its vendor key
         assert code == 0 and media["status"] == "not_nvme" and media["device"] == loop
     finally:
@@ -476,7 +470,7 @@ def test_tmpfs_backing_has_no_block_device(tmp_path: Path, capsys: pytest.Captur
         assert report["message"] == f"{backing} is on tmpfs, no block device"
         mounted = start_mount(backing, tmp_path / "tmpmnt")
         try:
-            code, out, _ = run(capsys, "smart-log", mounted.mountpoint, "--media")
+            code, out, _ = run_cli(capsys, "smart-log", mounted.mountpoint, "--media")
             assert code == 0 and out.rstrip().endswith(f"media: {backing} is on tmpfs, no block device")
         finally:
             stop(mounted)
@@ -486,7 +480,7 @@ def test_tmpfs_backing_has_no_block_device(tmp_path: Path, capsys: pytest.Captur
 
 def test_smart_log_media_on_this_machine(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
     backing = mount.backing.resolve()
-    code, out, err = run(capsys, "smart-log", mount.mountpoint, "--media", "-o", "json")
+    code, out, err = run_cli(capsys, "smart-log", mount.mountpoint, "--media", "-o", "json")
     assert code == 0 and err == ""
     value = json.loads(out)
     media = value["cossd"]["media"]  # cossd's own, under its vendor key
@@ -505,11 +499,11 @@ def test_smart_log_media_on_this_machine(mount: Mount, capsys: pytest.CaptureFix
     else:  # a machine whose backing is on NVMe: nvme-cli answered, or is said to be missing
         assert media["status"] in ("nvme", "nvme_cli_missing") and media["nvme_devices"]
 
-    code, out, err = run(capsys, "smart-log", mount.mountpoint, "--media")
+    code, out, err = run_cli(capsys, "smart-log", mount.mountpoint, "--media")
     assert code == 0 and err == ""
     normal_lines = out.rstrip().splitlines()
     assert normal_lines[0].startswith("Smart Log for NVME device:")
     assert f"media: {media['message']}" in normal_lines
     # Without --media nothing about the drive is printed.
-    code, out, _ = run(capsys, "smart-log", mount.mountpoint, "-o", "json")
+    code, out, _ = run_cli(capsys, "smart-log", mount.mountpoint, "-o", "json")
     assert code == 0 and "cossd" not in json.loads(out) and "media" not in json.loads(out)

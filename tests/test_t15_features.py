@@ -22,20 +22,14 @@ from cossd.protocol.logpages import WARN_TEMPERATURE
 from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
 from cossd.client import AdminClient
-from cossd.tools.feature_cmds import get_feature, set_feature
-from cossd.tools.inject_cmds import arm_injection, clear_injections, corrupt_block, injection_log
-from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
+from cossd.tools.verbs_features import get_feature, set_feature
+from cossd.tools.verbs_inject import arm_injection, clear_injections, corrupt_block, injection_log
+from helpers import create_namespace, pread_all, pwrite_all, run_cli, tensor_dir
 
 pytestmark = pytest.mark.mount
 
 W_NUMEL, B_NUMEL = 3000, 10
 THSEL_UNDER = 1 << 20
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def sealed_namespace(mp: Path, name: str = "net") -> int:
@@ -354,9 +348,9 @@ def test_corrupted_block_is_found_by_scrub_and_counted_as_a_media_error(mount: M
         after = admin.smart_log()
         assert after["media_errors"] == before["media_errors"] + 1
         assert injection_log(admin)["corrupted"] == [where | {"nsid": nsid}]
-    code, out, _ = run(capsys, "inject-error", str(mp), "--corrupt", "net", "--tensor", "b", "-o", "json")
+    code, out, _ = run_cli(capsys, "inject-error", str(mp), "--corrupt", "net", "--tensor", "b", "-o", "json")
     assert code == 0 and json.loads(out)["tensor"] == "b"
-    code, out, _ = run(capsys, "scrub", str(mp), "net", "-o", "json")
+    code, out, _ = run_cli(capsys, "scrub", str(mp), "net", "-o", "json")
     assert code == 1 and json.loads(out) == {"net": {"blocks": 2, "bad": [["w", 0], ["b", 0]]}}
     # The next mount's recovery refuses the corrupted copy and falls back to step 0.
     mount.unmount()
@@ -370,43 +364,43 @@ def test_corrupted_block_is_found_by_scrub_and_counted_as_a_media_error(mount: M
 def test_cli_get_and_set_feature(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
     mp = str(mount.mountpoint)
     sealed_namespace(mount.mountpoint)
-    code, out, _ = run(capsys, "get-feature", mp, "-f", "4")
+    code, out, _ = run_cli(capsys, "get-feature", mp, "-f", "4")
     assert code == 0 and out == "get-feature:0x04 (Temperature Threshold), Current value:0x00000157\n"
-    code, out, _ = run(capsys, "get-feature", mp, "-f", "4", "-H")
+    code, out, _ = run_cli(capsys, "get-feature", mp, "-f", "4", "-H")
     assert "(TMPTH): 70 °C (343 K)" in out and "Over Temperature Threshold" in out
-    code, out, _ = run(capsys, "get-feature", mp, "-f", "7", "-H", "-o", "json")
+    code, out, _ = run_cli(capsys, "get-feature", mp, "-f", "7", "-H", "-o", "json")
     value = json.loads(out)
     assert value["value"] == 0xFFFEFFFE and value["fields"] == {"nsqa": 0xFFFE, "ncqa": 0xFFFE}
-    code, out, _ = run(capsys, "get-feature", mp, "-f", "0xc1", "-s", "3", "-H")
+    code, out, _ = run_cli(capsys, "get-feature", mp, "-f", "0xc1", "-s", "3", "-H")
     assert "Supported capabilities value:0x00000005" in out and "Feature is saveable" in out
     assert "Feature is not namespace specific" in out
 
-    code, out, _ = run(capsys, "set-feature", mp, "-f", "4", "-v", "320", "--save")
+    code, out, _ = run_cli(capsys, "set-feature", mp, "-f", "4", "-v", "320", "--save")
     assert code == 0 and out.startswith("set-feature:0x04 (Temperature Threshold), value:0x00000140, save:1")
-    code, out, _ = run(capsys, "get-feature", mp, "-f", "4", "-s", "2", "-o", "json")
+    code, out, _ = run_cli(capsys, "get-feature", mp, "-f", "4", "-s", "2", "-o", "json")
     assert json.loads(out)["value"] == 320 and json.loads(out)["sel"] == "saved"
 
-    code, out, _ = run(capsys, "set-feature", mp, "-f", "0xc0", "-n", "net", "--lr", "0.25", "-o", "json")
+    code, out, _ = run_cli(capsys, "set-feature", mp, "-f", "0xc0", "-n", "net", "--lr", "0.25", "-o", "json")
     assert code == 0 and json.loads(out)["data"]["groups"][0]["lr"] == 0.25 and json.loads(out)["value"] == ALL_GROUPS
-    code, out, _ = run(capsys, "get-feature", mp, "-f", "0xc0", "-n", "net")
+    code, out, _ = run_cli(capsys, "get-feature", mp, "-f", "0xc0", "-n", "net")
     assert '"lr": 0.25' in out and "Current value:0x00000001" in out
-    code, out, _ = run(capsys, "set-feature", mp, "-f", "0xc1", "--kernel", "avx2")
+    code, out, _ = run_cli(capsys, "set-feature", mp, "-f", "0xc1", "--kernel", "avx2")
     assert code == 0 and '"kernel": "avx2"' in out
-    code, out, _ = run(capsys, "set-feature", mp, "-f", "0xc1", "--data", '{"kernel": "auto"}', "-o", "json")
+    code, out, _ = run_cli(capsys, "set-feature", mp, "-f", "0xc1", "--data", '{"kernel": "auto"}', "-o", "json")
     assert json.loads(out)["data"] == {"durability": "plp", "kernel": "auto"}
 
     # Refusals: one line on stderr, exit 1, nothing changed.
-    code, out, err = run(capsys, "set-feature", mp, "-f", "0xc0", "-n", "net", "--lr", "-3")
+    code, out, err = run_cli(capsys, "set-feature", mp, "-f", "0xc0", "-n", "net", "--lr", "-3")
     assert code == 1 and out == "" and err.startswith("cossd set-feature: ") and err.endswith("[INVALID_FIELD]\n")
-    code, _, err = run(capsys, "set-feature", mp, "-f", "7", "-v", "3")
+    code, _, err = run_cli(capsys, "set-feature", mp, "-f", "7", "-v", "3")
     assert code == 1 and "[FEATURE_NOT_CHANGEABLE]" in err and err.count("\n") == 1
-    code, _, err = run(capsys, "get-feature", mp, "-f", "4", "-n", "net")
+    code, _, err = run_cli(capsys, "get-feature", mp, "-f", "4", "-n", "net")
     assert code == 1 and "[FEATURE_NOT_NAMESPACE_SPECIFIC]" in err
     with pytest.raises(SystemExit, match="needs -v VALUE"):
         main(["set-feature", mp, "-f", "4"])
     with pytest.raises(SystemExit, match="not both"):
         main(["set-feature", mp, "-f", "0xc1", "--data", "{}", "--kernel", "auto"])
-    code, out, _ = run(capsys, "get-feature", mp, "-f", "0xc0", "-n", "net", "-o", "json")
+    code, out, _ = run_cli(capsys, "get-feature", mp, "-f", "0xc0", "-n", "net", "-o", "json")
     assert json.loads(out)["data"]["groups"][0]["lr"] == 0.25
 
 
@@ -420,36 +414,36 @@ def test_cli_get_feature_binary(mount: Mount, capsysbinary: pytest.CaptureFixtur
 def test_cli_inject_error(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
     mp = str(mount.mountpoint)
     nsid = sealed_namespace(mount.mountpoint)
-    code, out, _ = run(capsys, "inject-error", mp, "--opcode", "commit-step", "--status", "write-fault",
-                       "--count", "2", "-n", "net")
+    code, out, _ = run_cli(capsys, "inject-error", mp, "--opcode", "commit-step", "--status", "write-fault",
+                           "--count", "2", "-n", "net")
     assert code == 0 and out == (f"armed injection 1: COMMIT_STEP (admin, nsid {nsid}) fails with WRITE_FAULT, "
                                  "2 more, fired 0\n")
-    code, out, _ = run(capsys, "inject-error", mp, "--opcode", "write", "--status", "0x280", "-o", "json")
+    code, out, _ = run_cli(capsys, "inject-error", mp, "--opcode", "write", "--status", "0x280", "-o", "json")
     assert code == 0 and json.loads(out) | {"id": 0} == {
         "id": 0, "queue": "io", "opcode": 1, "opcode_name": "WRITE", "status": "WRITE_FAULT", "nsid": None,
         "remaining": 1, "fired": 0}
     with pytest.raises(OSError):
         pwrite_all(tensor_dir(mount.mountpoint, "net", "b") / "grad", np.ones(B_NUMEL, np.float16).tobytes())
-    code, out, _ = run(capsys, "error-log", mp)  # logged as from I/O queue 1, opcode Write
+    code, out, _ = run_cli(capsys, "error-log", mp)  # logged as from I/O queue 1, opcode Write
     assert code == 0 and "cs              : 0x1 (opcode WRITE)" in out and "sqid            : 1" in out
-    code, out, _ = run(capsys, "inject-error", mp, "--list")
+    code, out, _ = run_cli(capsys, "inject-error", mp, "--list")
     assert code == 0 and "armed: 1" in out and "fired: 1 (latest first)" in out
     assert "injection 2: WRITE (io, nsid 1) -> WRITE_FAULT" in out
-    code, out, _ = run(capsys, "inject-error", mp, "--list", "-o", "json")
+    code, out, _ = run_cli(capsys, "inject-error", mp, "--list", "-o", "json")
     assert [entry["opcode_name"] for entry in json.loads(out)["armed"]] == ["COMMIT_STEP"]
-    code, out, _ = run(capsys, "inject-error", mp, "--clear")
+    code, out, _ = run_cli(capsys, "inject-error", mp, "--clear")
     assert code == 0 and out == "cleared 1 armed injection(s)\n"
-    code, out, _ = run(capsys, "inject-error", mp, "--clear", "-o", "json")
+    code, out, _ = run_cli(capsys, "inject-error", mp, "--clear", "-o", "json")
     assert json.loads(out) == {"cleared": 0}
-    code, out, _ = run(capsys, "inject-error", mp, "--corrupt", "net", "--tensor", "w", "--block", "0")
+    code, out, _ = run_cli(capsys, "inject-error", mp, "--corrupt", "net", "--tensor", "w", "--block", "0")
     assert code == 0 and out.startswith("corrupted net/w block 0 (lba 0) in copy ")
 
-    code, _, err = run(capsys, "inject-error", mp, "--opcode", "0xc5", "--status", "success")
+    code, _, err = run_cli(capsys, "inject-error", mp, "--opcode", "0xc5", "--status", "success")
     assert code == 1 and err.startswith("cossd inject-error: ") and "[INVALID_FIELD]" in err
-    code, _, err = run(capsys, "inject-error", mp, "--corrupt", "nope", "--tensor", "w")
+    code, _, err = run_cli(capsys, "inject-error", mp, "--corrupt", "nope", "--tensor", "w")
     assert code == 1 and "[INVALID_NAMESPACE]" in err
     with pytest.raises(SystemExit, match="needs --status"):
         main(["inject-error", mp, "--opcode", "0xc5"])
     with pytest.raises(SystemExit):
         main(["inject-error", mp, "--opcode", "not-an-opcode", "--status", "write-fault"])
-    assert json.loads(run(capsys, "inject-error", mp, "--list", "-o", "json")[1])["armed"] == []
+    assert json.loads(run_cli(capsys, "inject-error", mp, "--list", "-o", "json")[1])["armed"] == []

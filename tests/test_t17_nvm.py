@@ -22,8 +22,8 @@ from cossd.emulator.kinds import spec_from_payload
 from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
 from cossd.client import AdminClient
-from cossd.trainer.nvm_volume import NvmVolume, loop_devices_of
-from helpers import create_namespace, pread_all
+from cossd.harness.nvm_volume import NvmVolume, loop_devices_of
+from helpers import create_namespace, pread_all, run_cli
 from powerloss import PowerLossRecorder
 
 pytestmark = pytest.mark.mount
@@ -56,18 +56,12 @@ def pread(path: Path, size: int, offset: int) -> bytes:
         os.close(fd)
 
 
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 # ---------------------------------------------------------------------- the namespace itself
 
 
 def test_create_write_read_remount_delete(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
     mp = mount.mountpoint
-    code, out, _ = cli(capsys, "create-ns", str(mp), "raw", "--nvm", "--size", "1M", "-o", "json")
+    code, out, _ = run_cli(capsys, "create-ns", str(mp), "raw", "--nvm", "--size", "1M", "-o", "json")
     assert code == 0 and json.loads(out)["nsid"] == 1
     root = mp / "ns" / "raw"
     assert sorted(os.listdir(root)) == ["config.json", "data", "stats.json"]
@@ -97,14 +91,14 @@ def test_create_write_read_remount_delete(mount: Mount, capsys: pytest.CaptureFi
     assert json.loads((root / "stats.json").read_text())["dirty"] is False
 
     # identify, id-ctrl, list
-    code, out, _ = cli(capsys, "id-ns", str(mp), "raw", "-o", "json")
+    code, out, _ = run_cli(capsys, "id-ns", str(mp), "raw", "-o", "json")
     page = json.loads(out)
     assert code == 0 and page["nsze"] == page["ncap"] == page["nuse"] == 256 and page["lbafs"][0]["ds"] == 12
-    code, out, _ = cli(capsys, "id-ctrl", str(mp))
+    code, out, _ = run_cli(capsys, "id-ctrl", str(mp))
     assert code == 0 and "raw" in out and "nvm" in out and f"({MiB} allocated)" in out
     ours = mp.parent / "mountinfo"  # only this test's mount: others on the machine may hang
     ours.write_text("".join(line for line in open("/proc/self/mountinfo") if f" {mp} " in line))
-    code, out, _ = cli(capsys, "list", "--mountinfo", str(ours), "-o", "json")
+    code, out, _ = run_cli(capsys, "list", "--mountinfo", str(ours), "-o", "json")
     assert code == 0 and json.loads(out)["cossd"]["Devices"][0]["Namespaces"] == [{"NameSpace": 1, "Name": "raw"}]
 
     # A clean remount: the same bytes, bit for bit.
@@ -115,7 +109,7 @@ def test_create_write_read_remount_delete(mount: Mount, capsys: pytest.CaptureFi
         assert admin.describe()["namespaces"][0]["kind"] == "nvm"
 
     # Delete frees the capacity and the backing files.
-    code, _, _ = cli(capsys, "delete-ns", str(mp), "raw")
+    code, _, _ = run_cli(capsys, "delete-ns", str(mp), "raw")
     assert code == 0 and not root.exists() and not (mount.backing / "ns/raw").exists()
     with AdminClient(mp) as admin:
         assert admin.describe()["allocated_bytes"] == 0
@@ -205,13 +199,13 @@ def test_bad_input_is_refused_and_changes_nothing(mount: Mount, capsys: pytest.C
     assert sorted(os.listdir(mount.backing / "ns")) == ["raw"]
 
     # The CLI's share of it: one line each.
-    code, _, err = cli(capsys, "create-ns", str(mp), "odd", "--nvm", "--size", "5000")
+    code, _, err = run_cli(capsys, "create-ns", str(mp), "odd", "--nvm", "--size", "5000")
     assert code == 1 and "INVALID_FIELD" in err and err.count("\n") == 1
     with pytest.raises(SystemExit, match="--nvm takes --size"):
         main(["create-ns", str(mp), "nosize", "--nvm"])
     with pytest.raises(SystemExit, match="--tensor"):
         main(["create-ns", str(mp), "neither"])
-    code, _, err = cli(capsys, "begin-step", str(mp), "raw")
+    code, _, err = run_cli(capsys, "begin-step", str(mp), "raw")
     assert code == 1 and "NAMESPACE_KIND_MISMATCH" in err
 
 

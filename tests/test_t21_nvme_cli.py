@@ -22,7 +22,7 @@ from cossd.tools import media_health
 from cossd.tools.cli import main
 from cossd.client import AdminClient
 from cossd.tools.nvme_json import resolve_device
-from helpers import create_namespace
+from helpers import create_namespace, run_cli
 
 pytestmark = pytest.mark.mount
 
@@ -107,8 +107,8 @@ NVME_METRICS_SHA256 = "550c2638c18b34c10dfb5af825dff7476f29db77e05be7e07c6cf6707
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str, prog: str | None = None) -> tuple[int, Any]:
-    code = main(list(argv), prog=prog)
-    out = capsys.readouterr().out
+    """run_cli, its stdout decoded where the verb was asked for JSON."""
+    code, out, _ = run_cli(capsys, *argv, prog=prog)
     return code, json.loads(out) if "-o" in argv and "json" in argv else out
 
 

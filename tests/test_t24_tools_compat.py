@@ -188,6 +188,30 @@ def test_every_flag_and_positional_says_what_it_is_and_its_default() -> None:
         assert flag in shown and f"default: {default}" in shown, flag
 
 
+def test_each_verb_comes_from_one_family_and_help_lists_them_in_order() -> None:
+    """Every verb module registers its verbs one way, register(verb); each verb is one module's,
+    and `cossd --help` and the parser's choices list them in cli.HELP_ORDER."""
+    import argparse
+
+    from cossd.tools import cli
+
+    owners: dict[str, list[str]] = {}
+    for module in cli.VERB_MODULES:
+        def verb(name: str, *_handler_and_help: object, owner: str = module.__name__,
+                 **_formats: object) -> argparse.ArgumentParser:
+            owners.setdefault(name, []).append(owner)
+            return argparse.ArgumentParser()
+
+        module.register(verb)
+    assert {name: found for name, found in owners.items() if len(found) != 1} == {}
+    assert sorted(owners) == sorted(cli.HELP_ORDER)
+    verbs = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(verbs.choices) == list(cli.HELP_ORDER)
+    listed = _cli("--help", check=True).stdout
+    assert [line.split()[0] for line in listed.split("VERB ...", 1)[1].splitlines()
+            if line.startswith("    ") and not line.startswith("     ")] == list(cli.HELP_ORDER)
+
+
 def test_a_second_mount_says_where_the_device_is_mounted(mount: Mount, tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.mkdir()

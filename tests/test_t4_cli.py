@@ -11,62 +11,56 @@ import pytest
 
 from conftest import Mount, is_mounted, wait_for_exit
 from cossd.tools.cli import main
-from cossd.trainer import bench
-from helpers import pwrite_all, tensor_dir
+from cossd.harness import bench
+from helpers import pwrite_all, run_cli, tensor_dir
 
 pytestmark = pytest.mark.mount
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_format_mount_create_train_umount(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     backing, mp = tmp_path / "dev", tmp_path / "mnt"
     mp.mkdir()
-    code, out, _ = run(capsys, "format", str(backing), "--capacity", "1G", "--serial", "CLI1", "-o", "json")
+    code, out, _ = run_cli(capsys, "format", str(backing), "--capacity", "1G", "--serial", "CLI1", "-o", "json")
     assert code == 0 and json.loads(out)["serial"] == "CLI1"
-    code, _, err = run(capsys, "format", str(backing))
+    code, _, err = run_cli(capsys, "format", str(backing))
     assert code == 1 and "already holds" in err
-    code, out, _ = run(capsys, "mount", str(backing), str(mp), "-o", "json")
+    code, out, _ = run_cli(capsys, "mount", str(backing), str(mp), "-o", "json")
     assert code == 0 and is_mounted(mp)
     pid = json.loads(out)["pid"]
     try:
-        code, out, _ = run(capsys, "create-ns", str(mp), "net", "--tensor", "w:1000", "--tensor", "b:10",
-                           "--lr", "0.01", "--mode", "adam", "--grad-dtype", "bf16", "--param-dtype", "bf16")
+        code, out, _ = run_cli(capsys, "create-ns", str(mp), "net", "--tensor", "w:1000", "--tensor", "b:10",
+                               "--lr", "0.01", "--mode", "adam", "--grad-dtype", "bf16", "--param-dtype", "bf16")
         assert code == 0 and "nsid 1" in out
         config = json.loads((mp / "ns/net/config.json").read_text())
         assert config["hyperparameters"]["lr"] == 0.01 and config["grad_dtype"] == "bf16"
-        code, _, err = run(capsys, "create-ns", str(mp), "bad/name", "--tensor", "w:1")
+        code, _, err = run_cli(capsys, "create-ns", str(mp), "bad/name", "--tensor", "w:1")
         assert code == 1 and "INVALID_NAME" in err
-        code, _, err = run(capsys, "create-ns", str(mp), "net", "--tensor", "w:1")
+        code, _, err = run_cli(capsys, "create-ns", str(mp), "net", "--tensor", "w:1")
         assert code == 1 and "NAMESPACE_EXISTS" in err
 
-        code, out, _ = run(capsys, "begin-step", str(mp), "net", "--grad-scale", "0.5", "-o", "json")
+        code, out, _ = run_cli(capsys, "begin-step", str(mp), "net", "--grad-scale", "0.5", "-o", "json")
         assert code == 0 and json.loads(out)["step"] == 1
         for name, numel in (("w", 1000), ("b", 10)):
             pwrite_all(tensor_dir(mp, "net", name) / "grad", np.ones(numel, np.uint16).tobytes())
-        code, out, _ = run(capsys, "commit-step", str(mp), "net", "-o", "json")
+        code, out, _ = run_cli(capsys, "commit-step", str(mp), "net", "-o", "json")
         assert code == 0 and json.loads(out)["committed_step"] == 1
-        code, _, err = run(capsys, "abort-step", str(mp), "net")
+        code, _, err = run_cli(capsys, "abort-step", str(mp), "net")
         assert code == 1 and "NO_STEP_OPEN" in err
 
-        code, out, _ = run(capsys, "id-ctrl", str(mp))
+        code, out, _ = run_cli(capsys, "id-ctrl", str(mp))
         assert code == 0 and "CLI1" in out and "net" in out and "step 1" in out
         assert re.search(r"cmb +: 1073741824 bytes at /proc/\d+/fd/\d+", out), out
-        code, out, _ = run(capsys, "id-ctrl", str(mp), "-o", "json")
+        code, out, _ = run_cli(capsys, "id-ctrl", str(mp), "-o", "json")
         value = json.loads(out)  # nvme-cli's keys; cossd's own under "cossd"
         assert value["sn"].strip() == "CLI1" and value["cossd"]["namespaces"][0]["committed_step"] == 1
         assert value["cossd"]["cmb"]["size"] == 1 << 30
 
-        code, _, _ = run(capsys, "delete-ns", str(mp), "net")
+        code, _, _ = run_cli(capsys, "delete-ns", str(mp), "net")
         assert code == 0 and not (mp / "ns/net").exists()
-        code, _, err = run(capsys, "delete-ns", str(mp), "net")
+        code, _, err = run_cli(capsys, "delete-ns", str(mp), "net")
         assert code == 1 and "no namespace" in err
     finally:
-        code, _, _ = run(capsys, "umount", str(mp))
+        code, _, _ = run_cli(capsys, "umount", str(mp))
     assert code == 0 and not is_mounted(mp)
     wait_for_exit(pid, 10)
 
@@ -74,28 +68,28 @@ def test_format_mount_create_train_umount(tmp_path: Path, capsys: pytest.Capture
 def test_namespace_and_step_verbs_in_json(mount: Mount, capsys: pytest.CaptureFixture[str]) -> None:
     """The verbs the walkthrough above prints in normal form, in JSON for scripts."""
     mp = str(mount.mountpoint)
-    code, out, _ = run(capsys, "create-ns", mp, "net", "--tensor", "w:1000", "-o", "json")
+    code, out, _ = run_cli(capsys, "create-ns", mp, "net", "--tensor", "w:1000", "-o", "json")
     assert code == 0 and json.loads(out) == {"name": "net", "nsid": 1}
-    code, out, _ = run(capsys, "id-ns", mp, "net", "-o", "json")
+    code, out, _ = run_cli(capsys, "id-ns", mp, "net", "-o", "json")
     assert code == 0 and json.loads(out)["cossd"]["nsid"] == 1 and json.loads(out)["nsze"] > 0
-    code, out, _ = run(capsys, "begin-step", mp, "net", "-o", "json")
+    code, out, _ = run_cli(capsys, "begin-step", mp, "net", "-o", "json")
     assert code == 0 and json.loads(out) == {"step": 1}
-    code, out, _ = run(capsys, "abort-step", mp, "net", "-o", "json")
+    code, out, _ = run_cli(capsys, "abort-step", mp, "net", "-o", "json")
     assert code == 0 and json.loads(out) == {"aborted_step": 1}
-    code, out, _ = run(capsys, "admin-passthru", mp, "--opcode", "0xc8", "--namespace-id", "1", "-o", "json")
+    code, out, _ = run_cli(capsys, "admin-passthru", mp, "--opcode", "0xc8", "--namespace-id", "1", "-o", "json")
     completion = json.loads(out)  # NAMESPACE_STATISTICS: its JSON comes back as hex data
     assert code == 0 and completion["status_name"] == "SUCCESS"
     assert json.loads(bytes.fromhex(completion["data"]))["name"] == "net"
-    code, out, _ = run(capsys, "delete-ns", mp, "net", "-o", "json")
+    code, out, _ = run_cli(capsys, "delete-ns", mp, "net", "-o", "json")
     assert code == 0 and json.loads(out) == {"deleted": "net"}
-    code, out, _ = run(capsys, "umount", mp, "-o", "json")
+    code, out, _ = run_cli(capsys, "umount", mp, "-o", "json")
     assert code == 0 and not is_mounted(mount.mountpoint)
 
 
 def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "create-ns", str(tmp_path), "x", "--tensor", "w:1")
+    code, _, err = run_cli(capsys, "create-ns", str(tmp_path), "x", "--tensor", "w:1")
     assert code == 1 and "not a mounted cossd device" in err and err.count("\n") == 1
-    code, _, err = run(capsys, "mount", str(tmp_path / "nothing"), str(tmp_path))
+    code, _, err = run_cli(capsys, "mount", str(tmp_path / "nothing"), str(tmp_path))
     assert code == 1 and "not a cossd device" in err
     with pytest.raises(SystemExit):
         main(["create-ns", str(tmp_path), "x", "--tensor", "w"])  # argparse: NAME:NUMEL
@@ -112,8 +106,8 @@ def test_help_explains(capsys: pytest.CaptureFixture[str]) -> None:
 def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A short, tiny-model `cossd demo`: crash mid-step, restore, table, JSON and PNG."""
     out_dir = tmp_path / "out"
-    code, out, err = run(capsys, "demo", "--model", "tiny", "--steps", "16", "--crash-at", "9",
-                         "--dcp-steps", "6", "--output", str(out_dir))
+    code, out, err = run_cli(capsys, "demo", "--model", "tiny", "--steps", "16", "--crash-at", "9",
+                             "--dcp-steps", "6", "--output", str(out_dir))
     assert code == 0, out + err
     assert "device daemon killed (kill -9)" in out and "resuming after committed step 8" in out
     assert "| (a) cossd" in out and "| (b) AdamW on trainer + torch.save/fsync" in out
@@ -128,14 +122,14 @@ def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_demo_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "demo", "--steps", "10", "--crash-at", "11")
+    code, _, err = run_cli(capsys, "demo", "--steps", "10", "--crash-at", "11")
     assert code == 2 and "--crash-at must be in 2..10" in err
 
 
 def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`cossd bench` end to end on small sizes: every section measured and written."""
-    code, out, err = run(capsys, "bench", "--elements", "65536", "--file-elements", "65536",
-                         "--repeat", "1", "--threads", "1", "--output", str(tmp_path / "b"))
+    code, out, err = run_cli(capsys, "bench", "--elements", "65536", "--file-elements", "65536",
+                             "--repeat", "1", "--threads", "1", "--output", str(tmp_path / "b"))
     assert code == 0, out + err
     report = json.loads((tmp_path / "b/bench.json").read_text())
     kernel = report["kernel"][0]
@@ -197,10 +191,10 @@ def test_bench_trainer_without_ext4_checkpoints_into_a_directory(
     """Where no ext4 can be made on the bench's device (a container without loop devices; here
     mkfs.ext4 refuses an option), the trainer section still runs, its resident row
     checkpointing into a plain directory, and says so."""
-    from cossd.trainer import nvm_volume
+    from cossd.harness import nvm_volume
     monkeypatch.setattr(nvm_volume, "MKFS_OPTIONS", ("--no-such-option",))
-    code, out, err = run(capsys, "bench", "--sections", "trainer", "--file-elements", "65536",
-                         "--repeat", "1", "--output", str(tmp_path / "b"))
+    code, out, err = run_cli(capsys, "bench", "--sections", "trainer", "--file-elements", "65536",
+                             "--repeat", "1", "--output", str(tmp_path / "b"))
     assert code == 0, out + err
     assert "trainer checkpoints go to a plain directory" in out
     trainer = json.loads((tmp_path / "b/bench.json").read_text())["trainer"]
@@ -213,6 +207,6 @@ def test_bench_trainer_without_ext4_checkpoints_into_a_directory(
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
 def test_bench_device_cuda_without_a_gpu_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "bench", "--sections", "trainer", "--device", "cuda",
-                         "--output", str(tmp_path / "b"))
+    code, out, err = run_cli(capsys, "bench", "--sections", "trainer", "--device", "cuda",
+                             "--output", str(tmp_path / "b"))
     assert code == 2 and "no CUDA device" in err and not (tmp_path / "b").exists()

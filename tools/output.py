@@ -1,37 +1,17 @@
-"""What every verb of the `cossd` CLI shares: number arguments, printing, the device's client.
+"""What every verb of the `cossd` CLI shares on the way out: printing (normal, JSON, binary), the device's client.
 
-Apart from tools/cli.py so the verb modules (feature_cmds, inject_cmds, snapshot_cmds,
-model_cmd, top) use these without importing the CLI that loads them.
+Apart from tools/cli.py so the verb modules (tools/verbs_*.py) use these without importing the
+CLI that loads them; their argument types are in tools/arguments.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from ..client import AdminClient
-
-_SIZE = re.compile(r"(\d+)([KMGT]?)(i?B?)?", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'64G', '512MiB', '1000000' -> bytes (binary multiples)."""
-    match = _SIZE.fullmatch(text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 64G)")
-    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[match.group(2).upper()]
-    return int(match.group(1)) * scale
-
-
-def parse_int(text: str) -> int:
-    """An integer in any base Python reads: '2', '0xc0'."""
-    try:
-        return int(text, 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (examples: 2, 0xc0)") from None
 
 
 def emit(args: argparse.Namespace, value: Any, normal: Callable[[Any], str], *,
@@ -49,6 +29,22 @@ def write_binary(data: bytes) -> None:
     sys.stdout.flush()
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
+
+
+def binary_output(args: argparse.Namespace) -> bool:
+    """-o binary, or nvme-cli's -b/--raw-binary."""
+    return args.output_format == "binary" or getattr(args, "raw_binary", False)
+
+
+def hexdump(data: bytes, start: int = 0) -> str:
+    """nvme-cli's raw page dump: 16 bytes per row, offset (counted from `start`, where the
+    data begins in the page), hex, then the printable ASCII."""
+    lines = ["       0  1  2  3  4  5  6  7  8  9  a  b  c  d  e  f"]
+    for offset in range(0, len(data), 16):
+        row = data[offset : offset + 16]
+        text = "".join(chr(byte) if 32 <= byte < 127 else "." for byte in row)
+        lines.append(f"{start + offset:04x}: {' '.join(f'{byte:02x}' for byte in row):<47} \"{text}\"")
+    return "\n".join(lines)
 
 
 def open_client(args: argparse.Namespace) -> "AdminClient":

@@ -6,7 +6,7 @@ import json
 import struct
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from cossd.protocol.features import (
     ALL_GROUPS,
@@ -21,7 +21,8 @@ from cossd.protocol.features import (
 )
 from cossd.protocol.entries import Completion, Opcode
 
-from .output import emit, open_client, parse_int
+from .arguments import VerbFactory, parse_int
+from .output import emit, open_client
 
 if TYPE_CHECKING:
     from cossd.client import AdminClient
@@ -186,7 +187,7 @@ def _select(text: str) -> int:
     return select
 
 
-def register(verb: Callable[..., argparse.ArgumentParser]) -> None:
+def register(verb: VerbFactory) -> None:
 
     fids = ", ".join(f"{int(fid):#04x} {name}" for fid, name in FEATURE_NAMES.items())
     sub = verb("get-feature", cmd_get_feature, f"Get Features (0Ah), like nvme get-feature: {fids}.",

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..client import AdminClient
-from .output import parse_int
+from .arguments import VerbFactory, parse_int
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -189,7 +189,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def register(verb: Callable[..., argparse.ArgumentParser]) -> None:
+def register(verb: VerbFactory) -> None:
     sub = verb("top", cmd_top, "Live view of each namespace's steps/s, gradient and param traffic, "
                "skipped steps, committed/durable step and kernel load, refreshed every --interval "
                "seconds (from log pages C0h and 02h).")

@@ -4,12 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from cossd.protocol.entries import NSID_ALL, IoOpcode, Opcode
 from cossd.protocol.injection import InjectAction, Queue
 from cossd.protocol.logpages import LogId
 
+from .arguments import VerbFactory
 from .output import emit, open_client
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def cmd_inject_error(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(verb: Callable[..., argparse.ArgumentParser]) -> None:
+def register(verb: VerbFactory) -> None:
     sub = verb("inject-error", cmd_inject_error,
                "Inject errors (INJECT_ERROR D0h): fail the next N commands or tensor-file I/Os, "
                "corrupt a block on the media, clear, or list (log page C3h).")

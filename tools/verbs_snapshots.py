@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from ..client.snapshots import (
     wait_for_job,
 )
 from ..protocol.entries import NSID_ALL
+from .arguments import VerbFactory
 from .output import emit, open_client
 
 
@@ -127,7 +127,7 @@ def _wait_with_bar(client: AdminClient, job: dict[str, Any], quiet: bool) -> dic
         return wait_for_job(client, job, progress)
 
 
-def register(verb: Callable[..., argparse.ArgumentParser]) -> None:
+def register(verb: VerbFactory) -> None:
     sub = verb("snapshot", cmd_snapshot,
                "Snapshot a namespace's committed step under a tag; --list the snapshots, "
                "--delete one.")

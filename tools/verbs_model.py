@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from typing import Any, Callable
+from typing import Any
 
 from cossd.protocol.status import DeviceError
 from cossd.model.profiles import (
@@ -15,6 +15,7 @@ from cossd.model.profiles import (
     load_profile,
 )
 
+from .arguments import VerbFactory
 from .output import emit
 from .step_model import (
     DTYPE_BYTES,
@@ -170,7 +171,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(verb: Callable[..., argparse.ArgumentParser]) -> None:
+def register(verb: VerbFactory) -> None:
     sub = verb("model", cmd_model, "Predict a training step's host-link and media bytes and time for "
                "cossd, ZeRO-Infinity-style NVMe offload and a per-step checkpoint on a device profile, "
                "and reproduce Smart-Infinity's traffic table (docs/timing-model.md).")

@@ -1,0 +1,108 @@
+"""What the `cossd` verbs share on the way in: argument types, nvme-cli's common options, the DEVICE argument.
+
+Apart from tools/cli.py so the verb modules use these without importing the CLI that loads them.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Callable
+
+# build_parser's verb factory, which every verb module's register() is given:
+# verb(name, handler, help_text, formats=("normal", "json")) -> the verb's parser.
+VerbFactory = Callable[..., argparse.ArgumentParser]
+
+_SIZE = re.compile(r"(\d+)([KMGT]?)(i?B?)?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'64G', '512MiB', '1000000' -> bytes (binary multiples)."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 64G)")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[match.group(2).upper()]
+    return int(match.group(1)) * scale
+
+
+def parse_int(text: str) -> int:
+    """An integer in any base Python reads: '2', '0xc0'."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r} (examples: 2, 0xc0)") from None
+
+
+def parse_log_len(text: str) -> int:
+    """GET LOG PAGE's length: bytes, a positive multiple of 4 (NUMD counts dwords)."""
+    length = parse_int(text)
+    if length <= 0 or length % 4 or length > 1 << 34:
+        raise argparse.ArgumentTypeError(f"a log length is a positive multiple of 4 up to 16 GiB, got {text}")
+    return length
+
+
+def parse_log_offset(text: str) -> int:
+    """GET LOG PAGE's byte offset: a multiple of 4 (the device refuses others: INVALID_FIELD)."""
+    offset = parse_int(text)
+    if not 0 <= offset < 1 << 64:
+        raise argparse.ArgumentTypeError(f"a log page offset is 0 to 2**64-1, got {text}")
+    return offset
+
+
+def parse_log_entries(text: str) -> int:
+    """error-log -e: a positive entry count (nvme-cli refuses 0)."""
+    count = parse_int(text)
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"give a positive number of log entries, got {text}")
+    return count
+
+
+def parse_port(text: str) -> int:
+    """A TCP port to listen on: 1-65535."""
+    port = parse_int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r} (1-65535)")
+    return port
+
+
+def parse_threads(text: str) -> int:
+    """A thread count: 0-64."""
+    count = parse_int(text)
+    if not 0 <= count <= 64:
+        raise argparse.ArgumentTypeError(f"not a thread count: {text!r} (0-64)")
+    return count
+
+
+def parse_tensor(text: str) -> tuple[str, int]:
+    name, sep, numel = text.rpartition(":")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"tensor must be NAME:NUMEL, got {text!r}")
+    try:
+        count = int(numel)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"element count of {name!r} is not an integer: {numel!r}") from None
+    return name, count
+
+
+# ---------------------------------------------------------------------- nvme-cli shaped verbs
+
+DEVICE_HELP = ("the device: its mountpoint, or a namespace's directory MOUNTPOINT/ns/NAME "
+               "(the DevicePath `list -o json` shows)")
+
+
+def add_nvme_options(sub: argparse.ArgumentParser) -> None:
+    """The options nvme-cli's verbs share: -v/--verbose (JSON as nvme-cli 2.11 prints it),
+    -b/--raw-binary (-o binary)."""
+    sub.add_argument("-v", "--verbose", action="store_true",
+                     help="-o json shaped as nvme-cli 2.11 (default: as nvme-cli 2.3)")
+    sub.add_argument("-b", "--raw-binary", action="store_true", help="the raw page (-o binary)")
+
+
+def nvme_device(args: argparse.Namespace) -> str | None:
+    """Point args.mountpoint at the mount of the device an nvme-cli style verb names (a
+    mountpoint, a namespace directory MOUNTPOINT/ns/NAME, or a path under them); return the
+    namespace such a path names, if any."""
+    from ..client import mounted_devices
+    from .nvme_json import resolve_device
+
+    args.mountpoint, namespace = resolve_device(args.mountpoint, mounted_devices())
+    return namespace

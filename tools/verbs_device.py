@@ -1,0 +1,241 @@
+"""CLI verbs that run or look at a device on this node: format, mount, umount, list.
+
+The only verbs that import the device itself (cossd.emulator, cossd.fs): format formats a
+backing directory, mount starts the daemon with its options' defaults and bounds, list reads
+a crashed mount's backing directory. The import contracts in pyproject.toml name each import.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ..protocol.status import DeviceError, Status
+from .arguments import VerbFactory, parse_port, parse_size, parse_threads
+from .output import emit
+
+
+def parse_cmb_size(text: str) -> int:
+    """A CMB size: 0, or a multiple of 4 KiB up to 1 TiB."""
+    from ..emulator.cmb import MAX_CMB_BYTES
+
+    size = parse_size(text)
+    if size and (size % 4096 or size > MAX_CMB_BYTES):
+        raise argparse.ArgumentTypeError(f"not a CMB size: {text!r} (0, or a multiple of 4K up to 1T)")
+    return size
+
+
+def cmd_format(args: argparse.Namespace) -> int:
+    from ..emulator import Device
+
+    identity = Device.format(args.backing, capacity_bytes=args.capacity, serial=args.serial, force=args.force)
+    emit(args, identity, lambda i: f"formatted {args.backing}: serial {i['serial']}, "
+         f"capacity {i['capacity_bytes']} bytes, model {i['model']!r}")
+    return 0
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from ..fs import daemon
+
+    if args.foreground:
+        logging.basicConfig(
+            level=logging.DEBUG if args.debug else logging.INFO,
+            format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+        )
+        daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
+                     debug=args.debug, ready_fd=args.ready_fd,
+                     metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+                     metrics_token_file=args.metrics_token_file, profile=args.profile, timed=args.timed,
+                     io_threads=args.io_threads, cmb_bytes=args.cmb_size)
+        return 0
+    if args.metrics_token_file is not None:  # a one-line error before anything starts
+        from ..fs.metrics import MetricsPortError, load_token
+
+        if args.metrics_port is None:
+            raise MetricsPortError("--metrics-token-file goes with --metrics-port")
+        load_token(args.metrics_token_file)
+    try:
+        pid = daemon.start_background(args.backing, args.mountpoint, sync=args.sync,
+                                      allow_other=args.allow_other, log_file=args.log_file,
+                                      metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+                                      metrics_token_file=args.metrics_token_file,
+                                      profile=args.profile, timed=args.timed,
+                                      io_threads=args.io_threads, cmb_bytes=args.cmb_size)
+    except DeviceError as exc:
+        where = _mounted_at(args.backing) if exc.status == Status.NAMESPACE_NOT_READY else []
+        if where:
+            raise DeviceError(exc.status, f"{args.backing} is already mounted at "
+                                          f"{', '.join(map(str, where))}") from None
+        raise
+    host = f"[{args.metrics_addr}]" if ":" in args.metrics_addr else args.metrics_addr  # IPv6
+    metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
+    emit(args, {"mountpoint": str(args.mountpoint), "pid": pid} | ({"metrics": metrics} if metrics else {}),
+         lambda v: f"mounted {args.backing} at {v['mountpoint']} (daemon pid {v['pid']})"
+         + (f", metrics at {metrics}" if metrics else ""))
+    return 0
+
+
+def _mounted_at(backing: Path) -> list[Path]:
+    """The mountpoints where the device in `backing` is mounted now (from mountinfo)."""
+    from ..client import mounted_devices
+
+    target = os.path.realpath(backing)
+    return [mountpoint for mountpoint, source in mounted_devices() if os.path.realpath(source) == target]
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from ..client import MOUNT_FSTYPE, AdminClient, mount_type_at
+
+    # Only ever a cossd mount: fusermount3 would detach any FUSE mount of this user, and as
+    # root any filesystem at all (a tmpfs, an ext4 loop mount).
+    fstype = mount_type_at(args.mountpoint)
+    if fstype is None:
+        raise SystemExit(f"cossd umount: nothing is mounted at {args.mountpoint}")
+    if fstype != MOUNT_FSTYPE:
+        raise SystemExit(f"cossd umount: {args.mountpoint} is a {fstype} mount, not a cossd device "
+                         f"({MOUNT_FSTYPE}); refusing to unmount it")
+    pid = None
+    try:
+        with AdminClient(args.mountpoint) as client:
+            pid = client.describe()["pid"]
+    except (OSError, DeviceError):
+        pass  # not answering (crashed daemon): still detach the mount
+    command = ["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [str(args.mountpoint)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"cossd umount: {result.stderr.strip() or 'fusermount3 failed'}")
+    if pid is not None:
+        # The daemon flushes the committed state after the unmount; wait for it.
+        deadline = time.monotonic() + args.timeout
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                    break
+            except OSError:
+                break
+            time.sleep(0.05)
+        if Path(f"/proc/{pid}").exists() and time.monotonic() >= deadline:
+            raise SystemExit(f"cossd umount: daemon {pid} still running after {args.timeout} s")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """nvme-cli's list: -o json as 2.3 (a flat entry per namespace), with -v as 2.11 (hosts,
+    subsystems, controllers, namespaces); every cossd mount, also a crashed one, under "cossd"."""
+    from ..client import AdminClient, mounted_devices
+    from ..emulator.device import SUPERBLOCK_FILE
+    from . import nvme_json
+
+    devices, controllers = [], []
+    for mountpoint, backing in mounted_devices(args.mountinfo):
+        entry: dict[str, Any] = {"DevicePath": str(mountpoint), "Backing": str(backing)}
+        try:
+            with AdminClient(mountpoint, timeout_s=args.timeout) as client:
+                described = client.describe()
+                controllers.append(nvme_json.listed_controller(client, mountpoint, backing,
+                                                               described["namespaces"]))
+            identity = described["identity"]
+            namespaces = [{"NameSpace": ns["nsid"], "Name": ns["name"]} for ns in described["namespaces"]]
+            entry |= {"State": "live", "Pid": described["pid"],
+                      "UsedBytes": described["allocated_bytes"]}
+        except (OSError, DeviceError, ValueError, KeyError) as exc:
+            # A crashed or stopped daemon: what the backing directory itself says (it has
+            # no identify pages to answer nvme-cli's part with, so it is only listed here).
+            entry |= {"State": f"not answering ({exc})"}
+            try:
+                stored = json.loads((backing / SUPERBLOCK_FILE).read_text())
+                identity = stored["identity"]
+                namespaces = [{"NameSpace": nsid, "Name": name}
+                              for name, nsid in sorted(stored["namespaces"].items(), key=lambda kv: kv[1])]
+            except (OSError, ValueError, KeyError):
+                identity, namespaces = {}, []
+        entry |= {"SerialNumber": identity.get("serial", ""), "ModelNumber": identity.get("model", ""),
+                  "Firmware": identity.get("firmware_revision", ""),
+                  "PhysicalSize": identity.get("capacity_bytes", 0), "Namespaces": namespaces}
+        devices.append(entry)
+
+    def normal(value: dict[str, Any]) -> str:
+        rows = [("Node", "Backing", "SN", "Namespaces"), ("-" * 24, "-" * 32, "-" * 20, "-" * 24)]
+        for device in value[nvme_json.VENDOR_KEY]["Devices"]:
+            names = ", ".join(f"{ns['Name']}({ns['NameSpace']})" for ns in device["Namespaces"]) or "-"
+            if device["State"] != "live":
+                names += f" [{device['State']}]"
+            rows.append((device["DevicePath"], device["Backing"], device["SerialNumber"], names))
+        return "\n".join(f"{a:<24} {b:<32} {c:<20} {d}" for a, b, c, d in rows)
+
+    shaped = (nvme_json.detail_list(controllers, nvme_json.host_identity()) if args.verbose
+              else nvme_json.simple_list(controllers))
+    emit(args, shaped | {nvme_json.VENDOR_KEY: {"Devices": devices}}, normal, sort_keys=False)
+    return 0
+
+
+def register(verb: VerbFactory) -> None:
+    sub = verb("format", cmd_format, "Create an empty device in a backing directory.")
+    sub.add_argument("backing", type=Path, help="backing directory (created if missing)")
+    sub.add_argument("--capacity", type=parse_size, help="device capacity, e.g. 64G (default: free space)")
+    sub.add_argument("--serial", help="serial number (default: random)")
+    sub.add_argument("--force", action="store_true", help="erase an existing device in BACKING")
+
+    _register_mount(verb)
+
+    sub = verb("umount", cmd_umount, "Unmount; waits until the daemon has flushed the state.")
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("--lazy", action="store_true", help="detach even if busy (fusermount3 -z)")
+    sub.add_argument("--timeout", type=float, default=120.0,
+                     help="seconds to wait for the daemon to flush and exit (default: %(default)s)")
+
+    sub = verb("list", cmd_list, "List the mounted cossd devices (from /proc/self/mountinfo); -o json "
+               "as nvme-cli 2.3 (one entry per namespace), with -v as nvme-cli 2.11 (subsystems, "
+               "controllers, namespaces).")
+    sub.add_argument("-v", "--verbose", action="store_true",
+                     help="nvme-cli 2.11's JSON layout (Subsystems/Controllers/Namespaces)")
+    # Which mounts to list; $COSSD_MOUNTINFO lets a test show a script only its own mount.
+    sub.add_argument("--mountinfo", default=os.environ.get("COSSD_MOUNTINFO", "/proc/self/mountinfo"),
+                     help=argparse.SUPPRESS)
+    sub.add_argument("--timeout", type=float, default=5.0,
+                     help="seconds to wait for each daemon (default: 5)")
+
+
+def _register_mount(verb: VerbFactory) -> None:
+    from ..emulator.cmb import DEFAULT_CMB_BYTES
+    from ..model.profiles import DEFAULT_PROFILE, PROFILES
+
+    sub = verb("mount", cmd_mount, "Mount a device; returns once the mount is ready.")
+    sub.add_argument("backing", type=Path)
+    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
+    sub.add_argument("--sync", action="store_true",
+                     help="flush every commit before acknowledging it (default: power-loss-protected "
+                          "mode, commits reach the media in the background, one step behind at most)")
+    sub.add_argument("--allow-other", action="store_true", help="let other users access the mount")
+    sub.add_argument("--debug", action="store_true", help="log every FUSE request")
+    sub.add_argument("--log-file", type=Path, help="daemon log (default: BACKING/daemon.log)")
+    sub.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    sub.add_argument("--metrics-port", type=parse_port, metavar="N",
+                     help="serve Prometheus metrics on this TCP port (docs/metrics.md). Unauthenticated "
+                          "unless --metrics-token-file is given: any local user (and anyone who can reach "
+                          "ADDR) can read them, namespace names included, even without --allow-other")
+    sub.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                     help="address the metrics endpoint listens on (default: 127.0.0.1, loopback only)")
+    sub.add_argument("--metrics-token-file", metavar="FILE",
+                     help="require 'Authorization: Bearer TOKEN' on every metrics request, TOKEN being "
+                          "FILE's content (one word; the file must not be readable by every user); others "
+                          "get 401. Prometheus: authorization: {credentials_file: FILE}")
+    sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE.json",
+                     help=f"device profile of the timing model: {', '.join(PROFILES)}, or a JSON file "
+                          f"of profile fields (default: {DEFAULT_PROFILE}; `cossd model --list-profiles`)")
+    sub.add_argument("--timed", action="store_true",
+                     help="complete file I/O and step commands no earlier than their modeled device time")
+    sub.add_argument("--io-threads", type=parse_threads, metavar="N",
+                     help="threads that serve tensor reads and writes in front of pyfuse3; 0 leaves "
+                          "them to pyfuse3's single event loop (default: $COSSD_IO_THREADS, else one "
+                          "per core and at least 2; docs/architecture.md, the data path)")
+    sub.add_argument("--cmb-size", type=parse_cmb_size, default=DEFAULT_CMB_BYTES, metavar="SIZE",
+                     help="controller memory buffer: shared memory that CMB_WRITE/CMB_READ move tensor "
+                          "bytes through without FUSE copies; memory is used only as clients touch it; "
+                          "0 turns it off (default: 1G; docs/command-set.md)")
