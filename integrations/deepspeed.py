@@ -4,7 +4,7 @@ DeepSpeed wraps the optimizer a script passes to `deepspeed.initialize`: for FP1
 keeps FP32 master copies of the params (FP16_UnfusedOptimizer), for ZeRO 1/2 one flat FP32
 partition per param group (DeepSpeedZeroOptimizer, BF16_Optimizer), and puts those in the
 optimizer's param groups in place of the model's params. cossd's optimizer follows them
-(optim._DeviceAdam._rebind); this module refuses, with the reason, the wrappers whose
+(rebind.Rebind._rebind); this module refuses, with the reason, the wrappers whose
 tensors cannot be a fixed namespace: ZeRO-3 (a different flat sub-group at each step call)
 and DeepSpeed's own optimizer offload (cossd's state already lives on the device).
 Nothing here imports deepspeed: it is only consulted when deepspeed is imported already.

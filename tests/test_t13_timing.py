@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -31,10 +30,9 @@ from cossd.model.timing import (
     transfer_ns,
 )
 from cossd.fs import daemon
-from cossd.tools.cli import main
 from cossd.client import AdminClient
 from cossd.tools.step_model import StepSetup, predict_all, smart_infinity_table
-from helpers import create_namespace, tensor_dir
+from helpers import create_namespace, run_cli, tensor_dir
 
 GB = 1_000_000_000
 
@@ -49,17 +47,6 @@ def toy_profile(**changes: object) -> DeviceProfile:
         "updater": "2 cores", "updater_units": 2, "unit_elements_per_s": 250_000_000}
     fields.update(changes)
     return DeviceProfile(**fields)  # type: ignore[arg-type]
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # errors raised as SystemExit("cossd VERB: ..."), and --help
-        code = exc.code if isinstance(exc.code, int) else 1
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ---------------------------------------------------------------------- the model, unit by unit
@@ -308,7 +295,7 @@ def test_drives_split_the_work_and_a_shared_uplink_can_bind() -> None:
 
 
 def test_cossd_model_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "model", "--params", "7B", "--compute-s", "1.5", "-o", "json")
+    code, out, err = run_cli(capsys, "model", "--params", "7B", "--compute-s", "1.5", "-o", "json")
     assert code == 0 and err == ""
     value = json.loads(out)
     p = 7 * GB
@@ -328,9 +315,9 @@ def test_cossd_model_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cossd_model_normal_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, "model", "--params", "350M", "--profile", "smartssd-fpga",
-                         "--grad-dtype", "fp32", "--param-dtype", "fp32", "--drives", "10",
-                         "--uplink-gbs", "15.75", "--compute-s", "1")
+    code, out, err = run_cli(capsys, "model", "--params", "350M", "--profile", "smartssd-fpga",
+                             "--grad-dtype", "fp32", "--param-dtype", "fp32", "--drives", "10",
+                             "--uplink-gbs", "15.75", "--compute-s", "1")
     assert code == 0 and err == ""
     assert "350,000,000 params" in out and "10 x smartssd-fpga" in out and "15.75 GB/s" in out
     rows = {line.split("  ")[0].strip(): line for line in out.splitlines() if "  " in line}
@@ -345,20 +332,20 @@ def test_cossd_model_normal_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cossd_model_lists_profiles(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "model", "--list-profiles")
+    code, out, _ = run_cli(capsys, "model", "--list-profiles")
     assert code == 0 and all(name in out for name in PROFILES)
-    code, out, _ = run(capsys, "model", "--list-profiles", "-o", "json")
+    code, out, _ = run_cli(capsys, "model", "--list-profiles", "-o", "json")
     listed = json.loads(out)["profiles"]
     assert [p["name"] for p in listed] == list(PROFILES)
     assert listed[0]["derived"]["adam_elements_per_s"] == PROFILES[listed[0]["name"]].adam_elements_per_s
-    code, out, _ = run(capsys, "model", "--help")
+    code, out, _ = run_cli(capsys, "model", "--help")
     assert code == 0 and all(name in out.replace("\n", " ") for name in PROFILES)
 
 
 def test_cossd_model_profile_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(toy_profile(name="mine").to_json()))
-    code, out, _ = run(capsys, "model", "--params", "1000", "--profile", str(path), "-o", "json")
+    code, out, _ = run_cli(capsys, "model", "--params", "1000", "--profile", str(path), "-o", "json")
     assert code == 0 and json.loads(out)["profile"]["name"] == "mine"
 
 
@@ -373,7 +360,7 @@ def test_cossd_model_profile_file(capsys: pytest.CaptureFixture[str], tmp_path: 
     ([], "give --params"),
 ])
 def test_cossd_model_bad_input(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
-    code, out, err = run(capsys, "model", *argv)
+    code, out, err = run_cli(capsys, "model", *argv)
     assert code != 0 and out == ""
     assert err.strip().splitlines() == [err.strip()] and err.startswith("cossd model: ") and message in err
 
@@ -464,7 +451,7 @@ def test_c0h_model_bytes_match_the_model(backing: Path, tmp_path: Path,
         # Identify names the profile in its vendor area.
         vendor = json.loads(page[3072:].rstrip(b"\0"))
         assert vendor["profile"] == "gen5-arm8" and vendor["timed"] is False
-        code, out, _ = run(capsys, "id-ctrl", str(mp))
+        code, out, _ = run_cli(capsys, "id-ctrl", str(mp))
         assert code == 0 and "timing    : profile gen5-arm8" in out
 
 
@@ -493,7 +480,7 @@ def test_timed_mode_counts_its_waits(backing: Path, tmp_path: Path) -> None:
 def test_mount_refuses_an_unknown_profile(backing: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "mnt").mkdir()
-    code, out, err = run(capsys, "mount", str(backing), str(tmp_path / "mnt"), "--profile", "gen9-nope")
+    code, out, err = run_cli(capsys, "mount", str(backing), str(tmp_path / "mnt"), "--profile", "gen9-nope")
     assert code == 1 and out == ""
     assert err.strip().startswith("cossd mount: unknown profile 'gen9-nope'") and len(err.strip().splitlines()) == 1
     assert not is_mounted(tmp_path / "mnt")

@@ -1186,7 +1186,7 @@ def test_bench_kernel_buffers_are_shared_and_never_subnormal() -> None:
     """`cossd bench` runs every kernel contender on the same memory, with values that keep torch
     off the subnormal slow path even after cossd has written its params into torch's grad."""
     torch = pytest.importorskip("torch")
-    from cossd.trainer import bench
+    from cossd.harness import bench
 
     n = 4096
     buffers = bench.KernelBuffers(n, seed=1)

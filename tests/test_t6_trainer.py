@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from cossd.trainer import Adam, AdamW, DeviceLostError
-from cossd.trainer.reference import MixedPrecisionOptimizer
+from cossd.harness.reference import MixedPrecisionOptimizer
 
 from conftest import Mount
 
@@ -469,7 +469,7 @@ def test_bench_report_without_matplotlib_says_what_to_install(tmp_path: Path, mo
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`cossd bench` without the trainer extra's matplotlib: the figures are written, the
     chart is not, and the output says what to install (it used to crash at its very end)."""
-    from cossd.trainer import bench
+    from cossd.harness import bench
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when absent
     report = {"created": "now", "elements": 1, "repeat": 1,

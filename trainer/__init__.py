@@ -1,4 +1,8 @@
-"""cossd.trainer: PyTorch optimizers that keep their state on a cossd device, and the demo."""
+"""cossd.trainer: PyTorch optimizers that keep their state on a cossd device.
+
+Imports cossd.client and cossd.protocol only (the import contracts check it); the demo and the
+bench, which mount devices of their own, are cossd.harness.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +11,7 @@ __all__ = ["Adam", "AdamW", "DeviceLostError"]
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use, so torch-free parts (the demo's options) load without torch.
+    # Imported on first use, so torch-free parts (options, the demo's and bench's) load without torch.
     if name in ("Adam", "AdamW"):
         from . import optim
 

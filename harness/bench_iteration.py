@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 
 from ..client import AdminClient
+from ..trainer import AdamW
 
 from .nvm_volume import NvmVolume
-from .optim import AdamW
 
 BLOCKS = 4  # Linear(w, 2w), GELU, Linear(2w, w), four times: about 16 w^2 parameters
 ROWS = 256  # the batch: rows of w features

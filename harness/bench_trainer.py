@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from ..client import AdminClient
+from ..trainer import AdamW
 
 from . import bench_iteration
 from .nvm_volume import NvmVolume, syncfs
-from .optim import AdamW
 
 TRAINER_NAMESPACE = "bench-trainer"
 LR = 1e-3

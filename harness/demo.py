@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cossd.emulator import Device
-from cossd.fs import daemon
+from ..emulator import Device
+from ..fs import daemon
+from ..trainer import AdamW, DeviceLostError
+from ..trainer.options import DTYPE_NAMES, Settings, add_demo_arguments, settings_from
 
-from .options import DTYPE_NAMES, Settings, add_demo_arguments, settings_from
 from .checkpointing import (
     AsyncDCPCheckpointer,
     PeakMemoryProbe,
@@ -29,9 +30,7 @@ from .checkpointing import (
     pin_malloc_to_mmap,
 )
 from .gpt import GPT, GPTConfig, StdlibCorpus, build_model, parameter_count
-from .namespace_files import DeviceLostError
 from .nvm_volume import NvmVolume
-from .optim import AdamW
 from .reference import MixedPrecisionOptimizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -278,7 +277,7 @@ class Demo:
                 "checkpoint_file_bytes": sum(f.stat().st_size for f in files), "recovered_step": step}
 
     def _smart(self) -> dict[str, int]:
-        from cossd.client import AdminClient
+        from ..client import AdminClient
 
         with AdminClient(self.mountpoint) as admin:
             return admin.smart_log()
@@ -356,7 +355,7 @@ def _smart_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int
 
 def _remove_demo_namespaces(mountpoint: Path) -> None:
     """Start from scratch on a reused backing directory: drop the demo's own namespaces."""
-    from cossd.client import AdminClient
+    from ..client import AdminClient
 
     with AdminClient(mountpoint) as admin:
         for entry in admin.describe()["namespaces"]:
@@ -373,6 +372,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m cossd.trainer.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cossd.harness.demo", description=__doc__)
     add_demo_arguments(parser)
     sys.exit(main(parser.parse_args()))

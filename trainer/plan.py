@@ -1,0 +1,97 @@
+"""The optimizer's plan: the tensors (entries) a namespace holds, their param groups and hyperparameters."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from .namespace_files import WIRE_DTYPES
+
+# The constructor options of torch's Adam family that the device's kernel implements
+# only at their default value.
+UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
+HYPER_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One parameter as the device knows it."""
+
+    index: int  # position in param-group order, as torch's state_dict numbers params
+    name: str
+    group: int
+    param: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+
+def group_hyper(group: dict[str, Any]) -> dict[str, float]:
+    """A torch param group's options as the device's hyperparameters."""
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
+        "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
+    }
+
+
+def plan(param_groups: list[dict[str, Any]]) -> list[Entry]:
+    """One entry per param, in param-group order, named by the group's param_names where
+    they are valid tensor names and unique, else g<group>.p<index>."""
+    # A sharded optimizer (issue 17) plans the same entries on every rank and then takes
+    # its rank's share of them: the names and indices here are the job's, not a rank's.
+    entries = []
+    names: set[str] = set()
+    for group_index, group in enumerate(param_groups):
+        given = group.get("param_names") or [None] * len(group["params"])
+        for param, given_name in zip(group["params"], given):
+            index = len(entries)
+            name = given_name if isinstance(given_name, str) else ""
+            if not TENSOR_NAME.fullmatch(name) or name in names:
+                name = f"g{group_index}.p{index}"
+            names.add(name)
+            entries.append(Entry(index, name, group_index, param))
+    return entries
+
+
+def infer_dtype(entries: list[Entry]) -> torch.dtype:
+    """The wire dtype for these params: theirs where they all share a 16-bit one."""
+    dtypes = {entry.param.dtype for entry in entries}
+    if len(dtypes) == 1 and next(iter(dtypes)) in WIRE_DTYPES:
+        return next(iter(dtypes))
+    # FP32 (or mixed) models: BF16 keeps FP32's range, so gradients cannot overflow.
+    return torch.bfloat16
+
+
+def description(name: str, entries: list[Entry], param_groups: list[dict[str, Any]], mode: str,
+                dtype: torch.dtype, state_dtype: str, initial_step: int) -> dict[str, Any]:
+    """What CREATE_NAMESPACE is given for this plan."""
+    hypers = [group_hyper(group) for group in param_groups]
+    wire = WIRE_DTYPES[dtype]
+    return {
+        "name": name,
+        "tensors": [[e.name, e.numel, e.group] for e in entries],
+        "hyperparameters": hypers[0] | {"mode": mode},
+        "groups": hypers,
+        "grad_dtype": wire,
+        "param_dtype": wire,
+        "state_dtype": state_dtype,
+        "initial_step": initial_step,
+    }
+
+
+def master_loads(entries: list[Entry], masters: list[torch.Tensor] | None) -> list[tuple[str, str, torch.Tensor]]:
+    """The FP32 masters to write (from `masters` by entry index, else the params), checked."""
+    loads = []
+    for entry in entries:
+        source = masters[entry.index] if masters is not None else entry.param
+        master = source.detach().to("cpu", torch.float32).reshape(-1)
+        if master.numel() != entry.numel:
+            raise ValueError(f"master weights for {entry.name} have {master.numel()} elements, "
+                             f"not {entry.numel}")
+        loads.append((entry.name, "master", master))
+    return loads

@@ -1,0 +1,192 @@
+"""A cossd optimizer's device session: begin, gradients out (at once or streamed), commit, abort, params back."""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..protocol.status import DeviceError
+
+from . import grads as grad_rules
+from .namespace_files import DeviceLostError, NamespaceFiles
+from .plan import Entry, group_hyper
+
+
+class DeviceSession:
+    """One namespace's step transaction, as a part of the optimizer (a mixin: GradScaler,
+    DeepSpeed and the tests set and read these attributes on the optimizer itself)."""
+
+    # Set by the optimizer (optim._DeviceAdam.__init__, and again where _rebind moves it).
+    files: NamespaceFiles
+    entries: list[Entry]
+    param_groups: list[dict[str, Any]]
+    dtype: torch.dtype
+    streaming: bool
+    scaler: torch.amp.GradScaler | None
+    max_grad_norm: float | None
+    last_grad_norm: float | None
+    committed_step: int
+    before_grad_write: Callable[[int], None] | None
+    _sent_hypers: list[dict[str, float]]
+    _step_open: bool
+    _streamed: set[int]
+    _stream_scale: float
+    _entry_of: dict[int, Entry]
+    _pending: list[concurrent.futures.Future[int]]
+    _writer: concurrent.futures.ThreadPoolExecutor | None
+
+    # ------------------------------------------------------------------ gradients out
+
+    def _wire_grad(self, entry: Entry, on_host: bool = True) -> torch.Tensor:
+        return grad_rules.wire_grad(entry, self.dtype, on_host)
+
+    def _write_grad(self, entry: Entry, grad: tuple[torch.Tensor, "torch.cuda.Event | None"]) -> int:
+        """One tensor's gradients, streamed (on the writer thread)."""
+        if self.before_grad_write is not None:
+            self.before_grad_write(entry.index)
+        return self.files.write_streamed(entry.name, *grad)
+
+    def _streamed_grad(self, entry: Entry) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """The gradient to stream, and for one on a GPU an event the writer thread waits for:
+        where it goes through the CMB it stays on its device (the writer copies it straight
+        into the CMB, after backward's stream has made it), else it comes to the host here."""
+        grad = self._wire_grad(entry, on_host=self.files.stream_slots() is None)
+        ready = None
+        if grad.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()  # on this thread's current stream: the one backward made it on
+        return grad, ready
+
+    def _write_grads(self, grads: list[torch.Tensor]) -> None:
+        """Every gradient of the step at once: through the device's memory buffer when it
+        has one (a command per buffer-full), else a file write per tensor."""
+        if self.before_grad_write is not None:
+            for entry in self.entries:
+                self.before_grad_write(entry.index)
+        self.files.write_many([(entry.name, "grad", grad) for entry, grad in zip(self.entries, grads)],
+                              params_back=True)
+
+    def _send_grads(self, grad_scale: float) -> float:
+        """Every gradient of the step to the device: the ones not streamed yet where the step
+        is streaming, else all at once after BEGIN_STEP (with the clip coefficient in its
+        scale). Returns the seconds spent in begin."""
+        if self._step_open and self.streaming:
+            if grad_scale != self._stream_scale:
+                raise RuntimeError(
+                    f"gradients were streamed at scale {self._stream_scale} but the step "
+                    f"has scale {grad_scale}: pass the GradScaler as scaler="
+                )
+            for entry in self.entries:
+                if entry.index not in self._streamed:
+                    self._pending.append(self._writer.submit(  # type: ignore[union-attr]
+                        self._write_grad, entry, self._streamed_grad(entry)))
+            for future in concurrent.futures.as_completed(self._pending):
+                future.result()
+            return 0.0
+        # Through the memory buffer a GPU's gradients go there directly (one copy).
+        on_host = self.files.cmb() is None
+        grads = [self._wire_grad(entry, on_host) for entry in self.entries]
+        coefficient = 1.0
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = grad_rules.global_norm(grads, grad_scale)
+            coefficient = grad_rules.clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+        began = time.perf_counter()
+        # The device multiplies each gradient by the step's combined scale.
+        self._begin(coefficient / grad_scale)
+        begin_s = time.perf_counter() - began
+        self._write_grads(grads)
+        return begin_s
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        """Streaming: backward made this param's gradient; send it while backward goes on."""
+        if not self.streaming:
+            return
+        entry = self._entry_of[id(param)]
+        if entry.index in self._streamed:
+            raise RuntimeError(
+                f"{entry.name}: gradient produced twice in one step; streaming needs one "
+                "backward per step (set optimizer.streaming = False to accumulate)"
+            )
+        if not self._step_open:
+            scale = float(self.scaler.get_scale()) if self.scaler is not None and self.scaler.is_enabled() else 1.0
+            self._stream_scale = scale
+            self._begin(1.0 / scale)
+        grad = self._streamed_grad(entry)
+        self._streamed.add(entry.index)
+        assert self._writer is not None
+        self._pending.append(self._writer.submit(self._write_grad, entry, grad))
+
+    # ------------------------------------------------------------------ params back
+
+    def _read_params(self) -> None:
+        """Copy the committed params into the model (in place where the dtype allows)."""
+        reads, staged = [], []
+        # Through the memory buffer the params go straight to their device (a GPU's
+        # included); through the files they go to the host first.
+        any_device = self.files.cmb() is not None
+        for entry in self.entries:
+            param = entry.param.detach()
+            # An FP32 param (an FP32 model, DeepSpeed's FP32 master partitions) gets the FP32
+            # master itself rather than its rounding to the wire dtype: it then holds exactly
+            # what torch's AdamW on FP32 params would.
+            role, dtype = ("master", torch.float32) if param.dtype == torch.float32 else ("param", self.dtype)
+            if (any_device or param.device.type == "cpu") and param.dtype == dtype and param.is_contiguous():
+                reads.append((entry.name, role, param.view(-1)))
+            else:
+                values = torch.empty(entry.numel, dtype=dtype)
+                reads.append((entry.name, role, values))
+                staged.append((param, values))
+        self.files.read_many_into(reads)
+        for param, values in staged:
+            param.copy_(values.view(param.shape))
+
+    def _pin_cmb_for_gpu(self) -> bool:
+        """Page-lock this optimizer's part of the CMB where a param is on a GPU: each crossing
+        between the GPU and the CMB is then one DMA instead of a copy through CUDA's staging."""
+        gpu = next((entry.param.device for entry in self.entries if entry.param.device.type == "cuda"), None)
+        return gpu is not None and self.files.pin_cmb_for_cuda(gpu)
+
+    # ------------------------------------------------------------------ the transaction
+
+    def _sync_hyperparameters(self) -> None:
+        """Send the groups' changed hyperparameters (an lr schedule) before a step begins."""
+        for index, group in enumerate(self.param_groups):
+            current = group_hyper(group)
+            changed = {k: v for k, v in current.items() if self._sent_hypers[index].get(k) != v}
+            if changed:
+                self.files.command(
+                    self.files.admin.set_hyperparameters, self.files.nsid, group=index, **changed
+                )
+                self._sent_hypers[index] = current
+
+    def _begin(self, grad_scale: float) -> None:
+        self._sync_hyperparameters()
+        self.files.step_began()
+        self.files.command(
+            self.files.admin.begin_step, self.files.nsid, self.committed_step + 1, grad_scale
+        )
+        self._step_open = True
+
+    def _commit(self) -> dict[str, Any]:
+        """COMMIT_STEP of the open step; the device's result (committed_step, skipped)."""
+        result = self.files.command(self.files.admin.commit_step, self.files.nsid)
+        self._step_open = False
+        self._pending.clear()
+        self._streamed.clear()
+        return result
+
+    def _abort(self) -> None:
+        """Drop a step that failed halfway, so the next one can begin (best effort)."""
+        for future in self._pending:
+            future.cancel()
+        concurrent.futures.wait(self._pending)
+        self._pending.clear()
+        self._streamed.clear()
+        if self._step_open:
+            self._step_open = False
+            try:
+                self.files.command(self.files.admin.abort_step, self.files.nsid)
+            except (DeviceError, DeviceLostError, OSError):
+                pass

@@ -1,0 +1,171 @@
+"""A cossd optimizer's state_dict and load_state_dict: torch's AdamW format, read from and loaded onto the device."""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from . import namespace_swap
+from .namespace_files import NamespaceFiles
+from .plan import Entry, group_hyper
+
+
+class StateDict:
+    """torch's state_dict/load_state_dict for an optimizer whose state is on the device (a
+    mixin of optim._DeviceAdam, ahead of torch.optim.Optimizer, whose own they replace)."""
+
+    # Set by the optimizer (optim._DeviceAdam); the methods named here are its own.
+    files: NamespaceFiles
+    entries: list[Entry]
+    param_groups: list[dict[str, Any]]
+    state_dtype: str
+    committed_step: int
+    steps_skipped: int
+    last_step_skipped: bool
+    load_hook: Callable[[str], None] | None
+    _bound: dict[int, Any]
+    _sent_hypers: list[dict[str, float]]
+
+    def master_weights(self) -> list[torch.Tensor]:
+        """The FP32 master weights, read from the device, shaped like the params."""
+        return [
+            self.files.read(e.name, "master", torch.float32, e.numel).view(e.param.shape)
+            for e in self.entries
+        ]
+
+    def _read_state(self, entry: Entry, role: str) -> torch.Tensor:
+        dtype = torch.float32 if self.state_dtype == "fp32" else torch.bfloat16
+        values = self.files.read(entry.name, role, dtype, entry.numel)
+        return values.to(torch.float32).view(entry.param.shape)
+
+    def _identity(self) -> dict[str, Any]:
+        """Which state the namespace holds now, cheap to read at any size: the device (its
+        serial), the namespace (nsids are never reused), its committed step, and the step
+        counters its superblock carries over its life (a commit or a skip moves them)."""
+        if getattr(self, "_device_serial", None) is None:
+            self._device_serial = str(self.files.command(self.files.admin.describe)["identity"]["serial"])
+        stats = self.files.statistics()
+        identity = {"device": self._device_serial, "name": self.files.name, "nsid": self.files.nsid}
+        for key in ("committed_step", "loading", "steps_committed", "steps_skipped",
+                    "last_skipped_step", "seq"):
+            if key in stats:  # seq: the superblock's, where the device reports it
+                identity[key] = stats[key]
+        return identity
+
+    def _unchanged_since_handed_out(self, state_dict: dict[str, Any]) -> bool:
+        """Whether every tensor of `state_dict` is one the latest state_dict() call handed out,
+        unchanged in place since (torch counts in-place changes in a tensor's _version). A
+        tensor it did not hand out (a replaced entry, a deep copy, a file's, an older call's)
+        could hold anything, so it makes the load a real one: a no-op is only ever taken for
+        the very dict handed out, as accelerate hands it back."""
+        handed_out = getattr(self, "_handed_out", {})
+        tensors = [value for entry in state_dict["state"].values() for value in entry.values()]
+        tensors += list(state_dict.get("cossd_master", {}).values())
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            known = handed_out.get(id(tensor))
+            if known is None or known[0]() is not tensor or tensor._version != known[1]:
+                return False
+        return True
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch.optim.AdamW's format, read from the device; loads into the stock optimizer.
+
+        The extra key "cossd_master" holds the FP32 master weights by param index (torch
+        ignores it; a stock mixed-precision setup loads them into its FP32 copies), and
+        "cossd_namespace" says which namespace state it is, so that loading it back into
+        that state is a no-op.
+        """
+        identity = self._identity()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        if self.committed_step > 0:
+            for entry in self.entries:
+                state[entry.index] = {
+                    "step": torch.tensor(float(self.committed_step), dtype=torch.float32),
+                    "exp_avg": self._read_state(entry, "exp_avg"),
+                    "exp_avg_sq": self._read_state(entry, "exp_avg_sq"),
+                }
+        groups = []
+        for group_index, group in enumerate(self.param_groups):
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [e.index for e in self.entries if e.group == group_index]
+            groups.append(packed)
+        masters = {index: values for index, values in enumerate(self.master_weights())}
+        handed = [t for entry in state.values() for t in entry.values()] + list(masters.values())
+        self._handed_out = {id(t): (weakref.ref(t), t._version) for t in handed}
+        return {"state": state, "param_groups": groups, "cossd_master": masters,
+                "cossd_namespace": identity}
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: dict[str, Any], master: list[torch.Tensor] | None = None
+    ) -> None:
+        """Replace the device's state with a torch Adam(W) state_dict.
+
+        Master weights come from `master`, else the dict's "cossd_master", else the current
+        params. A dict that state_dict() returned for the state the namespace still holds
+        loads as a no-op (only the param groups' options are taken). Any other state goes
+        into a staging namespace first and replaces the namespace atomically
+        (namespace_swap.replace): a kill at any instant leaves the old run or the new one.
+        """
+        # DeepSpeed's load_checkpoint comes before the first step: follow its tensors first,
+        # or the masters would be checked against the model's, not its partitions.
+        if not self._bound and self._params_moved():
+            self._rebind()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+        order = [index for saved in saved_groups for index in saved["params"]]
+        saved_state = state_dict["state"]
+        steps = {float(saved_state[i]["step"]) for i in order if i in saved_state}
+        if len(steps) > 1:
+            raise ValueError(f"params are at different steps {sorted(steps)}; the device "
+                             "steps a namespace as a whole")
+        step = int(steps.pop()) if steps else 0
+        noop = (master is None and state_dict.get("cossd_namespace") is not None
+                and state_dict["cossd_namespace"] == self._identity()
+                and self._unchanged_since_handed_out(state_dict))
+        if master is None and "cossd_master" in state_dict:
+            master = [state_dict["cossd_master"][i] for i in order]
+        # Everything is checked before anything changes: bad input leaves the run as it was.
+        loads = [] if noop else self._master_loads(master)
+        if step > 0 and not noop:
+            for entry, index in zip(self.entries, order):
+                entry_state = saved_state.get(index)
+                if entry_state is None:
+                    raise ValueError(f"state for param {index} ({entry.name}) is missing")
+                for role in ("exp_avg", "exp_avg_sq"):
+                    values = entry_state[role].detach().to("cpu", torch.float32).reshape(-1)
+                    if values.numel() != entry.numel:
+                        raise ValueError(f"{role} for param {index} ({entry.name}) has "
+                                         f"{values.numel()} elements, not {entry.numel}")
+                    if self.state_dtype == "bf16":
+                        values = values.to(torch.bfloat16)
+                    loads.append((entry.name, role, values))
+        before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        for saved, group in zip(saved_groups, self.param_groups):
+            for key, value in saved.items():
+                if key not in ("params", "param_names"):
+                    group[key] = value
+        if noop:
+            return  # the groups' changed options go to the device with the next step
+        self._abort()
+        hook = self.load_hook or (lambda stage: None)
+        try:
+            namespace_swap.replace(self.files, self._description(step),
+                                   lambda: self.files.write_many(loads), hook)
+        except BaseException:
+            for group, options in zip(self.param_groups, before):  # the old run goes on as it was
+                group.update(options)
+            raise
+        self._sent_hypers = [group_hyper(group) for group in self.param_groups]
+        self.committed_step = step
+        self.steps_skipped = 0
+        self.last_step_skipped = False
+        # The device rounds the masters to the wire dtype; the model continues from that.
+        self._read_params()
