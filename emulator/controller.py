@@ -19,7 +19,7 @@ from .injection import Injector
 from ..protocol.logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
 from .namespace import Namespace
 from ..protocol.entries import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
-from .superblock import GROUP_FIELDS
+from ..protocol.hyperparameters import GROUP_FIELDS, SET_HYPERPARAMETERS_KEYS
 from . import kinds
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,6 @@ JSON_PAYLOADS: dict[int, Callable[[Command], bool]] = {
 }
 # SET_HYPERPARAMETERS: the fields a payload may change (mode is fixed at creation: refused by
 # the namespace with its own message), and "group", which picks one group.
-HYPERPARAMETER_KEYS = (*GROUP_FIELDS, "mode", "group")
 
 
 def _json(value: Any) -> bytes:
@@ -308,7 +307,7 @@ class Controller:
         changes = command.json
         if not isinstance(changes, dict):
             raise DeviceError(Status.INVALID_FIELD, "payload must be a JSON object")
-        unknown = sorted(set(changes) - set(HYPERPARAMETER_KEYS))
+        unknown = sorted(set(changes) - set(SET_HYPERPARAMETERS_KEYS))
         if unknown:
             raise DeviceError(Status.INVALID_FIELD, f"unknown hyperparameter(s) {', '.join(map(repr, unknown))[:200]}; "
                               f"this command takes {', '.join(GROUP_FIELDS)} and group")

@@ -84,7 +84,7 @@ def plan(namespace: Namespace, superblock: Superblock, tag: str | None,
         "cossd.hyperparameters": json.dumps(
             {"lr": superblock.lr, "beta1": superblock.beta1, "beta2": superblock.beta2,
              "eps": superblock.eps, "weight_decay": superblock.weight_decay,
-             "mode": "adamw" if superblock.decoupled else "adam"}, sort_keys=True),
+             "mode": superblock.mode}, sort_keys=True),
     }
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0

@@ -29,7 +29,7 @@ from ..protocol.features import (
     Select,
 )
 from .nvm import NvmNamespace
-from .superblock import GROUP_FIELDS
+from ..protocol.hyperparameters import GROUP_FIELDS
 
 if TYPE_CHECKING:
     from .controller import Controller

@@ -49,7 +49,7 @@ SUPERBLOCK_HEADER = np.dtype(
         ("committed_step", "<u8"),
         ("committed_copy", "u1"),
         ("flags", "u1"),
-        ("decoupled", "u1"),
+        ("adamw", "u1"),
         ("reserved0", "u1"),
         ("block_count", "<u4"),
         ("steps_committed", "<u8"),

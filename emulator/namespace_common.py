@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from .spec import Hyperparameters
-from .superblock import GROUP_FIELDS, Superblock
+from ..protocol.hyperparameters import GROUP_FIELDS
+from .superblock import Superblock
 
 ROLES = ("grad", "param", "master", "exp_avg", "exp_avg_sq")
 LOADABLE_ROLES = ("master", "exp_avg", "exp_avg_sq")
@@ -17,12 +18,11 @@ BLOCK_ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
 
 def hypers_of(superblock: Superblock) -> list[Hyperparameters]:
     """The hyperparameters of every group, as a superblock recorded them with its step."""
-    mode = "adamw" if superblock.decoupled else "adam"
     first = Hyperparameters(
-        **{field: getattr(superblock, field) for field in GROUP_FIELDS}, mode=mode
+        **{field: getattr(superblock, field) for field in GROUP_FIELDS}, mode=superblock.mode
     )
     rest = [
-        Hyperparameters(**{f: float(v) for f, v in zip(GROUP_FIELDS, row)}, mode=mode)
+        Hyperparameters(**{f: float(v) for f, v in zip(GROUP_FIELDS, row)}, mode=superblock.mode)
         for row in superblock.extra_groups
     ]
     return [first, *rest]
@@ -31,7 +31,7 @@ def hypers_of(superblock: Superblock) -> list[Hyperparameters]:
 def hyper_record(hypers: list[Hyperparameters]) -> dict[str, Any]:
     """Superblock fields recording `hypers` (group 0 in the header, the rest in a table)."""
     record: dict[str, Any] = {field: getattr(hypers[0], field) for field in GROUP_FIELDS}
-    record["decoupled"] = hypers[0].mode == "adamw"
+    record["mode"] = hypers[0].mode
     record["extra_groups"] = np.array(
         [[getattr(h, field) for field in GROUP_FIELDS] for h in hypers[1:]], dtype=np.float64
     ).reshape(len(hypers) - 1, len(GROUP_FIELDS))

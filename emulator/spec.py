@@ -7,12 +7,12 @@ from typing import Any
 
 from cossd import kernels
 
+from ..protocol.hyperparameters import BETA_FIELDS, GROUP_FIELDS, MODES
 from ..protocol.status import DeviceError, Status
 from .names import MAX_GROUPS, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
 
 HALF_FORMATS = {"fp16": kernels.HalfFormat.FP16, "bf16": kernels.HalfFormat.BF16}
 STATE_FORMATS = {"fp32": kernels.StateFormat.FP32, "bf16": kernels.StateFormat.BF16}
-MODES = ("adamw", "adam")
 # Step numbers travel in two dwords and kernels take them as float exponents; this bound
 # keeps both comfortably exact.
 MAX_INITIAL_STEP = 1 << 53
@@ -43,7 +43,7 @@ class Hyperparameters:
     mode: str = "adamw"
 
     def validate(self) -> "Hyperparameters":
-        for field in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+        for field in GROUP_FIELDS:
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise _invalid(f"{field} must be a number, got {value!r}")
@@ -51,7 +51,7 @@ class Hyperparameters:
                 raise _invalid(f"{field} must be finite, got {value!r}")
         if self.lr < 0:
             raise _invalid(f"lr must be >= 0, got {self.lr}")
-        for field in ("beta1", "beta2"):
+        for field in BETA_FIELDS:
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise _invalid(f"{field} must be in [0, 1), got {getattr(self, field)}")
         if self.eps <= 0:
@@ -75,7 +75,7 @@ class Hyperparameters:
             beta2=float(self.beta2),
             eps=float(self.eps),
             weight_decay=float(self.weight_decay),
-            decoupled=self.mode == "adamw",
+            mode=self.mode,
         )
 
     def replace(self, **changes: Any) -> "Hyperparameters":

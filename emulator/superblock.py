@@ -10,6 +10,7 @@ import numpy as np
 
 from cossd import kernels
 
+from ..protocol.hyperparameters import ADAM, ADAMW, GROUP_FIELDS
 from ..protocol.status import DeviceError
 from .layout import (
     FORMAT_VERSION,
@@ -23,8 +24,6 @@ from .media import atomic_write_bytes, read_json
 
 log = logging.getLogger(__name__)
 
-# The per-group hyperparameters a superblock records with its step, in stored order.
-GROUP_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 # Beside the slots: the skip counters as of the last skip (see SkipCounts).
 SKIP_RECORD = "skips.json"
 
@@ -42,7 +41,7 @@ class Superblock:
     beta2: float
     eps: float
     weight_decay: float
-    decoupled: bool
+    mode: str  # protocol/hyperparameters.py MODES; on the media the flag `adamw`
     block_crcs: np.ndarray
     steps_committed: int = 0
     steps_skipped: int = 0
@@ -66,12 +65,12 @@ class Superblock:
         header["committed_step"] = self.committed_step
         header["committed_copy"] = int(self.committed_copy)
         header["flags"] = int(self.flags)
-        header["decoupled"] = int(self.decoupled)
+        header["adamw"] = int(self.mode == ADAMW)
         header["block_count"] = len(self.block_crcs)
         header["steps_committed"] = self.steps_committed
         header["steps_skipped"] = self.steps_skipped
         header["last_skipped_step"] = self.last_skipped_step
-        for field in ("lr", "beta1", "beta2", "eps", "weight_decay", "last_grad_scale"):
+        for field in (*GROUP_FIELDS, "last_grad_scale"):
             header[field] = getattr(self, field)
         body = bytearray(
             header.tobytes()
@@ -117,7 +116,7 @@ class Superblock:
             beta2=float(header["beta2"]),
             eps=float(header["eps"]),
             weight_decay=float(header["weight_decay"]),
-            decoupled=bool(header["decoupled"]),
+            mode=ADAMW if header["adamw"] else ADAM,
             block_crcs=crcs.astype(np.uint32),
             steps_committed=int(header["steps_committed"]),
             steps_skipped=int(header["steps_skipped"]),

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ._cossd_kernels import ffi as _ffi
+from ..protocol.hyperparameters import ADAMW, BETA_FIELDS, GROUP_FIELDS, MODES
 from .validation import KernelArgumentError
 
 
@@ -24,21 +25,22 @@ def _check_real(name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class AdamHyper:
-    """Adam/AdamW hyperparameters; decoupled=True is AdamW, False is Adam with L2 weight decay."""
+    """Adam/AdamW hyperparameters; mode "adamw" decays the weights apart from the gradient
+    (AdamW), "adam" adds the L2 penalty to the gradient (protocol/hyperparameters.py)."""
 
     lr: float
     beta1: float
     beta2: float
     eps: float
     weight_decay: float
-    decoupled: bool
+    mode: str
 
     def __post_init__(self) -> None:
-        for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+        for name in GROUP_FIELDS:
             object.__setattr__(self, name, _check_real(name, getattr(self, name)))
         if self.lr < 0:
             raise KernelArgumentError(f"lr must be >= 0, got {self.lr!r}")
-        for name in ("beta1", "beta2"):
+        for name in BETA_FIELDS:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise KernelArgumentError(f"{name} must satisfy 0 <= {name} < 1, got {value!r}")
@@ -46,9 +48,8 @@ class AdamHyper:
             raise KernelArgumentError(f"eps must be > 0, got {self.eps!r}")
         if self.weight_decay < 0:
             raise KernelArgumentError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not isinstance(self.decoupled, (bool, np.bool_)):
-            raise KernelArgumentError(f"decoupled must be a bool, got {type(self.decoupled).__name__}")
-        object.__setattr__(self, "decoupled", bool(self.decoupled))
+        if self.mode not in MODES:
+            raise KernelArgumentError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class AdamScalars:
     bias_correction2_sqrt: float
     decay: float
     weight_decay: float
-    decoupled: bool
+    mode: str
     # Built once so repeated kernel calls do not re-create it; read-only, so
     # sharing it between threads is safe.
     _c: Any = field(init=False, repr=False, compare=False)
@@ -91,7 +92,7 @@ class AdamScalars:
                 raise KernelArgumentError(f"{name}={getattr(self, name)!r} is not representable as a finite float32")
         if not c.eps > 0:
             raise KernelArgumentError(f"eps={self.eps!r} rounds to 0 in float32")
-        c.decoupled = 1 if self.decoupled else 0
+        c.decoupled = 1 if self.mode == ADAMW else 0  # the C form of the mode
         object.__setattr__(self, "_c", c)
 
 
@@ -112,7 +113,7 @@ def adam_scalars(hyper: AdamHyper, step: int, grad_scale: float = 1.0) -> AdamSc
     bias_correction2 = 1 - hyper.beta2**step
     step_size = hyper.lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
-    decay = 1 - hyper.lr * hyper.weight_decay if hyper.decoupled else 1.0
+    decay = 1 - hyper.lr * hyper.weight_decay if hyper.mode == ADAMW else 1.0
     # AdamScalars rejects values that do not fit float32 (e.g. a huge lr).
     return AdamScalars(
         grad_scale=grad_scale,
@@ -125,5 +126,5 @@ def adam_scalars(hyper: AdamHyper, step: int, grad_scale: float = 1.0) -> AdamSc
         bias_correction2_sqrt=bias_correction2_sqrt,
         decay=decay,
         weight_decay=hyper.weight_decay,
-        decoupled=hyper.decoupled,
+        mode=hyper.mode,
     )

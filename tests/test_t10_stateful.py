@@ -29,7 +29,7 @@ from test_t1_kernels import ref_adam
 
 pytestmark = pytest.mark.mount
 
-HYPER = k.AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+HYPER = k.AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, mode="adamw")
 ROLES = ("param", "master", "exp_avg", "exp_avg_sq")
 VALID_NAMES = st.sampled_from(["a", "b", "net.v2", "x_y-z"])
 INVALID_NAMES = st.sampled_from(["", "../x", "a/b", ".hidden", "a\x00b", "x" * 129, "sp ace"])

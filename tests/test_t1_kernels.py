@@ -78,10 +78,10 @@ def ref_f32_to_half(x: np.ndarray, fmt: HalfFormat) -> np.ndarray:
 # Adam helpers
 # ---------------------------------------------------------------------------
 
-HYPER_W = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
-HYPER_L2 = AdamHyper(lr=2e-3, beta1=0.85, beta2=0.995, eps=1e-6, weight_decay=0.05, decoupled=False)
+HYPER_W = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, mode="adamw")
+HYPER_L2 = AdamHyper(lr=2e-3, beta1=0.85, beta2=0.995, eps=1e-6, weight_decay=0.05, mode="adam")
 # beta1 < 0.5: the lerp takes its other form, fma(w - 1, g - m, g).
-HYPER_LOW_BETA1 = AdamHyper(lr=5e-3, beta1=0.3, beta2=0.9, eps=1e-7, weight_decay=0.1, decoupled=True)
+HYPER_LOW_BETA1 = AdamHyper(lr=5e-3, beta1=0.3, beta2=0.9, eps=1e-7, weight_decay=0.1, mode="adamw")
 
 
 def make_inputs(n: int, gfmt: HalfFormat, sfmt: StateFormat, seed: int) -> dict[str, np.ndarray]:
@@ -136,7 +136,7 @@ def ref_adam(
     p = inp["master"].copy()
     m_in = inp["m"] if sfmt == StateFormat.FP32 else ref_bf16_to_f32(inp["m"])
     v_in = inp["v"] if sfmt == StateFormat.FP32 else ref_bf16_to_f32(inp["v"])
-    if s.decoupled:
+    if s.mode == "adamw":
         p = p * f32(s.decay)
     else:
         g = fma(f32(s.weight_decay), p, g)
@@ -305,7 +305,7 @@ def test_adam_tracks_torch(hyper: AdamHyper) -> None:
     v = np.zeros(n, np.float32)
     param = np.empty(n, np.uint16)
     tparam = torch.nn.Parameter(torch.from_numpy(master.copy()))
-    cls = torch.optim.AdamW if hyper.decoupled else torch.optim.Adam
+    cls = torch.optim.AdamW if hyper.mode == "adamw" else torch.optim.Adam
     opt = cls(
         [tparam], lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
         weight_decay=hyper.weight_decay, foreach=False,
@@ -341,7 +341,7 @@ def test_adam_is_bit_identical_to_torch_fused(hyper: AdamHyper, gfmt: HalfFormat
     m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
     param = np.empty(n, np.uint16)
     tparam = torch.nn.Parameter(torch.from_numpy(master.copy()))
-    cls = torch.optim.AdamW if hyper.decoupled else torch.optim.Adam
+    cls = torch.optim.AdamW if hyper.mode == "adamw" else torch.optim.Adam
     opt = cls([tparam], lr=hyper.lr, betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,
               weight_decay=hyper.weight_decay, fused=True)
     half = torch.float16 if gfmt == HalfFormat.FP16 else torch.bfloat16
@@ -878,10 +878,10 @@ def test_other_kernels_reject_bad_arguments() -> None:
     ("field", "value"),
     [("lr", float("nan")), ("lr", -1.0), ("beta1", 1.0), ("beta2", float("inf")), ("beta2", -0.1),
      ("eps", 0.0), ("eps", float("nan")), ("weight_decay", -0.1), ("weight_decay", float("inf")),
-     ("decoupled", 1)],
+     ("mode", 1), ("mode", "sgd")],
 )  # fmt: skip
 def test_hyper_rejects_bad_values(field: str, value: Any) -> None:
-    args = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "decoupled": True}
+    args = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "mode": "adamw"}
     args[field] = value
     with pytest.raises(KernelArgumentError, match=field):
         AdamHyper(**args)
@@ -899,9 +899,9 @@ def test_adam_scalars_rejects_bad_values(kwargs: dict[str, Any], name: str) -> N
 
 def test_adam_scalars_reject_values_outside_float32() -> None:
     with pytest.raises(KernelArgumentError, match="step_size"):
-        k.adam_scalars(AdamHyper(lr=1e39, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True), 1)
+        k.adam_scalars(AdamHyper(lr=1e39, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, mode="adamw"), 1)
     with pytest.raises(KernelArgumentError, match="eps"):
-        k.adam_scalars(AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-50, weight_decay=0.0, decoupled=True), 1)
+        k.adam_scalars(AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-50, weight_decay=0.0, mode="adamw"), 1)
 
 
 def test_adam_scalars_match_torch_formulas() -> None:

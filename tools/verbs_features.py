@@ -20,6 +20,7 @@ from cossd.protocol.features import (
     Select,
 )
 from cossd.protocol.entries import Completion, Opcode
+from cossd.protocol.hyperparameters import GROUP_FIELDS
 
 from .arguments import VerbFactory, parse_int
 from .output import emit, open_client
@@ -36,7 +37,7 @@ FEATURE_NAMES = {
 }
 SELECT_NAMES = {Select.CURRENT: "Current", Select.DEFAULT: "Default", Select.SAVED: "Saved",
                 Select.SUPPORTED_CAPABILITIES: "Supported capabilities"}
-HYPERPARAMETER_FLAGS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+HYPERPARAMETER_FLAGS = GROUP_FIELDS
 
 
 # ---------------------------------------------------------------------- client helpers

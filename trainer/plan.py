@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
+from ..protocol.hyperparameters import GROUP_FIELDS
 from .namespace_files import WIRE_DTYPES
 
 # The constructor options of torch's Adam family that the device's kernel implements
 # only at their default value.
 UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
-HYPER_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+HYPER_FIELDS = GROUP_FIELDS
 TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
 
