@@ -32,11 +32,11 @@ from gpu_node_bundle import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_TESTS = ("tests/test_t6_trainer.py::test_cuda_model_steps_like_a_cpu_model",
-              "tests/test_t6_trainer.py::test_cuda_streaming_on_a_side_stream_steps_like_the_cpu")
+CUDA_TESTS = ("tests/e2e/test_trainer.py::test_cuda_model_steps_like_a_cpu_model",
+              "tests/e2e/test_trainer.py::test_cuda_streaming_on_a_side_stream_steps_like_the_cpu")
 # Quick tests through a real mount that need no GPU: they show the install works at all.
-CPU_TESTS = ("tests/test_t6_trainer.py::test_streaming_equals_step_time_transfer",
-             "tests/test_t4_cli.py::test_bench_device_cuda_without_a_gpu_says_so")
+CPU_TESTS = ("tests/e2e/test_trainer.py::test_streaming_equals_step_time_transfer",
+             "tests/cli/test_cli.py::test_bench_device_cuda_without_a_gpu_says_so")
 SIZES = (16 << 20, 128 << 20)
 DRY_RUN_SIZE = 1 << 20
 NO_GPU = "no GPU present: CUDA parts skipped"

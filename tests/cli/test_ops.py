@@ -29,7 +29,7 @@ from helpers import create_namespace, run_cli, tensor_dir
 
 pytestmark = pytest.mark.mount
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 W_NUMEL = 300_000  # two blocks of fp16 gradient: 600 000 bytes
 B_NUMEL = 100
 

@@ -488,7 +488,7 @@ def test_hundreds_of_random_entries_through_a_mount(mount: Mount, figures: list[
     env = ThroughMount(mount)
 
     # Only admin-queue injections: an armed tensor-file read would fail the state reads
-    # themselves (test_t15_features.py covers the data path).
+    # themselves (test_features.py covers the data path).
     @settings(max_examples=THROUGH_MOUNT_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
     @given(batches(("admin",), (2, 4)))
     def check(batch: list[Entry]) -> None:

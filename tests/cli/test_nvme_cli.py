@@ -102,7 +102,7 @@ DETAIL_CONTROLLER_2_3 = ["Controller", "SerialNumber", "ModelNumber", "Firmware"
 DETAIL_NAMESPACE_2_3 = ["NameSpace", "NSID", "UsedBytes", "MaximumLBA", "PhysicalSize", "SectorSize"]
 
 VENDOR = "cossd"  # cossd's own figures: one key, after nvme-cli's
-DATA = Path(__file__).parent / "data" / "nvme_metrics"
+DATA = Path(__file__).resolve().parents[1] / "data" / "nvme_metrics"
 NVME_METRICS_SHA256 = "550c2638c18b34c10dfb5af825dff7476f29db77e05be7e07c6cf67076daa1d9"
 
 

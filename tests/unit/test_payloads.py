@@ -18,7 +18,7 @@ from conftest import Mount
 from cossd.protocol.status import Status
 from cossd.protocol.entries import MAX_JSON_DEPTH, Opcode
 from cossd.client import AdminClient
-from test_t15_features_fuzz import BASELINE, Entry, InProcess, in_process  # noqa: F401 (a fixture)
+from test_control_fuzz import BASELINE, Entry, InProcess, in_process  # noqa: F401 (a fixture)
 
 EXAMPLES = 300
 

@@ -508,7 +508,7 @@ def test_gpu_bundle_never_wipes_a_folder_not_its_own(tmp_path: Path, contents: s
              "failed build": ["build.log", "wheels"]}[contents]
     for name in names:
         (bundle / name).write_text("keep")
-    script = Path(__file__).resolve().parent.parent / "tools" / "gpu_bundle.sh"
+    script = Path(__file__).resolve().parents[2] / "tools" / "gpu_bundle.sh"
     result = subprocess.run(["bash", str(script), str(bundle)], capture_output=True, text=True, timeout=60,
                             env=os.environ | {"PY": str(tmp_path / "no-python")})
     assert result.returncode != 0

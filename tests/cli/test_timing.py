@@ -367,7 +367,7 @@ def test_cossd_model_bad_input(capsys: pytest.CaptureFixture[str], argv: list[st
 
 # ---------------------------------------------------------------------- on a real mount
 
-PIECE = 60_000  # bytes per pwrite/pread: one FUSE request each (see test_t12_admin.py)
+PIECE = 60_000  # bytes per pwrite/pread: one FUSE request each (see test_admin.py)
 W_NUMEL, B_NUMEL = 300_000, 100
 
 

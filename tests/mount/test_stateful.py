@@ -25,7 +25,7 @@ from cossd.emulator import Device, Status
 from cossd.protocol.entries import Opcode
 from cossd.fs import daemon
 from cossd.client import AdminClient
-from test_t1_kernels import ref_adam
+from reference_adam import ref_adam
 
 pytestmark = pytest.mark.mount
 

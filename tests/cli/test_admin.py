@@ -349,7 +349,7 @@ def test_cli_smart_log_error_log_and_get_log(mount: Mount, capsys: pytest.Captur
     code, out, _ = run_cli(capsys, "smart-log", mp, "-o", "json")
     value = json.loads(out)
     assert list(value)[:18] == list(logpages.SMART_FIELDS)  # nvme-cli's keys, in its order
-    # 128-bit counters are strings in nvme-cli 2.3's JSON (tests/test_t21_nvme_cli.py)
+    # 128-bit counters are strings in nvme-cli 2.3's JSON (tests/cli/test_nvme_cli.py)
     assert value["temperature"] >= 300 and value["power_cycles"] == "1"
     code, out, _ = run_cli(capsys, "smart-log", mp, "-H")
     assert code == 0 and "Temp. Threshold[1]" in out
@@ -453,7 +453,7 @@ def test_cli_scrub_and_list(mount: Mount, capsys: pytest.CaptureFixture[str]) ->
     line = next(row for row in out.splitlines() if row.startswith(mp))
     assert code == 0 and str(mount.backing) in line and "TESTSERIAL0001" in line and "net(1)" in line
     code, out, _ = run_cli(capsys, "list", "-o", "json")
-    # cossd's per-device view rides under "cossd" (nvme-cli's own layout: tests/test_t21_nvme_cli.py)
+    # cossd's per-device view rides under "cossd" (nvme-cli's own layout: tests/cli/test_nvme_cli.py)
     (device,) = [d for d in json.loads(out)["cossd"]["Devices"] if d["DevicePath"] == mp]
     assert device["Backing"] == str(mount.backing) and device["SerialNumber"] == "TESTSERIAL0001"
     assert device["State"] == "live" and device["Pid"] == mount.pid

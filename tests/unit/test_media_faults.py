@@ -14,7 +14,7 @@ import pytest
 from cossd.emulator import Device, DeviceConfig, DeviceError, NamespaceSpec, Status, TensorSpec
 from cossd.emulator import media
 from cossd.emulator.layout import BLOCK_ELEMS
-from test_t7_powerloss import NAME, ROLES, grads, load, reference, spec, state_of
+from test_powerloss import NAME, ROLES, grads, load, reference, spec, state_of
 
 
 class FailNth(media.MediaHooks):

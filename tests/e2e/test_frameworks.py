@@ -220,7 +220,7 @@ def load_kills(mount: Mount, tmp_path: Path, figures: list[str], trials_random: 
 
     context = multiprocessing.get_context("forkserver")
     # torch's first optimizer imports dynamo (2 s here): done once, in the server.
-    context.set_forkserver_preload(["torch", "torch._dynamo", "cossd.trainer", "test_t23_frameworks"])
+    context.set_forkserver_preload(["torch", "torch._dynamo", "cossd.trainer", "test_frameworks"])
 
     olds: list[dict[str, Any]] = []
 

@@ -1,7 +1,7 @@
 """F1: every row of docs/errno.md and of its limits table, one parametrized case per row, via raw syscalls.
 
 Each case names its table row. A case returns the errno it observed (0 for success); rows
-about the backing store failing are driven at the emulator tier (test_t8_faults.py) and the
+about the backing store failing are driven at the emulator tier (test_media_faults.py) and the
 mapping of their status to an errno is checked here.
 """
 from __future__ import annotations
@@ -238,7 +238,7 @@ def row_grad_nonfinite(env: Env) -> int:
 
 
 def row_media_failure_status(env: Env) -> int:
-    # Driven at the emulator tier (test_t8_faults.py); what a client then sees is this mapping.
+    # Driven at the emulator tier (test_media_faults.py); what a client then sees is this mapping.
     assert STATUS_ERRNO[Status.WRITE_FAULT] == errno.EIO
     assert STATUS_ERRNO[Status.CAPACITY_EXCEEDED] == errno.ENOSPC
     assert STATUS_ERRNO[Status.INTERNAL_ERROR] == errno.EIO
