@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator
 
 from .backing import BackingDirectory
 from ..protocol.status import DeviceError, Status
-from .health import Health, LifetimeCounters
+from .health import Health
+from .lifetime import LifetimeCounters
 from . import kinds
 from .layout import FORMAT_VERSION
 from .media import atomic_write_json, fsync_dir, read_json

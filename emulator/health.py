@@ -16,7 +16,7 @@ from ..protocol.logpages import (
     WARN_RELIABILITY,
     WARN_TEMPERATURE,
 )
-from .namespace_common import NamespaceCounters
+from .lifetime import LifetimeCounters, SmartShare
 
 
 # Modeled figures; docs/command-set.md states each formula.
@@ -28,52 +28,6 @@ CRITICAL_TEMP_KELVIN = 358  # identify CCTEMP (85 C)
 ENDURANCE_DRIVE_WRITES = 1000  # rated endurance: 1000 x capacity written to the media
 AVAILABLE_SPARE_PERCENT = 100  # the emulator has no spare blocks to use up
 SPARE_THRESHOLD_PERCENT = 10
-
-
-@dataclasses.dataclass
-class LifetimeCounters:
-    """Figures over the life of the device; stored under "health" in superblock.json."""
-
-    power_cycles: int = 0
-    unsafe_shutdowns: int = 0
-    power_on_ns: int = 0
-    host_bytes_read: int = 0
-    host_bytes_written: int = 0
-    host_read_commands: int = 0
-    host_write_commands: int = 0
-    busy_ns: int = 0
-    media_bytes_written: int = 0
-    media_errors: int = 0
-    error_log_entries: int = 0
-    warning_temp_ns: int = 0
-    critical_temp_ns: int = 0
-
-    def plus(self, other: "LifetimeCounters") -> "LifetimeCounters":
-        return LifetimeCounters(**{
-            field.name: getattr(self, field.name) + getattr(other, field.name)
-            for field in dataclasses.fields(self)
-        })
-
-    @classmethod
-    def from_json(cls, stored: dict[str, Any]) -> "LifetimeCounters":
-        names = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{key: int(value) for key, value in stored.items() if key in names})
-
-
-def namespace_share(counters: NamespaceCounters) -> LifetimeCounters:
-    """What one namespace's counters (which start at 0 when it is opened) add to the device's."""
-    own = getattr(counters, "lifetime_share", None)
-    if own is not None:  # a plain NVM namespace's counters say it themselves (emulator/nvm.py)
-        return own()
-    return LifetimeCounters(
-        host_bytes_read=counters.bytes_read,
-        host_bytes_written=counters.grad_bytes_in + counters.state_bytes_loaded,
-        host_read_commands=counters.read_commands,
-        host_write_commands=counters.write_commands,
-        busy_ns=counters.kernel_ns + counters.flush_ns,
-        media_bytes_written=counters.media_bytes_written,
-        media_errors=counters.checksum_failures,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,12 +93,12 @@ class Health:
             if not self.previous_open_was_clean:
                 self._base.unsafe_shutdowns += 1
 
-    def fold(self, counters: NamespaceCounters) -> None:
+    def fold(self, counters: SmartShare) -> None:
         """A namespace leaves (deleted or closed): keep what it counted in the base."""
         with self._lock:
-            self._base = self._base.plus(namespace_share(counters))
+            self._base = self._base.plus(counters.lifetime_share())
 
-    def record(self, live: Iterable[NamespaceCounters], *, clean: bool) -> dict[str, Any]:
+    def record(self, live: Iterable[SmartShare], *, clean: bool) -> dict[str, Any]:
         """The "health" object for superblock.json; banks the power-on time so far."""
         with self._lock:
             now = time.monotonic_ns()
@@ -152,12 +106,12 @@ class Health:
             self._on_since_ns = now
         return dataclasses.asdict(self.totals(live)) | {"clean": clean}
 
-    def totals(self, live: Iterable[NamespaceCounters]) -> LifetimeCounters:
+    def totals(self, live: Iterable[SmartShare]) -> LifetimeCounters:
         """Lifetime figures now: the base, the open namespaces, power-on time not yet banked."""
         with self._lock:
             total = dataclasses.replace(self._base)
             for counters in live:
-                total = total.plus(namespace_share(counters))
+                total = total.plus(counters.lifetime_share())
             total.power_on_ns = self._base.power_on_ns + time.monotonic_ns() - self._on_since_ns
             return total
 
@@ -198,12 +152,12 @@ class Health:
             self._base.warning_temp_ns += elapsed_ns
         return kelvin
 
-    def smart(self, live: Iterable[NamespaceCounters], capacity_bytes: int, degraded: bool) -> dict[str, int]:
+    def smart(self, live: Iterable[SmartShare], capacity_bytes: int, degraded: bool) -> dict[str, int]:
         """The SMART / Health Information figures, in the page's fields and units."""
         live = list(live)
         with self._lock:
             kelvin = self._sample_temperature(self._base.busy_ns + sum(
-                namespace_share(counters).busy_ns for counters in live))
+                counters.lifetime_share().busy_ns for counters in live))
         total = self.totals(live)
         outside = kelvin >= self.over_temp_threshold_kelvin or kelvin <= self.under_temp_threshold_kelvin
         warning = (WARN_TEMPERATURE if outside else 0) | (WARN_RELIABILITY if degraded else 0)

@@ -9,6 +9,7 @@ import numpy as np
 
 from .spec import Hyperparameters
 from ..protocol.hyperparameters import GROUP_FIELDS
+from .lifetime import LifetimeCounters
 from .superblock import Superblock
 
 ROLES = ("grad", "param", "master", "exp_avg", "exp_avg_sq")
@@ -76,3 +77,15 @@ class NamespaceCounters:
     flushes: int = 0
     flush_ns: int = 0
     checksum_failures: int = 0
+
+    def lifetime_share(self) -> LifetimeCounters:
+        """What these add to the device's SMART figures (emulator/health.py)."""
+        return LifetimeCounters(
+            host_bytes_read=self.bytes_read,
+            host_bytes_written=self.grad_bytes_in + self.state_bytes_loaded,
+            host_read_commands=self.read_commands,
+            host_write_commands=self.write_commands,
+            busy_ns=self.kernel_ns + self.flush_ns,
+            media_bytes_written=self.media_bytes_written,
+            media_errors=self.checksum_failures,
+        )

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol.status import DeviceError, Status
-from .health import LifetimeCounters
+from .lifetime import LifetimeCounters
 from .media import StateFile, atomic_write_json, fsync_dir, read_json
 from .names import check_name
 
