@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cossd import kernels
+from .. import kernels
 
 from . import media
 from ..protocol.status import DeviceError, Status

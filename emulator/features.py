@@ -7,7 +7,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
-from cossd import kernels
+from .. import kernels
 
 from ..protocol.status import DeviceError, Status
 from .health import WARNING_TEMP_KELVIN

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from cossd.kernels import guard
+from ..kernels import guard
 
 from ..protocol.status import DeviceError, Status
 

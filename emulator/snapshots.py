@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from cossd import kernels
+from .. import kernels
 
 from . import media
 from ..protocol.status import DeviceError, Status

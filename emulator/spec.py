@@ -5,7 +5,7 @@ import dataclasses
 import math
 from typing import Any
 
-from cossd import kernels
+from .. import kernels
 
 from ..protocol.hyperparameters import BETA_FIELDS, GROUP_FIELDS, MODES
 from ..protocol.status import DeviceError, Status

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cossd import kernels
+from .. import kernels
 
 from ..protocol.hyperparameters import ADAM, ADAMW, GROUP_FIELDS
 from ..protocol.status import DeviceError

@@ -18,7 +18,7 @@ from typing import Callable
 
 import pyfuse3
 
-from cossd.protocol.entries import SUBMISSION, Completion, SubmissionError, submission_length
+from ..protocol.entries import SUBMISSION, Completion, SubmissionError, submission_length
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,13 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from cossd.emulator import Device, DeviceConfig, DeviceError, Status
-from cossd.emulator.backing import BackingDirectory
-from cossd.emulator.cmb import DEFAULT_CMB_BYTES
-from cossd.emulator.device import SUPERBLOCK_FILE
-from cossd.emulator.media import libc_function
-from cossd.model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
-from cossd.kernels import guard
+from ..emulator import Device, DeviceConfig, DeviceError, Status
+from ..emulator.backing import BackingDirectory
+from ..emulator.cmb import DEFAULT_CMB_BYTES
+from ..emulator.device import SUPERBLOCK_FILE
+from ..emulator.media import libc_function
+from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
+from ..kernels import guard
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
 from .metrics import DEFAULT_METRICS_ADDR, MetricsServer

@@ -37,7 +37,7 @@ from .admin_queue import AdminHandle
 from .handles import FileHandle
 
 if TYPE_CHECKING:
-    from cossd.emulator.namespace import Namespace
+    from ..emulator.namespace import Namespace
 
     from .handles import Stat
     from .nodes import Node

@@ -17,10 +17,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from cossd.emulator.kinds import OPTIMIZER_KIND
+from ..emulator.kinds import OPTIMIZER_KIND
 
 if TYPE_CHECKING:
-    from cossd.emulator.namespace import Namespace
+    from ..emulator.namespace import Namespace
 
     from .operations import Operations
 

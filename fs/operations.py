@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 import pyfuse3
 import trio
 
-from cossd.emulator import Device, DeviceError
-from cossd.emulator.controller import Controller
-from cossd.emulator.io import DATA_ROLE, DeviceIO
-from cossd.emulator.namespace import LOADABLE_ROLES, Namespace
+from ..emulator import Device, DeviceError
+from ..emulator.controller import Controller
+from ..emulator.io import DATA_ROLE, DeviceIO
+from ..emulator.namespace import LOADABLE_ROLES, Namespace
 
 from .admin_queue import AdminHandle
 from .handles import FileHandle, Stat
@@ -239,7 +239,6 @@ class Operations(pyfuse3.Operations):
         node = self.tree.node(inode)
         access = flags & os.O_ACCMODE
         writes = access in (os.O_WRONLY, os.O_RDWR)
-        reads = access in (os.O_RDONLY, os.O_RDWR)
         if node.kind == Kind.ADMIN:
             return pyfuse3.FileInfo(fh=self._new_handle(AdminHandle()), direct_io=True, nonseekable=True)
         if node.kind == Kind.TEXT:

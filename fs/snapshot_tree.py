@@ -5,8 +5,8 @@ import errno
 import stat
 from typing import Callable
 
-from cossd.emulator.namespace import Namespace
-from cossd.emulator.snapshots import Snapshot
+from ..emulator.namespace import Namespace
+from ..emulator.snapshots import Snapshot
 
 from .nodes import SNAPSHOT_DIR_KINDS, Kind, Node, fuse_error
 

@@ -5,8 +5,8 @@ import os
 import time
 from pathlib import Path
 
-from cossd.emulator import Device
-from cossd.emulator.namespace import Namespace
+from ..emulator import Device
+from ..emulator.namespace import Namespace
 
 from .nodes import Kind, Node
 from .tree import Tree

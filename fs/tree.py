@@ -6,9 +6,9 @@ import stat
 
 import pyfuse3
 
-from cossd.emulator import Device, DeviceError
-from cossd.emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
-from cossd.emulator.nvm import NvmNamespace
+from ..emulator import Device, DeviceError
+from ..emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
+from ..emulator.nvm import NvmNamespace
 
 from .nodes import SNAPSHOT_KINDS, Kind, Node, fuse_error
 from .snapshot_tree import SnapshotTree

@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
-from cossd.protocol.entries import IdentifyCns, Opcode
+from ..protocol.entries import IdentifyCns, Opcode
 
 # Without --verbose the pages are shaped as nvme-cli 2.3 prints them; with it as nvme-cli 2.11,
 # whose JSON is always what older versions printed with --verbose (`list`'s Subsystems layout,

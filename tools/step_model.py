@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cossd.model.profiles import NS_PER_S, DeviceProfile
-from cossd.model.timing import (
+from ..model.profiles import NS_PER_S, DeviceProfile
+from ..model.timing import (
     Timing,
     TimingModel,
     Traffic,

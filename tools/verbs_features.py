@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cossd.protocol.features import (
+from ..protocol.features import (
     ALL_GROUPS,
     CAP_CHANGEABLE,
     CAP_NAMESPACE_SPECIFIC,
@@ -19,14 +19,14 @@ from cossd.protocol.features import (
     FeatureId,
     Select,
 )
-from cossd.protocol.entries import Completion, Opcode
-from cossd.protocol.hyperparameters import GROUP_FIELDS
+from ..protocol.entries import Completion, Opcode
+from ..protocol.hyperparameters import GROUP_FIELDS
 
 from .arguments import VerbFactory, parse_int
 from .output import emit, open_client
 
 if TYPE_CHECKING:
-    from cossd.client import AdminClient
+    from ..client import AdminClient
 
 # nvme-cli's names of the features, as its get-feature prints them.
 FEATURE_NAMES = {

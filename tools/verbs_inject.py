@@ -6,15 +6,15 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cossd.protocol.entries import NSID_ALL, IoOpcode, Opcode
-from cossd.protocol.injection import InjectAction, Queue
-from cossd.protocol.logpages import LogId
+from ..protocol.entries import NSID_ALL, IoOpcode, Opcode
+from ..protocol.injection import InjectAction, Queue
+from ..protocol.logpages import LogId
 
 from .arguments import VerbFactory
 from .output import emit, open_client
 
 if TYPE_CHECKING:
-    from cossd.client import AdminClient
+    from ..client import AdminClient
 
 
 # ---------------------------------------------------------------------- client helpers

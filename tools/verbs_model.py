@@ -7,8 +7,8 @@ import math
 import re
 from typing import Any
 
-from cossd.protocol.status import DeviceError
-from cossd.model.profiles import (
+from ..protocol.status import DeviceError
+from ..model.profiles import (
     DEFAULT_PROFILE,
     PROFILES,
     DeviceProfile,
