@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -53,3 +54,24 @@ def test_the_linked_tree_holds_every_module(tmp_path: Path) -> None:
         folder = ROOT / setuptools["package-dir"][name]
         linked = tree / "cossd" / name.removeprefix("cossd").lstrip(".").replace(".", "/")
         assert sorted(p.name for p in folder.glob("*.py")) == sorted(p.name for p in linked.glob("*.py")), name
+
+
+# Run as plain scripts, not imported as part of the package: their imports are absolute.
+PLAIN_SCRIPTS = {"tools/gpu_node_run.py"}
+ABSOLUTE_IMPORT = re.compile(r"^\s*(from cossd(\.|\s)|import cossd\b)", re.M)
+
+
+def test_imports_inside_the_package_are_relative() -> None:
+    """Every module of the package imports the package relatively (`from ..emulator import
+    Device`), so the import graph and the folder layout agree for any tool that reads the
+    tree; only the plain scripts (PLAIN_SCRIPTS) import it by name."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    offenders = []
+    for name in setuptools["packages"]:
+        for module in sorted((ROOT / setuptools["package-dir"][name]).glob("*.py")):
+            relative = str(module.relative_to(ROOT))
+            if relative in PLAIN_SCRIPTS:
+                continue
+            offenders += [f"{relative}: {line.strip()}" for line in module.read_text().splitlines()
+                          if ABSOLUTE_IMPORT.match(line)]
+    assert not offenders, "absolute imports of cossd inside the package:\n" + "\n".join(offenders)
