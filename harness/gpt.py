@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import sysconfig
 from pathlib import Path
 
@@ -125,6 +124,3 @@ class StdlibCorpus:
         rows = torch.stack([self.data[s : s + context + 1] for s in starts.tolist()])
         return rows[:, :-1].to(device), rows[:, 1:].to(device)
 
-
-def bits_per_byte(loss: float) -> float:
-    return loss / math.log(2)

@@ -142,7 +142,6 @@ class Completion:
     status: Status | int
     result: int = 0
     data: bytes = b""
-    message: str = ""
 
     @property
     def status_field(self) -> int:
