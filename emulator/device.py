@@ -269,7 +269,7 @@ class Device:
         """Give a namespace the device's parts: optimizer namespaces account their commands on
         the device's timing model and step their blocks on the device's kernel workers; every
         namespace reports damaged media to the device's error log."""
-        if namespace.kind == kinds.OPTIMIZER_KIND:
+        if isinstance(namespace, kinds.Namespace):
             namespace.timing = NamespaceTiming(self.timing_model, timed=self.config.timed)
             namespace.workers = self.workers
         self._attach_error_log(namespace)
