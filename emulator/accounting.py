@@ -1,10 +1,14 @@
-"""Per-namespace accounting of modeled device time, and timed mode's waits.
+"""Accounting of modeled time, per namespace and for a storage server's network link, and timed mode's waits.
 
 Each file operation or step command of a namespace is one modeled command. The namespace
 marks its methods with `modeled_command`; while one runs, whatever it moves (host bytes,
 media bytes, elements, flushes) is added to that command on the same thread, and when it
 returns the command's modeled time is computed once (model/timing.py) and summed. In
 timed mode the command then returns no earlier than its modeled time after it started.
+
+`LinkTiming` does the same for a storage server's network link (model/links.py): the
+front-end opens one command per request it serves, adds the bytes it moved each way, and in
+timed mode the completion is held until the modeled wire time after the request arrived.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
+from ..model.links import DEFAULT_LINK, LinkModel, WireTiming
 from ..model.profiles import DEFAULT_PROFILE
 from ..model.timing import TRAFFIC_FIELDS, Timing, TimingModel, Traffic
 
@@ -194,3 +199,149 @@ class _Command:
             modeled = timing._record(self._name, pending, host_command=self._host_command)
             if succeeded and timing.timed:
                 timing._settle(self._started, modeled.device_ns, self._host_command)
+
+
+# ---------------------------------------------------------------------- the server's network link
+
+_LINK_FIELDS = ("net_in", "net_out", "messages_in", "messages_out")
+_LINK_INDEX = {field: index for index, field in enumerate(_LINK_FIELDS)}
+
+
+class LinkTiming:
+    """Totals of a storage server's network link since it started: wire bytes each way,
+    messages, modeled wire time per direction and by command, and timed mode's holds.
+
+    One server NIC is shared by every connection: in timed mode each direction's transfers
+    queue behind each other (in the order their commands finish), so eight trainers at once
+    share the link's bandwidth instead of each getting all of it. Latency does not occupy
+    the link. The device's own time inside a command is held by its namespace as before:
+    the wire and the device overlap (the NIC streams into the device as data arrives), so a
+    command takes at least the longer of its wire time and its device time."""
+
+    def __init__(self, model: LinkModel | None = None, *, timed: bool = False) -> None:
+        self.model = model or LinkModel.named(DEFAULT_LINK)
+        self.timed = timed
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._totals = [0] * len(_LINK_FIELDS)
+        self.commands = 0
+        self.wire_ns = 0
+        self.busy_ns = {"in": 0, "out": 0}
+        self.by_command: dict[str, dict[str, int]] = {}
+        # Timed mode: when each direction of the server's NIC is free again (monotonic ns).
+        self._free_ns = {"in": 0, "out": 0}
+        self.timed_commands = 0
+        self.timed_waits = 0
+        self.timed_wait_ns = 0
+        self.timed_late = 0
+
+    def command(self, name: str) -> "_LinkCommand":
+        """One request served (a context manager), entered once its capsule has arrived; a
+        command inside another on the same thread joins the outer one."""
+        return _LinkCommand(self, name)
+
+    def add(self, **amounts: int) -> None:
+        """Add net_in / net_out payload bytes and messages_in / messages_out (each PDU) to
+        this thread's open command. Outside a command this is a caller's bug: refused."""
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            raise RuntimeError("LinkTiming.add outside a command")
+        for field, amount in amounts.items():
+            if type(amount) is not int or amount < 0:
+                raise ValueError(f"{field} must be an integer >= 0, got {amount!r}")
+            pending[_LINK_INDEX[field]] += amount
+
+    def _record(self, name: str, pending: list[int]) -> WireTiming:
+        net_in, net_out, messages_in, messages_out = pending
+        timing = self.model.command(net_in, net_out, messages_in=messages_in, messages_out=messages_out)
+        with self._lock:
+            for index, amount in enumerate(pending):
+                self._totals[index] += amount
+            self.commands += 1
+            self.wire_ns += timing.wire_ns
+            self.busy_ns["in"] += timing.in_ns
+            self.busy_ns["out"] += timing.out_ns
+            entry = self.by_command.setdefault(name, {"commands": 0, "wire_ns": 0})
+            entry["commands"] += 1
+            entry["wire_ns"] += timing.wire_ns
+        return timing
+
+    def completion_ns(self, started_ns: int, timing: WireTiming) -> int:
+        """When the completion may go (monotonic ns): the request's transfer queues behind
+        what occupies the inbound link, the response's behind the outbound; each direction
+        then pays the rest of its time (latency, per-message work)."""
+        with self._lock:
+            free = self._free_ns
+            in_start = max(started_ns, free["in"])
+            free["in"] = in_start + timing.in_transfer_ns
+            in_done = in_start + timing.in_ns
+            out_start = max(in_done, free["out"])  # the response leaves once the request is in
+            free["out"] = out_start + timing.out_transfer_ns
+            return out_start + timing.out_ns
+
+    def _settle(self, started_ns: int, timing: WireTiming) -> None:
+        remaining = self.completion_ns(started_ns, timing) - time.monotonic_ns()
+        if remaining > 0:
+            time.sleep(remaining / 1e9)
+        with self._lock:
+            self.timed_commands += 1
+            if remaining > 0:
+                self.timed_waits += 1
+                self.timed_wait_ns += remaining
+            else:
+                self.timed_late += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The link's part of the server's statistics."""
+        with self._lock:
+            net_in, net_out, messages_in, messages_out = self._totals
+            return {
+                "link": self.model.link.name,
+                "timed": self.timed,
+                "commands": self.commands,
+                "wire_ns": self.wire_ns,
+                "net_in_bytes": net_in,
+                "net_out_bytes": net_out,
+                "messages_in": messages_in,
+                "messages_out": messages_out,
+                "busy_ns": dict(self.busy_ns),
+                "by_command": {name: dict(entry) for name, entry in self.by_command.items()},
+                "timed_commands": self.timed_commands,
+                "timed_waits": self.timed_waits,
+                "timed_wait_ns": self.timed_wait_ns,
+                "timed_late": self.timed_late,
+            }
+
+
+class _LinkCommand:
+    """LinkTiming.command's context manager."""
+
+    __slots__ = ("_timing", "_name", "_started", "_outer")
+
+    def __init__(self, timing: LinkTiming, name: str) -> None:
+        self._timing = timing
+        self._name = name
+        self._started = 0
+        self._outer = False
+
+    def __enter__(self) -> "_LinkCommand":
+        local = self._timing._local
+        if getattr(local, "pending", None) is not None:
+            self._outer = True
+            return self
+        self._started = time.monotonic_ns()
+        local.pending = [0] * len(_LINK_FIELDS)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        if self._outer:
+            return
+        timing = self._timing
+        pending = timing._local.pending
+        timing._local.pending = None
+        # A connection that failed midway (the peer went) sends no completion: what it
+        # moved is counted, nothing is held.
+        if exc_type is None or any(pending):
+            modeled = timing._record(self._name, pending)
+            if exc_type is None and timing.timed:
+                timing._settle(self._started, modeled)

@@ -1,5 +1,6 @@
 """`cossd model`: predict a training step's I/O bytes and time for cossd, ZeRO-Infinity-style
-NVMe offload and a per-step checkpoint on a device profile; reproduce Smart-Infinity's table."""
+NVMe offload and a per-step checkpoint on a device profile; reproduce Smart-Infinity's table;
+and a storage-server topology (one server, several drives, many trainer nodes over a link)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import re
 from typing import Any
 
 from ..protocol.status import DeviceError
+from ..model.links import LINKS, LinkProfile, load_link
 from ..model.profiles import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -25,6 +27,7 @@ from .step_model import (
     predict_all,
     smart_infinity_table,
 )
+from .topology_model import PARAM_READS, TopologySetup, predict_topology
 
 _COUNT = re.compile(r"([0-9]*\.?[0-9]+(?:e[+]?[0-9]+)?)([kmbgt]?)", re.IGNORECASE)
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -56,6 +59,13 @@ def parse_number(text: str, what: str, *, positive: bool) -> float:
 def _profile(text: str) -> DeviceProfile:
     try:
         return load_profile(text)
+    except DeviceError as exc:
+        raise _fail(exc.message) from None
+
+
+def _link(text: str) -> LinkProfile:
+    try:
+        return load_link(text)
     except DeviceError as exc:
         raise _fail(exc.message) from None
 
@@ -127,6 +137,47 @@ def _prediction_text(value: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _links_text(links: list[dict[str, Any]]) -> str:
+    rows = [("link", "GB/s per direction", "latency us", "per message ns", "per message B")]
+    rows += [(link["name"], f"{link['bytes_per_s'] / 1e9:.3f}", f"{link['latency_ns'] / 1000:g}",
+              f"{link['message_ns']}", f"{link['message_bytes']}") for link in links]
+    lines = _table(rows) + [f"  {link['name']}: {link['summary']}" for link in links]
+    lines.append("sources: docs/timing-model.md, or -o json")
+    return "\n".join(lines)
+
+
+def _topology_text(value: dict[str, Any]) -> str:
+    setup, link, profile = value["setup"], value["link"], value["profile"]
+    reads = ("every node reads every param (from the server's param cache)" if setup["param_reads"] == "all"
+             else "each node reads its 1/nodes of the params")
+    uplink = f", drives share a {setup['uplink_gbs']:g} GB/s uplink" if setup["uplink_gbs"] else ""
+    lines = [
+        (f"topology: 1 server with {setup['drives']} x {profile['name']} and {setup['server_nics']} NIC(s), "
+         f"{setup['nodes']} trainer node(s), over {link['name']} ({link['summary']}){uplink}"),
+        (f"model: {setup['params']:,} params, compute {setup['compute_s']:g} s/step, grad {setup['grad_dtype']}, "
+         f"param {setup['param_dtype']}, moments {setup['state_dtype']} (master fp32); {reads}"),
+        "",
+    ]
+    rows = [("resource", "count", "busy s/step (each)", "GB/step (each)")]
+    for name, resource in value["resources"].items():
+        moved = "-" if "elements" in resource else _gb(resource["bytes"])
+        rows.append((name, str(resource["count"]), f"{resource['busy_s']:.4f}", moved))
+    rows.append(("latency (fixed)", "", f"{value['fixed_s']:.6f}", ""))
+    lines += _table(rows)
+    cycle = value["bytes_per_cycle"]
+    lines += [
+        "",
+        (f"step: I/O {value['io_s']:.3f} s + compute {setup['compute_s']:g} s = {value['step_s']:.3f} s; "
+         f"bound by {value['bottleneck']}"),
+        (f"bytes per cycle (one step): into the server {_gb(cycle['server_in_bytes'])} GB, out of it "
+         f"{_gb(cycle['server_out_bytes'])} GB ({_gb(cycle['param_cache_hit_bytes'])} GB from the param cache); "
+         f"each node sends {_gb(cycle['node_out_bytes'])} GB and receives {_gb(cycle['node_in_bytes'])} GB"),
+        (f"drives (all): PCIe in {_gb(cycle['drive_link_in_bytes'])} GB, out {_gb(cycle['drive_link_out_bytes'])} GB; "
+         f"media read {_gb(cycle['media_read_bytes'])} GB, write {_gb(cycle['media_write_bytes'])} GB"),
+    ]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- the verb
 
 
@@ -136,6 +187,17 @@ def cmd_model(args: argparse.Namespace) -> int:
         profiles = [profile.to_json() for profile in PROFILES.values()]
         emit(args, {"profiles": profiles}, lambda v: _profiles_text(v["profiles"]))
         return 0
+    if args.list_links:
+        links = [link.to_json() for link in LINKS.values()]
+        emit(args, {"links": links}, lambda v: _links_text(v["links"]))
+        return 0
+    if args.topology == "server":
+        return _cmd_topology(args)
+    given = [flag for flag, value in (("--nodes", args.nodes), ("--link", args.link),
+                                      ("--server-nics", args.server_nics), ("--param-reads", args.param_reads))
+             if value is not None]
+    if given:
+        raise _fail(f"{', '.join(given)} only apply with --topology server")
     if args.params is None:
         raise _fail("give --params (the model size, e.g. 7B), or --list-profiles")
     profile = _profile(args.profile)
@@ -171,6 +233,43 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_topology(args: argparse.Namespace) -> int:
+    if args.params is None:
+        raise _fail("give --params (the model size, e.g. 7B)")
+    profile, link = _profile(args.profile), _link(args.link or DEFAULT_TOPOLOGY_LINK)
+    uplink_gbs = parse_number(args.uplink_gbs, "--uplink-gbs", positive=False)
+    setup = TopologySetup(
+        params=parse_count(args.params, "--params"),
+        compute_s=parse_number(args.compute_s, "--compute-s", positive=False),
+        profile=profile, link=link,
+        drives=parse_count(args.drives, "--drives"),
+        nodes=parse_count(args.nodes or "1", "--nodes"),
+        server_nics=parse_count(args.server_nics or "1", "--server-nics"),
+        grad_bytes=DTYPE_BYTES[args.grad_dtype], param_bytes=DTYPE_BYTES[args.param_dtype],
+        moment_bytes=DTYPE_BYTES[args.state_dtype],
+        param_reads=args.param_reads or "all",
+        uplink_bytes_per_s=round(uplink_gbs * 1e9),
+    )
+    try:
+        prediction = predict_topology(setup)
+    except (ValueError, DeviceError) as exc:
+        raise _fail(getattr(exc, "message", str(exc))) from None
+    value = {
+        "topology": "server",
+        "setup": {"params": setup.params, "compute_s": setup.compute_s, "grad_dtype": args.grad_dtype,
+                  "param_dtype": args.param_dtype, "state_dtype": args.state_dtype, "drives": setup.drives,
+                  "nodes": setup.nodes, "server_nics": setup.server_nics, "param_reads": setup.param_reads,
+                  "uplink_gbs": uplink_gbs},
+        "profile": profile.to_json(),
+        "link": link.to_json(),
+    } | prediction
+    emit(args, value, _topology_text)
+    return 0
+
+
+DEFAULT_TOPOLOGY_LINK = "100g-rdma"
+
+
 def register(verb: VerbFactory) -> None:
     sub = verb("model", cmd_model, "Predict a training step's host-link and media bytes and time for "
                "cossd, ZeRO-Infinity-style NVMe offload and a per-step checkpoint on a device profile, "
@@ -195,3 +294,15 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("--gpu-adam-rate", default=str(GPU_ADAM_ELEMENTS_PER_S), metavar="EL/S",
                      help="GPU Adam rate for the checkpoint row (default: 1.18e11, one H200 measured)")
     sub.add_argument("--list-profiles", action="store_true", help="list the device profiles and exit")
+    sub.add_argument("--topology", choices=("drive", "server"), default="drive",
+                     help="drive: the three schemes on drives in the trainer's box (default); server: one "
+                          "storage server with --drives drives and --nodes trainer nodes over --link")
+    sub.add_argument("--nodes", metavar="N", help="--topology server: trainer nodes (default: 1)")
+    sub.add_argument("--link", metavar="NAME|FILE.json",
+                     help=f"--topology server: the network link of each NIC: {', '.join(LINKS)}, or a JSON "
+                          f"file of link fields (default: {DEFAULT_TOPOLOGY_LINK})")
+    sub.add_argument("--server-nics", metavar="N", help="--topology server: the server's NICs (default: 1)")
+    sub.add_argument("--param-reads", choices=PARAM_READS,
+                     help="--topology server: all: every node reads every param from the server's cache "
+                          "(default); shard: each reads its 1/nodes")
+    sub.add_argument("--list-links", action="store_true", help="list the network link profiles and exit")

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -22,6 +24,8 @@ from cossd.model.profiles import (
     pcie_bytes_per_s,
 )
 from cossd.protocol.entries import IdentifyCns, Opcode
+from cossd.emulator.accounting import LinkTiming
+from cossd.model.links import LINKS, LinkModel, LinkProfile, ethernet_payload_bytes_per_s, load_link, wire_ns
 from cossd.model.timing import (
     TimingModel,
     Traffic,
@@ -484,3 +488,219 @@ def test_mount_refuses_an_unknown_profile(backing: Path, tmp_path: Path,
     assert code == 1 and out == ""
     assert err.strip().startswith("cossd mount: unknown profile 'gen9-nope'") and len(err.strip().splitlines()) == 1
     assert not is_mounted(tmp_path / "mnt")
+
+
+# ---------------------------------------------------------------------- the network: link profiles
+
+
+def toy_link(**changes: object) -> LinkProfile:
+    """Round numbers: 1 GB/s, 1 us one way, 10 ns and 24 bytes per message."""
+    fields: dict[str, object] = {"name": "toy-link", "summary": "round numbers", "bytes_per_s": GB,
+                                 "latency_ns": 1000, "message_ns": 10, "message_bytes": 24}
+    fields.update(changes)
+    return LinkProfile(**fields)  # type: ignore[arg-type]
+
+
+def test_link_wire_time_is_latency_plus_bytes_over_bandwidth_per_direction() -> None:
+    model = LinkModel(toy_link())
+    # A 1000-byte write: the request is 1 us + 10 ns + (1000 + 24) B at 1 GB/s; the response
+    # (its completion) 1 us + 10 ns + 24 B. The response leaves after the request is in.
+    write = model.command(1000, 0)
+    assert (write.in_ns, write.out_ns, write.wire_ns) == (2034, 1034, 3068)
+    assert (write.in_transfer_ns, write.out_transfer_ns) == (1024, 24)
+    # Three messages in: the latency once, each message's work and header.
+    assert model.command(3000, 0, messages_in=3).in_ns == 1000 + 30 + 3072
+    # A command is at least one message each way, whatever the caller says.
+    assert model.command(0, 0, messages_in=0, messages_out=0).wire_ns == 2 * 1034
+    assert wire_ns(toy_link(), 1000, 0) == 3068
+    assert model.direction_ns(0, 0) == 0
+    with pytest.raises(ValueError):
+        model.command(-1, 0)
+    # Payload rates after per-packet framing: RoCEv2 at 4 KiB over 100GbE, InfiniBand HDR,
+    # TCP at MTU 1500 over 25GbE.
+    assert ethernet_payload_bytes_per_s(100, 4096, 82) == 12_254_667_304
+    assert ethernet_payload_bytes_per_s(200, 4096, 26) == 24_842_309_558
+    assert ethernet_payload_bytes_per_s(25, 1448, 90) == 2_942_132_639
+
+
+def test_builtin_links_are_valid_and_sourced() -> None:
+    assert {"100g-rdma", "200g-rdma", "25gbe-tcp", "loopback"} <= set(LINKS)
+    for name, link in LINKS.items():
+        assert load_link(name) is link and link.validate() is link
+        assert {"bytes_per_s", "latency_ns", "message_ns", "message_bytes"} <= set(link.sources), name
+        assert LinkProfile.from_json(json.loads(json.dumps(link.to_json()))) == link
+    # The RDMA links are an order of magnitude quicker to reach than kernel TCP.
+    assert LINKS["200g-rdma"].bytes_per_s > LINKS["100g-rdma"].bytes_per_s > 4 * LINKS["25gbe-tcp"].bytes_per_s
+    assert LINKS["200g-rdma"].latency_ns < LINKS["25gbe-tcp"].latency_ns / 10
+
+
+def test_link_json_profiles_and_bad_links(tmp_path: Path) -> None:
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(toy_link(name="mine").to_json()))
+    assert load_link(str(path)) == toy_link(name="mine")
+    minimal = tmp_path / "minimal.json"
+    minimal.write_text(json.dumps({"name": "m", "bytes_per_s": 1000, "latency_ns": 0}))
+    assert load_link(str(minimal)).message_bytes == 0 and load_link(str(minimal)).summary == "user link"
+    with pytest.raises(DeviceError) as caught:
+        load_link("9000g-warp")
+    assert caught.value.status == Status.INVALID_FIELD and "200g-rdma" in caught.value.message
+    with pytest.raises(DeviceError, match="bytes_per_s must be a positive integer"):
+        toy_link(bytes_per_s=0).validate()
+    with pytest.raises(DeviceError, match="latency_ns must be an integer >= 0"):
+        toy_link(latency_ns=-1).validate()
+    with pytest.raises(DeviceError, match="unknown link field"):
+        LinkProfile.from_json(toy_link().to_json() | {"warp": 1})
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(DeviceError, match="broken.json"):
+        load_link(str(broken))
+
+
+def test_link_timing_accounts_each_command_and_holds_it_in_timed_mode() -> None:
+    slow = LinkModel(toy_link(bytes_per_s=1_000_000, latency_ns=0, message_ns=0, message_bytes=0))
+    modeled = slow.command(100_000, 16).wire_ns  # 0.1 s of gradients in, a 16-byte completion out
+    timed = LinkTiming(slow, timed=True)
+    started = time.monotonic_ns()
+    with timed.command("write"):
+        timed.add(net_in=100_000, net_out=16)
+    held = time.monotonic_ns() - started
+    assert held >= modeled >= 100_000_000  # the completion waited for the modeled wire time
+    stats = timed.snapshot()
+    assert (stats["commands"], stats["net_in_bytes"], stats["net_out_bytes"]) == (1, 100_000, 16)
+    assert (stats["messages_in"], stats["messages_out"]) == (0, 0)  # the minimum of one each is the model's
+    assert stats["wire_ns"] == modeled == stats["by_command"]["write"]["wire_ns"]
+    assert stats["timed_waits"] + stats["timed_late"] == stats["timed_commands"] == 1
+    assert 0 < stats["timed_wait_ns"] <= stats["wire_ns"]
+    assert stats["link"] == "toy-link" and stats["timed"] is True
+    # Not timed: the same command is accounted alike and returns at once.
+    untimed = LinkTiming(slow)
+    started = time.monotonic_ns()
+    with untimed.command("write"):
+        untimed.add(net_in=1_000_000)  # a second, by the model
+    assert time.monotonic_ns() - started < 500_000_000
+    assert untimed.snapshot()["wire_ns"] >= 1_000_000_000 and untimed.snapshot()["timed_commands"] == 0
+
+
+def test_link_timing_shares_the_server_nic_and_refuses_misuse() -> None:
+    link = LinkTiming(LinkModel(toy_link(bytes_per_s=1_000_000, latency_ns=0, message_ns=0, message_bytes=0)),
+                      timed=True)
+    # Two trainers send 50 kB each at once over one 1 MB/s server NIC: the second transfer
+    # queues behind the first, so the last completion comes 0.1 s after they started, not 0.05.
+    barrier = threading.Barrier(2)
+
+    def write() -> None:
+        barrier.wait()
+        with link.command("write"):
+            link.add(net_in=50_000)
+
+    started = time.monotonic_ns()
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert time.monotonic_ns() - started >= 100_000_000
+    assert link.snapshot()["commands"] == 2
+    # A command inside another on the same thread joins it: one command, the bytes of both.
+    with link.command("outer"):
+        link.add(net_in=1)
+        with link.command("inner"):
+            link.add(net_out=1)
+    stats = link.snapshot()
+    assert stats["commands"] == 3 and "inner" not in stats["by_command"] and stats["net_out_bytes"] == 1
+    # A command that failed before moving anything is not counted, and not held.
+    with pytest.raises(ConnectionError):
+        with link.command("read"):
+            raise ConnectionError("the peer went")
+    assert link.snapshot()["commands"] == 3
+    with pytest.raises(RuntimeError, match="outside a command"):
+        link.add(net_in=1)
+    with pytest.raises(ValueError):
+        with link.command("write"):
+            link.add(net_in=-5)
+
+
+# ---------------------------------------------------------------------- cossd model --topology server
+
+
+def topology(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    code, out, err = run_cli(capsys, "model", "--topology", "server", *argv, "-o", "json")
+    assert code == 0 and err == "", err
+    return json.loads(out)
+
+
+def test_cossd_model_server_topology_bytes_and_times(capsys: pytest.CaptureFixture[str]) -> None:
+    value = topology(capsys, "--drives", "4", "--nodes", "8", "--link", "200g-rdma", "--params", "7e9",
+                     "--compute-s", "2")
+    p = 7 * GB
+    cycle = value["bytes_per_cycle"]
+    # Each node sends its 1/8 of the FP16 gradients and reads every FP16 param.
+    assert (cycle["node_out_bytes"], cycle["node_in_bytes"]) == (2 * p // 8, 2 * p)
+    assert (cycle["server_in_bytes"], cycle["server_out_bytes"]) == (2 * p, 8 * 2 * p)
+    # The drives send the params up once; the server's cache serves the other seven copies.
+    assert cycle["drive_link_out_bytes"] == 2 * p and cycle["param_cache_hit_bytes"] == 7 * 2 * p
+    assert (cycle["media_read_bytes"], cycle["media_write_bytes"]) == (14 * p, 14 * p)
+    assert value["network_bytes_per_param"] == 2 + 16
+    resources = value["resources"]
+    assert resources["drive media"]["count"] == 4 and resources["node NIC in"]["count"] == 8
+    # The server NIC's busy time: the bytes with a 16-byte header per 1 MiB message, and 5 ns each.
+    out = cycle["server_out_bytes"]
+    messages = -(-out // (1 << 20))
+    assert resources["server NIC out"]["busy_ns"] == LinkModel(LINKS["200g-rdma"]).transfer_ns(out, messages) + 5 * messages
+    per_drive = TimingModel(PROFILES["gen4-arm4"]).command(step_traffic(p // 4))
+    assert resources["drive media"]["busy_ns"] == per_drive.media_ns
+    assert resources["drive controller"]["elements"] == p // 4
+    # On gen4 drives at 200 Gb/s the NAND binds; the step is its time plus fill, drain, latencies.
+    assert value["bottleneck"] == "drive media"
+    busiest = max(r["busy_s"] for r in resources.values())
+    assert busiest <= value["io_s"] <= busiest * 1.01
+    assert value["step_s"] == pytest.approx(2 + value["io_s"])
+    assert value["link"]["name"] == "200g-rdma" and value["setup"]["nodes"] == 8
+
+
+def test_cossd_model_server_topology_finds_each_bottleneck(capsys: pytest.CaptureFixture[str],
+                                                           tmp_path: Path) -> None:
+    base = ("--drives", "4", "--nodes", "8", "--params", "7e9")
+    # Kernel TCP at 25 GbE: eight nodes reading every param saturate the server's NIC.
+    assert topology(capsys, *base, "--link", "25gbe-tcp")["bottleneck"] == "server NIC out"
+    # With each node reading only its shard, or eight server NICs, the drives bind again.
+    assert topology(capsys, *base, "--link", "25gbe-tcp", "--param-reads", "shard")["bottleneck"] == "drive media"
+    assert topology(capsys, *base, "--link", "25gbe-tcp", "--server-nics", "8")["bottleneck"] == "drive media"
+    # One node reading FP32 params from a server with two NICs and many drives: the node's
+    # own NIC binds (28 GB in through it, 14 GB through each server NIC).
+    assert topology(capsys, "--drives", "32", "--nodes", "1", "--server-nics", "2", "--params", "7e9",
+                    "--param-dtype", "fp32", "--link", "25gbe-tcp")["bottleneck"] == "node NIC in"
+    # Drives whose controller is slow: the updater binds.
+    path = tmp_path / "slow-cores.json"
+    path.write_text(json.dumps(PROFILES["gen4-arm4"].to_json() | {"name": "slow-cores", "unit_elements_per_s": 1_000_000}))
+    assert topology(capsys, *base, "--profile", str(path))["bottleneck"] == "drive controller"
+
+
+def test_cossd_model_server_topology_text_and_links(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "model", "--topology", "server", "--drives", "4", "--nodes", "8",
+                             "--link", "200g-rdma", "--params", "7e9")
+    assert code == 0 and err == ""
+    assert "4 x gen4-arm4" in out and "8 trainer node(s)" in out and "200g-rdma" in out
+    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines() if "  " in line}
+    assert {"drive media", "drive controller", "server NIC in", "server NIC out", "node NIC in",
+            "node NIC out"} <= set(rows)
+    assert rows["server NIC out"][-1] == "112.00" and rows["node NIC out"][-1] == "1.75"
+    assert "bound by drive media" in out and "bytes per cycle" in out and "98.00 GB from the param cache" in out
+    code, out, _ = run_cli(capsys, "model", "--list-links")
+    assert code == 0 and all(name in out for name in ("100g-rdma", "200g-rdma", "25gbe-tcp", "loopback"))
+    code, out, _ = run_cli(capsys, "model", "--list-links", "-o", "json")
+    assert {link["name"] for link in json.loads(out)["links"]} >= {"100g-rdma", "200g-rdma"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "7B", "--nodes", "8"], "--nodes only apply with --topology server"),
+    (["--topology", "server", "--params", "7B", "--nodes", "0"], "--nodes must be a positive whole number"),
+    (["--topology", "server", "--params", "7B", "--server-nics", "0"], "--server-nics must be a positive whole number"),
+    (["--topology", "server", "--params", "7B", "--link", "9000g-warp"], "unknown link '9000g-warp'"),
+    (["--topology", "server"], "give --params"),
+])
+def test_cossd_model_server_topology_bad_input(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                               message: str) -> None:
+    code, out, err = run_cli(capsys, "model", *argv)
+    assert code != 0 and out == ""
+    assert err.startswith("cossd model: ") and message in err and len(err.strip().splitlines()) == 1
