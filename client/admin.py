@@ -10,6 +10,7 @@ from ..protocol.entries import NSID_ALL, Completion, Opcode, encode_submission, 
 from ..protocol.logpages import LogId
 from ..protocol.status import DeviceError, Status
 from .cmb import CmbMapping
+from .remote import RemoteTransport, is_remote
 from .transport import LocalMount, Transport
 from .watchdog import DEFAULT_TIMEOUT_S
 
@@ -17,13 +18,22 @@ from .watchdog import DEFAULT_TIMEOUT_S
 class AdminClient:
     """One queue pair of a device. Not thread-safe; open one per thread.
 
-    Takes a mountpoint (a LocalMount: one open() of MOUNTPOINT/.admin) or any Transport.
+    Takes a mountpoint (a LocalMount: one open() of MOUNTPOINT/.admin), a storage server's
+    URL cossd://HOST:PORT (a RemoteTransport: the token from `token_file` or
+    $COSSD_TOKEN_FILE, TLS trusting `ca` or $COSSD_CA where one is named), or any Transport.
     """
 
     def __init__(self, where: str | os.PathLike[str] | Transport,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
-        self.transport: Transport = (
-            LocalMount(where, timeout_s) if isinstance(where, (str, os.PathLike)) else where)
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, *,
+                 token_file: str | os.PathLike[str] | None = None,
+                 ca: str | os.PathLike[str] | None = None) -> None:
+        self.transport: Transport
+        if is_remote(where):
+            self.transport = RemoteTransport(where, timeout_s, token_file=token_file, ca=ca)  # type: ignore[arg-type]
+        elif isinstance(where, (str, os.PathLike)):
+            self.transport = LocalMount(where, timeout_s)
+        else:
+            self.transport = where
         self.mountpoint = self.transport.location
         self._cid = 0
 

@@ -17,11 +17,19 @@ class Transport(Protocol):
 
     Paths are relative to the device's tree (`ns/<ns>/tensors/<t>/grad`); file handles are
     whatever the transport hands out. Every call may raise OSError (the errno channel) or
-    DeviceTimeoutError (no answer in time). A network transport plugs in here; the clients
+    DeviceTimeoutError (no answer in time). Two implement it: LocalMount (below) and
+    RemoteTransport (client/remote.py, a storage server at cossd://HOST:PORT); the clients
     above (AdminClient, the trainer's NamespaceFiles) never see how the bytes travel.
+
+    Optional, where a transport moves several ranges in one command (RemoteTransport):
+    `write_many(items) -> int` and `read_many(items) -> list[int]`, items being (handle,
+    buffer, offset); NamespaceFiles uses them when present (getattr), else one call a range.
     """
 
-    location: Path
+    @property
+    def location(self) -> Path | str:
+        """A mountpoint, or a server's URL."""
+        ...
 
     def exchange(self, submission: bytes) -> Completion:
         """Send one encoded submission and return its completion with its data."""

@@ -30,7 +30,8 @@ IDENTIFY_BYTES = 4096
 # returning {opcode: handler}; a handler takes a Command and returns a Completion or raises
 # DeviceError (see Controller.execute).
 COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection_commands", "cossd.emulator.features",
-                                    "cossd.emulator.snapshot_commands", "cossd.emulator.cmb_commands")
+                                    "cossd.emulator.snapshot_commands", "cossd.emulator.cmb_commands",
+                                    "cossd.emulator.archive_commands")
 
 # Effects beyond CSUPP that the Commands Supported and Effects page (LID 05h) announces.
 COMMAND_EFFECTS: dict[int, int] = {
@@ -98,6 +99,8 @@ JSON_PAYLOADS: dict[int, Callable[[Command], bool]] = {
     Opcode.INJECT_ERROR: lambda command: command.cdw10 & 0xFF in (0, 1),  # arm, corrupt
     Opcode.CMB_WRITE: _ALWAYS,
     Opcode.CMB_READ: _ALWAYS,
+    Opcode.ARCHIVE: _ALWAYS,
+    Opcode.ARCHIVE_LIST: _ALWAYS,
     # SET_FEATURES decodes C0h's and C1h's payloads itself (emulator/features.py).
 }
 # SET_HYPERPARAMETERS: the fields a payload may change (mode is fixed at creation: refused by

@@ -12,6 +12,7 @@ from .layout import Copy, SuperblockFlags
 from .names import check_name
 from .namespace import Namespace
 from .snapshots import Snapshot, SnapshotStore
+from .superblock import Superblock
 
 if TYPE_CHECKING:
     from .device import Device
@@ -53,25 +54,7 @@ def _build_clone(store: SnapshotStore, snapshot: Snapshot, spec: Any, directory:
                     os.close(fd)
         finally:
             os.close(source_fd)
-        superblock = dataclasses.replace(
-            snapshot.superblock, seq=1, committed_copy=Copy.A, flags=SuperblockFlags.NONE,
-            steps_committed=0, steps_skipped=0, last_skipped_step=0,
-            block_crcs=snapshot.superblock.block_crcs.copy(),
-        )
-        encoded = superblock.encode()
-        slots = (media.SlotFile(directory / "sb.0"), media.SlotFile(directory / "sb.1"))
-        try:
-            slots[1 - superblock.slot].allocate(len(encoded))
-            slots[superblock.slot].write(encoded)
-            for slot in slots:
-                slot.sync()
-        finally:
-            for slot in slots:
-                slot.close()
-        media.atomic_write_json(directory / "meta.json",
-                                {"nsid": nsid, "spec": spec.to_json(), "copy_bytes": store.copy_bytes})
-        media.fsync_dir(directory)
-        media.fsync_dir(directory.parent)
+        write_fresh_records(directory, nsid, spec, store.copy_bytes, snapshot.superblock)
         # Opening verifies every block of the new copy against the checksums.
         return Namespace.open(directory, store.namespace.sync_commits)
     except OSError as exc:
@@ -80,3 +63,27 @@ def _build_clone(store: SnapshotStore, snapshot: Snapshot, spec: Any, directory:
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
+
+
+def write_fresh_records(directory: Path, nsid: int, spec: Any, copy_bytes: int, source: Superblock) -> Superblock:
+    """The records of a namespace built from another's state (a clone, a restore): `source`'s
+    superblock as the first of its own (seq 1, copy A, counters at 0) in both slots, then
+    meta.json, each durable before the directory is; state.A must already hold the state.
+    Returns the superblock written."""
+    superblock = dataclasses.replace(
+        source, seq=1, committed_copy=Copy.A, flags=SuperblockFlags.NONE,
+        steps_committed=0, steps_skipped=0, last_skipped_step=0, block_crcs=source.block_crcs.copy())
+    encoded = superblock.encode()
+    slots = (media.SlotFile(directory / "sb.0"), media.SlotFile(directory / "sb.1"))
+    try:
+        slots[1 - superblock.slot].allocate(len(encoded))
+        slots[superblock.slot].write(encoded)
+        for slot in slots:
+            slot.sync()
+    finally:
+        for slot in slots:
+            slot.close()
+    media.atomic_write_json(directory / "meta.json", {"nsid": nsid, "spec": spec.to_json(), "copy_bytes": copy_bytes})
+    media.fsync_dir(directory)
+    media.fsync_dir(directory.parent)
+    return superblock

@@ -88,6 +88,8 @@ class Opcode(enum.IntEnum):
     INJECT_ERROR = 0xD0
     CMB_WRITE = 0xD1
     CMB_READ = 0xD2
+    ARCHIVE = 0xD4  # a snapshot uploaded to an object store, as a job (docs/tiers.md)
+    ARCHIVE_LIST = 0xD5  # the complete versions archived under s3://BUCKET/PREFIX
 
 
 class IoOpcode(enum.IntEnum):

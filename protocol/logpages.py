@@ -145,6 +145,7 @@ class LogId(enum.IntEnum):
     SNAPSHOTS = 0xC1  # the snapshots of a namespace (or of all)
     JOBS = 0xC2  # background work (export) and its progress
     INJECTED_ERRORS = 0xC3  # error injections armed and fired
+    ARCHIVE = 0xC4  # the archive tier: network bytes and archives per namespace
 
 
 def _u128(value: int) -> tuple[int, int]:

@@ -24,6 +24,7 @@ class Status(enum.IntEnum):
     SUCCESS = 0x000
     INVALID_OPCODE = 0x001
     INVALID_FIELD = 0x002
+    DATA_TRANSFER_ERROR = 0x004  # the network wire: a data digest (CRC32C) that did not match
     INTERNAL_ERROR = 0x006
     INVALID_NAMESPACE = 0x00B
     LBA_OUT_OF_RANGE = 0x080
@@ -36,6 +37,9 @@ class Status(enum.IntEnum):
     FEATURE_NOT_NAMESPACE_SPECIFIC = 0x10F  # a controller-wide feature given an nsid
     NAMESPACE_INSUFFICIENT_CAPACITY = 0x115
     NAMESPACE_ID_UNAVAILABLE = 0x116
+    # NVMe-oF Connect's "Connect Invalid Host": the network wire refused the host's credentials
+    # (a wrong or missing token), or a command came before the connect
+    CONNECT_INVALID_HOST = 0x184
     # media and data integrity
     WRITE_FAULT = 0x280
     UNRECOVERED_READ_ERROR = 0x281
@@ -79,11 +83,12 @@ class Status(enum.IntEnum):
 
 
 # errno for each status where a file operation (not a command) must fail; the table in
-# docs/errno.md lists the same rows and tests/test_t11_errno_table.py covers each.
+# docs/errno.md lists the same rows and tests/mount/test_errno_table.py covers each.
 STATUS_ERRNO: dict[Status, int] = {
     Status.SUCCESS: 0,
     Status.INVALID_OPCODE: errno.EINVAL,
     Status.INVALID_FIELD: errno.EINVAL,
+    Status.DATA_TRANSFER_ERROR: errno.EIO,
     Status.INTERNAL_ERROR: errno.EIO,
     Status.INVALID_NAMESPACE: errno.ENOENT,
     Status.LBA_OUT_OF_RANGE: errno.EFBIG,
@@ -95,6 +100,7 @@ STATUS_ERRNO: dict[Status, int] = {
     Status.FEATURE_NOT_NAMESPACE_SPECIFIC: errno.EINVAL,
     Status.NAMESPACE_INSUFFICIENT_CAPACITY: errno.ENOSPC,
     Status.NAMESPACE_ID_UNAVAILABLE: errno.ENOSPC,
+    Status.CONNECT_INVALID_HOST: errno.EACCES,
     Status.WRITE_FAULT: errno.EIO,
     Status.UNRECOVERED_READ_ERROR: errno.EIO,
     Status.STEP_SKIPPED_NONFINITE: 0,

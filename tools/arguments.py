@@ -5,6 +5,7 @@ Apart from tools/cli.py so the verb modules use these without importing the CLI 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import re
 from typing import Callable
 
@@ -85,8 +86,15 @@ def parse_tensor(text: str) -> tuple[str, int]:
 
 # ---------------------------------------------------------------------- nvme-cli shaped verbs
 
-DEVICE_HELP = ("the device: its mountpoint, or a namespace's directory MOUNTPOINT/ns/NAME "
-               "(the DevicePath `list -o json` shows)")
+DEVICE_HELP = ("the device: its mountpoint, a namespace's directory MOUNTPOINT/ns/NAME "
+               "(the DevicePath `list -o json` shows), or a storage server's cossd://HOST:PORT")
+REMOTE_SCHEME = "cossd://"
+
+
+def device_location(text: str) -> Path | str:
+    """A verb's DEVICE: a storage server's URL stays as given (a Path would fold its `//`), any
+    other text is a path (a mountpoint, or a directory or file under one)."""
+    return text if text.startswith(REMOTE_SCHEME) else Path(text)
 
 
 def add_nvme_options(sub: argparse.ArgumentParser) -> None:
@@ -104,5 +112,7 @@ def nvme_device(args: argparse.Namespace) -> str | None:
     from ..client import mounted_devices
     from .nvme_json import resolve_device
 
+    if isinstance(args.mountpoint, str):  # a server's URL: the device itself, no namespace path
+        return None
     args.mountpoint, namespace = resolve_device(args.mountpoint, mounted_devices())
     return namespace

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 from ..protocol.status import DeviceError
 from . import (
     verbs_admin,
+    verbs_archive,
     verbs_device,
     verbs_features,
     verbs_harness,
@@ -29,14 +30,14 @@ from .nvme_json import NVME_PROG
 
 # The verb families; each registers its verbs with register(verb).
 VERB_MODULES = (verbs_device, verbs_namespace, verbs_admin, verbs_logs, verbs_harness, verbs_top,
-                verbs_features, verbs_inject, verbs_model, verbs_snapshots)
+                verbs_features, verbs_inject, verbs_model, verbs_snapshots, verbs_archive)
 
 # The order `cossd --help` lists the verbs in: a device's life first (format, mount, its
 # namespaces and steps), then the nvme-cli verbs, then the rest. Every verb is named here once.
-HELP_ORDER = ("format", "mount", "umount", "create-ns", "delete-ns", "id-ctrl", "begin-step", "commit-step",
+HELP_ORDER = ("format", "mount", "serve", "umount", "create-ns", "delete-ns", "id-ctrl", "begin-step", "commit-step",
               "abort-step", "smart-log", "error-log", "get-log", "id-ns", "admin-passthru", "flush", "scrub",
               "list", "version", "demo", "bench", "top", "get-feature", "set-feature", "inject-error", "model",
-              "snapshot", "rollback", "clone", "export")
+              "snapshot", "rollback", "clone", "export", "archive", "restore")
 
 
 def build_parser(prog: str = "cossd") -> argparse.ArgumentParser:

@@ -52,3 +52,13 @@ def open_client(args: argparse.Namespace) -> "AdminClient":
     from ..client import AdminClient  # here: verbs that need no device load no client
 
     return AdminClient(args.mountpoint)
+
+
+def human_bytes(count: float) -> str:
+    """A byte count as people read it: 512 B, 1.5 KiB, 3.2 GiB."""
+    value, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"

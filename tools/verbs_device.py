@@ -1,8 +1,8 @@
-"""CLI verbs that run or look at a device on this node: format, mount, umount, list.
+"""CLI verbs that run or look at a device on this node: format, mount, serve, umount, list.
 
-The only verbs that import the device itself (cossd.emulator, cossd.fs): format formats a
-backing directory, mount starts the daemon with its options' defaults and bounds, list reads
-a crashed mount's backing directory. The import contracts in pyproject.toml name each import.
+The only verbs that import the device itself (cossd.emulator, cossd.fs, cossd.server): format
+formats a backing directory, mount starts the FUSE daemon and serve the network server with
+their options' defaults and bounds, list reads a crashed mount's backing directory. The import contracts in pyproject.toml name each import.
 """
 from __future__ import annotations
 
@@ -182,6 +182,7 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("--force", action="store_true", help="erase an existing device in BACKING")
 
     _register_mount(verb)
+    _register_serve(verb)
 
     sub = verb("umount", cmd_umount, "Unmount; waits until the daemon has flushed the state.")
     sub.add_argument("mountpoint", type=Path)
@@ -199,6 +200,13 @@ def register(verb: VerbFactory) -> None:
                      help=argparse.SUPPRESS)
     sub.add_argument("--timeout", type=float, default=5.0,
                      help="seconds to wait for each daemon (default: 5)")
+
+
+def _register_serve(verb: VerbFactory) -> None:
+    from ..server.command import add_serve_arguments, serve
+
+    sub = verb("serve", serve, "Serve a device on the network (cossd://HOST:PORT); returns once it listens.")
+    add_serve_arguments(sub)
 
 
 def _register_mount(verb: VerbFactory) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from ..client import AdminClient
@@ -20,17 +19,10 @@ from ..client.snapshots import (
     wait_for_job,
 )
 from ..protocol.entries import NSID_ALL
-from .arguments import VerbFactory
-from .output import emit, open_client
+from .arguments import VerbFactory, device_location
+from .output import emit, human_bytes, open_client
 
 
-def _size(count: int) -> str:
-    value, unit = float(count), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
@@ -48,10 +40,10 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
                 for entry in entries:
                     if entry["state"] == "ready":
                         lines.append(f"{namespace:<20} {entry['tag']:<24} {entry['step']:>8} "
-                                     f"{_size(entry['bytes']):>10}  {entry['created']}")
+                                     f"{human_bytes(entry['bytes']):>10}  {entry['created']}")
                     else:
                         lines.append(f"{namespace:<20} {entry['tag']:<24} {'-':>8} "
-                                     f"{_size(entry['bytes']):>10}  DAMAGED: {entry['error']}")
+                                     f"{human_bytes(entry['bytes']):>10}  DAMAGED: {entry['error']}")
             return "\n".join(lines) if len(lines) > 1 else "no snapshots"
 
         emit(args, listing, table)
@@ -70,7 +62,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     with open_client(args) as client:
         value = create_snapshot(client, client.nsid(args.name), args.tag)
     emit(args, value, lambda v: f"snapshot {v['tag']!r} of namespace {v['namespace']!r} at step "
-                                f"{v['step']} ({_size(v['bytes'])})")
+                                f"{v['step']} ({human_bytes(v['bytes'])})")
     return 0
 
 
@@ -109,7 +101,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             return (f"export job {value['job']} started: {source} of {value['namespace']!r} "
                     f"(step {value['step']}) to {value['path']}; progress: log page 0xc2")
         return (f"exported {source} of {value['namespace']!r} (step {value['step']}) to "
-                f"{value['path']} ({_size(value['bytes_total'])})")
+                f"{value['path']} ({human_bytes(value['bytes_total'])})")
 
     emit(args, job, normal)
     return 0
@@ -131,7 +123,7 @@ def register(verb: VerbFactory) -> None:
     sub = verb("snapshot", cmd_snapshot,
                "Snapshot a namespace's committed step under a tag; --list the snapshots, "
                "--delete one.")
-    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("mountpoint", type=device_location)
     sub.add_argument("name", nargs="?", help="namespace (with --list: default every namespace)")
     sub.add_argument("tag", nargs="?", help="tag of the new snapshot")
     sub.add_argument("--list", action="store_true", help="list snapshots (log page 0xc1)")
@@ -139,19 +131,19 @@ def register(verb: VerbFactory) -> None:
 
     sub = verb("rollback", cmd_rollback, "Make a snapshot's state the namespace's committed step "
                "(no step may be open).")
-    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("mountpoint", type=device_location)
     sub.add_argument("name", help="namespace")
     sub.add_argument("tag", help="snapshot to roll back to")
 
     sub = verb("clone", cmd_clone, "Create a new namespace from a snapshot; it trains on its own.")
-    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("mountpoint", type=device_location)
     sub.add_argument("name", help="source namespace")
     sub.add_argument("tag", help="snapshot of it")
     sub.add_argument("new_name", help="name of the new namespace")
 
     sub = verb("export", cmd_export, "Export a namespace (or one of its snapshots) to a "
                "safetensors file, written by the device; waits with a progress bar.")
-    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("mountpoint", type=device_location)
     sub.add_argument("name", help="namespace")
     sub.add_argument("--tag", help="export this snapshot instead of the committed step")
     sub.add_argument("--path", help="output file (default: BACKING/exports/NS/step-N.safetensors, "

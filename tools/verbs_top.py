@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..client import AdminClient
-from .arguments import VerbFactory, parse_int
+from .arguments import VerbFactory, device_location, parse_int
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -193,7 +193,7 @@ def register(verb: VerbFactory) -> None:
     sub = verb("top", cmd_top, "Live view of each namespace's steps/s, gradient and param traffic, "
                "skipped steps, committed/durable step and kernel load, refreshed every --interval "
                "seconds (from log pages C0h and 02h).")
-    sub.add_argument("mountpoint", type=Path)
+    sub.add_argument("mountpoint", type=device_location)
     sub.add_argument("-d", "--interval", type=_positive_float, default=1.0, metavar="SECONDS",
                      help="seconds between refreshes (default: 1)")
     sub.add_argument("-n", "--iterations", type=_positive_int, metavar="N",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..client import DEFAULT_TIMEOUT_S, AdminClient, CmbRegion, DeviceTimeoutError, plan_cmb_batches
+from ..client import DEFAULT_TIMEOUT_S, AdminClient, CmbRegion, DeviceTimeoutError, is_remote, plan_cmb_batches
 from ..client.cmb import CMB_ALIGN
 from ..protocol.status import DeviceError, Status
 
@@ -70,7 +70,7 @@ class DeviceLostError(RuntimeError):
     """The device stopped answering (daemon killed, mount gone); the committed step is safe."""
 
 
-def _lost(mountpoint: Path, exc: OSError) -> DeviceLostError:
+def _lost(mountpoint: Path | str, exc: OSError) -> DeviceLostError:
     return DeviceLostError(
         f"cossd device at {mountpoint} stopped answering ({exc.strerror or exc}); the last "
         "committed step is intact: remount it and create the optimizer again to resume"
@@ -86,10 +86,11 @@ class NamespaceFiles:
 
     def __init__(self, mountpoint: str | os.PathLike[str], name: str,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, use_cmb: bool = True) -> None:
-        self.mountpoint = Path(mountpoint)
+        # A storage server's URL (cossd://HOST:PORT) stays a string: a Path folds its "//".
+        self.mountpoint: Path | str = os.fspath(mountpoint) if is_remote(mountpoint) else Path(mountpoint)
         self.use_cmb = use_cmb  # False: the tensor files only, even where the device has a CMB
         self.name = name
-        self.root = self.mountpoint / "ns" / name
+        self.root = self._root(name)
         try:
             self.admin = AdminClient(self.mountpoint, timeout_s)
         except FileNotFoundError:
@@ -151,8 +152,13 @@ class NamespaceFiles:
         """Point these files at another namespace with the same tensors (the staging
         namespace of an atomic replace, trainer/namespace_swap.py); the CMB part stays."""
         self._close_files()
-        self.name, self.root, self.nsid = name, self.mountpoint / "ns" / name, nsid
+        self.name, self.root, self.nsid = name, self._root(name), nsid
         self._params_back = {}
+
+    def _root(self, name: str) -> Path | str:
+        if isinstance(self.mountpoint, Path):
+            return self.mountpoint / "ns" / name
+        return f"{self.mountpoint}/ns/{name}"
 
     def _close_files(self) -> None:
         fds = list(self._fds.values())
@@ -365,6 +371,9 @@ class NamespaceFiles:
         self._params_back = {}
         cmb = self.cmb()
         if cmb is None:
+            many = getattr(self.transport, "write_many", None)  # a storage server's WRITE
+            if many is not None and len(items) > 1:
+                return self._write_batched(many, items)
             return sum(self.write(tensor, role, values) for tensor, role, values in items)
         arrays = [values.detach().contiguous().view(-1).view(torch.uint8) for _, _, values in items]
         sizes = [array.numel() for array in arrays]
@@ -387,6 +396,9 @@ class NamespaceFiles:
         included); through the files it must be on the host."""
         cmb = self.cmb()
         if cmb is None:
+            many = getattr(self.transport, "read_many", None)  # a storage server's READ
+            if many is not None and len(items) > 1:
+                return self._read_batched(many, items)
             return sum(self.read_into(tensor, role, out) for tensor, role, out in items)
         for _, _, out in items:
             if not out.is_contiguous():
@@ -408,3 +420,39 @@ class NamespaceFiles:
             for item, offset, length, at in batch:
                 arrays[item][offset : offset + length].copy_(window[at : at + length])
         return sum(array.numel() for array in arrays)
+
+    # ------------------------------------------------------------------ batched transfers
+
+    def _write_batched(self, many: Any, items: list[tuple[str, str, torch.Tensor]]) -> int:
+        """write() of several tensors in as few commands as the transport's write_many takes
+        (a storage server's WRITE: a step's gradients in one, from the tensors' own host
+        memory to the socket)."""
+        arrays = [values.detach().to("cpu").contiguous().view(-1).view(torch.uint8) for _, _, values in items]
+        ranges = [(self._fd(tensor, role, writing=True), memoryview(array.numpy()), 0)
+                  for (tensor, role, _), array in zip(items, arrays)]
+        try:
+            return many(ranges)
+        except OSError as exc:
+            if exc.errno in _LOST_ERRNOS:
+                raise _lost(self.mountpoint, exc) from exc
+            raise
+
+    def _read_batched(self, many: Any, items: list[tuple[str, str, torch.Tensor]]) -> int:
+        """read_into() of several tensors in as few commands as the transport's read_many
+        takes (a storage server's READ: every param of a step in one, each received straight
+        into its tensor)."""
+        for _, _, out in items:
+            if not out.is_contiguous() or out.device.type != "cpu":
+                raise ValueError("read_many_into through the files needs contiguous CPU tensors")
+        ranges = [(self._fd(tensor, role, writing=False), memoryview(out.view(-1).view(torch.uint8).numpy()), 0)
+                  for tensor, role, out in items]
+        try:
+            counts = many(ranges)
+        except OSError as exc:
+            if exc.errno in _LOST_ERRNOS:
+                raise _lost(self.mountpoint, exc) from exc
+            raise
+        for (tensor, role, _), (_, buffer, _), count in zip(items, ranges, counts):
+            if count != len(buffer):
+                raise OSError(errno.EIO, f"{tensor}/{role}: file ended at byte {count}")
+        return sum(counts)

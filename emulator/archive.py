@@ -1,0 +1,280 @@
+"""The archive tier: a snapshot uploaded by the device to an S3-compatible object store, and a
+namespace restored from one (disaster recovery). boto3 is optional (the `tiers` extra).
+
+An archived version lives under s3://BUCKET/PREFIX/<namespace>/<tag>/ as four objects: `state`
+(the snapshot's state file, a multipart upload of fixed-size chunks), `sb` (its superblock,
+whose block checksums cover the state), `meta.json` (the snapshot's description) and
+`manifest.json`, written last: a version is complete exactly when its manifest exists, and
+the manifest carries every chunk's CRC32C, which a restore verifies before anything is built.
+docs/tiers.md describes the layout and the procedure.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .. import kernels
+from ..protocol.status import DeviceError, Status
+from .jobs import Job, JobTable
+from .namespace import Namespace
+from .snapshots import META_FILE, SUPERBLOCK_FILE, Snapshot, SnapshotStore
+
+if TYPE_CHECKING:
+    from .device import Device
+
+log = logging.getLogger("cossd.emulator.archive")
+
+
+from .archive_store import (DEFAULT_CHUNK_BYTES, DEFAULT_MEMORY_BYTES, LIST_KEYS, MANIFEST_FORMAT,  # noqa: F401
+                            MANIFEST_OBJECT, MANIFEST_VERSION, MAX_CHUNK_BYTES, MAX_MEMORY_BYTES, MAX_PARTS,
+                            META_OBJECT, MIN_CHUNK_BYTES, PAYLOAD_KEYS, STATE_OBJECT, SUPERBLOCK_OBJECT,
+                            Location, Store, Traffic, parse_endpoint, parse_url)
+
+# Held while a version is added to or taken from the running set.
+_RUNNING = threading.Lock()
+
+
+# ---------------------------------------------------------------------- upload
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A checked ARCHIVE payload."""
+
+    tag: str
+    root: Location
+    endpoint_url: str | None
+    chunk_bytes: int
+    memory_bytes: int
+    overwrite: bool
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks held at once: the memory bound over the chunk size (at least one)."""
+        return max(1, self.memory_bytes // self.chunk_bytes)
+
+
+def _int_field(payload: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = payload.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise DeviceError(Status.INVALID_FIELD, f"{key} must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+def parse_request(payload: Any) -> Request:
+    if not isinstance(payload, dict):
+        raise DeviceError(Status.INVALID_FIELD, "payload must be a JSON object")
+    unknown = set(payload) - PAYLOAD_KEYS
+    if unknown:
+        raise DeviceError(Status.INVALID_FIELD, f"unknown key(s) {', '.join(sorted(unknown))}; "
+                                                f"use {', '.join(sorted(PAYLOAD_KEYS))}")
+    for key in ("tag", "url"):
+        if key not in payload:
+            raise DeviceError(Status.INVALID_FIELD, f"payload needs {key}")
+    endpoint = parse_endpoint(payload.get("endpoint_url"))
+    if not isinstance(payload.get("overwrite", False), bool):
+        raise DeviceError(Status.INVALID_FIELD, "overwrite must be true or false")
+    chunk = _int_field(payload, "chunk_bytes", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
+    memory = _int_field(payload, "memory_bytes", DEFAULT_MEMORY_BYTES, chunk, MAX_MEMORY_BYTES)
+    return Request(payload["tag"], parse_url(payload["url"]), endpoint, chunk, memory,
+                   payload.get("overwrite", False))
+
+
+def _read_exact(fd: int, size: int, offset: int) -> bytes:
+    data = os.pread(fd, size, offset)
+    while len(data) < size:
+        more = os.pread(fd, size - len(data), offset + len(data))
+        if not more:
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR, "the snapshot's state ends early")
+        data += more
+    return data
+
+
+def chunk_ranges(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    return [(offset, min(size, offset + chunk_bytes)) for offset in range(0, size, chunk_bytes)] or [(0, 0)]
+
+
+def upload_state(store: Store, fd: int, size: int, bucket: str, key: str, request: Request,
+                 job: Job) -> list[int]:
+    """Upload `size` bytes of `fd` as the multipart object `key`, resuming an upload cut short
+    (a part whose size and MD5 match the chunk is kept); at most `request.in_flight` chunks
+    are in memory at once. Returns each chunk's CRC32C."""
+    ranges = chunk_ranges(size, request.chunk_bytes)
+    upload_id, existing = store.pending_upload(bucket, key)
+    if upload_id is None:
+        upload_id = store.start_upload(bucket, key)
+    crcs = [0] * len(ranges)
+    etags: dict[int, str] = {}
+    slots = threading.BoundedSemaphore(request.in_flight)
+    failed: list[BaseException] = []
+    lock = threading.Lock()
+
+    def send(number: int, data: bytes) -> None:
+        try:
+            etag = store.put_part(bucket, key, upload_id, number, data)
+            with lock:
+                etags[number] = etag
+                job.bytes_done += len(data)
+            store.bump("parts_uploaded")
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            slots.release()
+
+    with concurrent.futures.ThreadPoolExecutor(request.in_flight, thread_name_prefix="cossd-archive") as pool:
+        for index, (start, stop) in enumerate(ranges):
+            slots.acquire()  # blocks while in_flight chunks are held: bounded memory
+            if failed:
+                slots.release()
+                break
+            data = _read_exact(fd, stop - start, start)
+            crcs[index] = kernels.crc32c(data)
+            have = existing.get(index + 1)
+            if have is not None and have[1] == len(data) and \
+                    have[0].strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest():
+                with lock:
+                    etags[index + 1] = have[0]
+                    job.bytes_done += len(data)
+                store.bump("parts_resumed")
+                slots.release()
+                continue
+            pool.submit(send, index + 1, data)
+            del data  # the pool's task holds the only reference now
+    if failed:
+        raise failed[0]
+    store.finish_upload(bucket, key, upload_id, etags)
+    stored = store.size(bucket, key)
+    if stored != size:
+        raise DeviceError(Status.DATA_TRANSFER_ERROR,
+                          f"s3://{bucket}/{key} holds {stored} bytes after the upload, expected {size}")
+    return crcs
+
+
+def manifest_for(namespace: Namespace, snapshot: Snapshot, request: Request, crcs: list[int],
+                 superblock: bytes, meta: bytes, serial: str) -> dict[str, Any]:
+    return {
+        "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+        "namespace": namespace.name, "nsid": namespace.nsid, "tag": snapshot.tag,
+        "snapshot_id": snapshot.snapshot_id, "step": snapshot.step,
+        "created": snapshot.created, "device_serial": serial,
+        "archived": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "spec": namespace.spec.to_json(), "total_blocks": namespace.total_blocks,
+        "state_bytes": namespace.snapshots.copy_bytes, "chunk_bytes": request.chunk_bytes,
+        "chunks_crc32c": crcs,
+        "objects": {
+            STATE_OBJECT: {"bytes": namespace.snapshots.copy_bytes},
+            SUPERBLOCK_OBJECT: {"bytes": len(superblock), "crc32c": kernels.crc32c(superblock)},
+            META_OBJECT: {"bytes": len(meta), "crc32c": kernels.crc32c(meta)},
+        },
+    }
+
+
+def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
+          traffic: Traffic, running: set[str]) -> Job:
+    """Check the request and the store, pin the snapshot's state, then upload it as a job.
+    `traffic` is the namespace's network counters; `running` the versions being archived."""
+    request = parse_request(payload)
+    snapshot = namespace.snapshots.get(request.tag)
+    version = request.root.child(namespace.name, snapshot.tag)
+    parts = len(chunk_ranges(namespace.snapshots.copy_bytes, request.chunk_bytes))
+    if parts > MAX_PARTS:
+        raise DeviceError(Status.INVALID_FIELD, f"{parts} chunks of {request.chunk_bytes} bytes exceed S3's "
+                                                f"{MAX_PARTS} parts: use a larger chunk_bytes")
+    store = Store(request.endpoint_url, request.in_flight, traffic)  # counted as they move
+    store.check_bucket(version)
+    manifest_key = version.key(MANIFEST_OBJECT)
+    if store.exists(version.bucket, manifest_key) and not request.overwrite:
+        raise DeviceError(Status.SNAPSHOT_EXISTS, f"{version.url} is archived already "
+                                                  "(replaced only when asked: overwrite, `cossd archive --force`)")
+    try:
+        superblock = (snapshot.directory / SUPERBLOCK_FILE).read_bytes()
+        meta = (snapshot.directory / META_FILE).read_bytes()
+    except OSError as exc:
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                          f"snapshot {snapshot.tag!r} cannot be read: {exc}") from None
+    with _RUNNING:
+        if version.url in running:
+            raise DeviceError(Status.INVALID_FIELD, f"{version.url} is being archived by another job")
+        running.add(version.url)
+    try:
+        # A snapshot deleted meanwhile stays readable through its descriptor.
+        source_fd = SnapshotStore.open_state(snapshot)
+    except BaseException:
+        with _RUNNING:
+            running.discard(version.url)
+        raise
+    job = Job(jobs.next_id(), "archive", namespace.nsid, namespace.name, snapshot.tag,
+              snapshot.step, version.url, namespace.snapshots.copy_bytes)
+    serial = str(device.identity.get("serial", ""))
+    completed = False
+
+    def work(job: Job) -> None:
+        # Without the old manifest first, a version being replaced never looks complete.
+        if request.overwrite:
+            store.delete(version.bucket, manifest_key)
+        crcs = upload_state(store, source_fd, job.bytes_total, version.bucket,
+                            version.key(STATE_OBJECT), request, job)
+        store.put(version.bucket, version.key(SUPERBLOCK_OBJECT), superblock)
+        store.put(version.bucket, version.key(META_OBJECT), meta)
+        manifest = manifest_for(namespace, snapshot, request, crcs, superblock, meta, serial)
+        store.put(version.bucket, manifest_key,
+                  (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        nonlocal completed
+        completed = True
+        log.info("namespace %s: snapshot %s (step %d) archived to %s", namespace.name,
+                 snapshot.tag, snapshot.step, version.url)
+
+    def cleanup() -> None:
+        os.close(source_fd)
+        with _RUNNING:
+            running.discard(version.url)
+        store.bump("archives_completed" if completed else "archives_failed")
+
+    return jobs.start(job, work, cleanup)
+
+
+# ---------------------------------------------------------------------- listing
+
+
+def list_versions(store: Store, root: Location) -> list[dict[str, Any]]:
+    """Every complete version under `root` (those with a manifest), oldest step first."""
+    versions = []
+    depth = len([p for p in root.prefix.split("/") if p])
+    for key in store.keys(root):
+        parts = key.split("/")
+        if parts[-1] != MANIFEST_OBJECT or len(parts) != depth + 3:
+            continue
+        manifest = json.loads(store.get(root.bucket, key))
+        location = Location(root.bucket, "/".join(parts[:-1]))
+        versions.append({"namespace": manifest["namespace"], "tag": manifest["tag"],
+                         "step": manifest["step"], "bytes": manifest["state_bytes"],
+                         "archived": manifest["archived"], "url": location.url,
+                         "endpoint": store.endpoint})
+    return sorted(versions, key=lambda v: (v["namespace"], v["step"], v["tag"]))
+
+
+def read_manifest(store: Store, version: Location) -> dict[str, Any]:
+    try:
+        raw = store.get(version.bucket, version.key(MANIFEST_OBJECT))
+    except DeviceError as exc:
+        if exc.status == Status.SNAPSHOT_NOT_FOUND:
+            raise DeviceError(Status.SNAPSHOT_NOT_FOUND,
+                              f"{version.url} is no complete archived version (no {MANIFEST_OBJECT}; "
+                              "an upload cut short is never complete)") from None
+        raise
+    try:
+        manifest = json.loads(raw)
+        if manifest["format"] != MANIFEST_FORMAT or manifest["version"] != MANIFEST_VERSION:
+            raise ValueError(f"format {manifest['format']!r} version {manifest['version']!r}")
+        int(manifest["state_bytes"]), int(manifest["chunk_bytes"]), list(manifest["chunks_crc32c"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                          f"{version.url}: {MANIFEST_OBJECT} cannot be read: {exc}") from None
+    return manifest

@@ -1,0 +1,165 @@
+"""Disaster recovery from the archive tier: a namespace (on a fresh device, or on an existing
+one) rebuilt from an archived version, every chunk's CRC32C and every block checksum verified
+before the namespace is registered; nothing is built when one fails."""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import kernels
+from ..protocol.status import DeviceError, Status
+from . import media
+from .layout import Copy, plan_layout
+from .namespace import Namespace, NamespaceSpec
+from .superblock import Superblock
+
+log = logging.getLogger("cossd.emulator.archive")
+
+
+from .archive import chunk_ranges, read_manifest
+from .snapshot_clone import write_fresh_records
+from .archive_store import DEFAULT_MEMORY_BYTES, MIN_CHUNK_BYTES, STATE_OBJECT, SUPERBLOCK_OBJECT, Location, Store, parse_url
+
+
+def _checked_object(store: Store, version: Location, manifest: dict[str, Any], name: str) -> bytes:
+    data = store.get(version.bucket, version.key(name))
+    expected = manifest["objects"][name]
+    if len(data) != expected["bytes"] or kernels.crc32c(data) != expected["crc32c"]:
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                          f"{version.url}/{name} fails its CRC32C (or size); nothing was restored")
+    return data
+
+
+def download_state(store: Store, version: Location, manifest: dict[str, Any], fd: int, path: Path,
+                   memory_bytes: int, progress: Callable[[int], None]) -> None:
+    """Write the state object into `fd`, chunk by chunk, each checked against its CRC32C
+    before it is written; at most memory_bytes of chunks are held at once."""
+    size, chunk = int(manifest["state_bytes"]), int(manifest["chunk_bytes"])
+    ranges = chunk_ranges(size, chunk)
+    crcs = manifest["chunks_crc32c"]
+    if len(crcs) != len(ranges):
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                          f"{version.url}: the manifest lists {len(crcs)} chunks, its sizes give {len(ranges)}")
+    stored = store.size(version.bucket, version.key(STATE_OBJECT))
+    if stored != size:
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                          f"{version.url}/{STATE_OBJECT} holds {stored} bytes, the manifest says {size}")
+    key = version.key(STATE_OBJECT)
+
+    def fetch(index: int) -> None:
+        start, stop = ranges[index]
+        data = store.get(version.bucket, key, (start, stop)) if stop > start else b""
+        if len(data) != stop - start or kernels.crc32c(data) != int(crcs[index]):
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                              f"{version.url}/{STATE_OBJECT}: chunk {index} (bytes {start}-{stop}) fails "
+                              "its CRC32C; nothing was restored")
+        view = memoryview(data)
+        offset = start
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+        progress(stop - start)
+
+    workers = max(1, memory_bytes // chunk)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cossd-restore") as pool:
+        # Submitted in windows of `workers`, so no more chunks are held than that.
+        for first in range(0, len(ranges), workers):
+            for future in [pool.submit(fetch, i) for i in range(first, min(len(ranges), first + workers))]:
+                future.result()
+    media.sync_fd(fd, path)
+
+
+def restore(url: str, backing: Path, *, name: str | None = None, endpoint_url: str | None = None,
+            memory_bytes: int = DEFAULT_MEMORY_BYTES, sync: bool = False,
+            progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Build namespace `name` (default: the archived one's) in the device at `backing` (formatted
+    first where it holds none) from the version at `url`; bit-identical, every chunk's CRC32C
+    and every block checksum verified. Whatever fails leaves the device as it was (and a
+    device this call formatted is removed again)."""
+    from .device import Device, DeviceConfig
+
+    version = parse_url(url)
+    store = Store(endpoint_url, max(1, memory_bytes // MIN_CHUNK_BYTES))
+    manifest = read_manifest(store, version)
+    superblock_bytes = _checked_object(store, version, manifest, SUPERBLOCK_OBJECT)
+    spec = dataclasses.replace(NamespaceSpec.from_json(manifest["spec"]),
+                               name=name or manifest["namespace"],
+                               initial_step=int(manifest["step"])).validate()
+    layouts, copy_bytes = plan_layout([(t.name, t.numel) for t in spec.tensors], spec.state_itemsize, 2)
+    total_blocks = sum(t.block_count for t in layouts)
+    superblock = Superblock.decode(superblock_bytes, total_blocks, len(spec.group_hypers))
+    if copy_bytes != manifest["state_bytes"] or superblock is None:
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                          f"{version.url}: its superblock or sizes do not fit its namespace's layout")
+    done = 0
+
+    def advance(count: int) -> None:
+        nonlocal done
+        done += count
+        if progress is not None:
+            progress(done, copy_bytes)
+
+    def build(directory: Path, nsid: int) -> Namespace:
+        try:
+            directory.mkdir(parents=True)
+            for copy in Copy:
+                path = directory / f"state.{copy.name}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, copy_bytes)  # as a created namespace's copies
+                    if copy == Copy.A:
+                        download_state(store, version, manifest, fd, path, memory_bytes, advance)
+                    media.sync_fd(fd, path)
+                finally:
+                    os.close(fd)
+            restored = write_fresh_records(directory, nsid, spec, copy_bytes, superblock)
+            namespace = Namespace.open(directory, sync)
+            bad = namespace.snapshots.bad_blocks(directory / "state.A", restored)
+            if bad:
+                namespace.close()
+                raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                                  f"{version.url}: {len(bad)} block(s) fail the superblock's checksums "
+                                  f"(first: {bad[0][0]} block {bad[0][1]}); nothing was restored")
+            return namespace
+        except OSError as exc:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise media.media_error(exc, f"restoring {version.url}") from exc
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+
+    backing = Path(backing)
+    formatted = not (backing / "superblock.json").exists()
+    if formatted and backing.exists() and (not backing.is_dir() or any(backing.iterdir())):
+        raise DeviceError(Status.INVALID_FIELD, f"{backing} is neither a device nor an empty directory")
+    created_dir = not backing.exists()
+    started = time.monotonic()
+    try:
+        if formatted:
+            Device.format(backing)
+        with Device.open(backing, DeviceConfig(sync=sync)) as device:
+            namespace = device.adopt_namespace(spec.name, 2 * copy_bytes, build)
+            result = {"namespace": namespace.name, "nsid": namespace.nsid,
+                      "step": namespace.committed_step, "bytes": copy_bytes,
+                      "backing": str(backing), "formatted": formatted, "source": version.url,
+                      "seconds": round(time.monotonic() - started, 3),
+                      "network_bytes_received": store.traffic.network_bytes_received}
+    except BaseException:
+        if formatted:  # nothing built: the device this call made goes again
+            if created_dir:
+                shutil.rmtree(backing, ignore_errors=True)
+            else:
+                for entry in backing.iterdir():
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+        raise
+    return result

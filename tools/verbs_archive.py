@@ -1,0 +1,144 @@
+"""CLI verbs of the archive tier: archive (a snapshot to an object store, by the device;
+--list the versions there) and restore (a namespace built from one, offline, like format).
+
+`archive` is a client of the mount (cossd.client.archive). `archive --list` without a device
+and `restore` read the store from this node: they import the device's archive module
+(cossd.emulator.archive), as the device verbs import the device (an import-linter entry).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .arguments import VerbFactory, device_location, parse_size
+from .output import emit, human_bytes, open_client
+
+
+
+
+class _Progress:
+    """One status line on stderr, rewritten at most 5 times a second (none with -q)."""
+
+    def __init__(self, what: str, quiet: bool) -> None:
+        self.what, self.quiet = what, quiet
+        self.started = self.shown = time.monotonic()
+
+    def __call__(self, done: int, total: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if self.quiet or (not final and now - self.shown < 0.2):
+            return
+        self.shown = now
+        rate = done / max(now - self.started, 1e-9)
+        print(f"\r{self.what}: {human_bytes(done)} / {human_bytes(total)} ({100 * done / max(total, 1):.0f}%, "
+              f"{human_bytes(rate)}/s)", end="\n" if final else "", file=sys.stderr, flush=True)
+
+
+def _list_versions(args: argparse.Namespace) -> int:
+    if args.name is not None or args.tag is not None:
+        raise SystemExit("cossd archive: --list takes no NAMESPACE or TAG (the mountpoint, if "
+                         "given, is the device that lists the store)")
+    if args.mountpoint is not None:
+        from ..client.archive import archived_versions
+
+        with open_client(args) as client:
+            listing = archived_versions(client, args.list, endpoint_url=args.endpoint_url)
+    else:
+        from ..emulator import archive
+
+        root = archive.parse_url(args.list)
+        listing = {"url": root.url,
+                   "versions": archive.list_versions(archive.Store(args.endpoint_url), root)}
+
+    def table(value: dict[str, Any]) -> str:
+        lines = [f"{'namespace':<20} {'tag':<24} {'step':>8} {'bytes':>10}  {'archived':<20}  where"]
+        for v in value["versions"]:
+            lines.append(f"{v['namespace']:<20} {v['tag']:<24} {v['step']:>8} {human_bytes(v['bytes']):>10}  "
+                         f"{v['archived']:<20}  {v['url']} ({v['endpoint']})")
+        return "\n".join(lines) if value["versions"] else f"no complete versions under {value['url']}"
+
+    emit(args, listing, table)
+    return 0
+
+
+def cmd_archive(args: argparse.Namespace) -> int:
+    if args.list is not None:
+        return _list_versions(args)
+    if args.mountpoint is None or args.name is None or args.tag is None or args.to is None:
+        raise SystemExit("cossd archive: give MOUNTPOINT NAMESPACE TAG --to s3://BUCKET/PREFIX "
+                         "(or --list s3://BUCKET/PREFIX)")
+    from ..client.archive import archive, wait_for_archive
+
+    with open_client(args) as client:
+        job = archive(client, client.nsid(args.name), args.tag, args.to,
+                      endpoint_url=args.endpoint_url, chunk_bytes=args.chunk_size,
+                      memory_bytes=args.archive_memory, overwrite=args.force)
+        if args.wait:
+            bar = _Progress(f"archive {args.name}/{args.tag}", args.quiet)
+            job = wait_for_archive(client, job, lambda j: bar(j["bytes_done"], j["bytes_total"]))
+            bar(job["bytes_done"], job["bytes_total"], final=True)
+
+    def normal(value: dict[str, Any]) -> str:
+        if value["state"] == "running":
+            return (f"archive job {value['job']} started: snapshot {value['tag']!r} of "
+                    f"{value['namespace']!r} (step {value['step']}) to {value['path']}; "
+                    "progress: log page 0xc2")
+        seconds = max((value["finished"] or 0) - value["started"], 1e-9)
+        return (f"archived snapshot {value['tag']!r} of {value['namespace']!r} (step {value['step']}) "
+                f"to {value['path']} ({human_bytes(value['bytes_total'])}, {human_bytes(value['bytes_total'] / seconds)}/s)")
+
+    emit(args, job, normal)
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from ..emulator import archive, archive_restore
+
+    bar = _Progress(f"restore {args.url}", args.quiet)
+    result = archive_restore.restore(args.url, args.backing, name=args.name, endpoint_url=args.endpoint_url,
+                             memory_bytes=args.archive_memory or archive.DEFAULT_MEMORY_BYTES,
+                             sync=args.sync, progress=bar)
+    bar(result["bytes"], result["bytes"], final=True)
+    emit(args, result, lambda r: f"restored {r['source']} into namespace {r['namespace']!r} "
+         f"(nsid {r['nsid']}, step {r['step']}) of {r['backing']}"
+         f"{' (formatted)' if r['formatted'] else ''}: {human_bytes(r['bytes'])} in {r['seconds']:.1f} s")
+    return 0
+
+
+def register(verb: VerbFactory) -> None:
+    sub = verb("archive", cmd_archive,
+               "Have the device upload a snapshot to an S3-compatible object store in the "
+               "background (a manifest written last makes the version complete); --list the "
+               "complete versions under a location.")
+    sub.add_argument("mountpoint", type=device_location, nargs="?")
+    sub.add_argument("name", nargs="?", help="namespace")
+    sub.add_argument("tag", nargs="?", help="snapshot to archive")
+    sub.add_argument("--to", metavar="s3://BUCKET/PREFIX",
+                     help="where: the version goes to s3://BUCKET/PREFIX/NAMESPACE/TAG/")
+    sub.add_argument("--list", metavar="s3://BUCKET/PREFIX",
+                     help="list the complete versions there (through the device when MOUNTPOINT "
+                          "is given, else from this node)")
+    sub.add_argument("--endpoint-url", help="the store's endpoint (default: as boto3 finds it, "
+                                            "e.g. $AWS_ENDPOINT_URL)")
+    sub.add_argument("--chunk-size", type=parse_size, help="bytes per chunk and multipart part "
+                                                           "(default 8M, at least 5M)")
+    sub.add_argument("--archive-memory", type=parse_size,
+                     help="the most chunk bytes the device holds at once (default 64M)")
+    sub.add_argument("--force", action="store_true", help="replace a version archived already")
+    sub.add_argument("--wait", action="store_true", help="wait for the upload, with its progress")
+    sub.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+
+    sub = verb("restore", cmd_restore,
+               "Build a namespace from an archived version (disaster recovery), offline: in the "
+               "device at BACKING, formatted first where there is none; every chunk and block "
+               "checksum verified, nothing built if one fails.")
+    sub.add_argument("url", metavar="s3://BUCKET/PREFIX/NAMESPACE/TAG", help="the version")
+    sub.add_argument("backing", type=Path)
+    sub.add_argument("--name", help="the new namespace's name (default: the archived one's)")
+    sub.add_argument("--endpoint-url", help="the store's endpoint (default: as boto3 finds it)")
+    sub.add_argument("--archive-memory", type=parse_size,
+                     help="the most chunk bytes held at once (default 64M)")
+    sub.add_argument("--sync", action="store_true", help="open the device as `mount --sync` would")
+    sub.add_argument("-q", "--quiet", action="store_true", help="no progress line")
