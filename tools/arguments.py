@@ -91,6 +91,17 @@ DEVICE_HELP = ("the device: its mountpoint, a namespace's directory MOUNTPOINT/n
 REMOTE_SCHEME = "cossd://"
 
 
+def add_device_argument(sub: argparse.ArgumentParser, **options: object) -> None:
+    """A verb's DEVICE (a mountpoint or a server's URL, see device_location) and the options a
+    server needs: the token and the CA to trust (else $COSSD_TOKEN_FILE, $COSSD_CA)."""
+    sub.add_argument("mountpoint", type=device_location, **options)  # type: ignore[arg-type]
+    sub.add_argument("--token-file", metavar="FILE",
+                     help="a storage server's token (default: $COSSD_TOKEN_FILE); only for cossd:// devices")
+    sub.add_argument("--ca", metavar="PEM",
+                     help="the CA that signed a TLS server's certificate (default: $COSSD_CA); only for "
+                          "cossd:// devices")
+
+
 def device_location(text: str) -> Path | str:
     """A verb's DEVICE: a storage server's URL stays as given (a Path would fold its `//`), any
     other text is a path (a mountpoint, or a directory or file under one)."""

@@ -51,7 +51,7 @@ def open_client(args: argparse.Namespace) -> "AdminClient":
     """The AdminClient of the device a verb names (its `mountpoint` argument)."""
     from ..client import AdminClient  # here: verbs that need no device load no client
 
-    return AdminClient(args.mountpoint)
+    return AdminClient(args.mountpoint, token_file=getattr(args, "token_file", None), ca=getattr(args, "ca", None))
 
 
 def human_bytes(count: float) -> str:

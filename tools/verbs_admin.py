@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .arguments import DEVICE_HELP, VerbFactory, add_nvme_options, device_location, nvme_device, parse_int
+from .arguments import DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_int
 from .output import binary_output, emit, hexdump, open_client, write_binary
 
 
@@ -149,14 +149,14 @@ def register(verb: VerbFactory) -> None:
     sub = verb("id-ctrl", cmd_id_ctrl, "Identify the device: serial, model, capacity, namespaces "
                "(-o json: nvme-cli's keys, cossd's own under \"cossd\"; -o binary: the raw Identify "
                "Controller page).", formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=device_location, metavar="DEVICE", help=DEVICE_HELP)
+    add_device_argument(sub, metavar="DEVICE", help=DEVICE_HELP)
     add_nvme_options(sub)
 
     for name, text in (("begin-step", "Open a step transaction."),
                        ("commit-step", "Commit the open step (reports a skip on inf/NaN)."),
                        ("abort-step", "Abort the open step; the committed state is untouched.")):
         sub = verb(name, cmd_step, text)
-        sub.add_argument("mountpoint", type=device_location)
+        add_device_argument(sub)
         sub.add_argument("name")
         if name == "begin-step":
             sub.add_argument("--step", type=int, help="step number (default: the next one)")
@@ -166,7 +166,7 @@ def register(verb: VerbFactory) -> None:
 
     sub = verb("admin-passthru", cmd_admin_passthru, "Send a raw admin command through .admin "
                "(like nvme admin-passthru); exits 1 unless it succeeds.", formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("--opcode", type=parse_int, required=True, help="opcode, e.g. 0x06 or 0xc0")
     sub.add_argument("--namespace-id", type=parse_int, default=0, help="nsid (default 0)")
     for n in range(10, 16):
@@ -176,12 +176,12 @@ def register(verb: VerbFactory) -> None:
 
     sub = verb("flush", cmd_flush, "Make a namespace's committed step durable (an NVM namespace: its "
                "acknowledged writes), or every namespace's (FLUSH C9h, like nvme flush).")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("name", nargs="?", help="namespace (default: every namespace)")
 
     sub = verb("scrub", cmd_scrub, "Verify every block checksum of a namespace (default: all); "
                "exits 1 if any block is bad.")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("name", nargs="?", help="namespace (default: every namespace)")
 
     verb("version", cmd_version, "Show cossd's version and the nvme-cli versions whose JSON it prints.")

@@ -21,7 +21,7 @@ from ..protocol.features import (
 from ..protocol.entries import Completion, Opcode
 from ..protocol.hyperparameters import GROUP_FIELDS
 
-from .arguments import VerbFactory, device_location, parse_int
+from .arguments import VerbFactory, add_device_argument, parse_int
 from .output import emit, open_client
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ def register(verb: VerbFactory) -> None:
     fids = ", ".join(f"{int(fid):#04x} {name}" for fid, name in FEATURE_NAMES.items())
     sub = verb("get-feature", cmd_get_feature, f"Get Features (0Ah), like nvme get-feature: {fids}.",
                formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("-f", "--feature-id", type=parse_int, required=True, help="feature identifier, e.g. 4 or 0xc1")
     sub.add_argument("-n", "--namespace", help="namespace name (needed by 0xc0)")
     sub.add_argument("-s", "--sel", type=_select, default=Select.CURRENT,
@@ -202,7 +202,7 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("-H", "--human-readable", action="store_true", help="decode the value's fields")
 
     sub = verb("set-feature", cmd_set_feature, f"Set Features (09h), like nvme set-feature: {fids}.")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("-f", "--feature-id", type=parse_int, required=True, help="feature identifier, e.g. 4 or 0xc1")
     sub.add_argument("-n", "--namespace", help="namespace name (needed by 0xc0)")
     sub.add_argument("-v", "--value", type=parse_int,

@@ -9,7 +9,7 @@ from ..protocol.entries import NSID_ALL, IoOpcode, Opcode
 from ..protocol.injection import InjectAction, Queue
 from ..protocol.logpages import LogId
 
-from .arguments import VerbFactory, device_location
+from .arguments import VerbFactory, add_device_argument
 from .output import emit, open_client
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def register(verb: VerbFactory) -> None:
     sub = verb("inject-error", cmd_inject_error,
                "Inject errors (INJECT_ERROR D0h): fail the next N commands or tensor-file I/Os, "
                "corrupt a block on the media, clear, or list (log page C3h).")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     mode = sub.add_mutually_exclusive_group(required=True)
     mode.add_argument("--opcode", type=parse_target,
                       help="arm: the command to fail (0xc5, commit-step) or write/read (tensor files)")

@@ -8,8 +8,8 @@ from typing import Any, Callable
 from .arguments import (
     DEVICE_HELP,
     VerbFactory,
+    add_device_argument,
     add_nvme_options,
-    device_location,
     nvme_device,
     parse_int,
     parse_log_entries,
@@ -213,7 +213,7 @@ def cmd_get_log(args: argparse.Namespace) -> int:
 def register(verb: VerbFactory) -> None:
     sub = verb("smart-log", cmd_smart_log, "SMART / health log (log page 02h), as nvme smart-log prints it.",
                formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=device_location, metavar="DEVICE", help=DEVICE_HELP)
+    add_device_argument(sub, metavar="DEVICE", help=DEVICE_HELP)
     add_nvme_options(sub)
     sub.add_argument("-H", "--human-readable", action="store_true",
                      help="decode the critical warning bits")
@@ -224,14 +224,14 @@ def register(verb: VerbFactory) -> None:
     sub = verb("error-log", cmd_error_log, "Error information log (log page 01h): the latest failed "
                "commands and media errors, newest first (-o json: every entry, empty ones too, "
                "as nvme-cli).", formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=device_location, metavar="DEVICE", help=DEVICE_HELP)
+    add_device_argument(sub, metavar="DEVICE", help=DEVICE_HELP)
     sub.add_argument("-e", "--log-entries", type=parse_log_entries, metavar="N",
                      help="entries to read (default: all the device keeps, ELPE + 1 = 64)")
     add_nvme_options(sub)
 
     sub = verb("get-log", cmd_get_log, "Any log page, raw (hex dump, -o binary) or decoded (-o json).",
                formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("-i", "--log-id", type=parse_int, required=True,
                      help="log page identifier, e.g. 2 or 0xc0")
     sub.add_argument("-n", "--namespace", help="namespace name, for namespace-scoped pages (default: all)")

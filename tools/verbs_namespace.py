@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .arguments import (DEVICE_HELP, VerbFactory, add_nvme_options, device_location, nvme_device, parse_int,
+from .arguments import (DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_int,
                         parse_size, parse_tensor)
 from .output import binary_output, emit, open_client, write_binary
 
@@ -83,7 +83,7 @@ def cmd_id_ns(args: argparse.Namespace) -> int:
 def register(verb: VerbFactory) -> None:
     sub = verb("create-ns", cmd_create_ns, "Create an optimizer namespace (one optimizer), or with "
                "--nvm a plain NVM namespace (a raw data file).")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("name")
     sub.add_argument("--tensor", type=parse_tensor, action="append",
                      metavar="NAME:NUMEL", help="a tensor and its element count (repeatable; "
@@ -112,12 +112,12 @@ def register(verb: VerbFactory) -> None:
                           "(default: %(default)s)")
 
     sub = verb("delete-ns", cmd_delete_ns, "Delete a namespace and its state.")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("name")
 
     sub = verb("id-ns", cmd_id_ns, "Identify a namespace (NVMe CNS 00h): sizes in 4 KiB blocks, LBA format.",
                formats=("normal", "json", "binary"))
-    sub.add_argument("mountpoint", type=device_location, metavar="DEVICE", help=DEVICE_HELP)
+    add_device_argument(sub, metavar="DEVICE", help=DEVICE_HELP)
     sub.add_argument("name", nargs="?", help="namespace name (or -n NSID, or DEVICE MOUNTPOINT/ns/NAME)")
     sub.add_argument("-n", "--namespace-id", type=parse_int, metavar="NSID", help="namespace id")
     add_nvme_options(sub)

@@ -19,7 +19,7 @@ from ..client.snapshots import (
     wait_for_job,
 )
 from ..protocol.entries import NSID_ALL
-from .arguments import VerbFactory, device_location
+from .arguments import VerbFactory, add_device_argument
 from .output import emit, human_bytes, open_client
 
 
@@ -123,7 +123,7 @@ def register(verb: VerbFactory) -> None:
     sub = verb("snapshot", cmd_snapshot,
                "Snapshot a namespace's committed step under a tag; --list the snapshots, "
                "--delete one.")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("name", nargs="?", help="namespace (with --list: default every namespace)")
     sub.add_argument("tag", nargs="?", help="tag of the new snapshot")
     sub.add_argument("--list", action="store_true", help="list snapshots (log page 0xc1)")
@@ -131,19 +131,19 @@ def register(verb: VerbFactory) -> None:
 
     sub = verb("rollback", cmd_rollback, "Make a snapshot's state the namespace's committed step "
                "(no step may be open).")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("name", help="namespace")
     sub.add_argument("tag", help="snapshot to roll back to")
 
     sub = verb("clone", cmd_clone, "Create a new namespace from a snapshot; it trains on its own.")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("name", help="source namespace")
     sub.add_argument("tag", help="snapshot of it")
     sub.add_argument("new_name", help="name of the new namespace")
 
     sub = verb("export", cmd_export, "Export a namespace (or one of its snapshots) to a "
                "safetensors file, written by the device; waits with a progress bar.")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("name", help="namespace")
     sub.add_argument("--tag", help="export this snapshot instead of the committed step")
     sub.add_argument("--path", help="output file (default: BACKING/exports/NS/step-N.safetensors, "

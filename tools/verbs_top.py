@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..client import AdminClient
-from .arguments import VerbFactory, device_location, parse_int
+from .arguments import VerbFactory, add_device_argument, parse_int
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -139,9 +139,9 @@ def pause(seconds: float) -> None:
 
 
 def run(mountpoint: Path, interval_s: float, iterations: int | None,
-        show: Callable[[dict[str, Any]], None]) -> int:
+        show: Callable[[dict[str, Any]], None], **client_options: Any) -> int:
     """Sample every `interval_s`, and show a refresh after each sample but the first."""
-    with AdminClient(mountpoint) as client:
+    with AdminClient(mountpoint, **client_options) as client:
         previous = take_sample(client)
         number = 0
         while iterations is None or number < iterations:
@@ -166,7 +166,7 @@ def cmd_top(args: argparse.Namespace) -> int:
             print(render(view, args.iterations) + "\n", flush=True)
 
     try:
-        return run(args.mountpoint, args.interval, args.iterations, show)
+        return run(args.mountpoint, args.interval, args.iterations, show, token_file=args.token_file, ca=args.ca)
     except KeyboardInterrupt:
         return 0
 
@@ -193,7 +193,7 @@ def register(verb: VerbFactory) -> None:
     sub = verb("top", cmd_top, "Live view of each namespace's steps/s, gradient and param traffic, "
                "skipped steps, committed/durable step and kernel load, refreshed every --interval "
                "seconds (from log pages C0h and 02h).")
-    sub.add_argument("mountpoint", type=device_location)
+    add_device_argument(sub)
     sub.add_argument("-d", "--interval", type=_positive_float, default=1.0, metavar="SECONDS",
                      help="seconds between refreshes (default: 1)")
     sub.add_argument("-n", "--iterations", type=_positive_int, metavar="N",

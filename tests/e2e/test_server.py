@@ -4,6 +4,7 @@ kill -9 mid-step, a client gone mid-step, refused credentials, DeviceLostError a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import json
@@ -874,5 +875,191 @@ def test_cli_verbs_take_a_server_url(served: Served, token_file: Path, capsys: p
     monkeypatch.setenv("COSSD_TOKEN_FILE", str(bad))
     code, out, err = run_cli(capsys, "id-ctrl", url)
     assert code != 0 and "refused" in err and "Traceback" not in err
+    # --token-file on the command line is taken before the environment's.
+    code, out, err = run_cli(capsys, "id-ctrl", url, "--token-file", str(token_file), "-o", "json")
+    assert code == 0 and json.loads(out)["sn"].strip() == "TESTSERIAL0001", err
     code, out, _ = run_cli(capsys, "--help")
     assert "serve" in out
+
+
+# ---------------------------------------------------------------------- the parameter cache
+
+CACHE_TENSORS = [("w", 300_001), ("b", 77)]
+
+
+@contextlib.contextmanager
+def in_process_server(backing: Path, **options: Any) -> Iterator[Any]:
+    """A Server in this process (to read its counters), stopped on the way out."""
+    from cossd.server.server import Server
+
+    Device.format(backing, capacity_bytes=1 << 30)
+    with Device.open(backing) as device:
+        server = Server(device, "127.0.0.1", 0, **options)
+        thread = threading.Thread(target=server.serve_forever)
+        thread.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+            thread.join(30)
+
+
+def _cache_params(client: AdminClient, name: str = "c") -> dict[str, bytes]:
+    """Every param file of namespace `name`, in one READ (one batch, as the optimizer reads)."""
+    transport = client.transport
+    handles = [transport.open_file(f"ns/{name}/tensors/{t}/param", False, False) for t, _ in CACHE_TENSORS]
+    buffers = [bytearray(n * 2) for _, n in CACHE_TENSORS]
+    counts = transport.read_many([(h, memoryview(b), 0) for h, b in zip(handles, buffers)])
+    for handle in handles:
+        transport.close_file(handle)
+    return {t: bytes(b[:c]) for (t, _), b, c in zip(CACHE_TENSORS, buffers, counts)}
+
+
+def _cache_media(server: Any, name: str = "c") -> dict[str, bytes]:
+    namespace = server.device.namespaces[name]
+    return {t: namespace.read(t, "param", 0, n * 2) for t, n in CACHE_TENSORS}
+
+
+def _cache_step(client: AdminClient, nsid: int, step: int, grads: dict[str, np.ndarray], commit: bool = True) -> None:
+    transport = client.transport
+    handles = {t: transport.open_file(f"ns/c/tensors/{t}/grad", True, False) for t, _ in CACHE_TENSORS}
+    client.begin_step(nsid, step)
+    transport.write_many([(handles[t], memoryview(g.tobytes()), 0) for t, g in grads.items()])
+    if commit:
+        client.commit_step(nsid)
+    for handle in handles.values():
+        transport.close_file(handle)
+
+
+def _cache_namespace(client: AdminClient, masters: float | None = None) -> int:
+    nsid = client.create_namespace({"name": "c", "tensors": [[t, n] for t, n in CACHE_TENSORS],
+                                    "hyperparameters": {"lr": 0.05, "weight_decay": 0.0}})
+    rng = np.random.default_rng(3)
+    for tensor, numel in CACHE_TENSORS:
+        values = (np.full(numel, masters, np.float32) if masters is not None
+                  else rng.standard_normal(numel, dtype=np.float32))
+        handle = client.transport.open_file(f"ns/c/tensors/{tensor}/master", True, False)
+        client.transport.write_at(handle, memoryview(values.tobytes()), 0)
+        client.transport.close_file(handle)
+    return nsid
+
+
+def test_param_cache_reads_equal_media_reads(tmp_path: Path) -> None:
+    """With --param-cache-size, param reads equal the media's bit for bit across commits, a
+    skipped step, an aborted step (with grads in) and a rollback; hits and misses counted."""
+    from cossd.client import snapshots
+
+    with in_process_server(tmp_path / "pc", param_cache_size=64 << 20) as server:
+        cache = server.param_cache
+        with AdminClient(f"cossd://127.0.0.1:{server.address[1]}") as client:
+            nsid = _cache_namespace(client)
+            assert _cache_params(client) == _cache_media(server)  # loading: never cached
+            assert cache.snapshot()["namespaces"] == 0
+            rng = np.random.default_rng(4)
+
+            def grads(bad: bool = False) -> dict[str, np.ndarray]:
+                out = {t: (rng.standard_normal(n) * 0.01).astype(np.float16) for t, n in CACHE_TENSORS}
+                if bad:
+                    out["w"][1234] = np.inf
+                return out
+
+            seen = []
+            for step, kind in enumerate(["commit", "commit", "skip", "abort", "snapshot", "commit", "commit",
+                                         "rollback", "commit"], start=1):
+                if kind in ("commit", "skip"):
+                    _cache_step(client, nsid, 0, grads(bad=kind == "skip"))
+                elif kind == "abort":
+                    _cache_step(client, nsid, 0, grads(), commit=False)
+                    client.abort_step(nsid)
+                elif kind == "snapshot":
+                    snapshots.create_snapshot(client, nsid, "s")
+                else:
+                    snapshots.rollback(client, nsid, "s")
+                before = cache.snapshot()
+                first, second = _cache_params(client), _cache_params(client)
+                media = _cache_media(server)
+                assert first == second == media, kind
+                after = cache.snapshot()
+                assert after["hits"] >= before["hits"] + 1, (kind, before, after)
+                seen.append(first)
+            assert seen[2] == seen[1] and seen[3] == seen[2]  # a skip and an abort change nothing
+            assert seen[7] == seen[4] and seen[5] != seen[4]  # the rollback's params, not the cached ones
+            figures = cache.snapshot()
+            assert figures["misses"] >= 6 and figures["fills"] >= 6 and figures["too_large"] == 0, figures
+            assert figures["hit_bytes"] > 0 and figures["bytes"] == sum(n * 2 for _, n in CACHE_TENSORS)
+            client.delete_namespace(nsid)
+            assert cache.snapshot()["namespaces"] == 0 and cache.snapshot()["bytes"] == 0  # memory back
+    assert server.snapshot()["param_cache"]["capacity"] == 64 << 20
+
+
+def test_param_cache_smaller_than_the_params_reads_the_media(tmp_path: Path) -> None:
+    with in_process_server(tmp_path / "ps", param_cache_size=100_000) as server:
+        with AdminClient(f"cossd://127.0.0.1:{server.address[1]}") as client:
+            nsid = _cache_namespace(client)
+            _cache_step(client, nsid, 0, {t: np.full(n, 0.01, np.float16) for t, n in CACHE_TENSORS})
+            assert _cache_params(client) == _cache_media(server)
+            assert _cache_params(client) == _cache_media(server)
+        figures = server.param_cache.snapshot()
+        assert figures["hits"] == 0 and figures["misses"] == 2 and figures["too_large"] == 2, figures
+        assert figures["bytes"] == 0
+
+
+def test_param_cache_readers_never_see_a_mixed_step(tmp_path: Path) -> None:
+    """Readers in a loop while steps commit: every element of both tensors of each read has
+    one value (each step's grads are one value, so are its params), one of a committed step."""
+    with in_process_server(tmp_path / "pm", param_cache_size=64 << 20) as server:
+        url = f"cossd://127.0.0.1:{server.address[1]}"
+        with AdminClient(url) as client:
+            nsid = _cache_namespace(client, masters=0.0)
+            _cache_step(client, nsid, 0, {t: np.full(n, 0.5, np.float16) for t, n in CACHE_TENSORS})
+            committed = {_cache_params(client)["w"][:2]}
+            stop = threading.Event()
+            problems: list[str] = []
+            reads = [0]
+
+            def reader() -> None:
+                with AdminClient(url) as mine:
+                    while not stop.is_set():
+                        params = _cache_params(mine)
+                        values = set(np.frombuffer(params["w"] + params["b"], np.uint16).tolist())
+                        if len(values) != 1:
+                            problems.append(f"a mixed read: {sorted(values)[:4]}")
+                        reads[0] += 1
+
+            threads = [threading.Thread(target=reader) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            try:
+                for step in range(12):
+                    value = 0.5 if step % 2 else -0.25
+                    _cache_step(client, nsid, 0, {t: np.full(n, value, np.float16) for t, n in CACHE_TENSORS})
+                    committed.add(_cache_params(client)["w"][:2])
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join(30)
+        assert not problems, problems[:3]
+        assert reads[0] >= 4 and len(committed) >= 10
+        assert server.param_cache.snapshot()["hits"] > 0
+
+
+def test_param_cache_read_rate(tmp_path: Path) -> None:
+    """Param read GB/s through the server, from the cache against from the media (a figure,
+    printed; asserted only to be positive)."""
+    figures = {}
+    for size in (0, 256 << 20):
+        with in_process_server(tmp_path / f"rate{size}", param_cache_size=size) as server:
+            with AdminClient(f"cossd://127.0.0.1:{server.address[1]}") as client:
+                nsid = client.create_namespace({"name": "r", "tensors": [["x", 16 << 20]]})
+                transport = client.transport
+                grad = transport.open_file("ns/r/tensors/x/grad", True, False)
+                transport.write_at(grad, memoryview(np.full(16 << 20, 0.01, np.float16).tobytes()), 0)
+                handle = transport.open_file("ns/r/tensors/x/param", False, False)
+                buffer = memoryview(bytearray(32 << 20))
+                transport.read_at(handle, buffer, 0)  # a fill where the cache is on
+                started = time.perf_counter()
+                for _ in range(8):
+                    transport.read_at(handle, buffer, 0)
+                figures[size] = 8 * len(buffer) / (time.perf_counter() - started) / 1e9
+    print(f"param reads through the server: cache {figures[256 << 20]:.2f} GB/s, media {figures[0]:.2f} GB/s")
+    assert all(rate > 0 for rate in figures.values())
