@@ -25,6 +25,14 @@ from .transaction import StepTransaction
 DATA_ROLE = "data"
 
 
+def committed_version(namespace: Namespace) -> tuple[int, bool]:
+    """(superblock seq, still loading) of an optimizer namespace: the seq grows with every
+    change of the committed state (commit, rollback, seal), so a front-end's copy of the
+    committed params (server/param_cache.py) is valid while this pair is unchanged and the
+    namespace is not loading (initial state is written in place, under one seq)."""
+    return namespace._sb.seq, namespace.loading
+
+
 @dataclasses.dataclass(frozen=True)
 class Staged:
     """A gradient write taken without blocking: its length, and the implicit step it

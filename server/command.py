@@ -22,6 +22,7 @@ from ..emulator.device import SUPERBLOCK_FILE
 from ..kernels import guard
 from ..model.links import DEFAULT_LINK, LINKS, load_link
 from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
+from ..tools.arguments import parse_size
 
 from .security import SecurityError, check_listen, load_token, server_tls_context
 from .server import DEFAULT_LEASE_S, Server
@@ -71,6 +72,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=_positive, default=DEFAULT_LEASE_S, metavar="S",
                         help="how long a step stays open after its client disconnects before it is aborted "
                              "(default: %(default)s)")
+    parser.add_argument("--param-cache-size", type=parse_size, default=0, metavar="SIZE",
+                        help="keep each optimizer namespace's committed params in server memory, up to SIZE "
+                             "bytes in all (K/M/G suffixes), so param reads by many clients skip the media "
+                             "(default: 0, off)")
     parser.add_argument("--foreground", action="store_true", help="serve in this process until signalled")
     parser.add_argument("--sync", action="store_true",
                         help="flush every commit before acknowledging it (default: power-loss-protected mode)")
@@ -125,7 +130,7 @@ def run_foreground(args: argparse.Namespace) -> None:
         host, port = args.listen
         try:
             server = Server(device, host, port, token=token, tls=tls, lease_s=args.lease_s,  # type: ignore[arg-type]
-                            link=args.link)
+                            link=args.link, param_cache_size=args.param_cache_size)
         except OSError as exc:
             raise SystemExit(f"cossd serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -171,7 +176,7 @@ def _child_command(args: argparse.Namespace, ready_fd: int) -> list[str]:
     host, port = args.listen
     command = [sys.executable, "-m", "cossd.server.command", str(Path(args.backing).resolve()), "--foreground",
                "--ready-fd", str(ready_fd), "--listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-               "--lease-s", repr(args.lease_s)]
+               "--lease-s", repr(args.lease_s), "--param-cache-size", str(args.param_cache_size)]
     for option in ("token_file", "tls_cert", "tls_key", "client_ca"):
         value = getattr(args, option)
         if value:

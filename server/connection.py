@@ -22,6 +22,7 @@ from ..protocol import wire
 from ..protocol.entries import Completion, IoOpcode, Opcode, SubmissionError
 from ..protocol.wire import Digest, FabricsType, FatalError, PduType, WireError
 
+from .param_cache import ParamCache
 from .paths import OpenFile, read_text, resolve_open
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Host(Protocol):
     device: Device
     io: DeviceIO
     link: LinkTiming
+    param_cache: ParamCache
 
     def check_token(self, offered: memoryview) -> str | None: ...
 
@@ -201,6 +203,11 @@ class Connection:
             self.steps[nsid] = int(json.loads(completion.data)["step"])
         elif opcode_of(submission) in (Opcode.COMMIT_STEP, Opcode.ABORT_STEP):
             self._forget_step(nsid)
+        if self.server.param_cache.enabled:
+            # A delete, rollback or commit gives the cached params' memory back now (a stale
+            # entry is never served either way: the cache checks the superblock seq).
+            self.server.param_cache.drop_stale(
+                {ns.nsid: ns for ns in list(self.server.device.namespaces.values())})
         return completion
 
     def _forget_step(self, nsid: int) -> None:
@@ -448,8 +455,14 @@ class Connection:
             # One pin for the batch: every range is of the same committed step, sent from the
             # committed copy itself (no copy into a reply buffer).
             self.server.io.controller.injector.check_io(IoOpcode.READ, namespace.nsid)
-            with namespace.read_pinned_many(reads) as views:
-                self._send_ranges(cid, views)
+            # The parameter cache first: the committed step's params from server memory (all
+            # of one step, as the pin gives them); None where off, too small or not params.
+            cached = self.server.param_cache.read(namespace, reads)
+            if cached is not None:
+                self._send_ranges(cid, cached)
+            else:
+                with namespace.read_pinned_many(reads) as views:
+                    self._send_ranges(cid, views)
         else:
             views = []
             for (opened, namespace), (tensor, role, offset, length) in zip(files, reads):

@@ -19,6 +19,7 @@ from ..emulator.namespace import Namespace
 from ..model.links import DEFAULT_LINK, LinkModel
 
 from .connection import HANDSHAKE_TIMEOUT_S, Connection
+from .param_cache import ParamCache
 from .security import token_matches
 
 log = logging.getLogger(__name__)
@@ -44,15 +45,18 @@ class Server:
 
     `token`: what a client's CONNECT must carry (None: none asked, as with mutual TLS);
     `tls`: a server context (server/security.py) or None for plain TCP; `lease_s`: how long
-    a step stays open after the client that had it open disconnects, before it is aborted.
+    a step stays open after the client that had it open disconnects, before it is aborted;
+    `param_cache_size`: bytes of committed params kept in memory for reads (0: none).
     """
 
     def __init__(self, device: Device, host: str, port: int, *, token: bytes | None = None,
                  tls: ssl.SSLContext | None = None, lease_s: float = DEFAULT_LEASE_S,
-                 link: str = DEFAULT_LINK) -> None:
+                 link: str = DEFAULT_LINK, param_cache_size: int = 0) -> None:
         self.device = device
         self.controller = Controller(device)  # no CMB: a client across a network cannot map it
         self.io = DeviceIO(self.controller)
+        # Committed params in server memory (server/param_cache.py); 0 bytes: off.
+        self.param_cache = ParamCache(param_cache_size)
         self.token = token
         self.tls = tls
         self.lease_s = lease_s
@@ -224,4 +228,4 @@ class Server:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             counters = dict(self.counters) | {"open_connections": len(self._connections), "leases": len(self._leases)}
-        return counters | {"link": self.link.snapshot()}
+        return counters | {"link": self.link.snapshot(), "param_cache": self.param_cache.snapshot()}

@@ -1012,10 +1012,11 @@ def test_param_cache_readers_never_see_a_mixed_step(tmp_path: Path) -> None:
         with AdminClient(url) as client:
             nsid = _cache_namespace(client, masters=0.0)
             _cache_step(client, nsid, 0, {t: np.full(n, 0.5, np.float16) for t, n in CACHE_TENSORS})
-            committed = {_cache_params(client)["w"][:2]}
+            committed = {_cache_media(server)["w"][:2]}  # each committed step's one value, from the media
             stop = threading.Event()
             problems: list[str] = []
             reads = [0]
+            seen: set[bytes] = set()
 
             def reader() -> None:
                 with AdminClient(url) as mine:
@@ -1024,6 +1025,7 @@ def test_param_cache_readers_never_see_a_mixed_step(tmp_path: Path) -> None:
                         values = set(np.frombuffer(params["w"] + params["b"], np.uint16).tolist())
                         if len(values) != 1:
                             problems.append(f"a mixed read: {sorted(values)[:4]}")
+                        seen.add(params["b"][:2])
                         reads[0] += 1
 
             threads = [threading.Thread(target=reader) for _ in range(2)]
@@ -1033,13 +1035,13 @@ def test_param_cache_readers_never_see_a_mixed_step(tmp_path: Path) -> None:
                 for step in range(12):
                     value = 0.5 if step % 2 else -0.25
                     _cache_step(client, nsid, 0, {t: np.full(n, value, np.float16) for t, n in CACHE_TENSORS})
-                    committed.add(_cache_params(client)["w"][:2])
+                    committed.add(_cache_media(server)["w"][:2])
             finally:
                 stop.set()
                 for thread in threads:
                     thread.join(30)
         assert not problems, problems[:3]
-        assert reads[0] >= 4 and len(committed) >= 10
+        assert reads[0] >= 4 and len(committed) >= 10 and seen <= committed, (seen - committed, committed)
         assert server.param_cache.snapshot()["hits"] > 0
 
 
@@ -1063,3 +1065,20 @@ def test_param_cache_read_rate(tmp_path: Path) -> None:
                 figures[size] = 8 * len(buffer) / (time.perf_counter() - started) / 1e9
     print(f"param reads through the server: cache {figures[256 << 20]:.2f} GB/s, media {figures[0]:.2f} GB/s")
     assert all(rate > 0 for rate in figures.values())
+
+
+def test_serve_param_cache_size_option(serve: Callable[..., Served], token_file: Path) -> None:
+    """`cossd serve --param-cache-size 16M`: reads served from the cache, its figures in the
+    server's statistics (logged at stop, beside the link's); a bad size refused."""
+    served = serve("--param-cache-size", "16M")
+    with remote(served, token_file) as client:
+        nsid = _cache_namespace(client)
+        _cache_step(client, nsid, 0, {t: np.full(n, 0.01, np.float16) for t, n in CACHE_TENSORS})
+        assert _cache_params(client) == _cache_params(client)
+    served.stop()
+    stopped = [line for line in served.log().splitlines() if "stopped:" in line][-1]
+    assert "'param_cache': {'hits': 1, 'misses': 1" in stopped and f"'capacity': {16 << 20}" in stopped, stopped
+    parser = argparse.ArgumentParser()
+    command.add_serve_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(served.backing), "--param-cache-size", "lots"])
