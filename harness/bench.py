@@ -1,7 +1,7 @@
 """`cossd bench`: cossd's kernel, file path, checkpoint and restore, measured beside their peers in one run.
 
 The sections live in modules of their own (bench_kernel, bench_mount, bench_checkpoint,
-bench_trainer), the devices they mount in bench_device, the report in bench_report; this
+bench_trainer, bench_net and bench_iopath), the devices they mount in bench_device, the report in bench_report; this
 module runs them in order and offers their names, as `cossd bench` and the tests use them.
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 
 from .. import kernels
 from ..emulator.layout import BLOCK_ELEMS
-from ..trainer.options import BENCH_SECTIONS, add_bench_arguments
+from ..trainer.options import BENCH_SECTIONS, DEFAULT_BENCH_SECTIONS, add_bench_arguments
 
-from . import bench_trainer
+from . import bench_net, bench_trainer
 from .bench_checkpoint import (CHECKPOINT_NAMESPACE, checkpoint_costs, checkpoint_volume, restore_costs,
                                trainer_checkpoint_target)
 from .bench_device import BenchDevice, filesystem_of, ram_workdir, ram_workdir_available
@@ -46,7 +46,7 @@ _write_report = write_report  # the name the report's writer had here (tests cal
 
 
 def run(args: argparse.Namespace) -> int:
-    if "trainer" in getattr(args, "sections", BENCH_SECTIONS):
+    if "trainer" in getattr(args, "sections", DEFAULT_BENCH_SECTIONS):
         bench_trainer.resolve_device(getattr(args, "device", "cpu"))  # no CUDA: say so before any work
     n, repeat = args.elements, args.repeat
     report: dict[str, Any] = {
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     }
     say(f"cossd bench: {n:,} elements, median of {repeat}, kernel path {kernels.simd_level()}, "
          f"{report['machine']['cores']} cores")
-    sections = getattr(args, "sections", BENCH_SECTIONS)
+    sections = getattr(args, "sections", DEFAULT_BENCH_SECTIONS)
     rounds = getattr(args, "rounds", 3)
     kernel_rows = []
     for threads in args.threads if "kernel" in sections else ():
@@ -70,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if kernel_rows:
         report["kernel"] = kernel_rows
         report["rounds"] = rounds
+    if "net" in sections:
+        _net_section(report, args)
     if not sections & {"mount", "trainer"}:
         write_report(report, args.output)
         return 0
@@ -106,6 +108,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 MOUNT_TURNS = 15
+
+
+def _net_section(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """Storage servers on loopback (backing on tmpfs where there is one, as the local steps'):
+    the wire against a socket pair and the local steps, then the I/O-path comparison."""
+    from .bench_iopath import iopath_costs
+
+    n = getattr(args, "net_elements", 1 << 22)
+    ram = ram_workdir()
+    workdir = ram if ram is not None else Path(tempfile.mkdtemp(prefix="cossd-bench-net-"))
+    try:
+        repeat = max(args.repeat, 5)
+        report["net"] = bench_net.net_costs(workdir, n, repeat) | {"elements": n, "turns": repeat}
+        report["iopath"] = iopath_costs(workdir, n, repeat)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: BenchDevice, workdir: Path,

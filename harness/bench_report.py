@@ -75,6 +75,10 @@ def markdown(report: dict[str, Any]) -> str:
                "none, the call is below kernels.stream_threshold() (the param lines are read first: +2 B).")]
     if "trainer" in report:
         lines += bench_trainer.markdown_rows(report["trainer"])
+    if "net" in report:
+        from .bench_net import markdown_rows as net_rows  # the net section's own tables
+
+        lines += net_rows(report)
     if "file_path" not in report:  # no mount section
         return "\n".join(lines)
     lines += ["", f"Through the mount: medians of {report.get('mount_turns', report['repeat'])} steps each; "

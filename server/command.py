@@ -22,7 +22,6 @@ from ..emulator.device import SUPERBLOCK_FILE
 from ..kernels import guard
 from ..model.links import DEFAULT_LINK, LINKS, load_link
 from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
-from ..tools.arguments import parse_size
 
 from .security import SecurityError, check_listen, load_token, server_tls_context
 from .server import DEFAULT_LEASE_S, Server
@@ -46,6 +45,15 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not 0 <= number <= 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port: {port!r} (0-65535)")
     return host, number
+
+
+def parse_cache_size(text: str) -> int:
+    """A cache size in bytes: '0', '512M', '4G' (binary multiples; K, M, G, T)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = (text[:-1], units[text[-1].upper()]) if text[-1:].upper() in units else (text, 1)
+    if not number.isdigit():
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 0, 512M, 4G)")
+    return int(number) * unit
 
 
 def _positive(text: str) -> float:
@@ -72,7 +80,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=_positive, default=DEFAULT_LEASE_S, metavar="S",
                         help="how long a step stays open after its client disconnects before it is aborted "
                              "(default: %(default)s)")
-    parser.add_argument("--param-cache-size", type=parse_size, default=0, metavar="SIZE",
+    parser.add_argument("--param-cache-size", type=parse_cache_size, default=0, metavar="SIZE",
                         help="keep each optimizer namespace's committed params in server memory, up to SIZE "
                              "bytes in all (K/M/G suffixes), so param reads by many clients skip the media "
                              "(default: 0, off)")

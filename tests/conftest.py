@@ -5,12 +5,21 @@ import dataclasses
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from cossd.emulator import Device, DeviceConfig
+# The source tree's folders are the package's parts (kernels/, tools/, ...), installed under
+# `cossd`; with the tree itself on sys.path (`python -m pytest` puts the working directory
+# there) they would also import as top-level packages of their own, and a library that looks
+# for a package of the same name (transformers probes for Hugging Face's `kernels`) would
+# import ours instead. Tests import cossd as users do: installed.
+_TREE = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or os.getcwd()).resolve() != _TREE]
+
+from cossd.emulator import Device, DeviceConfig  # noqa: E402
 from cossd.fs import daemon
 
 

@@ -76,7 +76,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     device=args.device, dtype=dtype, seed=args.seed, output=args.output)
 
 
-BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer"})
+BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net"})
+# `net` starts storage servers and takes a minute and a half: asked for by name, not by default.
+DEFAULT_BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer"})
 
 
 def _positive_int(text: str) -> int:
@@ -108,11 +110,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=_positive_int, default=3,
                         help="kernel section: fresh buffer allocations, each timed --repeat times per "
                              "contender (default 3)")
-    parser.add_argument("--sections", type=_bench_sections, default=BENCH_SECTIONS,
+    parser.add_argument("--sections", type=_bench_sections, default=DEFAULT_BENCH_SECTIONS,
                         help="what to measure, comma separated: kernel (in memory), mount (file path, "
                              "checkpoint, restore through a mount), trainer (one optimizer step as the "
                              "trainer sees it: state resident on --device with a per-step checkpoint, "
-                             "against cossd offload); default all three")
+                             "against cossd offload), net (the step through a storage server on loopback "
+                             "against a plain TCP socket pair and the local steps, and the I/O-path "
+                             "comparison); default kernel,mount,trainer")
+    parser.add_argument("--net-elements", type=_positive_int, default=1 << 22,
+                        help="net section: elements of the served tensor and parameters of the I/O-path "
+                             "comparison's model (default 4M)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the trainer section keeps the model's tensors: cpu, or cuda for a "
                              "GPU-resident fused AdamW against offload with device-host copies "

@@ -210,3 +210,26 @@ def test_bench_device_cuda_without_a_gpu_says_so(tmp_path: Path, capsys: pytest.
     code, out, err = run_cli(capsys, "bench", "--sections", "trainer", "--device", "cuda",
                              "--output", str(tmp_path / "b"))
     assert code == 2 and "no CUDA device" in err and not (tmp_path / "b").exists()
+
+
+def test_bench_net_section_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cossd bench --sections net` on a tiny tensor: storage servers on loopback, the socket
+    pair, the local steps and the I/O-path comparison, each a row in bench.json and bench.md."""
+    code, out, err = run_cli(capsys, "bench", "--sections", "net", "--net-elements", "16384", "--repeat", "1",
+                             "--output", str(tmp_path / "b"))
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "b/bench.json").read_text())
+    net = report["net"]
+    assert net["bytes"] == 2 * 16384 and net["turns"] >= 1
+    for name in ("gradient_write", "param_read"):
+        assert net[name]["server_gbs"] > 0 and net[name]["tcp_gbs"] > 0 and net[name]["vs_tcp"] > 0
+    assert all(net["step"][key] > 0 for key in ("server_seconds", "cmb_seconds", "file_seconds", "vs_cmb", "vs_file"))
+    assert net["param_cache"]["measured"] in (True, False)
+    iopath = report["iopath"]
+    # The offloaded path moves 2 B of gradient in and 2 B of param out per parameter; the
+    # conventional one the whole torch.save'd state (12 B per parameter and its framing).
+    assert iopath["cossd"]["device_bytes_written"] == 2 * 16384 == iopath["cossd"]["device_bytes_read"]
+    assert iopath["conventional"]["device_bytes_written"] == iopath["conventional"]["checkpoint_bytes"] > 12 * 16384
+    assert iopath["cossd"]["wire_bytes"] >= 4 * 16384 and iopath["conventional"]["wire_bytes"] >= 12 * 16384
+    text = (tmp_path / "b/bench.md").read_text()
+    assert "Through a storage server" in text and "I/O-path comparison" in text

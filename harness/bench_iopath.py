@@ -1,0 +1,150 @@
+"""The talk's I/O-path comparison through a storage server: resident AdamW with a torch.save checkpoint each cycle, written into a plain NVM namespace, against the offloaded cossd AdamW, bytes as the device and the wire counted them."""
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..client import AdminClient
+from ..client.remote import RemoteTransport
+
+from .bench_net import BenchServer
+from .measure import say
+
+LR = 1e-3
+TENSORS = 4  # the "model": a few flat tensors, as a network's layers are
+CHECKPOINT_NAMESPACE = "ckpt"
+OFFLOAD_NAMESPACE = "iopath"
+
+
+def _wire_bytes(transport: RemoteTransport) -> int:
+    """Bytes this client put on and took off the wire (PDU headers, digests and data)."""
+    return transport.writer.bytes_written + transport.reader.bytes_read
+
+
+def _model(n: int, dtype: torch.dtype, seed: int) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    sizes = [n // TENSORS + (i < n % TENSORS) for i in range(TENSORS)]
+    params = [torch.nn.Parameter(torch.randn(size, generator=generator).to(dtype)) for size in sizes]
+    for param in params:
+        param.grad = (torch.randn(param.numel(), generator=generator) * 0.01).to(dtype)
+    return params
+
+
+def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return int(after.get(key, 0)) - int(before.get(key, 0))
+
+
+def conventional(server: BenchServer, n: int, cycles: int) -> dict[str, Any]:
+    """Resident fused AdamW (FP32 params and moments on the trainer), then each cycle the
+    full state torch.save'd and written through the remote client's file API into a plain
+    NVM namespace's `data` file, then FLUSH: the block writes (and fsync) ext4 on that
+    namespace would issue, without ext4's own metadata and journal (the client cannot mount
+    ext4 across the wire without a remote block device)."""
+    params = _model(n, torch.float32, 5)
+    optimizer = torch.optim.AdamW(params, lr=LR, fused=True)
+    optimizer.step()  # the moments exist: the checkpoint has its full size from the first cycle
+    probe = io.BytesIO()
+    torch.save({"model": [p.detach() for p in params], "optimizer": optimizer.state_dict()}, probe)
+    capacity = -(-(probe.getbuffer().nbytes + (1 << 20)) // 4096) * 4096
+    with AdminClient(server.url, token_file=server.token_file) as admin:
+        nsid = admin.create_namespace({"name": CHECKPOINT_NAMESPACE, "kind": "nvm", "capacity_bytes": capacity})
+        transport = admin.transport
+        fd = transport.open_file(f"ns/{CHECKPOINT_NAMESPACE}/data", True, False)
+        smart, stats, wire = admin.smart_log(), admin.statistics(nsid), _wire_bytes(transport)
+        seconds, step_s = [], []
+        for _ in range(cycles):
+            started = time.perf_counter()
+            optimizer.step()
+            stepped = time.perf_counter()
+            buffer = io.BytesIO()
+            torch.save({"model": [p.detach() for p in params], "optimizer": optimizer.state_dict()}, buffer)
+            transport.write_many([(fd, buffer.getbuffer(), 0)])
+            admin.flush(nsid)  # the fsync
+            seconds.append(time.perf_counter() - started)
+            step_s.append(stepped - started)
+        wire = _wire_bytes(transport) - wire
+        smart_after, stats_after = admin.smart_log(), admin.statistics(nsid)
+        transport.close_file(fd)
+        admin.delete_namespace(nsid)
+    return {
+        "what": "resident torch AdamW (fused, FP32 params + 2 moments) + torch.save of the full state into "
+                "a plain NVM namespace's data file through the remote client, then FLUSH",
+        "seconds": statistics.median(seconds), "step_seconds": statistics.median(step_s),
+        "checkpoint_bytes": probe.getbuffer().nbytes,
+        "device_bytes_written": _delta(stats_after, stats, "bytes_written") // cycles,
+        "device_bytes_read": _delta(stats_after, stats, "bytes_read") // cycles,
+        "media_bytes_written": _delta(stats_after, stats, "media_bytes_written") // cycles,
+        "smart_data_units_written": _delta(smart_after, smart, "data_units_written") / cycles,
+        "wire_bytes": wire // cycles,
+        "state_on_trainer_bytes": 12 * n,
+    }
+
+
+def offloaded(server: BenchServer, n: int, cycles: int) -> dict[str, Any]:
+    """cossd.trainer.AdamW with mount=cossd://...: BF16 grads in, the step on the device,
+    BF16 params back; every step durable (the commit is the checkpoint)."""
+    from ..trainer import AdamW
+
+    params = _model(n, torch.bfloat16, 6)
+    previous = os.environ.get("COSSD_TOKEN_FILE")
+    os.environ["COSSD_TOKEN_FILE"] = str(server.token_file)  # the optimizer's token comes from there
+    try:
+        optimizer = AdamW(params, mount=server.url, namespace=OFFLOAD_NAMESPACE, lr=LR)
+    finally:
+        if previous is None:
+            os.environ.pop("COSSD_TOKEN_FILE", None)
+        else:
+            os.environ["COSSD_TOKEN_FILE"] = previous
+    try:
+        optimizer.step()  # the first step seals the initial state: setup, not a cycle
+        with AdminClient(server.url, token_file=server.token_file) as admin:
+            nsid = admin.nsid(OFFLOAD_NAMESPACE)
+            transport = optimizer.files.transport
+            smart, stats, wire = admin.smart_log(), admin.statistics(nsid)["model"], _wire_bytes(transport)
+            seconds = []
+            for _ in range(cycles):
+                started = time.perf_counter()
+                optimizer.step()
+                seconds.append(time.perf_counter() - started)
+            wire = _wire_bytes(transport) - wire
+            smart_after, stats_after = admin.smart_log(), admin.statistics(nsid)["model"]
+    finally:
+        optimizer.close()
+    with AdminClient(server.url, token_file=server.token_file) as admin:
+        admin.delete_namespace(admin.nsid(OFFLOAD_NAMESPACE))
+    return {
+        "what": "cossd.trainer.AdamW(mount=cossd://...): BF16 grads in, BF16 params out, the step and its "
+                "commit on the device",
+        "seconds": statistics.median(seconds),
+        "device_bytes_written": _delta(stats_after, stats, "host_in_bytes") // cycles,
+        "device_bytes_read": _delta(stats_after, stats, "host_out_bytes") // cycles,
+        "media_bytes_written": _delta(stats_after, stats, "media_write_bytes") // cycles,
+        "smart_data_units_written": _delta(smart_after, smart, "data_units_written") / cycles,
+        "wire_bytes": wire // cycles,
+        "state_on_trainer_bytes": 0,
+    }
+
+
+def iopath_costs(workdir: Path, n: int, cycles: int) -> dict[str, Any]:
+    """Both paths on one served device, one after the other, on the same n-parameter model."""
+    server = BenchServer(workdir / "iopath")
+    try:
+        rows = {"parameters": n, "tensors": TENSORS, "cycles": cycles,
+                "conventional": conventional(server, n, cycles), "cossd": offloaded(server, n, cycles)}
+    finally:
+        server.stop()
+    ours, theirs = rows["cossd"], rows["conventional"]
+    rows["wire_ratio"] = theirs["wire_bytes"] / ours["wire_bytes"] if ours["wire_bytes"] else None
+    rows["time_ratio"] = theirs["seconds"] / ours["seconds"] if ours["seconds"] else None
+    for name in ("conventional", "cossd"):
+        row = rows[name]
+        say(f"  I/O path, {name}: {row['seconds'] * 1e3:.1f} ms a cycle, {row['wire_bytes'] / 1e6:.1f} MB on the wire, "
+            f"{row['device_bytes_written'] / 1e6:.1f} MB written to the device, "
+            f"{row['media_bytes_written'] / 1e6:.1f} MB to its media")
+    return rows

@@ -1,0 +1,319 @@
+"""`cossd bench`'s net section: the step through a storage server on loopback against a plain TCP socket pair and the local CMB and file steps."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..emulator import Device
+
+_SERVING = re.compile(r"at (cossd://\S+) \(server pid (\d+)\)")
+
+# The socket pair's far end: one process, as the server is, answering 'w' (take TOTAL bytes,
+# ack one byte) and 'r' (send TOTAL bytes) until 'q'. recv_into one buffer: no copies.
+_PEER = r"""
+import socket, sys
+total = int(sys.argv[1])
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buffer = bytearray(total)
+view = memoryview(buffer)
+while True:
+    op = conn.recv(1)
+    if op in (b"", b"q"):
+        break
+    if op == b"w":
+        got = 0
+        while got < total:
+            got += conn.recv_into(view[got:], total - got)
+        conn.sendall(b"k")
+    else:
+        conn.sendall(view)
+"""
+
+
+class BenchServer:
+    """A freshly formatted device served by `python -m cossd.server.command` on 127.0.0.1,
+    any free port, with a token; stop() sends SIGTERM and reads the link totals it logs."""
+
+    def __init__(self, workdir: Path, extra: tuple[str, ...] = ()) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.backing = workdir / "backing"
+        Device.format(self.backing)
+        self.token_file = workdir / "token"
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as stream:
+            stream.write(secrets.token_hex(32) + "\n")
+        result = subprocess.run([sys.executable, "-m", "cossd.server.command", str(self.backing), "--listen",
+                                 "127.0.0.1:0", "--token-file", str(self.token_file), *extra],
+                                capture_output=True, text=True, timeout=120)
+        found = _SERVING.search(result.stdout)
+        if result.returncode != 0 or found is None:
+            raise RuntimeError(f"storage server did not start: {(result.stderr or result.stdout).strip()}")
+        self.url, self.pid = found.group(1), int(found.group(2))
+        self.stopped: dict[str, Any] | None = None
+
+    def stop(self, timeout_s: float = 60.0) -> dict[str, Any] | None:
+        """SIGTERM, wait for the exit; the server's own counters ("stopped: {...}" in its log)."""
+        if self.stopped is not None:
+            return self.stopped
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and Path(f"/proc/{self.pid}").exists():
+            time.sleep(0.05)
+        for line in reversed((self.backing / "server.log").read_text(errors="replace").splitlines()):
+            if "stopped: {" in line:
+                self.stopped = ast.literal_eval(line.split("stopped: ", 1)[1])
+                break
+        return self.stopped
+
+
+class SocketPair:
+    """A plain TCP connection on loopback to a peer process: the same bytes, no protocol."""
+
+    def __init__(self, total: int) -> None:
+        import socket
+
+        self.total = total
+        self.peer = subprocess.Popen([sys.executable, "-c", _PEER, str(total)], stdout=subprocess.PIPE, text=True)
+        assert self.peer.stdout is not None
+        port = int(self.peer.stdout.readline())
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = bytearray(total)
+
+    def send(self, data: memoryview) -> None:
+        self.sock.sendall(b"w")
+        self.sock.sendall(data)
+        if self.sock.recv(1) != b"k":
+            raise RuntimeError("socket pair: the peer went away")
+
+    def receive(self) -> None:
+        self.sock.sendall(b"r")
+        view, got = memoryview(self.buffer), 0
+        while got < self.total:
+            count = self.sock.recv_into(view[got:], self.total - got)
+            if not count:
+                raise RuntimeError("socket pair: the peer went away")
+            got += count
+
+    def close(self) -> None:
+        try:
+            self.sock.sendall(b"q")
+        finally:
+            self.sock.close()
+            self.peer.wait(timeout=30)
+
+
+def _cache_option() -> bool:
+    """Whether this server has a parameter cache (`--param-cache-size`) to measure."""
+    import argparse
+
+    from ..server.command import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return any("--param-cache-size" in action.option_strings for action in parser._actions)
+
+
+class RemoteStep:
+    """One step through the server, as the optimizer takes it: BEGIN, the fp16 grads in one
+    WRITE, COMMIT, the fp16 params back in one READ; each part timed on its own."""
+
+    def __init__(self, server: BenchServer, n: int) -> None:
+        import numpy as np
+
+        from ..client import AdminClient
+
+        self.admin = AdminClient(server.url, token_file=server.token_file)
+        self.nsid = self.admin.create_namespace({"name": "bench", "tensors": [["w", n]]})
+        transport = self.admin.transport
+        self.transport = transport
+        self.grad = transport.open_file("ns/bench/tensors/w/grad", True, False)
+        self.param = transport.open_file("ns/bench/tensors/w/param", False, False)
+        self.grads = memoryview((np.random.default_rng(1).standard_normal(n) * 0.01).astype(np.float16).view(np.uint8))
+        self.params = memoryview(bytearray(2 * n))
+        self.step_number = 0
+        self.write_s = self.read_s = 0.0
+
+    def __call__(self) -> None:
+        self.step_number += 1
+        self.admin.begin_step(self.nsid, self.step_number)
+        started = time.perf_counter()
+        self.transport.write_many([(self.grad, self.grads, 0)])
+        self.write_s = time.perf_counter() - started
+        self.admin.commit_step(self.nsid)
+        started = time.perf_counter()
+        self.transport.read_many([(self.param, self.params, 0)])
+        self.read_s = time.perf_counter() - started
+
+    def read_only(self) -> None:
+        self.transport.read_many([(self.param, self.params, 0)])
+
+    def close(self) -> None:
+        self.admin.close()
+
+
+def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
+    """The net section's rows: bytes through the server against the socket pair, the step
+    through the server against the local CMB and O_DIRECT file steps, all in turns."""
+    import statistics
+
+    from .bench_device import BenchDevice
+    from .bench_mount import cmb_step, file_path_step
+    from .measure import say, timed
+
+    size = 2 * n
+    samples: dict[str, list[float]] = {key: [] for key in
+                                       ("tcp_write", "tcp_read", "server_write", "server_read", "server_step",
+                                        "cmb_step", "file_step")}
+    closers: list[Callable[[], object]] = []  # in reverse on the way out, whatever failed
+    link = None
+    try:
+        server = BenchServer(workdir / "served")
+        closers.append(server.stop)
+        local = BenchDevice(_fresh(workdir / "local"), n)
+        closers.append(local.stop)
+        pair = SocketPair(size)
+        closers.append(pair.close)
+        remote = RemoteStep(server, n)
+        closers.append(remote.close)
+        cmb, cmb_close = cmb_step(local, in_place=False)
+        closers.append(cmb_close)
+        file_step = file_path_step(local, True)
+        for step in (remote, cmb, file_step):
+            step()  # warm-up
+        pair.send(remote.grads)
+        pair.receive()
+        for _ in range(repeat):
+            samples["tcp_write"] += timed(lambda: pair.send(remote.grads), 1, warmup=0)
+            samples["tcp_read"] += timed(pair.receive, 1, warmup=0)
+            samples["server_step"] += timed(remote, 1, warmup=0)
+            samples["server_write"].append(remote.write_s)
+            samples["server_read"].append(remote.read_s)
+            samples["cmb_step"] += timed(cmb, 1, warmup=0)
+            samples["file_step"] += timed(file_step, 1, warmup=0)
+    finally:
+        for close in reversed(closers):
+            result = close()
+            if close == closers[0]:
+                link = result  # the server's own counters, logged as it stopped
+    median = statistics.median
+
+    def ratio(ours: str, theirs: str) -> float:  # > 1: ours is faster; turn by turn
+        return median(t / o for o, t in zip(samples[ours], samples[theirs]))
+
+    rows = {
+        "bytes": size,
+        "media": "tmpfs" if str(workdir).startswith("/dev/shm") else "temp dir",
+        "gradient_write": {"server_gbs": size / median(samples["server_write"]) / 1e9,
+                           "tcp_gbs": size / median(samples["tcp_write"]) / 1e9,
+                           "vs_tcp": ratio("server_write", "tcp_write"), "goal": 0.8},
+        "param_read": {"server_gbs": size / median(samples["server_read"]) / 1e9,
+                       "tcp_gbs": size / median(samples["tcp_read"]) / 1e9,
+                       "vs_tcp": ratio("server_read", "tcp_read"), "goal": 0.8},
+        "step": {"server_seconds": median(samples["server_step"]), "cmb_seconds": median(samples["cmb_step"]),
+                 "file_seconds": median(samples["file_step"]),
+                 "vs_cmb": ratio("server_step", "cmb_step"), "vs_file": ratio("server_step", "file_step"),
+                 "goal": 0.5},
+        "server_link": (link or {}).get("link"),
+    }
+    rows["param_cache"] = _cache_rows(workdir, n, repeat) if _cache_option() else {
+        "measured": False, "why": "not measured: no cache (this server has no --param-cache-size)"}
+    for name in ("gradient_write", "param_read"):
+        row = rows[name]
+        say(f"  net, {name.replace('_', ' ')}: server {row['server_gbs']:.2f} GB/s, socket pair {row['tcp_gbs']:.2f} "
+            f"GB/s: {row['vs_tcp']:.2f}x turn by turn (goal >= 0.8x)")
+    step = rows["step"]
+    say(f"  net, step: server {step['server_seconds'] * 1e3:.1f} ms = {step['vs_cmb']:.2f}x the local CMB step "
+        f"({step['cmb_seconds'] * 1e3:.1f} ms), {step['vs_file']:.2f}x the local file step "
+        f"({step['file_seconds'] * 1e3:.1f} ms), turn by turn (goal >= 0.5x)")
+    return rows
+
+
+def _cache_rows(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
+    """Param reads with the server's cache on against off, in turns (two servers)."""
+    import statistics
+
+    from .measure import timed
+
+    servers: list[BenchServer] = []
+    steps: list[RemoteStep] = []
+    try:
+        servers.append(BenchServer(workdir / "cache-on", ("--param-cache-size", str(64 << 20))))
+        servers.append(BenchServer(workdir / "cache-off"))
+        steps = [RemoteStep(server, n) for server in servers]
+        for step in steps:
+            step()  # a committed step: its params are what a read returns (and, on, what the cache holds)
+            step.read_only()
+        on: list[float] = []
+        off: list[float] = []
+        for _ in range(repeat):
+            on += timed(steps[0].read_only, 1, warmup=0)
+            off += timed(steps[1].read_only, 1, warmup=0)
+    finally:
+        for step in steps:
+            step.close()
+        for server in servers:
+            server.stop()
+    return {"measured": True, "cache_on_gbs": 2 * n / statistics.median(on) / 1e9,
+            "cache_off_gbs": 2 * n / statistics.median(off) / 1e9,
+            "on_vs_off": statistics.median(f / o for o, f in zip(on, off))}
+
+
+def _fresh(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    return directory
+
+
+def markdown_rows(report: dict[str, Any]) -> list[str]:
+    """The net section's tables for bench.md: the wire, the step, the cache, the I/O paths."""
+    net = report["net"]
+    lines = ["", f"Through a storage server on loopback (backing on {net['media']}; {net['elements']:,} FP16 elements, "
+             f"{net['bytes'] / 1e6:.1f} MB each way): medians of {net['turns']} turns; the ratios are medians of "
+             "turn-by-turn ratios (> 1: the server is faster).", "",
+             "| transfer | through the server | plain TCP socket pair | server / socket pair (goal >= 0.8x) |",
+             "|---|---|---|---|"]
+    for name, what in (("gradient_write", "gradient write (one WRITE)"), ("param_read", "param read (one READ)")):
+        row = net[name]
+        lines.append(f"| {what} | {row['server_gbs']:.2f} GB/s | {row['tcp_gbs']:.2f} GB/s | {row['vs_tcp']:.2f}x |")
+    step = net["step"]
+    lines += ["", "| one step (BEGIN, grads in, COMMIT, params out) | ms | server / it (goal >= 0.5x) |",
+              "|---|---|---|",
+              f"| through the server (cossd://) | {step['server_seconds'] * 1e3:.1f} | |",
+              f"| local CMB step (client copies in and out) | {step['cmb_seconds'] * 1e3:.1f} | {step['vs_cmb']:.2f}x |",
+              f"| local O_DIRECT file step | {step['file_seconds'] * 1e3:.1f} | {step['vs_file']:.2f}x |"]
+    cache = net["param_cache"]
+    if cache.get("measured"):
+        lines += ["", f"Param reads, server parameter cache on: {cache['cache_on_gbs']:.2f} GB/s, off (from the media): "
+                  f"{cache['cache_off_gbs']:.2f} GB/s; on / off {cache['on_vs_off']:.2f}x turn by turn."]
+    else:
+        lines += ["", f"Param reads from the cache against the media: {cache['why']}."]
+    iopath = report.get("iopath")
+    if iopath:
+        lines += ["", f"The I/O-path comparison: {iopath['parameters']:,} parameters in {iopath['tensors']} tensors, medians of "
+                  f"{iopath['cycles']} cycles; bytes per cycle as the client's socket (wire, both ways, headers "
+                  "included) and the device's namespace statistics counted them.", "",
+                  "| path | ms a cycle | wire | written to the device | read from the device | to the media "
+                  "| SMART data units written |", "|---|---|---|---|---|---|---|"]
+        for name in ("conventional", "cossd"):
+            row = iopath[name]
+            lines.append(f"| {row['what']} | {row['seconds'] * 1e3:.1f} | {row['wire_bytes'] / 1e6:.2f} MB "
+                         f"| {row['device_bytes_written'] / 1e6:.2f} MB | {row['device_bytes_read'] / 1e6:.2f} MB "
+                         f"| {row['media_bytes_written'] / 1e6:.2f} MB | {row['smart_data_units_written']:.1f} |")
+        lines += ["", f"Conventional / cossd: {iopath['wire_ratio']:.2f}x the wire bytes, "
+                  f"{iopath['time_ratio']:.2f}x the time."]
+    return lines
+
