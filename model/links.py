@@ -16,11 +16,11 @@ Integer nanoseconds, rounded up, as in model/timing.py. docs/timing-model.md cit
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..protocol.status import DeviceError, Status
+from .profiles import load_named
 
 NS_PER_S = 1_000_000_000
 
@@ -232,18 +232,4 @@ LINKS: dict[str, LinkProfile] = {
 
 def load_link(name_or_path: str | Path) -> LinkProfile:
     """A built-in link by name, or a link from a JSON file (its fields as in to_json)."""
-    text = str(name_or_path)
-    link = LINKS.get(text)
-    if link is not None:
-        return link
-    path = Path(text)
-    if path.suffix == ".json" and path.is_file():
-        try:
-            value = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DeviceError(Status.INVALID_FIELD, f"link file {path}: {exc}") from None
-        return LinkProfile.from_json(value)
-    raise DeviceError(
-        Status.INVALID_FIELD,
-        f"unknown link {text!r} (built in: {', '.join(LINKS)}; or a .json file of link fields)",
-    )
+    return load_named(name_or_path, LINKS, LinkProfile.from_json, "link")

@@ -4,9 +4,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from ..protocol.status import DeviceError, Status
+
+T = TypeVar("T")
 
 NS_PER_S = 1_000_000_000
 KIB = 1 << 10
@@ -267,21 +269,26 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 
 
-def load_profile(name_or_path: str | Path) -> DeviceProfile:
-    """A built-in profile by name, or a profile from a JSON file (its fields as in to_json)."""
+def load_named(name_or_path: str | Path, built_in: Mapping[str, T], from_json: Callable[[Any], T], what: str) -> T:
+    """A built-in `what` (a profile, a link) by name, or one read from a JSON file of its fields
+    (as its to_json writes them); INVALID_FIELD for anything else."""
     text = str(name_or_path)
-    profile = PROFILES.get(text)
-    if profile is not None:
-        return profile
+    found = built_in.get(text)
+    if found is not None:
+        return found
     path = Path(text)
     if path.suffix == ".json" and path.is_file():
         try:
             value = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DeviceError(Status.INVALID_FIELD, f"profile file {path}: {exc}") from None
-        return DeviceProfile.from_json(value)
+            raise DeviceError(Status.INVALID_FIELD, f"{what} file {path}: {exc}") from None
+        return from_json(value)
     raise DeviceError(
         Status.INVALID_FIELD,
-        f"unknown profile {text!r} (built in: {', '.join(PROFILES)}; or a .json file of profile fields)",
+        f"unknown {what} {text!r} (built in: {', '.join(built_in)}; or a .json file of {what} fields)",
     )
 
+
+def load_profile(name_or_path: str | Path) -> DeviceProfile:
+    """A built-in profile by name, or a profile from a JSON file (its fields as in to_json)."""
+    return load_named(name_or_path, PROFILES, DeviceProfile.from_json, "profile")
