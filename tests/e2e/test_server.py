@@ -617,11 +617,28 @@ def test_kill_9_gives_device_lost_error_within_the_timeout(served: Served, token
     files.close()
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until every thread of `pid` is stopped (state T in /proc), as SIGSTOP leaves them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, IndexError):
+                continue
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"server {pid} not stopped: {states}"
+        time.sleep(0.01)
+
+
 def test_a_stopped_server_is_a_timeout(served: Served, token_file: Path) -> None:
     with remote(served, token_file, timeout_s=1.0) as client:
         client.describe()
         os.kill(served.pid, signal.SIGSTOP)
         try:
+            _wait_stopped(served.pid)  # every thread: a reply under way could still go out
             started = time.monotonic()
             with pytest.raises(DeviceTimeoutError):
                 client.describe()
