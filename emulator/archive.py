@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import kernels
 from ..protocol.status import DeviceError, Status
+from . import media
 from .jobs import Job, JobTable
 from .namespace import Namespace
 from .snapshots import META_FILE, SUPERBLOCK_FILE, Snapshot, SnapshotStore
@@ -87,16 +88,6 @@ def parse_request(payload: Any) -> Request:
                    payload.get("overwrite", False))
 
 
-def _read_exact(fd: int, size: int, offset: int) -> bytes:
-    data = os.pread(fd, size, offset)
-    while len(data) < size:
-        more = os.pread(fd, size - len(data), offset + len(data))
-        if not more:
-            raise DeviceError(Status.UNRECOVERED_READ_ERROR, "the snapshot's state ends early")
-        data += more
-    return data
-
-
 def chunk_ranges(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(offset, min(size, offset + chunk_bytes)) for offset in range(0, size, chunk_bytes)] or [(0, 0)]
 
@@ -134,7 +125,7 @@ def upload_state(store: Store, fd: int, size: int, bucket: str, key: str, reques
             if failed:
                 slots.release()
                 break
-            data = _read_exact(fd, stop - start, start)
+            data = media.read_exact(fd, stop - start, start, "the snapshot's state")
             crcs[index] = kernels.crc32c(data)
             have = existing.get(index + 1)
             if have is not None and have[1] == len(data) and \

@@ -112,16 +112,6 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
-def _read_exact(fd: int, size: int, offset: int) -> bytes:
-    data = os.pread(fd, size, offset)
-    while len(data) < size:
-        more = os.pread(fd, size - len(data), offset + len(data))
-        if not more:
-            raise DeviceError(Status.UNRECOVERED_READ_ERROR, "the exported state ends early")
-        data += more
-    return data
-
-
 def stream(plan_: ExportPlan, source_fd: int, superblock: Superblock, out_fd: int, job: Job) -> None:
     """Write the header and data, verifying every block's checksum (all four arrays are read
     for it, whichever are exported); a block that fails stops the export."""
@@ -134,7 +124,7 @@ def stream(plan_: ExportPlan, source_fd: int, superblock: Superblock, out_fd: in
             base = region_offset(tensor, role)
             for block in range(tensor.block_count):
                 start, stop = tensor.block_range(block)
-                data = _read_exact(source_fd, (stop - start) * size, base + start * size)
+                data = media.read_exact(source_fd, (stop - start) * size, base + start * size, "the exported state")
                 crcs[block] = kernels.crc32c(data, crcs[block])
                 if role in plan_.roles:
                     _write_all(out_fd, data)

@@ -164,6 +164,18 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
+def read_exact(fd: int, size: int, offset: int, what: str) -> bytes:
+    """`size` bytes of `fd` at `offset`; UNRECOVERED_READ_ERROR ("`what` ends early") where the
+    file ends first."""
+    data = os.pread(fd, size, offset)
+    while len(data) < size:
+        more = os.pread(fd, size - len(data), offset + len(data))
+        if not more:
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{what} ends early")
+        data += more
+    return data
+
+
 def _fsync(fd: int, path: Path) -> None:
     if _hooks is not None:
         _hooks.before_sync(path)

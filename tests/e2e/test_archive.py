@@ -4,6 +4,7 @@ daemon mid-upload; a corrupted object caught on restore; bad input refused."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -51,6 +52,36 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
+def _start_weed(root: Path) -> tuple[subprocess.Popen[bytes] | None, str, Any]:
+    """`weed server -s3` on free loopback ports, once its S3 gateway answers; (None, ...) where
+    it exited first (a port taken meanwhile)."""
+    master, volume, filer, gateway, lance, *grpc = _free_ports(9)
+    command = [WEED, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
+               f"-master.port={master}", f"-master.port.grpc={grpc[0]}", "-master.telemetry=false",
+               f"-volume.port={volume}", f"-volume.port.grpc={grpc[1]}", "-volume.max=8",
+               "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}",
+               "-s3", f"-s3.port={gateway}", f"-s3.port.grpc={grpc[3]}", f"-s3.port.lance={lance}",
+               f"-s3.config={root / 's3.json'}"]
+    log = open(root / "weed.log", "wb")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{gateway}"
+    deadline = time.monotonic() + 60
+    while True:  # an S3 gateway answers an anonymous request with 403 once it is up
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            return server, endpoint, log
+        except urllib.error.HTTPError:
+            return server, endpoint, log
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+                log.close()
+                return None, endpoint, None
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A SeaweedFS server with its S3 gateway on loopback (free ports, a temporary directory,
@@ -62,29 +93,14 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config = {"identities": [{"name": "cossd", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
                               "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
     (root / "s3.json").write_text(json.dumps(config))
-    master, volume, filer, gateway, lance, *grpc = _free_ports(9)
-    command = [WEED, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
-               f"-master.port={master}", f"-master.port.grpc={grpc[0]}", "-master.telemetry=false",
-               f"-volume.port={volume}", f"-volume.port.grpc={grpc[1]}", "-volume.max=8",
-               "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}",
-               "-s3", f"-s3.port={gateway}", f"-s3.port.grpc={grpc[3]}", f"-s3.port.lance={lance}",
-               f"-s3.config={root / 's3.json'}"]
-    log = open(root / "weed.log", "wb")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{gateway}"
+    for _ in range(3):  # free ports may be taken again before weed binds them: new ones
+        server, endpoint, log = _start_weed(root)
+        if server is not None:
+            break
+    else:
+        raise RuntimeError(f"SeaweedFS did not start: {(root / 'weed.log').read_text()[-2000:]}")
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     try:
-        deadline = time.monotonic() + 60
-        while True:  # an S3 gateway answers an anonymous request with 403 once it is up
-            try:
-                urllib.request.urlopen(endpoint, timeout=1)
-                break
-            except urllib.error.HTTPError:
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"SeaweedFS did not start: {(root / 'weed.log').read_text()[-2000:]}")
-                time.sleep(0.2)
         os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET)
         store = archive.Store()
         for _ in range(50):  # the gateway answers before its filer is ready for buckets
