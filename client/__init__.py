@@ -9,7 +9,7 @@ server (`RemoteTransport`, cossd://HOST:PORT: NVMe/TCP framing, docs/server.md).
 from .admin import AdminClient
 from .cmb import CmbMapping, CmbRegion, claim_region, plan_cmb_batches
 from .mounts import MOUNT_FSTYPE, mount_type_at, mounted_devices
-from .remote import RemoteTransport, ServerUrl, is_remote, parse_url
+from .remote import Credentials, RemoteTransport, ServerUrl, is_remote, parse_url
 from .transport import LocalMount, Transport
 from .watchdog import DEFAULT_TIMEOUT_S, DeviceTimeoutError, Watchdog
 
@@ -17,6 +17,7 @@ __all__ = [
     "AdminClient",
     "CmbMapping",
     "CmbRegion",
+    "Credentials",
     "DEFAULT_TIMEOUT_S",
     "DeviceTimeoutError",
     "LocalMount",

@@ -10,7 +10,7 @@ from ..protocol.entries import NSID_ALL, Completion, Opcode, encode_submission, 
 from ..protocol.logpages import LogId
 from ..protocol.status import DeviceError, Status
 from .cmb import CmbMapping
-from .remote import RemoteTransport, is_remote
+from .remote import Credentials, RemoteTransport, is_remote
 from .transport import LocalMount, Transport
 from .watchdog import DEFAULT_TIMEOUT_S
 
@@ -20,16 +20,19 @@ class AdminClient:
 
     Takes a mountpoint (a LocalMount: one open() of MOUNTPOINT/.admin), a storage server's
     URL cossd://HOST:PORT (a RemoteTransport: the token from `token_file` or
-    $COSSD_TOKEN_FILE, TLS trusting `ca` or $COSSD_CA where one is named), or any Transport.
+    $COSSD_TOKEN_FILE, TLS trusting `ca` or $COSSD_CA where one is named, or all of them,
+    client certificate included, as one `credentials`), or any Transport.
     """
 
     def __init__(self, where: str | os.PathLike[str] | Transport,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, *,
                  token_file: str | os.PathLike[str] | None = None,
-                 ca: str | os.PathLike[str] | None = None) -> None:
+                 ca: str | os.PathLike[str] | None = None,
+                 credentials: Credentials | None = None) -> None:
         self.transport: Transport
         if is_remote(where):
-            self.transport = RemoteTransport(where, timeout_s, token_file=token_file, ca=ca)  # type: ignore[arg-type]
+            self.transport = RemoteTransport(where, timeout_s, token_file=token_file, ca=ca,  # type: ignore[arg-type]
+                                             credentials=credentials)
         elif isinstance(where, (str, os.PathLike)):
             self.transport = LocalMount(where, timeout_s)
         else:

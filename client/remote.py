@@ -98,6 +98,18 @@ def client_tls_context(ca: str | os.PathLike[str] | None, cert: str | os.PathLik
     return context
 
 
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """What a client shows a storage server, each part optional: where one is None the
+    client looks in its environment variable ($COSSD_TOKEN_FILE, $COSSD_CA,
+    $COSSD_CLIENT_CERT, $COSSD_CLIENT_KEY), so a script that names none still finds them."""
+
+    token_file: str | os.PathLike[str] | None = None
+    ca: str | os.PathLike[str] | None = None  # trusting a server CA turns TLS on
+    cert: str | os.PathLike[str] | None = None  # a client certificate, for mutual TLS
+    key: str | os.PathLike[str] | None = None
+
+
 @dataclasses.dataclass
 class _Open:
     size: int
@@ -114,7 +126,15 @@ class RemoteTransport:
 
     def __init__(self, url: str | os.PathLike[str], timeout_s: float | None = DEFAULT_TIMEOUT_S, *,
                  token_file: str | os.PathLike[str] | None = None, ca: str | os.PathLike[str] | None = None,
-                 cert: str | os.PathLike[str] | None = None, key: str | os.PathLike[str] | None = None) -> None:
+                 cert: str | os.PathLike[str] | None = None, key: str | os.PathLike[str] | None = None,
+                 credentials: Credentials | None = None) -> None:
+        if credentials is not None:
+            # Explicit arguments win over the bundle; the bundle's None parts fall back to
+            # the environment as the arguments' do.
+            token_file = token_file if token_file is not None else credentials.token_file
+            ca = ca if ca is not None else credentials.ca
+            cert = cert if cert is not None else credentials.cert
+            key = key if key is not None else credentials.key
         self.url = parse_url(url)
         self.location = str(self.url)
         self.timeout_s = timeout_s

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ..client import DEFAULT_TIMEOUT_S, AdminClient, CmbRegion, DeviceTimeoutError, is_remote, plan_cmb_batches
+from ..client import (DEFAULT_TIMEOUT_S, AdminClient, CmbRegion, Credentials, DeviceTimeoutError, is_remote,
+                      plan_cmb_batches)
 from ..client.cmb import CMB_ALIGN
 from ..protocol.status import DeviceError, Status
 
@@ -85,14 +86,18 @@ class NamespaceFiles:
     """
 
     def __init__(self, mountpoint: str | os.PathLike[str], name: str,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S, use_cmb: bool = True) -> None:
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, use_cmb: bool = True,
+                 credentials: Credentials | None = None) -> None:
         # A storage server's URL (cossd://HOST:PORT) stays a string: a Path folds its "//".
         self.mountpoint: Path | str = os.fspath(mountpoint) if is_remote(mountpoint) else Path(mountpoint)
         self.use_cmb = use_cmb  # False: the tensor files only, even where the device has a CMB
         self.name = name
         self.root = self._root(name)
+        # A server's token and TLS files (None: from the environment); kept so that a new
+        # NamespaceFiles for another namespace of the same device (rebind) shows them too.
+        self.credentials = credentials
         try:
-            self.admin = AdminClient(self.mountpoint, timeout_s)
+            self.admin = AdminClient(self.mountpoint, timeout_s, credentials=credentials)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{self.mountpoint} is not a mounted cossd device (start one with `cossd mount`)"

@@ -12,6 +12,7 @@ import torch
 
 from . import grads as grad_rules
 from . import namespace_swap
+from ..client import Credentials
 from .namespace_files import WIRE_DTYPES, NamespaceFiles
 from .plan import HYPER_FIELDS, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
 from .rebind import Rebind
@@ -49,6 +50,10 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
         scaler: torch.amp.GradScaler | None = None,
         timeout_s: float | None = 120.0,
         use_cmb: bool = True,
+        token_file: str | os.PathLike[str] | None = None,
+        ca: str | os.PathLike[str] | None = None,
+        cert: str | os.PathLike[str] | None = None,
+        key: str | os.PathLike[str] | None = None,
         **torch_options: Any,
     ) -> None:
         # torch's own class validates every argument and supplies its defaults, so the param
@@ -73,7 +78,11 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
         # What a namespace for params that a wrapper (DeepSpeed) puts in place of these is
         # made with: see _rebind.
         self._torch_options = dict(torch_options)
-        self._state_options = {"state_dtype": state_dtype, "timeout_s": timeout_s, "use_cmb": use_cmb}
+        # A storage server's credentials (mount="cossd://..."): each None part is looked up
+        # in its environment variable by the client (docs/server.md).
+        credentials = Credentials(token_file=token_file, ca=ca, cert=cert, key=key)
+        self._state_options = {"state_dtype": state_dtype, "timeout_s": timeout_s, "use_cmb": use_cmb,
+                               "token_file": token_file, "ca": ca, "cert": cert, "key": key}
         self._groups_at_init = list(self.param_groups)
         self._bound: dict[int, _DeviceAdam] = {}
         self.max_grad_norm = max_grad_norm
@@ -104,7 +113,7 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         # Called with each tensor's index before its gradient is written (fault injection).
         self.before_grad_write: Callable[[int], None] | None = None
-        self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb)
+        self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials)
         try:
             # A load_state_dict that a killed job left half done is finished or undone first.
             done = namespace_swap.resolve_interrupted(self.files)

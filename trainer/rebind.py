@@ -99,7 +99,8 @@ class Rebind:
             self.files.delete()
             self.files.close()
             self.files = NamespaceFiles(self.files.mountpoint, name, self._state_options["timeout_s"],
-                                        use_cmb=self._state_options["use_cmb"])
+                                        use_cmb=self._state_options["use_cmb"],
+                                        credentials=self.files.credentials)
             self._groups_at_init = given
             self.entries = self._plan()
             self._entry_of = {id(entry.param): entry for entry in self.entries}
@@ -111,7 +112,8 @@ class Rebind:
         for other in names[1:]:
             if not TENSOR_NAME.fullmatch(other):
                 raise ValueError(f"namespace {name!r} is too long to name its groups' namespaces")
-            probe = NamespaceFiles(self.files.mountpoint, other, self._state_options["timeout_s"], use_cmb=False)
+            probe = NamespaceFiles(self.files.mountpoint, other, self._state_options["timeout_s"], use_cmb=False,
+                                   credentials=self.files.credentials)
             try:
                 if probe.exists():
                     raise RuntimeError(f"namespace {other!r} (for param group {names.index(other)}) "

@@ -582,6 +582,35 @@ def test_tls_and_mutual_tls(serve: Callable[..., Served], token_file: Path, tmp_
         assert _device_state(client) == before
 
 
+def test_the_optimizer_takes_its_credentials_as_arguments(serve: Callable[..., Served], token_file: Path,
+                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AdamW(token_file=, ca=, cert=, key=) reaches a mutual-TLS server with no environment
+    variable set, and keeps them for the namespaces it opens later (rebind); without the
+    token it is refused at connect."""
+    import torch
+
+    from cossd.trainer import AdamW
+
+    for variable in ("COSSD_TOKEN_FILE", "COSSD_CA", "COSSD_CLIENT_CERT", "COSSD_CLIENT_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    (tmp_path / "pki").mkdir()
+    pki = _certificates(tmp_path / "pki")
+    served = serve("--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"]),
+                   "--client-ca", str(pki["ca.pem"]), name="creds")
+    credentials = {"ca": pki["ca.pem"], "cert": pki["client.pem"], "key": pki["client.key"]}
+    model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    with pytest.raises(PermissionError):
+        AdamW(model.parameters(), mount=served.url, namespace="creds", timeout_s=5, **credentials)
+    optimizer = AdamW(model.parameters(), mount=served.url, namespace="creds", timeout_s=5,
+                      token_file=token_file, **credentials)
+    try:
+        model(torch.ones(2, 5, dtype=torch.bfloat16)).float().sum().backward()
+        optimizer.step()
+        assert optimizer.committed_step == 1
+        assert optimizer.files.credentials is not None and optimizer.files.credentials.token_file == token_file
+    finally:
+        optimizer.close()
+
 def test_serve_refuses_unsafe_configurations(tmp_path: Path, token_file: Path) -> None:
     Device.format(tmp_path / "b", capacity_bytes=1 << 30)
     run = lambda *options: subprocess.run(  # noqa: E731
