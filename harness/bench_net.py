@@ -1,11 +1,6 @@
 """`cossd bench`'s net section: the step through a storage server on loopback against a plain TCP socket pair and the local CMB and file steps."""
 from __future__ import annotations
 
-import ast
-import os
-import re
-import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +9,7 @@ from typing import Any, Callable
 
 from ..emulator import Device
 
-_SERVING = re.compile(r"at (cossd://\S+) \(server pid (\d+)\)")
+from .served import ServedDevice, write_token
 
 # The socket pair's far end: one process, as the server is, answering 'w' (take TOTAL bytes,
 # ack one byte) and 'r' (send TOTAL bytes) until 'q'. recv_into one buffer: no copies.
@@ -41,43 +36,15 @@ while True:
 """
 
 
-class BenchServer:
-    """A freshly formatted device served by `python -m cossd.server.command` on 127.0.0.1,
-    any free port, with a token; stop() sends SIGTERM and reads the link totals it logs."""
+class BenchServer(ServedDevice):
+    """A freshly formatted device served on 127.0.0.1, any free port, with a token of its
+    own; stop() sends SIGTERM and returns the link totals it logs."""
 
     def __init__(self, workdir: Path, extra: tuple[str, ...] = ()) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
-        self.backing = workdir / "backing"
-        Device.format(self.backing)
-        self.token_file = workdir / "token"
-        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as stream:
-            stream.write(secrets.token_hex(32) + "\n")
-        result = subprocess.run([sys.executable, "-m", "cossd.server.command", str(self.backing), "--listen",
-                                 "127.0.0.1:0", "--token-file", str(self.token_file), *extra],
-                                capture_output=True, text=True, timeout=120)
-        found = _SERVING.search(result.stdout)
-        if result.returncode != 0 or found is None:
-            raise RuntimeError(f"storage server did not start: {(result.stderr or result.stdout).strip()}")
-        self.url, self.pid = found.group(1), int(found.group(2))
-        self.stopped: dict[str, Any] | None = None
-
-    def stop(self, timeout_s: float = 60.0) -> dict[str, Any] | None:
-        """SIGTERM, wait for the exit; the server's own counters ("stopped: {...}" in its log)."""
-        if self.stopped is not None:
-            return self.stopped
-        try:
-            os.kill(self.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and Path(f"/proc/{self.pid}").exists():
-            time.sleep(0.05)
-        for line in reversed((self.backing / "server.log").read_text(errors="replace").splitlines()):
-            if "stopped: {" in line:
-                self.stopped = ast.literal_eval(line.split("stopped: ", 1)[1])
-                break
-        return self.stopped
+        backing = workdir / "backing"
+        Device.format(backing)
+        super().__init__(backing, write_token(workdir / "token"), extra=extra)
 
 
 class SocketPair:

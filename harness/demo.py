@@ -32,6 +32,7 @@ from .checkpointing import (
 from .gpt import GPT, GPTConfig, StdlibCorpus, build_model, parameter_count
 from .nvm_volume import NvmVolume
 from .reference import MixedPrecisionOptimizer
+from .served import ServedDevice, write_token
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKPOINT_NAMESPACE = "demo-checkpoints"  # the plain NVM namespace the baselines write to
@@ -93,7 +94,18 @@ class Demo:
         self.dtype = DTYPES[settings.dtype]
         self.corpus = StdlibCorpus()
         self.probe = PeakMemoryProbe()
-        self.daemon: Daemon | None = None
+        # What serves the device now: the mount's daemon, or (--remote, for the cossd runs) a
+        # storage server. Either is what the demo kills mid-step and restarts.
+        self.daemon: Daemon | ServedDevice | None = None
+
+    @property
+    def target(self) -> Path | str:
+        """Where the trainer reaches the device: the mount point or the server's URL."""
+        return self.daemon.url if isinstance(self.daemon, ServedDevice) else self.mountpoint
+
+    def credentials(self) -> dict[str, Any]:
+        """The server's token for an optimizer or a client (nothing for a mount)."""
+        return {"token_file": self.daemon.token_file} if isinstance(self.daemon, ServedDevice) else {}
 
     # ------------------------------------------------------------------ shared pieces
 
@@ -116,7 +128,7 @@ class Demo:
         result = RunResult("cossd", {})
         model = self.fresh_model()
         optimizer = AdamW(param_groups(model, self.s.weight_decay), lr=self.s.lr, betas=(0.9, 0.95),
-                          mount=self.mountpoint, namespace=namespace, dtype=self.dtype)
+                          mount=self.target, namespace=namespace, dtype=self.dtype, **self.credentials())
         model.to(self.dtype)
         stats_before = optimizer.files.statistics()
         smart_before = self._smart()
@@ -178,7 +190,8 @@ class Demo:
         step = optimizer.committed_step + 1
         optimizer.close()
         del model, optimizer
-        _say(f"step {step}: device daemon killed (kill -9) after {halfway} of the step's gradients")
+        what = "storage server" if isinstance(self.daemon, ServedDevice) else "device daemon"
+        _say(f"step {step}: {what} killed (kill -9) after {halfway} of the step's gradients")
         _say(f"          trainer saw: {lost.split(';')[0]}")
         drop_from_page_cache(files_under(self.backing / "ns"))
         started = time.perf_counter()
@@ -187,7 +200,7 @@ class Demo:
         # A restarted job: a new model (its own random init), the same optimizer call.
         model = build_model(self.config, self.s.seed + 1, self.dtype, self.s.device)
         optimizer = AdamW(param_groups(model, self.s.weight_decay), lr=self.s.lr, betas=(0.9, 0.95),
-                          mount=self.mountpoint, namespace=namespace, dtype=self.dtype)
+                          mount=self.target, namespace=namespace, dtype=self.dtype, **self.credentials())
         restored = time.perf_counter()
         result.restore = {
             "mount_s": mounted - started,
@@ -195,8 +208,10 @@ class Demo:
             "total_s": restored - started,
             "bytes_read": 2 * parameter_count(model),
             "recovered_step": optimizer.committed_step,
+            "through": "server" if isinstance(self.daemon, ServedDevice) else "mount",
         }
-        _say(f"          remounted in {mounted - started:.2f} s (recovery verified every block "
+        again = "served again" if isinstance(self.daemon, ServedDevice) else "remounted"
+        _say(f"          {again} in {mounted - started:.2f} s (recovery verified every block "
              f"checksum); quick restore read {2 * parameter_count(model) / 1e6:.1f} MB of params "
              f"in {restored - mounted:.2f} s; resuming after committed step {optimizer.committed_step}")
         return model, optimizer
@@ -279,7 +294,7 @@ class Demo:
     def _smart(self) -> dict[str, int]:
         from ..client import AdminClient
 
-        with AdminClient(self.mountpoint) as admin:
+        with AdminClient(self.target, **self.credentials()) as admin:
             return admin.smart_log()
 
 
@@ -301,13 +316,25 @@ def run(settings: Settings, backing_dir: Path | None) -> int:
          f"{len(demo.corpus) / 1e6:.1f} MB of Python's standard library ({demo.corpus.files} files)")
     _say(f"{settings.steps} steps of batch {settings.batch}x{demo.config.context} in {settings.dtype} "
          f"on {settings.device}; the device is killed in the middle of step {settings.crash_at}")
+    results: dict[str, RunResult] = {}
+    if settings.remote:
+        # The talk's system: the trainer reaches the drive through a storage server.
+        demo.daemon = ServedDevice(backing, write_token(workdir / "token"))
+        _say(f"serving the device at {demo.daemon.url} (storage server pid {demo.daemon.pid}, token "
+             f"{demo.daemon.token_file}); the trainer speaks the network wire, no FUSE")
+        try:
+            _remove_demo_namespaces(demo)
+            results["cossd_crash"] = demo.run_cossd("demo-gpt", settings.crash_at)
+            results["cossd_straight"] = demo.run_cossd("demo-gpt-straight", None)
+        finally:
+            demo.daemon.stop()  # a device is served or mounted, one at a time
     demo.daemon = Daemon(backing, mountpoint)
     _say(f"mounted at {mountpoint} (daemon pid {demo.daemon.pid})")
-    results: dict[str, RunResult] = {}
     try:
-        _remove_demo_namespaces(mountpoint)
-        results["cossd_crash"] = demo.run_cossd("demo-gpt", settings.crash_at)
-        results["cossd_straight"] = demo.run_cossd("demo-gpt-straight", None)
+        if not settings.remote:
+            _remove_demo_namespaces(demo)
+            results["cossd_crash"] = demo.run_cossd("demo-gpt", settings.crash_at)
+            results["cossd_straight"] = demo.run_cossd("demo-gpt-straight", None)
         # The baselines write to the same drive: ext4 on a plain NVM namespace, loop-mounted.
         # Leaving the block unmounts and detaches it, also when a run failed.
         size = volume_bytes(parameters)
@@ -353,11 +380,11 @@ def _smart_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int
             for key in ("data_units_written", "data_units_read", "host_write_commands", "host_read_commands")}
 
 
-def _remove_demo_namespaces(mountpoint: Path) -> None:
+def _remove_demo_namespaces(demo: Demo) -> None:
     """Start from scratch on a reused backing directory: drop the demo's own namespaces."""
     from ..client import AdminClient
 
-    with AdminClient(mountpoint) as admin:
+    with AdminClient(demo.target, **demo.credentials()) as admin:
         for entry in admin.describe()["namespaces"]:
             if entry["name"] in ("demo-gpt", "demo-gpt-straight", CHECKPOINT_NAMESPACE):
                 admin.delete_namespace(int(entry["nsid"]))

@@ -23,6 +23,8 @@ class Settings:
     dtype: str
     seed: int
     output: Path
+    # The cossd runs train through a storage server on loopback (cossd://) instead of a mount.
+    remote: bool = False
 
     def lr_at(self, step: int) -> float:
         """Linear warmup over 10% of the run, then cosine decay to 10%."""
@@ -59,6 +61,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of the model's initial weights and the data (default: %(default)s)")
     parser.add_argument("--output", type=Path, default=Path("demo-out"),
                         help="directory for report.json and demo.png (default ./demo-out)")
+    parser.add_argument("--remote", action="store_true",
+                        help="train the cossd runs through a storage server (`cossd serve` on 127.0.0.1 with a "
+                             "token; the trainer speaks cossd://, no FUSE): the server is the one killed -9 "
+                             "mid-step and restarted; the baselines then write through a mount of the same "
+                             "device as usual")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -73,7 +80,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise ValueError("--checkpoint-interval must be >= 1 and --dcp-steps in 1..--steps")
     return Settings(steps=args.steps, crash_at=crash_at, model=args.model, batch=args.batch, lr=args.lr,
                     weight_decay=args.weight_decay, interval=args.checkpoint_interval, dcp_steps=dcp_steps,
-                    device=args.device, dtype=dtype, seed=args.seed, output=args.output)
+                    device=args.device, dtype=dtype, seed=args.seed, output=args.output,
+                    remote=getattr(args, "remote", False))
 
 
 BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net"})

@@ -121,6 +121,24 @@ def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert (out_dir / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_demo_trains_through_a_storage_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cossd demo --remote`: the cossd runs go through `cossd serve` (cossd://, a token), the
+    server is the one killed mid-step, and the restored run is still bit-identical."""
+    out_dir = tmp_path / "out"
+    code, out, err = run_cli(capsys, "demo", "--model", "tiny", "--steps", "12", "--crash-at", "7",
+                             "--dcp-steps", "3", "--remote", "--output", str(out_dir))
+    assert code == 0, out + err
+    assert "serving the device at cossd://127.0.0.1:" in out
+    assert "storage server killed (kill -9)" in out and "resuming after committed step 6" in out
+    report = json.loads((out_dir / "report.json").read_text())
+    assert report["settings"]["remote"] is True
+    assert report["checks"]["crash_run_bit_identical"] and report["checks"]["stock_within_tolerance"]
+    assert report["crash"]["through"] == "server" and report["crash"]["recovered_step"] == 6
+    cossd = report["methods"][0]
+    assert "storage server" in cossd["label"]
+    assert cossd["bytes_per_param_per_step"] == pytest.approx(4.0)  # as the device counted them
+
+
 def test_demo_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "demo", "--steps", "10", "--crash-at", "11")
     assert code == 2 and "--crash-at must be in 2..10" in err
