@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ..emulator import Device
 
+from .netns import Netns
 from .served import ServedDevice, write_token
 
 # The socket pair's far end: one process, as the server is, answering 'w' (take TOTAL bytes,
@@ -16,7 +17,7 @@ from .served import ServedDevice, write_token
 _PEER = r"""
 import socket, sys
 total = int(sys.argv[1])
-listener = socket.create_server(("127.0.0.1", 0))
+listener = socket.create_server((sys.argv[2], 0))
 print(listener.getsockname()[1], flush=True)
 conn, _ = listener.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -40,24 +41,32 @@ class BenchServer(ServedDevice):
     """A freshly formatted device served on 127.0.0.1, any free port, with a token of its
     own; stop() sends SIGTERM and returns the link totals it logs."""
 
-    def __init__(self, workdir: Path, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: Path, extra: tuple[str, ...] = (), host: str = "127.0.0.1") -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         backing = workdir / "backing"
         Device.format(backing)
-        super().__init__(backing, write_token(workdir / "token"), extra=extra)
+        super().__init__(backing, write_token(workdir / "token"), host=host, extra=extra)
 
 
 class SocketPair:
-    """A plain TCP connection on loopback to a peer process: the same bytes, no protocol."""
+    """A plain TCP connection to a peer process: the same bytes, no protocol. On loopback, or
+    across the veth: the peer started inside `peer_side` on its address, the connection made
+    from inside `client_side` (network namespaces, harness/netns.py)."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, peer_side: Netns | None = None, client_side: Netns | None = None) -> None:
+        import contextlib
         import socket
 
         self.total = total
-        self.peer = subprocess.Popen([sys.executable, "-c", _PEER, str(total)], stdout=subprocess.PIPE, text=True)
+        host = peer_side.address if peer_side is not None else "127.0.0.1"
+        # A child forked by a thread inside a namespace lives in that namespace.
+        with peer_side.entered() if peer_side is not None else contextlib.nullcontext():
+            self.peer = subprocess.Popen([sys.executable, "-c", _PEER, str(total), host], stdout=subprocess.PIPE,
+                                         text=True)
         assert self.peer.stdout is not None
         port = int(self.peer.stdout.readline())
-        self.sock = socket.create_connection(("127.0.0.1", port))
+        with client_side.entered() if client_side is not None else contextlib.nullcontext():
+            self.sock = socket.create_connection((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buffer = bytearray(total)
 
@@ -210,6 +219,60 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     return rows
 
 
+def veth_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
+    """The same wire across a real link: the server in network namespace a, the client in b,
+    joined by a veth pair with no rate limit (harness/netns.py); the socket pair likewise.
+    Where namespaces cannot be made (not root, no iproute2), says why instead."""
+    import statistics
+
+    from . import netns
+    from .measure import say, timed
+
+    reason = netns.unavailable()
+    if reason is not None:
+        return {"measured": False, "why": f"not measured: network namespaces unavailable ({reason})"}
+    size = 2 * n
+    samples: dict[str, list[float]] = {key: [] for key in
+                                       ("tcp_write", "tcp_read", "server_write", "server_read", "server_step")}
+    with netns.joined_namespaces() as pair:
+        # Off loopback the server insists on TLS unless told --insecure: the link is the
+        # bench's own, inside two namespaces it made, and a token still guards it.
+        server = pair.a.call(BenchServer, workdir / "veth", ("--insecure",), pair.a.address)
+        closers: list[Callable[[], object]] = [server.stop]
+        try:
+            socket_pair = SocketPair(size, peer_side=pair.a, client_side=pair.b)
+            closers.append(socket_pair.close)
+            remote = pair.b.call(RemoteStep, server, n)
+            closers.append(remote.close)
+            remote()  # warm-up
+            socket_pair.send(remote.grads)
+            socket_pair.receive()
+            for _ in range(repeat):
+                samples["tcp_write"] += timed(lambda: socket_pair.send(remote.grads), 1, warmup=0)
+                samples["tcp_read"] += timed(socket_pair.receive, 1, warmup=0)
+                samples["server_step"] += timed(remote, 1, warmup=0)
+                samples["server_write"].append(remote.write_s)
+                samples["server_read"].append(remote.read_s)
+        finally:
+            for close in reversed(closers):
+                close()
+    median = statistics.median
+
+    def ratio(ours: str, theirs: str) -> float:
+        return median(t / o for o, t in zip(samples[ours], samples[theirs]))
+
+    rows: dict[str, Any] = {"measured": True, "link": f"veth {pair.b.address} -> {pair.a.address}, no rate limit"}
+    for name, ours, theirs in (("gradient_write", "server_write", "tcp_write"),
+                               ("param_read", "server_read", "tcp_read")):
+        rows[name] = {"server_gbs": size / median(samples[ours]) / 1e9, "tcp_gbs": size / median(samples[theirs]) / 1e9,
+                      "vs_tcp": ratio(ours, theirs), "goal": 0.8}
+        row = rows[name]
+        say(f"  net across the veth, {name.replace('_', ' ')}: server {row['server_gbs']:.2f} GB/s, socket pair "
+            f"{row['tcp_gbs']:.2f} GB/s: {row['vs_tcp']:.2f}x turn by turn (goal >= 0.8x)")
+    rows["step_seconds"] = median(samples["server_step"])
+    return rows
+
+
 def _cache_rows(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     """Param reads with the server's cache on against off, in turns (two servers)."""
     import statistics
@@ -262,6 +325,18 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
               f"| through the server (cossd://) | {step['server_seconds'] * 1e3:.1f} | |",
               f"| local CMB step (client copies in and out) | {step['cmb_seconds'] * 1e3:.1f} | {step['vs_cmb']:.2f}x |",
               f"| local O_DIRECT file step | {step['file_seconds'] * 1e3:.1f} | {step['vs_file']:.2f}x |"]
+    veth = net.get("veth")
+    if veth is not None and veth.get("measured"):
+        lines += ["", f"The same across a real link ({veth['link']}: the server in one network namespace, the "
+                  "client in another):", "",
+                  "| transfer | through the server | plain TCP socket pair | server / socket pair (goal >= 0.8x) |",
+                  "|---|---|---|---|"]
+        for name, what in (("gradient_write", "gradient write (one WRITE)"), ("param_read", "param read (one READ)")):
+            row = veth[name]
+            lines.append(f"| {what} | {row['server_gbs']:.2f} GB/s | {row['tcp_gbs']:.2f} GB/s | {row['vs_tcp']:.2f}x |")
+        lines += ["", f"One step through the server across the veth: {veth['step_seconds'] * 1e3:.1f} ms."]
+    elif veth is not None:
+        lines += ["", f"Across a real link (veth): {veth['why']}."]
     cache = net["param_cache"]
     if cache.get("measured"):
         lines += ["", f"Param reads, server parameter cache on: {cache['cache_on_gbs']:.2f} GB/s, off (from the media): "

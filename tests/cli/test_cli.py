@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -243,6 +245,14 @@ def test_bench_net_section_small(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert net[name]["server_gbs"] > 0 and net[name]["tcp_gbs"] > 0 and net[name]["vs_tcp"] > 0
     assert all(net["step"][key] > 0 for key in ("server_seconds", "cmb_seconds", "file_seconds", "vs_cmb", "vs_file"))
     assert net["param_cache"]["measured"] in (True, False)
+    veth = net["veth"]  # the same wire across a veth pair between two network namespaces
+    if os.geteuid() == 0 and shutil.which("ip"):
+        assert veth["measured"], veth
+        for name in ("gradient_write", "param_read"):
+            assert veth[name]["server_gbs"] > 0 and veth[name]["tcp_gbs"] > 0
+        assert veth["step_seconds"] > 0 and "across a real link" in (tmp_path / "b/bench.md").read_text()
+    else:
+        assert not veth["measured"] and "network namespaces unavailable" in veth["why"]
     iopath = report["iopath"]
     # The offloaded path moves 2 B of gradient in and 2 B of param out per parameter; the
     # conventional one the whole torch.save'd state (12 B per parameter and its framing).
