@@ -123,6 +123,7 @@ class RemoteStep:
         self.params = memoryview(bytearray(2 * n))
         self.step_number = 0
         self.write_s = self.read_s = 0.0
+        self.raw: tuple[int, int] | None = None  # an NVM namespace and its data file, once asked for
 
     def __call__(self) -> None:
         self.step_number += 1
@@ -137,6 +138,16 @@ class RemoteStep:
 
     def read_only(self) -> None:
         self.transport.read_many([(self.param, self.params, 0)])
+
+    def raw_write(self) -> None:
+        """The same bytes in one WRITE to a plain NVM namespace's data: the wire and a copy
+        onto the media, no Adam kernel; what the gradient WRITE costs beyond is the device's
+        step, which it completes before it answers."""
+        if self.raw is None:
+            nsid = self.admin.create_namespace({"name": "bench-raw", "kind": "nvm",
+                                                "capacity_bytes": -(-len(self.grads) // 4096) * 4096})
+            self.raw = (nsid, self.transport.open_file("ns/bench-raw/data", True, False))
+        self.transport.write_many([(self.raw[1], self.grads, 0)])
 
     def close(self) -> None:
         self.admin.close()
@@ -154,7 +165,7 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     size = 2 * n
     samples: dict[str, list[float]] = {key: [] for key in
                                        ("tcp_write", "tcp_read", "server_write", "server_read", "server_step",
-                                        "cmb_step", "file_step")}
+                                        "raw_write", "cmb_step", "file_step")}
     closers: list[Callable[[], object]] = []  # in reverse on the way out, whatever failed
     link = None
     try:
@@ -169,7 +180,7 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
         cmb, cmb_close = cmb_step(local, in_place=False)
         closers.append(cmb_close)
         file_step = file_path_step(local, True)
-        for step in (remote, cmb, file_step):
+        for step in (remote, cmb, file_step, remote.raw_write):
             step()  # warm-up
         pair.send(remote.grads)
         pair.receive()
@@ -179,6 +190,7 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
             samples["server_step"] += timed(remote, 1, warmup=0)
             samples["server_write"].append(remote.write_s)
             samples["server_read"].append(remote.read_s)
+            samples["raw_write"] += timed(remote.raw_write, 1, warmup=0)
             samples["cmb_step"] += timed(cmb, 1, warmup=0)
             samples["file_step"] += timed(file_step, 1, warmup=0)
     finally:
@@ -196,7 +208,10 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
         "media": "tmpfs" if str(workdir).startswith("/dev/shm") else "temp dir",
         "gradient_write": {"server_gbs": size / median(samples["server_write"]) / 1e9,
                            "tcp_gbs": size / median(samples["tcp_write"]) / 1e9,
-                           "vs_tcp": ratio("server_write", "tcp_write"), "goal": 0.8},
+                           "vs_tcp": ratio("server_write", "tcp_write"), "goal": 0.8,
+                           # The same WRITE without the step: to an NVM namespace's data.
+                           "nvm_gbs": size / median(samples["raw_write"]) / 1e9,
+                           "nvm_vs_tcp": ratio("raw_write", "tcp_write")},
         "param_read": {"server_gbs": size / median(samples["server_read"]) / 1e9,
                        "tcp_gbs": size / median(samples["tcp_read"]) / 1e9,
                        "vs_tcp": ratio("server_read", "tcp_read"), "goal": 0.8},
@@ -212,6 +227,9 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
         row = rows[name]
         say(f"  net, {name.replace('_', ' ')}: server {row['server_gbs']:.2f} GB/s, socket pair {row['tcp_gbs']:.2f} "
             f"GB/s: {row['vs_tcp']:.2f}x turn by turn (goal >= 0.8x)")
+    row = rows["gradient_write"]
+    say(f"  net, the same WRITE to an NVM namespace (no kernel): {row['nvm_gbs']:.2f} GB/s, "
+        f"{row['nvm_vs_tcp']:.2f}x the socket pair")
     step = rows["step"]
     say(f"  net, step: server {step['server_seconds'] * 1e3:.1f} ms = {step['vs_cmb']:.2f}x the local CMB step "
         f"({step['cmb_seconds'] * 1e3:.1f} ms), {step['vs_file']:.2f}x the local file step "
@@ -319,6 +337,9 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
     for name, what in (("gradient_write", "gradient write (one WRITE)"), ("param_read", "param read (one READ)")):
         row = net[name]
         lines.append(f"| {what} | {row['server_gbs']:.2f} GB/s | {row['tcp_gbs']:.2f} GB/s | {row['vs_tcp']:.2f}x |")
+    row = net["gradient_write"]
+    lines.append(f"| the same bytes in one WRITE to an NVM namespace (no Adam step) | {row['nvm_gbs']:.2f} GB/s "
+                 f"| {row['tcp_gbs']:.2f} GB/s | {row['nvm_vs_tcp']:.2f}x |")
     step = net["step"]
     lines += ["", "| one step (BEGIN, grads in, COMMIT, params out) | ms | server / it (goal >= 0.5x) |",
               "|---|---|---|",
