@@ -8,7 +8,7 @@ server (`RemoteTransport`, cossd://HOST:PORT: NVMe/TCP framing, docs/server.md).
 
 from .admin import AdminClient
 from .cmb import CmbMapping, CmbRegion, claim_region, plan_cmb_batches
-from .mounts import MOUNT_FSTYPE, mount_type_at, mounted_devices
+from .mounts import MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE, mount_type_at, mounted_devices
 from .remote import Credentials, RemoteTransport, ServerUrl, is_remote, parse_url
 from .transport import LocalMount, Transport
 from .watchdog import DEFAULT_TIMEOUT_S, DeviceTimeoutError, Watchdog
@@ -22,6 +22,7 @@ __all__ = [
     "DeviceTimeoutError",
     "LocalMount",
     "MOUNT_FSTYPE",
+    "REMOTE_MOUNT_FSTYPE",
     "RemoteTransport",
     "ServerUrl",
     "Transport",

@@ -7,12 +7,13 @@ import dataclasses
 import errno
 import json
 import os
+import select
 import socket
 import ssl
 import struct
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 from urllib.parse import parse_qs, urlsplit
 
 from ..protocol import wire
@@ -275,9 +276,10 @@ class RemoteTransport:
             return self._command(submission, memoryview(submission)[SUBMISSION.itemsize :])
 
     def _fabrics(self, fctype: int, capsule_data: bytes = b"", *, cdw10: int = 0,
-                 bulk: Sequence[memoryview] = (), into: Sequence[memoryview] = ()) -> Completion:
+                 bulk: Sequence[memoryview] = (), into: Sequence[memoryview] = (), **fields: int) -> Completion:
         with self._lock:
-            submission = encode_submission(wire.FABRICS_OPCODE, cid=self._next_cid(), nsid=fctype, cdw10=cdw10)
+            submission = encode_submission(wire.FABRICS_OPCODE, cid=self._next_cid(), nsid=fctype, cdw10=cdw10,
+                                           **fields)
             return self._command(submission, capsule_data, bulk, into)
 
     @staticmethod
@@ -301,6 +303,27 @@ class RemoteTransport:
     def reachable(self) -> bool:
         return self._broken is None
 
+    def alive(self) -> bool:
+        """reachable(), and for an idle plain-TCP connection also not closed by the server
+        (polled without waiting): a client that keeps connections (a remote mount) finds a
+        stale one, of a server killed or restarted since, before it sends a command into it.
+        A connection with a command in flight, or a TLS one, is taken as it is."""
+        if self._broken is not None:
+            return False
+        if isinstance(self.sock, ssl.SSLSocket) or not self._lock.acquire(blocking=False):
+            return True
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            if readable and not self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                self._lost(ConnectionResetError("closed while idle"))
+                return False
+            return True
+        except OSError as exc:
+            self._lost(exc)
+            return False
+        finally:
+            self._lock.release()
+
     def open_file(self, path: str, writing: bool, direct: bool) -> int:
         completion = self._errno_channel(
             self._fabrics(FabricsType.OPEN, path.encode(), cdw10=wire.OPEN_FOR_WRITING if writing else 0), path)
@@ -320,6 +343,22 @@ class RemoteTransport:
 
     def read_text(self, path: str) -> str:
         return self._errno_channel(self._fabrics(FabricsType.READ_TEXT, path.encode()), path).data.decode()
+
+    def stat(self, path: str, entries: bool = False) -> dict[str, Any]:
+        """STAT (a remote mount's lookup, getattr and readdir): the node at `path` of the
+        tree ("" the root) as {"mode", "size", "time_ns", "key"}, with a directory's
+        [name, attributes] under "entries" where asked; OSError(ENOENT) where there is none."""
+        completion = self._fabrics(FabricsType.STAT, path.encode(), cdw10=wire.STAT_ENTRIES if entries else 0)
+        answer: dict[str, Any] = json.loads(self._errno_channel(completion, path).data)
+        return answer
+
+    def read_path(self, path: str, offset: int, length: int, snapshot_id: int) -> bytes:
+        """READ_PATH: `length` bytes at `offset` of a snapshot's file (`snapshot_id`, as STAT
+        keyed it: one deleted or taken again since is ENOENT)."""
+        completion = self._fabrics(FabricsType.READ_PATH, path.encode(), cdw10=offset & 0xFFFF_FFFF,
+                                   cdw11=offset >> 32, cdw12=length, cdw14=snapshot_id & 0xFFFF_FFFF,
+                                   cdw15=snapshot_id >> 32)
+        return self._errno_channel(completion, path).data
 
     def map_cmb(self, path: str, size: int) -> CmbMapping:
         raise OSError(errno.ENODEV, f"{self.location}: a controller memory buffer cannot be mapped across "

@@ -122,9 +122,13 @@ class FabricsType(enum.IntEnum):
     WRITE = 0xC2  # in-capsule data: a transfer table; the bytes follow in H2CData PDUs
     READ = 0xC3  # in-capsule data: a transfer table; the bytes come back in C2HData PDUs
     READ_TEXT = 0xC4  # in-capsule data: a path of a text file; its text is the completion data
+    # The tree commands a remote mount needs (server/tree_commands.py):
+    STAT = 0xC5  # in-capsule data: a path ("" is the root); cdw10 bit 0: a directory's entries too
+    READ_PATH = 0xC6  # a snapshot's file: the path; cdw10-11 offset, cdw12 length, cdw14-15 snapshot id
 
 
 OPEN_FOR_WRITING = 0x1
+STAT_ENTRIES = 0x1
 
 # One range of an open file in a READ's or WRITE's table: 24 bytes. The bulk data is the
 # ranges' bytes in table order. A READ range past the file's end comes back short, as a file

@@ -24,6 +24,7 @@ from ..protocol.wire import Digest, FabricsType, FatalError, PduType, WireError
 
 from .param_cache import ParamCache
 from .paths import OpenFile, read_text, resolve_open
+from . import tree_commands
 log = logging.getLogger(__name__)
 
 # Open files one connection may hold (a handle is a few dozen bytes of server memory).
@@ -231,6 +232,8 @@ class Connection:
                 return self._read(cid, data)
             if fctype == FabricsType.READ_TEXT:
                 return Completion(cid, Status.SUCCESS, data=read_text(self.server.device, _text(data)))
+            if fctype in tree_commands.FCTYPES:  # a remote mount's STAT and READ_PATH
+                return tree_commands.serve(self.server.device, fctype, cid, submission, data)
             if fctype == FabricsType.CONNECT:
                 raise DeviceError(Status.INVALID_FIELD, "already connected")
             raise DeviceError(Status.INVALID_FIELD, f"fabrics command type {fctype:#04x} is not supported")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol.status import DeviceError, Status
-from .arguments import VerbFactory, parse_port, parse_size, parse_threads
+from .arguments import VerbFactory, device_location, parse_port, parse_size, parse_threads
 from .output import emit
 
 
@@ -30,6 +30,14 @@ def parse_cmb_size(text: str) -> int:
     return size
 
 
+def parse_connections(text: str) -> int:
+    """A remote mount's connections at most: 1-64."""
+    count = parse_threads(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"not a connection count: {text!r} (1-64)")
+    return count
+
+
 def cmd_format(args: argparse.Namespace) -> int:
     from ..emulator import Device
 
@@ -40,6 +48,13 @@ def cmd_format(args: argparse.Namespace) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    if isinstance(args.backing, str):  # cossd://HOST:PORT: a storage server's device
+        return _mount_remote(args)
+    for option, given in (("--token-file", args.token_file), ("--ca", args.ca), ("--timeout", args.timeout),
+                          ("--connections", args.connections)):
+        if given is not None:
+            raise SystemExit(f"cossd mount: {option} is for a server's device (cossd://HOST:PORT), "
+                             f"not a backing directory")
     from ..fs import daemon
 
     if args.foreground:
@@ -80,6 +95,45 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mount_remote(args: argparse.Namespace) -> int:
+    """`cossd mount cossd://HOST:PORT MNT`: the server's tree as a FUSE mount on this node
+    (fs/remote_daemon.py); the device's own options are the server's (`cossd serve`)."""
+    from ..emulator.cmb import DEFAULT_CMB_BYTES
+    from ..fs import remote_daemon
+    from ..fs.remote_lanes import DEFAULT_LANES, Credentials
+    from ..model.profiles import DEFAULT_PROFILE
+
+    local_only = {"--sync": args.sync, "--metrics-port": args.metrics_port is not None,
+                  "--metrics-token-file": args.metrics_token_file is not None,
+                  "--profile": args.profile != DEFAULT_PROFILE, "--timed": args.timed,
+                  "--io-threads": args.io_threads is not None, "--cmb-size": args.cmb_size != DEFAULT_CMB_BYTES}
+    given = [option for option, used in local_only.items() if used]
+    if given:
+        raise SystemExit(f"cossd mount: {', '.join(given)} set the device's own behaviour, which is the "
+                         f"server's (`cossd serve`); not for a remote mount of {args.backing}")
+    credentials = Credentials(token_file=args.token_file, ca=args.ca)
+    timeout_s = args.timeout if args.timeout is not None else 120.0
+    lanes = args.connections if args.connections is not None else DEFAULT_LANES
+    try:
+        if args.foreground:
+            logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+                                format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+            remote_daemon.serve(args.backing, args.mountpoint, credentials, timeout_s=timeout_s,
+                                allow_other=args.allow_other, debug=args.debug, ready_fd=args.ready_fd,
+                                lanes=lanes)
+            return 0
+        pid, log_path = remote_daemon.start_background(
+            args.backing, args.mountpoint, credentials, timeout_s=timeout_s, allow_other=args.allow_other,
+            debug=args.debug, log_file=args.log_file, lanes=lanes)
+    except (RuntimeError, ValueError, OSError) as exc:  # RemoteMountError, a bad URL, refused
+        if args.foreground and args.ready_fd is not None:
+            return 1  # the reason went to the parent, which prints it
+        raise SystemExit(f"cossd mount: {exc}") from None
+    emit(args, {"mountpoint": str(args.mountpoint), "pid": pid, "server": args.backing, "log": str(log_path)},
+         lambda v: f"mounted {v['server']} at {v['mountpoint']} (daemon pid {v['pid']}); log: {v['log']}")
+    return 0
+
+
 def _mounted_at(backing: Path) -> list[Path]:
     """The mountpoints where the device in `backing` is mounted now (from mountinfo)."""
     from ..client import mounted_devices
@@ -89,22 +143,29 @@ def _mounted_at(backing: Path) -> list[Path]:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from ..client import MOUNT_FSTYPE, AdminClient, mount_type_at
+    from ..client import MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE, AdminClient, mount_type_at
 
     # Only ever a cossd mount: fusermount3 would detach any FUSE mount of this user, and as
     # root any filesystem at all (a tmpfs, an ext4 loop mount).
     fstype = mount_type_at(args.mountpoint)
     if fstype is None:
         raise SystemExit(f"cossd umount: nothing is mounted at {args.mountpoint}")
-    if fstype != MOUNT_FSTYPE:
+    if fstype not in (MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE):
         raise SystemExit(f"cossd umount: {args.mountpoint} is a {fstype} mount, not a cossd device "
-                         f"({MOUNT_FSTYPE}); refusing to unmount it")
+                         f"({MOUNT_FSTYPE} or {REMOTE_MOUNT_FSTYPE}); refusing to unmount it")
     pid = None
-    try:
-        with AdminClient(args.mountpoint) as client:
-            pid = client.describe()["pid"]
-    except (OSError, DeviceError):
-        pass  # not answering (crashed daemon): still detach the mount
+    if fstype == REMOTE_MOUNT_FSTYPE:
+        from ..fs.remote_daemon import daemon_pid
+
+        # The server holds the state (nothing to flush here): wait only for this node's daemon
+        # to close its connections. VENDOR_IDENTIFY's pid would be the server's.
+        pid = daemon_pid(args.mountpoint)
+    else:
+        try:
+            with AdminClient(args.mountpoint) as client:
+                pid = client.describe()["pid"]
+        except (OSError, DeviceError):
+            pass  # not answering (crashed daemon): still detach the mount
     command = ["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [str(args.mountpoint)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -213,16 +274,33 @@ def _register_mount(verb: VerbFactory) -> None:
     from ..emulator.cmb import DEFAULT_CMB_BYTES
     from ..model.profiles import DEFAULT_PROFILE, PROFILES
 
-    sub = verb("mount", cmd_mount, "Mount a device; returns once the mount is ready.")
-    sub.add_argument("backing", type=Path)
+    sub = verb("mount", cmd_mount, "Mount a device; returns once the mount is ready. BACKING is a device's "
+               "backing directory on this node, or a storage server's cossd://HOST[:PORT][?digest=...] "
+               "(`cossd serve`, docs/server.md): the server's tree mounted here, every file operation and "
+               "command going to the server (--token-file, --ca, --timeout, --connections; the device's "
+               "own options are the server's).")
+    sub.add_argument("backing", type=device_location, metavar="BACKING|cossd://HOST:PORT",
+                     help="a backing directory (`cossd format`), or a storage server's URL: cossd://HOST[:PORT]"
+                          "[?digest=none|header|data|both] (port 4420 by default; IPv6 in brackets)")
     sub.add_argument("mountpoint", type=Path)
     sub.add_argument("--foreground", action="store_true", help="serve in this process until unmounted")
+    sub.add_argument("--token-file", metavar="FILE",
+                     help="cossd:// only: the server's token (default: $COSSD_TOKEN_FILE)")
+    sub.add_argument("--ca", metavar="PEM",
+                     help="cossd:// only: the CA that signed a TLS server's certificate (default: $COSSD_CA; "
+                          "a client certificate from $COSSD_CLIENT_CERT and $COSSD_CLIENT_KEY)")
+    sub.add_argument("--timeout", type=float, metavar="S",
+                     help="cossd:// only: seconds a request waits for the server before it fails with "
+                          "ETIMEDOUT (default: 120); a server gone fails them at once with ENOTCONN")
+    sub.add_argument("--connections", type=parse_connections, metavar="N",
+                     help="cossd:// only: connections to the server at most, opened as needed (default: 4)")
     sub.add_argument("--sync", action="store_true",
                      help="flush every commit before acknowledging it (default: power-loss-protected "
                           "mode, commits reach the media in the background, one step behind at most)")
     sub.add_argument("--allow-other", action="store_true", help="let other users access the mount")
     sub.add_argument("--debug", action="store_true", help="log every FUSE request")
-    sub.add_argument("--log-file", type=Path, help="daemon log (default: BACKING/daemon.log)")
+    sub.add_argument("--log-file", type=Path, help="daemon log (default: BACKING/daemon.log; for cossd://, "
+                     "~/.cache/cossd/remote-mount-MOUNTPOINT.log)")
     sub.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     sub.add_argument("--metrics-port", type=parse_port, metavar="N",
                      help="serve Prometheus metrics on this TCP port (docs/metrics.md). Unauthenticated "
