@@ -26,6 +26,14 @@ def archive(client: AdminClient, nsid: int, tag: str, url: str, *, endpoint_url:
     return json.loads(completion.data)
 
 
+def set_archive_policy(client: AdminClient, nsid: int, policy: dict[str, Any] | None) -> dict[str, Any]:
+    """Turn the device's automatic archiving of namespace `nsid` on (`policy`: url, every and
+    optionally keep_local, keep_remote, max_pending, endpoint_url, chunk_bytes, memory_bytes;
+    docs/tiers.md) or off (None). Kept by the device across restarts."""
+    completion = client.call(Opcode.ARCHIVE, nsid=nsid, payload=json.dumps({"policy": policy}).encode())
+    return json.loads(completion.data)
+
+
 def archived_versions(client: AdminClient, url: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
     """The complete versions under `url`, as the device sees the store: {"url", "versions"}."""
     payload: dict[str, Any] = {"url": url}

@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from . import archive
+from . import archive, archive_policy
 from . import controller as controller_module
 from .jobs import JobTable
 from .namespace import Namespace
@@ -40,14 +40,26 @@ class ArchiveCommands:
             controller.log_pages[LogId.JOBS] = lambda command: _json({"jobs": self.jobs.jobs()})
         self.traffic: dict[str, archive.Traffic] = {}  # by namespace name
         self.running: set[str] = set()  # the versions being uploaded
+        # The automatic policies (ARCHIVE with a policy), kept in the backing directory.
+        self.policies = archive_policy.PolicyRunner(self.device, self.jobs, self._traffic, self.running)
+        controller.closers.append(self.policies.close)
+
+    def _traffic(self, name: str) -> archive.Traffic:
+        return self.traffic.setdefault(name, archive.Traffic())
 
     def _namespace(self, command: Command) -> Namespace:
         return self.device.optimizer_namespace(command.nsid, "an archive command")
 
     def archive(self, command: Command) -> Completion:
         namespace = self._namespace(command)
-        traffic = self.traffic.setdefault(namespace.name, archive.Traffic())
-        job = archive.start(self.device, self.jobs, namespace, _payload(command), traffic, self.running)
+        payload = _payload(command)
+        if isinstance(payload, dict) and "policy" in payload:
+            # {"policy": {...}} turns the device's own archiving on, {"policy": null} off.
+            if set(payload) != {"policy"}:
+                raise DeviceError(Status.INVALID_FIELD, "a policy payload is {\"policy\": {...}} alone")
+            described = self.policies.set(namespace, payload["policy"])
+            return Completion(command.cid, Status.SUCCESS, data=_json(described | {"namespace": namespace.name}))
+        job = archive.start(self.device, self.jobs, namespace, payload, self._traffic(namespace.name), self.running)
         return Completion(command.cid, Status.SUCCESS, result=job.job_id, data=_json(job.describe()))
 
     def archive_list(self, command: Command) -> Completion:
@@ -78,6 +90,9 @@ class ArchiveCommands:
                            for name in names if name},
             "device": dataclasses.asdict(total),
             "running": sorted(self.running),
+            # Each namespace's automatic policy and what it did (versions waiting, coalesced).
+            "policies": {name: view for name, view in self.policies.page().items() if name in names or
+                         command.nsid in (0, NSID_ALL)},
         })
 
 

@@ -20,7 +20,7 @@ from ..protocol.logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
 from .namespace import Namespace
 from ..protocol.entries import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
 from ..protocol.hyperparameters import GROUP_FIELDS, SET_HYPERPARAMETERS_KEYS
-from . import kinds
+from . import kinds, shared_commands
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,10 @@ JSON_PAYLOADS: dict[int, Callable[[Command], bool]] = {
     Opcode.CMB_READ: _ALWAYS,
     Opcode.ARCHIVE: _ALWAYS,
     Opcode.ARCHIVE_LIST: _ALWAYS,
+    # The shared-step forms (a job's ranks on one namespace: emulator/shared_commands.py).
+    Opcode.BEGIN_STEP: _IF_GIVEN,
+    Opcode.COMMIT_STEP: _IF_GIVEN,
+    Opcode.ABORT_STEP: _IF_GIVEN,
     # SET_FEATURES decodes C0h's and C1h's payloads itself (emulator/features.py).
 }
 # SET_HYPERPARAMETERS: the fields a payload may change (mode is fixed at creation: refused by
@@ -143,6 +147,8 @@ class Controller:
         }
         # Vendor log pages that command modules add: LID -> page builder (see _get_log_page).
         self.log_pages: dict[int, Callable[[Command], bytes]] = {}
+        # What command modules stop at close, before the device closes (their threads).
+        self.closers: list[Callable[[], None]] = []
         for module in COMMAND_MODULES:
             self._handlers.update(importlib.import_module(module).handlers(self))
 
@@ -268,6 +274,9 @@ class Controller:
         return Completion(command.cid, Status.SUCCESS, data=_json(description))
 
     def close(self) -> None:
+        for close in reversed(self.closers):
+            close()
+        self.closers.clear()
         if self.cmb is not None:
             self.cmb.close()
             self.cmb = None
@@ -291,18 +300,26 @@ class Controller:
         namespace = self.device.optimizer_namespace(command.nsid, "begin step")
         step = command.cdw10_11 or None
         grad_scale = command.cdw12_13_f64 if (command.cdw12 or command.cdw13) else 1.0
+        if command.payload:  # a job's ranks sharing the step
+            return shared_commands.begin(namespace, command, command.cdw10_11, grad_scale)
         opened = namespace.begin_step(step, grad_scale)
         return Completion(command.cid, Status.SUCCESS, result=opened & 0xFFFFFFFF,
                           data=_json({"step": opened, "grad_scale": grad_scale}))
 
     def _commit_step(self, command: Command) -> Completion:
-        result = self.device.optimizer_namespace(command.nsid, "commit step").commit_step()
+        namespace = self.device.optimizer_namespace(command.nsid, "commit step")
+        if command.payload:
+            return shared_commands.commit(namespace, command)
+        result = namespace.commit_step()
         status = Status.STEP_SKIPPED_NONFINITE if result.skipped else Status.SUCCESS
         return Completion(command.cid, status, result=result.committed_step & 0xFFFFFFFF,
                           data=_json(dataclasses.asdict(result)))
 
     def _abort_step(self, command: Command) -> Completion:
-        step = self.device.optimizer_namespace(command.nsid, "abort step").abort_step()
+        namespace = self.device.optimizer_namespace(command.nsid, "abort step")
+        if command.payload:
+            return shared_commands.abort(namespace, command)
+        step = namespace.abort_step()
         return Completion(command.cid, Status.SUCCESS, result=step & 0xFFFFFFFF,
                           data=_json({"aborted_step": step}))
 

@@ -63,9 +63,66 @@ def _list_versions(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policy(args: argparse.Namespace) -> int:
+    """--every K (on) or --off: the device's own archiving of one namespace; --status: what
+    every policy did."""
+    from ..client.archive import archive_statistics, set_archive_policy
+
+    if args.mountpoint is None or (args.name is None and not args.status) or args.tag is not None:
+        raise SystemExit("cossd archive: give MOUNTPOINT NAMESPACE --every K --to s3://BUCKET/PREFIX "
+                         "(or --off; or MOUNTPOINT [NAMESPACE] --status): no TAG, the device names its "
+                         "versions auto-STEP")
+    with open_client(args) as client:
+        if args.status:
+            page = archive_statistics(client, client.nsid(args.name) if args.name else 0xFFFFFFFF)
+            value = page.get("policies", {})
+
+            def table(value: dict[str, Any]) -> str:
+                if not value:
+                    return "no automatic archive policy"
+                lines = []
+                for name, view in value.items():
+                    policy, state = view["policy"], view["state"]
+                    head = (f"{name}: every {policy['every']} steps to {policy['url']}, keep {policy['keep_local']} "
+                            f"on the drive and {policy['keep_remote']} in the store" if policy else f"{name}: off")
+                    lines.append(head)
+                    lines.append(f"  archived {state['versions_archived']} (last step {state['last_archived_step']}), "
+                                 f"uploading {state['uploading'] or '-'}, waiting {len(state['pending'])}, "
+                                 f"coalesced {state['coalesced']}, failures {state['upload_failures']}"
+                                 + (f" (last: {state['last_error']})" if state["last_error"] else ""))
+                return "\n".join(lines)
+
+            emit(args, value, table)
+            return 0
+        policy = None
+        if not args.off:
+            if args.to is None:
+                raise SystemExit("cossd archive: --every needs --to s3://BUCKET/PREFIX")
+            policy = {"url": args.to, "every": args.every}
+            for key, value in (("keep_local", args.keep_local), ("keep_remote", args.keep_remote),
+                               ("max_pending", args.max_pending), ("endpoint_url", args.endpoint_url),
+                               ("chunk_bytes", args.chunk_size), ("memory_bytes", args.archive_memory)):
+                if value is not None:
+                    policy[key] = value
+        result = set_archive_policy(client, client.nsid(args.name), policy)
+
+    def normal(value: dict[str, Any]) -> str:
+        on = value["policy"]
+        if on is None:
+            return f"automatic archive of {value['namespace']!r}: off"
+        return (f"automatic archive of {value['namespace']!r}: a snapshot every {on['every']} committed steps "
+                f"(auto-STEP), uploaded by the device to {on['url']}; keeping {on['keep_local']} on the drive, "
+                f"{on['keep_remote']} in the store, at most {on['max_pending']} waiting for it")
+
+    emit(args, result, normal)
+    return 0
+
+
 def cmd_archive(args: argparse.Namespace) -> int:
     if args.list is not None:
         return _list_versions(args)
+    if args.every is not None or args.off or args.status:
+        return _policy(args)
     if args.mountpoint is None or args.name is None or args.tag is None or args.to is None:
         raise SystemExit("cossd archive: give MOUNTPOINT NAMESPACE TAG --to s3://BUCKET/PREFIX "
                          "(or --list s3://BUCKET/PREFIX)")
@@ -129,6 +186,19 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("--force", action="store_true", help="replace a version archived already")
     sub.add_argument("--wait", action="store_true", help="wait for the upload, with its progress")
     sub.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    policy = sub.add_argument_group(
+        "automatic archiving (no TAG)",
+        "the device snapshots the namespace every K committed steps (tags auto-STEP) and uploads "
+        "each snapshot itself, one at a time; while the store is slower than versions come, they "
+        "wait on the drive, and beyond --max-pending the older waiting ones are dropped "
+        "(coalesced, counted); kept across restarts (docs/tiers.md)")
+    policy.add_argument("--every", type=int, metavar="K", help="a version every K committed steps")
+    policy.add_argument("--keep-local", type=int, metavar="N", help="the policy's snapshots kept on the drive (default 2)")
+    policy.add_argument("--keep-remote", type=int, metavar="M", help="its versions kept in the store (default 3)")
+    policy.add_argument("--max-pending", type=int, metavar="P",
+                        help="versions waiting for the store at most (default and most: --keep-local)")
+    policy.add_argument("--off", action="store_true", help="stop the namespace's automatic archiving")
+    policy.add_argument("--status", action="store_true", help="each policy and what it did (log page C4h)")
 
     sub = verb("restore", cmd_restore,
                "Build a namespace from an archived version (disaster recovery), offline: in the "

@@ -1,0 +1,168 @@
+"""The device's automatic archiving against a real S3 server (SeaweedFS on loopback): a version
+every K committed steps, N kept on the drive and M in the store; a store that stops answering
+makes versions wait and coalesce while training goes on, then drains; the policy survives a
+remount; bad policies refused, changing nothing."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from conftest import Mount, start_mount
+from cossd.client import AdminClient
+from cossd.client import archive as archive_calls
+from cossd.emulator import DeviceError, Status, archive
+from test_archive import BUCKET, SMALL, make_namespace, run_verb, s3, state_through, train  # noqa: F401
+
+pytestmark = pytest.mark.mount
+
+URL = f"s3://{BUCKET}/auto"
+
+
+def policy_state(mp: Path, name: str) -> dict[str, Any]:
+    with AdminClient(mp) as client:
+        return archive_calls.archive_statistics(client, client.nsid(name))["policies"][name]["state"]
+
+
+def wait_for(mp: Path, name: str, done: Callable[[dict[str, Any]], bool], timeout_s: float = 90.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = policy_state(mp, name)
+        if done(state):
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the policy did not get there in {timeout_s} s: {state}")
+        time.sleep(0.05)
+
+
+def versions(prefix: str, name: str) -> list[tuple[str, int]]:
+    listed = archive.list_versions(archive.Store(), archive.parse_url(prefix))
+    return [(v["tag"], v["step"]) for v in listed if v["namespace"] == name]
+
+
+def local_auto(mp: Path, name: str) -> list[str]:
+    return sorted((p.name for p in (mp / "ns" / name / "snapshots").iterdir() if p.name.startswith("auto-")),
+                  key=lambda tag: int(tag[5:]))
+
+
+def test_every_k_steps_keeping_n_on_the_drive_and_m_in_the_store(s3: str, mount: Mount, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    mp = mount.mountpoint
+    make_namespace(mp, "p", SMALL, steps=0)
+    assert run_verb("archive", mp, "p", "--every", "2", "--to", f"{URL}/a", "--keep-local", "1",
+                    "--keep-remote", "2", "--chunk-size", "5M") == 0
+    assert "a snapshot every 2 committed steps" in capsys.readouterr().out
+    expected: dict[int, dict[str, bytes]] = {}
+    for step in range(1, 7):
+        train(mp, "p", SMALL, step)
+        if step % 2 == 0:
+            expected[step] = state_through(mp, "p", SMALL)
+            wait_for(mp, "p", lambda s, step=step: s["last_archived_step"] >= step and s["uploading"] is None)
+    state = wait_for(mp, "p", lambda s: s["deleted_local"] == 2)
+    assert (state["snapshots_taken"], state["versions_archived"], state["coalesced"]) == (3, 3, 0)
+    assert state["deleted_remote"] == 1 and state["upload_failures"] == 0
+    assert versions(f"{URL}/a", "p") == [("auto-4", 4), ("auto-6", 6)]  # the newest M = 2
+    assert local_auto(mp, "p") == ["auto-6"]  # the newest N = 1
+    # What the store holds is the step it is named after, bit for bit: restored and compared.
+    fresh = tmp_path / "fresh"
+    assert run_verb("restore", f"{URL}/a/p/auto-4", fresh, "-q") == 0
+    restored = start_mount(fresh, tmp_path / "mnt2")
+    try:
+        assert state_through(restored.mountpoint, "p", SMALL) == expected[4]
+    finally:
+        restored.unmount()
+    # Shown by the verb, and turned off: no more versions.
+    assert run_verb("archive", mp, "p", "--status") == 0
+    assert "every 2 steps" in capsys.readouterr().out
+    assert run_verb("archive", mp, "p", "--off", "-o", "json") == 0
+    assert json.loads(capsys.readouterr().out)["policy"] is None
+    train(mp, "p", SMALL, 7)
+    train(mp, "p", SMALL, 8)
+    time.sleep(1.0)  # several of the policy's looks
+    assert local_auto(mp, "p") == ["auto-6"] and policy_state(mp, "p")["snapshots_taken"] == 3
+
+
+def _weed_group(endpoint: str) -> int:
+    """The process group of the SeaweedFS server whose S3 gateway is `endpoint`."""
+    port = endpoint.rsplit(":", 1)[1]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"-s3.port={port}".encode() in argv:
+                return os.getpgid(int(entry.name))
+    raise AssertionError(f"no weed process serves {endpoint}")
+
+
+def test_a_store_that_stops_answering_makes_versions_wait_and_coalesce(s3: str, mount: Mount) -> None:
+    """SIGSTOP of the S3 server: the upload under way hangs; training goes on, a version every
+    step waits on the drive, the older waiting ones are coalesced beyond max_pending; SIGCONT:
+    the waiting ones drain and the store holds the newest step."""
+    mp = mount.mountpoint
+    make_namespace(mp, "q", SMALL, steps=0)
+    with AdminClient(mp) as client:
+        archive_calls.set_archive_policy(client, client.nsid("q"), {
+            "url": f"{URL}/b", "every": 1, "keep_local": 3, "keep_remote": 5, "max_pending": 2,
+            "chunk_bytes": 5 << 20})
+    group = _weed_group(s3)
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        for step in range(1, 7):
+            train(mp, "q", SMALL, step)  # a training step never waits for the store
+            wait_for(mp, "q", lambda s, step=step: s["snapshots_taken"] == step, timeout_s=30)
+        state = policy_state(mp, "q")
+        assert state["uploading"] == "auto-1"  # hung in the stopped store
+        assert state["pending"] == ["auto-5", "auto-6"] and state["coalesced"] == 3
+        # Coalesced versions leave the drive too (kept: the newest 3 and the one uploading).
+        assert local_auto(mp, "q") == ["auto-1", "auto-4", "auto-5", "auto-6"]
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    state = wait_for(mp, "q", lambda s: s["last_archived_step"] == 6 and s["uploading"] is None)
+    assert state["versions_archived"] == 3 and state["coalesced"] == 3
+    assert versions(f"{URL}/b", "q") == [("auto-1", 1), ("auto-5", 5), ("auto-6", 6)]
+
+
+def test_the_policy_survives_a_remount(s3: str, mount: Mount, tmp_path: Path) -> None:
+    mp = mount.mountpoint
+    make_namespace(mp, "r", SMALL, steps=1)
+    with AdminClient(mp) as client:
+        archive_calls.set_archive_policy(client, client.nsid("r"), {"url": f"{URL}/c", "every": 1,
+                                                                    "chunk_bytes": 5 << 20})
+    wait_for(mp, "r", lambda s: s["last_archived_step"] == 1 and s["uploading"] is None)
+    mount.unmount()
+    again = start_mount(mount.backing, tmp_path / "mnt-again")
+    try:
+        train(again.mountpoint, "r", SMALL, 2)
+        wait_for(again.mountpoint, "r", lambda s: s["last_archived_step"] == 2)
+        assert versions(f"{URL}/c", "r") == [("auto-1", 1), ("auto-2", 2)]
+    finally:
+        again.unmount()
+
+
+def test_bad_policies_are_refused_and_change_nothing(s3: str, mount: Mount) -> None:
+    mp = mount.mountpoint
+    make_namespace(mp, "s", SMALL, steps=1)
+    bad = [
+        {"url": f"{URL}/d"},  # no every
+        {"url": f"{URL}/d", "every": 0},
+        {"url": f"{URL}/d", "every": 1, "keep_local": 2, "max_pending": 3},  # waits beyond what is kept
+        {"url": f"{URL}/d", "every": 1, "retention": 4},
+        {"url": "s3://no-such-bucket-here/x", "every": 1},
+        {"url": "file:///tmp/x", "every": 1},
+        ["every", 1],
+    ]
+    with AdminClient(mp) as client:
+        nsid = client.nsid("s")
+        for policy in bad:
+            with pytest.raises(DeviceError) as refused:
+                archive_calls.set_archive_policy(client, nsid, policy)  # type: ignore[arg-type]
+            assert refused.value.status in (Status.INVALID_FIELD, Status.SNAPSHOT_NOT_FOUND), policy
+        page = archive_calls.archive_statistics(client, nsid)
+    assert page["policies"] == {} and not (mount.backing / "archive_policy.json").exists()
+    assert local_auto(mp, "s") == []
