@@ -62,7 +62,8 @@ class Request:
         return max(1, self.memory_bytes // self.chunk_bytes)
 
 
-def _int_field(payload: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+def int_field(payload: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    """payload[key] (else `default`), an integer in [low, high], or INVALID_FIELD saying so."""
     value = payload.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise DeviceError(Status.INVALID_FIELD, f"{key} must be an integer from {low} to {high}, got {value!r}")
@@ -82,8 +83,8 @@ def parse_request(payload: Any) -> Request:
     endpoint = parse_endpoint(payload.get("endpoint_url"))
     if not isinstance(payload.get("overwrite", False), bool):
         raise DeviceError(Status.INVALID_FIELD, "overwrite must be true or false")
-    chunk = _int_field(payload, "chunk_bytes", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
-    memory = _int_field(payload, "memory_bytes", DEFAULT_MEMORY_BYTES, chunk, MAX_MEMORY_BYTES)
+    chunk = int_field(payload, "chunk_bytes", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
+    memory = int_field(payload, "memory_bytes", DEFAULT_MEMORY_BYTES, chunk, MAX_MEMORY_BYTES)
     return Request(payload["tag"], parse_url(payload["url"]), endpoint, chunk, memory,
                    payload.get("overwrite", False))
 

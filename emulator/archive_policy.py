@@ -31,13 +31,6 @@ TICK_S = 0.2
 RETRY_S = 5.0
 
 
-def _count(payload: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
-    value = payload.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise DeviceError(Status.INVALID_FIELD, f"policy {key} must be an integer from {low} to {high}, got {value!r}")
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """One namespace's policy, as ARCHIVE's `policy` payload gives it and the file keeps it."""
@@ -63,15 +56,15 @@ class Policy:
             raise DeviceError(Status.INVALID_FIELD, "a policy needs url and every")
         root = archive.parse_url(payload["url"])
         endpoint = archive.parse_endpoint(payload.get("endpoint_url"))
-        chunk = _count(payload, "chunk_bytes", archive.DEFAULT_CHUNK_BYTES, archive.MIN_CHUNK_BYTES,
+        chunk = archive.int_field(payload, "chunk_bytes", archive.DEFAULT_CHUNK_BYTES, archive.MIN_CHUNK_BYTES,
                        archive.MAX_CHUNK_BYTES)
-        keep_local = _count(payload, "keep_local", 2, 1, MAX_SNAPSHOTS // 2)
-        return cls(url=root.url, every=_count(payload, "every", 0, 1, 1 << 40), keep_local=keep_local,
-                   keep_remote=_count(payload, "keep_remote", 3, 1, 1 << 20),
+        keep_local = archive.int_field(payload, "keep_local", 2, 1, MAX_SNAPSHOTS // 2)
+        return cls(url=root.url, every=archive.int_field(payload, "every", 0, 1, 1 << 40), keep_local=keep_local,
+                   keep_remote=archive.int_field(payload, "keep_remote", 3, 1, 1 << 20),
                    # Waiting versions are snapshots on the drive: never more than are kept.
-                   max_pending=_count(payload, "max_pending", keep_local, 1, keep_local),
+                   max_pending=archive.int_field(payload, "max_pending", keep_local, 1, keep_local),
                    endpoint_url=endpoint, chunk_bytes=chunk,
-                   memory_bytes=_count(payload, "memory_bytes", archive.DEFAULT_MEMORY_BYTES, chunk,
+                   memory_bytes=archive.int_field(payload, "memory_bytes", archive.DEFAULT_MEMORY_BYTES, chunk,
                                        archive.MAX_MEMORY_BYTES))
 
     def archive_payload(self, tag: str) -> dict[str, Any]:

@@ -153,6 +153,18 @@ class RemoteStep:
         self.admin.close()
 
 
+def wire_turn(pair: SocketPair, remote: RemoteStep, samples: dict[str, list[float]]) -> None:
+    """One turn of the wire's rows: the socket pair both ways, then a step through the server
+    (its WRITE and READ timed inside it)."""
+    from .measure import timed
+
+    samples["tcp_write"] += timed(lambda: pair.send(remote.grads), 1, warmup=0)
+    samples["tcp_read"] += timed(pair.receive, 1, warmup=0)
+    samples["server_step"] += timed(remote, 1, warmup=0)
+    samples["server_write"].append(remote.write_s)
+    samples["server_read"].append(remote.read_s)
+
+
 def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     """The net section's rows: bytes through the server against the socket pair, the step
     through the server against the local CMB and O_DIRECT file steps, all in turns."""
@@ -185,11 +197,7 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
         pair.send(remote.grads)
         pair.receive()
         for _ in range(repeat):
-            samples["tcp_write"] += timed(lambda: pair.send(remote.grads), 1, warmup=0)
-            samples["tcp_read"] += timed(pair.receive, 1, warmup=0)
-            samples["server_step"] += timed(remote, 1, warmup=0)
-            samples["server_write"].append(remote.write_s)
-            samples["server_read"].append(remote.read_s)
+            wire_turn(pair, remote, samples)
             samples["raw_write"] += timed(remote.raw_write, 1, warmup=0)
             samples["cmb_step"] += timed(cmb, 1, warmup=0)
             samples["file_step"] += timed(file_step, 1, warmup=0)
@@ -244,7 +252,7 @@ def veth_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     import statistics
 
     from . import netns
-    from .measure import say, timed
+    from .measure import say
 
     reason = netns.unavailable()
     if reason is not None:
@@ -266,11 +274,7 @@ def veth_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
             socket_pair.send(remote.grads)
             socket_pair.receive()
             for _ in range(repeat):
-                samples["tcp_write"] += timed(lambda: socket_pair.send(remote.grads), 1, warmup=0)
-                samples["tcp_read"] += timed(socket_pair.receive, 1, warmup=0)
-                samples["server_step"] += timed(remote, 1, warmup=0)
-                samples["server_write"].append(remote.write_s)
-                samples["server_read"].append(remote.read_s)
+                wire_turn(socket_pair, remote, samples)
         finally:
             for close in reversed(closers):
                 close()
