@@ -18,8 +18,11 @@ def _unescape_mountinfo(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
-def mounted_devices(mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo") -> list[tuple[Path, Path]]:
-    """(mountpoint, backing directory) of every cossd mount, in mount order."""
+def mounted_devices(mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo",
+                    fstypes: tuple[str, ...] = (MOUNT_FSTYPE,)) -> list[tuple[Path, Path]]:
+    """(mountpoint, backing directory) of every cossd mount, in mount order; with
+    REMOTE_MOUNT_FSTYPE in `fstypes` also the remote mounts, their "backing" the server's URL
+    (as a Path: for naming the mount, not for opening)."""
     devices = []
     with open(mountinfo) as lines:
         for line in lines:
@@ -27,7 +30,7 @@ def mounted_devices(mountinfo: str | os.PathLike[str] = "/proc/self/mountinfo") 
             if not separator:
                 continue
             fields, fs = mount_fields.split(" "), fs_fields.split(" ")
-            if len(fields) < 5 or len(fs) < 2 or fs[0] != MOUNT_FSTYPE:
+            if len(fields) < 5 or len(fs) < 2 or fs[0] not in fstypes:
                 continue
             source = _unescape_mountinfo(fs[1])
             backing = source.removeprefix(FSNAME_PREFIX)

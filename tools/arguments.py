@@ -120,10 +120,12 @@ def nvme_device(args: argparse.Namespace) -> str | None:
     """Point args.mountpoint at the mount of the device an nvme-cli style verb names (a
     mountpoint, a namespace directory MOUNTPOINT/ns/NAME, or a path under them); return the
     namespace such a path names, if any."""
-    from ..client import mounted_devices
+    from ..client import MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE, mounted_devices
     from .nvme_json import resolve_device
 
     if isinstance(args.mountpoint, str):  # a server's URL: the device itself, no namespace path
         return None
-    args.mountpoint, namespace = resolve_device(args.mountpoint, mounted_devices())
+    # A remote mount (cossd mount cossd://...) is named the same ways as a local one.
+    mounts = mounted_devices(fstypes=(MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE))
+    args.mountpoint, namespace = resolve_device(args.mountpoint, mounts)
     return namespace

@@ -237,6 +237,8 @@ def test_cli_verbs_through_the_remote_mount(served: Served, remote_mount: Remote
     assert json.loads(out)["critical_warning"] == 0
     code, out, err = run_cli(capsys, "create-ns", far, "v", "--tensor", "a:3001", "--tensor", "b:7")
     assert code == 0, err
+    code, out, err = run_cli(capsys, "id-ns", far / "ns" / "v", "-o", "json")  # MNT/ns/NAME, as nvme-cli names one
+    assert code == 0 and json.loads(out)["cossd"]["name"] == "v", err
     code, out, err = run_cli(capsys, "begin-step", far, "v")
     assert code == 0 and "step=1" in out, err
     code, out, err = run_cli(capsys, "commit-step", far, "v")
