@@ -146,6 +146,7 @@ class LogId(enum.IntEnum):
     JOBS = 0xC2  # background work (export) and its progress
     INJECTED_ERRORS = 0xC3  # error injections armed and fired
     ARCHIVE = 0xC4  # the archive tier: network bytes and archives per namespace
+    SERVER = 0xC5  # a storage server's own figures (cossd serve; served to its connections only)
 
 
 def _u128(value: int) -> tuple[int, int]:
@@ -246,3 +247,61 @@ def decode_effects(data: bytes) -> dict[str, Any]:
         "admin_cmd_set": {f"ACS_{op} ({name(op)})": int(v) for op, v in enumerate(page["acs"]) if v & CSUPP},
         "io_cmd_set": {f"IOCS_{op}": int(v) for op, v in enumerate(page["iocs"]) if v & CSUPP},
     }
+
+
+# Storage server statistics (LID C5h, vendor): what `cossd serve` counts, as little-endian u64
+# counters in a fixed 512-byte page (like SMART's, so a partial read by offset means the same
+# field every time). Served by a server's controller only; a mount answers INVALID_LOG_PAGE.
+# The reasons a server turns a connection away before serving it, each counted on its own.
+SERVER_REFUSALS = (
+    "no_token",  # CONNECT without a token where the server asks for one
+    "wrong_token",  # CONNECT with another token
+    "before_connect",  # a command before CONNECT
+    "framing",  # a handshake that is not NVMe/TCP's (garbage, a bad PDU)
+    "tls",  # the TLS handshake failed (plain TCP to a TLS server, no client certificate)
+    "handshake",  # the peer closed or timed out before its CONNECT
+    "busy",  # --max-connections reached: CONNECT_CONTROLLER_BUSY
+)
+SERVER_LOG_VERSION = 1
+SERVER_LOG_FIELDS = (
+    "version",  # SERVER_LOG_VERSION
+    # connections
+    "connections_open", "connections_total", "max_connections",  # max: 0 means no limit
+    "refused_total", *(f"refused_{reason}" for reason in SERVER_REFUSALS),
+    # steps whose client went away
+    "leases_open", "leases_expired",
+    # the network link (LinkTiming): commands served, payload bytes and PDUs each way
+    "link_commands", "link_bytes_in", "link_bytes_out", "link_pdus_in", "link_pdus_out", "link_wire_ns",
+    # receive memory (--recv-memory): the budget, held now, the most held, WRITEs that waited,
+    # were refused (larger than the budget; no memory within --recv-wait-s), were streamed in
+    # bounded pieces; buffers given back by idle connections
+    "recv_memory_bytes", "recv_held_bytes", "recv_peak_bytes", "recv_waits", "recv_refused_too_large",
+    "recv_refused_timeout", "recv_streamed_writes", "recv_idle_releases",
+    # the parameter cache (--param-cache-size)
+    "cache_capacity", "cache_bytes", "cache_namespaces", "cache_hits", "cache_misses", "cache_fills",
+    "cache_hit_bytes", "cache_fill_bytes", "cache_evictions", "cache_too_large", "cache_invalidated",
+    # seconds-level context: when the server started (ns since the epoch)
+    "started_ns",
+)
+SERVER_LOG_BYTES = 512
+SERVER_LOG = np.dtype([*((name, "<u8") for name in SERVER_LOG_FIELDS),
+                       ("reserved", "u1", (SERVER_LOG_BYTES - 8 * len(SERVER_LOG_FIELDS),))])
+assert SERVER_LOG.itemsize == SERVER_LOG_BYTES, SERVER_LOG.itemsize
+
+
+def encode_server_log(values: Mapping[str, int]) -> bytes:
+    """The 512-byte server page; `values` holds SERVER_LOG_FIELDS (a missing one is 0; the
+    version is always SERVER_LOG_VERSION; a negative or too large value saturates)."""
+    page = np.zeros((), dtype=SERVER_LOG)
+    for name in SERVER_LOG_FIELDS:
+        page[name] = min(max(0, int(values.get(name, 0))), 0xFFFF_FFFF_FFFF_FFFF)
+    page["version"] = SERVER_LOG_VERSION
+    return page.tobytes()
+
+
+def decode_server_log(data: bytes) -> dict[str, int]:
+    """A whole server page as its fields, in layout order; ValueError for a short one."""
+    if len(data) < SERVER_LOG_BYTES:
+        raise ValueError(f"a server log page is {SERVER_LOG_BYTES} bytes, got {len(data)}")
+    page = np.frombuffer(data, dtype=SERVER_LOG, count=1)[0]
+    return {name: int(page[name]) for name in SERVER_LOG_FIELDS}

@@ -26,6 +26,9 @@ class Status(enum.IntEnum):
     INVALID_FIELD = 0x002
     DATA_TRANSFER_ERROR = 0x004  # the network wire: a data digest (CRC32C) that did not match
     INTERNAL_ERROR = 0x006
+    # NVMe's "Command Interrupted" (retry): the storage server's receive memory stayed in use
+    # by other connections for longer than it waits (cossd serve --recv-wait-s)
+    COMMAND_INTERRUPTED = 0x021
     INVALID_NAMESPACE = 0x00B
     LBA_OUT_OF_RANGE = 0x080
     CAPACITY_EXCEEDED = 0x081
@@ -37,6 +40,9 @@ class Status(enum.IntEnum):
     FEATURE_NOT_NAMESPACE_SPECIFIC = 0x10F  # a controller-wide feature given an nsid
     NAMESPACE_INSUFFICIENT_CAPACITY = 0x115
     NAMESPACE_ID_UNAVAILABLE = 0x116
+    # NVMe-oF Connect's "Connect Controller Busy": the server has all the connections it
+    # takes open (cossd serve --max-connections)
+    CONNECT_CONTROLLER_BUSY = 0x182
     # NVMe-oF Connect's "Connect Invalid Host": the network wire refused the host's credentials
     # (a wrong or missing token), or a command came before the connect
     CONNECT_INVALID_HOST = 0x184
@@ -90,6 +96,7 @@ STATUS_ERRNO: dict[Status, int] = {
     Status.INVALID_FIELD: errno.EINVAL,
     Status.DATA_TRANSFER_ERROR: errno.EIO,
     Status.INTERNAL_ERROR: errno.EIO,
+    Status.COMMAND_INTERRUPTED: errno.EAGAIN,
     Status.INVALID_NAMESPACE: errno.ENOENT,
     Status.LBA_OUT_OF_RANGE: errno.EFBIG,
     Status.CAPACITY_EXCEEDED: errno.ENOSPC,
@@ -101,6 +108,7 @@ STATUS_ERRNO: dict[Status, int] = {
     Status.NAMESPACE_INSUFFICIENT_CAPACITY: errno.ENOSPC,
     Status.NAMESPACE_ID_UNAVAILABLE: errno.ENOSPC,
     Status.CONNECT_INVALID_HOST: errno.EACCES,
+    Status.CONNECT_CONTROLLER_BUSY: errno.EBUSY,
     Status.WRITE_FAULT: errno.EIO,
     Status.UNRECOVERED_READ_ERROR: errno.EIO,
     Status.STEP_SKIPPED_NONFINITE: 0,

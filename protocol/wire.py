@@ -321,6 +321,29 @@ class PduReader:
                 raise DeviceError(Status.DATA_TRANSFER_ERROR, f"{head.type.name}: data digest mismatch")
         return into
 
+    def skip_data(self, scratch: memoryview) -> None:
+        """Read and drop the data (and its digest) of the PDU whose head was just read, piece
+        by piece through `scratch`: a refused transfer's bytes leave the stream, and the
+        framing holds, without a buffer of their size."""
+        if self._pending is None:
+            return
+        head, ddgst = self._pending
+        self._pending = None
+        left = head.data_len + (DIGEST_BYTES if ddgst else 0)
+        while left:
+            piece = scratch[: min(left, len(scratch))]
+            self._fill(piece)
+            left -= len(piece)
+
+    def trim(self, keep: int = 1 << 16) -> int:
+        """Give back the data buffer grown by a large PDU (an idle connection then holds
+        `keep` bytes); the bytes given back."""
+        freed = len(self._buffer) - keep
+        if freed <= 0:
+            return 0
+        self._buffer = bytearray(keep)
+        return freed
+
 
 # The largest header with its digest that read_head ever takes in.
 MAX_HEADER_READ = max(HEADER_LENGTHS.values()) + DIGEST_BYTES

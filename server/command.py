@@ -19,12 +19,15 @@ from pathlib import Path
 from ..emulator import Device, DeviceConfig, DeviceError, Status
 from ..emulator.backing import BackingDirectory
 from ..emulator.device import SUPERBLOCK_FILE
+from ..emulator.metrics_http import DEFAULT_METRICS_ADDR, MetricsEndpoint, MetricsPortError, load_token
 from ..kernels import guard
 from ..model.links import DEFAULT_LINK, LINKS, load_link
 from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 
-from .security import SecurityError, check_listen, load_token, server_tls_context
-from .server import DEFAULT_LEASE_S, Server
+from .metrics import ServerCollector
+from .recv_memory import DEFAULT_RECV_MEMORY, DEFAULT_RECV_WAIT_S, MIN_RECV_MEMORY
+from .security import SecurityError, check_listen, load_token as load_client_token, server_tls_context
+from .server import DEFAULT_LEASE_S, DEFAULT_MAX_CONNECTIONS, Server
 
 log = logging.getLogger("cossd.server.command")  # also when run as __main__
 
@@ -56,6 +59,35 @@ def parse_cache_size(text: str) -> int:
     return int(number) * unit
 
 
+def parse_memory_size(text: str) -> int:
+    """A receive-memory budget: a size as parse_cache_size takes it, at least 32 MiB (a
+    streamed WRITE's slot is one H2CData PDU, up to 16 MiB)."""
+    value = parse_cache_size(text)
+    if value < MIN_RECV_MEMORY:
+        raise argparse.ArgumentTypeError(f"at least 32M: {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r} (1-65535)")
+    return value
+
+
 def _positive(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -84,6 +116,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep each optimizer namespace's committed params in server memory, up to SIZE "
                              "bytes in all (K/M/G suffixes), so param reads by many clients skip the media "
                              "(default: 0, off)")
+    parser.add_argument("--max-connections", type=_count, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                        help="connections served at once; more are refused at their CONNECT with "
+                             "CONNECT_CONTROLLER_BUSY, logged and counted (default: %(default)s; 0: no limit)")
+    parser.add_argument("--recv-memory", type=parse_memory_size, default=DEFAULT_RECV_MEMORY, metavar="SIZE",
+                        help="memory all connections' WRITE buffers may hold at once (K/M/G suffixes, at least "
+                             "32M): gradient WRITEs from 4 MiB are received in pieces of at most 2 x 16 MiB, "
+                             "others whole; a WRITE that does not fit waits (--recv-wait-s), one larger than "
+                             "SIZE is refused (default: 1G)")
+    parser.add_argument("--recv-wait-s", type=_positive, default=DEFAULT_RECV_WAIT_S, metavar="S",
+                        help="how long a WRITE waits for receive memory before it is refused with "
+                             "COMMAND_INTERRUPTED (EAGAIN; nothing written) (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=_port, metavar="N",
+                        help="serve Prometheus metrics (the device's and the server's; docs/metrics.md) on this "
+                             "TCP port. Unauthenticated unless --metrics-token-file is given")
+    parser.add_argument("--metrics-addr", default=DEFAULT_METRICS_ADDR, metavar="ADDR",
+                        help="address the metrics endpoint listens on (default: 127.0.0.1, loopback only)")
+    parser.add_argument("--metrics-token-file", metavar="FILE",
+                        help="require 'Authorization: Bearer TOKEN' on every metrics request, TOKEN being FILE's "
+                             "content (not readable by every user); needs --metrics-port")
     parser.add_argument("--foreground", action="store_true", help="serve in this process until signalled")
     parser.add_argument("--sync", action="store_true",
                         help="flush every commit before acknowledging it (default: power-loss-protected mode)")
@@ -107,11 +158,15 @@ def _security(args: argparse.Namespace) -> tuple[bytes | None, object]:
             raise SecurityError("--tls-cert and --tls-key go together")
         if args.client_ca and not args.tls_cert:
             raise SecurityError("--client-ca needs TLS (--tls-cert, --tls-key)")
-        token = load_token(args.token_file) if args.token_file else None
+        token = load_client_token(args.token_file) if args.token_file else None
         tls = server_tls_context(args.tls_cert, args.tls_key, args.client_ca) if args.tls_cert else None
         check_listen(args.listen[0], tls=tls is not None, token=token is not None,
                      client_ca=bool(args.client_ca), insecure=args.insecure)
-    except SecurityError as exc:
+        if args.metrics_token_file is not None:
+            if args.metrics_port is None:
+                raise SecurityError("--metrics-token-file goes with --metrics-port")
+            load_token(args.metrics_token_file)
+    except (SecurityError, MetricsPortError) as exc:
         raise SystemExit(f"cossd serve: {exc}") from None
     return token, tls
 
@@ -125,22 +180,39 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     _security(args)  # a one-line error here rather than in the log
     pid, url = start_background(args)
-    print(f"serving {args.backing} at {url} (server pid {pid}); log: {_log_path(args)}", flush=True)
+    host = f"[{args.metrics_addr}]" if ":" in args.metrics_addr else args.metrics_addr  # IPv6
+    metrics = f", metrics at http://{host}:{args.metrics_port}/metrics" if args.metrics_port else ""
+    print(f"serving {args.backing} at {url} (server pid {pid}){metrics}; log: {_log_path(args)}", flush=True)
     return 0
 
 
 def run_foreground(args: argparse.Namespace) -> None:
     token, tls = _security(args)
     guard.install()  # a state copy cut short under its mapping faults into the guard
-    device = Device.open(Path(args.backing).resolve(),
-                         DeviceConfig(sync=args.sync, profile=args.profile, timed=args.timed))
+    # The metrics port is bound before the device opens, as a mount's: a busy port starts nothing.
+    try:
+        metrics = (MetricsEndpoint.bind(args.metrics_port, args.metrics_addr, args.metrics_token_file)
+                   if args.metrics_port is not None else None)
+    except MetricsPortError as exc:
+        raise SystemExit(f"cossd serve: {exc}") from None
+    try:
+        device = Device.open(Path(args.backing).resolve(),
+                             DeviceConfig(sync=args.sync, profile=args.profile, timed=args.timed))
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     try:
         host, port = args.listen
         try:
             server = Server(device, host, port, token=token, tls=tls, lease_s=args.lease_s,  # type: ignore[arg-type]
-                            link=args.link, param_cache_size=args.param_cache_size)
+                            link=args.link, param_cache_size=args.param_cache_size,
+                            max_connections=args.max_connections, recv_memory=args.recv_memory,
+                            recv_wait_s=args.recv_wait_s)
         except OSError as exc:
             raise SystemExit(f"cossd serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        if metrics is not None:
+            metrics.attach(ServerCollector(device, server.figures))
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, lambda *_: server.stop())
         where = server.address
@@ -154,6 +226,8 @@ def run_foreground(args: argparse.Namespace) -> None:
         server.serve_forever()
         log.info("stopped: %s", server.snapshot())
     finally:
+        if metrics is not None:
+            metrics.close()  # before the device closes: a scrape reads the device
         device.close()
         log.info("device %s closed cleanly", args.backing)
 
@@ -184,8 +258,12 @@ def _child_command(args: argparse.Namespace, ready_fd: int) -> list[str]:
     host, port = args.listen
     command = [sys.executable, "-m", "cossd.server.command", str(Path(args.backing).resolve()), "--foreground",
                "--ready-fd", str(ready_fd), "--listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
-               "--lease-s", repr(args.lease_s), "--param-cache-size", str(args.param_cache_size)]
-    for option in ("token_file", "tls_cert", "tls_key", "client_ca"):
+               "--lease-s", repr(args.lease_s), "--param-cache-size", str(args.param_cache_size),
+               "--max-connections", str(args.max_connections), "--recv-memory", str(args.recv_memory),
+               "--recv-wait-s", repr(args.recv_wait_s)]
+    if args.metrics_port is not None:
+        command += ["--metrics-port", str(args.metrics_port), "--metrics-addr", args.metrics_addr]
+    for option in ("token_file", "tls_cert", "tls_key", "client_ca", "metrics_token_file"):
         value = getattr(args, option)
         if value:
             command += [f"--{option.replace('_', '-')}", str(Path(value).resolve())]

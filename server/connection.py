@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
+import select
 import socket
+import ssl
 import struct
-import threading
-from typing import Any, Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -17,13 +17,15 @@ from ..emulator import Device, DeviceError, Status
 from ..emulator.accounting import LinkTiming
 from ..emulator.io import DeviceIO
 from ..emulator.kinds import AnyNamespace
-from ..emulator.namespace import CommitResult, Namespace
+from ..emulator.namespace import Namespace
 from ..protocol import wire
 from ..protocol.entries import Completion, IoOpcode, Opcode, SubmissionError
 from ..protocol.wire import Digest, FabricsType, FatalError, PduType, WireError
 
 from .param_cache import ParamCache
 from .paths import OpenFile, read_text, resolve_open
+from .recv_memory import RecvMemory
+from .writes import Writes
 from . import tree_commands
 log = logging.getLogger(__name__)
 
@@ -32,13 +34,18 @@ MAX_HANDLES = 1 << 16
 # How long a client has for the handshake and the connect before it is dropped (no thread
 # waits forever on a peer that connected and said nothing).
 HANDSHAKE_TIMEOUT_S = 10.0
-# A WRITE of gradients at least this large goes to the device as its PDUs arrive (smaller
-# ones are received whole first: nothing to overlap).
-STREAM_MIN_BYTES = 4 << 20
+# A connection that sends no command for this long gives its receive buffer back to the
+# server's budget (a trainer between steps keeps it; an idle client holds little).
+IDLE_RELEASE_S = 1.0
 
 
 class Refused(Exception):
-    """A client turned away before it was served: the reason is logged and counted."""
+    """A client turned away before it was served: the reason is logged and counted under
+    `reason` (one of protocol/logpages.py's SERVER_REFUSALS)."""
+
+    def __init__(self, reason: str, why: str) -> None:
+        super().__init__(why)
+        self.reason = reason
 
 
 def _cqe(completion: Completion) -> bytes:
@@ -53,10 +60,11 @@ class Host(Protocol):
     io: DeviceIO
     link: LinkTiming
     param_cache: ParamCache
+    recv_memory: RecvMemory
 
-    def check_token(self, offered: memoryview) -> str | None: ...
+    def check_token(self, offered: memoryview) -> tuple[str, str] | None: ...
 
-    def refused(self, peer: str, why: str) -> None: ...
+    def refused(self, peer: str, reason: str, why: str) -> None: ...
 
     def device_namespace(self, nsid: int) -> AnyNamespace | None: ...
 
@@ -82,36 +90,40 @@ class Connection:
         # Optimizer namespaces with a step this connection opened or fed: nsid -> that step.
         # At a disconnect, each still open is held for the server's lease, then aborted.
         self.steps: dict[int, int] = {}
-        self._bulk = bytearray(0)
+        # WRITEs and their receive buffer, under the server's shared budget (server/writes.py).
+        self.writes = Writes(self, server.recv_memory)
 
     # ------------------------------------------------------------------ lifecycle
 
-    def run(self) -> None:
+    def run(self, busy: str | None = None) -> None:
+        """Serve until the peer goes. `busy`: the server takes no more connections; the peer
+        is told so at its CONNECT (CONNECT_CONTROLLER_BUSY, this text) and closed."""
         authenticated = False
         try:
             self.sock.settimeout(HANDSHAKE_TIMEOUT_S)
             self._handshake()
-            self._connect()
+            self._connect(busy)
             authenticated = True
             self.sock.settimeout(None)  # keepalive finds a vanished peer; a client may idle
             while True:
                 self._serve_one()
         except Refused as exc:
-            self.server.refused(self.peer, str(exc))
+            self.server.refused(self.peer, exc.reason, str(exc))
         except WireError as exc:
             if not authenticated:
-                self.server.refused(self.peer, f"framing: {exc}")
+                self.server.refused(self.peer, "framing", f"framing: {exc}")
             else:
                 log.warning("%s: %s; closing the connection", self.peer, exc)
             self._terminate(exc.fes)
         except (ConnectionError, TimeoutError, OSError) as exc:
             if not authenticated:
-                self.server.refused(self.peer, f"{type(exc).__name__}: {exc}")
+                self.server.refused(self.peer, "handshake", f"{type(exc).__name__}: {exc}")
             else:
                 log.info("%s: connection closed (%s)", self.peer, exc or type(exc).__name__)
         except Exception:  # a bug must not take the server down
             log.exception("%s: connection failed", self.peer)
         finally:
+            self.writes.release()
             self.server.disconnected(self)
             try:
                 self.sock.close()
@@ -145,17 +157,21 @@ class Connection:
         data = self.reader.read_data()
         return memoryview(head.header), data
 
-    def _connect(self) -> None:
+    def _connect(self, busy: str | None) -> None:
         submission, data = self._capsule()
         cid = struct.unpack_from("<H", submission, 2)[0]
         if submission[0] != wire.FABRICS_OPCODE or submission[wire.FCTYPE_AT] != FabricsType.CONNECT:
             self._reply(Completion(cid, Status.CONNECT_INVALID_HOST,
                                    data=b"the first command must be a fabrics CONNECT"))
-            raise Refused("a command before CONNECT")
-        why = self.server.check_token(data)
-        if why is not None:
+            raise Refused("before_connect", "a command before CONNECT")
+        if busy is not None:
+            self._reply(Completion(cid, Status.CONNECT_CONTROLLER_BUSY, data=busy.encode()))
+            raise Refused("busy", busy)
+        refusal = self.server.check_token(data)
+        if refusal is not None:
+            reason, why = refusal
             self._reply(Completion(cid, Status.CONNECT_INVALID_HOST, data=why.encode()))
-            raise Refused(why)
+            raise Refused(reason, why)
         self._reply(Completion(cid, Status.SUCCESS, data=json.dumps(
             {"maxh2cdata": wire.MAX_DATA_BYTES, "max_batch_bytes": wire.MAX_BATCH_BYTES}).encode()))
         log.info("%s: connected", self.peer)
@@ -170,7 +186,20 @@ class Connection:
 
     # ------------------------------------------------------------------ commands
 
+    def _idle(self) -> None:
+        """Before the next command: where none comes within IDLE_RELEASE_S, the receive
+        buffers go back (the budget's to others, the reader's to the system), then wait."""
+        self.reader.trim(1 << 20)  # a large capsule's buffer (a long transfer table)
+        if not self.writes.held:
+            return
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return  # decrypted bytes wait in the TLS layer: a command is here
+        readable, _, _ = select.select([self.sock], [], [], IDLE_RELEASE_S)
+        if not readable and self.writes.release():
+            self.server.recv_memory.count("idle_releases")
+
     def _serve_one(self) -> None:
+        self._idle()
         submission, data = self._capsule()
         opcode = submission[0]
         cid = struct.unpack_from("<H", submission, 2)[0]
@@ -203,7 +232,7 @@ class Connection:
         if completion.status == Status.SUCCESS and opcode_of(submission) == Opcode.BEGIN_STEP:
             self.steps[nsid] = int(json.loads(completion.data)["step"])
         elif opcode_of(submission) in (Opcode.COMMIT_STEP, Opcode.ABORT_STEP):
-            self._forget_step(nsid)
+            self.forget_step(nsid)
         if self.server.param_cache.enabled:
             # A delete, rollback or commit gives the cached params' memory back now (a stale
             # entry is never served either way: the cache checks the superblock seq).
@@ -211,7 +240,7 @@ class Connection:
                 {ns.nsid: ns for ns in list(self.server.device.namespaces.values())})
         return completion
 
-    def _forget_step(self, nsid: int) -> None:
+    def forget_step(self, nsid: int) -> None:
         namespace = self.server.device_namespace(nsid)
         if not isinstance(namespace, Namespace) or namespace.step_open != self.steps.get(nsid):
             self.steps.pop(nsid, None)
@@ -227,7 +256,7 @@ class Connection:
                     raise DeviceError(Status.INVALID_FIELD, f"no open file {cdw10}")
                 return Completion(cid, Status.SUCCESS)
             if fctype == FabricsType.WRITE:
-                return self._write(cid, data)
+                return self.writes.write(cid, data)
             if fctype == FabricsType.READ:
                 return self._read(cid, data)
             if fctype == FabricsType.READ_TEXT:
@@ -249,7 +278,7 @@ class Connection:
         self.handles[handle] = opened
         return Completion(cid, Status.SUCCESS, result=handle, data=json.dumps({"size": opened.size}).encode())
 
-    def _files(self, table: np.ndarray, writing: bool) -> list[tuple[OpenFile, AnyNamespace]]:
+    def files(self, table: np.ndarray, writing: bool) -> list[tuple[OpenFile, AnyNamespace]]:
         files = []
         for index, handle in enumerate(table["handle"]):
             opened = self.handles.get(int(handle))
@@ -264,188 +293,23 @@ class Connection:
             files.append((opened, namespace))
         return files
 
-    # ------------------------------------------------------------------ WRITE
+    # ------------------------------------------------------------------ what a WRITE needs (server/writes.py)
 
-    def _receive_bulk(self, cid: int, total: int, arrived: Callable[[memoryview, int], None] | None = None,
-                      ) -> tuple[memoryview, DeviceError | None]:
-        """The H2CData PDUs of a WRITE, received in order straight into this connection's
-        bulk buffer; a data digest that failed is reported once the whole transfer is in.
-        `arrived(bulk, end)`: called after each PDU whose data checked, while all before
-        `end` did (never again after one that failed)."""
-        if len(self._bulk) < total:
-            self._bulk = bytearray(total)
-        bulk = memoryview(self._bulk)[:total]
-        received, failed = 0, None
-        while received < total:
-            head = self.reader.read_head(self.digests)
-            if head.type != PduType.H2C_DATA:
-                raise WireError(FatalError.PDU_SEQUENCE_ERROR, f"expected H2CData, got {head.type.name}")
-            cccid, _ttag, datao, datal = head.data_header()
-            if cccid != cid or datao != received or datal != head.data_len or received + datal > total:
-                raise WireError(FatalError.DATA_OUT_OF_RANGE,
-                                f"H2CData of command {cccid} at {datao}+{datal}; expected {cid} at {received}, "
-                                f"{total - received} bytes left")
-            try:
-                self.reader.read_data(bulk[datao : datao + datal])
-            except DeviceError as exc:
-                failed = failed or exc
-            received += datal
-            if arrived is not None and failed is None:
-                arrived(bulk, received)
-        return bulk, failed
+    def write_one(self, opened: OpenFile, namespace: AnyNamespace, offset: int, view: memoryview) -> None:
+        """A range that is not gradients (state while loading, NVM data): the I/O entry's write."""
+        self.server.io.write(namespace, opened.tensor, opened.role, offset, view)
 
-    def _write(self, cid: int, data: memoryview) -> Completion:
-        table = wire.decode_transfers(data)
-        lengths = [int(length) for length in table["length"]]
-        total = sum(lengths)
-        if total > wire.MAX_BATCH_BYTES:
-            raise WireError(FatalError.DATA_TRANSFER_LIMIT_EXCEEDED,
-                            f"a WRITE of {total} bytes, more than {wire.MAX_BATCH_BYTES}")
-        streamed = self._streamable(table, lengths, total)
-        if streamed is not None:
-            return self._write_streamed(cid, table, lengths, total, *streamed)
-        bulk, failed = self._receive_bulk(cid, total)
-        if failed is not None:
-            raise failed
-        files = self._files(table, writing=True)
-        pieces: dict[int, list[tuple[str, int, memoryview, None]]] = {}
-        position = 0
-        singles = []
-        for (opened, namespace), offset, length in zip(files, table["offset"], lengths):
-            view = bulk[position : position + length]
-            position += length
-            if isinstance(namespace, Namespace) and opened.role == "grad":
-                pieces.setdefault(opened.nsid, []).append((opened.tensor, int(offset), view, None))
-            else:
-                singles.append((opened, namespace, int(offset), view))
-        report: dict[str, Any] = {"bytes": total, "transfers": len(lengths)}
-        status = Status.SUCCESS
-        for opened, namespace, offset, view in singles:
-            self.server.io.write(namespace, opened.tensor, opened.role, offset, view)
-        for nsid, batch in pieces.items():
-            namespace = self.server.device_namespace(nsid)
-            assert isinstance(namespace, Namespace)
-            # The device's gradient path for memory lent until the call returns (as CMB_WRITE
-            # lends the CMB): the receive buffer itself, no copy by this front-end.
-            self.server.io.controller.injector.check_io(IoOpcode.WRITE, nsid)
-            self.server.adopt(nsid)
-            result = namespace.write_grads_lent(batch)
-            if namespace.step_open is not None:
-                self.steps[nsid] = namespace.step_open
-            if result is not None:
-                report["commit"] = {"step": result.step, "committed_step": result.committed_step,
-                                    "skipped": result.skipped}
-                self._forget_step(nsid)
-                if result.skipped:
-                    status = Status.STEP_SKIPPED_NONFINITE
-        return Completion(cid, status, result=total & 0xFFFF_FFFF, data=json.dumps(report).encode())
-
-    def _streamable(self, table: np.ndarray, lengths: list[int], total: int,
-                    ) -> tuple[Namespace, list[OpenFile]] | None:
-        """Where a WRITE's gradients may go to the device as they arrive: at least
-        STREAM_MIN_BYTES, every range a whole-element range of one optimizer namespace's grad
-        files, inside them and apart from each other (what write_grads_lent checks first).
-        None sends the WRITE the atomic way (received whole, then checked and taken)."""
-        if total < STREAM_MIN_BYTES:
-            return None
-        try:
-            files = self._files(table, writing=True)
-        except DeviceError:
-            return None
-        namespace = files[0][1]
-        if not isinstance(namespace, Namespace) or any(
-                opened.role != "grad" or opened.nsid != namespace.nsid for opened, _ in files):
-            return None
-        spans: dict[str | None, list[tuple[int, int]]] = {}
-        for (opened, _), offset, length in zip(files, table["offset"], lengths):
-            start = int(offset)
-            if start % 2 or length % 2 or start + length > opened.size:
-                return None
-            spans.setdefault(opened.tensor, []).append((start, start + length))
-        for ranges in spans.values():
-            ranges.sort()
-            if any(end > start for (_, end), (start, _) in zip(ranges, ranges[1:])):
-                return None
-        return namespace, [opened for opened, _ in files]
-
-    def _write_streamed(self, cid: int, table: np.ndarray, lengths: list[int], total: int,
-                        namespace: Namespace, files: list[OpenFile]) -> Completion:
-        """A WRITE of gradients staged as its PDUs arrive: a thread hands each PDU's whole
-        elements to write_grads_lent while the next PDU is received, so the kernels run
-        under the transfer. The ranges were checked against each other first; what the open
-        step already has is checked per piece, so a duplicate refuses the WRITE from that
-        piece on (GRADIENT_DUPLICATE), the pieces before it taken, as file writes are."""
+    def adopt(self, namespace: Namespace) -> None:
+        """Gradients for `namespace` arrive: the data path's injections first (INJECT_ERROR
+        fails the WRITE here), then a lease held on its step is taken over."""
         self.server.io.controller.injector.check_io(IoOpcode.WRITE, namespace.nsid)
         self.server.adopt(namespace.nsid)
-        ranges, position = [], 0
-        for opened, offset, length in zip(files, table["offset"], lengths):
-            ranges.append((opened.tensor, int(offset), position, length))
-            position += length
-        pending: queue.SimpleQueue[list[tuple[str, int, memoryview, None]] | None] = queue.SimpleQueue()
-        errors: list[BaseException] = []
-        results: list[CommitResult] = []
-
-        def stage() -> None:
-            while (batch := pending.get()) is not None:
-                if errors:
-                    continue  # refused already: the rest is received and dropped
-                try:
-                    result = namespace.write_grads_lent(batch)
-                    if result is not None:
-                        results.append(result)
-                except BaseException as exc:  # noqa: BLE001 - reported in the completion
-                    errors.append(exc)
-
-        cursor = {"range": 0, "handed": 0}
-
-        def arrived(bulk: memoryview, end: int) -> None:
-            batch = []
-            while cursor["range"] < len(ranges):
-                tensor, offset, start, length = ranges[cursor["range"]]
-                stop = min(start + length, end)
-                stop -= (stop - start) % 2  # whole elements only
-                if stop > cursor["handed"]:
-                    batch.append((tensor, offset + cursor["handed"] - start, bulk[cursor["handed"] : stop], None))
-                    cursor["handed"] = stop
-                if cursor["handed"] < start + length:
-                    break
-                cursor["range"] += 1
-                if cursor["range"] < len(ranges):
-                    cursor["handed"] = ranges[cursor["range"]][2]
-            if batch:
-                pending.put(batch)
-
-        stager = threading.Thread(target=stage, name="cossd-stage", daemon=True)
-        stager.start()
-        try:
-            _, failed = self._receive_bulk(cid, total, arrived)
-        finally:
-            pending.put(None)
-            stager.join()
-        if namespace.step_open is not None:
-            self.steps[namespace.nsid] = namespace.step_open
-        if errors:
-            if isinstance(errors[0], DeviceError):
-                raise errors[0]
-            log.error("%s: staging gradients failed", self.peer, exc_info=errors[0])
-            raise DeviceError(Status.INTERNAL_ERROR, f"internal error: {errors[0]}")
-        if failed is not None:
-            raise failed
-        report: dict[str, Any] = {"bytes": total, "transfers": len(lengths)}
-        status = Status.SUCCESS
-        for result in results:
-            report["commit"] = {"step": result.step, "committed_step": result.committed_step,
-                                "skipped": result.skipped}
-            self._forget_step(namespace.nsid)
-            if result.skipped:
-                status = Status.STEP_SKIPPED_NONFINITE
-        return Completion(cid, status, result=total & 0xFFFF_FFFF, data=json.dumps(report).encode())
 
     # ------------------------------------------------------------------ READ
 
     def _read(self, cid: int, data: memoryview) -> Completion:
         table = wire.decode_transfers(data)
-        files = self._files(table, writing=False)
+        files = self.files(table, writing=False)
         lengths = wire.clamped_lengths(table, [opened.size for opened, _ in files])
         total = sum(lengths)
         if total > wire.MAX_BATCH_BYTES:

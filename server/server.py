@@ -17,14 +17,22 @@ from ..emulator.io import DeviceIO
 from ..emulator.kinds import AnyNamespace
 from ..emulator.namespace import Namespace
 from ..model.links import DEFAULT_LINK, LinkModel
+from ..protocol import logpages
+from ..protocol.logpages import SERVER_REFUSALS, LogId
 
 from .connection import HANDSHAKE_TIMEOUT_S, Connection
 from .param_cache import ParamCache
+from .recv_memory import DEFAULT_RECV_MEMORY, DEFAULT_RECV_WAIT_S, RecvMemory
 from .security import token_matches
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 64
+# Connections being turned away at once (each told CONNECT_CONTROLLER_BUSY on a thread of its
+# own for at most the handshake's timeout); beyond this a connection over the limit is closed
+# at accept, unanswered, so a flood of connects cannot make threads without bound.
+MAX_REFUSING = 16
 HEALTH_SAVE_INTERVAL_S = 60.0
 # TCP keepalive: a peer that vanished without a FIN (node down, link cut) is found within
 # idle + interval * count seconds, and its steps go to the lease.
@@ -46,14 +54,24 @@ class Server:
     `token`: what a client's CONNECT must carry (None: none asked, as with mutual TLS);
     `tls`: a server context (server/security.py) or None for plain TCP; `lease_s`: how long
     a step stays open after the client that had it open disconnects, before it is aborted;
-    `param_cache_size`: bytes of committed params kept in memory for reads (0: none).
+    `param_cache_size`: bytes of committed params kept in memory for reads (0: none);
+    `max_connections`: connections served at once (0: no limit), more are refused at their
+    CONNECT; `recv_memory`: bytes all connections' WRITE buffers may hold at once, waited for
+    up to `recv_wait_s` (server/recv_memory.py).
     """
 
     def __init__(self, device: Device, host: str, port: int, *, token: bytes | None = None,
                  tls: ssl.SSLContext | None = None, lease_s: float = DEFAULT_LEASE_S,
-                 link: str = DEFAULT_LINK, param_cache_size: int = 0) -> None:
+                 link: str = DEFAULT_LINK, param_cache_size: int = 0,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, recv_memory: int = DEFAULT_RECV_MEMORY,
+                 recv_wait_s: float = DEFAULT_RECV_WAIT_S) -> None:
         self.device = device
         self.controller = Controller(device)  # no CMB: a client across a network cannot map it
+        # The server's own log page (C5h), served by this controller only: a mount has none.
+        self.controller.log_pages[LogId.SERVER] = lambda _command: logpages.encode_server_log(self.figures())
+        self.max_connections = max_connections
+        self.recv_memory = RecvMemory(recv_memory, recv_wait_s)
+        self.started_ns = time.time_ns()
         self.io = DeviceIO(self.controller)
         # Committed params in server memory (server/param_cache.py); 0 bytes: off.
         self.param_cache = ParamCache(param_cache_size)
@@ -66,6 +84,9 @@ class Server:
         self.listener = socket.create_server((host, port), family=family, backlog=128)
         self.address: tuple[str, int] = self.listener.getsockname()[:2]
         self.counters: dict[str, int] = {"connections": 0, "refused": 0, "leases_expired": 0}
+        self.refusals: dict[str, int] = dict.fromkeys(SERVER_REFUSALS, 0)
+        self._places = 0  # connections from accept to close (the --max-connections count)
+        self._refusing = 0  # connections over the limit being told so
         self._lock = threading.Condition()
         self._connections: dict[Connection, threading.Thread] = {}
         self._leases: dict[int, tuple[int, float]] = {}  # nsid -> (step, deadline)
@@ -99,21 +120,47 @@ class Server:
     def _serve(self, sock: socket.socket, peer: str) -> None:
         _tune(sock)
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        if self.tls is not None:
-            try:
-                sock = self.tls.wrap_socket(sock, server_side=True)
-            except (ssl.SSLError, OSError) as exc:
-                self.refused(peer, f"TLS handshake: {exc}")
-                sock.close()
-                return
-        connection = Connection(self, sock, peer)
         with self._lock:
-            if self._stopping.is_set():
-                sock.close()
+            # A connection takes its place under the limit from its accept (its thread is
+            # held from then on), so the limit bounds threads and buffers alike.
+            busy = bool(self.max_connections) and self._places >= self.max_connections
+            unanswered = busy and self._refusing >= MAX_REFUSING
+            if not unanswered:
+                if busy:
+                    self._refusing += 1
+                else:
+                    self._places += 1
+        if unanswered:
+            sock.close()
+            self.refused(peer, "busy", f"{self.max_connections} connections open (--max-connections) and "
+                                       f"{MAX_REFUSING} being refused already: closed unanswered")
+            return
+        try:
+            if self.tls is not None:
+                try:
+                    sock = self.tls.wrap_socket(sock, server_side=True)
+                except (ssl.SSLError, OSError) as exc:
+                    self.refused(peer, "tls", f"TLS handshake: {exc}")
+                    sock.close()
+                    return
+            connection = Connection(self, sock, peer)
+            if busy:
+                connection.run(busy=f"the server has {self.max_connections} connections open, its most "
+                                    "(--max-connections); try again later")
                 return
-            self._connections[connection] = threading.current_thread()
-            self.counters["connections"] += 1
-        connection.run()
+            with self._lock:
+                if self._stopping.is_set():
+                    sock.close()
+                    return
+                self._connections[connection] = threading.current_thread()
+                self.counters["connections"] += 1
+            connection.run()
+        finally:
+            with self._lock:
+                if busy:
+                    self._refusing -= 1
+                else:
+                    self._places -= 1
 
     def stop(self) -> None:
         """Stop accepting; the serving loop then closes every connection and returns."""
@@ -136,19 +183,22 @@ class Server:
 
     # ------------------------------------------------------------------ what connections report
 
-    def check_token(self, offered: memoryview) -> str | None:
-        """Why a CONNECT's token is refused, or None where it is the server's (or none is asked)."""
+    def check_token(self, offered: memoryview) -> tuple[str, str] | None:
+        """(reason, why) a CONNECT's token is refused, or None where it is the server's (or
+        none is asked)."""
         if self.token is None:
             return None
         if not len(offered):
-            return "no token (give the client token_file= or COSSD_TOKEN_FILE)"
+            return "no_token", "no token (give the client token_file= or COSSD_TOKEN_FILE)"
         if not token_matches(offered, self.token):
-            return "wrong token"
+            return "wrong_token", "wrong token"
         return None
 
-    def refused(self, peer: str, why: str) -> None:
+    def refused(self, peer: str, reason: str, why: str) -> None:
+        """A connection turned away: counted in all and under `reason` (SERVER_REFUSALS)."""
         with self._lock:
             self.counters["refused"] += 1
+            self.refusals[reason] += 1
         log.warning("refused %s: %s", peer, why)
 
     def device_namespace(self, nsid: int) -> AnyNamespace | None:
@@ -227,5 +277,31 @@ class Server:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            counters = dict(self.counters) | {"open_connections": len(self._connections), "leases": len(self._leases)}
-        return counters | {"link": self.link.snapshot(), "param_cache": self.param_cache.snapshot()}
+            counters = dict(self.counters) | {"open_connections": len(self._connections), "leases": len(self._leases),
+                                              "max_connections": self.max_connections,
+                                              "refusals": dict(self.refusals)}
+        return counters | {"link": self.link.snapshot(), "param_cache": self.param_cache.snapshot(),
+                           "recv_memory": self.recv_memory.snapshot()}
+
+    def figures(self) -> dict[str, int]:
+        """The server's figures under the names of its log page (protocol/logpages.py's
+        SERVER_LOG_FIELDS), which its Prometheus metrics (server/metrics.py) read too."""
+        state = self.snapshot()
+        link, cache, memory = state["link"], state["param_cache"], state["recv_memory"]
+        return {
+            "connections_open": state["open_connections"], "connections_total": state["connections"],
+            "max_connections": self.max_connections, "refused_total": state["refused"],
+            **{f"refused_{reason}": count for reason, count in state["refusals"].items()},
+            "leases_open": state["leases"], "leases_expired": state["leases_expired"],
+            "link_commands": link["commands"], "link_bytes_in": link["net_in_bytes"],
+            "link_bytes_out": link["net_out_bytes"], "link_pdus_in": link["messages_in"],
+            "link_pdus_out": link["messages_out"], "link_wire_ns": link["wire_ns"],
+            "recv_memory_bytes": memory["capacity"], "recv_held_bytes": memory["held"],
+            "recv_peak_bytes": memory["peak"], "recv_waits": memory["waits"],
+            "recv_refused_too_large": memory["refused_too_large"], "recv_refused_timeout": memory["refused_timeout"],
+            "recv_streamed_writes": memory["streamed_writes"], "recv_idle_releases": memory["idle_releases"],
+            "cache_capacity": cache["capacity"], "cache_bytes": cache["bytes"], "cache_namespaces": cache["namespaces"],
+            **{f"cache_{key}": cache[key] for key in ("hits", "misses", "fills", "hit_bytes", "fill_bytes",
+                                                      "too_large", "invalidated")},
+            "cache_evictions": cache["evicted"], "started_ns": self.started_ns,
+        }

@@ -1,4 +1,5 @@
-"""CLI verbs that read log pages: smart-log (02h), error-log (01h), get-log (any page), and their printers."""
+"""CLI verbs that read log pages: smart-log (02h), error-log (01h), server-log (C5h, a storage
+server's own), get-log (any page), and their printers."""
 from __future__ import annotations
 
 import argparse
@@ -172,6 +173,32 @@ def cmd_error_log(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_text(device: object, figures: dict[str, int]) -> str:
+    """The server page, one field a line; byte counts also in SI units, times in seconds."""
+    lines = [f"Server Log for device:{device}"]
+    for key, value in figures.items():
+        if key.endswith(("_bytes", "_capacity")):
+            shown: object = f"{value} ({si_bytes(value)})"
+        elif key.endswith("_ns") and key != "started_ns":
+            shown = f"{value} ({value / 1e9:.3f} s)"
+        else:
+            shown = value
+        lines.append(_line(key, shown))
+    return "\n".join(lines)
+
+
+def cmd_server_log(args: argparse.Namespace) -> int:
+    from ..protocol.logpages import LogId, decode_server_log
+
+    with open_client(args) as client:
+        page = client.get_log_page(LogId.SERVER)
+    if binary_output(args):  # the 512-byte page
+        write_binary(page)
+        return 0
+    emit(args, decode_server_log(page), lambda figures: _server_text(args.mountpoint, figures), sort_keys=False)
+    return 0
+
+
 def cmd_get_log(args: argparse.Namespace) -> int:
     from ..protocol import logpages
     from ..protocol.entries import NSID_ALL
@@ -196,6 +223,7 @@ def cmd_get_log(args: argparse.Namespace) -> int:
     if args.output_format == "json":
         decoders: dict[int, Callable[[bytes], Any]] = {
             LogId.SMART: logpages.decode_smart,
+            LogId.SERVER: logpages.decode_server_log,
             LogId.ERROR: lambda raw: {"errors": logpages.decode_error_log(raw)},
             LogId.COMMANDS_SUPPORTED_AND_EFFECTS: logpages.decode_effects,
             LogId.OPTIMIZER_STATISTICS: json.loads,
@@ -228,6 +256,11 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("-e", "--log-entries", type=parse_log_entries, metavar="N",
                      help="entries to read (default: all the device keeps, ELPE + 1 = 64)")
     add_nvme_options(sub)
+
+    sub = verb("server-log", cmd_server_log, "A storage server's own figures (log page C5h): connections, "
+               "refusals by reason, leases, the link's bytes, receive memory, the parameter cache.",
+               formats=("normal", "json", "binary"))
+    add_device_argument(sub, metavar="cossd://HOST:PORT", help="the storage server (a mount has no such page)")
 
     sub = verb("get-log", cmd_get_log, "Any log page, raw (hex dump, -o binary) or decoded (-o json).",
                formats=("normal", "json", "binary"))

@@ -1,0 +1,171 @@
+"""The device's Prometheus figures (device-wide and per namespace), read live at scrape time:
+shared by both front-ends' endpoints (the mount's, fs/metrics.py, and the server's)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .kinds import OPTIMIZER_KIND, AnyNamespace
+
+if TYPE_CHECKING:
+    from .device import Device
+
+NS = ("namespace",)
+
+# Per-namespace counters: (metric name without _total, key in Namespace.statistics(), scale, help).
+# The scale turns nanoseconds into seconds; everything else is copied as is.
+NAMESPACE_COUNTERS: tuple[tuple[str, str, float, str], ...] = (
+    ("cossd_steps_committed", "steps_committed", 1, "Steps committed, over the namespace's life."),
+    ("cossd_steps_skipped", "steps_skipped", 1,
+     "Steps skipped for inf/NaN gradients, over the namespace's life."),
+    ("cossd_steps_aborted", "steps_aborted", 1, "Steps aborted since the namespace was opened."),
+    ("cossd_nonfinite_elements", "nonfinite_elements", 1,
+     "Non-finite gradient elements seen since the namespace was opened."),
+    ("cossd_grad_bytes", "grad_bytes_in", 1, "Gradient bytes written by the host."),
+    ("cossd_param_bytes", "param_bytes_out", 1, "Param bytes read by the host."),
+    ("cossd_state_loaded_bytes", "state_bytes_loaded", 1,
+     "Master and moment bytes loaded by the host before the first step."),
+    ("cossd_namespace_read_bytes", "bytes_read", 1,
+     "Bytes read by the host from any tensor file (param, master, moments)."),
+    ("cossd_namespace_read_requests", "read_commands", 1, "Read requests served on tensor files."),
+    ("cossd_namespace_write_requests", "write_commands", 1, "Write requests accepted on tensor files."),
+    ("cossd_namespace_media_written_bytes", "media_bytes_written", 1,
+     "Bytes the device wrote into state copies and superblock slots."),
+    ("cossd_kernel_blocks", "kernel_blocks", 1, "Blocks the Adam kernel has processed."),
+    ("cossd_kernel_seconds", "kernel_ns", 1e-9, "Wall time of the Adam kernels, summed over threads."),
+    ("cossd_flushes", "flushes", 1, "Flushes (fsyncs of a committed step)."),
+    ("cossd_flush_seconds", "flush_ns", 1e-9, "Wall time spent in flushes."),
+    ("cossd_checksum_failures", "checksum_failures", 1, "Block checksum failures found."),
+)
+
+
+
+class DeviceFigures(Collector):
+    """Reads the device's figures when Prometheus scrapes, so the I/O path updates nothing extra.
+
+    collect() runs on the HTTP server's thread while a front-end serves requests. Every figure
+    it reads is a plain int that the emulator's own lock-free readers (statistics(), SMART)
+    already read the same way; a scrape that races a request is off by that request at most.
+    A front-end adds its own figures by collecting these and then its own.
+    """
+
+    def __init__(self, device: "Device") -> None:
+        self.device = device
+
+    def collect(self) -> Iterator[Metric]:
+        # A copy taken in one C call (atomic under the GIL): commands may add namespaces
+        # while we iterate.
+        namespaces = list(self.device.namespaces.values())
+        yield from self.device_metrics(namespaces)
+        yield from self.namespace_metrics(namespaces)
+
+    def device_metrics(self, namespaces: list[AnyNamespace]) -> Iterator[Metric]:
+        device = self.device
+        smart = device.smart()
+        totals = device.health.totals([ns.counters for ns in namespaces])
+        identity = device.identity
+        info = GaugeMetricFamily(
+            "cossd_device_info", "Identity of the device (always 1).",
+            labels=("serial", "model", "firmware", "durability", "backing"))
+        info.add_metric((str(identity.get("serial", "")), str(identity.get("model", "")),
+                         str(identity.get("firmware_revision", "")),
+                         "sync" if device.config.sync else "plp", str(device.path)), 1)
+        yield info
+
+        gauges = (
+            ("cossd_temperature_celsius", "Modeled composite temperature (SMART, whole Kelvin - 273.15).",
+             round(smart["temperature"] - 273.15, 2)),
+            ("cossd_critical_warning", "SMART critical warning bits (0: none).", smart["critical_warning"]),
+            ("cossd_available_spare_ratio", "SMART available spare, as a ratio.", smart["avail_spare"] / 100),
+            ("cossd_endurance_used_ratio", "SMART percentage used (modeled wear), as a ratio.",
+             smart["percent_used"] / 100),
+            ("cossd_capacity_bytes", "Device capacity.", device.capacity_bytes),
+            ("cossd_allocated_bytes", "Bytes allocated to namespaces (state copies, snapshots, NVM data).",
+             device.allocated_bytes),
+            ("cossd_namespaces", "Namespaces served.", len(namespaces)),
+            ("cossd_failed_namespaces", "Namespaces that failed recovery at mount.",
+             len(device.failed_namespaces)),
+            ("cossd_start_time_seconds", "When the device was opened, in seconds since the epoch.",
+             device.opened_at),
+        )
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(name, text, value=value)
+
+        counters = (
+            ("cossd_data_units_read", "SMART data units read (1000 x 512 bytes, rounded up).",
+             smart["data_units_read"]),
+            ("cossd_data_units_written", "SMART data units written (1000 x 512 bytes, rounded up).",
+             smart["data_units_written"]),
+            ("cossd_host_read_bytes", "Bytes the host read from tensor files, device lifetime.",
+             totals.host_bytes_read),
+            ("cossd_host_written_bytes", "Bytes the host wrote into tensor files, device lifetime.",
+             totals.host_bytes_written),
+            ("cossd_host_read_commands", "Read requests served on tensor files, device lifetime.",
+             totals.host_read_commands),
+            ("cossd_host_write_commands", "Write requests accepted on tensor files, device lifetime.",
+             totals.host_write_commands),
+            ("cossd_media_written_bytes", "Bytes the device wrote to its media, device lifetime.",
+             totals.media_bytes_written),
+            ("cossd_busy_seconds", "Kernel and flush time, device lifetime (SMART busy time, unrounded).",
+             totals.busy_ns / 1e9),
+            ("cossd_power_cycles", "Opens of the device.", totals.power_cycles),
+            ("cossd_power_on_seconds", "Time the device has been open, device lifetime.",
+             totals.power_on_ns / 1e9),
+            ("cossd_unsafe_shutdowns", "Opens that found the previous open had not closed cleanly.",
+             totals.unsafe_shutdowns),
+            ("cossd_media_errors", "Block checksum failures found, device lifetime.", totals.media_errors),
+            ("cossd_error_log_entries", "Error log entries, device lifetime.", totals.error_log_entries),
+            ("cossd_warning_temperature_seconds", "Time the modeled temperature was at or above WCTEMP.",
+             totals.warning_temp_ns / 1e9),
+            ("cossd_critical_temperature_seconds", "Time the modeled temperature was at or above CCTEMP.",
+             totals.critical_temp_ns / 1e9),
+        )
+        for name, text, value in counters:
+            yield CounterMetricFamily(name, text, value=value)
+
+    def namespace_metrics(self, namespaces: list[AnyNamespace]) -> Iterator[Metric]:
+        stats = [(ns, ns.statistics()) for ns in namespaces]
+        gauges = {
+            "cossd_committed_step": GaugeMetricFamily(
+                "cossd_committed_step", "Last committed (acknowledged) step.", labels=NS),
+            "cossd_durable_step": GaugeMetricFamily(
+                "cossd_durable_step", "Last step known to be on the media.", labels=NS),
+            "cossd_last_skipped_step": GaugeMetricFamily(
+                "cossd_last_skipped_step", "Last step skipped for inf/NaN gradients (0: none).", labels=NS),
+            "cossd_open_step": GaugeMetricFamily(
+                "cossd_open_step", "Step now open (0: none).", labels=NS),
+            "cossd_loading": GaugeMetricFamily(
+                "cossd_loading", "1 while the namespace takes initial weights (before step 1).", labels=NS),
+            "cossd_media_failure": GaugeMetricFamily(
+                "cossd_media_failure", "1 once a failed fsync has stopped the namespace.", labels=NS),
+            "cossd_parameters": GaugeMetricFamily(
+                "cossd_parameters", "Parameters (elements) in the namespace.", labels=NS),
+            "cossd_state_bytes": GaugeMetricFamily(
+                "cossd_state_bytes", "Size of one state copy.", labels=NS),
+        }
+        counters = {name: CounterMetricFamily(name, text, labels=NS)
+                    for name, _, _, text in NAMESPACE_COUNTERS}
+        for ns, figures in stats:
+            label = (figures["name"],)
+            for name, key, scale, _ in NAMESPACE_COUNTERS:
+                if key in figures:  # a plain NVM namespace has the I/O counters only
+                    # Integers stay integers; only the nanosecond timers become float seconds.
+                    counters[name].add_metric(label, figures[key] * scale if scale != 1 else figures[key])
+            if figures.get("kind", OPTIMIZER_KIND) != OPTIMIZER_KIND:
+                continue
+            values = {
+                "cossd_committed_step": figures["committed_step"],
+                "cossd_durable_step": figures["durable_step"],
+                "cossd_last_skipped_step": figures["last_skipped_step"] or 0,
+                "cossd_open_step": figures["step_open"] or 0,
+                "cossd_loading": int(bool(figures["loading"])),
+                "cossd_media_failure": int(getattr(ns, "media_failure", None) is not None),
+                "cossd_parameters": figures["parameters"],
+                "cossd_state_bytes": figures["state_bytes_per_copy"],
+            }
+            for name, value in values.items():
+                gauges[name].add_metric(label, value)
+        yield from gauges.values()
+        yield from counters.values()
