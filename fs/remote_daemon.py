@@ -77,25 +77,25 @@ def serve(url: str, mountpoint: str | os.PathLike[str], credentials: Credentials
     """Serve the server's tree at `mountpoint` until unmounted or signalled (foreground).
     The first connection is made before the mount: a server that cannot be reached or that
     refuses the credentials fails here, with nothing mounted (and the reason on `ready_fd`)."""
-    connections = Lanes(str(parse_url(url)), credentials, timeout_s, lanes)
+    server = str(parse_url(url))  # the mount's source: the server, without the URL's options
+    connections = Lanes(url, credentials, timeout_s, lanes)  # with them (?digest=...)
     try:
         connections.check()
         if not Path(mountpoint).is_dir():
             raise RemoteMountError(f"mountpoint {mountpoint} is not a directory")
         operations = RemoteOperations(connections, worker_threads=max(4, 2 * lanes))
-        pyfuse3.init(operations, str(mountpoint), mount_options(connections.url, allow_other, debug))
+        pyfuse3.init(operations, str(mountpoint), mount_options(server, allow_other, debug))
     except BaseException as exc:
         connections.close()
         _tell(ready_fd, ERROR_PREFIX + str(exc).encode(errors="replace") + b"\n")
         raise
-    log.info("mounted %s at %s (%d connections at most, timeout %g s)", connections.url, mountpoint, lanes,
-             timeout_s)
+    log.info("mounted %s at %s (%d connections at most, timeout %g s)", url, mountpoint, lanes, timeout_s)
     try:
         trio.run(_serve, ready_fd)
     finally:
         pyfuse3.close(unmount=True)
         connections.close()
-        log.info("unmounted %s from %s", connections.url, mountpoint)
+        log.info("unmounted %s from %s", server, mountpoint)
 
 
 def default_log_path(mountpoint: str | os.PathLike[str]) -> Path:

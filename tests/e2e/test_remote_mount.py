@@ -53,7 +53,8 @@ def remote_mount(served: Served, token_file: Path, tmp_path: Path,
                  capsys: pytest.CaptureFixture[str]) -> Iterator[RemoteMount]:
     """The served device mounted at tmp_path/rmnt, always detached and its daemon gone after."""
     mountpoint = tmp_path / "rmnt"
-    code, out, err = mount_remote(capsys, served.url, mountpoint, token_file, "-o", "json")
+    # Header and data digests both (the URL's options reach every connection of the mount).
+    code, out, err = mount_remote(capsys, f"{served.url}?digest=both", mountpoint, token_file, "-o", "json")
     assert code == 0, err
     answer = json.loads(out)
     mounted = RemoteMount(mountpoint, answer["pid"], Path(answer["log"]))
@@ -289,13 +290,18 @@ def test_refused_credentials_or_no_server_fail_the_mount_and_leave_nothing(
 
 def test_a_killed_server_gives_errors_not_a_hang_then_a_restarted_one_is_served(
         served: Served, remote_mount: RemoteMount, capsys: pytest.CaptureFixture[str]) -> None:
+    from cossd.trainer import DeviceLostError
+    from cossd.trainer.namespace_files import NamespaceFiles
+
     far = remote_mount.mountpoint
-    with AdminClient(far) as client:
-        client.create_namespace({"name": "k", "tensors": [["x", 100]]})
+    files = NamespaceFiles(far, "k", timeout_s=TIMEOUT_S)
+    files.create({"name": "k", "tensors": [["x", 100]]})
     grad = os.open(far / "ns/k/tensors/x/grad", os.O_WRONLY)
     try:
         served.kill()
         started = time.monotonic()
+        with pytest.raises(DeviceLostError):  # the optimizer's view: ENOTCONN is a lost device
+            files.statistics()
         assert _errno(lambda: (far / "ns/k/step").read_text()) == errno.ENOTCONN
         assert _errno(lambda: os.listdir(far / "ns")) == errno.ENOTCONN
         assert _errno(lambda: os.pwrite(grad, b"\0" * 200, 0)) == errno.ENOTCONN
@@ -310,6 +316,7 @@ def test_a_killed_server_gives_errors_not_a_hang_then_a_restarted_one_is_served(
         assert "reconnected" in remote_mount.log_text()
     finally:
         os.close(grad)
+        files.close()
 
 
 def test_a_stopped_server_is_a_timeout(served: Served, remote_mount: RemoteMount) -> None:
