@@ -76,7 +76,6 @@ class Lanes:
             self._transports[index] = fresh
             if self._down is not None:
                 log.warning("reconnected to the cossd server at %s", self.url)
-                self._down = None
             return fresh
 
     def lost(self, exc: BaseException) -> None:
@@ -98,6 +97,9 @@ class Lanes:
         finally:
             with self._lock:
                 self._busy[index] -= 1
+        if self._down is not None:  # answered: a later loss is logged again
+            with self._lock:
+                self._down = None
 
     def bind(self) -> RemoteTransport:
         """A lane's transport for a file being opened (round robin over the lanes)."""
