@@ -99,6 +99,36 @@ class AdminClient:
     def abort_step(self, nsid: int) -> int:
         return int(json.loads(self.call(Opcode.ABORT_STEP, nsid=nsid).data)["aborted_step"])
 
+    # ------------------------------------------------------------------ shared steps
+
+    def begin_shared_step(self, nsid: int, step: int, grad_scale: float, *, job: int, seq: int, ranks: int,
+                          rank: int, groups: list[dict[str, float]] | None = None) -> dict[str, Any]:
+        """BEGIN_STEP of a job's step that its `ranks` ranks share (the job's `seq`th shared
+        step): opens it with `groups`' hyperparameters, or joins it (the same step, seq,
+        scale and hyperparameters)."""
+        payload = {"job": job, "seq": seq, "ranks": ranks, "rank": rank}
+        if groups is not None:
+            payload["groups"] = groups  # type: ignore[assignment]
+        low, high = f64_to_dwords(grad_scale)
+        completion = self.call(Opcode.BEGIN_STEP, nsid=nsid, cdw10=step & 0xFFFFFFFF, cdw11=step >> 32,
+                               cdw12=low, cdw13=high, payload=json.dumps(payload).encode())
+        return json.loads(completion.data)
+
+    def commit_shared_step(self, nsid: int, step: int, *, job: int, seq: int, ranks: int, rank: int) -> dict[str, Any]:
+        """COMMIT_STEP of a shared step: its one result (skipped or not), or {"waiting": why}
+        while ranks or gradients are still missing (ask again, within a bound)."""
+        payload = json.dumps({"job": job, "seq": seq, "ranks": ranks, "rank": rank, "step": step}).encode()
+        completion = self.call(Opcode.COMMIT_STEP, nsid=nsid, payload=payload,
+                               allow=(Status.STEP_SKIPPED_NONFINITE,))
+        return json.loads(completion.data)
+
+    def abort_shared_step(self, nsid: int, step: int, *, job: int, seq: int, ranks: int, rank: int,
+                          reason: str) -> int:
+        """ABORT_STEP of a shared step: every rank's next COMMIT_STEP hears `reason`."""
+        payload = json.dumps({"job": job, "seq": seq, "ranks": ranks, "rank": rank, "step": step,
+                              "reason": reason})
+        return int(json.loads(self.call(Opcode.ABORT_STEP, nsid=nsid, payload=payload.encode()).data)["aborted_step"])
+
     def set_hyperparameters(self, nsid: int, **changes: Any) -> dict[str, Any]:
         payload = json.dumps(changes).encode()
         return json.loads(self.call(Opcode.SET_HYPERPARAMETERS, nsid=nsid, payload=payload).data)

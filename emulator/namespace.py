@@ -26,6 +26,7 @@ from .namespace_common import (BLOCK_ROLES, LOADABLE_ROLES, ROLES, CommitResult,
 from .namespace_media import _Media
 from .namespace_open import _Opening
 from .namespace_reads import _Reads
+from .namespace_shared import SharedOutcome, _SharedSteps
 from .namespace_steps import _Steps
 from .namespace_writes import _Writes
 from .snapshots import SnapshotStore
@@ -50,7 +51,7 @@ def _backing_mtime_ns(directory: Path) -> int:
     return max(times) if times else time.time_ns()
 
 
-class Namespace(_Opening, _Reads, _Writes, _Steps, _Media):
+class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media):
     """One optimizer: its tensors, hyperparameters and state, committed step by step.
 
     Thread-safe: the fs layer calls write_grad from several worker threads; kernels for
@@ -95,6 +96,10 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _Media):
         self._durable_seq = superblock.seq
         self._durable_step = superblock.committed_step
         self._tx: StepTransaction | None = None
+        # Shared steps (namespace_shared.py): how the last one ended, and whether a gradient
+        # write outside a step is refused rather than opening an implicit step.
+        self._last_shared: SharedOutcome | None = None
+        self._shared_fence = False
         self.counters = NamespaceCounters(
             steps_committed=superblock.steps_committed, steps_skipped=superblock.steps_skipped
         )
@@ -232,6 +237,10 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _Media):
             "param_dtype": self.spec.param_dtype,
             "state_dtype": self.spec.state_dtype,
             "durability": "sync" if self.sync_commits else "plp",
+            # Elements per gradient block: a client splitting the gradients among several
+            # writers (the ranks of a sharded job) splits at these boundaries, so each block
+            # arrives whole from one writer.
+            "block_elems": BLOCK_ELEMS,
             "tensors": [
                 {"name": t.name, "numel": t.numel, "group": self._group_of[t.name]}
                 for t in self.layouts
@@ -256,6 +265,7 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _Media):
             "durable_step": self._durable_step,
             "last_skipped_step": skips.last_skipped_step,
             "step_open": self.step_open,
+            "shared_step": self.shared_state(),
             "loading": self.loading,
             "tensors": len(self.layouts),
             "parameters": sum(t.numel for t in self.layouts),

@@ -33,7 +33,10 @@ class _Steps:
     def begin_step(self, step: int | None = None, grad_scale: float = 1.0) -> int:
         """Open step `step` (default: the next one) with a combined gradient scale."""
         with self._lock:
-            return self._begin_locked(step, grad_scale, explicit=True).step
+            opened = self._begin_locked(step, grad_scale, explicit=True).step
+            # A single client's explicit step: implicit steps may open again after it.
+            self._shared_fence = False
+            return opened
 
     def _begin_locked(self, step: int | None, grad_scale: float, explicit: bool) -> StepTransaction:
         self._check_media()
@@ -89,7 +92,15 @@ class _Steps:
     def commit_step(self) -> CommitResult:
         """Commit the open step once all its gradient blocks are in (or skip it)."""
         with self._cond:
-            return self._commit_locked(self._quiesced_step_locked())
+            tx = self._quiesced_step_locked()
+            try:
+                result = self._commit_locked(tx)
+            except DeviceError as exc:
+                if self._tx is not tx:
+                    self._record_shared(tx, error=exc)  # a shared step's ranks hear how it ended
+                raise
+            self._record_shared(tx, result=result)
+            return result
 
     def abort_step(self) -> int:
         """Drop the open step; the committed state is untouched. Returns its number."""
@@ -98,6 +109,8 @@ class _Steps:
             self._tx = None
             self.counters.steps_aborted += 1
             self._settle_param_copies(tx, committed=False)
+            self._record_shared(tx, error=DeviceError(
+                Status.NO_STEP_OPEN, f"step {tx.step} was aborted (ABORT_STEP of the whole step)"))
             return tx.step
 
     def _commit_locked(self, tx: StepTransaction) -> CommitResult:

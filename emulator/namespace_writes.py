@@ -195,6 +195,12 @@ class _Writes:
             if tx is None:
                 if not wait:
                     raise WouldBlock
+                if self._shared_fence:
+                    raise DeviceError(
+                        Status.NO_STEP_OPEN,
+                        f"namespace {self.name!r} runs shared steps (a multi-rank job): gradients "
+                        "need their step begun first (BEGIN_STEP); a write opens no implicit step "
+                        "until a single client's BEGIN_STEP")
                 tx = self._begin_locked(None, 1.0, explicit=False)
             params = None if param_copy is None else np.frombuffer(param_copy, dtype=np.uint16)
             ready = tx.receive(tensor, offset // 2, grad, shared, params)

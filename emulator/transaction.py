@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +82,8 @@ class StepTransaction:
         # asked for one, and the blocks whose kernel already stored into them.
         self.param_copies: list[tuple[TensorLayout, int, np.ndarray]] = []
         self.copied: set[tuple[str, int]] = set()
+        # A step the ranks of a job share (namespace_shared.SharedStep), or None.
+        self.shared: Any = None
 
     def _states_of(self, tensor: TensorLayout) -> bytearray:
         states = self.states.get(tensor.name)

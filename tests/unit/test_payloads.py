@@ -27,13 +27,16 @@ EXAMPLES = 300
 JSON_COMMANDS = [(Opcode.CREATE_NAMESPACE, 0), (Opcode.SET_HYPERPARAMETERS, 0), (Opcode.SET_FEATURES, 0xC0),
                  (Opcode.SET_FEATURES, 0xC1), (Opcode.SNAPSHOT_CREATE, 0), (Opcode.SNAPSHOT_DELETE, 0),
                  (Opcode.SNAPSHOT_ROLLBACK, 0), (Opcode.SNAPSHOT_CLONE, 0), (Opcode.EXPORT, 0),
-                 (Opcode.INJECT_ERROR, 0), (Opcode.INJECT_ERROR, 1), (Opcode.CMB_WRITE, 0), (Opcode.CMB_READ, 0)]
+                 (Opcode.INJECT_ERROR, 0), (Opcode.INJECT_ERROR, 1), (Opcode.CMB_WRITE, 0), (Opcode.CMB_READ, 0),
+                 # the shared-step forms (a job's ranks on one namespace)
+                 (Opcode.BEGIN_STEP, 1), (Opcode.COMMIT_STEP, 0), (Opcode.ABORT_STEP, 0)]
 # Keys some command knows, and keys that are odd for all of them (Python parameter names,
 # dunder names, empty).
 KEYS = ["name", "tensors", "hyperparameters", "groups", "grad_dtype", "param_dtype", "state_dtype",
         "initial_step", "kind", "capacity_bytes", "lr", "beta1", "beta2", "eps", "weight_decay", "mode",
         "durability", "kernel", "tag", "path", "optimizer_state", "overwrite", "opcode", "status", "count",
         "queue", "tensor", "block", "role", "offset", "length", "cmb_offset", "param_cmb_offset",
+        "job", "seq", "ranks", "rank", "step", "reason",
         "self", "group", "changes", "__class__", "__dict__", "", "kwargs", "cls"]
 SCALARS = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(1 << 70), max_value=1 << 70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6)

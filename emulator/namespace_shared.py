@@ -1,0 +1,210 @@
+"""Shared steps: one step of an optimizer namespace that the ranks of a job begin (join), feed and commit together, exactly once."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from ..protocol.status import DeviceError, Status
+from .namespace_common import CommitResult
+from .spec import Hyperparameters
+from .transaction import StepTransaction
+
+
+@dataclasses.dataclass
+class SharedStep:
+    """What a shared step carries beyond an explicit one: whose it is and who has joined."""
+
+    job: int  # the job's id: every rank of one job sends the same, another job another
+    # The job's count of shared steps begun (from 1): a skipped step's number comes again,
+    # its seq never does, so a rank asking about one attempt never hears of another.
+    seq: int
+    ranks: int  # how many ranks take part; the step commits only once all have joined
+    joined: set[int]
+    hypers: tuple[Hyperparameters, ...]  # the groups' hyperparameters the step runs with
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedOutcome:
+    """How a shared step ended, kept so that every rank asking later gets the same answer."""
+
+    job: int
+    seq: int
+    step: int
+    result: CommitResult | None
+    error: DeviceError | None
+
+    def replay(self) -> CommitResult:
+        if self.error is not None:
+            raise DeviceError(self.error.status, self.error.message)
+        assert self.result is not None
+        return self.result
+
+
+class _SharedSteps:
+    """BEGIN_STEP's join, COMMIT_STEP's bounded-wait poll and ABORT_STEP of a job's step.
+
+    A part of Namespace (emulator/namespace.py). Why it is safe: a shared step commits in
+    one place, `commit_shared_step`, under the namespace lock, only when every rank of the
+    job has joined and every gradient block has arrived, so it commits at most once and
+    never with a shard missing; whoever asks afterwards (another rank's poll) is answered
+    from the recorded outcome. A step that will not complete is aborted by a rank whose wait
+    ran out, and that outcome is what every other rank then reads.
+    """
+
+    # The last shared step's end (its ranks may still ask for it), and whether gradient
+    # writes may open an implicit step: not while the namespace runs shared steps, where a
+    # late write of a rank whose step was aborted would otherwise open one (scale 1.0) that
+    # a new job's ranks could then complete. Set on the instance by Namespace.__init__.
+    _last_shared: SharedOutcome | None
+    _shared_fence: bool
+
+    def _hypers_from(self, groups: list[dict[str, Any]] | None) -> list[Hyperparameters]:
+        """The groups' hyperparameters with `groups` (one dict of changes per group)
+        applied, all validated; nothing changes here."""
+        if groups is None:
+            return list(self._hypers)
+        if len(groups) != len(self._hypers):
+            raise DeviceError(Status.INVALID_FIELD, f"groups has {len(groups)} entries; namespace "
+                              f"{self.name!r} has {len(self._hypers)} groups")
+        return [hyper.replace(**changes) for hyper, changes in zip(self._hypers, groups)]
+
+    def begin_shared_step(self, step: int, grad_scale: float, job: int, seq: int, ranks: int, rank: int,
+                          groups: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """Open step `step` of job `job` (its `seq`th shared step) for `ranks` ranks with
+        `groups`' hyperparameters, or join it where another rank of the job opened it with
+        the same step, seq, scale and hyperparameters. Returns {"step", "grad_scale",
+        "opened", "joined", "ranks"}."""
+        if not 0 <= rank < ranks:
+            raise DeviceError(Status.INVALID_FIELD, f"rank {rank} outside 0..{ranks - 1}")
+        with self._lock:
+            tx = self._tx
+            if tx is not None:
+                return self._join_locked(tx, step, grad_scale, job, seq, ranks, rank, groups)
+            wanted = self._hypers_from(groups)
+            previous = self._hypers
+            # The step's scalars come from the hyperparameters in force at its begin: the
+            # opener's groups go in first, and back out if the begin is refused.
+            self._hypers = wanted
+            try:
+                tx = self._begin_locked(step, grad_scale, explicit=True)
+            except BaseException:
+                self._hypers = previous
+                raise
+            if wanted != previous:
+                self.config_changed_ns = time.time_ns()
+            tx.shared = SharedStep(job, seq, ranks, {rank}, tuple(wanted))
+            self._shared_fence = True
+            return {"step": tx.step, "grad_scale": grad_scale, "opened": True, "joined": 1, "ranks": ranks}
+
+    def _join_locked(self, tx: StepTransaction, step: int, grad_scale: float, job: int, seq: int,
+                     ranks: int, rank: int, groups: list[dict[str, Any]] | None) -> dict[str, Any]:
+        shared = tx.shared
+        if shared is None or shared.job != job:
+            owner = "a single client (not a shared step)" if shared is None else (
+                f"another job ({shared.job:#x}: ranks {sorted(shared.joined)} of {shared.ranks} joined)")
+            raise DeviceError(Status.STEP_ALREADY_OPEN,
+                              f"namespace {self.name!r}: step {tx.step} is open for {owner}; it must "
+                              "be committed or aborted first")
+        if step != tx.step or seq != shared.seq:
+            raise DeviceError(Status.STEP_NUMBER_MISMATCH,
+                              f"namespace {self.name!r}: the job's step {tx.step} (its shared step "
+                              f"{shared.seq}) is open, rank {rank} asks for step {step} (shared step {seq})")
+        if ranks != shared.ranks:
+            raise DeviceError(Status.INVALID_FIELD, f"step {step} was begun for {shared.ranks} ranks, "
+                              f"rank {rank} counts {ranks}")
+        if grad_scale != tx.grad_scale:
+            raise DeviceError(Status.INVALID_FIELD,
+                              f"step {step}: rank {rank} sends grad scale {grad_scale!r}, the step was "
+                              f"begun with {tx.grad_scale!r}; every rank must send the same (the same "
+                              "loss scale and clip coefficient)")
+        if groups is not None:
+            asked = [dataclasses.replace(hyper, **changes) for hyper, changes in
+                     zip(shared.hypers, groups)] if len(groups) == len(shared.hypers) else None
+            if asked != list(shared.hypers):
+                raise DeviceError(Status.INVALID_FIELD,
+                                  f"step {step}: rank {rank}'s hyperparameters differ from those the "
+                                  f"step was begun with ({[dataclasses.asdict(h) for h in shared.hypers]})")
+        if rank in shared.joined:
+            raise DeviceError(Status.STEP_ALREADY_OPEN, f"step {step}: rank {rank} has joined it already")
+        shared.joined.add(rank)
+        return {"step": tx.step, "grad_scale": grad_scale, "opened": False, "joined": len(shared.joined),
+                "ranks": ranks}
+
+    def _open_shared_locked(self, step: int, job: int, seq: int) -> StepTransaction:
+        """The open step, where it is step `step` of job `job`, its `seq`th; else NO_STEP_OPEN."""
+        tx = self._tx
+        if tx is None or tx.shared is None or (tx.shared.job, tx.shared.seq, tx.step) != (job, seq, step):
+            raise DeviceError(Status.NO_STEP_OPEN,
+                              f"namespace {self.name!r}: step {step} of job {job:#x} is not open "
+                              f"(committed step {self._sb.committed_step})")
+        return tx
+
+    def commit_shared_step(self, step: int, job: int, seq: int, rank: int) -> CommitResult | str:
+        """Commit step `step` of job `job` once every rank has joined and every gradient
+        block has arrived; until then, what it still waits for (a str: the rank asks again,
+        within its bound). A step that has ended answers with its outcome, the same for
+        every rank."""
+        with self._cond:
+            outcome = self._last_shared
+            if outcome is not None and (outcome.job, outcome.seq) == (job, seq):
+                return outcome.replay()
+            tx = self._open_shared_locked(step, job, seq)
+            shared = tx.shared
+            assert shared is not None
+            if rank not in shared.joined:
+                raise DeviceError(Status.INVALID_FIELD, f"step {step}: rank {rank} has not joined it")
+            if len(shared.joined) < shared.ranks or not tx.all_received:
+                # Not an error: a progress report (an error would fill the error log at
+                # every poll of every rank).
+                return self._waiting_for(tx)
+            try:
+                result = self._commit_locked(self._quiesced_step_locked())
+            except DeviceError as exc:
+                if self._tx is not tx:  # the step ended (aborted): every rank hears the same
+                    self._record_shared(tx, error=exc)
+                raise
+            self._record_shared(tx, result=result)
+            return result
+
+    def abort_shared_step(self, step: int, job: int, seq: int, rank: int, reason: str) -> int:
+        """Abort step `step` of job `job` (a rank whose wait ran out); every rank then hears
+        why. A step that has ended already is left as it ended (its ranks read how)."""
+        with self._cond:
+            outcome = self._last_shared
+            if outcome is not None and (outcome.job, outcome.seq) == (job, seq):
+                return step
+            self._open_shared_locked(step, job, seq)
+            tx = self._quiesced_step_locked()
+            self._tx = None
+            self.counters.steps_aborted += 1
+            self._settle_param_copies(tx, committed=False)
+            self._record_shared(tx, error=DeviceError(
+                Status.NO_STEP_OPEN, f"step {step} of job {job:#x} was aborted by rank {rank}: {reason}"))
+            return step
+
+    def _record_shared(self, tx: StepTransaction, result: CommitResult | None = None,
+                       error: DeviceError | None = None) -> None:
+        """Keep how shared step `tx` ended (any end: commit, skip, abort of any kind)."""
+        if tx.shared is not None:
+            self._last_shared = SharedOutcome(tx.shared.job, tx.shared.seq, tx.step, result, error)
+
+    def _waiting_for(self, tx: StepTransaction) -> str:
+        """What a shared step still waits for, for the rank that asks (and its error)."""
+        shared = tx.shared
+        assert shared is not None
+        parts = []
+        absent = sorted(set(range(shared.ranks)) - shared.joined)
+        if absent:
+            parts.append(f"ranks {absent} of {shared.ranks} have not joined")
+        if not tx.all_received:
+            parts.append(f"gradients incomplete for {', '.join(tx.missing(self.layouts))}")
+        return f"step {tx.step}: " + "; ".join(parts)
+
+    def shared_state(self) -> dict[str, Any] | None:
+        """The open shared step as statistics() shows it (lock-free, as statistics is)."""
+        tx = self._tx
+        shared = None if tx is None else tx.shared
+        if shared is None:
+            return None
+        return {"job": shared.job, "seq": shared.seq, "ranks": shared.ranks, "joined": sorted(shared.joined)}
