@@ -177,6 +177,16 @@ def test_metrics_tables_in_the_docs_name_what_is_served(served: tuple[Served, in
     assert len(SERVER_REFUSALS) == len({f"refused_{r}" for r in SERVER_REFUSALS} & set(SERVER_LOG_FIELDS))
 
 
+def test_the_page_layout_in_the_docs_is_the_code_s() -> None:
+    """docs/command-set.md's table of LID C5h names every field at its byte offset."""
+    from cossd.protocol.logpages import SERVER_LOG
+
+    section = (REPO / "docs/command-set.md").read_text().split("#### LID C5h", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| (\d+)-(\d+) \| `(\w+)` \|", section, re.M)
+    assert [name for _, _, name in rows] == list(SERVER_LOG_FIELDS)
+    assert all(SERVER_LOG.fields[name][1] == int(start) and int(end) == int(start) + 7 for start, end, name in rows)
+
+
 def test_a_mount_has_no_server_page(tmp_path: Path) -> None:
     """C5h is served by a server's controller only: the device's own controller (a mount's)
     answers INVALID_LOG_PAGE, as for any page it does not have."""
