@@ -280,7 +280,7 @@ SERVER_LOG_FIELDS = (
     # the parameter cache (--param-cache-size)
     "cache_capacity", "cache_bytes", "cache_namespaces", "cache_hits", "cache_misses", "cache_fills",
     "cache_hit_bytes", "cache_fill_bytes", "cache_evictions", "cache_too_large", "cache_invalidated",
-    # seconds-level context: when the server started (ns since the epoch)
+    # when the server started (ns since the epoch)
     "started_ns",
 )
 SERVER_LOG_BYTES = 512

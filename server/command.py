@@ -123,7 +123,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory all connections' WRITE buffers may hold at once (K/M/G suffixes, at least "
                              "32M): gradient WRITEs from 4 MiB are received in pieces of at most 2 x 16 MiB, "
                              "others whole; a WRITE that does not fit waits (--recv-wait-s), one larger than "
-                             "SIZE is refused (default: 1G)")
+                             "SIZE is refused (default: 2G, the largest WRITE the wire allows)")
     parser.add_argument("--recv-wait-s", type=_positive, default=DEFAULT_RECV_WAIT_S, metavar="S",
                         help="how long a WRITE waits for receive memory before it is refused with "
                              "COMMAND_INTERRUPTED (EAGAIN; nothing written) (default: %(default)s)")

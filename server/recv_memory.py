@@ -8,7 +8,9 @@ from typing import Any
 
 from ..emulator import DeviceError, Status
 
-DEFAULT_RECV_MEMORY = 1 << 30
+# The default: the wire's largest WRITE (2 GiB), so any WRITE a client may send fits alone and
+# none is refused for its size unless the operator asks for less; many at once share it.
+DEFAULT_RECV_MEMORY = 2 << 30
 DEFAULT_RECV_WAIT_S = 10.0
 # The least budget: a streamed WRITE's one slot (an H2CData PDU of up to 16 MiB) and more.
 MIN_RECV_MEMORY = 32 << 20

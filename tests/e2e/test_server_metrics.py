@@ -130,7 +130,7 @@ def test_metrics_and_log_page_after_real_traffic(served: tuple[Served, int], tmp
     assert figures["cache_hit_bytes"] >= 2 * (300_001 + 17) * 2
     assert figures["link_bytes_in"] >= 2 * (300_001 + 17) * 2  # both steps' gradients
     assert figures["link_bytes_out"] >= 3 * (300_001 + 17) * 2  # three param reads
-    assert figures["max_connections"] == 64 and figures["recv_memory_bytes"] == 1 << 30
+    assert figures["max_connections"] == 64 and figures["recv_memory_bytes"] == 2 << 30
     # The endpoint reads the same figures as the page (between the two reads, only the
     # link's and the connection counters could move, by the one GET_LOG_PAGE).
     assert scraped["cossd_server_param_cache_hits_total"] == figures["cache_hits"]
