@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Adam", "AdamW", "DeviceLostError"]
+__all__ = ["Adam", "AdamW", "DeviceLostError", "StepAbortedError"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from .namespace_files import DeviceLostError
 
         return DeviceLostError
+    if name == "StepAbortedError":
+        from .sharded import StepAbortedError
+
+        return StepAbortedError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

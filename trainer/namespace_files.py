@@ -395,6 +395,38 @@ class NamespaceFiles:
                  "cmb_offset": cmb.base + at} for item, offset, length, at in batch])
         return sum(sizes)
 
+    def write_pieces(self, items: list[tuple[str, int, torch.Tensor]]) -> int:
+        """Gradient pieces (tensor, first element, values in the wire dtype) of the open
+        step: a sharded optimizer's part of each tensor. Through the CMB where there is one
+        (one command per CMB-full), else a storage server's batched WRITE, else a file write
+        per piece at its offset."""
+        arrays = [values.detach().to("cpu").contiguous().view(-1).view(torch.uint8) for _, _, values in items]
+        cmb = self.cmb()
+        if cmb is not None:
+            window = torch.from_numpy(cmb.array)
+            for batch in plan_cmb_batches([array.numel() for array in arrays], cmb.size):
+                for item, offset, length, at in batch:
+                    window[at : at + length].copy_(arrays[item][offset : offset + length])
+                self.command(self.admin.cmb_write, self.nsid, [
+                    {"tensor": items[item][0], "offset": 2 * items[item][1] + offset, "length": length,
+                     "cmb_offset": cmb.base + at} for item, offset, length, at in batch])
+            return sum(array.numel() for array in arrays)
+        ranges = [(self._fd(tensor, "grad", writing=True), memoryview(array.numpy()), 2 * first)
+                  for (tensor, first, _), array in zip(items, arrays)]
+        many = getattr(self.transport, "write_many", None)  # a storage server's WRITE
+        try:
+            if many is not None and len(ranges) > 1:
+                return many(ranges)
+            for fd, buffer, at in ranges:
+                done = 0
+                while done < len(buffer):
+                    done += self.transport.write_at(fd, buffer[done:], at + done)
+        except OSError as exc:
+            if exc.errno in _LOST_ERRNOS:
+                raise _lost(self.mountpoint, exc) from exc
+            raise
+        return sum(len(buffer) for _, buffer, _ in ranges)
+
     def read_many_into(self, items: list[tuple[str, str, torch.Tensor]]) -> int:
         """read_into() of several (tensor, role, contiguous tensor), through the CMB where
         there is one (see write_many), and then `out` may be on any device (a GPU's

@@ -11,23 +11,25 @@ from typing import Any, Callable
 import torch
 
 from . import grads as grad_rules
-from . import namespace_swap
+from . import distributed, namespace_swap
 from ..client import Credentials
 from .namespace_files import WIRE_DTYPES, NamespaceFiles
 from .plan import HYPER_FIELDS, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
 from .rebind import Rebind
 from .session import DeviceSession
+from .sharded import ShardedSession
 from .state_dict import StateDict
 
 
-class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
+class _DeviceAdam(Rebind, StateDict, DeviceSession, ShardedSession, torch.optim.Optimizer):
     """The Adam family with its state on a cossd namespace; see AdamW and Adam.
 
     Its jobs live in modules of their own, as mixins of this one object (torch, GradScaler,
     DeepSpeed and accelerate all set and read the optimizer's own attributes): the plan of
     entries (plan.py), the gradients' rules (grads.py), the device session (session.py),
-    state_dict (state_dict.py) and following a wrapper's params (rebind.py). This class
-    holds the construction, the attach-or-create of the namespace and step().
+    the sharded step of a multi-rank job (sharded.py), state_dict (state_dict.py) and
+    following a wrapper's params (rebind.py). This class holds the construction, the
+    attach-or-create of the namespace and step().
     """
 
     _torch_class: type[torch.optim.Optimizer]
@@ -54,6 +56,9 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
         ca: str | os.PathLike[str] | None = None,
         cert: str | os.PathLike[str] | None = None,
         key: str | os.PathLike[str] | None = None,
+        average_grads: bool | None = None,
+        step_timeout_s: float = 300.0,
+        process_group: Any = None,
         **torch_options: Any,
     ) -> None:
         # torch's own class validates every argument and supplies its defaults, so the param
@@ -70,6 +75,21 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
                 "streaming sends gradients before the global norm is known; clip with "
                 "streaming=False"
             )
+        # A job of several ranks (torch.distributed initialized, world size > 1) shards the
+        # optimizer: each rank sends its part of the gradients into the one namespace.
+        self._ranks = distributed.current(process_group)
+        if self._ranks is not None and streaming:
+            raise ValueError("streaming=True is not supported by a sharded optimizer (torch.distributed "
+                             f"with {self._ranks.world} ranks) yet; use streaming=False")
+        if not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {step_timeout_s}")
+        if average_grads is not None and not isinstance(average_grads, bool):
+            raise ValueError(f"average_grads must be True, False or None, got {average_grads!r}")
+        self.step_timeout_s = float(step_timeout_s)
+        self._average = average_grads
+        self._job = 0
+        self._seq = 0
+        self._shard = []
         if state_dtype not in ("fp32", "bf16"):
             raise ValueError(f"state_dtype must be 'fp32' or 'bf16', got {state_dtype!r}")
         self._mode = "adamw" if defaults.get("decoupled_weight_decay") else "adam"
@@ -115,14 +135,17 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
         self.before_grad_write: Callable[[int], None] | None = None
         self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials)
         try:
-            # A load_state_dict that a killed job left half done is finished or undone first.
-            done = namespace_swap.resolve_interrupted(self.files)
-            if done is not None:
-                warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=3)
-            if self.files.exists():
-                self._attach()
+            if self._ranks is not None:
+                self._open_sharded()  # rank 0 opens it as below, then every rank follows
             else:
-                self._create(initial_step=0, masters=None)
+                # A load_state_dict that a killed job left half done is finished or undone first.
+                done = namespace_swap.resolve_interrupted(self.files)
+                if done is not None:
+                    warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=3)
+                if self.files.exists():
+                    self._attach()
+                else:
+                    self._create(initial_step=0, masters=None)
         except BaseException:
             self.files.close()
             raise
@@ -171,9 +194,8 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
         # The device rounds the masters to the wire dtype; the model starts from exactly that.
         self._read_params()
 
-    def _attach(self) -> None:
-        """Reattach to an existing namespace: check it is this model's, then restore params."""
-        config = self.files.config()
+    def _check_config(self, config: dict[str, Any]) -> None:
+        """Refuse a namespace that is not this model's (tensors, dtype, mode): nothing changes."""
         found = [(t["name"], t["numel"], t.get("group", 0)) for t in config["tensors"]]
         expected = [(e.name, e.numel, e.group) for e in self.entries]
         if found != expected:
@@ -189,6 +211,11 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
         if config["hyperparameters"]["mode"] != self._mode:
             raise ValueError(f"namespace {self.files.name!r} runs {config['hyperparameters']['mode']}, "
                              f"not {self._mode}")
+
+    def _attach(self) -> None:
+        """Reattach to an existing namespace: check it is this model's, then restore params."""
+        config = self.files.config()
+        self._check_config(config)
         self._sent_hypers = [
             {field: float(group[field]) for field in HYPER_FIELDS} for group in config["groups"]
         ]
@@ -240,6 +267,10 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not self._bound and self._params_moved():
+            if self._ranks is not None:
+                raise NotImplementedError(
+                    "the param groups hold other tensors than the sharded optimizer was made for (a "
+                    "wrapper such as DeepSpeed's): not supported with torch.distributed sharding yet")
             self._rebind()
         if self._bound:
             self._step_bound()
@@ -252,13 +283,16 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, torch.optim.Optimizer):
         timing = {"begin_s": 0.0}
         started = clock()
         try:
-            timing["begin_s"] = self._send_grads(loss_scale)
-            committing = clock()
-            timing["grads_s"] = committing - started - timing["begin_s"]
-            result = self._commit()
-            timing["commit_s"] = clock() - committing
-        except BaseException:
-            self._abort()
+            if self._ranks is not None:
+                result = self._step_sharded(loss_scale, timing)
+            else:
+                timing["begin_s"] = self._send_grads(loss_scale)
+                committing = clock()
+                timing["grads_s"] = committing - started - timing["begin_s"]
+                result = self._commit()
+                timing["commit_s"] = clock() - committing
+        except BaseException as exc:
+            self._abort(f"{type(exc).__name__}: {exc}"[:300])
             raise
         self.last_step_skipped = bool(result["skipped"])
         if self.last_step_skipped:

@@ -177,8 +177,12 @@ class DeviceSession:
         self._streamed.clear()
         return result
 
-    def _abort(self) -> None:
-        """Drop a step that failed halfway, so the next one can begin (best effort)."""
+    def _abort(self, why: str = "the step failed on this rank") -> None:
+        """Drop a step that failed halfway, so the next one can begin (best effort). A
+        sharded job's step is aborted for every rank, which then hear `why`."""
+        if getattr(self, "_ranks", None) is not None:
+            self._abort_shared(why)  # type: ignore[attr-defined]
+            return
         for future in self._pending:
             future.cancel()
         concurrent.futures.wait(self._pending)

@@ -154,6 +154,13 @@ class StateDict:
                     group[key] = value
         if noop:
             return  # the groups' changed options go to the device with the next step
+        if getattr(self, "_ranks", None) is not None:
+            for group, options in zip(self.param_groups, before):
+                group.update(options)
+            raise NotImplementedError(
+                "load_state_dict of another state in a sharded job (torch.distributed) is not "
+                "supported yet: load it in one process (world size 1), then resume the job at any "
+                "world size on the namespace")
         self._abort()
         hook = self.load_hook or (lambda stage: None)
         try:

@@ -1,0 +1,140 @@
+"""One rank of a multi-rank training job on a cossd mount, as torchrun would start it (RANK, WORLD_SIZE, MASTER_ADDR/PORT); tests/e2e/test_multirank.py runs it."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cossd.trainer import AdamW, StepAbortedError
+
+INPUTS, HIDDEN, CLASSES = 128, 2560, 64  # fc1.weight: 327,680 elements, more than one device block
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(INPUTS, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def groups_of(model: Net) -> list[dict]:
+    """Two param groups: the matrices decay, the biases do not and learn twice as fast."""
+    return [{"params": [model.fc1.weight, model.fc2.weight], "weight_decay": 0.1},
+            {"params": [model.fc1.bias, model.fc2.bias], "weight_decay": 0.0, "lr": 2 * BASE_LR}]
+
+
+BASE_LR, WARMUP, TOTAL = 3e-3, 5, 60
+
+
+def schedule(step: int) -> float:
+    """Warmup then cosine, as a multiplier of each group's base lr, for step `step` (from 1)."""
+    if step <= WARMUP:
+        return step / WARMUP
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - WARMUP) / (TOTAL - WARMUP))))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's micro-batch of a step: its own data, fixed by (step, rank)."""
+    generator = torch.Generator().manual_seed(7919 * step + rank)
+    return (torch.randn(8, INPUTS, generator=generator),
+            torch.randint(0, CLASSES, (8,), generator=generator))
+
+
+def synthetic_grads(step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients already averaged, the same on every rank and at any world size: a job
+    resumed at another world size then trains on exactly the gradients it would have had."""
+    generator = torch.Generator().manual_seed(104729 * step)
+    return [(torch.randn(p.shape, generator=generator) * 0.01).to(p.dtype) for p in params]
+
+
+def main() -> int:
+    config = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = Path(config["out"])
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same initial weights on every rank (rank 0's go to the device)
+    model = Net()
+    bases = [BASE_LR, 2 * BASE_LR]
+    recorder = warnings.catch_warnings(record=True)  # every warning of the run, for the test
+    caught = recorder.__enter__()
+    warnings.simplefilter("always")
+    optimizer = AdamW(groups_of(model), lr=BASE_LR, betas=(0.9, 0.95), mount=config["mount"],
+                      namespace=config["namespace"], max_grad_norm=config.get("clip"),
+                      step_timeout_s=config.get("step_timeout_s", 60.0), use_cmb=config.get("use_cmb", True),
+                      average_grads=False if config.get("synthetic") else None)
+    model.to(torch.bfloat16)
+    ddp = config["ddp"] and world > 1 and not config.get("synthetic")
+    net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    kill = config.get("kill") or {}
+    if kill.get("rank") == rank and kill.get("stage") == "after_join":
+        # kill -9 of this rank once it has joined step kill["step"], before its gradients go.
+        send = optimizer.files.command
+
+        def command(method, *args, **kwargs):
+            answer = send(method, *args, **kwargs)
+            if getattr(method, "__name__", "") == "begin_shared_step" and args[1] == kill["step"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return answer
+
+        optimizer.files.command = command
+    grads_seen: dict[int, list[torch.Tensor]] = {}
+    first = optimizer.committed_step + 1
+    try:
+        for step in range(first, config["last"] + 1):
+            for group, base in zip(optimizer.param_groups, bases):
+                group["lr"] = base * schedule(step)
+            if config.get("synthetic"):
+                for param, grad in zip(optimizer_params(optimizer), synthetic_grads(step, optimizer_params(optimizer))):
+                    param.grad = grad
+            else:
+                x, y = batch(step, rank)
+                loss = F.cross_entropy(net(x.to(torch.bfloat16)).float(), y)
+                loss.backward()
+            overflow = config.get("overflow") or {}
+            if overflow.get("rank") == rank and overflow.get("step") == step:
+                model.fc1.weight.grad.view(-1)[5] = float("inf")  # one element, on this rank only
+            if kill.get("rank") == rank and kill.get("stage") == "before_step" and kill["step"] == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if rank == 0:
+                # What the optimizer starts from: DDP's averages, or this rank's own (the test
+                # averages every rank's for a job without DDP).
+                grads_seen[step] = [p.grad.detach().clone() for p in optimizer_params(optimizer)]
+            elif not config["ddp"]:
+                grads_seen[step] = [p.grad.detach().clone() for p in optimizer_params(optimizer)]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    except StepAbortedError as exc:
+        (out / f"error{rank}.txt").write_text(str(exc))
+        optimizer.close()
+        return 3
+    result = {"committed_step": optimizer.committed_step, "steps_skipped": optimizer.steps_skipped,
+              "first": first, "restored": optimizer.restored,
+              "warnings": [str(w.message) for w in caught]}
+    torch.save({"grads": grads_seen, "params": [p.detach().clone() for p in optimizer_params(optimizer)],
+                "masters": optimizer.master_weights() if rank == 0 else None, "result": result},
+               out / f"rank{rank}.pt")
+    optimizer.close()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def optimizer_params(optimizer: AdamW) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Multi-rank training on one shared namespace: ranks as real processes on gloo (tests/e2e/multirank_job.py) through a real mount, against single-process cossd and torch."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from cossd.client import AdminClient
+from cossd.harness.reference import MixedPrecisionOptimizer
+from cossd.trainer import AdamW
+
+from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
+
+pytestmark = pytest.mark.mount
+
+JOB = Path(__file__).with_name("multirank_job.py")
+sys.path.insert(0, str(JOB.parent))
+import multirank_job as job  # noqa: E402  (the model, its groups and schedule, shared with the ranks)
+
+JOB_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    """One device for the module's jobs (each on namespaces of its own), always unmounted."""
+    from cossd.emulator import Device
+
+    root = tmp_path_factory.mktemp("multirank")
+    Device.format(root / "backing", capacity_bytes=8 << 30, serial="MULTIRANK0001")
+    mounted = start_mount(root / "backing", root / "mnt")
+    try:
+        yield mounted
+    finally:
+        if is_mounted(mounted.mountpoint):
+            force_unmount(mounted.mountpoint)
+        try:
+            wait_for_exit(mounted.pid, 30)
+        except TimeoutError:
+            os.kill(mounted.pid, signal.SIGKILL)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_job(mount: Mount, out: Path, namespace: str, world: int, last: int, **options: Any) -> list[int]:
+    """Start `world` ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
+    wait for them; their exit codes. Options go to multirank_job.py (ddp, clip, overflow,
+    kill, synthetic, step_timeout_s, use_cmb)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"mount": str(mount.mountpoint), "namespace": namespace, "last": last, "out": str(out),
+              "ddp": True} | options
+    base = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                         "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config)], env=base | {"RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    codes, logs = [], []
+    try:
+        for process in ranks:
+            text, _ = process.communicate(timeout=JOB_TIMEOUT_S)
+            codes.append(process.returncode)
+            logs.append(text)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    (out / "logs.txt").write_text("\n".join(f"--- rank {r} (exit {c})\n{t}" for r, (c, t) in enumerate(zip(codes, logs))))
+    return codes
+
+
+def finished(out: Path, world: int, codes: list[int]) -> list[dict[str, Any]]:
+    """Every rank's saved results, once each rank exited 0 (else its log, in the failure)."""
+    assert codes == [0] * world, (codes, (out / "logs.txt").read_text()[-6000:])
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+
+
+def bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
+                           y.view(torch.int16 if y.element_size() == 2 else torch.int32)) for x, y in zip(a, b))
+
+
+def single_process(mount: Mount, namespace: str, grads: dict[int, list[torch.Tensor]], last: int,
+                   clip: float | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], AdamW]:
+    """The same model, groups and schedule in this process (no torch.distributed: one
+    namespace, one writer), stepped on the given gradients: its params and masters."""
+    torch.manual_seed(0)
+    model = job.Net()
+    optimizer = AdamW(job.groups_of(model), lr=job.BASE_LR, betas=(0.9, 0.95), mount=mount.mountpoint,
+                      namespace=namespace, max_grad_norm=clip)
+    model.to(torch.bfloat16)
+    params = job.optimizer_params(optimizer)
+    try:
+        for step in range(1, last + 1):
+            for group, base in zip(optimizer.param_groups, (job.BASE_LR, 2 * job.BASE_LR)):
+                group["lr"] = base * job.schedule(step)
+            for param, grad in zip(params, grads[step]):
+                param.grad = grad.clone()
+            optimizer.step()
+        return [p.detach().clone() for p in params], optimizer.master_weights(), optimizer
+    finally:
+        optimizer.close()
+
+
+def torch_fused(grads: dict[int, list[torch.Tensor]], last: int, clip: float) -> list[torch.Tensor]:
+    """torch.optim.AdamW(fused=True) on FP32 masters, clipped by clip_grad_norm_: its masters."""
+    torch.manual_seed(0)
+    model = job.Net()
+    reference = MixedPrecisionOptimizer(job.groups_of(model), torch.optim.AdamW, fused=True, lr=job.BASE_LR,
+                                        betas=(0.9, 0.95))
+    model.to(torch.bfloat16)
+    for step in range(1, last + 1):
+        for group, base in zip(reference.param_groups, (job.BASE_LR, 2 * job.BASE_LR)):
+            group["lr"] = base * job.schedule(step)
+        for param, grad in zip(reference.model_params, grads[step]):
+            param.grad = grad.clone()
+        reference.step(max_grad_norm=clip)
+    return [master.detach() for master in reference.masters]
+
+
+def statistics(mount: Mount, namespace: str) -> dict[str, Any]:
+    with AdminClient(mount.mountpoint) as admin:
+        return admin.statistics(admin.nsid(namespace))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def equal_to_single_process(mount: Mount, tmp_path: Path, world: int, steps: int) -> None:
+    namespace = f"eq{world}-{steps}"
+    codes = run_job(mount, tmp_path / "job", namespace, world, steps)
+    ranks = finished(tmp_path / "job", world, codes)
+    assert all(r["result"]["committed_step"] == steps for r in ranks)
+    for other in ranks[1:]:
+        assert bits_equal(other["params"], ranks[0]["params"]), "ranks hold different params"
+    stats = statistics(mount, namespace)
+    assert stats["steps_committed"] == steps and stats["committed_step"] == steps
+    params, masters, _ = single_process(mount, f"ref{world}-{steps}", ranks[0]["grads"], steps)
+    assert bits_equal(ranks[0]["params"], params)
+    assert bits_equal(ranks[0]["masters"], masters)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sharded_run_equals_single_process_bit_for_bit(mount: Mount, tmp_path: Path, world: int) -> None:
+    """DDP's averaged gradients, two param groups, warmup-cosine: every rank ends with the
+    params a single-process run on the same gradients gets, bit for bit, masters too."""
+    equal_to_single_process(mount, tmp_path, world, 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sharded_run_equals_single_process_long(mount: Mount, tmp_path: Path, world: int) -> None:
+    equal_to_single_process(mount, tmp_path, world, 60)
+
+
+def test_global_norm_clipping_across_shards(mount: Mount, tmp_path: Path) -> None:
+    """Clipping by the norm over every rank's shard (one gather of squared sums): within
+    1e-6 x max|param| of single-process cossd and of torch's fused AdamW with clip_grad_norm_."""
+    world, steps, clip = 3, 20, 0.05
+    codes = run_job(mount, tmp_path / "job", "clip3", world, steps, clip=clip)
+    ranks = finished(tmp_path / "job", world, codes)
+    grads = ranks[0]["grads"]
+    _, cossd_masters, optimizer = single_process(mount, "clip3-ref", grads, steps, clip=clip)
+    assert optimizer.last_grad_norm is not None and optimizer.last_grad_norm > clip  # it clipped
+    torch_masters = torch_fused(grads, steps, clip)
+    mine = ranks[0]["masters"]
+    scale = max(float(m.abs().max()) for m in mine)
+    for name, theirs in (("single-process cossd", cossd_masters), ("torch fused AdamW", torch_masters)):
+        worst = max(float((a - b).abs().max()) for a, b in zip(mine, theirs))
+        assert worst <= 1e-6 * scale, f"{name}: {worst} > 1e-6 x {scale}"
+
+
+def test_overflow_on_one_rank_skips_the_step_on_all(mount: Mount, tmp_path: Path) -> None:
+    """No DDP: the optimizer averages (and says so); an inf in one rank's gradients reaches
+    one shard, and the device skips the step for every rank, counted once."""
+    world, steps = 2, 8
+    codes = run_job(mount, tmp_path / "job", "overflow2", world, steps, ddp=False,
+                    overflow={"rank": 1, "step": 4})
+    ranks = finished(tmp_path / "job", world, codes)
+    for r in ranks:
+        assert r["result"]["committed_step"] == steps - 1
+        assert r["result"]["steps_skipped"] == 1
+    assert any("averages the gradients of the 2 ranks itself" in w for w in ranks[0]["result"]["warnings"])
+    stats = statistics(mount, "overflow2")
+    assert stats["steps_skipped"] == 1 and stats["last_skipped_step"] == 4
+    assert stats["steps_committed"] == steps - 1
+    assert bits_equal(ranks[0]["params"], ranks[1]["params"])
+    # The same averaged gradients in one process: the same skip, the same params.
+    averaged = {}
+    for step in ranks[0]["grads"]:
+        total = [a.float() + b.float() for a, b in zip(ranks[0]["grads"][step], ranks[1]["grads"][step])]
+        averaged[step] = [(t / world).to(torch.bfloat16) for t in total]  # the wire dtype, as the ranks send it
+    params, masters, optimizer = single_process(mount, "overflow2-ref", averaged, steps)
+    assert optimizer.steps_skipped == 1
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+
+
+def test_resume_on_other_world_sizes(mount: Mount, tmp_path: Path) -> None:
+    """A job saved at 4 ranks resumes at 2, 3 and 1 on the namespace (nothing moves) and
+    ends bit for bit where an uninterrupted 4-rank job on the same gradients ends."""
+    steps = 20
+    codes = run_job(mount, tmp_path / "whole", "whole4", 4, steps, synthetic=True)
+    whole = finished(tmp_path / "whole", 4, codes)
+    last = 0
+    for index, (world, until) in enumerate(((4, 5), (2, 10), (3, 15), (1, 20))):
+        out = tmp_path / f"phase{index}"
+        ranks = finished(out, world, run_job(mount, out, "resumed", world, until, synthetic=True))
+        for r in ranks:
+            assert r["result"]["first"] == last + 1 and r["result"]["committed_step"] == until
+            assert r["result"]["restored"] == (last > 0)
+        last = until
+    assert bits_equal(ranks[0]["params"], whole[0]["params"])
+    assert bits_equal(ranks[0]["masters"], whole[0]["masters"])
+
+
+def killed_mid_step(mount: Mount, tmp_path: Path, trial: int, world: int, rank: int, stage: str) -> None:
+    namespace, steps, at = f"kill{trial}", 8, 4
+    out = tmp_path / f"kill{trial}"
+    codes = run_job(mount, out, namespace, world, steps, synthetic=True, step_timeout_s=3.0,
+                    kill={"rank": rank, "step": at, "stage": stage})
+    assert codes[rank] == -signal.SIGKILL, (codes, (out / "logs.txt").read_text()[-4000:])
+    survivors = [r for r in range(world) if r != rank]
+    assert [codes[r] for r in survivors] == [3] * len(survivors), (codes, (out / "logs.txt").read_text()[-4000:])
+    for r in survivors:
+        message = (out / f"error{r}.txt").read_text()
+        assert f"step {at} of namespace {namespace!r} was not committed" in message
+        assert f"stays at step {at - 1}" in message
+    stats = statistics(mount, namespace)
+    assert stats["committed_step"] == at - 1 and stats["step_open"] is None
+    # The restarted job resumes every rank from the one committed step and finishes as a
+    # run that never stopped.
+    again = tmp_path / f"again{trial}"
+    ranks = finished(again, world, run_job(mount, again, namespace, world, steps, synthetic=True))
+    assert all(r["result"]["first"] == at for r in ranks)
+    grads = {step: job.synthetic_grads(step, ranks[0]["params"]) for step in range(1, steps + 1)}
+    params, masters, _ = single_process(mount, f"kill{trial}-ref", grads, steps)
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+
+
+@pytest.mark.parametrize("trial,world,rank,stage", [(0, 2, 1, "after_join"), (1, 3, 0, "before_step")])
+def test_rank_killed_mid_step(mount: Mount, tmp_path: Path, trial: int, world: int, rank: int, stage: str) -> None:
+    """kill -9 of one rank in a step (after it joined the step, or before it began it): the
+    others get a clear error within their bound, the device stays at step N, and the job
+    restarted resumes from step N on every rank."""
+    killed_mid_step(mount, tmp_path, trial, world, rank, stage)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(10, 22))
+def test_rank_killed_mid_step_trials(mount: Mount, tmp_path: Path, trial: int) -> None:
+    world = 2 + trial % 3
+    killed_mid_step(mount, tmp_path, trial, world, trial % world, ("after_join", "before_step")[trial % 2])

@@ -1,0 +1,84 @@
+"""What a sharded optimizer asks of torch.distributed: the ranks, the job's id, a DDP wrapper or not, gradient averaging, the global norm."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import secrets
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job: its rank, the world size, the process group."""
+
+    rank: int
+    world: int
+    group: Any = None  # None: the default process group
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        values: list[Any] = [None] * self.world
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
+    def from_rank0(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (each rank passes its own; only rank 0's counts)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+def current(group: Any = None) -> Ranks | None:
+    """The job's ranks where torch.distributed is initialized with more than one, else None
+    (one process: the optimizer is not sharded)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size(group)
+    if world < 2:
+        return None
+    return Ranks(dist.get_rank(group), world, group)
+
+
+def new_job_id() -> int:
+    """A 63-bit id for one job's shared steps (rank 0 draws it, the others take it)."""
+    return secrets.randbits(63)
+
+
+def ddp_wraps(params: list[torch.Tensor]) -> bool | None:
+    """Whether a DistributedDataParallel module holds these params: True for all of them,
+    False for none; None for some (a setup the optimizer refuses). Looked up once, among the
+    live DDP modules (DDP marks nothing on the params themselves)."""
+    wrapper = torch.nn.parallel.DistributedDataParallel
+    wrapped: set[int] = set()
+    for candidate in gc.get_objects():
+        if issubclass(type(candidate), wrapper):  # type(): no __instancecheck__ (deprecated objects warn)
+            wrapped.update(id(param) for param in candidate.module.parameters())
+    hits = sum(id(param) in wrapped for param in params)
+    if hits == 0:
+        return False
+    return True if hits == len(params) else None
+
+
+def average(grads: list[torch.Tensor], ranks: Ranks) -> list[torch.Tensor]:
+    """The mean of every rank's gradients, on every rank: one all-reduce (a sum, in FP32,
+    whatever the gradients' dtype), then a division by the world size. Each rank then
+    sends only its shard of the result."""
+    flat = torch.cat([grad.detach().reshape(-1).to("cpu", torch.float32) for grad in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ranks.group)
+    flat.div_(ranks.world)
+    means, offset = [], 0
+    for grad in grads:
+        means.append(flat[offset : offset + grad.numel()])
+        offset += grad.numel()
+    return means
+
+
+def global_norm(local_squares: float, ranks: Ranks) -> float:
+    """sqrt of the sum of every rank's sum of squared gradient elements. The sums are
+    gathered and added in rank order on each rank, so every rank gets the same bits (and so
+    the same clip coefficient in its BEGIN_STEP, which the device checks)."""
+    return math.sqrt(math.fsum(ranks.gather(float(local_squares))))
