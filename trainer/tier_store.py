@@ -1,4 +1,4 @@
-"""The tiered checkpointer's object store: s3://BUCKET/PREFIX with boto3, one version's multipart upload with CRC32C'd parts, its manifest written last, the listing and the verified download."""
+"""The tiered checkpointer's S3 store (boto3): a version's multipart upload, its manifest written last, listing, verified download."""
 from __future__ import annotations
 
 import contextlib

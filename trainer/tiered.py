@@ -1,4 +1,4 @@
-"""cossd.trainer.TieredCheckpointer: async checkpoints of resident state (a model and a stock optimizer) through a bounded memory pool, a local-SSD spill dir and an S3 object store."""
+"""cossd.trainer.TieredCheckpointer: async checkpoints of resident state through a bounded memory pool, a spill dir and S3."""
 from __future__ import annotations
 
 import atexit
@@ -520,22 +520,25 @@ class TieredCheckpointer:
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise TypeError(f"version must be an int or None, got {version!r}")
         listed = self.versions()
-        where = {row["step"]: row["tiers"] for row in listed}
+        in_store = {row["step"] for row in listed if STORE in row["tiers"]}
         if version is not None:
-            if version not in where:
+            if version not in {row["step"] for row in listed}:
                 raise RestoreError(f"no complete version {version}; complete versions: "
-                                   f"{sorted(where) or 'none'}")
+                                   f"{[row['step'] for row in listed] or 'none'}")
             steps = [version]
         else:
-            steps = sorted(where, reverse=True)
+            steps = sorted((row["step"] for row in listed), reverse=True)
         failures: list[str] = []
         for step in steps:
-            for tier in where[step]:
+            # Each tier is looked at when its turn comes: a version may move down meanwhile.
+            for tier in (MEMORY, SPILL, STORE):
                 try:
-                    state = self._read(step, tier)
-                except (CorruptVersionError, tier_payload.PayloadError, StoreError, OSError, KeyError) as exc:
+                    state = self._read(step, tier, in_store)
+                except (CorruptVersionError, tier_payload.PayloadError, StoreError, OSError) as exc:
                     failures.append(f"version {step} from the {tier} tier: {exc}")
                     warnings.warn(f"TieredCheckpointer: restore skips {failures[-1]}", RuntimeWarning, stacklevel=2)
+                    continue
+                if state is None:
                     continue
                 _check_fits(model, optimizer, state)
                 model.load_state_dict(state["model"])
@@ -546,23 +549,31 @@ class TieredCheckpointer:
         raise RestoreError("no complete version could be restored" +
                            (": " + "; ".join(failures) if failures else ": there is none"))
 
-    def _read(self, step: int, tier: str) -> dict[str, Any]:
-        if tier == MEMORY:
-            with self._cv:
-                version = self._versions.get(step)
+    def _read(self, step: int, tier: str, in_store: set[int]) -> dict[str, Any] | None:
+        """Version `step` from `tier`, checked; None where that tier has no copy of it."""
+        with self._cv:
+            version = self._versions.get(step)
+            if version is not None and version.dropped:
+                version = None
+            if tier == MEMORY:
                 if version is None or version.buffer is None:
-                    raise KeyError(f"version {step} left the memory pool meanwhile")
+                    return None
+                # Copied out under the lock: the buffer stays the pool's.
                 got, state = tier_payload.read(version.buffer, copy=True)
-        else:
-            if tier == SPILL:
-                with self._cv:
-                    version = self._versions.get(step)
-                    record = version.spill if version is not None else None
-                if record is None or self._spill is None:
-                    raise KeyError(f"version {step} left the spill dir meanwhile")
+            record = version.spill if version is not None else None
+            archived = version is not None and version.archived
+        if tier == SPILL:
+            if record is None or self._spill is None:
+                return None
+            try:
                 data = self._spill.read_version(step, record, bytearray(record["payload_bytes"]))
-            else:
-                _, data = self._store.read_version(step)
+            except FileNotFoundError:
+                return None  # uploaded and removed meanwhile: the store has it
+        elif tier == STORE:
+            if step not in in_store and not archived:
+                return None
+            _, data = self._store.read_version(step)
+        if tier != MEMORY:
             got, state = tier_payload.read(torch.frombuffer(data, dtype=torch.uint8), copy=False)
         if got != step:
             raise CorruptVersionError(f"version {step} holds step {got}")
@@ -587,6 +598,8 @@ class TieredCheckpointer:
                          "adopted_from_spill", "restores"):
                 figures[name] = self._counts[name]
             figures.update({name: self._floats[name] for name in ("stall_s_total", "stall_s_max", "copy_s_total")})
+        # Besides the pool: the parts in flight, each a copy of its chunk (boto3 takes bytes).
+        figures["upload_buffers_max_bytes"] = self._window.maximum * self.chunk_bytes
         figures.update(concurrency=self._window.limit, concurrency_max=self._window.maximum,
                        concurrency_increases=self._window.increases, concurrency_decreases=self._window.decreases,
                        **self._meter.summary())

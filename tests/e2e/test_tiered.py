@@ -1,0 +1,448 @@
+"""cossd.trainer.TieredCheckpointer against a real S3 server (SeaweedFS): a small model and
+torch's AdamW saved every step within the memory pool's bound and restored bit for bit; a store
+behind a tbf-limited veth (network namespaces) that fills the spill tier, which drains when the
+limit is lifted; every tier full, coalescing counted; a corrupted object caught on restore;
+kill -9 of a process mid-upload leaves no complete-looking version; bad input refused."""
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+MIB = 1 << 20
+BUCKET = "tiered"
+CHUNK = 5 * MIB
+WAIT_S = 60.0  # the most any condition below is waited for (a failure, never a figure)
+
+
+# ---------------------------------------------------------------------- the model
+
+
+def make_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """About 1.05M params: a version is 12.6 MB (FP32 params, AdamW's two moments), 3 parts."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    inputs = torch.randn(16, 512, generator=torch.Generator().manual_seed(step))
+    model(inputs).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def assert_identical(a: Any, b: Any, path: str = "state") -> None:
+    """Equal bit for bit: tensors by their bytes (and dtype, shape), everything else by value."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), path
+        for key in a:
+            assert_identical(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def restored(checkpointer: Any, version: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what restore() said, the state it loaded) into a fresh model and optimizer."""
+    model, optimizer = make_model(seed=99)
+    info = checkpointer.restore(model, optimizer, version)
+    return info, snapshot(model, optimizer)
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"still not {what} after {WAIT_S} s"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- the stores
+
+if __name__ == "__main__":  # the child process of the kill test: tests/ is not on its path
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+import s3_server  # noqa: E402  (tests/, on the path as conftest's directory)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """SeaweedFS on loopback; boto3 finds it through AWS_* in the environment, as a user's would."""
+    if s3_server.WEED is None:
+        pytest.skip(s3_server.MISSING)
+    server = s3_server.start_weed(tmp_path_factory.mktemp("weed"), BUCKET)
+    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=s3_server.KEY,
+                      AWS_SECRET_ACCESS_KEY=s3_server.SECRET)
+    try:
+        yield server.endpoint
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def far_store(store: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
+    """SeaweedFS in network namespace a (10.77.0.1), reached from namespace b across a veth
+    pair whose b side a tbf qdisc can slow: (the pair, the endpoint). The tests run their
+    checkpointers inside b (`with pair.b.entered()`)."""
+    import netns
+
+    reason = netns.unavailable()
+    if reason is not None:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    with netns.joined_namespaces() as pair:
+        server = s3_server.start_weed(tmp_path_factory.mktemp("weed-far"), BUCKET, ip=pair.a.address,
+                                      popen=lambda argv, **kw: pair.popen(pair.a, argv, **kw),
+                                      reach=lambda function: pair.b.call(function))
+        try:
+            yield pair, server.endpoint
+        finally:
+            server.stop()
+
+
+def checkpointer(url: str, **options: Any) -> Any:
+    from cossd.trainer import TieredCheckpointer
+
+    options.setdefault("chunk_bytes", CHUNK)
+    return TieredCheckpointer(url, **options)
+
+
+def version_bytes() -> int:
+    from cossd.trainer import tier_payload
+
+    model, optimizer = make_model()
+    train_step(model, optimizer, 1)
+    return tier_payload.plan({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                              "optimizer_class": "AdamW"}, 1).size
+
+
+VERSION = version_bytes()
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def test_the_policy_aimd_and_the_coalescing_rule() -> None:
+    """The policy's rules alone (no store): AIMD's window, and which versions coalescing drops."""
+    from cossd.trainer.tier_policy import AimdWindow, Candidate, coalesce
+
+    window = AimdWindow(initial=2, maximum=4, latency_target_s=1.0)
+    for _ in range(5):
+        window.success(0.1)
+    assert window.limit == 4  # one more per part within the target, up to the maximum
+    window.success(1.5)
+    assert window.limit == 2  # a slow part halves it
+    window.failure()
+    window.failure()
+    assert window.limit == 1 and window.decreases == 2  # never below one
+    with pytest.raises(ValueError):
+        AimdWindow(initial=5, maximum=4, latency_target_s=1.0)
+    versions = [Candidate(1, 10, uploading=True), Candidate(2, 10, False), Candidate(3, 10, False),
+                Candidate(4, 10, False)]
+    # Oldest first, never the one being uploaded (before the stall bound), never the newer one.
+    assert coalesce(versions, 15, newer_than_all=4, include_uploading=False) == [2, 3]
+    assert coalesce(versions, 25, newer_than_all=4, include_uploading=False) == []  # not enough: none
+    assert coalesce(versions, 25, newer_than_all=4, include_uploading=True) == [2, 3, 1]
+    assert coalesce(versions, 5, newer_than_all=2, include_uploading=False) == []
+
+
+def test_every_step_within_the_pool_bound_restored_bit_for_bit(store: str, tmp_path: Path) -> None:
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    memory = VERSION * 5 // 2
+    ck = checkpointer(url, memory_bytes=memory, spill_dir=tmp_path / "spill", spill_bytes=VERSION * 3,
+                      max_stall_s=2.0)
+    model, optimizer = make_model()
+    states = {}
+    for step in range(1, 13):
+        train_step(model, optimizer, step)
+        ck.save(model, optimizer, step)
+        states[step] = snapshot(model, optimizer)
+    # The newest version is in the pool: restored from memory, bit for bit.
+    info, state = restored(ck)
+    assert info["step"] == 12 and info["tier"] in ("memory", "spill")  # the spiller may have moved it
+    assert_identical(state, states[12])
+    report = ck.close(drain=True)
+    figures = report["stats"]
+    assert report["drained"] and "nothing left to archive" in report["statement"]
+    assert 0 < figures["memory_peak"] <= memory
+    assert figures["spill_peak"] <= VERSION * 3 and figures["spill_used"] == 0
+    assert figures["saves"] == 12
+    # Every version archived or dropped by coalescing, and each drop counted.
+    assert figures["archived"] + figures["coalesced"] == 12
+    assert len(figures["coalesced_steps"]) == figures["coalesced"]
+    assert figures["parts_uploaded"] == 3 * figures["archived"] and figures["parts_failed"] == 0
+
+    # From the store alone (a new process's view): every archived version, restorable bit for bit.
+    fresh = checkpointer(url, memory_bytes=VERSION)
+    listed = fresh.versions()
+    archived = [row["step"] for row in listed]
+    assert archived == sorted(set(range(1, 13)) - set(figures["coalesced_steps"]))
+    assert 12 in archived and all(row["tiers"] == ["store"] for row in listed)
+    info, state = restored(fresh)
+    assert (info["step"], info["tier"], info["skipped"]) == (12, "store", [])
+    assert_identical(state, states[12])
+    info, state = restored(fresh, archived[0])
+    assert info["step"] == archived[0]
+    assert_identical(state, states[archived[0]])
+
+    # Bad input: a clear error, and nothing changes.
+    from cossd.trainer.tiered import RestoreError
+
+    model, optimizer = make_model(seed=5)
+    before = snapshot(model, optimizer)
+    with pytest.raises(RestoreError, match="no complete version 999"):
+        fresh.restore(model, optimizer, 999)
+    other = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="does not fit"):
+        fresh.restore(other, torch.optim.AdamW(other.parameters()))
+    assert_identical(snapshot(model, optimizer), before)
+    tiny = checkpointer(url, memory_bytes=1024)
+    with pytest.raises(ValueError, match="must hold at least one version"):
+        tiny.save(model, optimizer, 1)
+    assert tiny.stats()["saves"] == 0 and tiny.close()["drained"]
+    fresh.save(model, optimizer, 20)
+    with pytest.raises(ValueError, match="not after the last saved step 20"):
+        fresh.save(model, optimizer, 20)
+    assert fresh.stats()["saves"] == 1
+    fresh.close(drain=False)
+    with pytest.raises(RuntimeError, match="closed"):
+        fresh.save(model, optimizer, 21)
+    with pytest.raises(ValueError, match="s3://BUCKET/PREFIX"):
+        checkpointer("/tmp/nowhere", memory_bytes=memory)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        checkpointer(url, memory_bytes=memory, chunk_bytes=MIB)
+    with pytest.raises(ValueError, match="spill_dir and spill_bytes"):
+        checkpointer(url, memory_bytes=memory, spill_bytes=VERSION)
+    from cossd.trainer.tier_store import StoreError
+
+    with pytest.raises(StoreError, match="no-such-bucket"):
+        checkpointer("s3://no-such-bucket/x", memory_bytes=memory)
+
+
+def test_corrupted_object_detected_on_restore(store: str, tmp_path: Path) -> None:
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    ck = checkpointer(url, memory_bytes=VERSION * 3)
+    model, optimizer = make_model()
+    states = {}
+    for step in (1, 2):
+        train_step(model, optimizer, step)
+        ck.save(model, optimizer, step)
+        states[step] = snapshot(model, optimizer)
+    # A version in the pool is restored from it (archived versions stay there until room is needed).
+    info, state = restored(ck)
+    assert (info["step"], info["tier"]) == (2, "memory")
+    assert_identical(state, states[2])
+    assert ck.close()["stats"]["archived"] == 2
+    s3 = s3_server.client(store)
+    key = f"{tmp_path.name}/v{2:012d}/data"
+    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[CHUNK + 4321] ^= 0x10  # one bit of chunk 1, the size unchanged
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+
+    fresh = checkpointer(url, memory_bytes=VERSION)
+    with pytest.warns(RuntimeWarning, match="version 2 from the store tier.*chunk 1"):
+        info, state = restored(fresh)
+    assert info["step"] == 1 and len(info["skipped"]) == 1  # fell back to the older complete version
+    assert_identical(state, states[1])
+    model, optimizer = make_model(seed=7)
+    before = snapshot(model, optimizer)
+    from cossd.trainer.tiered import RestoreError
+
+    with pytest.warns(RuntimeWarning), pytest.raises(RestoreError, match="chunk 1.*CRC32C"):
+        fresh.restore(model, optimizer, 2)
+    assert_identical(snapshot(model, optimizer), before)
+    fresh.close()
+
+
+def test_slow_store_spills_then_drains(far_store: tuple[Any, str], tmp_path: Path) -> None:
+    pair, endpoint = far_store
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    memory, spill = VERSION * 5 // 2, VERSION * 4
+    with pair.b.entered():
+        pair.rate_limit(pair.b, mbit=16)  # 2 MB/s towards the store: a version takes 6 s
+        try:
+            ck = checkpointer(url, endpoint_url=endpoint, memory_bytes=memory, spill_dir=tmp_path / "spill",
+                              spill_bytes=spill, max_stall_s=10.0)
+            model, optimizer = make_model()
+            states = {}
+            for step in range(1, 6):
+                train_step(model, optimizer, step)
+                ck.save(model, optimizer, step)
+                states[step] = snapshot(model, optimizer)
+            # Versions arrive faster than the store takes them: the spill tier fills, within its bound.
+            wait_for(lambda: len(ck.stats()["versions_in_spill"]) >= 3, "spilled")
+            during = ck.stats()
+            assert during["spill_used"] >= 3 * VERSION and during["archived"] == 0
+            # The policy sees parts slower than its latency target and halves its concurrency.
+            wait_for(lambda: ck.stats()["concurrency_decreases"] > 0, "backing off")
+        finally:
+            pair.clear_rate_limit(pair.b)
+        # Bandwidth back: the spill tier drains into the store, with nothing dropped.
+        wait_for(lambda: ck.stats()["spill_used"] == 0 and ck.stats()["archived"] == 5, "drained")
+        figures = ck.stats()
+        assert figures["coalesced"] == 0 and figures["spilled"] >= 3
+        assert figures["memory_peak"] <= memory and figures["spill_peak"] <= spill
+        assert figures["concurrency_increases"] > 0
+        assert [(row["step"], "store" in row["tiers"]) for row in ck.versions()] == [(s, True) for s in range(1, 6)]
+        assert not list((tmp_path / "spill").iterdir())
+        assert ck.close()["drained"]
+        fresh = checkpointer(url, endpoint_url=endpoint, memory_bytes=VERSION)
+        info, state = restored(fresh)
+        assert info["step"] == 5
+        assert_identical(state, states[5])
+        fresh.close()
+
+
+def test_every_tier_full_coalesces_and_keeps_the_newest(far_store: tuple[Any, str], tmp_path: Path) -> None:
+    pair, endpoint = far_store
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    memory, spill = VERSION * 5 // 2, VERSION * 3 // 2
+    with pair.b.entered():
+        pair.rate_limit(pair.b, mbit=8)  # 1 MB/s: one version takes 13 s, eight arrive at once
+        try:
+            ck = checkpointer(url, endpoint_url=endpoint, memory_bytes=memory, spill_dir=tmp_path / "spill",
+                              spill_bytes=spill, max_stall_s=5.0)
+            model, optimizer = make_model()
+            states = {}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for step in range(1, 9):
+                    train_step(model, optimizer, step)
+                    ck.save(model, optimizer, step)
+                    states[step] = snapshot(model, optimizer)
+                wait_for(lambda: 8 in ck.stats()["versions_in_spill"], "coalesced")
+            during = ck.stats()
+            assert during["archived"] == 0 and during["coalesced"] >= 5
+            assert during["memory_peak"] <= memory and during["spill_peak"] <= spill
+            drops = [str(w.message) for w in caught if "every tier is full" in str(w.message)]
+            assert drops and all("the newest version is kept" in d for d in drops)
+            # The newest is kept, and the oldest, whose upload is progress already paid for.
+            local = {row["step"] for row in ck.versions()}
+            assert {1, 8} <= local and not local & set(during["coalesced_steps"])
+        finally:
+            pair.clear_rate_limit(pair.b)
+        report = ck.close(drain=True)
+        assert report["drained"]
+        kept = sorted(set(range(1, 9)) - set(report["stats"]["coalesced_steps"]))
+        assert report["stats"]["archived"] == len(kept)
+        assert f"{report['stats']['coalesced']} dropped by coalescing" in report["statement"]
+        fresh = checkpointer(url, endpoint_url=endpoint, memory_bytes=VERSION)
+        assert [row["step"] for row in fresh.versions()] == kept
+        info, state = restored(fresh)
+        assert info["step"] == 8
+        assert_identical(state, states[8])
+        fresh.close()
+
+
+def test_kill_9_mid_upload_leaves_no_complete_looking_version(far_store: tuple[Any, str], tmp_path: Path) -> None:
+    pair, endpoint = far_store
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    spill = tmp_path / "spill"
+    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}
+    child = pair.popen(pair.b, [sys.executable, __file__, "child", url, str(spill), str(tmp_path)],
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "archived 1"
+        pair.rate_limit(pair.b, mbit=32)  # 4 MB/s: version 2's parts take seconds
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "mid-upload 2, 3 spilled"
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        pair.clear_rate_limit(pair.b)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    expected = {step: torch.load(tmp_path / f"step{step}.pt") for step in (1, 2, 3)}
+    with pair.b.entered():
+        s3 = s3_server.client(endpoint)
+        # The kill came mid-upload: version 2's data is an unfinished multipart upload ...
+        uploads = s3.list_multipart_uploads(Bucket=BUCKET, Prefix=tmp_path.name).get("Uploads", [])
+        unfinished = [u["Key"] for u in uploads]
+        assert f"{tmp_path.name}/v{2:012d}/data" in unfinished
+        # ... with no manifest: the store lists version 1 only, restore never sees version 2 there.
+        from cossd.trainer.tier_store import ObjectStore
+
+        assert ObjectStore(url, endpoint).complete_steps() == [1]
+        # Versions 2 and 3 survived in the spill dir. Version 3's file goes bad on the disk.
+        with open(spill / f"v{3:012d}.data", "r+b") as f:
+            f.seek(CHUNK + 99)
+            byte = f.read(1)
+            f.seek(CHUNK + 99)
+            f.write(bytes([byte[0] ^ 1]))
+        fresh = checkpointer(url, endpoint_url=endpoint, memory_bytes=VERSION, spill_dir=spill,
+                             spill_bytes=3 * VERSION)
+        figures = fresh.stats()
+        assert figures["stale_uploads_aborted"] == 1 and figures["adopted_from_spill"] == 2
+        # Version 3 fails its CRC32C (in the spill dir, or is gone from it as found bad by the
+        # uploader): restore takes version 2, from the spill dir or the store.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            info, state = restored(fresh)
+        assert info["step"] == 2
+        assert_identical(state, expected[2])
+        with pytest.warns(RuntimeWarning, match="version 3 discarded.*CRC32C"):
+            report = fresh.close(drain=True)
+        assert report["drained"] and report["stats"]["spill_corrupt"] == 1
+        assert ObjectStore(url, endpoint).complete_steps() == [1, 2]
+        assert not list(spill.iterdir())
+        assert not s3.list_multipart_uploads(Bucket=BUCKET, Prefix=tmp_path.name).get("Uploads")
+        again = checkpointer(url, endpoint_url=endpoint, memory_bytes=VERSION)
+        info, state = restored(again, 1)
+        assert_identical(state, expected[1])
+        again.close()
+
+
+def child_main(url: str, spill: str, out: str) -> None:
+    """The process killed mid-upload: version 1 archived; then, with the store slowed,
+    version 2 being uploaded (one part of it in the store, not all) and version 3 saved, both
+    moved to the spill dir by then (the pool holds one version and a half)."""
+    from cossd.trainer import TieredCheckpointer
+
+    ck = TieredCheckpointer(url, memory_bytes=VERSION * 3 // 2, spill_dir=spill, spill_bytes=3 * VERSION,
+                            chunk_bytes=CHUNK, initial_concurrency=1, max_concurrency=1, max_stall_s=30.0)
+    model, optimizer = make_model()
+    for step in (1, 2, 3):
+        train_step(model, optimizer, step)
+        ck.save(model, optimizer, step)
+        torch.save(snapshot(model, optimizer), Path(out) / f"step{step}.pt")
+        if step == 1:
+            while ck.stats()["archived"] < 1:
+                time.sleep(0.02)
+            print("archived 1", flush=True)
+            sys.stdin.readline()
+    while ck.stats()["parts_uploaded"] < 4 or ck.stats()["versions_in_spill"] != [2, 3]:
+        time.sleep(0.01)  # version 1's 3 parts and one of version 2's
+    print("mid-upload 2, 3 spilled", flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["child"]:
+    child_main(*sys.argv[2:5])
