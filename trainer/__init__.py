@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Adam", "AdamW", "DeviceLostError", "StepAbortedError"]
+__all__ = ["Adam", "AdamW", "DeviceLostError", "StepAbortedError", "TieredCheckpointer"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from .sharded import StepAbortedError
 
         return StepAbortedError
+    if name == "TieredCheckpointer":
+        from .tiered import TieredCheckpointer
+
+        return TieredCheckpointer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
