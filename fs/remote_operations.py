@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -43,11 +44,9 @@ def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]
             return await handler(self, *args)
         except pyfuse3.FUSEError:
             raise
-        except DeviceTimeoutError as exc:
-            self.lanes.lost(exc)
+        except DeviceTimeoutError:  # logged by the lanes
             raise fuse_error(errno.ETIMEDOUT) from None
-        except ConnectionError as exc:  # closed, reset, refused: the server is gone
-            self.lanes.lost(exc)
+        except ConnectionError:  # closed, reset, refused: the server is gone (logged by the lanes)
             raise fuse_error(errno.ENOTCONN) from None
         except OSError as exc:
             log.debug("%s: %s", handler.__name__, exc)
@@ -60,17 +59,33 @@ def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]
 
 
 @dataclasses.dataclass
+class LaneFile:
+    """A file's server handles on one connection: one for reading, one for writing, as its
+    open asked (handles belong to their connection)."""
+
+    transport: RemoteTransport
+    reading: int | None = None
+    writing: int | None = None
+
+
+@dataclasses.dataclass
 class RemoteFile:
-    """An open file of the tree: a text captured at open, or the server's handles of it on
-    its bound connection (one for reading, one for writing, as its open asked)."""
+    """An open file of the tree: a text captured at open, or a tensor or NVM data file, opened
+    on each lane the first time a request of it runs there (so the kernel's parallel requests
+    of one file run on several connections), within the epoch of its open."""
 
     kind: RemoteKind
     path: str
     key: Key
-    transport: RemoteTransport | None = None
-    reading: int | None = None
-    writing: int | None = None
+    access: int = os.O_RDONLY
+    epoch: int = 0
+    lanes: dict[int, LaneFile] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     text: bytes = b""
+
+    @property
+    def grad(self) -> bool:
+        return self.path.endswith("/grad")
 
 
 class RemoteOperations(pyfuse3.Operations):
@@ -101,12 +116,12 @@ class RemoteOperations(pyfuse3.Operations):
     # ------------------------------------------------------------------ the server's answers
 
     def _stat(self, path: str, entries: bool = False) -> dict[str, Any]:
-        with self.lanes.any() as transport:
-            return transport.stat(path, entries)
+        with self.lanes.use() as (_, lane):
+            return lane.transport.stat(path, entries)
 
     def _admin(self, opcode: int, **fields: int) -> Completion:
-        with self.lanes.any() as transport:
-            return transport.exchange(encode_submission(opcode, **fields))
+        with self.lanes.use() as (_, lane):
+            return lane.transport.exchange(encode_submission(opcode, **fields))
 
     async def _node(self, inode: int) -> tuple[str, Key, dict[str, Any]]:
         """The path, key and current attributes of `inode`; ENOENT where the node it was
@@ -219,13 +234,15 @@ class RemoteOperations(pyfuse3.Operations):
             raise fuse_error(errno.EROFS)
         if kind == RemoteKind.TEXT and writes:
             raise fuse_error(errno.EACCES)
-        opened = RemoteFile(kind, path, key)
+        opened = RemoteFile(kind, path, key, access)
         if kind == RemoteKind.TEXT:  # the content as of the open, as a local mount gives it
             opened.text = await self._run(self._read_text, path)
         elif kind == RemoteKind.SNAP_TEXT:
             opened.text = await self._run(self._read_path, path, 0, 4096, key[1])
         elif kind == RemoteKind.ARRAY:
-            await self._run(self._open_array, opened, access)
+            if access == os.O_RDONLY and opened.grad:
+                raise fuse_error(errno.EACCES)  # as a local mount: a grad's reads at open, O_RDWR's as they come
+            await self._run(self._open_array, opened)
         fh = self._new_fh()
         self._handles[fh] = opened
         # direct_io: every read and write reaches the server; an O_DIRECT open goes without,
@@ -233,47 +250,56 @@ class RemoteOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, direct_io=not flags & os.O_DIRECT)
 
     def _read_text(self, path: str) -> bytes:
-        with self.lanes.any() as transport:
-            return transport.read_text(path).encode()
+        with self.lanes.use() as (_, lane):
+            return lane.transport.read_text(path).encode()
 
     def _read_path(self, path: str, offset: int, length: int, snapshot_id: int) -> bytes:
-        with self.lanes.any() as transport:
-            return transport.read_path(path, offset, length, snapshot_id)
+        with self.lanes.use() as (_, lane):
+            return lane.transport.read_path(path, offset, length, snapshot_id)
 
-    def _open_array(self, opened: RemoteFile, access: int) -> None:
-        """The server's handles of a tensor or NVM data file on one bound connection. O_RDWR
-        (how fio and mkfs open) takes both; a grad's reads are refused as they come (EACCES),
-        as on a local mount, and a param's open for writing at once."""
-        transport = self.lanes.bind()
-        opened.transport = transport
-        grad = opened.path.endswith("/grad")
-        if access == os.O_RDONLY and grad:
-            raise fuse_error(errno.EACCES)
-        if access in (os.O_WRONLY, os.O_RDWR):
-            opened.writing = transport.open_file(opened.path, True, False)
-        if access == os.O_RDONLY or (access == os.O_RDWR and not grad):
-            try:
-                opened.reading = transport.open_file(opened.path, False, False)
-            except BaseException:
-                self._close_array(opened)
-                raise
+    def _open_array(self, opened: RemoteFile) -> None:
+        """A tensor or NVM data file opened on one lane now, so that the server's refusals
+        (ENOENT, EACCES, EROFS) come at open as on a local mount; other lanes open it later."""
+        with self.lanes.use() as (index, lane):
+            opened.epoch = lane.epoch
+            self._on_lane(opened, index, lane.transport)
 
     @staticmethod
-    def _close_array(opened: RemoteFile) -> None:
-        for handle in (opened.reading, opened.writing):
-            if handle is not None and opened.transport is not None and opened.transport.reachable():
+    def _on_lane(opened: RemoteFile, index: int, transport: RemoteTransport) -> LaneFile:
+        """The file's handles on lane `index` (opened there first if need be). O_RDWR (how fio
+        and mkfs open) takes both; a grad's reads are refused as they come (EACCES)."""
+        with opened.lock:
+            found = opened.lanes.get(index)
+            if found is not None and found.transport is transport:
+                return found
+            handles = LaneFile(transport)
+            try:
+                if opened.access in (os.O_WRONLY, os.O_RDWR):
+                    handles.writing = transport.open_file(opened.path, True, False)
+                if opened.access == os.O_RDONLY or (opened.access == os.O_RDWR and not opened.grad):
+                    handles.reading = transport.open_file(opened.path, False, False)
+            except BaseException:
+                RemoteOperations._close_lane(handles)
+                raise
+            opened.lanes[index] = handles
+            return handles
+
+    @staticmethod
+    def _close_lane(handles: LaneFile) -> None:
+        for handle in (handles.reading, handles.writing):
+            if handle is not None and handles.transport.reachable():
                 try:
-                    opened.transport.close_file(handle)
+                    handles.transport.close_file(handle)
                 except (OSError, DeviceTimeoutError):
                     pass  # the server forgets a lost connection's handles itself
-        opened.reading = opened.writing = None
 
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
         if isinstance(handle, AdminHandle):
             handle.close()
-        elif isinstance(handle, RemoteFile) and handle.transport is not None:
-            await self._run(self._close_array, handle)
+        elif isinstance(handle, RemoteFile) and handle.lanes:
+            for handles in list(handle.lanes.values()):
+                await self._run(self._close_lane, handles)
 
     @_guarded
     async def flush(self, fh: int) -> None:
@@ -306,26 +332,33 @@ class RemoteOperations(pyfuse3.Operations):
             return handle.text[off : off + size]
         if handle.kind == RemoteKind.SNAP_ARRAY:
             return await self._run(self._read_path, handle.path, off, size, handle.key[1])
-        if handle.reading is None:
-            raise fuse_error(errno.EACCES if handle.path.endswith("/grad") else errno.EBADF)
+        if handle.access == os.O_WRONLY or handle.grad:
+            raise fuse_error(errno.EACCES if handle.grad else errno.EBADF)
         return await self._run(self._read_array, handle, off, size)
 
-    @staticmethod
-    def _read_array(handle: RemoteFile, off: int, size: int) -> memoryview:
-        assert handle.transport is not None and handle.reading is not None
+    def _read_array(self, handle: RemoteFile, off: int, size: int) -> memoryview:
         buffer = bytearray(size)
-        count = handle.transport.read_at(handle.reading, memoryview(buffer), off)
+        with self.lanes.use(handle.epoch) as (index, lane):
+            handles = self._on_lane(handle, index, lane.transport)
+            assert handles.reading is not None
+            count = lane.transport.read_at(handles.reading, memoryview(buffer), off)
         return memoryview(buffer)[:count]
+
+    def _write_array(self, handle: RemoteFile, off: int, buf: bytes) -> int:
+        with self.lanes.use(handle.epoch) as (index, lane):
+            handles = self._on_lane(handle, index, lane.transport)
+            assert handles.writing is not None
+            return lane.transport.write_at(handles.writing, memoryview(buf), off)
 
     @_guarded
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         handle = self._handle(fh)
         if isinstance(handle, AdminHandle):
             return await self._run(self._write_command, handle, buf)
-        if handle.writing is None or handle.transport is None:
+        if handle.kind != RemoteKind.ARRAY or handle.access == os.O_RDONLY:
             raise fuse_error(errno.EBADF)
         # A write completing an implicit step returns once the server committed (or skipped) it.
-        return await self._run(handle.transport.write_at, handle.writing, memoryview(buf), off)
+        return await self._run(self._write_array, handle, off, buf)
 
     def _write_command(self, handle: AdminHandle, buf: bytes) -> int:
         """Submissions written to a queue pair, run on the server in order (one write of a
@@ -334,5 +367,5 @@ class RemoteOperations(pyfuse3.Operations):
             return handle.take(buf, self._submit)
 
     def _submit(self, raw: bytes) -> Completion:
-        with self.lanes.any() as transport:
-            return transport.exchange(raw)
+        with self.lanes.use() as (_, lane):
+            return lane.transport.exchange(raw)
