@@ -30,7 +30,6 @@ from .remote_tree import (ADMIN_INODE, ADMIN_NAME, ROOT_INODE, InodeTable, Key, 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_LOADABLE_ROLES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
