@@ -194,8 +194,9 @@ class Connection:
             return
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
             return  # decrypted bytes wait in the TLS layer: a command is here
-        readable, _, _ = select.select([self.sock], [], [], IDLE_RELEASE_S)
-        if not readable and self.writes.release():
+        waiting = select.poll()  # not select(): descriptors past 1024 are fine
+        waiting.register(self.sock, select.POLLIN)
+        if not waiting.poll(IDLE_RELEASE_S * 1000) and self.writes.release():
             self.server.recv_memory.count("idle_releases")
 
     def _serve_one(self) -> None:

@@ -227,19 +227,20 @@ class Writes:
         """A WRITE of gradients staged as its PDUs arrive, in bounded memory: each PDU is
         received into one of two slots while a thread hands the other's whole elements to
         write_grads_lent (which returns once it no longer reads them), so the kernels run
-        under the transfer (one slot, no overlap, where the budget is under two). The ranges were checked against each other first; what the open
-        step already has is checked per piece, so a duplicate refuses the WRITE from that
-        piece on (GRADIENT_DUPLICATE), the pieces before it taken, as file writes are."""
+        under the transfer (one slot, no overlap, where the budget is under two). The ranges
+        were checked against each other first; what the open step already has is checked per
+        piece, so a duplicate refuses the WRITE from that piece on (GRADIENT_DUPLICATE), the
+        pieces before it taken, as file writes are."""
         slot_bytes = min(total, SLOT_BYTES - 1) + 1
         # Two slots where the budget has room for them (receipt overlaps the kernels), else one.
         count = 2 if 2 * slot_bytes <= self.memory.capacity else 1
         try:
             window = self._take(count * slot_bytes, f"a streamed WRITE of {total} bytes")
-            self.memory.count("streamed_writes")
             self.connection.adopt(namespace)  # the data-path injections are consulted here
         except DeviceError:
             self._skip_bulk(cid, total)
             raise
+        self.memory.count("streamed_writes")
         slots = [window[slot * slot_bytes : (slot + 1) * slot_bytes] for slot in range(count)]
         free = [threading.Semaphore(1) for _ in range(count)]
         ranges, position = [], 0
@@ -266,7 +267,8 @@ class Writes:
         stager = threading.Thread(target=stage, name="cossd-stage", daemon=True)
         stager.start()
         cursor = {"range": 0, "handed": 0}  # the first bulk byte not handed to the device yet
-        received, failed, index, previous = 0, None, 0, 0  # previous: the bulk byte the last slot starts at
+        # previous: the bulk offset of the first byte the last PDU's slot holds
+        received, failed, index, previous = 0, None, 0, 0
         try:
             while received < total:
                 datal = self._next_data(cid, received, total)
