@@ -23,7 +23,8 @@ from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.client import AdminClient
 from helpers import run_cli
 # The server's fixtures (a fresh device served on loopback with a token, stopped after).
-from test_server import HIDDEN, Served, _train_adamw, serve, served, token_file, train_hidden  # noqa: F401
+from test_server import (HIDDEN, Served, _certificates, _train_adamw, serve, served, token_file,  # noqa: F401
+                         train_hidden)
 
 pytestmark = pytest.mark.mount
 
@@ -286,6 +287,39 @@ def test_refused_credentials_or_no_server_fail_the_mount_and_leave_nothing(
     assert daemon_pid(mountpoint) is None  # no daemon left behind either
     code, out, _ = run_cli(capsys, "mount", "--help")
     assert code == 0 and "cossd://HOST" in out
+
+
+def test_mutual_tls_with_credentials_from_the_environment(serve: Callable[..., Served], token_file: Path,
+                                                          tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ca turns TLS on; the token and the client certificate come from COSSD_TOKEN_FILE and
+    COSSD_CLIENT_CERT/KEY, which the mount's daemon takes as every client does."""
+    (tmp_path / "pki").mkdir()
+    pki = _certificates(tmp_path / "pki")
+    served = serve("--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"]),
+                   "--client-ca", str(pki["ca.pem"]), name="tls")
+    monkeypatch.setenv("COSSD_TOKEN_FILE", str(token_file))
+    monkeypatch.setenv("COSSD_CLIENT_CERT", str(pki["client.pem"]))
+    monkeypatch.setenv("COSSD_CLIENT_KEY", str(pki["client.key"]))
+    mountpoint = tmp_path / "tls-mnt"
+    mountpoint.mkdir()
+    options = ["--timeout", TIMEOUT_S, "--log-file", tmp_path / "tls.log", "-o", "json"]
+    code, out, err = run_cli(capsys, "mount", served.url, mountpoint, *options)  # no --ca: plain TCP
+    assert code == 1 and "refused the handshake" in err and not is_mounted(mountpoint), err
+    code, out, err = run_cli(capsys, "mount", served.url, mountpoint, "--ca", pki["ca.pem"], *options)
+    assert code == 0, err
+    pid = json.loads(out)["pid"]
+    try:
+        code, out, err = run_cli(capsys, "create-ns", mountpoint, "t", "--tensor", "x:100")
+        assert code == 0, err
+        assert (mountpoint / "ns/t/step").read_text() == "0\n"
+        assert os.listdir(mountpoint / "ns") == ["t"]
+        code, out, err = run_cli(capsys, "umount", mountpoint)
+        assert code == 0, err
+    finally:
+        if is_mounted(mountpoint):
+            force_unmount(mountpoint)
+        wait_for_exit(pid, 15)
 
 
 def test_a_killed_server_gives_errors_not_a_hang_then_a_restarted_one_is_served(
