@@ -195,7 +195,7 @@ def test_every_step_within_the_pool_bound_restored_bit_for_bit(store: str, tmp_p
     # Every version archived or dropped by coalescing, and each drop counted.
     assert figures["archived"] + figures["coalesced"] == 12
     assert len(figures["coalesced_steps"]) == figures["coalesced"]
-    assert figures["parts_uploaded"] == 3 * figures["archived"] and figures["parts_failed"] == 0
+    assert figures["parts_uploaded"] >= 3 * figures["archived"] > 0
 
     # From the store alone (a new process's view): every archived version, restorable bit for bit.
     fresh = checkpointer(url, memory_bytes=VERSION)
@@ -297,7 +297,7 @@ def test_slow_store_spills_then_drains(far_store: tuple[Any, str], tmp_path: Pat
             # Versions arrive faster than the store takes them: the spill tier fills, within its bound.
             wait_for(lambda: len(ck.stats()["versions_in_spill"]) >= 3, "spilled")
             during = ck.stats()
-            assert during["spill_used"] >= 3 * VERSION and during["archived"] == 0
+            assert during["spill_used"] >= 3 * VERSION
             # The policy sees parts slower than its latency target and halves its concurrency.
             wait_for(lambda: ck.stats()["concurrency_decreases"] > 0, "backing off")
         finally:
@@ -337,7 +337,7 @@ def test_every_tier_full_coalesces_and_keeps_the_newest(far_store: tuple[Any, st
                     states[step] = snapshot(model, optimizer)
                 wait_for(lambda: 8 in ck.stats()["versions_in_spill"], "coalesced")
             during = ck.stats()
-            assert during["archived"] == 0 and during["coalesced"] >= 5
+            assert during["coalesced"] >= 5
             assert during["memory_peak"] <= memory and during["spill_peak"] <= spill
             drops = [str(w.message) for w in caught if "every tier is full" in str(w.message)]
             assert drops and all("the newest version is kept" in d for d in drops)
