@@ -246,7 +246,8 @@ def test_every_step_within_the_pool_bound_restored_bit_for_bit(store: str, tmp_p
 
 def test_corrupted_object_detected_on_restore(store: str, tmp_path: Path) -> None:
     url = f"s3://{BUCKET}/{tmp_path.name}"
-    ck = checkpointer(url, memory_bytes=VERSION * 3)
+    # With a bandwidth cap (the token bucket), far above what the store takes here.
+    ck = checkpointer(url, memory_bytes=VERSION * 3, upload_bytes_per_s=1e9)
     model, optimizer = make_model()
     states = {}
     for step in (1, 2):
@@ -397,10 +398,14 @@ def test_kill_9_mid_upload_leaves_no_complete_looking_version(far_store: tuple[A
             byte = f.read(1)
             f.seek(CHUNK + 99)
             f.write(bytes([byte[0] ^ 1]))
-        fresh = checkpointer(url, endpoint_url=endpoint, memory_bytes=VERSION, spill_dir=spill,
-                             spill_bytes=3 * VERSION)
+        # What a kill in the middle of a spill leaves: a data file without its sidecar.
+        (spill / f"v{4:012d}.data").write_bytes(b"cut short")
+        with pytest.warns(RuntimeWarning, match="removed 1 file.*spill was cut short"):
+            fresh = checkpointer(url, endpoint_url=endpoint, memory_bytes=VERSION, spill_dir=spill,
+                                 spill_bytes=3 * VERSION)
         figures = fresh.stats()
         assert figures["stale_uploads_aborted"] == 1 and figures["adopted_from_spill"] == 2
+        assert figures["spill_leftovers_removed"] == 1 and not (spill / f"v{4:012d}.data").exists()
         # Version 3 fails its CRC32C (in the spill dir, or is gone from it as found bad by the
         # uploader): restore takes version 2, from the spill dir or the store.
         with warnings.catch_warnings():
