@@ -221,6 +221,17 @@ def row_grad_duplicate(env: Env) -> int:
     return errno_of(lambda: write_at(path, b"\0" * 20, 10))
 
 
+def row_grad_outside_a_shared_step(env: Env) -> int:
+    root = env.fresh()
+    nsid = env.admin.nsid(root.name)
+    job = {"job": 1, "seq": 1, "ranks": 1, "rank": 0}
+    env.admin.begin_shared_step(nsid, 1, 1.0, **job)
+    env.admin.abort_shared_step(nsid, 1, reason="a test", **job)
+    code = errno_of(lambda: write_at(root / "tensors/t/grad", b"\0" * 20, 0))
+    assert json.loads((root / "stats.json").read_text())["step_open"] is None  # no implicit step
+    return code
+
+
 def row_grad_empty(env: Env) -> int:
     assert write_at(env.fresh() / "tensors/t/grad", b"", 0) == 0
     return 0
@@ -548,6 +559,7 @@ ROWS = [
     ("write grad: misaligned offset or length", row_grad_misaligned, errno.EINVAL),
     ("write grad: past the end", row_grad_past_end, errno.EFBIG),
     ("write grad: already written in the open step", row_grad_duplicate, errno.EEXIST),
+    ("write grad: no step open while the namespace runs shared steps", row_grad_outside_a_shared_step, errno.EINVAL),
     ("write grad: length 0", row_grad_empty, 0),
     ("write grad: inf/NaN skips the step", row_grad_nonfinite, 0),
     ("write grad: sealing, flushing, superblock or kernel fails", row_media_failure_status, 0),

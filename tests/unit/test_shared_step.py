@@ -13,6 +13,7 @@ from cossd.emulator.controller import Controller
 from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.protocol.entries import Completion, Opcode
 from cossd.protocol.status import DeviceError, Status
+from cossd.trainer.shard import plan_shards
 
 
 class InProcess:
@@ -157,3 +158,28 @@ def test_a_plain_abort_of_a_shared_step_is_heard_by_its_ranks(setup) -> None:
     with pytest.raises(DeviceError) as heard:
         admin.commit_shared_step(nsid, 1, seq=1, rank=0, **JOB)
     assert "was aborted" in heard.value.message
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_shards_cover_every_element_once_cut_at_blocks(world: int) -> None:
+    block = 1000
+    tensors = [("a", 2500), ("b", 10), ("c", 4096), ("d", 1), ("e", 3000)]
+    shards = plan_shards(tensors, world, block)
+    assert len(shards) == world
+    seen = {name: [0] * numel for name, numel in tensors}
+    for pieces in shards:
+        for piece in pieces:
+            assert piece.start % block == 0 and (piece.stop % block == 0 or piece.stop == tensors[piece.index][1])
+            for element in range(piece.start, piece.stop):
+                seen[piece.name][element] += 1
+    assert all(count == 1 for counts in seen.values() for count in counts)
+    # Balanced: each rank within a block (or a small tensor) of the ideal share.
+    total = sum(numel for _, numel in tensors)
+    for pieces in shards:
+        assert abs(sum(p.numel for p in pieces) - total / world) <= 2 * block
+
+
+def test_fewer_blocks_than_ranks_leaves_some_ranks_empty() -> None:
+    shards = plan_shards([("w", 10), ("b", 3)], 4, 1000)
+    assert sum(1 for pieces in shards if pieces) <= 2
+    assert sorted(p.name for pieces in shards for p in pieces) == ["b", "w"]
