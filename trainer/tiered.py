@@ -208,6 +208,7 @@ class TieredCheckpointer:
             try:
                 record = state.spill.write(version.step, tier_payload.as_memoryview(buffer), version.chunk_bytes)
             except OSError as exc:
+                del buffer
                 with state.cv:
                     version.spilling = False
                     state.spill_used -= version.nbytes
@@ -220,6 +221,8 @@ class TieredCheckpointer:
                 warnings.warn(f"TieredCheckpointer: {state.last_error}; the spill tier pauses {SPILL_PAUSE_S} s",
                               RuntimeWarning, stacklevel=1)
                 continue
+            # Not held past the release below: the pool's bound counts real memory.
+            del buffer
             with state.cv:
                 version.spilling = False
                 version.spill = record
