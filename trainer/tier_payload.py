@@ -6,7 +6,6 @@ import json
 import struct
 from typing import Any
 
-import crc32c
 import torch
 
 MAGIC = b"COSSDTC1"
@@ -136,11 +135,6 @@ def read(buffer: torch.Tensor, copy: bool) -> tuple[int, dict[str, Any]]:
             torch.empty(shape, dtype=_dtype(dtype_name))
         tensors.append(tensor.clone() if copy else tensor)
     return int(header["step"]), _decode(header["state"], tensors)
-
-
-def chunk_crcs(view: memoryview, chunk_bytes: int) -> list[int]:
-    """CRC32C (Castagnoli) of each chunk_bytes piece of `view`, the last one shorter."""
-    return [crc32c.crc32c(view[i:i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
 
 
 def as_memoryview(buffer: torch.Tensor) -> memoryview:

@@ -147,24 +147,20 @@ class ObjectStore:
         return check_manifest(data, step)
 
     def abort_stale_uploads(self) -> int:
-        """Abort every unfinished multipart upload under the prefix (a process killed
-        mid-upload leaves one); their versions have no manifest, so they were never listed.
-        A prefix belongs to one checkpointer at a time. Returns how many were aborted."""
+        """Abort every unfinished multipart upload of a version under the prefix (a process
+        killed mid-upload leaves one); their versions have no manifest, so they were never
+        listed. A prefix belongs to one checkpointer at a time. Returns how many were aborted."""
         base = self.prefix + "/" if self.prefix else ""
         aborted = 0
         with self.errors(f"listing the unfinished uploads under s3://{self.bucket}/{base}"):
             uploads = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=base).get("Uploads", [])
         for upload in uploads:
-            self.abort(upload["Key"], upload["UploadId"])
-            aborted += 1
+            # Only this checkpointer's own objects (PREFIX/vSTEP/data): a bucket may be shared.
+            rest = upload["Key"][len(base):].split("/")
+            if len(rest) == 2 and rest[1] == DATA_OBJECT and _VERSION_DIR.fullmatch(rest[0]):
+                self.abort(upload["Key"], upload["UploadId"])
+                aborted += 1
         return aborted
-
-    def unfinished_uploads(self) -> list[str]:
-        """The keys with an unfinished multipart upload under the prefix."""
-        base = self.prefix + "/" if self.prefix else ""
-        with self.errors(f"listing the unfinished uploads under s3://{self.bucket}/{base}"):
-            uploads = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=base).get("Uploads", [])
-        return [u["Key"] for u in uploads]
 
     # ------------------------------------------------------------------ one version's upload
 
