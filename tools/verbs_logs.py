@@ -177,9 +177,9 @@ def _server_text(device: object, figures: dict[str, int]) -> str:
     """The server page, one field a line; byte counts also in SI units, times in seconds."""
     lines = [f"Server Log for device:{device}"]
     for key, value in figures.items():
-        if key.endswith(("_bytes", "_capacity")):
+        if key.endswith(("_bytes", "_capacity")) and value:
             shown: object = f"{value} ({si_bytes(value)})"
-        elif key.endswith("_ns") and key != "started_ns":
+        elif key.endswith("_ns") and key != "started_ns" and value:
             shown = f"{value} ({value / 1e9:.3f} s)"
         else:
             shown = value
