@@ -111,8 +111,8 @@ def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
 
 def read(buffer: torch.Tensor, copy: bool) -> tuple[int, dict[str, Any]]:
     """(step, state) of a version's bytes (uint8 tensor). Its tensors view `buffer` unless
-    `copy`: an optimizer keeps the tensors it is loaded with, so a pool buffer that is reused
-    later must be copied out."""
+    `copy`: an optimizer keeps the tensors it is loaded with, so a buffer that is reused or
+    freed later must be copied out."""
     if buffer.numel() < _PREFIX.size:
         raise PayloadError("a checkpoint shorter than its header")
     magic, header_len = _PREFIX.unpack(bytes(buffer[:_PREFIX.size].numpy()))

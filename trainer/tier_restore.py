@@ -77,7 +77,10 @@ def _read(state: TierState, store: ObjectStore, step: int, tier: str, in_store: 
             return None
         _, data = store.read_version(step)
     if tier != MEMORY:
-        got, loaded = tier_payload.read(torch.frombuffer(data, dtype=torch.uint8), copy=False)
+        # Copied out too: an optimizer keeps the tensors it is loaded with (same dtype and
+        # device), and views would keep the whole version's buffer alive with them.
+        got, loaded = tier_payload.read(torch.frombuffer(data, dtype=torch.uint8), copy=True)
+        del data
     if got != step:
         raise CorruptVersionError(f"version {step} holds step {got}")
     return loaded
