@@ -89,6 +89,19 @@ def main() -> int:
             return answer
 
         optimizer.files.command = command
+    if kill.get("rank") == rank and kill.get("stage") == "mid_grads":
+        # kill -9 in the middle of this rank's gradients of step kill["step"]: half of its first
+        # piece reaches the device, the rest never does.
+        write = optimizer.files.write_pieces
+
+        def partial(items):
+            if optimizer.committed_step + 1 == kill["step"] and items:
+                tensor, first, values = items[0]
+                write([(tensor, first, values[: max(1, values.numel() // 2)])])
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(items)
+
+        optimizer.files.write_pieces = partial
     grads_seen: dict[int, list[torch.Tensor]] = {}
     first = optimizer.committed_step + 1
     try:
