@@ -122,6 +122,7 @@ def _net_section(report: dict[str, Any], args: argparse.Namespace) -> None:
         repeat = max(args.repeat, 5)
         report["net"] = bench_net.net_costs(workdir, n, repeat) | {"elements": n, "turns": repeat}
         report["net"]["veth"] = bench_net.veth_costs(workdir, n, repeat)
+        report["net"]["fairness"] = bench_net.fairness(workdir, n, repeat)
         report["iopath"] = iopath_costs(workdir, n, repeat)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

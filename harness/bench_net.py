@@ -295,6 +295,20 @@ def veth_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     return rows
 
 
+def fairness(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
+    """Eight trainers at once, each a process on its own namespace, stepping through one server
+    for a window (2 s a turn, 10 s at most): the steps each completed and Jain's index of them
+    (harness/bench_fairness.py)."""
+    from .bench_fairness import measure_fairness
+    from .measure import say
+
+    result = measure_fairness(workdir / "fairness", clients=8, elements=min(n, 1 << 20),
+                              duration_s=float(min(10, 2 * repeat)))
+    say(f"  net, fairness: 8 clients for {result['duration_s']:.0f} s: {min(result['steps'])}-{max(result['steps'])} "
+        f"steps each, Jain's index {result['jain_index']:.4f}")
+    return result
+
+
 def _cache_rows(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     """Param reads with the server's cache on against off, in turns (two servers)."""
     import statistics
@@ -362,6 +376,13 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
         lines += ["", f"One step through the server across the veth: {veth['step_seconds'] * 1e3:.1f} ms."]
     elif veth is not None:
         lines += ["", f"Across a real link (veth): {veth['why']}."]
+    fair = net.get("fairness")
+    if fair is not None:
+        lines += ["", f"Fairness: {fair['clients']} trainers at once, each a process stepping its own namespace of "
+                  f"{fair['elements']:,} elements through one server on loopback for {fair['duration_s']:.0f} s: "
+                  f"{min(fair['steps'])}-{max(fair['steps'])} steps each ({fair['total_steps_per_s']:.1f} steps/s in all), "
+                  f"Jain's index {fair['jain_index']:.4f} (1: every client served alike), min/max "
+                  f"{fair['min_over_max']:.2f}" + (f"; errors: {fair['errors']}" if fair["errors"] else "") + "."]
     cache = net["param_cache"]
     if cache.get("measured"):
         lines += ["", f"Param reads, server parameter cache on: {cache['cache_on_gbs']:.2f} GB/s, off (from the media): "

@@ -245,6 +245,9 @@ def test_bench_net_section_small(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert net[name]["server_gbs"] > 0 and net[name]["tcp_gbs"] > 0 and net[name]["vs_tcp"] > 0
     assert all(net["step"][key] > 0 for key in ("server_seconds", "cmb_seconds", "file_seconds", "vs_cmb", "vs_file"))
     assert net["param_cache"]["measured"] in (True, False)
+    fair = net["fairness"]  # eight clients at once: every one made progress
+    assert fair["clients"] == 8 and min(fair["steps"]) > 0 and not fair["errors"] and fair["jain_index"] > 0
+    assert "Fairness: 8 trainers at once" in (tmp_path / "b/bench.md").read_text()
     veth = net["veth"]  # the same wire across a veth pair between two network namespaces
     if os.geteuid() == 0 and shutil.which("ip"):
         assert veth["measured"], veth
