@@ -182,9 +182,9 @@ def test_every_step_within_the_pool_bound_restored_bit_for_bit(store: str, tmp_p
         train_step(model, optimizer, step)
         ck.save(model, optimizer, step)
         states[step] = snapshot(model, optimizer)
-    # The newest version is in the pool: restored from memory, bit for bit.
+    # The newest version, from the pool or the spill dir (wherever the spill thread has it by now).
     info, state = restored(ck)
-    assert info["step"] == 12 and info["tier"] in ("memory", "spill")  # the spiller may have moved it
+    assert info["step"] == 12 and info["tier"] in ("memory", "spill")
     assert_identical(state, states[12])
     report = ck.close(drain=True)
     figures = report["stats"]
