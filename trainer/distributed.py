@@ -28,7 +28,9 @@ class Ranks:
     def from_rank0(self, value: Any) -> Any:
         """Rank 0's `value` on every rank (each rank passes its own; only rank 0's counts)."""
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        # src is a global rank: the group's rank 0, where the optimizer shards over a subgroup.
+        source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=source, group=self.group)
         return box[0]
 
 
@@ -67,7 +69,9 @@ def average(grads: list[torch.Tensor], ranks: Ranks) -> list[torch.Tensor]:
     """The mean of every rank's gradients, on every rank: one all-reduce (a sum, in FP32,
     whatever the gradients' dtype), then a division by the world size. Each rank then
     sends only its shard of the result."""
-    flat = torch.cat([grad.detach().reshape(-1).to("cpu", torch.float32) for grad in grads])
+    # On the gradients' own device: NCCL reduces GPU tensors only, gloo either.
+    device = grads[0].device if grads else torch.device("cpu")
+    flat = torch.cat([grad.detach().reshape(-1).to(device, torch.float32) for grad in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ranks.group)
     flat.div_(ranks.world)
     means, offset = [], 0

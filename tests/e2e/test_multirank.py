@@ -142,6 +142,8 @@ def equal_to_single_process(mount: Mount, tmp_path: Path, world: int, steps: int
     codes = run_job(mount, tmp_path / "job", namespace, world, steps)
     ranks = finished(tmp_path / "job", world, codes)
     assert all(r["result"]["committed_step"] == steps for r in ranks)
+    # DDP was found: the optimizer took its averages as they are, and said nothing of averaging.
+    assert not any("averages the gradients" in w for r in ranks for w in r["result"]["warnings"])
     for other in ranks[1:]:
         assert bits_equal(other["params"], ranks[0]["params"]), "ranks hold different params"
     stats = statistics(mount, namespace)
