@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from ..protocol.status import DeviceError, Status
+from .accounting import modeled_command
 from .namespace_common import CommitResult
 from .spec import Hyperparameters
 from .transaction import StepTransaction
@@ -69,6 +70,7 @@ class _SharedSteps:
                               f"{self.name!r} has {len(self._hypers)} groups")
         return [hyper.replace(**changes) for hyper, changes in zip(self._hypers, groups)]
 
+    @modeled_command("begin_step")  # each rank's begin, a host command as a single client's is
     def begin_shared_step(self, step: int, grad_scale: float, job: int, seq: int, ranks: int, rank: int,
                           groups: list[dict[str, Any]] | None) -> dict[str, Any]:
         """Open step `step` of job `job` (its `seq`th shared step) for `ranks` ranks with
@@ -140,6 +142,7 @@ class _SharedSteps:
                               f"(committed step {self._sb.committed_step})")
         return tx
 
+    @modeled_command("commit_step")  # each poll is a host command; the commit's work is in the one that commits
     def commit_shared_step(self, step: int, job: int, seq: int, rank: int) -> CommitResult | str:
         """Commit step `step` of job `job` once every rank has joined and every gradient
         block has arrived; until then, what it still waits for (a str: the rank asks again,
