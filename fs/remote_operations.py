@@ -309,7 +309,7 @@ class RemoteOperations(pyfuse3.Operations):
         """fsync on any file of a namespace makes its committed step durable (FLUSH)."""
         handle = self._handles.get(fh)
         if isinstance(handle, RemoteFile) and handle.kind in (RemoteKind.ARRAY, RemoteKind.TEXT):
-            completion = await self._run(self._admin, Opcode.FLUSH, nsid=handle.key[0])
+            completion = await self._run(functools.partial(self._admin, Opcode.FLUSH, nsid=handle.key[0]))
             if completion.status != Status.SUCCESS:
                 status = completion.status
                 raise fuse_error((status.errno if isinstance(status, Status) else None) or errno.EIO)

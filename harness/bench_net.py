@@ -396,12 +396,21 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
                   "included) and the device's namespace statistics counted them.", "",
                   "| path | ms a cycle | wire | written to the device | read from the device | to the media "
                   "| SMART data units written |", "|---|---|---|---|---|---|---|"]
-        for name in ("conventional", "cossd"):
-            row = iopath[name]
+        for name in ("conventional", "conventional_ext4", "cossd"):
+            row = iopath.get(name)
+            if row is None or not row.get("measured", True):
+                continue
             lines.append(f"| {row['what']} | {row['seconds'] * 1e3:.1f} | {row['wire_bytes'] / 1e6:.2f} MB "
                          f"| {row['device_bytes_written'] / 1e6:.2f} MB | {row['device_bytes_read'] / 1e6:.2f} MB "
                          f"| {row['media_bytes_written'] / 1e6:.2f} MB | {row['smart_data_units_written']:.1f} |")
         lines += ["", f"Conventional / cossd: {iopath['wire_ratio']:.2f}x the wire bytes, "
                   f"{iopath['time_ratio']:.2f}x the time."]
+        ext4 = iopath.get("conventional_ext4") or {}
+        if ext4.get("measured"):
+            lines.append(f"Through the remote mount onto ext4 (the wire as the server's link counted it, every "
+                         f"connection): {ext4['wire_bytes'] / iopath['cossd']['wire_bytes']:.2f}x the wire bytes of "
+                         f"cossd, {ext4['seconds'] / iopath['cossd']['seconds']:.2f}x the time.")
+        elif ext4:
+            lines.append(f"Through the remote mount onto ext4: {ext4['why']}.")
     return lines
 

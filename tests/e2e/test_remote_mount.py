@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -202,6 +203,36 @@ def test_overflow_skips_the_step_as_locally(mount: Mount, remote_mount: RemoteMo
         stats.append({key: shown[key] for key in ("steps_skipped", "last_skipped_step", "nonfinite_elements",
                                                   "committed_step", "steps_committed")})
     assert stats[1] == stats[0] and stats[0]["steps_skipped"] == 1 and stats[0]["nonfinite_elements"] == 1
+
+
+def test_fsync_and_ext4_on_an_nvm_namespace_through_the_remote_mount(remote_mount: RemoteMount) -> None:
+    """fsync of a tensor file and of an NVM namespace's data is the device's FLUSH, and ext4
+    works on the remote data file through a loop device (the conventional checkpoint path of
+    the I/O-path comparison): what it wrote reads back once mounted again."""
+    mountpoint = remote_mount.mountpoint
+    with AdminClient(mountpoint) as client:
+        client.create_namespace({"name": "f", "tensors": [["x", 4096]]})
+        client.create_namespace({"name": "v", "kind": "nvm", "capacity_bytes": 8 << 20})
+    for path, flags in ((mountpoint / "ns/f/tensors/x/param", os.O_RDONLY), (mountpoint / "ns/v/data", os.O_RDWR)):
+        fd = os.open(path, flags)
+        try:
+            os.fsync(fd)  # the daemon failed this with EIO before (an internal error)
+        finally:
+            os.close(fd)
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None or shutil.which("losetup") is None:
+        pytest.skip("ext4 on a loop device needs root, mkfs.ext4 and losetup")
+    from cossd.harness.nvm_volume import NvmVolume
+
+    payload = np.random.default_rng(7).bytes(3 << 20)
+    directory = mountpoint.parent / "ext4"
+    directory.mkdir()
+    with NvmVolume(mountpoint, "e", 64 << 20, directory, keep_namespace=True) as volume:
+        with open(volume.path / "checkpoint.bin", "wb") as stream:
+            stream.write(payload)
+            stream.flush()
+            os.fsync(stream.fileno())
+    with NvmVolume(mountpoint, "e", 64 << 20, directory, create=False) as volume:
+        assert (volume.path / "checkpoint.bin").read_bytes() == payload
 
 
 def test_hidden_sizes_and_adamw_bit_for_bit_as_a_local_mount(mount: Mount, remote_mount: RemoteMount,
