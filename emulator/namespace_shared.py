@@ -162,8 +162,13 @@ class _SharedSteps:
                 # every poll of every rank).
                 return self._waiting_for(tx)
             try:
+                # Both waits here (kernels in flight, readers of the committed copy) let go of
+                # the lock: another rank's poll may commit the step meanwhile.
                 result = self._commit_locked(self._quiesced_step_locked())
             except DeviceError as exc:
+                ended = self._last_shared
+                if ended is not None and (ended.job, ended.seq) == (job, seq):
+                    return ended.replay()  # it ended while this poll waited: its outcome
                 if self._tx is not tx:  # the step ended (aborted): every rank hears the same
                     self._record_shared(tx, error=exc)
                 raise
@@ -177,8 +182,10 @@ class _SharedSteps:
             outcome = self._last_shared
             if outcome is not None and (outcome.job, outcome.seq) == (job, seq):
                 return step
-            self._open_shared_locked(step, job, seq)
-            tx = self._quiesced_step_locked()
+            tx = self._open_shared_locked(step, job, seq)
+            self._quiesced_step_locked()  # may let go of the lock: another rank may end it
+            if self._tx is not tx:
+                return step  # it ended meanwhile, and stays as it ended
             self._tx = None
             self.counters.steps_aborted += 1
             self._settle_param_copies(tx, committed=False)
@@ -188,9 +195,15 @@ class _SharedSteps:
 
     def _record_shared(self, tx: StepTransaction, result: CommitResult | None = None,
                        error: DeviceError | None = None) -> None:
-        """Keep how shared step `tx` ended (any end: commit, skip, abort of any kind)."""
-        if tx.shared is not None:
-            self._last_shared = SharedOutcome(tx.shared.job, tx.shared.seq, tx.step, result, error)
+        """Keep how shared step `tx` ended (any end: commit, skip, abort of any kind). A step
+        ends once: the first outcome kept is the true one, and a caller that lost a race to
+        end it (its own commit finding the step gone) never replaces it."""
+        if tx.shared is None:
+            return
+        kept = self._last_shared
+        if kept is not None and (kept.job, kept.seq) == (tx.shared.job, tx.shared.seq):
+            return
+        self._last_shared = SharedOutcome(tx.shared.job, tx.shared.seq, tx.step, result, error)
 
     def _waiting_for(self, tx: StepTransaction) -> str:
         """What a shared step still waits for, for the rank that asks (and its error)."""

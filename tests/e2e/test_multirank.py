@@ -53,10 +53,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_job(mount: Mount, out: Path, namespace: str, world: int, last: int, **options: Any) -> list[int]:
+def run_job(mount: Any, out: Path, namespace: str, world: int, last: int, **options: Any) -> list[int]:
     """Start `world` ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
-    wait for them; their exit codes. Options go to multirank_job.py (ddp, clip, overflow,
-    kill, synthetic, step_timeout_s, use_cmb)."""
+    wait for them; their exit codes. `mount.mountpoint` is a mount or a server's URL. Options
+    go to multirank_job.py (ddp, clip, overflow, kill, synthetic, step_timeout_s, use_cmb)."""
     out.mkdir(parents=True, exist_ok=True)
     config = {"mount": str(mount.mountpoint), "namespace": namespace, "last": last, "out": str(out),
               "ddp": True} | options
@@ -251,6 +251,38 @@ def killed_mid_step(mount: Mount, tmp_path: Path, trial: int, world: int, rank: 
     grads = {step: job.synthetic_grads(step, ranks[0]["params"]) for step in range(1, steps + 1)}
     params, masters, _ = single_process(mount, f"kill{trial}-ref", grads, steps)
     assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+
+
+def test_ranks_through_a_storage_server(mount: Mount, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks of a node without a mount: the shared step through `cossd serve` (each rank
+    a connection), bit for bit as one process stepping the same gradients on a mount."""
+    import dataclasses
+
+    from cossd.emulator import Device
+    from test_server import start_server
+
+    token = tmp_path / "token"
+    token.write_text("multirank-test-token-0123456789abcdef\n")
+    token.chmod(0o600)
+    Device.format(tmp_path / "srv", capacity_bytes=4 << 30, serial="MULTIRANKSRV1")
+    served = start_server(tmp_path / "srv", ["--listen", "127.0.0.1:0", "--token-file", str(token)])
+    monkeypatch.setenv("COSSD_TOKEN_FILE", str(token))
+
+    @dataclasses.dataclass
+    class At:
+        mountpoint: str
+
+    try:
+        world, steps = 2, 8
+        ranks = finished(tmp_path / "job", world, run_job(At(served.url), tmp_path / "job", "remote2", world,
+                                                          steps, synthetic=True))
+    finally:
+        served.stop()
+    assert all(r["result"]["committed_step"] == steps for r in ranks)
+    grads = {step: job.synthetic_grads(step, ranks[0]["params"]) for step in range(1, steps + 1)}
+    params, masters, _ = single_process(mount, "remote2-ref", grads, steps)
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[1]["params"], params)
+    assert bits_equal(ranks[0]["masters"], masters)
 
 
 @pytest.mark.parametrize("trial,world,rank,stage", [(0, 2, 1, "mid_grads"), (1, 3, 0, "before_step"),

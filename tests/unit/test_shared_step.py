@@ -183,3 +183,37 @@ def test_fewer_blocks_than_ranks_leaves_some_ranks_empty() -> None:
     shards = plan_shards([("w", 10), ("b", 3)], 4, 1000)
     assert sum(1 for pieces in shards if pieces) <= 2
     assert sorted(p.name for pieces in shards for p in pieces) == ["b", "w"]
+
+
+def test_polls_racing_behind_a_reader_all_get_the_one_commit(setup, device: Device) -> None:
+    """Two ranks' polls find the step complete while a reader pins the committed copy: both
+    wait (letting go of the lock), one commits, and the other reads that commit, never an
+    error of its own (seen through the storage server, whose param reads pin)."""
+    import threading
+
+    admin, nsid, namespace, grads = setup
+    for rank in (0, 1):
+        admin.begin_shared_step(nsid, 1, 1.0, seq=1, rank=rank, **JOB)
+    grads("w", 0, BLOCK_ELEMS + 64)
+    grads("b", 0, 64)
+    clients = [AdminClient(InProcess(Controller(device))) for _ in range(2)]  # type: ignore[arg-type]
+    results: list[object] = []
+
+    def poll(rank: int) -> None:
+        try:
+            results.append(clients[rank].commit_shared_step(nsid, 1, seq=1, rank=rank, **JOB))
+        except DeviceError as exc:
+            results.append(exc)
+
+    with namespace.pinned_committed():
+        threads = [threading.Thread(target=poll, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for _ in range(60_000):  # both polls wait for the pin to go (bounded: a bug must not hang)
+            if namespace._flips_waiting == 2:
+                break
+            threading.Event().wait(0.001)
+        assert namespace._flips_waiting == 2, results
+    for thread in threads:
+        thread.join()
+    assert results == [{"step": 1, "committed_step": 1, "skipped": False, "nonfinite_elements": 0}] * 2
