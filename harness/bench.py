@@ -1,7 +1,7 @@
 """`cossd bench`: cossd's kernel, file path, checkpoint and restore, measured beside their peers in one run.
 
 The sections live in modules of their own (bench_kernel, bench_mount, bench_checkpoint,
-bench_trainer, bench_net and bench_iopath), the devices they mount in bench_device, the report in bench_report; this
+bench_trainer, bench_net and bench_iopath, bench_oom), the devices they mount in bench_device, the report in bench_report; this
 module runs them in order and offers their names, as `cossd bench` and the tests use them.
 """
 from __future__ import annotations
@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         report["rounds"] = rounds
     if "net" in sections:
         _net_section(report, args)
+    if "oom" in sections:
+        _oom_section(report, args)
     if not sections & {"mount", "trainer"}:
         write_report(report, args.output)
         return 0
@@ -126,6 +128,22 @@ def _net_section(report: dict[str, Any], args: argparse.Namespace) -> None:
         report["iopath"] = iopath_costs(workdir, n, repeat)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _oom_section(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """Per-step checkpoints under a cgroup memory cap with a throttled sink (bench_oom.py), in
+    a temp dir on the disk the throttle acts on. `args.oom` (an OomSettings) overrides the
+    model and the sizes: the tests run it tiny."""
+    from .bench_oom import OomSettings, oom_costs
+
+    settings = getattr(args, "oom", None) or OomSettings()
+    workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-oom-"))
+    try:
+        report["oom"] = oom_costs(workdir, settings)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if not report["oom"].get("measured"):
+        say(f"  oom: {report['oom']['why']}")
 
 
 def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: BenchDevice, workdir: Path,

@@ -1,4 +1,4 @@
-"""`cossd bench`'s report: bench.json, the markdown tables (bench.md, also printed) and the chart (bench.png)."""
+"""`cossd bench`'s report: bench.json, the markdown tables (bench.md, also printed) and the charts (bench.png, oom.png)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +18,11 @@ def write_report(report: dict[str, Any], output: Path) -> None:
     try:
         chart(report, output / "bench.png")
         written.append(output / "bench.png")
+        if report.get("oom", {}).get("measured"):
+            from .bench_oom_report import chart as oom_chart  # the oom section's own figure
+
+            oom_chart(report, output / "oom.png")
+            written.append(output / "oom.png")
         drawn = ""
     except ImportError as exc:  # matplotlib comes with the trainer extra
         drawn = (f"\nbench.png not drawn: {exc.name or 'matplotlib'} is not installed "
@@ -79,6 +84,10 @@ def markdown(report: dict[str, Any]) -> str:
         from .bench_net import markdown_rows as net_rows  # the net section's own tables
 
         lines += net_rows(report)
+    if "oom" in report:
+        from .bench_oom_report import markdown_rows as oom_rows  # the oom section's table
+
+        lines += oom_rows(report)
     if "file_path" not in report:  # no mount section
         return "\n".join(lines)
     lines += ["", f"Through the mount: medians of {report.get('mount_turns', report['repeat'])} steps each; "

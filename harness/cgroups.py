@@ -76,16 +76,21 @@ class MemoryGroup(_Group):
 
     def __init__(self, name: str, limit: int) -> None:
         super().__init__(MEMORY_ROOT, name)
-        self.limit = 0
-        self.set_limit(limit)
+        try:
+            self.limit = int(self._read("memory.limit_in_bytes"))  # a new group's: no limit
+            self.set_limit(limit)
+        except BaseException:
+            self.remove()
+            raise
 
     def set_limit(self, limit: int) -> None:
         # memsw must stay >= the memory limit at every moment: raise it first, lower it last.
         memsw = (self.path / "memory.memsw.limit_in_bytes").exists()
-        if memsw and limit > self.limit:
+        raising = limit > self.limit
+        if memsw and raising:
             self._write("memory.memsw.limit_in_bytes", str(limit))
         self._write("memory.limit_in_bytes", str(limit))
-        if memsw and limit <= self.limit:
+        if memsw and not raising:
             self._write("memory.memsw.limit_in_bytes", str(limit))
         self.limit = limit
 
@@ -102,8 +107,12 @@ class MemoryGroup(_Group):
         return {key: int(value) for key, value in (line.split() for line in self._read("memory.oom_control").splitlines())}
 
     def failcnt(self) -> int:
-        """How often a charge hit the cap (and reclaim had to run)."""
-        return int(self._read("memory.failcnt"))
+        """How often a charge hit the cap (and reclaim had to run). With memsw capped at the
+        same bound and no swap, memsw's counter is the one that meets it first."""
+        counts = [int(self._read("memory.failcnt"))]
+        if (self.path / "memory.memsw.failcnt").exists():
+            counts.append(int(self._read("memory.memsw.failcnt")))
+        return max(counts)
 
     def max_usage(self) -> int:
         return int(self._read("memory.max_usage_in_bytes"))
@@ -117,7 +126,11 @@ class BlkioThrottle(_Group):
     def __init__(self, name: str, disk: str, bytes_per_s: int) -> None:
         super().__init__(BLKIO_ROOT, name)
         self.disk = disk
-        self._write("blkio.throttle.write_bps_device", f"{disk} {bytes_per_s}")
+        try:
+            self._write("blkio.throttle.write_bps_device", f"{disk} {bytes_per_s}")
+        except BaseException:
+            super().remove()
+            raise
 
     def written(self) -> int:
         """Bytes the group's tasks wrote to the disk, as the throttle counted them."""

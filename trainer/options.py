@@ -84,8 +84,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     remote=getattr(args, "remote", False))
 
 
-BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net"})
-# `net` starts storage servers and takes a minute and a half: asked for by name, not by default.
+BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom"})
+# `net` starts storage servers and takes a minute and a half; `oom` makes cgroups (root) and
+# drives workers into their memory caps for a few minutes: both asked for by name, not by default.
 DEFAULT_BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer"})
 
 
@@ -124,7 +125,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "trainer sees it: state resident on --device with a per-step checkpoint, "
                              "against cossd offload), net (the step through a storage server on loopback "
                              "against a plain TCP socket pair and the local steps, and the I/O-path "
-                             "comparison); default kernel,mount,trainer")
+                             "comparison), oom (per-step checkpoints under a cgroup memory cap with a "
+                             "throttled sink: DCP async_save, the tiered checkpointer, cossd offload; root); "
+                             "default kernel,mount,trainer")
     parser.add_argument("--net-elements", type=_positive_int, default=1 << 22,
                         help="net section: elements of the served tensor and parameters of the I/O-path "
                              "comparison's model (default 4M)")
