@@ -78,6 +78,8 @@ def main() -> int:
     ddp = config["ddp"] and world > 1 and not config.get("synthetic")
     net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
     kill = config.get("kill") or {}
+    if kill.get("rank") == rank and kill.get("stage") == "mid_grads" and not optimizer._shard:
+        kill["stage"] = "after_join"  # a rank with no shard has no gradients to be killed amid
     if kill.get("rank") == rank and kill.get("stage") == "after_join":
         # kill -9 of this rank once it has joined step kill["step"], before its gradients go.
         send = optimizer.files.command
