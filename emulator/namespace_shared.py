@@ -214,7 +214,7 @@ class _SharedSteps:
         if absent:
             parts.append(f"ranks {absent} of {shared.ranks} have not joined")
         if not tx.all_received:
-            parts.append(f"gradients incomplete for {', '.join(tx.missing(self.layouts))}")
+            parts.append(f"gradients incomplete for {', '.join(tx.unreceived(self.layouts))}")
         return f"step {tx.step}: " + "; ".join(parts)
 
     def shared_state(self) -> dict[str, Any] | None:

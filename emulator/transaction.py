@@ -177,6 +177,18 @@ class StepTransaction:
         self.nonfinite += nonfinite
         self.done_blocks += 1
 
+    def unreceived(self, tensors: list[TensorLayout], limit: int = 5) -> list[str]:
+        """Names of (some) tensors with gradient elements that have not arrived yet (blocks
+        still running their kernel do not count: their gradients are in)."""
+        names = []
+        for tensor in tensors:
+            states = self.states.get(tensor.name)
+            if states is None or states.count(BlockState.EMPTY) or states.count(BlockState.PARTIAL):
+                names.append(tensor.name)
+                if len(names) == limit:
+                    break
+        return names
+
     def missing(self, tensors: list[TensorLayout], limit: int = 5) -> list[str]:
         """Names of (some) tensors whose gradient is not complete yet, for error messages."""
         names = []

@@ -65,7 +65,7 @@ def test_two_ranks_commit_once_and_both_read_the_result(setup) -> None:
     assert not joined["opened"] and joined["joined"] == 2
     grads("w", BLOCK_ELEMS, BLOCK_ELEMS + 64)
     waiting = admin.commit_shared_step(nsid, 1, seq=1, rank=1, **JOB)["waiting"]
-    assert "have not joined" not in waiting and "gradients incomplete for" in waiting and "b" in waiting
+    assert waiting == "step 1: gradients incomplete for b"  # w's blocks are in (their kernels may still run)
     assert namespace.statistics()["committed_step"] == 0  # never with a shard missing
     grads("b", 0, 64)
     first = admin.commit_shared_step(nsid, 1, seq=1, rank=1, **JOB)
