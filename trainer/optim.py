@@ -133,7 +133,13 @@ class _DeviceAdam(Rebind, StateDict, DeviceSession, ShardedSession, torch.optim.
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         # Called with each tensor's index before its gradient is written (fault injection).
         self.before_grad_write: Callable[[int], None] | None = None
-        self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials)
+        try:
+            self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials)
+        except BaseException as exc:
+            if self._ranks is not None:
+                # The other ranks are about to wait for this one: they fail with its reason.
+                self._fail_together(exc)
+            raise
         try:
             if self._ranks is not None:
                 self._open_sharded()  # rank 0 opens it as below, then every rank follows

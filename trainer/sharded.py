@@ -59,7 +59,11 @@ class ShardedSession:
         ranks = self._ranks
         assert ranks is not None
         layout = [(entry.name, entry.numel, entry.group) for entry in self.entries]
-        layouts = ranks.gather(layout)
+        layouts = ranks.gather({"layout": layout})
+        failed = [(rank, theirs["error"]) for rank, theirs in enumerate(layouts) if "error" in theirs]
+        if failed:
+            raise RuntimeError("; ".join(f"rank {rank} could not open the optimizer: {why}" for rank, why in failed))
+        layouts = [theirs["layout"] for theirs in layouts]
         differing = [rank for rank, theirs in enumerate(layouts) if theirs != layouts[0]]
         if differing:
             raise ValueError(f"ranks {differing} hold other params than rank 0 (names, sizes or "
@@ -91,6 +95,17 @@ class ShardedSession:
                                "(config.json block_elems); a sharded optimizer cuts shards at its blocks")
         shards = plan_shards([(entry.name, entry.numel) for entry in self.entries], ranks.world, block)
         self._shard = shards[ranks.rank]
+
+    def _fail_together(self, exc: BaseException) -> None:
+        """This rank failed before the ranks' first exchange (its mount missing, say): it
+        takes part in the exchange with its reason, so the others raise it too instead of
+        waiting for it."""
+        ranks = self._ranks
+        assert ranks is not None
+        try:
+            ranks.gather({"error": f"{type(exc).__name__}: {exc}"})
+        except Exception:  # the process group itself is broken: the original error stands
+            pass
 
     def _open_on_rank0(self) -> dict[str, Any]:
         """Rank 0's part of opening: as one process opens a namespace, then a step an

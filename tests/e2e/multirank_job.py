@@ -70,10 +70,12 @@ def main() -> int:
     recorder = warnings.catch_warnings(record=True)  # every warning of the run, for the test
     caught = recorder.__enter__()
     warnings.simplefilter("always")
-    optimizer = AdamW(groups_of(model), lr=BASE_LR, betas=(0.9, 0.95), mount=config["mount"],
-                      namespace=config["namespace"], max_grad_norm=config.get("clip"),
-                      step_timeout_s=config.get("step_timeout_s", 60.0), use_cmb=config.get("use_cmb", True),
-                      average_grads=False if config.get("synthetic") else None)
+    mount = config.get("mount_of_rank", {}).get(str(rank), config["mount"])
+    try:
+        optimizer = make_optimizer(model, config, mount)
+    except Exception as exc:
+        (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        return 4
     model.to(torch.bfloat16)
     ddp = config["ddp"] and world > 1 and not config.get("synthetic")
     net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
@@ -145,6 +147,12 @@ def main() -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def make_optimizer(model: Net, config: dict, mount: str) -> AdamW:
+    return AdamW(groups_of(model), lr=BASE_LR, betas=(0.9, 0.95), mount=mount, namespace=config["namespace"],
+                 max_grad_norm=config.get("clip"), step_timeout_s=config.get("step_timeout_s", 60.0),
+                 use_cmb=config.get("use_cmb", True), average_grads=False if config.get("synthetic") else None)
 
 
 def optimizer_params(optimizer: AdamW) -> list[torch.Tensor]:

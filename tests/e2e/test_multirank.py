@@ -226,6 +226,18 @@ def test_resume_on_other_world_sizes(mount: Mount, tmp_path: Path) -> None:
     assert bits_equal(ranks[0]["masters"], whole[0]["masters"])
 
 
+def test_a_rank_that_cannot_open_fails_every_rank(mount: Mount, tmp_path: Path) -> None:
+    """One rank given a path that is no mount: every rank fails at construction with its
+    reason (none waits for it), and nothing is created on the device."""
+    out = tmp_path / "job"
+    codes = run_job(mount, out, "nomount", 2, 2, mount_of_rank={"1": str(tmp_path / "missing")})
+    assert codes == [4, 4], (codes, (out / "logs.txt").read_text()[-4000:])
+    assert "is not a mounted cossd device" in (out / "error1.txt").read_text()
+    assert "rank 1 could not open the optimizer: FileNotFoundError" in (out / "error0.txt").read_text()
+    with AdminClient(mount.mountpoint) as admin:
+        assert "nomount" not in [entry["name"] for entry in admin.describe()["namespaces"]]
+
+
 def killed_mid_step(mount: Mount, tmp_path: Path, trial: int, world: int, rank: int, stage: str) -> None:
     namespace, steps, at = f"kill{trial}", 8, 4
     out = tmp_path / f"kill{trial}"
