@@ -19,16 +19,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import cgroups
 from .measure import say
+from .oom_targets import BUCKET, Drive, Store
 
 METHODS = ("dcp", "tiered", "cossd")
 LABELS = {"dcp": "PyTorch DCP async_save, no wait", "tiered": "cossd.trainer.TieredCheckpointer",
           "cossd": "cossd offload (cossd.trainer.AdamW)"}
 MIB = 1 << 20
-BUCKET = "cossd-oom"
 
 
 @dataclasses.dataclass
@@ -50,10 +50,11 @@ class OomSettings:
     max_stall_s: float = 1.0      # the longest a tiered save waits for pool room before coalescing
     chunk_bytes: int = 8 * MIB
     max_concurrency: int = 2      # parts in flight to the store: each is a chunk-sized copy
-    drain_s: float = 10.0         # the tiered checkpointer's close() waits this long for the store
+    drain_s: float = 30.0         # close() of the tiered checkpointer, and the drive's archive, wait this long
     run_s: float = 150.0          # the longest a worker may run after warm-up before it is stopped
     sample_s: float = 0.05
     probe_bytes: int = 0          # the throttle probe's write (0: two seconds' worth at the limit)
+    archive_every: int = 5        # cossd's drive archives a version to the store every K steps (0: off)
     methods: tuple[str, ...] = METHODS
 
     def model(self) -> dict[str, int]:
@@ -80,6 +81,7 @@ def oom_costs(workdir: Path, settings: OomSettings) -> dict[str, Any]:
                  "write_bytes_per_s": settings.sink_bytes_per_s, "probe": probe},
         "max_stall_s": settings.max_stall_s, "chunk_bytes": settings.chunk_bytes,
         "max_concurrency": settings.max_concurrency, "sample_s": settings.sample_s,
+        "archive_every": settings.archive_every,
     }
     if not probe["binds"]:
         return {"measured": False, "setup": setup,
@@ -91,7 +93,7 @@ def oom_costs(workdir: Path, settings: OomSettings) -> dict[str, Any]:
     state_bytes = resident_state_bytes(settings)
     setup["resident_state_bytes"] = state_bytes
     methods: dict[str, Any] = {}
-    with _Store(workdir / "store") as store, _Drive(workdir / "drive") as drive:
+    with Store(workdir / "store") as store, Drive(workdir / "drive", store) as drive:
         setup["store"] = store.describe()
         for method in settings.methods:
             sink = workdir / f"sink-{method}"
@@ -109,9 +111,19 @@ def oom_costs(workdir: Path, settings: OomSettings) -> dict[str, Any]:
                                       "spill_bytes": int(settings.spill * (state_bytes + MIB)),
                                       "chunk_bytes": settings.chunk_bytes, "max_stall_s": settings.max_stall_s,
                                       "max_concurrency": settings.max_concurrency, "drain_s": settings.drain_s}}
+            on_warm = None
             if method == "cossd":
                 config |= {"mount": str(drive.mountpoint), "namespace": "oom"}
-            methods[method] = run_worker(method, config, settings, disk, store)
+                if settings.archive_every and store.why is None:
+                    # The namespace exists once the worker has warmed up: from then on the
+                    # drive archives it by itself, from its side of the link.
+                    def on_warm() -> None:
+                        drive.archive_every("oom", settings.archive_every, f"s3://{BUCKET}/drive-{os.getpid()}")
+            # Each method starts on a quiet disk: what the one before left dirty is written now.
+            os.sync()
+            methods[method] = run_worker(method, config, settings, disk, store, on_warm)
+            if on_warm is not None and methods[method].get("steps_done"):
+                methods[method]["drive_archive"] = drive.archive_report("oom", settings.drain_s)
             shutil.rmtree(sink, ignore_errors=True)
             _say_row(methods[method])
     return {"measured": True, "setup": setup, "methods": methods}
@@ -147,8 +159,10 @@ def throttle_probe(workdir: Path, disk: str, settings: OomSettings) -> dict[str,
             "group_bytes_written": written, "binds": rate <= 1.5 * settings.sink_bytes_per_s}
 
 
-def run_worker(method: str, config: dict[str, Any], settings: OomSettings, disk: str, store: Any) -> dict[str, Any]:
-    """One worker in its cgroups, sampled until it exits (or run_s passes: then stopped)."""
+def run_worker(method: str, config: dict[str, Any], settings: OomSettings, disk: str, store: Any,
+               on_warm: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One worker in its cgroups, sampled until it exits (or run_s passes: then stopped);
+    on_warm runs once its first warm-up step is done."""
     name = f"cossd-oom-{os.getpid()}-{method}"
     # Until warm-up the cap is loose (half the machine): the trainer's own footprint decides it.
     memory = cgroups.MemoryGroup(name, _mem_total() // 2)
@@ -171,6 +185,8 @@ def run_worker(method: str, config: dict[str, Any], settings: OomSettings, disk:
         process.stdin.flush()
         if _wait_for(events, "warm", process, timeout_s=300) is None:
             return row | _failure(process, log, "did not warm up")
+        if on_warm is not None:
+            on_warm()
         _reset_peak(memory)
         _go(process)
         sampler = _Sampler(memory, settings.sample_s)  # from the warm-up step on: the figure shows it
@@ -193,6 +209,7 @@ def run_worker(method: str, config: dict[str, Any], settings: OomSettings, disk:
             except subprocess.TimeoutExpired:
                 process.kill()  # the outcome says it was stopped, never that it completed
                 process.wait()
+            sampler.exited()
         finally:
             series = sampler.stop()
         row |= {"parameters": ready["parameters"], "state_bytes": ready["state_bytes"], "footprint_bytes": footprint,
@@ -274,6 +291,7 @@ class _Sampler:
         self.memory, self.interval = memory, interval
         self.samples: list[tuple[float, int, int, int]] = []
         self.origin: float | None = None
+        self._exit: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cossd-oom-sampler", daemon=True)
         self._thread.start()
@@ -294,10 +312,18 @@ class _Sampler:
     def mark(self) -> None:
         self.origin = time.monotonic()
 
+    def exited(self) -> None:
+        """The worker is gone: samples after this are the empty group, not the worker."""
+        self._exit = time.monotonic()
+
     def stop(self) -> dict[str, list[Any]]:
         self._stop.set()
         self._thread.join()
         origin = self.origin if self.origin is not None else time.monotonic()
+        end = self._exit
+        if end is not None:
+            # The last sample before the exit is where a killed worker stood when it was killed.
+            self.samples = [sample for sample in self.samples if sample[0] <= end] or self.samples[:1]
         return {"t": [round(t - origin, 3) for t, *_ in self.samples], "usage": [s[1] for s in self.samples],
                 "anon": [s[2] for s in self.samples], "cache": [s[3] for s in self.samples]}
 
@@ -327,6 +353,7 @@ def _outcome(process: subprocess.Popen[str], memory: cgroups.MemoryGroup, events
             "exit_code": code, "oom_kills": oom_kills, "failcnt": failcnt, "steps_done": len(steps),
             "stall_mean_s": statistics.fmean(stalls) if stalls else None,
             "stall_max_s": max(stalls) if stalls else None,
+            "stall_median_s": statistics.median(stalls) if stalls else None,
             "step_mean_s": statistics.fmean(e["step_s"] for e in steps) if steps else None,
             "done": {k: v for k, v in (done or {}).items() if k not in ("event", "t")}}
 
@@ -360,69 +387,3 @@ def _say_row(row: dict[str, Any]) -> None:
     say(f"  oom, {row['label']}: {row['outcome']} after {row['steps_done']}/{row['steps_asked']} steps; peak "
         f"{row.get('peak_bytes', 0) / MIB:.0f} MiB against a cap of {row.get('cap_bytes', 0) / MIB:.0f} MiB "
         f"(footprint {row.get('footprint_bytes', 0) / MIB:.0f} MiB); stall {stall}")
-
-
-class _Store:
-    """SeaweedFS on loopback, outside the workers' cgroups (the store is another machine's);
-    why is set where weed is missing or does not start, and the tiered row says so."""
-
-    def __init__(self, root: Path) -> None:
-        from . import s3_server
-
-        self.server: Any = None
-        self.why: str | None = None
-        self.endpoint = ""
-        self._module = s3_server
-        if s3_server.WEED is None:
-            self.why = f"not measured: {s3_server.MISSING}"
-            return
-        try:
-            import boto3  # noqa: F401  (the checkpointer's client)
-        except ImportError:
-            self.why = "not measured: boto3 is not installed (pip install 'cossd[tiers]')"
-            return
-        root.mkdir(parents=True)
-        try:
-            self.server = s3_server.start_weed(root, BUCKET)
-            self.endpoint = self.server.endpoint
-        except RuntimeError as exc:
-            self.why = f"not measured: {exc}"
-
-    def credentials(self) -> dict[str, str]:
-        return {"AWS_ACCESS_KEY_ID": self._module.KEY, "AWS_SECRET_ACCESS_KEY": self._module.SECRET,
-                "AWS_DEFAULT_REGION": "us-east-1"}
-
-    def describe(self) -> dict[str, Any]:
-        if self.why is not None:
-            return {"why": self.why}
-        return {"kind": "SeaweedFS on loopback (its data on the same disk, outside the throttle)",
-                "endpoint": self.endpoint, "bucket": BUCKET}
-
-    def __enter__(self) -> "_Store":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            self.server.stop()
-
-
-class _Drive:
-    """A fresh cossd device mounted for the offload run; its daemon is the drive, started by the
-    bench outside the workers' cgroups (a drive's memory is not the host's)."""
-
-    def __init__(self, root: Path) -> None:
-        from ..emulator import Device
-        from ..fs import daemon
-
-        root.mkdir(parents=True)
-        self.backing, self.mountpoint = root / "backing", root / "mnt"
-        self.mountpoint.mkdir()
-        Device.format(self.backing)
-        self._daemon = daemon
-        self.pid = daemon.start_background(self.backing, self.mountpoint)
-
-    def __enter__(self) -> "_Drive":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._daemon.stop_background(self.mountpoint, self.pid)

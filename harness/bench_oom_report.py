@@ -30,6 +30,10 @@ def _bytes_row(name: str, row: dict[str, Any]) -> str:
     if name == "cossd" and "host_link_bytes" in done:
         parts.append(f"{done['host_link_bytes'] / 1e6:.0f} MB over the host link (grads in, params out); the state "
                      "is committed on the drive")
+        archive = row.get("drive_archive")
+        if archive:
+            parts.append(f"the drive archived {archive['versions_archived']} versions ({archive['network_bytes_sent'] / 1e6:.0f}"
+                         f" MB over its own link, none over the host's)")
     return "; ".join(parts)
 
 
@@ -56,7 +60,7 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
              "allocated; checkpointing's share is its peak over the checkpointed steps less the same figure "
              "over a step of training alone.", "",
              "| method | outcome | steps | footprint (anonymous) | cap | peak (anonymous) | checkpointing's share, "
-             "anonymous | stall per step (mean, max) | bytes |", "|---|---|---|---|---|---|---|---|---|"]
+             "anonymous | stall per step (median, mean, max) | bytes |", "|---|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         if not row.get("measured"):
             lines.append(f"| {row['label']} | {row['why']} | | | | | | | |")
@@ -66,7 +70,8 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
                      f"| {_mib(row.get('footprint_bytes'))} ({_mib(row.get('footprint_anon_bytes'))}) "
                      f"| {_mib(row.get('cap_bytes'))} | {_mib(row.get('peak_bytes'))} "
                      f"({_mib(row.get('peak_anon_bytes'))}) | {_mib(row.get('checkpoint_anon_bytes'))} "
-                     f"| {_ms(row.get('stall_mean_s'))}, {_ms(row.get('stall_max_s'))} | {_bytes_row(name, row)} |")
+                     f"| {_ms(row.get('stall_median_s'))}, {_ms(row.get('stall_mean_s'))}, {_ms(row.get('stall_max_s'))} "
+                     f"| {_bytes_row(name, row)} |")
     tiered = rows.get("tiered", {})
     if tiered.get("done", {}).get("statement"):
         lines += ["", f"The tiered checkpointer's close(): {tiered['done']['statement']}"]
@@ -91,7 +96,9 @@ def chart(report: dict[str, Any], path: Path) -> None:
         ax.plot(series["t"], series["usage"], color=color, label=f"{row['label']}: {row['outcome']}")
         ax.plot(series["t"], series["anon"], color=color, linestyle=":", linewidth=1)
         ax.axhline(row["cap_bytes"] / MIB, color=color, linestyle="--", linewidth=0.8)
-        if row.get("oom_killed") or row.get("outcome") == "failed":
+        if row.get("oom_killed"):  # the kernel kills at the cap; the last sample may be after it
+            ax.plot(series["t"][-1], row["cap_bytes"] / MIB, marker="x", markersize=12, color=color)
+        elif row.get("outcome") == "failed":
             ax.plot(series["t"][-1], series["usage"][-1], marker="x", markersize=12, color=color)
     ax.axvline(0, color="gray", linewidth=0.5)
     ax.set(xlabel="seconds since the first checkpointed step (before 0: a step of training alone)",

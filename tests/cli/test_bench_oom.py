@@ -25,7 +25,7 @@ COSSD_NOISE = 8 * MIB
 # steps it takes to pile up.
 TINY = OomSettings(d_model=384, layers=2, heads=6, context=32, batch=2, steps=6, budget=1.8, pool=1.0,
                    spill=3.0, sink_bytes_per_s=4 * MIB, max_stall_s=0.5, chunk_bytes=5 * MIB, max_concurrency=1,
-                   drain_s=2.0, run_s=45.0)
+                   drain_s=15.0, run_s=45.0, archive_every=3)
 
 
 def test_oom_section_tiny(tmp_path: Path) -> None:
@@ -66,13 +66,19 @@ def test_oom_section_tiny(tmp_path: Path) -> None:
     assert cossd["outcome"] == "completed", cossd
     assert cossd["steps_done"] == TINY.steps and cossd["done"]["steps_committed"] >= TINY.steps
     assert cossd["checkpoint_memory_bytes"] <= COSSD_NOISE, cossd["checkpoint_memory_bytes"]
+    assert cossd["checkpoint_anon_bytes"] <= COSSD_NOISE, cossd["checkpoint_anon_bytes"]
+    assert cossd["bytes_to_sink"] == 0  # the host wrote nothing to the disk: the drive holds the state
+    if "drive_archive" in cossd:  # the store runs: the drive took versions for it, from its side
+        archive = cossd["drive_archive"]
+        assert archive["snapshots_taken"] >= 1 and archive["last_error"] is None, archive
 
     tiered = rows["tiered"]
     if tiered["measured"]:
         assert tiered["outcome"] == "completed", tiered
         assert tiered["steps_done"] == TINY.steps
         bound = int(TINY.pool * state) + TINY.max_concurrency * TINY.chunk_bytes + TIERED_ALLOWANCE
-        assert tiered["checkpoint_memory_bytes"] <= bound, (tiered["checkpoint_memory_bytes"], bound)
+        assert tiered["checkpoint_anon_bytes"] <= bound, (tiered["checkpoint_anon_bytes"], bound)
+        assert not tiered["oom_killed"] and tiered["peak_bytes"] <= tiered["cap_bytes"]
         stats = tiered["done"]["stats"]
         assert stats["memory_peak"] <= stats["memory_bytes"]
         assert stats["saves"] == TINY.steps
