@@ -74,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
         _net_section(report, args)
     if "oom" in sections:
         _oom_section(report, args)
+    if "ranks" in sections:
+        from .bench_ranks import ranks_costs
+
+        workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-ranks-"))
+        try:
+            report["ranks"] = ranks_costs(workdir, getattr(args, "rank_elements", 1 << 22), max(args.repeat, 5))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     if not sections & {"mount", "trainer"}:
         write_report(report, args.output)
         return 0

@@ -88,6 +88,10 @@ def markdown(report: dict[str, Any]) -> str:
         from .bench_oom_report import markdown_rows as oom_rows  # the oom section's table
 
         lines += oom_rows(report)
+    if "ranks" in report:
+        from .bench_ranks import markdown_rows as ranks_rows  # the ranks section's table
+
+        lines += ranks_rows(report)
     if "file_path" not in report:  # no mount section
         return "\n".join(lines)
     lines += ["", f"Through the mount: medians of {report.get('mount_turns', report['repeat'])} steps each; "

@@ -84,9 +84,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     remote=getattr(args, "remote", False))
 
 
-BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom"})
+BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks"})
 # `net` starts storage servers and takes a minute and a half; `oom` makes cgroups (root) and
-# drives workers into their memory caps for a few minutes: both asked for by name, not by default.
+# drives workers into their memory caps for a few minutes; `ranks` runs 7 jobs of up to 4 rank
+# processes: each asked for by name, not by default.
 DEFAULT_BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer"})
 
 
@@ -126,8 +127,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "against cossd offload), net (the step through a storage server on loopback "
                              "against a plain TCP socket pair and the local steps, and the I/O-path "
                              "comparison), oom (per-step checkpoints under a cgroup memory cap with a "
-                             "throttled sink: DCP async_save, the tiered checkpointer, cossd offload; root); "
-                             "default kernel,mount,trainer")
+                             "throttled sink: DCP async_save, the tiered checkpointer, cossd offload; root), "
+                             "ranks (the sharded optimizer at 1, 2 and 4 ranks on one namespace: step time "
+                             "and bytes per rank); default kernel,mount,trainer")
+    parser.add_argument("--rank-elements", type=_positive_int, default=1 << 22,
+                        help="ranks section: the model's parameters, in layers of 1024x1024 (default 4M)")
     parser.add_argument("--net-elements", type=_positive_int, default=1 << 22,
                         help="net section: elements of the served tensor and parameters of the I/O-path "
                              "comparison's model (default 4M)")

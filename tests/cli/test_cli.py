@@ -141,6 +141,25 @@ def test_demo_trains_through_a_storage_server(tmp_path: Path, capsys: pytest.Cap
     assert cossd["bytes_per_param_per_step"] == pytest.approx(4.0)  # as the device counted them
 
 
+def test_bench_ranks_section_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`cossd bench --sections ranks`: 1, 2 and 4 rank processes on gloo share one namespace;
+    the device takes every gradient once (2 B a param, whatever the world size), each rank
+    sends its shard's and reads every param (2 B a param a rank)."""
+    code, out, err = run_cli(capsys, "bench", "--sections", "ranks", "--rank-elements", "1048576", "--repeat", "1",
+                             "--output", str(tmp_path / "b"))
+    assert code == 0, out + err
+    section = json.loads((tmp_path / "b/bench.json").read_text())["ranks"]
+    assert [row["ranks"] for row in section["rows"]] == [1, 2, 4]
+    for row in section["rows"]:
+        n, world = row["elements"], row["ranks"]
+        assert n == 1 << 20 and row["step_seconds"] > 0
+        assert row["device_grad_bytes_in_per_step"] == 2 * n
+        assert row["device_param_bytes_out_per_step"] == 2 * n * world
+        assert sum(rank["shard_elements"] for rank in row["per_rank"]) == n
+        assert sum(rank["grad_bytes"] for rank in row["per_rank"]) == 2 * n
+    assert "Sharded AdamW (ZeRO-1) on one shared namespace" in (tmp_path / "b/bench.md").read_text()
+
+
 def test_demo_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "demo", "--steps", "10", "--crash-at", "11")
     assert code == 2 and "--crash-at must be in 2..10" in err
