@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from . import cgroups
 from .measure import say
+from .oom_sink import SinkUnavailable, SyncSink
 from .oom_targets import BUCKET, Drive, Store
 
 METHODS = ("dcp", "tiered", "cossd")
@@ -63,43 +64,48 @@ class OomSettings:
 
 def oom_costs(workdir: Path, settings: OomSettings) -> dict[str, Any]:
     """The section's report, or {"measured": False, "why": "not measured: ..."} where this
-    machine has no cgroup v1 memory and blkio controllers, no root, or no block device."""
+    machine has no cgroup v1 memory and blkio controllers, no root, no loop devices, or a
+    throttle that does not bind."""
     why = cgroups.unavailable()
     if why is not None:
         return {"measured": False, "why": f"not measured: {why}"}
+    state_bytes = resident_state_bytes(settings)
     try:
-        disk = cgroups.disk_of(workdir)
-    except ValueError as exc:
-        return {"measured": False, "why": f"not measured: the sink {exc}"}
-    from .bench_device import filesystem_of
+        # Room for every version DCP could write before it is killed, or the spill dir's bound.
+        sink = SyncSink(workdir, int(max(settings.steps, settings.spill + 1) * (state_bytes + MIB) * 1.1) + (256 * MIB))
+    except (SinkUnavailable, ValueError) as exc:
+        return {"measured": False, "why": f"not measured: no sink ({exc})"}
+    with sink:
+        return _measure(workdir, sink, settings, state_bytes)
 
-    probe = throttle_probe(workdir, disk, settings)
+
+def _measure(workdir: Path, sink: SyncSink, settings: OomSettings, state_bytes: int) -> dict[str, Any]:
+    probe = throttle_probe(sink.mountpoint, sink.disk, settings)
     setup: dict[str, Any] = {
         "model": settings.model(), "batch": settings.batch, "steps": settings.steps,
         "budget_versions": settings.budget, "pool_versions": settings.pool, "spill_versions": settings.spill,
-        "sink": {"kind": "blkio throttle", "disk": disk, "filesystem": filesystem_of(workdir),
+        "sink": {"kind": "blkio write throttle", "disk": sink.disk, "filesystem": sink.describe(),
                  "write_bytes_per_s": settings.sink_bytes_per_s, "probe": probe},
         "max_stall_s": settings.max_stall_s, "chunk_bytes": settings.chunk_bytes,
         "max_concurrency": settings.max_concurrency, "sample_s": settings.sample_s,
-        "archive_every": settings.archive_every,
+        "archive_every": settings.archive_every, "resident_state_bytes": state_bytes,
     }
     if not probe["binds"]:
         return {"measured": False, "setup": setup,
-                "why": (f"not measured: the blkio throttle does not bind here (an fsync'd write in the group "
-                        f"ran at {probe['bytes_per_s'] / MIB:.0f} MiB/s against a "
-                        f"{settings.sink_bytes_per_s / MIB:.0f} MiB/s limit)")}
-    say(f"  oom: sink {disk} throttled to {settings.sink_bytes_per_s / MIB:.0f} MiB/s "
-        f"(probe: {probe['bytes_per_s'] / MIB:.1f} MiB/s, fsync'd)")
-    state_bytes = resident_state_bytes(settings)
-    setup["resident_state_bytes"] = state_bytes
+                "why": (f"not measured: the blkio throttle does not bind here (a write in the group ran at "
+                        f"{probe['bytes_per_s'] / MIB:.0f} MiB/s against a {settings.sink_bytes_per_s / MIB:.0f} "
+                        "MiB/s limit)")}
+    say(f"  oom: sink {sink.describe()}, writes throttled to {settings.sink_bytes_per_s / MIB:.0f} MiB/s "
+        f"(probe: {probe['bytes_per_s'] / MIB:.1f} MiB/s)")
     methods: dict[str, Any] = {}
     with Store(workdir / "store") as store, Drive(workdir / "drive", store) as drive:
         setup["store"] = store.describe()
         for method in settings.methods:
-            sink = workdir / f"sink-{method}"
-            sink.mkdir()
+            directory = sink.mountpoint / method
+            directory.mkdir()
             config: dict[str, Any] = {"method": method, "model": settings.model(), "batch": settings.batch,
-                                      "steps": settings.steps, "sink": str(sink), "resident_state_bytes": state_bytes}
+                                      "steps": settings.steps, "sink": str(directory),
+                                      "resident_state_bytes": state_bytes}
             if method == "tiered":
                 if store.why is not None:
                     methods[method] = {"label": LABELS[method], "measured": False, "why": store.why}
@@ -121,19 +127,23 @@ def oom_costs(workdir: Path, settings: OomSettings) -> dict[str, Any]:
                         drive.archive_every("oom", settings.archive_every, f"s3://{BUCKET}/drive-{os.getpid()}")
             # Each method starts on a quiet disk: what the one before left dirty is written now.
             os.sync()
-            methods[method] = run_worker(method, config, settings, disk, store, on_warm)
+            methods[method] = run_worker(method, config, settings, sink.disk, store, on_warm)
+            # What its files hold as it ended (DCP's checkpoints, cut or not; the spill files
+            # the tiered checkpointer had not deleted yet).
+            methods[method]["sink_file_bytes"] = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
             if on_warm is not None and methods[method].get("steps_done"):
                 methods[method]["drive_archive"] = drive.archive_report("oom", settings.drain_s)
-            shutil.rmtree(sink, ignore_errors=True)
+            shutil.rmtree(directory, ignore_errors=True)
             _say_row(methods[method])
     return {"measured": True, "setup": setup, "methods": methods}
 
 
-def throttle_probe(workdir: Path, disk: str, settings: OomSettings) -> dict[str, Any]:
-    """Whether the throttle binds here: a process in a throttled group writes a file and
-    fsyncs it; binds when it ran at no more than 1.5x the limit."""
+def throttle_probe(directory: Path, disk: str, settings: OomSettings) -> dict[str, Any]:
+    """Whether the throttle binds: a process in a throttled group writes a file into the sink
+    (plain buffered writes, no fsync: the sink's sync mount is what makes them pass the
+    throttle); binds when it ran at no more than 1.5x the limit."""
     size = settings.probe_bytes or 2 * settings.sink_bytes_per_s
-    path = workdir / "throttle-probe"
+    path = directory / "throttle-probe"
     group = cgroups.BlkioThrottle(f"cossd-oom-probe-{os.getpid()}", disk, settings.sink_bytes_per_s)
     code = ("import os, sys, time\n"
             "sys.stdin.readline()\n"
@@ -142,7 +152,6 @@ def throttle_probe(workdir: Path, disk: str, settings: OomSettings) -> dict[str,
             f"with open({str(path)!r}, 'wb') as f:\n"
             f"    for _ in range({max(1, size >> 20)}):\n"
             "        f.write(block)\n"
-            "    os.fsync(f.fileno())\n"
             "print(time.perf_counter() - started)\n")
     try:
         process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

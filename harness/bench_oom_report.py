@@ -17,16 +17,20 @@ def _ms(value: float | None) -> str:
 
 
 def _bytes_row(name: str, row: dict[str, Any]) -> str:
-    """What each method wrote: to the throttled disk (its blkio group's count), and beyond."""
+    """What each method wrote: into the sink's files, the part its own tasks wrote to the disk
+    (the throttle's count), and beyond the sink."""
     done = row.get("done") or {}
-    parts = [f"{row.get('bytes_to_sink', 0) / 1e6:.0f} MB to the sink"]
+    throttled = f"{row.get('bytes_to_sink', 0) / 1e6:.0f} MB through the throttle"
     if name == "dcp":
-        parts.append(f"{done['saves_completed']} saves completed" if "saves_completed" in done
-                     else "no save completed")
+        saved = (f"{done['saves_completed']} saves completed" if "saves_completed" in done else "no save completed")
+        return f"{row.get('sink_file_bytes', 0) / 1e6:.0f} MB into checkpoint files ({throttled}); {saved}"
     if name == "tiered" and "stats" in done:
         stats = done["stats"]
-        parts.append(f"{stats['bytes_uploaded'] / 1e6:.0f} MB to the store ({stats['archived']} versions archived, "
-                     f"{stats['spilled']} spilled, {stats['coalesced']} coalesced)")
+        return (f"{row.get('bytes_to_sink', 0) / 1e6:.0f} MB into spill files through the throttle ({stats['spilled']} "
+                f"versions spilled whole, the others' spills overtaken by their upload); "
+                f"{stats['bytes_uploaded'] / 1e6:.0f} MB to the store ({stats['archived']} versions archived, "
+                f"{stats['coalesced']} coalesced)")
+    parts = [f"{row.get('bytes_to_sink', 0) / 1e6:.0f} MB to the sink"]
     if name == "cossd" and "host_link_bytes" in done:
         parts.append(f"{done['host_link_bytes'] / 1e6:.0f} MB over the host link (grads in, params out); the state "
                      "is committed on the drive")
@@ -52,8 +56,8 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
              f"{setup['batch']}, {setup['steps']} steps, each method in a worker process of its own; the resident "
              f"trainers' state (FP32 params, AdamW moments) is {setup['resident_state_bytes'] / 1e6:.0f} MB. Each "
              f"worker's cap is its own footprint after a warm-up step plus {setup['budget_versions']} versions of "
-             f"that state; the sink is {sink['filesystem']} ({sink['disk']}) with the worker's writes throttled "
-             f"by blkio to {sink['write_bytes_per_s'] / MIB:.0f} MiB/s (a probe's fsync'd write ran at "
+             f"that state; the sink is {sink['filesystem']}, the worker's writes to it throttled by blkio to "
+             f"{sink['write_bytes_per_s'] / MIB:.0f} MiB/s (a probe's buffered writes ran at "
              f"{sink['probe']['bytes_per_s'] / MIB:.1f} MiB/s). Memory is the group's memory.usage_in_bytes "
              f"(what the cap counts: anonymous memory and page cache), sampled every "
              f"{setup['sample_s'] * 1e3:.0f} ms; anonymous is memory.stat's rss + shmem, what the process "

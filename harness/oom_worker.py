@@ -151,14 +151,16 @@ def _tiered(config: dict[str, Any], model: Any, optimizer: Any) -> tuple[Callabl
                                       initial_concurrency=min(2, options["max_concurrency"]),
                                       max_stall_s=options["max_stall_s"])
 
+    version_bytes = [0]
+
     def tiered_checkpoint(step: int) -> float:
         started = time.perf_counter()
-        checkpointer.save(model, optimizer, step)
+        version_bytes[0] = checkpointer.save(model, optimizer, step)["bytes"]
         return time.perf_counter() - started
 
     def tiered_finish() -> dict[str, Any]:
         report = checkpointer.close(drain=True, timeout_s=options["drain_s"])
-        return {"statement": report["statement"], "stats": _plain(report["stats"])}
+        return {"statement": report["statement"], "stats": _plain(report["stats"]), "version_bytes": version_bytes[0]}
 
     return tiered_checkpoint, optimizer, tiered_finish
 

@@ -21,10 +21,11 @@ COSSD_NOISE = 8 * MIB
 
 # A 3.7M-param GPT: a resident trainer's state (FP32 params, AdamW's moments) is 44 MB. The
 # cap leaves 1.8 versions for checkpointing: DCP's second staged copy cannot fit, the tiered
-# checkpointer's pool of one version can; the sink takes 4 MiB/s, so no save finishes in the
-# steps it takes to pile up.
+# checkpointer's pool of one version can. The sink takes 16 MiB/s, a version in about 3 s, and
+# a step takes a tenth of that: DCP's saves pile up, and the tiered one's saves wait at most a
+# spill each.
 TINY = OomSettings(d_model=384, layers=2, heads=6, context=32, batch=2, steps=6, budget=1.8, pool=1.0,
-                   spill=3.0, sink_bytes_per_s=4 * MIB, max_stall_s=0.5, chunk_bytes=5 * MIB, max_concurrency=1,
+                   spill=3.0, sink_bytes_per_s=16 * MIB, max_stall_s=0.5, chunk_bytes=5 * MIB, max_concurrency=1,
                    drain_s=15.0, run_s=45.0, archive_every=3)
 
 
