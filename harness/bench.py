@@ -140,8 +140,8 @@ def _net_section(report: dict[str, Any], args: argparse.Namespace) -> None:
 
 def _oom_section(report: dict[str, Any], args: argparse.Namespace) -> None:
     """Per-step checkpoints under a cgroup memory cap with a throttled sink (bench_oom.py), in
-    a temp dir on the disk the throttle acts on. `args.oom` (an OomSettings) overrides the
-    model and the sizes: the tests run it tiny."""
+    a temp dir on the disk (the sink's image, the store's and the drive's data). `args.oom` (an
+    OomSettings) overrides the model and the sizes: the tests run it tiny."""
     from .bench_oom import OomSettings, oom_costs
 
     settings = getattr(args, "oom", None) or OomSettings()
