@@ -9,6 +9,7 @@ import pytest
 
 from cossd.harness import bench, cgroups
 from cossd.harness.bench_oom import METHODS, OomSettings
+from cossd.harness.bench_report import markdown
 
 MIB = 1 << 20
 
@@ -83,3 +84,10 @@ def test_oom_section_tiny(tmp_path: Path) -> None:
         stats = tiered["done"]["stats"]
         assert stats["memory_peak"] <= stats["memory_bytes"]
         assert stats["saves"] == TINY.steps
+
+
+def test_oom_section_not_measured_says_why() -> None:
+    """Where the section cannot run, bench.md carries its reason in place of the table."""
+    report = {"machine": {"cpu": "x", "cores": 2, "torch": "t", "simd": "s"}, "elements": 1, "repeat": 1,
+              "oom": {"measured": False, "why": "not measured: not root (creating cgroups needs it)"}}
+    assert "oom section): not measured: not root (creating cgroups needs it)." in markdown(report)
