@@ -131,8 +131,11 @@ def _measure(workdir: Path, sink: SyncSink, settings: OomSettings, state_bytes: 
             # What its files hold as it ended (DCP's checkpoints, cut or not; the spill files
             # the tiered checkpointer had not deleted yet).
             methods[method]["sink_file_bytes"] = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-            if on_warm is not None and methods[method].get("steps_done"):
-                methods[method]["drive_archive"] = drive.archive_report("oom", settings.drain_s)
+            if on_warm is not None and methods[method].get("steps_done") and "on_warm_error" not in methods[method]:
+                try:
+                    methods[method]["drive_archive"] = drive.archive_report("oom", settings.drain_s)
+                except Exception as exc:  # the drive's log page could not be read: said, not hidden
+                    methods[method]["drive_archive"] = {"error": f"{type(exc).__name__}: {exc}"}
             shutil.rmtree(directory, ignore_errors=True)
             _say_row(methods[method])
     return {"measured": True, "setup": setup, "methods": methods}
@@ -195,7 +198,10 @@ def run_worker(method: str, config: dict[str, Any], settings: OomSettings, disk:
         if _wait_for(events, "warm", process, timeout_s=300) is None:
             return row | _failure(process, log, "did not warm up")
         if on_warm is not None:
-            on_warm()
+            try:
+                on_warm()
+            except Exception as exc:  # the drive refused its policy: the row says so, the run goes on
+                row["on_warm_error"] = f"{type(exc).__name__}: {exc}"
         _reset_peak(memory)
         _go(process)
         sampler = _Sampler(memory, settings.sample_s)  # from the warm-up step on: the figure shows it

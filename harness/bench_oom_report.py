@@ -35,7 +35,11 @@ def _bytes_row(name: str, row: dict[str, Any]) -> str:
         parts.append(f"{done['host_link_bytes'] / 1e6:.0f} MB over the host link (grads in, params out); the state "
                      "is committed on the drive")
         archive = row.get("drive_archive")
-        if archive:
+        if archive and "error" in archive:
+            parts.append(f"the drive's archive: {archive['error']}")
+        elif row.get("on_warm_error"):
+            parts.append(f"the drive's archive policy was refused: {row['on_warm_error']}")
+        elif archive:
             parts.append(f"the drive archived {archive['versions_archived']} versions ({archive['network_bytes_sent'] / 1e6:.0f}"
                          f" MB over its own link, none over the host's)")
     return "; ".join(parts)
