@@ -1,7 +1,7 @@
 """`cossd bench`: cossd's kernel, file path, checkpoint and restore, measured beside their peers in one run.
 
 The sections live in modules of their own (bench_kernel, bench_mount, bench_checkpoint,
-bench_trainer, bench_net and bench_iopath, bench_oom), the devices they mount in bench_device, the report in bench_report; this
+bench_trainer, bench_net and bench_iopath, bench_oom, bench_scale), the devices they mount in bench_device, the report in bench_report; this
 module runs them in order and offers their names, as `cossd bench` and the tests use them.
 """
 from __future__ import annotations
@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
             report["ranks"] = ranks_costs(workdir, getattr(args, "rank_elements", 1 << 22), max(args.repeat, 5))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+    if "scale" in sections:
+        _scale_section(report, args)
     if not sections & {"mount", "trainer"}:
         write_report(report, args.output)
         return 0
@@ -152,6 +154,21 @@ def _oom_section(report: dict[str, Any], args: argparse.Namespace) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     if not report["oom"].get("measured"):
         say(f"  oom: {report['oom']['why']}")
+
+
+def _scale_section(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """Growing namespaces on fresh devices backed by the temp dir's disk (bench_scale.py), all
+    under one directory deleted at the end; the restore at 16M and 256M where those are among
+    the sizes, else at the largest."""
+    from .bench_scale import scale_costs
+
+    sizes = getattr(args, "scale_sizes", None) or [1 << 20, 1 << 24, 1 << 28, 1 << 30]
+    restore = {1 << 24, 1 << 28} & set(sizes) or {max(sizes)}
+    workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-scale-"))
+    try:
+        report["scale"] = scale_costs(workdir, sizes, restore)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: BenchDevice, workdir: Path,

@@ -1,4 +1,4 @@
-"""`cossd bench`'s report: bench.json, the markdown tables (bench.md, also printed) and the charts (bench.png, oom.png)."""
+"""`cossd bench`'s report: bench.json, the markdown tables (bench.md, also printed) and the charts (bench.png, oom.png, scale.png)."""
 from __future__ import annotations
 
 import json
@@ -23,6 +23,11 @@ def write_report(report: dict[str, Any], output: Path) -> None:
 
             oom_chart(report, output / "oom.png")
             written.append(output / "oom.png")
+        if any(row["measured"] for row in report.get("scale", {}).get("sizes", [])):
+            from .bench_scale_report import chart as scale_chart  # the scale section's log-log figure
+
+            scale_chart(report, output / "scale.png")
+            written.append(output / "scale.png")
         drawn = ""
     except ImportError as exc:  # matplotlib comes with the trainer extra
         drawn = (f"\nbench.png not drawn: {exc.name or 'matplotlib'} is not installed "
@@ -92,6 +97,10 @@ def markdown(report: dict[str, Any]) -> str:
         from .bench_ranks import markdown_rows as ranks_rows  # the ranks section's table
 
         lines += ranks_rows(report)
+    if "scale" in report:
+        from .bench_scale_report import markdown_rows as scale_rows  # the scale section's tables
+
+        lines += scale_rows(report)
     if "file_path" not in report:  # no mount section
         return "\n".join(lines)
     lines += ["", f"Through the mount: medians of {report.get('mount_turns', report['repeat'])} steps each; "

@@ -84,10 +84,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     remote=getattr(args, "remote", False))
 
 
-BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks"})
+BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks", "scale"})
 # `net` starts storage servers and takes a minute and a half; `oom` makes cgroups (root) and
 # drives workers into their memory caps for a few minutes; `ranks` runs 7 jobs of up to 4 rank
-# processes: each asked for by name, not by default.
+# processes; `scale` steps namespaces up to 1B elements (30 GB of state on the disk, most of an
+# hour): each asked for by name, not by default.
 DEFAULT_BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer"})
 
 
@@ -99,6 +100,22 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "B": 1 << 30}
+
+
+def _element_sizes(text: str) -> list[int]:
+    """'1M,16M' -> [1048576, 16777216]: K, M and G (or B, as in "1B parameters") are powers of 2."""
+    sizes = []
+    for part in (piece.strip().upper() for piece in text.split(",") if piece.strip()):
+        digits, suffix = (part[:-1], part[-1]) if part[-1] in _SIZE_SUFFIXES else (part, "")
+        if not digits.isdigit() or int(digits) < 1:
+            raise argparse.ArgumentTypeError(f"sizes are counts like 64K, 16M or 1B, comma separated; got {text!r}")
+        sizes.append(int(digits) * _SIZE_SUFFIXES[suffix])
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"no sizes in {text!r}")
+    return sorted(set(sizes))
 
 
 def _bench_sections(text: str) -> frozenset[str]:
@@ -129,7 +146,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "comparison), oom (per-step checkpoints under a cgroup memory cap with a "
                              "throttled sink: DCP async_save, the tiered checkpointer, cossd offload; root), "
                              "ranks (the sharded optimizer at 1, 2 and 4 ranks on one namespace: step time "
-                             "and bytes per rank); default kernel,mount,trainer")
+                             "and bytes per rank), scale (one step through the CMB and through the files at "
+                             "--scale-sizes on fresh devices backed by the temp dir's disk: step time, bytes "
+                             "moved, the daemon's peak RSS, growth exponents, the disk's dd figure, and the "
+                             "restore at 16M and 256M against torch.load); default kernel,mount,trainer")
+    parser.add_argument("--scale-sizes", type=_element_sizes, default=[1 << 20, 1 << 24, 1 << 28, 1 << 30],
+                        help="scale section: namespace sizes in elements, comma separated, K/M/G(B) as powers "
+                             "of 2 (default 1M,16M,256M,1B; e.g. 1M,16M for a quick run)")
     parser.add_argument("--rank-elements", type=_positive_int, default=1 << 22,
                         help="ranks section: the model's parameters, in layers of 1024x1024 (default 4M)")
     parser.add_argument("--net-elements", type=_positive_int, default=1 << 22,

@@ -1,0 +1,172 @@
+"""The scale section's restore: params only from a restarted device against torch.load of the full state, cold cache, with the mount's start-up taken apart."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..emulator import Device
+from ..emulator.namespace_media import _Media
+from ..fs import daemon
+
+from .bench_device import BenchDevice
+from .checkpointing import drop_from_page_cache, files_under
+from .measure import say
+
+# What `cossd mount` imports before it serves (python -m cossd.tools.cli mount): the command
+# line, then the daemon with FUSE, the emulator and the kernels.
+MOUNT_IMPORTS = "import cossd.tools.cli, cossd.fs.daemon"
+
+# A torch.save of the same model as FP32 with torch's AdamW state (param, exp_avg,
+# exp_avg_sq, step: 12 B/element), written and fsynced in a child so that the bench process
+# never holds the state.
+_TORCH_SAVE = """
+import os, sys, torch
+n, path = int(sys.argv[1]), sys.argv[2]
+weight = torch.nn.Parameter(torch.full((n,), 0.5))
+optimizer = torch.optim.AdamW([weight], lr=1e-3, fused=True)
+weight.grad = torch.full((n,), 0.01)
+optimizer.step()
+weight.grad = None
+with open(path, "wb") as stream:
+    torch.save({"model": {"w": weight.detach()}, "optimizer": optimizer.state_dict()}, stream)
+    stream.flush()
+    os.fsync(stream.fileno())
+"""
+
+# torch.load in a child whose torch is imported before the clock starts: the restore a
+# resuming trainer pays, not its interpreter's start.
+_TORCH_LOAD = """
+import json, sys, time, torch
+started = time.perf_counter()
+state = torch.load(sys.argv[1], weights_only=True)
+seconds = time.perf_counter() - started
+print(json.dumps({"seconds": seconds, "tensors": len(state["optimizer"]["state"][0]) + len(state["model"])}))
+"""
+
+
+def _python_seconds(code: str, runs: int = 3) -> float:
+    """The fastest of `runs` wall times of a fresh interpreter running `code`."""
+    best = float("inf")
+    for _ in range(runs):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def startup_imports() -> dict[str, Any]:
+    """A bare interpreter's start, and one importing what the mount imports; with the
+    packages whose own module code takes longest to import (python -X importtime's self
+    times, summed per top-level package: they add up to the whole import)."""
+    bare = _python_seconds("pass")
+    with_imports = _python_seconds(MOUNT_IMPORTS)
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", MOUNT_IMPORTS], capture_output=True, text=True)
+    heaviest: dict[str, int] = {}
+    for line in done.stderr.splitlines():
+        parts = line.split("|")  # "import time: self [us] | cumulative | imported package"
+        self_us = parts[0].rsplit(":", 1)[-1].strip() if len(parts) == 3 else ""
+        if not self_us.isdigit():
+            continue
+        top = parts[2].strip().split(".")[0]
+        heaviest[top] = heaviest.get(top, 0) + int(self_us)
+    top = sorted(heaviest.items(), key=lambda item: -item[1])[:6]
+    say(f"  restore: interpreter start {bare:.3f} s, with the mount's imports {with_imports:.3f} s "
+        f"({', '.join(f'{name} {us / 1e6:.2f}' for name, us in top)})")
+    return {"interpreter_seconds": bare, "with_imports_seconds": with_imports,
+            "imports_seconds": with_imports - bare,
+            "heaviest_imports": [{"package": name, "seconds": us / 1e6} for name, us in top]}
+
+
+def _drop(paths: list[Path]) -> None:
+    """Cold cache for these files: written back, then dropped (posix_fadvise DONTNEED), which
+    leaves the rest of a shared machine's page cache alone."""
+    drop_from_page_cache(paths)
+
+
+def _device_open(backing: Path) -> dict[str, float]:
+    """Device.open in this process on the stopped device's backing, cold cache, with the time
+    spent verifying block checksums (_Media._verify_copy) counted apart from the rest."""
+    verify = [0.0]
+    original = _Media._verify_copy
+
+    def timed_verify(self: Any, superblock: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(self, superblock)
+        finally:
+            verify[0] += time.perf_counter() - started
+
+    _drop(files_under(backing))
+    _Media._verify_copy = timed_verify  # type: ignore[method-assign]
+    try:
+        started = time.perf_counter()
+        device = Device.open(backing)
+        seconds = time.perf_counter() - started
+    finally:
+        _Media._verify_copy = original  # type: ignore[method-assign]
+    device.close()
+    return {"open_seconds": seconds, "verify_seconds": verify[0], "recovery_seconds": seconds - verify[0]}
+
+
+def _read_params(device: BenchDevice) -> float:
+    """Seconds to read the committed FP16 params (2 B/element) through the mount, in 4 MiB
+    O_DIRECT preads into one buffer (the bench never holds the whole tensor)."""
+    size, piece = 2 * device.n, 4 << 20
+    buffer = mmap.mmap(-1, min(size, piece))
+    view = memoryview(buffer)
+    started = time.perf_counter()
+    fd = os.open(device.tensor / "param", os.O_RDONLY | os.O_DIRECT)
+    try:
+        offset = 0
+        while offset < size:
+            got = os.preadv(fd, [view[: min(piece, size - offset)]], offset)
+            if got <= 0:
+                raise OSError(f"{device.tensor / 'param'}: short read at {offset}")
+            offset += got
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - started
+    view.release()
+    buffer.close()
+    return seconds
+
+
+def restore_costs(device: BenchDevice, workdir: Path, n: int) -> dict[str, Any]:
+    """On the device the scale steps left (state committed on the disk): stop it, then, each
+    from a cold cache, Device.open in process (recovery and verification), a new daemon
+    mounting it and the params read through it, and torch.load of an equivalent full state
+    saved beside it. Leaves the device stopped."""
+    device.stop()
+    state_files = files_under(device.backing / "ns")
+    opened = _device_open(device.backing)
+    _drop(state_files)
+    started = time.perf_counter()
+    device.pid = daemon.start_background(device.backing, device.mountpoint)
+    mount_seconds = time.perf_counter() - started
+    read_seconds = _read_params(device)
+    device.stop()
+    checkpoint = workdir / "full_state.pt"
+    subprocess.run([sys.executable, "-c", _TORCH_SAVE, str(n), str(checkpoint)], check=True, capture_output=True)
+    _drop([checkpoint])
+    done = subprocess.run([sys.executable, "-c", _TORCH_LOAD, str(checkpoint)], check=True, capture_output=True,
+                          text=True)
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    file_bytes = checkpoint.stat().st_size
+    checkpoint.unlink()
+    cossd_seconds = mount_seconds + read_seconds
+    row = {"elements": n, "cache": "posix_fadvise DONTNEED on each file, after an fsync",
+           "cossd": {"seconds": cossd_seconds, "mount_seconds": mount_seconds, "read_seconds": read_seconds,
+                     "bytes": 2 * n, **opened},
+           "torch_load": {"seconds": loaded["seconds"], "bytes": file_bytes},
+           "torch_vs_cossd": loaded["seconds"] / cossd_seconds}
+    say(f"  restore {n:,}: cossd params only {cossd_seconds:.3f} s (mount {mount_seconds:.3f}: Device.open "
+        f"{opened['open_seconds']:.3f} of which verification {opened['verify_seconds']:.3f}; params "
+        f"{read_seconds:.3f}) against torch.load of the full state {loaded['seconds']:.3f} s "
+        f"({file_bytes / 1e9:.2f} GB)")
+    return row

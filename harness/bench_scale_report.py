@@ -1,0 +1,108 @@
+"""The scale section's part of the report: its markdown tables and its log-log figure (scale.png)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n:,}"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.0f}"
+
+
+def markdown_rows(report: dict[str, Any]) -> list[str]:
+    scale = report["scale"]
+    disk = scale["disk"]
+    lines = ["", f"Scale: one namespace per size on a fresh device (a new daemon), backing on {scale['media']}, "
+             f"{scale['ram_bytes'] / 2**30:.1f} GiB of RAM; each step through the CMB (the client copying "
+             f"grads in and params out, one CMB_WRITE per {_mib(scale['client_chunk_bytes'])} MiB) and through the "
+             "files (O_DIRECT 4 MiB pwrites of the grads, preads of the params), in turns; seconds are medians.",
+             ("The disk: dd O_DIRECT " + (f"{disk['bytes_per_second'] / 1e9:.2f} GB/s ({disk['bytes'] / 2**30:.1f} GiB), "
+                                          f"{disk['gels_at_12_bytes']:.3f} G el/s at 12 B of new state per element"
+                                          if disk["measured"] else disk["why"])) + ".", "",
+             "| elements | A/B state | > RAM | steps | mount ready, s | CMB s/step | CMB G el/s | CMB / dd | "
+             "files s/step | files G el/s | files / dd | host B/el | media written B/el | media read B/el | "
+             "daemon peak RSS MiB (anon, files, shared) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in scale["sizes"]:
+        if not row["measured"]:
+            lines.append(f"| {_size(row['elements'])} | {row['state_bytes'] / 1e9:.1f} GB | | | {row['why']} "
+                         "| | | | | | | | | | |")
+            continue
+        cmb, files, rss, n = row["cmb"], row["files"], row["rss"], row["elements"]
+        lines.append(
+            f"| {_size(n)} | {row['state_bytes'] / 1e9:.2f} GB | {'yes' if row['exceeds_ram'] else 'no'} "
+            f"| {row['turns']} | {row['mount_seconds']:.2f} "
+            f"| {cmb['seconds']:.3f} | {cmb['gels']:.3f} | {cmb.get('vs_disk', 0):.2f}x "
+            f"| {files['seconds']:.3f} | {files['gels']:.3f} | {files.get('vs_disk', 0):.2f}x "
+            f"| {cmb['host_bytes_per_step'] / n:.1f} | {cmb['media_written_bytes_per_step'] / n:.1f} "
+            f"| {cmb['media_read_bytes_per_step'] / n:.1f} "
+            f"| {_mib(rss['vm_hwm'])} ({_mib(rss['peak_anon'])}, {_mib(rss['peak_file'])}, {_mib(rss['peak_shmem'])}) |")
+    exponents = scale["exponents"]
+    shown = {"cmb_step_seconds": "CMB step time", "files_step_seconds": "file step time",
+             "daemon_peak_rss": "daemon peak RSS", "daemon_peak_anon": "its anonymous memory"}
+    lines += ["", "Growth exponents (least-squares slope of log against log(elements)): "
+              + ", ".join(f"{label} {exponents[key]:.2f}" if exponents.get(key) is not None else f"{label} n/a"
+                          for key, label in shown.items())
+              + f". Largest A/B state {scale['largest_state_bytes'] / 1e9:.1f} GB: "
+              + ("exceeds RAM." if scale["state_exceeded_ram"] else "fits in RAM.")]
+    if scale.get("restore"):
+        imports = scale.get("startup_imports", {})
+        lines += ["", "Restore, cold cache (posix_fadvise DONTNEED): cossd params only (a new daemon mounting the "
+                  "device, then the FP16 params) against torch.load of an FP32 model and its AdamW state; the "
+                  "mount's start-up taken apart: interpreter and imports (a fresh python, "
+                  f"{imports.get('with_imports_seconds', 0):.3f} s), Device.open in process (recovery, and "
+                  "verifying every block's checksum), and the rest (FUSE mount, CMB, threads).", "",
+                  "| elements | cossd, s | mount | interpreter + imports | recovery | verification | FUSE mount and rest "
+                  "| params read | torch.load full state, s | bytes cossd / torch | torch.load / cossd |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in scale["restore"]:
+            cossd, torch = row["cossd"], row["torch_load"]
+            start = imports.get("with_imports_seconds", 0.0)
+            rest = cossd["mount_seconds"] - start - cossd["open_seconds"]
+            lines.append(
+                f"| {_size(row['elements'])} | {cossd['seconds']:.3f} | {cossd['mount_seconds']:.3f} | {start:.3f} "
+                f"| {cossd['recovery_seconds']:.3f} | {cossd['verify_seconds']:.3f} | {rest:.3f} "
+                f"| {cossd['read_seconds']:.3f} | {torch['seconds']:.3f} "
+                f"| {cossd['bytes'] / 1e6:.0f} MB / {torch['bytes'] / 1e6:.0f} MB | {row['torch_vs_cossd']:.2f}x |")
+    return lines
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    """Step time and the daemon's peak RSS against elements, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scale = report["scale"]
+    rows = [row for row in scale["sizes"] if row["measured"]]
+    ns = [row["elements"] for row in rows]
+    figure, (steps, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    steps.loglog(ns, [row["cmb"]["seconds"] for row in rows], "o-", label="through the CMB")
+    steps.loglog(ns, [row["files"]["seconds"] for row in rows], "s-", label="through the files (O_DIRECT)")
+    if scale["disk"]["measured"] and ns:
+        rate = scale["disk"]["bytes_per_second"]
+        steps.loglog(ns, [12 * n / rate for n in ns], "k--", label="12 B/element at dd's write speed")
+    steps.set_xlabel("elements")
+    steps.set_ylabel("seconds per step")
+    steps.set_title("step time")
+    steps.legend(fontsize=8)
+    memory.loglog(ns, [row["rss"]["vm_hwm"] / 2**20 for row in rows], "o-", label="peak RSS (VmHWM)")
+    memory.loglog(ns, [max(row["rss"]["peak_anon"], 1) / 2**20 for row in rows], "s-", label="peak anonymous")
+    memory.loglog(ns, [max(row["rss"]["peak_file"], 1) / 2**20 for row in rows], "^-", label="peak mapped files")
+    memory.loglog(ns, [row["state_bytes"] / 2**20 for row in rows], "k:", label="A/B state")
+    memory.axhline(scale["ram_bytes"] / 2**20, color="grey", linewidth=0.8, label="RAM")
+    memory.set_xlabel("elements")
+    memory.set_ylabel("MiB")
+    memory.set_title("the daemon's memory")
+    memory.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
