@@ -5,7 +5,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import crc32c
 
@@ -30,19 +30,29 @@ class SpillDir:
     def sidecar_path(self, step: int) -> Path:
         return self.path / (tier_store.version_dir(step) + SIDECAR_SUFFIX)
 
-    def write(self, step: int, view: memoryview, chunk_bytes: int) -> dict[str, Any]:
-        """Write a version; its manifest (with each chunk's CRC32C, computed as it is written)."""
+    def write(self, step: int, view: memoryview, chunk_bytes: int,
+              needed: Callable[[], bool] = lambda: True) -> dict[str, Any] | None:
+        """Write a version; its manifest (with each chunk's CRC32C, computed as it is written).
+        `needed()` is asked before each chunk: once it says no (the store has the version, or
+        it was dropped) the partial files are removed and None is returned, so a save waiting
+        for the pool room this version holds does not wait for the rest of a slow disk."""
         data, sidecar = self.data_path(step), self.sidecar_path(step)
         sidecar.unlink(missing_ok=True)  # a step spilled again: incomplete until the new sidecar
         crcs = []
         try:
             with open(data, "wb") as f:
                 for start in range(0, len(view), chunk_bytes):
+                    if not needed():
+                        break
                     piece = view[start:start + chunk_bytes]
                     crcs.append(crc32c.crc32c(piece))
                     f.write(piece)
-                f.flush()
-                os.fsync(f.fileno())
+                else:
+                    f.flush()
+                    os.fsync(f.fileno())
+            if not needed():
+                self.delete(step)
+                return None
             record = tier_store.manifest(step, len(view), chunk_bytes, crcs,
                                          time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             temporary = sidecar.with_suffix(".json.tmp")

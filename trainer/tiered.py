@@ -206,7 +206,9 @@ class TieredCheckpointer:
                 buffer = version.buffer
             assert state.spill is not None and buffer is not None
             try:
-                record = state.spill.write(version.step, tier_payload.as_memoryview(buffer), version.chunk_bytes)
+                # Read without the lock: a flag turning true only ends the spill sooner.
+                record = state.spill.write(version.step, tier_payload.as_memoryview(buffer), version.chunk_bytes,
+                                           needed=lambda: not (version.archived or version.dropped))
             except OSError as exc:
                 del buffer
                 with state.cv:
@@ -225,6 +227,13 @@ class TieredCheckpointer:
             del buffer
             with state.cv:
                 version.spilling = False
+                if record is None:  # stopped: archived or dropped meanwhile, its files removed
+                    state.spill_used -= version.nbytes
+                    state.counts["spills_stopped"] += 1
+                    if not version.archived:  # an archived one stays as a cache, evicted when room is needed
+                        state.release(version)
+                    state.cv.notify_all()
+                    continue
                 version.spill = record
                 if version.dropped or version.archived:  # meanwhile: the file is not needed
                     state.unspill(version)
@@ -312,7 +321,7 @@ class TieredCheckpointer:
             }
             for name in ("saves", "stalls", "spilled", "spill_errors", "spill_corrupt", "archived",
                          "parts_uploaded", "parts_failed", "bytes_uploaded", "upload_failures", "coalesced",
-                         "uploads_cancelled", "stale_uploads_aborted", "spill_leftovers_removed",
+                         "uploads_cancelled", "stale_uploads_aborted", "spill_leftovers_removed", "spills_stopped",
                          "adopted_from_spill", "restores"):
                 figures[name] = state.counts[name]
             figures.update({name: state.floats[name] for name in ("stall_s_total", "stall_s_max", "copy_s_total")})

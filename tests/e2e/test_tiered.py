@@ -171,6 +171,25 @@ def test_the_policy_aimd_and_the_coalescing_rule() -> None:
     assert coalesce(versions, 5, newer_than_all=2, include_uploading=False) == []
 
 
+def test_a_spill_no_longer_needed_stops_and_leaves_nothing(tmp_path: Path) -> None:
+    """A version archived (or dropped) while it is being spilled: the spill stops at the next
+    chunk and removes what it wrote, so a save waiting for its pool room is not held for the
+    rest of a slow disk; a version still needed is spilled whole and complete."""
+    from cossd.trainer.tier_spill import SpillDir
+
+    spill = SpillDir(tmp_path / "spill")
+    view = memoryview(bytes(range(256)) * 4096)  # 1 MiB: 16 chunks of 64 KiB
+    asked = []
+
+    def needed() -> bool:
+        asked.append(True)
+        return len(asked) < 4  # archived meanwhile, after three chunks
+    assert spill.write(7, view, 64 << 10, needed=needed) is None
+    assert len(asked) <= 5 and list((tmp_path / "spill").iterdir()) == []  # not the 16 chunks
+    record = spill.write(8, view, 64 << 10)
+    assert record is not None and spill.data_path(8).read_bytes() == bytes(view) and spill.sidecar_path(8).exists()
+
+
 def test_every_step_within_the_pool_bound_restored_bit_for_bit(store: str, tmp_path: Path) -> None:
     url = f"s3://{BUCKET}/{tmp_path.name}"
     memory = VERSION * 5 // 2
