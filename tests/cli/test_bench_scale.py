@@ -25,7 +25,7 @@ def test_scale_section_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     for row in scale["sizes"]:
         n = row["elements"]
         assert row["measured"] and row["state_bytes"] == 2 * 14 * n and row["exceeds_ram"] is False
-        assert row["turns"] == 15 and row["mount_seconds"] > 0
+        assert row["turns"] == 15 and row["mount_seconds"] > 0 and row["create_seconds"] > 0
         for transport in ("cmb", "files"):
             moved = row[transport]
             # Every step is committed and moves what the device says a step moves: FP16 grads
