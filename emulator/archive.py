@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import kernels
+from ..protocol.pacing import AimdWindow, StoreMeter
 from ..protocol.status import DeviceError, Status
 from . import media
 from .jobs import Job, JobTable
@@ -40,6 +41,9 @@ from .archive_store import (DEFAULT_CHUNK_BYTES, DEFAULT_MEMORY_BYTES, LIST_KEYS
 
 # Held while a version is added to or taken from the running set.
 _RUNNING = threading.Lock()
+# A part back slower than this rate (its bytes over its latency) halves the window of parts in
+# flight; one back within it opens the window by one: 1 s for an 8 MiB part.
+PART_TARGET_BYTES_PER_S = 8 << 20
 
 
 # ---------------------------------------------------------------------- upload
@@ -104,13 +108,27 @@ def upload_state(store: Store, fd: int, size: int, bucket: str, key: str, reques
         upload_id = store.start_upload(bucket, key)
     crcs = [0] * len(ranges)
     etags: dict[int, str] = {}
-    slots = threading.BoundedSemaphore(request.in_flight)
+    # Parts in flight: at most the memory bound's in_flight, and within that as many as the
+    # store takes without slowing down (AIMD on each part's latency: a congested store gets
+    # fewer requests at once, not a queue of them).
+    window = AimdWindow(min(2, request.in_flight), request.in_flight,
+                        latency_target_s=request.chunk_bytes / PART_TARGET_BYTES_PER_S)
+    meter = StoreMeter()
+    room = threading.Condition()
+    held = [0]  # chunks in memory now: read, and not yet sent or resumed
     failed: list[BaseException] = []
     lock = threading.Lock()
 
+    def give_back() -> None:
+        with room:
+            held[0] -= 1
+            room.notify_all()
+
     def send(number: int, data: bytes) -> None:
+        started, ok = time.monotonic(), False
         try:
             etag = store.put_part(bucket, key, upload_id, number, data)
+            ok = True
             with lock:
                 etags[number] = etag
                 job.bytes_done += len(data)
@@ -118,14 +136,22 @@ def upload_state(store: Store, fd: int, size: int, bucket: str, key: str, reques
         except BaseException as exc:
             failed.append(exc)
         finally:
-            slots.release()
+            ended = time.monotonic()
+            meter.record(started, ended, len(data), ok)
+            if ok:
+                window.success(ended - started)
+            else:
+                window.failure()
+            give_back()
 
     with concurrent.futures.ThreadPoolExecutor(request.in_flight, thread_name_prefix="cossd-archive") as pool:
         for index, (start, stop) in enumerate(ranges):
-            slots.acquire()  # blocks while in_flight chunks are held: bounded memory
-            if failed:
-                slots.release()
-                break
+            with room:  # blocks while the window's chunks are held: bounded memory
+                while held[0] >= window.limit and not failed:
+                    room.wait()
+                if failed:
+                    break
+                held[0] += 1
             data = media.read_exact(fd, stop - start, start, "the snapshot's state")
             crcs[index] = kernels.crc32c(data)
             have = existing.get(index + 1)
@@ -135,12 +161,18 @@ def upload_state(store: Store, fd: int, size: int, bucket: str, key: str, reques
                     etags[index + 1] = have[0]
                     job.bytes_done += len(data)
                 store.bump("parts_resumed")
-                slots.release()
+                give_back()
                 continue
             pool.submit(send, index + 1, data)
             del data  # the pool's task holds the only reference now
+    store.bump("window_increases", window.increases)
+    store.bump("window_decreases", window.decreases)
     if failed:
         raise failed[0]
+    pace = meter.summary()
+    log.info("s3://%s/%s: parts in flight ended at %d of %d (%d up, %d down); %s", bucket, key, window.limit,
+             request.in_flight, window.increases, window.decreases,
+             ", ".join(f"{name} {value:.3g}" for name, value in pace.items() if value is not None))
     store.finish_upload(bucket, key, upload_id, etags)
     stored = store.size(bucket, key)
     if stored != size:

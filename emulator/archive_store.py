@@ -85,6 +85,10 @@ class Traffic:
     archives_failed: int = 0
     parts_uploaded: int = 0
     parts_resumed: int = 0
+    # The uploads' AIMD window of parts in flight (protocol/pacing.py): each part back within
+    # its latency target opened it by one, each slow or failed part halved it.
+    window_increases: int = 0
+    window_decreases: int = 0
 
     def add(self, other: "Traffic") -> None:
         with _TRAFFIC:
@@ -149,9 +153,9 @@ class Store:
             self.traffic.network_bytes_received += received
             self.traffic.requests += 1
 
-    def bump(self, counter: str) -> None:
+    def bump(self, counter: str, by: int = 1) -> None:
         with _TRAFFIC:
-            setattr(self.traffic, counter, getattr(self.traffic, counter) + 1)
+            setattr(self.traffic, counter, getattr(self.traffic, counter) + by)
 
     def check_bucket(self, location: Location) -> None:
         try:

@@ -338,6 +338,40 @@ def test_slow_store_spills_then_drains(far_store: tuple[Any, str], tmp_path: Pat
         fresh.close()
 
 
+def test_the_devices_archive_paces_itself_across_a_throttled_link(far_store: tuple[Any, str],
+                                                                   tmp_path: Path) -> None:
+    """The device's own archiver (ARCHIVE, emulator/archive.py) shares the AIMD window of
+    protocol/pacing.py: across a 40 Mbit/s link a 5 MiB part takes longer than its 0.625 s
+    target, so the window of parts in flight halves (counted in log page C4h's figures), and
+    the version still arrives whole."""
+    import numpy as np
+
+    from cossd.emulator import Device, NamespaceSpec, TensorSpec, archive
+    from cossd.emulator.jobs import JobTable
+
+    pair, endpoint = far_store
+    backing = tmp_path / "backing"
+    Device.format(backing)
+    pair.rate_limit(pair.b, mbit=40)  # what the device (in b) sends to the store (in a)
+    try:
+        with Device.open(backing) as device:
+            numel = 1_500_000  # 21 MB of state: 5 parts of 5 MiB
+            namespace = device.create_namespace(NamespaceSpec("pace", (TensorSpec("w", numel),)))
+            namespace.write_grad("w", 0, (np.random.default_rng(3).standard_normal(numel) * 0.01)
+                                 .astype(np.float16).tobytes())
+            namespace.snapshots.create("s1", device.reserve)
+            traffic, jobs = archive.Traffic(), JobTable()
+            payload = {"tag": "s1", "url": f"s3://{BUCKET}/pace", "endpoint_url": endpoint,
+                       "chunk_bytes": 5 << 20, "memory_bytes": 20 << 20}
+            # Started inside b: the job's threads are made there and so live there too.
+            job = pair.b.call(lambda: archive.start(device, jobs, namespace, payload, traffic, set()))
+            jobs.join(120)
+            assert job.state == "done", job.describe()
+            assert traffic.parts_uploaded == 5 and traffic.window_decreases >= 1, traffic
+    finally:
+        pair.clear_rate_limit(pair.b)
+
+
 def test_every_tier_full_coalesces_and_keeps_the_newest(far_store: tuple[Any, str], tmp_path: Path) -> None:
     pair, endpoint = far_store
     url = f"s3://{BUCKET}/{tmp_path.name}"
