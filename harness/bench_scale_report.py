@@ -22,18 +22,19 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
     lines = ["", f"Scale: one namespace per size on a fresh device (a new daemon), backing on {scale['media']}, "
              f"{scale['ram_bytes'] / 2**30:.1f} GiB of RAM; each step through the CMB (the client copying "
              f"grads in and params out, one CMB_WRITE per {_mib(scale['client_chunk_bytes'])} MiB) and through the "
-             "files (O_DIRECT 4 MiB pwrites of the grads, preads of the params), in turns; seconds are medians.",
+             "files (O_DIRECT 4 MiB pwrites of the grads, preads of the params), the CMB's steps first, then "
+             "the files', each after one untimed step; seconds are medians.",
              ("The disk: dd O_DIRECT " + (f"{disk['bytes_per_second'] / 1e9:.2f} GB/s ({disk['bytes'] / 2**30:.1f} GiB), "
                                           f"{disk['gels_at_12_bytes']:.3f} G el/s at 12 B of new state per element"
                                           if disk["measured"] else disk["why"])) + ".", "",
              "| elements | A/B state | > RAM | steps | mount ready, s | namespace created, s | CMB s/step | CMB G el/s | CMB / dd | "
              "files s/step | files G el/s | files / dd | host B/el | media written B/el | media read B/el | "
-             "daemon peak RSS MiB (anon, files, shared) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "daemon peak RSS MiB (anon, files, shared) | daemon peak anon MiB, CMB / files |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in scale["sizes"]:
         if not row["measured"]:
             lines.append(f"| {_size(row['elements'])} | {row['state_bytes'] / 1e9:.1f} GB | | | {row['why']} "
-                         "| | | | | | | | | | | |")
+                         "| | | | | | | | | | | | |")
             continue
         cmb, files, rss, n = row["cmb"], row["files"], row["rss"], row["elements"]
         lines.append(
@@ -43,10 +44,13 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
             f"| {files['seconds']:.3f} | {files['gels']:.3f} | {files.get('vs_disk', 0):.2f}x "
             f"| {cmb['host_bytes_per_step'] / n:.1f} | {cmb['media_written_bytes_per_step'] / n:.1f} "
             f"| {cmb['media_read_bytes_per_step'] / n:.1f} "
-            f"| {_mib(rss['vm_hwm'])} ({_mib(rss['peak_anon'])}, {_mib(rss['peak_file'])}, {_mib(rss['peak_shmem'])}) |")
+            f"| {_mib(rss['vm_hwm'])} ({_mib(rss['peak_anon'])}, {_mib(rss['peak_file'])}, {_mib(rss['peak_shmem'])}) "
+            f"| {_mib(rss['by_transport']['cmb']['peak_anon'])} / {_mib(rss['by_transport']['files']['peak_anon'])} |")
     exponents = scale["exponents"]
     shown = {"cmb_step_seconds": "CMB step time", "files_step_seconds": "file step time",
-             "daemon_peak_rss": "daemon peak RSS", "daemon_peak_anon": "its anonymous memory"}
+             "daemon_peak_rss": "daemon peak RSS", "daemon_peak_anon": "its anonymous memory",
+             "daemon_peak_anon_cmb": "anonymous while stepping through the CMB",
+             "daemon_peak_anon_files": "through the files"}
     lines += ["", "Growth exponents (least-squares slope of log against log(elements)): "
               + ", ".join(f"{label} {exponents[key]:.2f}" if exponents.get(key) is not None else f"{label} n/a"
                           for key, label in shown.items())
@@ -95,7 +99,10 @@ def chart(report: dict[str, Any], path: Path) -> None:
     steps.set_title("step time")
     steps.legend(fontsize=8)
     memory.loglog(ns, [row["rss"]["vm_hwm"] / 2**20 for row in rows], "o-", label="peak RSS (VmHWM)")
-    memory.loglog(ns, [max(row["rss"]["peak_anon"], 1) / 2**20 for row in rows], "s-", label="peak anonymous")
+    memory.loglog(ns, [max(row["rss"]["by_transport"]["files"]["peak_anon"], 1) / 2**20 for row in rows], "s-",
+                  label="peak anonymous, stepping through the files")
+    memory.loglog(ns, [max(row["rss"]["by_transport"]["cmb"]["peak_anon"], 1) / 2**20 for row in rows], "D-",
+                  label="peak anonymous, stepping through the CMB")
     memory.loglog(ns, [max(row["rss"]["peak_file"], 1) / 2**20 for row in rows], "^-", label="peak mapped files")
     memory.loglog(ns, [row["state_bytes"] / 2**20 for row in rows], "k:", label="A/B state")
     memory.axhline(scale["ram_bytes"] / 2**20, color="grey", linewidth=0.8, label="RAM")

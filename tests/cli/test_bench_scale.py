@@ -38,9 +38,11 @@ def test_scale_section_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
             assert moved["seconds"] > 0 and moved["gels"] > 0
             if scale["disk"]["measured"]:
                 assert moved["vs_disk"] > 0
-        assert row["rss"]["vm_hwm"] >= row["rss"]["peak_anon"] > 0
+        assert row["rss"]["vm_hwm"] >= row["rss"]["peak_rss"] >= row["rss"]["peak_anon"] > 0
+        for transport in ("cmb", "files"):
+            assert 0 < row["rss"]["by_transport"][transport]["peak_anon"] <= row["rss"]["peak_anon"]
     assert set(scale["exponents"]) == {"cmb_step_seconds", "files_step_seconds", "daemon_peak_rss",
-                                       "daemon_peak_anon"}
+                                       "daemon_peak_anon", "daemon_peak_anon_cmb", "daemon_peak_anon_files"}
     assert all(isinstance(value, float) for value in scale["exponents"].values())
     assert scale["state_exceeded_ram"] is False and scale["largest_state_bytes"] == 2 * 14 * SIZES[-1]
     # Neither 16M nor 256M is among the sizes: the restore runs at the largest.
