@@ -27,19 +27,20 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
              ("The disk: dd O_DIRECT " + (f"{disk['bytes_per_second'] / 1e9:.2f} GB/s ({disk['bytes'] / 2**30:.1f} GiB), "
                                           f"{disk['gels_at_12_bytes']:.3f} G el/s at 12 B of new state per element"
                                           if disk["measured"] else disk["why"])) + ".", "",
-             "| elements | A/B state | > RAM | steps | mount ready, s | namespace created, s | CMB s/step | CMB G el/s | CMB / dd | "
+             "| elements | A/B state | > RAM | steps | mount ready, s | namespace created, s | first step, s (CMB, files) | CMB s/step | CMB G el/s | CMB / dd | "
              "files s/step | files G el/s | files / dd | host B/el | media written B/el | media read B/el | "
              "daemon peak RSS MiB (anon, files, shared) | daemon peak anon MiB, CMB / files |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in scale["sizes"]:
         if not row["measured"]:
             lines.append(f"| {_size(row['elements'])} | {row['state_bytes'] / 1e9:.1f} GB | | | {row['why']} "
-                         "| | | | | | | | | | | | |")
+                         "| | | | | | | | | | | | | |")
             continue
         cmb, files, rss, n = row["cmb"], row["files"], row["rss"], row["elements"]
         lines.append(
             f"| {_size(n)} | {row['state_bytes'] / 1e9:.2f} GB | {'yes' if row['exceeds_ram'] else 'no'} "
             f"| {row['turns']} | {row['mount_seconds']:.2f} | {row['create_seconds']:.2f} "
+            f"| {cmb['first_step_seconds']:.2f}, {files['first_step_seconds']:.2f} "
             f"| {cmb['seconds']:.3f} | {cmb['gels']:.3f} | {cmb.get('vs_disk', 0):.2f}x "
             f"| {files['seconds']:.3f} | {files['gels']:.3f} | {files.get('vs_disk', 0):.2f}x "
             f"| {cmb['host_bytes_per_step'] / n:.1f} | {cmb['media_written_bytes_per_step'] / n:.1f} "

@@ -35,7 +35,7 @@ def test_scale_section_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
             assert moved["host_in_bytes_per_step"] == 2 * n and moved["host_out_bytes_per_step"] == 2 * n
             assert moved["host_bytes_per_step"] == 4 * n
             assert 14 * n <= moved["media_written_bytes_per_step"] <= 14 * n + SUPERBLOCK_SLACK
-            assert moved["seconds"] > 0 and moved["gels"] > 0
+            assert moved["seconds"] > 0 and moved["gels"] > 0 and moved["first_step_seconds"] > 0
             if scale["disk"]["measured"]:
                 assert moved["vs_disk"] > 0
         assert row["rss"]["vm_hwm"] >= row["rss"]["peak_rss"] >= row["rss"]["peak_anon"] > 0
