@@ -119,8 +119,12 @@ class ScaleDevice(BenchDevice):
         self.mount_seconds = time.perf_counter() - started
         self.front_end = f"data path, {daemon.io_threads_from_env()} threads"
         started = time.perf_counter()
-        with AdminClient(self.mountpoint) as admin:
-            admin.create_namespace({"name": "bench", "tensors": [["w", n]]})
+        try:
+            with AdminClient(self.mountpoint) as admin:
+                admin.create_namespace({"name": "bench", "tensors": [["w", n]]})
+        except BaseException:
+            self.stop()  # no daemon left mounted behind a failed set-up
+            raise
         self.create_seconds = time.perf_counter() - started
         self.tensor = self.mountpoint / "ns" / "bench" / "tensors" / "w"
         self.n = n
@@ -228,6 +232,14 @@ def measure_size(workdir: Path, n: int, turns: int) -> tuple[dict[str, Any], Sca
     the CMB steps, then the file steps, the bytes the device counted for each, and the daemon's
     peak memory. Returns the row and the device, still mounted (the restore runs on it)."""
     device = ScaleDevice(workdir, n)
+    try:
+        return _measure(device, n, turns), device
+    except BaseException:
+        device.stop()  # the caller gets no device to stop
+        raise
+
+
+def _measure(device: ScaleDevice, n: int, turns: int) -> dict[str, Any]:
     sampler = RssSampler(device.pid)
     steps: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
     try:
@@ -273,7 +285,7 @@ def measure_size(workdir: Path, n: int, turns: int) -> tuple[dict[str, Any], Sca
         f"{rss['peak_file'] / 2**20:.0f}, shared {rss['peak_shmem'] / 2**20:.0f}); anonymous while stepping "
         f"through the CMB {rss['by_transport']['cmb']['peak_anon'] / 2**20:.0f} MiB, through the files "
         f"{rss['by_transport']['files']['peak_anon'] / 2**20:.0f} MiB")
-    return row, device
+    return row
 
 
 def disk_throughput(workdir: Path, nbytes: int) -> dict[str, Any]:
