@@ -81,10 +81,19 @@ def conventional(server: BenchServer, n: int, cycles: int) -> dict[str, Any]:
                 "a plain NVM namespace's data file through the remote client, then FLUSH",
         "seconds": statistics.median(seconds), "step_seconds": statistics.median(step_s),
         "checkpoint_bytes": probe.getbuffer().nbytes,
-        "device_bytes_written": _delta(stats_after, stats, "bytes_written") // cycles,
-        "device_bytes_read": _delta(stats_after, stats, "bytes_read") // cycles,
-        "media_bytes_written": _delta(stats_after, stats, "media_bytes_written") // cycles,
-        "smart_data_units_written": _delta(smart_after, smart, "data_units_written") / cycles,
+    } | _checkpoint_bytes((stats, stats_after), (smart, smart_after), wire, cycles, n)
+
+
+def _checkpoint_bytes(stats: tuple[dict[str, int], dict[str, int]], smart: tuple[dict[str, int], dict[str, int]],
+                      wire: int, cycles: int, n: int) -> dict[str, Any]:
+    """A conventional path's bytes per cycle: the NVM namespace's counts (before, after), SMART's
+    data units (before, after) and the wire's total over `cycles`."""
+    before, after = stats
+    return {
+        "device_bytes_written": _delta(after, before, "bytes_written") // cycles,
+        "device_bytes_read": _delta(after, before, "bytes_read") // cycles,
+        "media_bytes_written": _delta(after, before, "media_bytes_written") // cycles,
+        "smart_data_units_written": _delta(smart[1], smart[0], "data_units_written") / cycles,
         "wire_bytes": wire // cycles,
         "state_on_trainer_bytes": 12 * n,
     }
@@ -141,15 +150,9 @@ def conventional_ext4(server: BenchServer, n: int, cycles: int, workdir: Path) -
         "what": "resident torch AdamW + torch.save of the full state into ext4 on a plain NVM namespace, "
                 "through the remote mount (cossd mount cossd://..., a loop device), then fsync",
         "seconds": statistics.median(seconds), "checkpoint_bytes": checkpoint,
-        "device_bytes_written": _delta(stats_after, stats, "bytes_written") // cycles,
-        "device_bytes_read": _delta(stats_after, stats, "bytes_read") // cycles,
-        "media_bytes_written": _delta(stats_after, stats, "media_bytes_written") // cycles,
-        "smart_data_units_written": _delta(smart_after, smart, "data_units_written") / cycles,
-        # Every connection of the server's link: the remote mount's, and a few of this bench's
-        # own commands reading the counters (tens of kB).
-        "wire_bytes": wire // cycles,
-        "state_on_trainer_bytes": 12 * n,
-    }
+        # The wire: every connection of the server's link, the remote mount's and a few of this
+        # bench's own commands reading the counters (tens of kB).
+    } | _checkpoint_bytes((stats, stats_after), (smart, smart_after), wire, cycles, n)
 
 
 def _smart(server: BenchServer) -> dict[str, int]:
