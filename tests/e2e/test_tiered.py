@@ -87,22 +87,8 @@ import s3_server  # noqa: E402  (tests/, on the path as conftest's directory)
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """SeaweedFS on loopback; boto3 finds it through AWS_* in the environment, as a user's would."""
-    if s3_server.WEED is None:
-        pytest.skip(s3_server.MISSING)
-    server = s3_server.start_weed(tmp_path_factory.mktemp("weed"), BUCKET)
-    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=s3_server.KEY,
-                      AWS_SECRET_ACCESS_KEY=s3_server.SECRET)
-    try:
-        yield server.endpoint
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
+    with s3_server.store_in_environment(tmp_path_factory.mktemp("weed"), BUCKET) as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="module")
