@@ -43,6 +43,7 @@ class ArchiveCommands:
         # The automatic policies (ARCHIVE with a policy), kept in the backing directory.
         self.policies = archive_policy.PolicyRunner(self.device, self.jobs, self._traffic, self.running)
         controller.closers.append(self.policies.close)
+        controller.figures["archive"] = self.figures
 
     def _traffic(self, name: str) -> archive.Traffic:
         return self.traffic.setdefault(name, archive.Traffic())
@@ -74,6 +75,12 @@ class ArchiveCommands:
         self.traffic.setdefault("", archive.Traffic()).add(traffic)  # the device's own listing
         return Completion(command.cid, Status.SUCCESS, result=len(versions),
                           data=_json({"url": root.url, "versions": versions}))
+
+    def figures(self) -> dict[str, Any]:
+        """Every namespace's network counters and policy state, for the metrics endpoints."""
+        return {"namespaces": {name: dataclasses.asdict(traffic) for name, traffic in list(self.traffic.items())
+                               if name},
+                "policies": self.policies.page()}
 
     def page(self, command: Command) -> bytes:
         """Per namespace (all, or the one named): the network counters of its archives;

@@ -149,6 +149,8 @@ class Controller:
         self.log_pages: dict[int, Callable[[Command], bytes]] = {}
         # What command modules stop at close, before the device closes (their threads).
         self.closers: list[Callable[[], None]] = []
+        # Figures command modules keep (name -> a reader of them), for the metrics endpoints.
+        self.figures: dict[str, Callable[[], dict[str, Any]]] = {}
         for module in COMMAND_MODULES:
             self._handlers.update(importlib.import_module(module).handlers(self))
 

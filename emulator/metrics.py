@@ -2,12 +2,13 @@
 shared by both front-ends' endpoints (the mount's, fs/metrics.py, and the server's)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .kinds import OPTIMIZER_KIND, AnyNamespace
+from .metrics_archive import archive_metrics
 
 if TYPE_CHECKING:
     from .device import Device
@@ -51,8 +52,11 @@ class DeviceFigures(Collector):
     A front-end adds its own figures by collecting these and then its own.
     """
 
-    def __init__(self, device: "Device") -> None:
+    def __init__(self, device: "Device", controller_figures: dict[str, Callable[[], dict[str, Any]]] | None = None,
+                 ) -> None:
         self.device = device
+        # The controller's command modules' own figures (the archive tier's), where given.
+        self.controller_figures = controller_figures or {}
 
     def collect(self) -> Iterator[Metric]:
         # A copy taken in one C call (atomic under the GIL): commands may add namespaces
@@ -60,6 +64,9 @@ class DeviceFigures(Collector):
         namespaces = list(self.device.namespaces.values())
         yield from self.device_metrics(namespaces)
         yield from self.namespace_metrics(namespaces)
+        archive = self.controller_figures.get("archive")
+        if archive is not None:
+            yield from archive_metrics(archive())
 
     def device_metrics(self, namespaces: list[AnyNamespace]) -> Iterator[Metric]:
         device = self.device

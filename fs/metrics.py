@@ -30,7 +30,7 @@ class DeviceCollector(DeviceFigures):
     FUSE requests by who served them."""
 
     def __init__(self, operations: "Operations") -> None:
-        super().__init__(operations.device)
+        super().__init__(operations.device, operations.controller.figures)
         self.operations = operations
 
     def collect(self) -> Iterator[Metric]:

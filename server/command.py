@@ -212,7 +212,7 @@ def run_foreground(args: argparse.Namespace) -> None:
         except OSError as exc:
             raise SystemExit(f"cossd serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         if metrics is not None:
-            metrics.attach(ServerCollector(device, server.figures))
+            metrics.attach(ServerCollector(device, server.figures, server.controller.figures))
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, lambda *_: server.stop())
         where = server.address

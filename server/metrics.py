@@ -3,7 +3,7 @@ server's own (connections, refusals, leases, the link, receive memory, the param
 read from the same figures as its log page C5h when Prometheus scrapes."""
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -67,8 +67,9 @@ RECV_REFUSALS = (("too_large", "recv_refused_too_large"), ("timeout", "recv_refu
 class ServerCollector(DeviceFigures):
     """The device's figures (as the mount's endpoint serves them), then the server's."""
 
-    def __init__(self, device: Device, figures: Callable[[], dict[str, int]]) -> None:
-        super().__init__(device)
+    def __init__(self, device: Device, figures: Callable[[], dict[str, int]],
+                 controller_figures: dict[str, Callable[[], dict[str, Any]]] | None = None) -> None:
+        super().__init__(device, controller_figures)
         self.figures = figures
 
     def collect(self) -> Iterator[Metric]:

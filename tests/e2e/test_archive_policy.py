@@ -7,15 +7,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 from conftest import Mount, start_mount
+from prometheus_client.parser import text_string_to_metric_families
 from cossd.client import AdminClient
 from cossd.client import archive as archive_calls
 from cossd.emulator import DeviceError, Status, archive
+from cossd.fs import daemon
 from test_archive import BUCKET, SMALL, make_namespace, run_verb, s3, state_through, train  # noqa: F401
 
 pytestmark = pytest.mark.mount
@@ -100,10 +105,27 @@ def _weed_group(endpoint: str) -> int:
     raise AssertionError(f"no weed process serves {endpoint}")
 
 
-def test_a_store_that_stops_answering_makes_versions_wait_and_coalesce(s3: str, mount: Mount) -> None:
+@pytest.fixture
+def metrics_mount(backing: Path, tmp_path: Path) -> Iterator[tuple[Mount, int]]:
+    """A mount whose daemon serves Prometheus metrics on a free loopback port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    pid = daemon.start_background(backing, mountpoint, metrics_port=port)
+    try:
+        yield Mount(backing, mountpoint, pid), port
+    finally:
+        daemon.stop_background(mountpoint, pid)
+
+
+def test_a_store_that_stops_answering_makes_versions_wait_and_coalesce(
+        s3: str, metrics_mount: tuple[Mount, int]) -> None:
     """SIGSTOP of the S3 server: the upload under way hangs; training goes on, a version every
-    step waits on the drive, the older waiting ones are coalesced beyond max_pending; SIGCONT:
-    the waiting ones drain and the store holds the newest step."""
+    step waits on the drive, the older waiting ones are coalesced beyond max_pending (in the log
+    page and the metrics); SIGCONT: the waiting ones drain and the store holds the newest step."""
+    mount, port = metrics_mount
     mp = mount.mountpoint
     make_namespace(mp, "q", SMALL, steps=0)
     with AdminClient(mp) as client:
@@ -121,6 +143,11 @@ def test_a_store_that_stops_answering_makes_versions_wait_and_coalesce(s3: str, 
         assert state["pending"] == ["auto-5", "auto-6"] and state["coalesced"] == 3
         # Coalesced versions leave the drive too (kept: the newest 3 and the one uploading).
         assert local_auto(mp, "q") == ["auto-1", "auto-4", "auto-5", "auto-6"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        samples = {(sample.name, sample.labels.get("namespace")): sample.value
+                   for family in text_string_to_metric_families(text) for sample in family.samples}
+        assert samples[("cossd_archive_policy_coalesced_total", "q")] == 3
+        assert samples[("cossd_archive_policy_pending", "q")] == 2
     finally:
         os.killpg(group, signal.SIGCONT)
     state = wait_for(mp, "q", lambda s: s["last_archived_step"] == 6 and s["uploading"] is None)
