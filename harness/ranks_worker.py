@@ -34,8 +34,13 @@ def main() -> int:
                 param.grad = grad.clone()
             if world > 1:
                 dist.barrier()  # every rank starts the step together: the slowest sets the time
-            if index == config["warmup"] and rank == 0:
-                before = optimizer.files.statistics()  # the device's counts, every rank's, from here
+            if index == config["warmup"]:
+                # The device's counts, every rank's, from here: read while every rank waits
+                # (all of the warm-up's traffic is in, none of the timed steps' yet).
+                if rank == 0:
+                    before = optimizer.files.statistics()
+                if world > 1:
+                    dist.barrier()
             started = time.perf_counter()
             optimizer.step()
             if index >= config["warmup"]:
