@@ -8,7 +8,6 @@ import logging
 import os
 import resource
 import select
-import signal
 import stat
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 from ..kernels import guard
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
+from .fuse_signals import stop_on_signal
 from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
 from .operations import Operations
 
@@ -126,7 +126,7 @@ async def _serve(operations: Operations, ready_fd: int | None, session_fd: int |
                  io_threads: int, data_paths: list[DataPath]) -> None:
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
-        nursery.start_soon(_stop_on_signal)
+        nursery.start_soon(stop_on_signal)
         nursery.start_soon(operations.save_health_periodically)
         # Before pyfuse3.main() first waits on its descriptor, which this swaps.
         data_path = DataPath.attach(operations, session_fd, io_threads)
@@ -138,14 +138,6 @@ async def _serve(operations: Operations, ready_fd: int | None, session_fd: int |
             os.close(ready_fd)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
-
-
-async def _stop_on_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("signal %d: unmounting", signum)
-            pyfuse3.terminate()
-            return
 
 
 class InjectedFault(RuntimeError):

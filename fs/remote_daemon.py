@@ -7,7 +7,6 @@ import logging
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from ..client.mounts import REMOTE_MOUNT_FSTYPE
 from ..client.remote import parse_url
 from ..client.watchdog import DEFAULT_TIMEOUT_S
 
+from .fuse_signals import stop_on_signal
 from .remote_lanes import DEFAULT_LANES, Credentials, Lanes, absolute
 from .remote_operations import RemoteOperations
 
@@ -57,18 +57,10 @@ def _tell(ready_fd: int | None, message: bytes) -> None:
 
 async def _serve(ready_fd: int | None) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal)
+        nursery.start_soon(stop_on_signal)
         _tell(ready_fd, READY_MESSAGE)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
-
-
-async def _stop_on_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("signal %d: unmounting", signum)
-            pyfuse3.terminate()
-            return
 
 
 def serve(url: str, mountpoint: str | os.PathLike[str], credentials: Credentials, *,
