@@ -100,6 +100,7 @@ class ArchiveCommands:
             # Each namespace's automatic policy and what it did (versions waiting, coalesced).
             "policies": {name: view for name, view in self.policies.page().items() if name in names or
                          command.nsid in (0, NSID_ALL)},
+            "policy_file_error": self.policies.load_error,
         })
 
 

@@ -120,6 +120,9 @@ class PolicyRunner:
         self.states: dict[str, PolicyState] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Why the policies kept in the backing directory could not be read (None: they could):
+        # shown in log page C4h and `cossd archive --status` until a policy is set again.
+        self.load_error: str | None = None
         self._load()
 
     # ------------------------------------------------------------------ configuration
@@ -130,9 +133,13 @@ class PolicyRunner:
         try:
             saved = media.read_json(self.path)
             self.policies = {name: Policy(**value) for name, value in saved.items()}
-        except (OSError, ValueError, TypeError) as exc:
-            # Never silent: the device still serves, without the policy, and says why.
-            log.error("%s cannot be read (%s): no automatic archiving until it is set again", self.path, exc)
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            # Never silent: the device still serves, without the policies, and says why, in its
+            # log and in the log page.
+            self.load_error = (f"{self.path} cannot be read ({exc}): no automatic archiving until a policy "
+                               "is set again")
+            log.error("%s", self.load_error)
+            self.policies = {}
             return
         if self.policies:
             self._start()
@@ -151,6 +158,7 @@ class PolicyRunner:
                 policies[namespace.name] = policy
             media.atomic_write_json(self.path, {name: dataclasses.asdict(p) for name, p in policies.items()})
             self.policies = policies
+            self.load_error = None  # the file is whole again
             state = self.states.setdefault(namespace.name, PolicyState())
         if policy is not None:
             # What the drive and the store hold already, looked at now, while the store has

@@ -344,17 +344,22 @@ def _fresh(directory: Path) -> Path:
     return directory
 
 
+def _wire_table(rows: dict[str, Any]) -> list[str]:
+    """The gradient WRITE and param READ against the socket pair, one table (loopback or veth)."""
+    lines = ["| transfer | through the server | plain TCP socket pair | server / socket pair (goal >= 0.8x) |",
+             "|---|---|---|---|"]
+    for name, what in (("gradient_write", "gradient write (one WRITE)"), ("param_read", "param read (one READ)")):
+        row = rows[name]
+        lines.append(f"| {what} | {row['server_gbs']:.2f} GB/s | {row['tcp_gbs']:.2f} GB/s | {row['vs_tcp']:.2f}x |")
+    return lines
+
+
 def markdown_rows(report: dict[str, Any]) -> list[str]:
     """The net section's tables for bench.md: the wire, the step, the cache, the I/O paths."""
     net = report["net"]
     lines = ["", f"Through a storage server on loopback (backing on {net['media']}; {net['elements']:,} FP16 elements, "
              f"{net['bytes'] / 1e6:.1f} MB each way): medians of {net['turns']} turns; the ratios are medians of "
-             "turn-by-turn ratios (> 1: the server is faster).", "",
-             "| transfer | through the server | plain TCP socket pair | server / socket pair (goal >= 0.8x) |",
-             "|---|---|---|---|"]
-    for name, what in (("gradient_write", "gradient write (one WRITE)"), ("param_read", "param read (one READ)")):
-        row = net[name]
-        lines.append(f"| {what} | {row['server_gbs']:.2f} GB/s | {row['tcp_gbs']:.2f} GB/s | {row['vs_tcp']:.2f}x |")
+             "turn-by-turn ratios (> 1: the server is faster).", "", *_wire_table(net)]
     row = net["gradient_write"]
     lines.append(f"| the same bytes in one WRITE to an NVM namespace (no Adam step) | {row['nvm_gbs']:.2f} GB/s "
                  f"| {row['tcp_gbs']:.2f} GB/s | {row['nvm_vs_tcp']:.2f}x |")
@@ -367,12 +372,7 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
     veth = net.get("veth")
     if veth is not None and veth.get("measured"):
         lines += ["", f"The same across a real link ({veth['link']}: the server in one network namespace, the "
-                  "client in another):", "",
-                  "| transfer | through the server | plain TCP socket pair | server / socket pair (goal >= 0.8x) |",
-                  "|---|---|---|---|"]
-        for name, what in (("gradient_write", "gradient write (one WRITE)"), ("param_read", "param read (one READ)")):
-            row = veth[name]
-            lines.append(f"| {what} | {row['server_gbs']:.2f} GB/s | {row['tcp_gbs']:.2f} GB/s | {row['vs_tcp']:.2f}x |")
+                  "client in another):", "", *_wire_table(veth)]
         lines += ["", f"One step through the server across the veth: {veth['step_seconds'] * 1e3:.1f} ms."]
     elif veth is not None:
         lines += ["", f"Across a real link (veth): {veth['why']}."]

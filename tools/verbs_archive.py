@@ -76,6 +76,8 @@ def _policy(args: argparse.Namespace) -> int:
         if args.status:
             page = archive_statistics(client, client.nsid(args.name) if args.name else 0xFFFFFFFF)
             value = page.get("policies", {})
+            if page.get("policy_file_error"):
+                print(f"cossd archive: {page['policy_file_error']}", file=sys.stderr)
 
             def table(value: dict[str, Any]) -> str:
                 if not value:

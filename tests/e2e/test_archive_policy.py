@@ -193,3 +193,25 @@ def test_bad_policies_are_refused_and_change_nothing(s3: str, mount: Mount) -> N
         page = archive_calls.archive_statistics(client, nsid)
     assert page["policies"] == {} and not (mount.backing / "archive_policy.json").exists()
     assert local_auto(mp, "s") == []
+
+
+def test_an_unreadable_policy_file_is_said_not_silently_dropped(s3: str, backing: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A policy file that cannot be read (damaged by hand): the device still serves, without
+    the policies, and says why in log page C4h and `cossd archive --status` until one is set."""
+    (backing / "archive_policy.json").write_text("{not json")
+    mounted = start_mount(backing, tmp_path / "mnt")
+    try:
+        mp = mounted.mountpoint
+        make_namespace(mp, "u", SMALL, steps=1)
+        with AdminClient(mp) as client:
+            page = archive_calls.archive_statistics(client)
+        assert "archive_policy.json cannot be read" in page["policy_file_error"] and page["policies"] == {}
+        assert run_verb("archive", mp, "--status") == 0
+        assert "cannot be read" in capsys.readouterr().err
+        assert run_verb("archive", mp, "u", "--every", "1", "--to", f"{URL}/e", "--chunk-size", "5M") == 0
+        with AdminClient(mp) as client:
+            assert archive_calls.archive_statistics(client)["policy_file_error"] is None
+    finally:
+        mounted.unmount()
+

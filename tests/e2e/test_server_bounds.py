@@ -25,17 +25,9 @@ from cossd.protocol.entries import encode_submission
 from cossd.protocol.logpages import LogId, decode_server_log
 from cossd.protocol.status import Status
 from cossd.protocol.wire import FabricsType, PduType
-from test_server import TOKEN, Served, in_process_server, start_server
+from test_server import TOKEN, Served, in_process_server, start_server, token_file  # noqa: F401  (the fixture)
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    path.chmod(0o600)
-    return path
 
 
 @pytest.fixture
