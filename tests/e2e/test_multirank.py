@@ -311,3 +311,28 @@ def test_rank_killed_mid_step(mount: Mount, tmp_path: Path, trial: int, world: i
 def test_rank_killed_mid_step_trials(mount: Mount, tmp_path: Path, trial: int) -> None:
     world = 2 + trial % 3
     killed_mid_step(mount, tmp_path, trial, world, trial % world, ("after_join", "before_step", "mid_grads")[trial % 3])
+
+
+def test_what_a_sharded_optimizer_does_not_support_is_refused_loudly(mount: Mount, tmp_path: Path) -> None:
+    """With two ranks: streaming=True, load_state_dict of another run's state and a wrapper's
+    swapped params each raise on every rank with a clear message, and change nothing (the
+    groups' options as they were, the device at the step it had)."""
+    script = JOB.with_name("multirank_refusals.py")
+    env = os.environ | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                        "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(script), str(mount.mountpoint)], env=env | {"RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    found = []
+    for process in ranks:
+        out, err = process.communicate(timeout=JOB_TIMEOUT_S)
+        assert process.returncode == 0, err[-2000:]
+        found.append(json.loads(out.strip().splitlines()[-1]))
+    for answer in found:
+        assert answer["streaming"].startswith("ValueError: streaming=True is not supported by a sharded optimizer")
+        assert answer["load_state_dict"].startswith("NotImplementedError: load_state_dict of another state")
+        assert answer["groups_unchanged"] is True
+        assert answer["swapped_params"].startswith("NotImplementedError: the param groups hold other tensors")
+        assert answer["committed_step"] == 1
+    assert (mount.mountpoint / "ns/refused/step").read_text().strip() == "1"
+    assert not (mount.mountpoint / "ns/refused-stream").exists()  # refused before it made anything
+
