@@ -99,6 +99,12 @@ class AdminClient:
     def abort_step(self, nsid: int) -> int:
         return int(json.loads(self.call(Opcode.ABORT_STEP, nsid=nsid).data)["aborted_step"])
 
+    def revert_step(self, nsid: int, step: int) -> dict[str, Any]:
+        """REVERT_STEP: undo committed step `step` (its copy of step - 1 still intact);
+        {"committed_step", "reverted"} (false where the namespace is at step - 1 already)."""
+        completion = self.call(Opcode.REVERT_STEP, nsid=nsid, cdw10=step & 0xFFFFFFFF, cdw11=step >> 32)
+        return json.loads(completion.data)
+
     # ------------------------------------------------------------------ shared steps
 
     def begin_shared_step(self, nsid: int, step: int, grad_scale: float, *, job: int, seq: int, ranks: int,

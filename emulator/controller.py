@@ -140,6 +140,7 @@ class Controller:
             Opcode.BEGIN_STEP: self._begin_step,
             Opcode.COMMIT_STEP: self._commit_step,
             Opcode.ABORT_STEP: self._abort_step,
+            Opcode.REVERT_STEP: self._revert_step,
             Opcode.SET_HYPERPARAMETERS: self._set_hyperparameters,
             Opcode.NAMESPACE_STATISTICS: self._namespace_statistics,
             Opcode.FLUSH: self._flush,
@@ -324,6 +325,15 @@ class Controller:
         step = namespace.abort_step()
         return Completion(command.cid, Status.SUCCESS, result=step & 0xFFFFFFFF,
                           data=_json({"aborted_step": step}))
+
+    def _revert_step(self, command: Command) -> Completion:
+        namespace = self.device.optimizer_namespace(command.nsid, "revert step")
+        step = command.cdw10_11
+        if not step:
+            raise DeviceError(Status.INVALID_FIELD, "REVERT_STEP names the committed step to undo (cdw10-11)", 40)
+        reverted = namespace.revert_step(step)
+        return Completion(command.cid, Status.SUCCESS, result=reverted["committed_step"] & 0xFFFFFFFF,
+                          data=_json(reverted))
 
     def _set_hyperparameters(self, command: Command) -> Completion:
         changes = command.json

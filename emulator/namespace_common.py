@@ -64,6 +64,7 @@ class NamespaceCounters:
     steps_committed: int = 0
     steps_skipped: int = 0
     steps_aborted: int = 0
+    steps_reverted: int = 0  # REVERT_STEP (a group commit's recovery)
     nonfinite_elements: int = 0
     grad_bytes_in: int = 0
     state_bytes_loaded: int = 0

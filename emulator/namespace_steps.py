@@ -173,6 +173,69 @@ class _Steps:
             if self.media_failure is None:
                 self._settle_param_copies(tx, committed=ended)
 
+    def revert_step(self, step: int) -> dict[str, Any]:
+        """REVERT_STEP: undo committed step `step`, making the step before it the committed
+        one again, from the copy it still lies in (a group commit's recovery: one device of a
+        job that reached `step` while another stayed before it; docs/architecture.md).
+
+        Possible only while that copy is untouched since `step` committed: the other
+        superblock slot must name step - 1 in the other copy (seq one lower), and that copy
+        must pass every block checksum the slot records. A step begun since (committed,
+        skipped or aborted) has written into it, and the revert is refused with nothing
+        changed. Already at step - 1: nothing to do ({"reverted": false}). Crash safe like a
+        commit: one durable superblock write flips back."""
+        with self._cond:
+            self._check_media()
+            self._wait_for_pins_locked()
+            if self._tx is not None:
+                raise DeviceError(Status.STEP_ALREADY_OPEN, f"namespace {self.name!r}: step {self._tx.step} "
+                                  "is open (commit or abort it before reverting a step)")
+            if self.loading:
+                raise DeviceError(Status.NAMESPACE_NOT_READY, f"namespace {self.name!r} is still loading "
+                                  "its initial state and has no committed step to revert")
+            current = self._sb
+            if current.committed_step == step - 1:
+                return {"committed_step": current.committed_step, "reverted": False}
+            if current.committed_step != step:
+                raise DeviceError(Status.STEP_NUMBER_MISMATCH,
+                                  f"namespace {self.name!r}: committed step is {current.committed_step}; "
+                                  f"cannot revert step {step}")
+            other = Superblock.decode(self._slots[current.slot ^ 1].read(), self.total_blocks,
+                                      len(self._hypers))
+            if (other is None or other.seq != current.seq - 1 or other.committed_step != step - 1
+                    or other.committed_copy != current.committed_copy.other
+                    or other.flags & SuperblockFlags.LOADING):
+                raise DeviceError(Status.STEP_NUMBER_MISMATCH,
+                                  f"namespace {self.name!r}: step {step - 1} is no longer recorded on "
+                                  f"the media (the other superblock slot names "
+                                  f"{'nothing valid' if other is None else f'step {other.committed_step}'}); "
+                                  f"step {step} stays committed")
+            bad = self._verify_copy(other)
+            if bad:
+                tensor, block = bad[0]
+                raise DeviceError(Status.STEP_NUMBER_MISMATCH,
+                                  f"namespace {self.name!r}: the copy of step {step - 1} has been written "
+                                  f"since (a step began after {step}): {len(bad)} block(s) differ, first "
+                                  f"{tensor} block {block}; step {step} stays committed")
+            # The write below replaces the slot of step - 1: the slot of `step` must be
+            # durable first, or a cut in the middle could leave neither.
+            self._flush_to(current)
+            self._sync(self._copies[other.committed_copy])
+            reverted = current.successor(
+                committed_step=other.committed_step,
+                committed_copy=other.committed_copy,
+                flags=SuperblockFlags.NONE,
+                block_crcs=other.block_crcs.copy(),
+                last_grad_scale=other.last_grad_scale,
+                **hyper_record(hypers_of(other)),
+            )
+            self._write_superblock(reverted, sync=True)
+            self._hypers = hypers_of(reverted)
+            self.config_changed_ns = time.time_ns()
+            self.counters.steps_reverted += 1
+            log.warning("namespace %s: step %d reverted; step %d is committed again", self.name, step, step - 1)
+            return {"committed_step": reverted.committed_step, "reverted": True}
+
     def _skips(self) -> SkipCounts:
         """The skip counters: the newer of the superblock's (as of the last commit) and the
         side record's (as of the last skip), the record read once per open."""

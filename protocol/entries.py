@@ -90,6 +90,7 @@ class Opcode(enum.IntEnum):
     CMB_READ = 0xD2
     ARCHIVE = 0xD4  # a snapshot uploaded to an object store, as a job (docs/tiers.md)
     ARCHIVE_LIST = 0xD5  # the complete versions archived under s3://BUCKET/PREFIX
+    REVERT_STEP = 0xD6  # the last committed step undone: a group commit's recovery (docs/architecture.md)
 
 
 class IoOpcode(enum.IntEnum):
