@@ -180,34 +180,44 @@ class ShardedSession:
         pieces = self._shard_grads()
         coefficient = 1.0
         if self.max_grad_norm is not None:
-            squares = math.fsum(float(torch.linalg.vector_norm(values, dtype=torch.float32)) ** 2
-                                for _, _, values in pieces)
-            self.last_grad_norm = distributed.global_norm(squares, ranks) / loss_scale
+            self.last_grad_norm = distributed.global_norm(self._squares(pieces), ranks) / loss_scale
             coefficient = grad_rules.clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+        timing["begin_s"] = self._begin_shared(pieces, coefficient / loss_scale)
+        committing = clock()
+        timing["grads_s"] = committing - started - timing["begin_s"]
+        result = self._wait_for_commit(self.committed_step + 1)
+        timing["commit_s"] = clock() - committing
+        self._step_open = False
+        return result
+
+    @staticmethod
+    def _squares(pieces: list[tuple[str, int, torch.Tensor]]) -> float:
+        """The sum of the squared gradient elements of these pieces (inf or NaN where one is)."""
+        return math.fsum(float(torch.linalg.vector_norm(values, dtype=torch.float32)) ** 2
+                         for _, _, values in pieces)
+
+    def _begin_shared(self, pieces: list[tuple[str, int, torch.Tensor]], grad_scale: float) -> float:
+        """BEGIN_STEP of the job's next shared step with `grad_scale` (the clip coefficient
+        over the loss scale), then this rank's gradient pieces. Returns the seconds in begin."""
         step = self.committed_step + 1
         groups = [group_hyper(group) for group in self.param_groups]
-        began = clock()
+        began = time.perf_counter()
         self.files.step_began()
         # The hyperparameters ride in the begin itself: the rank that opens the step sets
         # them for it, and each joining rank's must equal them, so a schedule reaches every
         # shard with no race between a SET_HYPERPARAMETERS and another rank's begin.
         self._seq += 1
-        self.files.command(self.files.admin.begin_shared_step, self.files.nsid, step, coefficient / loss_scale,
+        self.files.command(self.files.admin.begin_shared_step, self.files.nsid, step, grad_scale,
                            groups=groups, **self._shared())
         self._step_open = True
         self._sent_hypers = groups
-        timing["begin_s"] = clock() - began
+        begin_s = time.perf_counter() - began
         if self.before_grad_write is not None:
             for piece in self._shard:
                 self.before_grad_write(piece.index)
         if pieces:
             self.files.write_pieces(pieces)
-        committing = clock()
-        timing["grads_s"] = committing - started - timing["begin_s"]
-        result = self._wait_for_commit(step)
-        timing["commit_s"] = clock() - committing
-        self._step_open = False
-        return result
+        return begin_s
 
     def _shared(self) -> dict[str, int]:
         ranks = self._ranks
