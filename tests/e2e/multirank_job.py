@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cossd.trainer import AdamW, StepAbortedError
+from cossd.trainer import AdamW, DeviceLostError, StepAbortedError
 
 INPUTS, HIDDEN, CLASSES = 128, 2560, 64  # fc1.weight: 327,680 elements, more than one device block
 
@@ -80,29 +81,59 @@ def main() -> int:
     ddp = config["ddp"] and world > 1 and not config.get("synthetic")
     net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
     kill = config.get("kill") or {}
-    if kill.get("rank") == rank and kill.get("stage") == "mid_grads" and not optimizer._shard:
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restarts so far
+    if kill.get("rank") != rank or kill.get("attempt", attempt) != attempt:
+        kill = {}  # not this rank's kill, or not on this attempt (torchrun's restart runs clean)
+    if kill.get("stage") == "mid_grads" and not optimizer._shard:
         kill["stage"] = "after_join"  # a rank with no shard has no gradients to be killed amid
-    if kill.get("rank") == rank and kill.get("stage") == "after_join":
-        # kill -9 of this rank once it has joined step kill["step"], before its gradients go.
+
+    def strike() -> None:
+        """kill -9 of this rank, or of the device's daemon (kill["pid"]) where the target is
+        the daemon; a note first says where, for the test's expectations."""
+        note = {"stage": kill["stage"], "step": kill["step"], "shard_empty": not optimizer._shard,
+                "committed_step": optimizer.committed_step, "target": kill.get("target", "self")}
+        (out / f"kill{rank}.json").write_text(json.dumps(note))
+        if note["target"] == "daemon":
+            os.kill(int(kill["pid"]), signal.SIGKILL)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if kill.get("stage") in ("after_join", "before_commit", "after_commit"):
+        # After this rank joined step kill["step"] (before its gradients go), before its first
+        # poll for the commit (its gradients all sent), or once the commit answered (before
+        # the params come back).
         send = optimizer.files.command
+        struck = False
 
         def command(method, *args, **kwargs):
+            nonlocal struck
+            name = getattr(method, "__name__", "")
+            if (not struck and kill["stage"] == "before_commit" and name == "commit_shared_step"
+                    and args[1] == kill["step"]):
+                struck = True
+                strike()
             answer = send(method, *args, **kwargs)
-            if getattr(method, "__name__", "") == "begin_shared_step" and args[1] == kill["step"]:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if (not struck and kill["stage"] == "after_join" and name == "begin_shared_step"
+                    and args[1] == kill["step"]):
+                struck = True
+                strike()
+            if (not struck and kill["stage"] == "after_commit" and name == "commit_shared_step"
+                    and args[1] == kill["step"] and "waiting" not in answer):
+                struck = True
+                strike()
             return answer
 
         optimizer.files.command = command
-    if kill.get("rank") == rank and kill.get("stage") == "mid_grads":
-        # kill -9 in the middle of this rank's gradients of step kill["step"]: half of its first
-        # piece reaches the device, the rest never does.
+    if kill.get("stage") == "mid_grads":
+        # In the middle of this rank's gradients of step kill["step"]: half of its first piece
+        # reaches the device, the rest never does.
         write = optimizer.files.write_pieces
 
         def partial(items):
             if optimizer.committed_step + 1 == kill["step"] and items:
                 tensor, first, values = items[0]
                 write([(tensor, first, values[: max(1, values.numel() // 2)])])
-                os.kill(os.getpid(), signal.SIGKILL)
+                strike()
             return write(items)
 
         optimizer.files.write_pieces = partial
@@ -122,8 +153,13 @@ def main() -> int:
             overflow = config.get("overflow") or {}
             if overflow.get("rank") == rank and overflow.get("step") == step:
                 model.fc1.weight.grad.view(-1)[5] = float("inf")  # one element, on this rank only
-            if kill.get("rank") == rank and kill.get("stage") == "before_step" and kill["step"] == step:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if kill.get("stage") == "before_step" and kill["step"] == step:
+                strike()
+            if kill.get("stage") == "timer" and kill["step"] == step:
+                # At a random instant from here (kill["delay_s"]): whatever the ranks are doing.
+                timer = threading.Timer(kill["delay_s"], strike)
+                timer.daemon = True  # a job that ended first leaves the daemon alone (the test sees it)
+                timer.start()
             if rank == 0:
                 # What the optimizer starts from: DDP's averages, or this rank's own (the test
                 # averages every rank's for a job without DDP).
@@ -136,8 +172,18 @@ def main() -> int:
         (out / f"error{rank}.txt").write_text(str(exc))
         optimizer.close()
         return 3
+    except DeviceLostError as exc:
+        # The device's daemon died: say so, with the last step this rank saw committed (the
+        # test checks the device kept it), and close what can be closed.
+        (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        (out / f"lost{rank}.json").write_text(json.dumps({"committed_step": optimizer.committed_step}))
+        try:
+            optimizer.close()
+        except Exception:  # the mount is dead: nothing more to release on it
+            pass
+        return 5
     result = {"committed_step": optimizer.committed_step, "steps_skipped": optimizer.steps_skipped,
-              "first": first, "restored": optimizer.restored,
+              "first": first, "restored": optimizer.restored, "attempt": attempt,
               "warnings": [str(w.message) for w in caught]}
     torch.save({"grads": grads_seen, "params": [p.detach().clone() for p in optimizer_params(optimizer)],
                 "masters": optimizer.master_weights() if rank == 0 else None, "result": result},
