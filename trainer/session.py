@@ -180,6 +180,9 @@ class DeviceSession:
     def _abort(self, why: str = "the step failed on this rank") -> None:
         """Drop a step that failed halfway, so the next one can begin (best effort). A
         sharded job's step is aborted for every rank, which then hear `why`."""
+        if getattr(self, "_group", None) is not None:
+            self._abort_group(why)  # type: ignore[attr-defined]
+            return
         if getattr(self, "_ranks", None) is not None:
             self._abort_shared(why)  # type: ignore[attr-defined]
             return

@@ -29,12 +29,16 @@ class StateDict:
 
     def master_weights(self) -> list[torch.Tensor]:
         """The FP32 master weights, read from the device, shaped like the params."""
+        if getattr(self, "_group", None) is not None:
+            return self._group_master_weights()  # type: ignore[attr-defined]
         return [
             self.files.read(e.name, "master", torch.float32, e.numel).view(e.param.shape)
             for e in self.entries
         ]
 
     def _read_state(self, entry: Entry, role: str) -> torch.Tensor:
+        if getattr(self, "_group", None) is not None:
+            return self._group_read_state(entry, role)  # type: ignore[attr-defined]
         dtype = torch.float32 if self.state_dtype == "fp32" else torch.bfloat16
         values = self.files.read(entry.name, role, dtype, entry.numel)
         return values.to(torch.float32).view(entry.param.shape)
@@ -43,6 +47,8 @@ class StateDict:
         """Which state the namespace holds now, cheap to read at any size: the device (its
         serial), the namespace (nsids are never reused), its committed step, and the step
         counters its superblock carries over its life (a commit or a skip moves them)."""
+        if getattr(self, "_group", None) is not None:
+            return self._group_identity()  # type: ignore[attr-defined]
         if getattr(self, "_device_serial", None) is None:
             self._device_serial = str(self.files.command(self.files.admin.describe)["identity"]["serial"])
         stats = self.files.statistics()
@@ -154,6 +160,10 @@ class StateDict:
                     group[key] = value
         if noop:
             return  # the groups' changed options go to the device with the next step
+        if getattr(self, "_group", None) is not None:
+            for group, options in zip(self.param_groups, before):
+                group.update(options)
+            raise self._group_refusal("load_state_dict of another state")  # type: ignore[attr-defined]
         if getattr(self, "_ranks", None) is not None:
             for group, options in zip(self.param_groups, before):
                 group.update(options)

@@ -1,0 +1,250 @@
+"""Several devices, one optimizer (mount=[...]): whole tensors spread over a namespace per device, each step a group commit; crashes between the devices' commits, a device daemon killed mid-step, refusals."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from cossd.client import AdminClient
+from cossd.client.snapshots import create_snapshot, rollback
+from cossd.protocol.group_commit import GroupDisagreementError
+from cossd.trainer import AdamW
+
+from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
+
+pytestmark = pytest.mark.mount
+
+JOB = Path(__file__).with_name("group_job.py")
+sys.path.insert(0, str(JOB.parent))
+import multirank_job as job  # noqa: E402  (the model, its groups and schedule)
+from test_multirank import bits_equal, free_port, single_process  # noqa: E402
+
+JOB_TIMEOUT_S = 240
+DEVICES = 3
+
+
+@pytest.fixture(scope="module")
+def mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Mount]]:
+    """Three devices, each its own daemon and backing; a test that kills one remounts it."""
+    from cossd.emulator import Device
+
+    root = tmp_path_factory.mktemp("group")
+    mounted = []
+    try:
+        for index in range(DEVICES):
+            Device.format(root / f"backing{index}", capacity_bytes=4 << 30, serial=f"GROUP000{index}")
+            mounted.append(start_mount(root / f"backing{index}", root / f"mnt{index}"))
+        yield mounted
+    finally:
+        for device in mounted:
+            if is_mounted(device.mountpoint):
+                force_unmount(device.mountpoint)
+            try:
+                wait_for_exit(device.pid, 30)
+            except TimeoutError:
+                os.kill(device.pid, signal.SIGKILL)
+
+
+def remount(mounts: list[Mount], index: int) -> None:
+    """Device `index` back after its daemon was killed: the dead mount away, a new daemon."""
+    dead = mounts[index]
+    force_unmount(dead.mountpoint)
+    mounts[index] = start_mount(dead.backing, dead.mountpoint)
+
+
+def run_job(devices: list[Mount], out: Path, namespace: str, world: int, last: int, **options: Any) -> list[int]:
+    """`world` ranks of tests/e2e/group_job.py over `devices`; their exit codes."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"mounts": [str(device.mountpoint) for device in devices], "namespace": namespace, "last": last,
+              "out": str(out)} | options
+    base = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                         "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config)], env=base | {"RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    codes, logs = [], []
+    try:
+        for process in ranks:
+            text, _ = process.communicate(timeout=JOB_TIMEOUT_S)
+            codes.append(process.returncode)
+            logs.append(text)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    (out / "logs.txt").write_text("\n".join(f"--- rank {r} (exit {c})\n{t}" for r, (c, t) in enumerate(zip(codes, logs))))
+    return codes
+
+
+def finished(out: Path, world: int, codes: list[int]) -> list[dict[str, Any]]:
+    assert codes == [0] * world, (codes, (out / "logs.txt").read_text()[-6000:],
+                                  [p.read_text() for p in out.glob("error*.txt")])
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+
+
+def committed_steps(devices: list[Mount], namespace: str) -> list[int]:
+    steps = []
+    for device in devices:
+        with AdminClient(device.mountpoint) as admin:
+            steps.append(int(admin.statistics(admin.nsid(namespace))["committed_step"]))
+    return steps
+
+
+def statistics(device: Mount, namespace: str) -> dict[str, Any]:
+    with AdminClient(device.mountpoint) as admin:
+        return admin.statistics(admin.nsid(namespace))
+
+
+def all_grads(ranks: list[dict[str, Any]]) -> dict[int, list[torch.Tensor]]:
+    """The gradients each step was taken with, over every run of a job (a restart's too)."""
+    grads: dict[int, list[torch.Tensor]] = {}
+    for saved in ranks:
+        grads.update(saved["grads"])
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world, devices", [(1, 2), (2, 2), (2, 3)])
+def test_a_group_equals_one_device_bit_for_bit(mounts: list[Mount], tmp_path: Path, world: int,
+                                               devices: int) -> None:
+    """One process or two ranks (DDP) over two or three devices: every device holds whole
+    tensors of the model, and the params and masters equal a single-process, single-device
+    run on the same gradients, bit for bit (two groups, warmup-cosine)."""
+    namespace = f"eq{world}x{devices}"
+    codes = run_job(mounts[:devices], tmp_path / "job", namespace, world, 12)
+    ranks = finished(tmp_path / "job", world, codes)
+    for other in ranks[1:]:
+        assert bits_equal(other["params"], ranks[0]["params"])
+    layout = ranks[0]["devices"]
+    assert len(layout) == devices and all(layout), layout
+    assert sum(map(len, layout)) == 4 and len({name for names in layout for name in names}) == 4
+    for device, names in zip(mounts[:devices], layout):
+        stats = statistics(device, namespace)
+        assert stats["committed_step"] == 12 and stats["steps_committed"] == 12
+        config = json.loads((Path(device.mountpoint) / "ns" / namespace / "config.json").read_text())
+        assert [tensor["name"] for tensor in config["tensors"]] == names
+    params, masters, _ = single_process(mounts[0], f"ref-{namespace}", ranks[0]["grads"], 12)
+    assert bits_equal(ranks[0]["params"], params)
+    assert bits_equal(ranks[0]["masters"], masters)
+
+
+def test_clipping_by_the_global_norm_across_devices(mounts: list[Mount], tmp_path: Path) -> None:
+    """The norm is taken over every device's tensors (one gather): within 1e-6 x max|param|
+    of single-device cossd with the same clip (the sums' order differs)."""
+    codes = run_job(mounts[:2], tmp_path / "job", "clip", 2, 10, clip=0.05)
+    ranks = finished(tmp_path / "job", 2, codes)
+    _, masters, _ = single_process(mounts[0], "ref-clip", ranks[0]["grads"], 10, clip=0.05)
+    for ours, theirs in zip(ranks[0]["masters"], masters):
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-6 * float(theirs.abs().max()))
+    unclipped, _, _ = single_process(mounts[0], "ref-noclip", ranks[0]["grads"], 10)
+    assert not bits_equal(ranks[0]["params"], unclipped), "the clip never bit: the test proves nothing"
+
+
+def test_an_overflow_skips_the_step_on_every_device_counted_once(mounts: list[Mount], tmp_path: Path) -> None:
+    codes = run_job(mounts[:2], tmp_path / "job", "overflow", 2, 8, overflow={"rank": 1, "step": 3})
+    ranks = finished(tmp_path / "job", 2, codes)
+    for saved in ranks:
+        assert saved["result"]["steps_skipped"] == 1 and saved["result"]["committed_step"] == 7
+    assert committed_steps(mounts[:2], "overflow") == [7, 7]
+    # The step was decided before any device saw it: no device began it.
+    assert all(statistics(device, "overflow")["steps_aborted"] == 0 for device in mounts[:2])
+
+
+def uninterrupted(mounts: list[Mount], tmp_path: Path, namespace: str, world: int, last: int) -> dict[str, Any]:
+    codes = run_job(mounts, tmp_path / f"ref-{namespace}", f"ref-{namespace}", world, last, synthetic=True)
+    return finished(tmp_path / f"ref-{namespace}", world, codes)[0]
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_a_crash_between_the_devices_commits_resumes_from_one_common_step(
+        mounts: list[Mount], tmp_path: Path, devices: int) -> None:
+    """kill -9 of the job after device 0 committed step 5 and before device 1 did: device 0
+    at 5, the others at 4. The restarted job reverts device 0 (it still holds step 4 in its
+    other copy), says so, and finishes equal to a run nobody interrupted."""
+    namespace = f"between{devices}"
+    codes = run_job(mounts[:devices], tmp_path / "a", namespace, 1, 9, synthetic=True,
+                    kill={"stage": "between_devices", "step": 5})
+    assert codes == [-signal.SIGKILL], (tmp_path / "a" / "logs.txt").read_text()[-3000:]
+    assert committed_steps(mounts[:devices], namespace) == [5] + [4] * (devices - 1)
+    codes = run_job(mounts[:devices], tmp_path / "b", namespace, 1, 9, synthetic=True)
+    resumed = finished(tmp_path / "b", 1, codes)[0]
+    assert resumed["result"]["first"] == 5
+    assert any("reverted to step 4" in text for text in resumed["result"]["warnings"]), resumed["result"]["warnings"]
+    assert statistics(mounts[0], namespace)["steps_reverted"] == 1
+    assert committed_steps(mounts[:devices], namespace) == [9] * devices
+    reference = uninterrupted(mounts[:devices], tmp_path, namespace, 1, 9)
+    assert bits_equal(resumed["params"], reference["params"])
+    assert bits_equal(resumed["masters"], reference["masters"])
+
+
+def test_a_device_daemon_killed_mid_step(mounts: list[Mount], tmp_path: Path) -> None:
+    """kill -9 of the last device's daemon once both ranks' gradients of step 4 are sent:
+    the ranks fail with a clear error; with the device remounted the job resumes from one
+    common step and finishes equal to an uninterrupted run."""
+    devices = mounts[:2]
+    namespace = "daemonkill"
+    codes = run_job(devices, tmp_path / "a", namespace, 2, 8, synthetic=True,
+                    kill={"stage": "daemon", "step": 4, "pid": devices[1].pid, "rank": 0})
+    assert all(code == 3 for code in codes), (codes, (tmp_path / "a" / "logs.txt").read_text()[-4000:])
+    errors = [(tmp_path / "a" / f"aborted{rank}.txt").read_text() for rank in range(2)]
+    assert all(errors), errors
+    remount(mounts, 1)
+    devices = mounts[:2]
+    steps = committed_steps(devices, namespace)
+    assert steps[1] == 3 and steps[0] in (3, 4), steps
+    codes = run_job(devices, tmp_path / "b", namespace, 2, 8, synthetic=True)
+    resumed = finished(tmp_path / "b", 2, codes)
+    assert resumed[0]["result"]["first"] == 4
+    assert committed_steps(devices, namespace) == [8, 8]
+    reference = uninterrupted(devices, tmp_path, namespace, 2, 8)
+    for saved in resumed:
+        assert bits_equal(saved["params"], reference["params"])
+        assert bits_equal(saved["masters"], reference["masters"])
+
+
+def test_what_a_group_refuses(mounts: list[Mount], tmp_path: Path) -> None:
+    """Refused with a clear error and nothing changed: a device named twice; more devices
+    than a split by whole tensors can fill; a device that does not hold the trained
+    namespace (replaced); devices two steps apart (one rolled back by a snapshot)."""
+    torch.manual_seed(0)
+    model = job.Net()
+    first, second = str(mounts[0].mountpoint), str(mounts[1].mountpoint)
+    with pytest.raises(ValueError, match="more than once"):
+        AdamW(job.groups_of(model), mount=[first, first], namespace="refused")
+    with pytest.raises(ValueError, match="would hold nothing"):
+        AdamW([torch.nn.Parameter(torch.zeros(10))], mount=[first, second], namespace="refused")
+    assert not (Path(first) / "ns" / "refused").exists()
+    # Trained on two devices, then opened with another second device.
+    optimizer = AdamW(job.groups_of(model), mount=[first, second], namespace="moved")
+    for _ in range(2):
+        for param in job.optimizer_params(optimizer):
+            param.grad = torch.full_like(param, 0.01)
+        optimizer.step()
+    optimizer.close()
+    with pytest.raises(RuntimeError, match="not the ones it was trained on"):
+        AdamW(job.groups_of(model), mount=[first, str(mounts[2].mountpoint)], namespace="moved")
+    assert not (Path(mounts[2].mountpoint) / "ns" / "moved").exists()
+    # Two steps apart: device 1 rolled back to a snapshot of step 2 while device 0 is at 4.
+    optimizer = AdamW(job.groups_of(model), mount=[first, second], namespace="moved")
+    with AdminClient(second) as admin:
+        create_snapshot(admin, admin.nsid("moved"), "at2")
+    for _ in range(2):
+        for param in job.optimizer_params(optimizer):
+            param.grad = torch.full_like(param, 0.01)
+        optimizer.step()
+    optimizer.close()
+    with AdminClient(second) as admin:
+        rollback(admin, admin.nsid("moved"), "at2")
+    with pytest.raises(GroupDisagreementError, match="more than one step apart"):
+        AdamW(job.groups_of(model), mount=[first, second], namespace="moved")
+    assert committed_steps(mounts[:2], "moved") == [4, 2]

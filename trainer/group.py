@@ -1,0 +1,365 @@
+"""An optimizer over several devices (mount=[...]): whole tensors spread over one namespace per device, each step a group commit that every device recovers to together."""
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from ..protocol.group_commit import GroupDisagreementError, common_step
+from ..protocol.status import DeviceError
+from . import grads as grad_rules
+from .distributed import Ranks
+from .namespace_files import NamespaceFiles
+from .plan import Entry
+from .sharded import StepAbortedError
+
+
+class SoloRanks(Ranks):
+    """The ranks of a job of one process: the group's namespaces still run shared steps (a
+    job of one rank), so one code path serves one process and many."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1, None)
+
+    def gather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def from_rank0(self, value: Any) -> Any:
+        return value
+
+
+class _GroupFiles:
+    """In place of the one namespace's files of an optimizer over several devices: its
+    name and mounts, and what needs one namespace says why there is none."""
+
+    def __init__(self, name: str, mounts: list[str]) -> None:
+        self.name, self.mounts = name, mounts
+        self.mountpoint = ", ".join(mounts)
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):  # copy, pickle and friends probe for these
+            raise AttributeError(attribute)
+        raise RuntimeError(f"namespace {self.name!r} is spread over {len(self.mounts)} devices "
+                           f"({self.mountpoint}); `{attribute}` needs a single device")
+
+
+def mount_list(mount: Any) -> list[str] | None:
+    """The devices of `mount=`: None for one mount (a path or a URL), else the list, checked."""
+    if isinstance(mount, (str, os.PathLike)):
+        return None
+    if not isinstance(mount, (list, tuple)) or not mount:
+        raise ValueError(f"mount must be a path, a cossd:// URL or a non-empty list of them, got {mount!r}")
+    mounts = []
+    for item in mount:
+        if not isinstance(item, (str, os.PathLike)):
+            raise ValueError(f"mount= lists paths or cossd:// URLs, got {item!r}")
+        text = os.fspath(item)
+        mounts.append(text if "://" in text else os.path.realpath(text))
+    repeated = sorted({item for item in mounts if mounts.count(item) > 1})
+    if repeated:
+        raise ValueError(f"mount= names {', '.join(repeated)} more than once; each device once")
+    return mounts
+
+
+def assign_to_devices(entries: list[Entry], devices: int) -> list[list[Entry]]:
+    """Each device's entries: contiguous runs of whole tensors in param order, none empty,
+    with the largest run as small as it can be (a tensor is never split across devices:
+    each device then steps whole tensors, and a job resumes on its devices at any world
+    size with nothing moved)."""
+    sizes = [entry.numel for entry in entries]
+    if len(sizes) < devices:
+        raise ValueError(f"{devices} devices for {len(sizes)} tensors: some devices would hold nothing "
+                         "(a tensor is never split across devices); use at most as many devices as tensors")
+
+    def parts_needed(cap: int) -> int:
+        parts, load = 1, 0
+        for size in sizes:
+            if load + size > cap:
+                parts, load = parts + 1, 0
+            load += size
+        return parts
+
+    # The smallest cap on a device's elements that `devices` runs can keep (binary search).
+    low, high = max(sizes), sum(sizes)
+    while low < high:
+        middle = (low + high) // 2
+        if parts_needed(middle) <= devices:
+            high = middle
+        else:
+            low = middle + 1
+    runs: list[list[Entry]] = [[]]
+    load = 0
+    for index, entry in enumerate(entries):
+        runs_to_open = devices - len(runs)
+        tensors_left = len(entries) - index  # this one and those after it
+        # A new run where this one would pass the cap, or where every device still empty
+        # needs one of the tensors left.
+        if runs[-1] and (load + entry.numel > low or tensors_left <= runs_to_open):
+            runs.append([])
+            load = 0
+        runs[-1].append(entry)
+        load += entry.numel
+    return runs
+
+
+class DeviceGroup:
+    """The several-devices half of the optimizer (a mixin of optim._DeviceAdam, first in its
+    order): where mount= lists devices, `_group` holds one optimizer per device (its
+    children, each a sharded optimizer of the job's ranks on that device's namespace) and
+    step() comes here. The protocol and why it is safe: docs/architecture.md, "Several
+    devices: one group commit"."""
+
+    # Set by the optimizer (optim._DeviceAdam.__init__).
+    entries: list[Entry]
+    param_groups: list[dict[str, Any]]
+    max_grad_norm: float | None
+    last_grad_norm: float | None
+    committed_step: int
+    steps_skipped: int
+    restored: bool
+    files: Any
+    _group: list[Any] | None
+    _group_ranks: Ranks | None
+    _child_groups: list[list[int]]  # per child: the parent group index of each of its groups
+    _owner: dict[int, tuple[Any, Entry]]  # id(param) -> (child, the child's entry)
+
+    # ------------------------------------------------------------------ opening
+
+    def _open_group(self, mounts: list[str], namespace: str, ranks: Ranks | None,
+                    make_child: Any) -> None:
+        """Open (or create) the namespace on every device, each child sharded over the job's
+        ranks, then bring the devices to one common step. `make_child(groups, mount, ranks)`
+        builds one child optimizer."""
+        group_ranks = ranks if ranks is not None else SoloRanks()
+        self._group_ranks = group_ranks
+        self.files = _GroupFiles(namespace, mounts)
+        assigned = assign_to_devices(self.entries, len(mounts))
+        self._check_group_exists(mounts, namespace, group_ranks)
+        children: list[Any] = []
+        self._child_groups = []
+        try:
+            for mount, entries in zip(mounts, assigned):
+                mine = {id(entry.param) for entry in entries}
+                groups, parents = [], []
+                for index, group in enumerate(self.param_groups):
+                    names = self._param_names(index)
+                    params = [(param, name) for param, name in zip(group["params"], names) if id(param) in mine]
+                    if not params:
+                        continue
+                    options = {key: value for key, value in group.items() if key not in ("params", "param_names")}
+                    groups.append(options | {"params": [param for param, _ in params],
+                                             "param_names": [name for _, name in params]})
+                    parents.append(index)
+                children.append(make_child(groups, mount, group_ranks))
+                self._child_groups.append(parents)
+        except BaseException:
+            for child in children:
+                child.close()
+            raise
+        self._group = children
+        self._owner = {id(entry.param): (child, entry) for child in children for entry in child.entries}
+        self._recover_group(mounts)
+        self.restored = all(child.restored for child in children)
+        self.steps_skipped = sum(child.steps_skipped for child in children)
+
+    def _param_names(self, group_index: int) -> list[str]:
+        """The device names of a parent group's params (the parent's plan), for its children."""
+        return [entry.name for entry in self.entries if entry.group == group_index]
+
+    def _check_group_exists(self, mounts: list[str], namespace: str, ranks: Ranks) -> None:
+        """Refuse a group whose namespace lies on some devices past step 0 and is missing on
+        others (a device replaced or added): creating it there would join a fresh start to a
+        trained state. Rank 0 looks; every rank raises the same."""
+        verdict: dict[str, Any] = {}
+        if ranks.rank == 0:
+            try:
+                found = {}
+                for mount in mounts:
+                    probe = NamespaceFiles(mount, namespace, 30.0, use_cmb=False,
+                                           credentials=self._credentials)  # type: ignore[attr-defined]
+                    try:
+                        found[mount] = int(probe.statistics()["committed_step"]) if probe.exists() else None
+                    finally:
+                        probe.close()
+                missing = [mount for mount, step in found.items() if step is None]
+                trained = {mount: step for mount, step in found.items() if step}
+                if missing and trained:
+                    verdict["error"] = (
+                        f"namespace {namespace!r} is missing on {', '.join(missing)} but holds trained state "
+                        f"on {', '.join(f'{mount} (step {step})' for mount, step in trained.items())}: the "
+                        "group's devices are not the ones it was trained on. Nothing was created; name the "
+                        "same devices in the same order, or delete the namespace everywhere to start anew")
+            except BaseException as exc:
+                verdict["error"] = f"{type(exc).__name__}: {exc}"
+        verdict = ranks.from_rank0(verdict)
+        if "error" in verdict:
+            raise RuntimeError(verdict["error"])
+
+    def _recover_group(self, mounts: list[str]) -> None:
+        """Bring every device to one common step: a crash between the devices' commits of a
+        step leaves some at N + 1 and the rest at N; rank 0 reverts those at N + 1 (each
+        still holds step N in its other copy), every rank then reads the params again."""
+        children = self._group
+        ranks = self._group_ranks
+        assert children is not None and ranks is not None
+        steps = [child.committed_step for child in children]
+        plan = common_step(steps, mounts)  # GroupDisagreementError on every rank alike
+        if plan.revert:
+            outcome: dict[str, Any] = {}
+            if ranks.rank == 0:
+                try:
+                    for index in plan.revert:
+                        child = children[index]
+                        child.files.command(child.files.admin.revert_step, child.files.nsid, plan.step + 1)
+                except BaseException as exc:
+                    outcome["error"] = f"{type(exc).__name__}: {exc}"
+            outcome = ranks.from_rank0(outcome)
+            if "error" in outcome:
+                raise GroupDisagreementError(
+                    f"devices {[mounts[index] for index in plan.revert]} are at step {plan.step + 1} and the "
+                    f"others at {plan.step}; reverting them failed: {outcome['error']}")
+            for index in plan.revert:
+                children[index].committed_step = plan.step
+                children[index]._read_params()
+            if ranks.rank == 0:
+                warnings.warn(
+                    f"cossd: namespace {self.files.name!r}: {', '.join(mounts[index] for index in plan.revert)} "
+                    f"had committed step {plan.step + 1} and the other devices had not (a crash between the "
+                    f"devices' commits); reverted to step {plan.step}, where the job resumes",
+                    RuntimeWarning, stacklevel=5)
+        self.committed_step = plan.step
+
+    # ------------------------------------------------------------------ the step
+
+    def _sync_group_options(self) -> None:
+        """The parent's param-group options (a schedule's lr, say) into every child's groups."""
+        assert self._group is not None
+        for child, parents in zip(self._group, self._child_groups):
+            for group, parent in zip(child.param_groups, parents):
+                for key, value in self.param_groups[parent].items():
+                    if key not in ("params", "param_names"):
+                        group[key] = value
+
+    def _step_group(self, loss_scale: float, timing: dict[str, float]) -> dict[str, Any]:
+        """One step of the group: every rank's pieces for every device, one gather of their
+        squared norms (the global norm, and whether any rank holds an inf or NaN: then the
+        step is skipped by every rank before any device sees it), BEGIN and gradients on every
+        device, every commit, every device's commit made durable, and only then params back.
+        No rank begins the next step anywhere before all of this, which is what makes a crash
+        at any point recoverable to one common step (docs/architecture.md)."""
+        children, ranks = self._group, self._group_ranks
+        assert children is not None and ranks is not None
+        clock = time.perf_counter
+        started = clock()
+        self._sync_group_options()
+        step = self.committed_step + 1
+        pieces = [child._shard_grads() for child in children]
+        squares = math.fsum(child._squares(mine) for child, mine in zip(children, pieces))
+        total = math.fsum(ranks.gather(squares))
+        if not math.isfinite(total):
+            timing["grads_s"] = clock() - started
+            return {"step": step, "committed_step": self.committed_step, "skipped": True}
+        coefficient = 1.0
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = math.sqrt(total) / loss_scale
+            coefficient = grad_rules.clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+        timing["begin_s"] = 0.0
+        for child, mine in zip(children, pieces):
+            timing["begin_s"] += child._begin_shared(mine, coefficient / loss_scale)
+        committing = clock()
+        timing["grads_s"] = committing - started - timing["begin_s"]
+        results: list[dict[str, Any]] = []
+        for child in children:
+            try:
+                results.append(child._wait_for_commit(step))
+            except StepAbortedError as exc:
+                if not results:
+                    raise
+                ahead = [mount for mount, result in zip(self.files.mounts, results) if not result["skipped"]]
+                raise StepAbortedError(
+                    f"{exc}. {', '.join(ahead) or 'No device'} committed step {step} before this; restarting "
+                    f"the job reverts {'them' if len(ahead) > 1 else 'it'} (every device resumes from step "
+                    f"{step - 1})") from None
+            child._step_open = False
+        committed = [index for index, result in enumerate(results) if not result["skipped"]]
+        if len(committed) < len(children):
+            # A device skipped what the gather found finite (its own check saw an overflow
+            # that ours did not): the step is skipped by the group, the others go back.
+            self._revert_after_skip(step, committed)
+            timing["commit_s"] = clock() - committing
+            return {"step": step, "committed_step": self.committed_step, "skipped": True}
+        for child in children:
+            # The next begin anywhere must find this step durable on every device (in plp
+            # mode a commit is acknowledged before it is on the media); with sync commits
+            # this finds nothing to do.
+            child.files.command(child.files.admin.flush, child.files.nsid)
+            child.committed_step = step
+        timing["commit_s"] = clock() - committing
+        return {"step": step, "committed_step": step, "skipped": False}
+
+    def _revert_after_skip(self, step: int, committed: list[int]) -> None:
+        """Rank 0 reverts the devices that committed `step` while another skipped it; every
+        rank waits for it, so none begins the step again before the group is back at one."""
+        children, ranks = self._group, self._group_ranks
+        assert children is not None and ranks is not None
+        outcome: dict[str, Any] = {}
+        if ranks.rank == 0:
+            try:
+                for index in committed:
+                    child = children[index]
+                    child.files.command(child.files.admin.revert_step, child.files.nsid, step)
+            except BaseException as exc:
+                outcome["error"] = f"{type(exc).__name__}: {exc}"
+        outcome = ranks.from_rank0(outcome)
+        if "error" in outcome:
+            raise GroupDisagreementError(
+                f"step {step} was skipped by some devices and committed by others; reverting those "
+                f"failed ({outcome['error']}); restart the job: it brings every device to one step")
+
+    def _read_group_params(self) -> None:
+        assert self._group is not None
+        for child in self._group:
+            child._read_params()
+
+    def _abort_group(self, why: str) -> None:
+        """Abort the open step on every device (best effort: a step() that failed). Devices
+        that committed it already stay there until the job's restart reverts them."""
+        for child in self._group or []:
+            child._abort(why)
+
+    def _close_group(self) -> None:
+        for child in self._group or []:
+            child.close()
+
+    # ------------------------------------------------------------------ state_dict's reads
+
+    def _group_read_state(self, entry: Entry, role: str) -> torch.Tensor:
+        child, theirs = self._owner[id(entry.param)]
+        return child._read_state(theirs, role)
+
+    def _group_master_weights(self) -> list[torch.Tensor]:
+        masters = []
+        for entry in self.entries:
+            child, theirs = self._owner[id(entry.param)]
+            masters.append(child.files.read(theirs.name, "master", torch.float32, theirs.numel)
+                           .view(entry.param.shape))
+        return masters
+
+    def _group_identity(self) -> dict[str, Any]:
+        assert self._group is not None
+        return {"devices": [child._identity() for child in self._group]}
+
+    def _group_refusal(self, what: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{what} is not supported for a namespace spread over several devices "
+            f"({self.files.mountpoint}) yet")
+
+
+__all__ = ["DeviceGroup", "DeviceError", "GroupDisagreementError", "assign_to_devices", "mount_list"]
