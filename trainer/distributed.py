@@ -86,3 +86,29 @@ def global_norm(local_squares: float, ranks: Ranks) -> float:
     gathered and added in rank order on each rank, so every rank gets the same bits (and so
     the same clip coefficient in its BEGIN_STEP, which the device checks)."""
     return math.sqrt(math.fsum(ranks.gather(float(local_squares))))
+
+
+PARAM_GATHERS = ("device", "allgather")
+
+
+def param_gather_option(value: str) -> str:
+    """The param_gather= option, checked: how a ZeRO-1 rank gets the params back after a
+    step. "device": every rank reads every param from the device (the device sends each
+    param once per rank). "allgather": each rank reads its shard's params, then one
+    all-gather over torch.distributed gives every rank all of them (the device sends each
+    param once; the ranks' own network carries the rest)."""
+    if value not in PARAM_GATHERS:
+        raise ValueError(f"param_gather must be one of {', '.join(map(repr, PARAM_GATHERS))}, got {value!r}")
+    return value
+
+
+def all_gather_bytes(mine: torch.Tensor, sizes: list[int], ranks: Ranks) -> list[torch.Tensor]:
+    """Every rank's bytes (a flat uint8 tensor each, `sizes[r]` long for rank r), in rank
+    order, on every rank: one all_gather_into_tensor over buffers padded to the largest
+    (a collective takes equal parts; shards cut at device blocks are rarely equal)."""
+    width = max(sizes)
+    send = torch.zeros(width, dtype=torch.uint8, device=mine.device)
+    send[: mine.numel()].copy_(mine)
+    received = torch.empty(width * ranks.world, dtype=torch.uint8, device=mine.device)
+    dist.all_gather_into_tensor(received, send, group=ranks.group)
+    return [received[rank * width : rank * width + size] for rank, size in enumerate(sizes)]

@@ -395,12 +395,16 @@ class NamespaceFiles:
                  "cmb_offset": cmb.base + at} for item, offset, length, at in batch])
         return sum(sizes)
 
-    def write_pieces(self, items: list[tuple[str, int, torch.Tensor]]) -> int:
-        """Gradient pieces (tensor, first element, values in the wire dtype) of the open
-        step: a sharded optimizer's part of each tensor. Through the CMB where there is one
-        (one command per CMB-full), else a storage server's batched WRITE, else a file write
-        per piece at its offset."""
+    def write_pieces(self, items: list[tuple[str, int, torch.Tensor]], role: str = "grad") -> int:
+        """Pieces (tensor, first element, values) of one file of several tensors: a sharded
+        optimizer's part of each tensor, its gradients (in the wire dtype, of the open step)
+        or, with role="master", its FP32 master weights (before the first step seals the
+        loading: each rank of an FSDP2 job loads its own rows). Through the CMB where there is
+        one (one command per CMB-full), else a storage server's batched WRITE, else a file
+        write per piece at its offset. Each piece's offset is its first element times the
+        values' element size."""
         arrays = [values.detach().to("cpu").contiguous().view(-1).view(torch.uint8) for _, _, values in items]
+        starts = [first * values.element_size() for _, first, values in items]
         cmb = self.cmb()
         if cmb is not None:
             window = torch.from_numpy(cmb.array)
@@ -408,11 +412,11 @@ class NamespaceFiles:
                 for item, offset, length, at in batch:
                     window[at : at + length].copy_(arrays[item][offset : offset + length])
                 self.command(self.admin.cmb_write, self.nsid, [
-                    {"tensor": items[item][0], "offset": 2 * items[item][1] + offset, "length": length,
+                    {"tensor": items[item][0], "role": role, "offset": starts[item] + offset, "length": length,
                      "cmb_offset": cmb.base + at} for item, offset, length, at in batch])
             return sum(array.numel() for array in arrays)
-        ranges = [(self._fd(tensor, "grad", writing=True), memoryview(array.numpy()), 2 * first)
-                  for (tensor, first, _), array in zip(items, arrays)]
+        ranges = [(self._fd(tensor, role, writing=True), memoryview(array.numpy()), at)
+                  for (tensor, _, _), array, at in zip(items, arrays, starts)]
         many = getattr(self.transport, "write_many", None)  # a storage server's WRITE
         try:
             if many is not None and len(ranges) > 1:
@@ -426,6 +430,55 @@ class NamespaceFiles:
                 raise _lost(self.mountpoint, exc) from exc
             raise
         return sum(len(buffer) for _, buffer, _ in ranges)
+
+    def read_pieces_into(self, items: list[tuple[str, str, int, torch.Tensor]]) -> int:
+        """Ranges of committed files: (tensor, role, first element, contiguous `out`) fills
+        `out` with the file's elements first..first + out.numel() - 1 (an FSDP2 rank's own
+        rows, a ZeRO-1 rank's shard). Through the CMB (CMB_READ at the range's offset; `out`
+        on any device, a GPU's included), else a storage server's batched READ, else a
+        positional read of each file (`out` on the host)."""
+        for _, _, _, out in items:
+            if not out.is_contiguous():
+                raise ValueError("read_pieces_into needs contiguous tensors")
+        arrays = [out.view(-1).view(torch.uint8) for _, _, _, out in items]
+        starts = [first * out.element_size() for _, _, first, out in items]
+        cmb = self.cmb()
+        if cmb is not None:
+            window = torch.from_numpy(cmb.array)
+            for batch in plan_cmb_batches([array.numel() for array in arrays], cmb.size):
+                self.command(self.admin.cmb_read, self.nsid, [
+                    {"tensor": items[item][0], "role": items[item][1], "offset": starts[item] + offset,
+                     "length": length, "cmb_offset": cmb.base + at} for item, offset, length, at in batch])
+                for item, offset, length, at in batch:
+                    arrays[item][offset : offset + length].copy_(window[at : at + length])
+            return sum(array.numel() for array in arrays)
+        for _, _, _, out in items:
+            if out.device.type != "cpu":
+                raise ValueError("read_pieces_into through the files needs CPU tensors")
+        ranges = [(self._fd(tensor, role, writing=False), memoryview(array.numpy()), at)
+                  for (tensor, role, _, _), array, at in zip(items, arrays, starts)]
+        many = getattr(self.transport, "read_many", None)  # a storage server's READ
+        try:
+            if many is not None and len(ranges) > 1:
+                counts = many(ranges)
+            else:
+                counts = []
+                for fd, buffer, at in ranges:
+                    done = 0
+                    while done < len(buffer):
+                        count = self.transport.read_at(fd, buffer[done:], at + done)
+                        if count == 0:
+                            break
+                        done += count
+                    counts.append(done)
+        except OSError as exc:
+            if exc.errno in _LOST_ERRNOS:
+                raise _lost(self.mountpoint, exc) from exc
+            raise
+        for (tensor, role, _, _), (_, buffer, at), count in zip(items, ranges, counts):
+            if count != len(buffer):
+                raise OSError(errno.EIO, f"{tensor}/{role}: file ended at byte {at + count}")
+        return sum(counts)
 
     def read_many_into(self, items: list[tuple[str, str, torch.Tensor]]) -> int:
         """read_into() of several (tensor, role, contiguous tensor), through the CMB where

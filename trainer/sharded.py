@@ -1,4 +1,4 @@
-"""A sharded optimizer (ZeRO-1 over torch.distributed): the namespace opened by rank 0 for every rank, its shard's gradients out, one shared step per iteration, every param back."""
+"""A sharded optimizer (ZeRO-1 over torch.distributed, or FSDP2's DTensor params): the namespace opened by rank 0 for every rank, its shard's gradients out, one shared step per iteration, the params back."""
 from __future__ import annotations
 
 import math
@@ -9,12 +9,12 @@ from typing import Any, Callable
 import torch
 
 from ..protocol.status import DeviceError, Status
-from . import distributed
+from . import distributed, fsdp
 from . import grads as grad_rules
 from . import namespace_swap
 from .distributed import Ranks
 from .namespace_files import DeviceLostError, NamespaceFiles
-from .plan import Entry, group_hyper
+from .plan import HYPER_FIELDS, Entry, group_hyper
 from .shard import Piece, plan_shards
 
 
@@ -49,6 +49,15 @@ class ShardedSession:
     _shard: list[Piece]
     step_timeout_s: float
     _average: bool | None
+    # How a ZeRO-1 rank gets the params back (distributed.param_gather_option); every rank's
+    # shard, for the all-gather (None until the shards are planned: reads before then are
+    # whole); whether FSDP2 holds the params (DTensors: each rank's shard is its own rows).
+    _param_gather: str = "device"
+    _shards: list[list[Piece]] | None = None
+    _fsdp: bool = False
+    # The bytes this rank's last read of the params moved: from the device, and through the
+    # all-gather (sent, received); for the bench.
+    last_param_bytes: dict[str, int] | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -59,15 +68,31 @@ class ShardedSession:
         ranks = self._ranks
         assert ranks is not None
         layout = [(entry.name, entry.numel, entry.group) for entry in self.entries]
-        layouts = ranks.gather({"layout": layout})
+        try:
+            # FSDP2's params (DTensors): the namespace holds the global tensors (their names and
+            # sizes are the layout), each rank's part is its own rows; an unsupported placement
+            # fails here, on this rank with its reason and on the others with this rank's.
+            on_fsdp = fsdp.uses_fsdp(self.entries)
+            rows = fsdp.local_pieces(self.entries, ranks) if on_fsdp else []
+        except ValueError as exc:
+            self._fail_together(exc)
+            raise
+        layouts = ranks.gather({"layout": layout, "fsdp": on_fsdp})
         failed = [(rank, theirs["error"]) for rank, theirs in enumerate(layouts) if "error" in theirs]
         if failed:
             raise RuntimeError("; ".join(f"rank {rank} could not open the optimizer: {why}" for rank, why in failed))
+        kinds = [theirs["fsdp"] for theirs in layouts]
         layouts = [theirs["layout"] for theirs in layouts]
         differing = [rank for rank, theirs in enumerate(layouts) if theirs != layouts[0]]
         if differing:
             raise ValueError(f"ranks {differing} hold other params than rank 0 (names, sizes or "
                              "param groups differ); every rank must build the same model and groups")
+        if len(set(kinds)) > 1:
+            raise ValueError(f"FSDP2 holds the params on ranks {[r for r, k in enumerate(kinds) if k]} and not "
+                             f"on ranks {[r for r, k in enumerate(kinds) if not k]}; shard the model alike on every rank")
+        if on_fsdp:
+            self._open_fsdp(rows)
+            return
         if ranks.rank == 0:
             try:
                 setup = self._open_on_rank0()
@@ -95,6 +120,53 @@ class ShardedSession:
                                "(config.json block_elems); a sharded optimizer cuts shards at its blocks")
         shards = plan_shards([(entry.name, entry.numel) for entry in self.entries], ranks.world, block)
         self._shard = shards[ranks.rank]
+        self._shards = shards
+
+    def _open_fsdp(self, rows: list[Piece]) -> None:
+        """Opening where FSDP2 holds the params: rank 0 attaches or creates the namespace of
+        the global tensors (creating loads no masters: it holds only its own rows), the others
+        wait; where the namespace is still loading, every rank writes its own rows' FP32
+        masters, and no rank goes on (to its first BEGIN, which seals the loading) before
+        all have; then each reads back the params of its rows, into its local shards."""
+        ranks = self._ranks
+        assert ranks is not None
+        if ranks.rank == 0:
+            try:
+                setup = self._open_on_rank0(on_fsdp=True)
+            except BaseException as exc:
+                ranks.from_rank0({"error": f"{type(exc).__name__}: {exc}"})
+                raise
+            ranks.from_rank0(setup)
+        else:
+            setup = ranks.from_rank0(None)
+            if "error" in setup:
+                raise RuntimeError(f"rank 0 could not open namespace {self.files.name!r}: {setup['error']}")
+            if not self.files.exists():  # looks its nsid up
+                raise RuntimeError(f"namespace {self.files.name!r} that rank 0 opened is gone")
+            self._check_config(self.files.config())
+            self._sent_hypers = [group_hyper(group) for group in self.param_groups]
+        self._fsdp = True
+        self._shard = rows
+        self._job = int(setup["job"])
+        self.restored = bool(setup["restored"])
+        self.committed_step = int(setup["committed_step"])
+        self.steps_skipped = int(setup["steps_skipped"])
+        if setup["loading"]:
+            outcome: dict[str, str] = {}
+            try:
+                if rows:
+                    # The device rounds each master to the wire dtype's param as it is written.
+                    self.files.write_pieces(fsdp.local_masters(self.entries, rows), role="master")
+            except BaseException as exc:
+                outcome["error"] = f"{type(exc).__name__}: {exc}"
+            # A barrier that carries each rank's failure: a rank whose masters did not go in
+            # fails every rank here, before any step could seal a half-loaded namespace.
+            outcomes = ranks.gather(outcome)
+            failed = [(rank, theirs["error"]) for rank, theirs in enumerate(outcomes) if "error" in theirs]
+            if failed:
+                raise RuntimeError("; ".join(f"rank {rank} could not load its master weights: {why}"
+                                             for rank, why in failed))
+        self._read_params()
 
     def _fail_together(self, exc: BaseException) -> None:
         """This rank failed before the ranks' first exchange (its mount missing, say): it
@@ -107,14 +179,18 @@ class ShardedSession:
         except Exception:  # the process group itself is broken: the original error stands
             pass
 
-    def _open_on_rank0(self) -> dict[str, Any]:
+    def _open_on_rank0(self, on_fsdp: bool = False) -> dict[str, Any]:
         """Rank 0's part of opening: as one process opens a namespace, then a step an
         earlier job left open (its ranks killed mid-step) is aborted, before any rank of
-        this job begins one."""
+        this job begins one. With FSDP2 (`on_fsdp`) the masters are not loaded here: every
+        rank loads its own rows after (setup["loading"] says whether)."""
         done = namespace_swap.resolve_interrupted(self.files)
         if done is not None:
             warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=4)
-        if self.files.exists():
+        loading = False
+        if on_fsdp:
+            loading = self._attach_or_create_global()
+        elif self.files.exists():
             self._attach()
         else:
             self._create(initial_step=0, masters=None)
@@ -125,7 +201,31 @@ class ShardedSession:
                           "job; aborted it (the job resumes from step "
                           f"{self.committed_step})", RuntimeWarning, stacklevel=4)
         return {"job": distributed.new_job_id(), "committed_step": self.committed_step,
-                "steps_skipped": self.steps_skipped, "restored": self.restored}
+                "steps_skipped": self.steps_skipped, "restored": self.restored, "loading": loading}
+
+    def _attach_or_create_global(self) -> bool:
+        """Rank 0's attach or create for FSDP2, where no rank holds whole params: as
+        _attach and _create, less the loading and reading of params (each rank does its
+        own rows). Returns whether the namespace waits for its masters."""
+        if not self.files.exists():
+            self.files.create(self._description(0))
+            self._sent_hypers = [group_hyper(group) for group in self.param_groups]
+            self.committed_step = 0
+            return True
+        config = self.files.config()
+        self._check_config(config)
+        self._sent_hypers = [{field: float(group[field]) for field in HYPER_FIELDS} for group in config["groups"]]
+        stats = self.files.statistics()
+        if stats["loading"] and int(stats["committed_step"]) != 0:
+            raise RuntimeError(
+                f"namespace {self.files.name!r} is still loading state for step {stats['committed_step']}: "
+                "an import of optimizer state was interrupted and its master weights and moments are "
+                f"incomplete. Delete it with `cossd delete-ns {self.files.name}` and load the checkpoint again")
+        # A job that died before its first step left it loading: its masters are loaded again.
+        self.restored = not stats["loading"]
+        self.committed_step = int(stats["committed_step"])
+        self.steps_skipped = int(stats["steps_skipped"])
+        return bool(stats["loading"])
 
     # ------------------------------------------------------------------ the step
 
@@ -158,6 +258,9 @@ class ShardedSession:
         """This rank's pieces of the step's (averaged) gradients, in the wire dtype."""
         ranks = self._ranks
         assert ranks is not None
+        if self._fsdp:
+            # FSDP2's reduce-scatter left each rank its rows of the averaged gradients.
+            return fsdp.local_grads(self.entries, self._shard, self.dtype)
         full = [entry.param.grad for entry in self.entries]
         if self._averaging():
             full = distributed.average(full, ranks)  # type: ignore[arg-type]
@@ -189,6 +292,73 @@ class ShardedSession:
         timing["commit_s"] = clock() - committing
         self._step_open = False
         return result
+
+    # ------------------------------------------------------------------ params back
+
+    def _read_params(self) -> None:
+        """The committed params into the model: FSDP2's rows of this rank, or with
+        param_gather="allgather" this rank's shard then an all-gather, else (one process,
+        param_gather="device", or before the shards are planned) every param from the
+        device (session.DeviceSession)."""
+        if self._fsdp:
+            fsdp.read_local_params(self.files, self.entries, self._shard, self.dtype)
+        elif self._ranks is not None and self._param_gather == "allgather" and self._shards is not None:
+            self._read_and_gather()
+        else:
+            super()._read_params()  # type: ignore[misc]
+
+    def _read_and_gather(self) -> None:
+        """This rank's shard of the committed params read from the device into a flat byte
+        buffer, then one all-gather of every rank's buffer; each rank unpacks every shard
+        into its params. The bytes are the device's, so the params are those every rank
+        reading all of them would get, bit for bit."""
+        ranks, shards = self._ranks, self._shards
+        assert ranks is not None and shards is not None
+        # What the device holds for each param: an FP32 param gets its master (as
+        # DeviceSession._read_params gives it), a 16-bit one the param in the wire dtype.
+        kinds = [("master", torch.float32) if entry.param.dtype == torch.float32 else ("param", self.dtype)
+                 for entry in self.entries]
+
+        def placed(shard: list[Piece]) -> tuple[list[int], int]:
+            # Each piece at an 8-byte boundary of its rank's buffer, so that it views as its dtype.
+            offsets, at = [], 0
+            for piece in shard:
+                offsets.append(at)
+                at += -(-piece.numel * kinds[piece.index][1].itemsize // 8) * 8
+            return offsets, at
+
+        layouts = [placed(shard) for shard in shards]
+        mine, (offsets, size) = shards[ranks.rank], layouts[ranks.rank]
+        # Through the CMB the read lands wherever the params are (a GPU's, for NCCL); through
+        # the files it lands on the host.
+        device = self.entries[0].param.device
+        buffer = torch.empty(size, dtype=torch.uint8, device=device if self.files.cmb() is not None else "cpu")
+        reads = []
+        for piece, at in zip(mine, offsets):
+            role, dtype = kinds[piece.index]
+            reads.append((piece.name, role, piece.start, buffer[at : at + piece.numel * dtype.itemsize].view(dtype)))
+        if reads:
+            self.files.read_pieces_into(reads)
+        sizes = [total for _, total in layouts]
+        parts = distributed.all_gather_bytes(buffer.to(device), sizes, ranks)
+        flats = {}
+        for shard, (shard_offsets, _), part in zip(shards, layouts, parts):
+            for piece, at in zip(shard, shard_offsets):
+                entry = self.entries[piece.index]
+                flat = flats.get(piece.index)
+                if flat is None:
+                    param = entry.param.detach()
+                    flat = param.view(-1) if param.is_contiguous() else torch.empty(entry.numel, dtype=param.dtype,
+                                                                                   device=param.device)
+                    flats[piece.index] = flat
+                dtype = kinds[piece.index][1]
+                flat[piece.start : piece.stop].copy_(part[at : at + piece.numel * dtype.itemsize].view(dtype))
+        for index, flat in flats.items():
+            param = self.entries[index].param.detach()
+            if not param.is_contiguous():
+                param.copy_(flat.view(param.shape))
+        width = max(sizes)
+        self.last_param_bytes = {"device": size, "allgather_sent": width, "allgather_received": width * (ranks.world - 1)}
 
     @staticmethod
     def _squares(pieces: list[tuple[str, int, torch.Tensor]]) -> float:

@@ -1,0 +1,149 @@
+"""One rank of an FSDP2 (fully_shard) or DDP training job on a cossd mount, as torchrun would start it (RANK, WORLD_SIZE, MASTER_ADDR/PORT); tests/e2e/test_fsdp2.py runs it."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cossd.trainer import AdamW
+
+# fc1.weight: 327,680 elements, more than one device block (262,144): at 2 ranks its block 0
+# is rows 0..1279 of rank 0 and the start of rank 1's, assembled on the device from both.
+# gain: 2 rows, so at 3 ranks the last rank's shard of it is empty.
+INPUTS, HIDDEN, CLASSES = 128, 2560, 64
+BASE_LR, WARMUP, TOTAL = 3e-3, 5, 60
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(INPUTS, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, CLASSES)
+        self.gain = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) * (1 + self.gain.sum())
+
+
+def groups_of(model: Net) -> list[dict[str, Any]]:
+    """Two param groups, named: the matrices decay, the rest does not and learns twice as fast."""
+    return [{"params": [model.fc1.weight, model.fc2.weight], "param_names": ["fc1.weight", "fc2.weight"],
+             "weight_decay": 0.1},
+            {"params": [model.fc1.bias, model.fc2.bias, model.gain], "param_names": ["fc1.bias", "fc2.bias", "gain"],
+             "weight_decay": 0.0, "lr": 2 * BASE_LR}]
+
+
+def schedule(step: int) -> float:
+    """Warmup then cosine, as a multiplier of each group's base lr, for step `step` (from 1)."""
+    if step <= WARMUP:
+        return step / WARMUP
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - WARMUP) / (TOTAL - WARMUP))))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank's micro-batch of a step: its own data, fixed by (step, rank)."""
+    generator = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(8, INPUTS, generator=generator), torch.randint(0, CLASSES, (8,), generator=generator)
+
+
+def params_of(optimizer: AdamW) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The global tensor on every rank (a collective for a DTensor: every rank calls it)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def shard(model: Net, config: dict[str, Any]) -> None:
+    """fully_shard each layer and the root: FP32 params with BF16 compute and FP32
+    reduce-scatter ("mixed"), or a BF16 model as it is ("bf16"); "shard1" places the
+    layers' matrices as Shard(1), which the optimizer refuses."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    options: dict[str, Any] = {}
+    if config.get("dtype", "mixed") == "mixed":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if config.get("placement") == "shard1":
+        options["shard_placement_fn"] = lambda param: Shard(1) if param.dim() == 2 else None
+    fully_shard(model.fc1, **options)
+    fully_shard(model.fc2, **options)
+    fully_shard(model, **options)
+
+
+def main() -> int:
+    config = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = Path(config["out"])
+    mode = config["mode"]  # "fsdp", or "ddp" (DDP over FP32 params; one process at world 1)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = Net()
+    if config.get("dtype") == "bf16":
+        model.to(torch.bfloat16)
+    if mode == "fsdp":
+        shard(model, config)
+    recorder = warnings.catch_warnings(record=True)
+    caught = recorder.__enter__()
+    warnings.simplefilter("always")
+    try:
+        optimizer = AdamW(groups_of(model), lr=BASE_LR, betas=(0.9, 0.95), mount=config["mount"],
+                          namespace=config["namespace"], max_grad_norm=config.get("clip"),
+                          use_cmb=config.get("use_cmb", True), step_timeout_s=60.0)
+    except Exception as exc:
+        (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        return 4
+    net = model
+    if mode == "ddp" and world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    compute = torch.bfloat16 if config.get("dtype") == "bf16" else torch.float32
+    params = params_of(optimizer)
+    grads_seen: dict[int, list[torch.Tensor]] = {}
+    first = optimizer.committed_step + 1
+    norms = []
+    for step in range(first, config["last"] + 1):
+        for group, base in zip(optimizer.param_groups, (BASE_LR, 2 * BASE_LR)):
+            group["lr"] = base * schedule(step)
+        x, y = batch(step, rank)
+        loss = F.cross_entropy(net(x.to(compute)).float(), y)
+        loss.backward()
+        overflow = config.get("overflow") or {}
+        if overflow.get("rank") == rank and overflow.get("step") == step:
+            grad = model.fc1.weight.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local.view(-1)[5] = float("inf")  # one element of this rank's shard only
+        # What the optimizer steps on: the averaged gradients, whole (every rank gathers them).
+        seen = [full(p.grad).detach().clone() for p in params]
+        if rank == 0:
+            grads_seen[step] = seen
+        optimizer.step()
+        norms.append(optimizer.last_grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+    final = [full(p).detach().clone() for p in params]
+    local = [p.to_local().detach().clone() if hasattr(p, "to_local") else None for p in params]
+    result = {"committed_step": optimizer.committed_step, "steps_skipped": optimizer.steps_skipped,
+              "first": first, "restored": optimizer.restored, "norms": norms,
+              "shard": [(piece.name, piece.start, piece.stop) for piece in optimizer._shard],
+              "warnings": [str(w.message) for w in caught]}
+    torch.save({"grads": grads_seen, "params": final, "local": local,
+                "masters": optimizer.master_weights() if rank == 0 else None, "result": result},
+               out / f"rank{rank}.pt")
+    optimizer.close()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""FSDP2 (fully_shard) models with the cossd optimizer: ranks as real processes on gloo (tests/e2e/fsdp_job.py) through a real mount, the namespace holding the global tensors, against single-process cossd and torch."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from cossd.client import AdminClient
+from cossd.harness.reference import MixedPrecisionOptimizer
+from cossd.trainer import AdamW
+
+from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
+
+pytestmark = pytest.mark.mount
+
+JOB = Path(__file__).with_name("fsdp_job.py")
+sys.path.insert(0, str(JOB.parent))
+import fsdp_job as job  # noqa: E402  (the model, its groups and schedule, shared with the ranks)
+
+JOB_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    """One device for the module's jobs (each on namespaces of its own), always unmounted."""
+    from cossd.emulator import Device
+
+    root = tmp_path_factory.mktemp("fsdp2")
+    Device.format(root / "backing", capacity_bytes=8 << 30, serial="FSDP2TEST0001")
+    mounted = start_mount(root / "backing", root / "mnt")
+    try:
+        yield mounted
+    finally:
+        if is_mounted(mounted.mountpoint):
+            force_unmount(mounted.mountpoint)
+        try:
+            wait_for_exit(mounted.pid, 30)
+        except TimeoutError:
+            os.kill(mounted.pid, signal.SIGKILL)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_job(mount: Mount, out: Path, namespace: str, world: int, last: int, mode: str = "fsdp",
+            **options: Any) -> list[int]:
+    """Start `world` ranks of fsdp_job.py as torchrun would and wait for them; their exit
+    codes (each rank's log in out/logs.txt). Options: dtype, clip, overflow, placement, use_cmb."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"mount": str(mount.mountpoint), "namespace": namespace, "last": last, "out": str(out),
+              "mode": mode} | options
+    base = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                         "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config)], env=base | {"RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    codes, logs = [], []
+    try:
+        for process in ranks:
+            text, _ = process.communicate(timeout=JOB_TIMEOUT_S)
+            codes.append(process.returncode)
+            logs.append(text)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    (out / "logs.txt").write_text("\n".join(f"--- rank {r} (exit {c})\n{t}" for r, (c, t) in enumerate(zip(codes, logs))))
+    return codes
+
+
+def finished(out: Path, world: int, codes: list[int]) -> list[dict[str, Any]]:
+    assert codes == [0] * world, (codes, (out / "logs.txt").read_text()[-6000:])
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+
+
+def bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
+                                           y.view(torch.int16 if y.element_size() == 2 else torch.int32))
+        for x, y in zip(a, b))
+
+
+def model_for(dtype: str) -> job.Net:
+    torch.manual_seed(0)
+    model = job.Net()
+    if dtype == "bf16":
+        model.to(torch.bfloat16)
+    return model
+
+
+def single_process(mount: Mount, namespace: str, grads: dict[int, list[torch.Tensor]], last: int,
+                   dtype: str = "mixed", clip: float | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], AdamW]:
+    """The same model (FP32 params for "mixed", BF16 for "bf16"), groups and schedule in this
+    process, stepped by cossd on the given (averaged) gradients: its params and masters."""
+    model = model_for(dtype)
+    optimizer = AdamW(job.groups_of(model), lr=job.BASE_LR, betas=(0.9, 0.95), mount=mount.mountpoint,
+                      namespace=namespace, max_grad_norm=clip)
+    params = job.params_of(optimizer)
+    try:
+        for step in range(1, last + 1):
+            for group, base in zip(optimizer.param_groups, (job.BASE_LR, 2 * job.BASE_LR)):
+                group["lr"] = base * job.schedule(step)
+            for param, grad in zip(params, grads[step]):
+                param.grad = grad.clone()
+            optimizer.step()
+        return [p.detach().clone() for p in params], optimizer.master_weights(), optimizer
+    finally:
+        optimizer.close()
+
+
+def statistics(mount: Mount, namespace: str) -> dict[str, Any]:
+    with AdminClient(mount.mountpoint) as admin:
+        return admin.statistics(admin.nsid(namespace))
+
+
+def check_rows(ranks: list[dict[str, Any]], world: int) -> None:
+    """Each rank's pieces are its Shard(0) rows of every tensor, laid flat: together they
+    tile every tensor exactly once (torch.chunk's cut, the last ranks' short or empty)."""
+    sizes = {"fc1.weight": (job.HIDDEN, job.INPUTS), "fc2.weight": (job.CLASSES, job.HIDDEN),
+             "fc1.bias": (job.HIDDEN, 1), "fc2.bias": (job.CLASSES, 1), "gain": (2, 1)}
+    for name, (rows, width) in sizes.items():
+        chunk = -(-rows // world)
+        for rank, r in enumerate(ranks):
+            start, stop = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+            mine = [(s, e) for n, s, e in r["result"]["shard"] if n == name]
+            assert mine == ([(start * width, stop * width)] if stop > start else []), (name, rank, mine)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world,dtype", [(2, "mixed"), (3, "bf16")])
+def test_fsdp2_run_equals_single_process_bit_for_bit(mount: Mount, tmp_path: Path, world: int, dtype: str) -> None:
+    """FSDP2 at 2 ranks (FP32 params, BF16 compute, FP32 reduce-scatter) and at 3 (a BF16
+    model, one rank's shard of `gain` empty), 20 steps, two param groups, warmup-cosine:
+    every rank's local shards and the device's masters equal a single-process cossd run on
+    the same averaged gradients, bit for bit."""
+    steps, namespace = 20, f"fsdp{world}{dtype}"
+    ranks = finished(tmp_path / "job", world, run_job(mount, tmp_path / "job", namespace, world, steps, dtype=dtype))
+    assert all(r["result"]["committed_step"] == steps and r["result"]["steps_skipped"] == 0 for r in ranks)
+    assert not any("averages the gradients" in w for r in ranks for w in r["result"]["warnings"])
+    check_rows(ranks, world)
+    if world == 3:
+        assert not any(name == "gain" for name, _, _ in ranks[2]["result"]["shard"])  # an empty shard
+    stats = statistics(mount, namespace)
+    assert stats["steps_committed"] == steps and stats["committed_step"] == steps
+    params, masters, _ = single_process(mount, f"{namespace}-ref", ranks[0]["grads"], steps, dtype)
+    assert bits_equal(ranks[0]["params"], params)
+    assert bits_equal(ranks[0]["masters"], masters)
+    for rank, r in enumerate(ranks):  # each rank's own rows, as it holds them
+        assert bits_equal(r["params"], params)
+        for (name, start, stop), local in zip(
+                sorted(r["result"]["shard"], key=lambda piece: ["fc1.weight", "fc2.weight", "fc1.bias", "fc2.bias", "gain"].index(piece[0])),
+                [t for t in r["local"] if t.numel()]):
+            index = ["fc1.weight", "fc2.weight", "fc1.bias", "fc2.bias", "gain"].index(name)
+            assert bits_equal([local.reshape(-1)], [params[index].reshape(-1)[start:stop]]), (rank, name)
+
+
+def test_fsdp2_resumes_at_another_world_size_and_in_one_process(mount: Mount, tmp_path: Path) -> None:
+    """An FSDP2 job saved at 2 ranks resumes at 3 (each rank loading nothing, reading only
+    its rows), then in one process without torch.distributed: the same namespace of global
+    tensors, ending bit for bit where one process stepping all the recorded gradients ends."""
+    grads: dict[int, list[torch.Tensor]] = {}
+    last = 0
+    for index, (world, mode, until) in enumerate(((2, "fsdp", 6), (3, "fsdp", 12), (1, "ddp", 16))):
+        out = tmp_path / f"phase{index}"
+        ranks = finished(out, world, run_job(mount, out, "fsdp-resumed", world, until, mode=mode))
+        for r in ranks:
+            assert r["result"]["first"] == last + 1 and r["result"]["committed_step"] == until
+            assert r["result"]["restored"] == (last > 0)
+        grads |= ranks[0]["grads"]
+        last = until
+    params, masters, _ = single_process(mount, "fsdp-resumed-ref", grads, last)
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+
+
+def test_fsdp2_resumes_a_ddp_job(mount: Mount, tmp_path: Path) -> None:
+    """A ZeRO-1 job under DDP (FP32 params) for 6 steps at 2 ranks, then FSDP2 at 2 ranks on
+    its namespace for 6 more: bit for bit one process on the same averaged gradients."""
+    grads: dict[int, list[torch.Tensor]] = {}
+    for index, (mode, until) in enumerate((("ddp", 6), ("fsdp", 12))):
+        out = tmp_path / f"phase{index}"
+        ranks = finished(out, 2, run_job(mount, out, "ddp-then-fsdp", 2, until, mode=mode))
+        grads |= ranks[0]["grads"]
+    assert ranks[0]["result"]["first"] == 7 and ranks[0]["result"]["restored"]
+    params, masters, _ = single_process(mount, "ddp-then-fsdp-ref", grads, 12)
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+
+
+def test_fsdp2_clipping_by_the_global_norm(mount: Mount, tmp_path: Path) -> None:
+    """Clipping over the local shards (one gather of the ranks' squared sums): the norm is
+    summed in another order than one process sums it, so the clip coefficient may differ in
+    its last bits; within 1e-6 x max|param| of single-process cossd and of torch's fused
+    AdamW with clip_grad_norm_, and the norm each rank saw equals the one-process norm to 1e-5."""
+    world, steps, clip = 3, 20, 0.05
+    ranks = finished(tmp_path / "job", world, run_job(mount, tmp_path / "job", "fsdp-clip3", world, steps, clip=clip))
+    grads = ranks[0]["grads"]
+    _, cossd_masters, optimizer = single_process(mount, "fsdp-clip3-ref", grads, steps, clip=clip)
+    assert optimizer.last_grad_norm is not None and optimizer.last_grad_norm > clip  # it clipped
+    for r in ranks:
+        assert r["result"]["norms"] == ranks[0]["result"]["norms"]  # every rank the same coefficient
+    assert abs(ranks[0]["result"]["norms"][-1] - optimizer.last_grad_norm) <= 1e-5 * optimizer.last_grad_norm
+    torch.manual_seed(0)
+    model = job.Net()
+    reference = MixedPrecisionOptimizer(job.groups_of(model), torch.optim.AdamW, fused=True, lr=job.BASE_LR,
+                                        betas=(0.9, 0.95))
+    for step in range(1, steps + 1):
+        for group, base in zip(reference.param_groups, (job.BASE_LR, 2 * job.BASE_LR)):
+            group["lr"] = base * job.schedule(step)
+        for param, grad in zip(reference.model_params, grads[step]):
+            # The device steps on the BF16 wire gradients: so does the reference.
+            param.grad = grad.to(torch.bfloat16).float()
+        reference.step(max_grad_norm=clip)
+    mine = ranks[0]["masters"]
+    scale = max(float(m.abs().max()) for m in mine)
+    for name, theirs in (("single-process cossd", cossd_masters),
+                         ("torch fused AdamW", [m.detach() for m in reference.masters])):
+        worst = max(float((a - b).abs().max()) for a, b in zip(mine, theirs))
+        assert worst <= 1e-6 * scale, f"{name}: {worst} > 1e-6 x {scale}"
+
+
+def test_fsdp2_overflow_on_one_rank_skips_the_step_on_all(mount: Mount, tmp_path: Path) -> None:
+    """An inf in one rank's local gradient shard: the device skips the step for every rank,
+    counted once, and the run goes on as one process skipping the same step."""
+    world, steps = 2, 6
+    ranks = finished(tmp_path / "job", world, run_job(mount, tmp_path / "job", "fsdp-overflow", world, steps,
+                                                      overflow={"rank": 1, "step": 3}))
+    for r in ranks:
+        assert r["result"]["committed_step"] == steps - 1 and r["result"]["steps_skipped"] == 1
+    stats = statistics(mount, "fsdp-overflow")
+    assert stats["steps_skipped"] == 1 and stats["last_skipped_step"] == 3
+    params, masters, optimizer = single_process(mount, "fsdp-overflow-ref", ranks[0]["grads"], steps)
+    assert optimizer.steps_skipped == 1
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+
+
+def test_fsdp2_without_the_cmb(mount: Mount, tmp_path: Path) -> None:
+    """Through the tensor files (use_cmb=False): masters written and params read at each
+    rank's offsets by positional I/O; bit for bit as one process."""
+    world, steps = 2, 5
+    ranks = finished(tmp_path / "job", world, run_job(mount, tmp_path / "job", "fsdp-files", world, steps,
+                                                      use_cmb=False))
+    params, masters, _ = single_process(mount, "fsdp-files-ref", ranks[0]["grads"], steps)
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+
+
+def test_fsdp2_unsupported_placement_is_refused_naming_the_param(mount: Mount, tmp_path: Path) -> None:
+    """Matrices placed as Shard(1) (fully_shard's shard_placement_fn): every rank fails at
+    construction, naming the param and its placement, and nothing is created."""
+    out = tmp_path / "job"
+    codes = run_job(mount, out, "fsdp-shard1", 2, 2, placement="shard1")
+    assert codes == [4, 4], (codes, (out / "logs.txt").read_text()[-4000:])
+    for rank in range(2):
+        message = (out / f"error{rank}.txt").read_text()
+        assert "fc1.weight" in message and "Shard(dim=1)" in message and "Shard(0)" in message, message
+    with AdminClient(mount.mountpoint) as admin:
+        assert "fsdp-shard1" not in [entry["name"] for entry in admin.describe()["namespaces"]]

@@ -1,0 +1,135 @@
+"""FSDP2 (torch.distributed.fsdp.fully_shard) params in a sharded optimizer: each rank's element ranges of the global tensors, its local gradients out, its masters in, its params back in place."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .distributed import Ranks
+from .plan import Entry
+from .shard import Piece
+
+
+def _dtensor_class() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has no FSDP2 either
+        return None
+    return DTensor
+
+
+def is_dtensor(tensor: Any) -> bool:
+    cls = _dtensor_class()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def uses_fsdp(entries: list[Entry]) -> bool:
+    """Whether FSDP2 holds these params (DTensors): all of them, or (ValueError, naming a
+    param of each kind) only some: a plain param beside them would be a full replica that
+    no one averages."""
+    found = [is_dtensor(entry.param) for entry in entries]
+    if not any(found):
+        return False
+    if not all(found):
+        plain = next(entry.name for entry, dtensor in zip(entries, found) if not dtensor)
+        sharded = next(entry.name for entry, dtensor in zip(entries, found) if dtensor)
+        raise ValueError(f"param {plain} is a plain tensor while {sharded} is an FSDP2 DTensor: apply "
+                         "fully_shard to every module whose params this optimizer steps")
+    return True
+
+
+def _rows_of(rows: int, world: int, coordinate: int) -> tuple[int, int]:
+    """Rows start..stop-1 of dim 0 that Shard(0) gives mesh coordinate `coordinate` (torch.chunk's
+    cut, as FSDP2 makes it: ceil(rows / world) each, the last ones shorter or empty)."""
+    chunk = -(-rows // world)
+    start = min(coordinate * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def local_pieces(entries: list[Entry], ranks: Ranks) -> list[Piece]:
+    """This rank's element range of each global tensor (the rows of its local shard, laid
+    flat), for params FSDP2 sharded as Shard(0) over a 1-D mesh of the optimizer's process
+    group. Anything else is a ValueError naming the param: the device's namespace holds the
+    global tensors, and a rank's part must be one contiguous element range of each."""
+    from torch.distributed.tensor import Shard
+
+    group = ranks.group if ranks.group is not None else dist.group.WORLD
+    members = dist.get_process_group_ranks(group)
+    pieces = []
+    for entry in entries:
+        param = entry.param
+        if tuple(param.placements) != (Shard(0),):
+            raise ValueError(f"param {entry.name}: FSDP2 placements {tuple(param.placements)}; the cossd "
+                             "optimizer supports Shard(0) over one mesh dimension only (fully_shard's default, "
+                             "without shard_placement_fn or a 2-D mesh)")
+        mesh = param.device_mesh
+        mesh_members = dist.get_process_group_ranks(mesh.get_group())
+        if mesh_members != members:
+            raise ValueError(f"param {entry.name}: its DTensor mesh spans global ranks {mesh_members}, the "
+                             f"optimizer's process group {members}; pass process_group= the mesh's group")
+        coordinate = mesh.get_local_rank()
+        if coordinate != ranks.rank:  # the group's order and the mesh's agree (checked above); belt and braces
+            raise ValueError(f"param {entry.name}: this rank is {ranks.rank} of the optimizer's group but "
+                             f"{coordinate} of the param's mesh")
+        if param.dim() == 0:
+            raise ValueError(f"param {entry.name}: a 0-dim DTensor has no dim 0 to shard")
+        local = param.to_local()
+        start, stop = _rows_of(param.shape[0], ranks.world, coordinate)
+        expected = (stop - start, *param.shape[1:])
+        if tuple(local.shape) != expected:
+            raise ValueError(f"param {entry.name}: local shard of shape {tuple(local.shape)} on rank {ranks.rank}, "
+                             f"where Shard(0) of {tuple(param.shape)} over {ranks.world} ranks gives {expected}")
+        row = param.numel() // param.shape[0] if param.shape[0] else 0
+        if stop > start:  # an empty shard (more ranks than rows) has nothing to send or read
+            pieces.append(Piece(entry.index, entry.name, start * row, stop * row))
+    return pieces
+
+
+def _local(entry: Entry) -> torch.Tensor:
+    return entry.param.to_local()
+
+
+def local_grads(entries: list[Entry], pieces: list[Piece], dtype: torch.dtype) -> list[tuple[str, int, torch.Tensor]]:
+    """This rank's gradient pieces: each param's local gradient shard, which FSDP2's
+    reduce-scatter already averaged over the ranks (nothing more is averaged here), in the
+    wire dtype on the host."""
+    out = []
+    for piece in pieces:
+        entry = entries[piece.index]
+        grad = entry.param.grad
+        assert grad is not None  # step() refused a step with missing gradients
+        local = grad.to_local() if is_dtensor(grad) else grad
+        flat = local.detach().reshape(-1)
+        if flat.numel() != piece.numel:
+            raise RuntimeError(f"param {entry.name}: a local gradient of {flat.numel()} elements, its "
+                               f"shard holds {piece.numel} (is the gradient sharded as the param is?)")
+        out.append((piece.name, piece.start, flat.to("cpu", dtype)))
+    return out
+
+
+def local_masters(entries: list[Entry], pieces: list[Piece]) -> list[tuple[str, int, torch.Tensor]]:
+    """This rank's rows of the FP32 master weights to load: its local shards of the params."""
+    return [(piece.name, piece.start, _local(entries[piece.index]).detach().reshape(-1).to("cpu", torch.float32))
+            for piece in pieces]
+
+
+def read_local_params(files: Any, entries: list[Entry], pieces: list[Piece], dtype: torch.dtype) -> None:
+    """The committed params of this rank's rows, straight into each param's local shard
+    (in place, where its dtype is what the device holds; an FP32 shard gets the FP32 master
+    itself, as a one-process optimizer's FP32 params do)."""
+    reads, staged = [], []
+    any_device = files.cmb() is not None
+    for piece in pieces:
+        local = _local(entries[piece.index]).detach()
+        role, wanted = ("master", torch.float32) if local.dtype == torch.float32 else ("param", dtype)
+        if (any_device or local.device.type == "cpu") and local.dtype == wanted and local.is_contiguous():
+            reads.append((piece.name, role, piece.start, local.view(-1)))
+        else:
+            values = torch.empty(piece.numel, dtype=wanted)
+            reads.append((piece.name, role, piece.start, values))
+            staged.append((local, values))
+    if reads:
+        files.read_pieces_into(reads)
+    for local, values in staged:
+        local.copy_(values.view(local.shape))
