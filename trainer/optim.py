@@ -13,22 +13,24 @@ import torch
 from . import grads as grad_rules
 from . import distributed, namespace_swap
 from ..client import Credentials
+from .distributed import Ranks
 from .namespace_files import WIRE_DTYPES, NamespaceFiles
 from .plan import HYPER_FIELDS, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
+from .group import DeviceGroup, mount_list
 from .rebind import Rebind
 from .session import DeviceSession
 from .sharded import ShardedSession
 from .state_dict import StateDict
 
 
-class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.Optimizer):
+class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.Optimizer):
     """The Adam family with its state on a cossd namespace; see AdamW and Adam.
 
     Its jobs live in modules of their own, as mixins of this one object (torch, GradScaler,
     DeepSpeed and accelerate all set and read the optimizer's own attributes): the plan of
     entries (plan.py), the gradients' rules (grads.py), the device session (session.py),
-    the sharded step of a multi-rank job (sharded.py), state_dict (state_dict.py) and
-    following a wrapper's params (rebind.py). This class holds the construction, the
+    the sharded step of a multi-rank job (sharded.py), a namespace spread over several
+    devices (group.py), state_dict (state_dict.py) and following a wrapper's params (rebind.py). This class holds the construction, the
     attach-or-create of the namespace and step().
     """
 
@@ -43,7 +45,7 @@ class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.
         self,
         params: Iterable[Any],
         *,
-        mount: str | os.PathLike[str],
+        mount: str | os.PathLike[str] | list[str | os.PathLike[str]],
         namespace: str,
         dtype: torch.dtype | None = None,
         state_dtype: str = "fp32",
@@ -78,9 +80,16 @@ class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.
                 "streaming sends gradients before the global norm is known; clip with "
                 "streaming=False"
             )
+        # Several devices (mount=[...]): one namespace on each, stepped as one group.
+        mounts = mount_list(mount)
+        self._group = None
+        if mounts is not None and streaming:
+            raise ValueError("streaming=True is not supported over several devices (mount=[...]) yet; "
+                             "use streaming=False")
         # A job of several ranks (torch.distributed initialized, world size > 1) shards the
-        # optimizer: each rank sends its part of the gradients into the one namespace.
-        self._ranks = distributed.current(process_group)
+        # optimizer: each rank sends its part of the gradients into the one namespace. (A
+        # group's children get the group's Ranks, which may be a job of one process.)
+        self._ranks = process_group if isinstance(process_group, Ranks) else distributed.current(process_group)
         if self._ranks is not None and streaming:
             raise ValueError("streaming=True is not supported by a sharded optimizer (torch.distributed "
                              f"with {self._ranks.world} ranks) yet; use streaming=False")
@@ -104,6 +113,7 @@ class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.
         # A storage server's credentials (mount="cossd://..."): each None part is looked up
         # in its environment variable by the client (docs/server.md).
         credentials = Credentials(token_file=token_file, ca=ca, cert=cert, key=key)
+        self._credentials = credentials
         self._state_options = {"state_dtype": state_dtype, "timeout_s": timeout_s, "use_cmb": use_cmb,
                                "token_file": token_file, "ca": ca, "cert": cert, "key": key}
         self._groups_at_init = list(self.param_groups)
@@ -136,6 +146,10 @@ class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         # Called with each tensor's index before its gradient is written (fault injection).
         self.before_grad_write: Callable[[int], None] | None = None
+        if mounts is not None:
+            self._open_group(mounts, namespace, self._ranks, self._make_group_child)
+            self._initialized = True
+            return
         try:
             self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials)
         except BaseException as exc:
@@ -253,6 +267,7 @@ class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.
         """Release the namespace's files (the device keeps its state)."""
         for child in self._bound.values():
             child.close()
+        self._close_group()
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
@@ -266,6 +281,17 @@ class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.
                              dtype=torch.bfloat16, **self._state_options, **self._torch_options)
         return child
 
+    def _make_group_child(self, groups: list[dict[str, Any]], mount: str, ranks: Ranks) -> _DeviceAdam:
+        """The optimizer of one device of a group (DeviceGroup): the groups' params on it, a
+        shared step of the job's ranks on its namespace of the group's name."""
+        child = type(self).__new__(type(self))
+        # One process: no all-reduce to average with (there is nothing to average).
+        average = False if ranks.world == 1 else self._average
+        _DeviceAdam.__init__(child, groups, mount=mount, namespace=self.files.name, dtype=self.dtype,
+                             average_grads=average, step_timeout_s=self.step_timeout_s, process_group=ranks,
+                             **self._state_options, **self._torch_options)
+        return child
+
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
@@ -276,6 +302,8 @@ class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.
             with torch.enable_grad():
                 loss = closure()
         if not self._bound and self._params_moved():
+            if self._group is not None:
+                raise self._group_refusal("a wrapper's replacement of the params (DeepSpeed)")
             if self._ranks is not None:
                 raise NotImplementedError(
                     "the param groups hold other tensors than the sharded optimizer was made for (a "
@@ -292,7 +320,9 @@ class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.
         timing = {"begin_s": 0.0}
         started = clock()
         try:
-            if self._ranks is not None:
+            if self._group is not None:
+                result = self._step_group(loss_scale, timing)
+            elif self._ranks is not None:
                 result = self._step_sharded(loss_scale, timing)
             else:
                 timing["begin_s"] = self._send_grads(loss_scale)
@@ -313,7 +343,7 @@ class _DeviceAdam(Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.
                     f"{self.dtype}); use dtype=torch.bfloat16", RuntimeWarning, stacklevel=2)
         else:
             reading = clock()
-            self._read_params()
+            self._read_group_params() if self._group is not None else self._read_params()
             timing["params_s"] = clock() - reading
         self.committed_step = int(result["committed_step"])
         self.last_timing = timing
