@@ -99,7 +99,8 @@ def main() -> int:
     try:
         optimizer = AdamW(groups_of(model), lr=BASE_LR, betas=(0.9, 0.95), mount=config["mount"],
                           namespace=config["namespace"], max_grad_norm=config.get("clip"),
-                          use_cmb=config.get("use_cmb", True), step_timeout_s=60.0)
+                          use_cmb=config.get("use_cmb", True), step_timeout_s=60.0,
+                          param_gather=config.get("param_gather", "device"))
     except Exception as exc:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
         return 4

@@ -56,7 +56,8 @@ def free_port() -> int:
 def run_job(mount: Mount, out: Path, namespace: str, world: int, last: int, mode: str = "fsdp",
             **options: Any) -> list[int]:
     """Start `world` ranks of fsdp_job.py as torchrun would and wait for them; their exit
-    codes (each rank's log in out/logs.txt). Options: dtype, clip, overflow, placement, use_cmb."""
+    codes (each rank's log in out/logs.txt). Options: dtype, clip, overflow, placement, use_cmb,
+    param_gather."""
     out.mkdir(parents=True, exist_ok=True)
     config = {"mount": str(mount.mountpoint), "namespace": namespace, "last": last, "out": str(out),
               "mode": mode} | options

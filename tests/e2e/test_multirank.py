@@ -356,3 +356,29 @@ def test_what_a_sharded_optimizer_does_not_support_is_refused_loudly(mount: Moun
     assert (mount.mountpoint / "ns/refused/step").read_text().strip() == "1"
     assert not (mount.mountpoint / "ns/refused-stream").exists()  # refused before it made anything
 
+
+
+@pytest.mark.parametrize("world,dtype", [(2, "mixed"), (3, "bf16")])
+def test_param_gather_allgather_equals_reading_every_param(mount: Mount, tmp_path: Path, world: int,
+                                                           dtype: str) -> None:
+    """param_gather="allgather" (each rank reads its shard from the device, one all-gather
+    gives every rank the rest) against "device" (every rank reads every param), under DDP,
+    FP32 params (their masters come back) at 2 ranks and BF16 ones at 3: every rank of both
+    jobs holds the same params bit for bit, and the device sent the params of each step
+    once instead of once per rank."""
+    from test_fsdp2 import finished as finished_fsdp_job
+    from test_fsdp2 import run_job as run_fsdp_job
+
+    steps, held, sent = 8, {}, {}
+    for gather in ("device", "allgather"):
+        namespace, out = f"gather-{gather}{world}", tmp_path / gather
+        ranks = finished_fsdp_job(out, world, run_fsdp_job(mount, out, namespace, world, steps, mode="ddp",
+                                                           dtype=dtype, param_gather=gather))
+        assert all(r["result"]["committed_step"] == steps for r in ranks)
+        for other in ranks[1:]:
+            assert bits_equal(other["params"], ranks[0]["params"]), f"{gather}: ranks hold different params"
+        held[gather] = ranks[0]["params"]
+        sent[gather] = statistics(mount, namespace)["bytes_read"]
+    assert bits_equal(held["allgather"], held["device"])
+    param_bytes = sum(p.numel() * p.element_size() for p in held["device"])
+    assert sent["device"] - sent["allgather"] == (world - 1) * steps * param_bytes
