@@ -35,7 +35,7 @@ VERB_MODULES = (verbs_device, verbs_namespace, verbs_admin, verbs_logs, verbs_ha
 # The order `cossd --help` lists the verbs in: a device's life first (format, mount, its
 # namespaces and steps), then the nvme-cli verbs, then the rest. Every verb is named here once.
 HELP_ORDER = ("format", "mount", "serve", "umount", "create-ns", "delete-ns", "id-ctrl", "begin-step", "commit-step",
-              "abort-step", "smart-log", "error-log", "server-log", "get-log", "id-ns", "admin-passthru", "flush",
+              "abort-step", "revert-step", "smart-log", "error-log", "server-log", "get-log", "id-ns", "admin-passthru", "flush",
               "scrub", "list", "version", "demo", "bench", "top", "get-feature", "set-feature", "inject-error", "model",
               "snapshot", "rollback", "clone", "export", "archive", "restore")
 

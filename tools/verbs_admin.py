@@ -1,4 +1,4 @@
-"""CLI admin verbs: id-ctrl, the step verbs (begin/commit/abort-step), admin-passthru, flush, scrub, version."""
+"""CLI admin verbs: id-ctrl, the step verbs (begin/commit/abort/revert-step), admin-passthru, flush, scrub, version."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +60,8 @@ def cmd_step(args: argparse.Namespace) -> int:
             value: Any = {"step": client.begin_step(nsid, args.step or 0, args.grad_scale)}
         elif args.verb == "commit-step":
             value = client.commit_step(nsid)
+        elif args.verb == "revert-step":
+            value = client.revert_step(nsid, args.step)
         else:
             value = {"aborted_step": client.abort_step(nsid)}
     emit(args, value, lambda v: " ".join(f"{k}={v[k]}" for k in sorted(v)))
@@ -154,10 +156,16 @@ def register(verb: VerbFactory) -> None:
 
     for name, text in (("begin-step", "Open a step transaction."),
                        ("commit-step", "Commit the open step (reports a skip on inf/NaN)."),
-                       ("abort-step", "Abort the open step; the committed state is untouched.")):
+                       ("abort-step", "Abort the open step; the committed state is untouched."),
+                       ("revert-step", "Undo committed step STEP from the copy that still holds the one "
+                                       "before (REVERT_STEP: a group of devices brought to one step; "
+                                       "refused, nothing changed, once a step began since).")):
         sub = verb(name, cmd_step, text)
         add_device_argument(sub)
         sub.add_argument("name")
+        if name == "revert-step":
+            sub.add_argument("--step", type=int, required=True,
+                             help="the committed step to undo (the namespace goes back to STEP - 1)")
         if name == "begin-step":
             sub.add_argument("--step", type=int, help="step number (default: the next one)")
             sub.add_argument("--grad-scale", type=float, default=1.0,

@@ -48,6 +48,18 @@ def test_format_mount_create_train_umount(tmp_path: Path, capsys: pytest.Capture
         assert code == 0 and json.loads(out)["committed_step"] == 1
         code, _, err = run_cli(capsys, "abort-step", str(mp), "net")
         assert code == 1 and "NO_STEP_OPEN" in err
+        # Step 1 undone (back to the loaded weights, step 0), then asked again: already there.
+        code, out, _ = run_cli(capsys, "revert-step", str(mp), "net", "--step", "1", "-o", "json")
+        assert code == 0 and json.loads(out) == {"committed_step": 0, "reverted": True}
+        code, out, _ = run_cli(capsys, "revert-step", str(mp), "net", "--step", "1")
+        assert code == 0 and out.strip() == "committed_step=0 reverted=False"
+        code, _, err = run_cli(capsys, "revert-step", str(mp), "net", "--step", "3")
+        assert code == 1 and "STEP_NUMBER_MISMATCH" in err
+        code, out, _ = run_cli(capsys, "begin-step", str(mp), "net", "--grad-scale", "0.5", "-o", "json")
+        for name, numel in (("w", 1000), ("b", 10)):
+            pwrite_all(tensor_dir(mp, "net", name) / "grad", np.ones(numel, np.uint16).tobytes())
+        code, out, _ = run_cli(capsys, "commit-step", str(mp), "net", "-o", "json")
+        assert code == 0 and json.loads(out)["committed_step"] == 1
 
         code, out, _ = run_cli(capsys, "id-ctrl", str(mp))
         assert code == 0 and "CLI1" in out and "net" in out and "step 1" in out
