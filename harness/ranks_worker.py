@@ -1,4 +1,4 @@
-"""One rank of `cossd bench --sections ranks`: a sharded cossd AdamW on a shared namespace, its steps timed (started by harness/bench_ranks.py as torchrun would: RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+"""One rank of `cossd bench --sections ranks`: a sharded cossd AdamW on a shared namespace, its steps timed, its params back read from the device or all-gathered (started by harness/bench_ranks.py as torchrun would: RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
 from __future__ import annotations
 
 import json
@@ -23,10 +23,15 @@ def main() -> int:
     model = torch.nn.Sequential(*layers).to(torch.bfloat16)
     params = list(model.parameters())
     # The gradients are taken as averaged already (as DDP leaves them): the step alone is timed.
-    optimizer = AdamW(params, mount=config["mount"], namespace="ranks", lr=1e-4, average_grads=False)
+    gather = config.get("param_gather", "device")
+    optimizer = AdamW(params, mount=config["mount"], namespace=f"ranks-{gather}", lr=1e-4, average_grads=False,
+                      param_gather=gather)
     generator = torch.Generator().manual_seed(1)
     grads = [(torch.randn(p.shape, generator=generator) * 0.01).to(torch.bfloat16) for p in params]
     step_s: list[float] = []
+    params_s: list[float] = []
+    moved: list[dict[str, int]] = []  # the params' bytes of each timed step: from the device, all-gathered
+    total = sum(2 * p.numel() for p in params)  # BF16 params: what reading every one of them moves
     before: dict[str, int] = {}
     try:
         for index in range(config["warmup"] + config["steps"]):
@@ -45,6 +50,11 @@ def main() -> int:
             optimizer.step()
             if index >= config["warmup"]:
                 step_s.append(time.perf_counter() - started)
+                params_s.append(optimizer.last_timing.get("params_s", 0.0))
+                if world > 1 and gather == "allgather":
+                    moved.append(dict(optimizer.last_param_bytes or {}))
+                else:
+                    moved.append({"device": total, "allgather_sent": 0, "allgather_received": 0})
         if world > 1:
             dist.barrier()
         counted = {}
@@ -54,7 +64,8 @@ def main() -> int:
         # One process steps every param; a rank of a job its shard (which may be empty).
         shard_elements = sum(p.numel() for p in params) if world == 1 else \
             sum(piece.numel for piece in optimizer._shard)
-        print(json.dumps({"rank": rank, "step_s": step_s, "shard_elements": shard_elements,
+        print(json.dumps({"rank": rank, "step_s": step_s, "params_s": params_s, "moved": moved,
+                          "param_gather": gather, "shard_elements": shard_elements,
                           "elements": sum(p.numel() for p in params),
                           "committed_step": optimizer.committed_step, "device": counted}), flush=True)
     finally:
