@@ -268,3 +268,95 @@ def test_fsdp2_unsupported_placement_is_refused_naming_the_param(mount: Mount, t
         assert "fc1.weight" in message and "Shard(dim=1)" in message and "Shard(0)" in message, message
     with AdminClient(mount.mountpoint) as admin:
         assert "fsdp-shard1" not in [entry["name"] for entry in admin.describe()["namespaces"]]
+
+
+def test_fsdp2_through_a_storage_server(mount: Mount, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks of a node without a mount, FSDP2 at 3 ranks through `cossd serve`: each
+    rank's masters written and params read at its offsets by the server's batched WRITE and
+    READ; bit for bit as one process stepping the same gradients on a mount."""
+    import dataclasses
+
+    from cossd.emulator import Device
+    from test_server import start_server
+
+    token = tmp_path / "token"
+    token.write_text("fsdp2-test-token-0123456789abcdef0123\n")
+    token.chmod(0o600)
+    Device.format(tmp_path / "srv", capacity_bytes=4 << 30, serial="FSDP2SERVER01")
+    served = start_server(tmp_path / "srv", ["--listen", "127.0.0.1:0", "--token-file", str(token)])
+    monkeypatch.setenv("COSSD_TOKEN_FILE", str(token))
+
+    @dataclasses.dataclass
+    class At:
+        mountpoint: str
+
+    try:
+        world, steps = 3, 5
+        ranks = finished(tmp_path / "job", world, run_job(At(served.url), tmp_path / "job", "fsdp-remote", world,  # type: ignore[arg-type]
+                                                          steps))
+    finally:
+        served.stop()
+    params, masters, _ = single_process(mount, "fsdp-remote-ref", ranks[0]["grads"], steps)
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+
+
+class _FakeMesh:
+    def __init__(self, members: list[int], coordinate: int, ndim: int = 1) -> None:
+        self.members, self.coordinate, self.ndim = members, coordinate, ndim
+
+    def get_group(self) -> list[int]:
+        return self.members
+
+    def get_local_rank(self) -> int:
+        return self.coordinate
+
+
+class _FakeDTensor:
+    """What fsdp.local_pieces reads of a DTensor (its placements, mesh, global and local
+    shapes), for the cases a real job cannot easily make on one machine."""
+
+    def __init__(self, shape: tuple[int, ...], local_rows: int, mesh: _FakeMesh, placements: tuple[Any, ...]) -> None:
+        self.shape, self.device_mesh, self.placements = torch.Size(shape), mesh, placements
+        self._local = torch.zeros(local_rows, *shape[1:])
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def to_local(self) -> torch.Tensor:
+        return self._local
+
+
+def test_fsdp2_layouts_it_refuses_name_the_param(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a job: a mesh of other ranks than the optimizer's group, a local shard that
+    is not torch.chunk's cut, and a plain param beside DTensors are each a ValueError naming
+    the param; Shard(0) of 5 rows over 3 ranks gives rows 2, 2, 1 (and 2 rows an empty
+    third shard)."""
+    from torch.distributed.tensor import Shard
+
+    from cossd.trainer import fsdp
+    from cossd.trainer.distributed import Ranks
+    from cossd.trainer.plan import Entry
+
+    monkeypatch.setattr(fsdp.dist, "get_process_group_ranks", lambda group: group)
+    monkeypatch.setattr(fsdp.dist, "group", type("G", (), {"WORLD": [0, 1, 2]}))
+    world = Ranks(1, 3, None)
+
+    def entry(param: Any, name: str = "w") -> Entry:
+        return Entry(0, name, 0, param)  # type: ignore[arg-type]
+
+    good = _FakeDTensor((5, 4), 2, _FakeMesh([0, 1, 2], 1), (Shard(0),))
+    assert [(p.start, p.stop) for p in fsdp.local_pieces([entry(good)], world)] == [(8, 16)]
+    last = _FakeDTensor((2, 4), 0, _FakeMesh([0, 1, 2], 2), (Shard(0),))
+    assert fsdp.local_pieces([entry(last)], Ranks(2, 3, None)) == []
+    other_mesh = _FakeDTensor((5, 4), 2, _FakeMesh([0, 1], 1), (Shard(0),))
+    with pytest.raises(ValueError, match=r"param blocks\.0: its DTensor mesh spans global ranks \[0, 1\]"):
+        fsdp.local_pieces([entry(other_mesh, "blocks.0")], world)
+    uneven = _FakeDTensor((5, 4), 3, _FakeMesh([0, 1, 2], 1), (Shard(0),))
+    with pytest.raises(ValueError, match=r"param head: local shard of shape \(3, 4\) on rank 1"):
+        fsdp.local_pieces([entry(uneven, "head")], world)
+    monkeypatch.setattr(fsdp, "is_dtensor", lambda tensor: isinstance(tensor, _FakeDTensor))
+    with pytest.raises(ValueError, match="param bias is a plain tensor while w is an FSDP2 DTensor"):
+        fsdp.uses_fsdp([entry(good, "w"), entry(torch.zeros(3), "bias")])
