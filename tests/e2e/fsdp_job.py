@@ -96,6 +96,18 @@ def main() -> int:
     recorder = warnings.catch_warnings(record=True)
     caught = recorder.__enter__()
     warnings.simplefilter("always")
+    if config.get("fail_masters_rank") == rank:
+        # This rank's load of its masters' rows fails (as a device error or a lost mount would).
+        from cossd.trainer.namespace_files import NamespaceFiles
+
+        write = NamespaceFiles.write_pieces
+
+        def failing(self: NamespaceFiles, items: list, role: str = "grad") -> int:
+            if role == "master":
+                raise OSError(5, "injected: the masters' write failed")
+            return write(self, items, role)
+
+        NamespaceFiles.write_pieces = failing  # type: ignore[method-assign]
     try:
         optimizer = AdamW(groups_of(model), lr=BASE_LR, betas=(0.9, 0.95), mount=config["mount"],
                           namespace=config["namespace"], max_grad_norm=config.get("clip"),
@@ -135,6 +147,7 @@ def main() -> int:
     result = {"committed_step": optimizer.committed_step, "steps_skipped": optimizer.steps_skipped,
               "first": first, "restored": optimizer.restored, "norms": norms,
               "shard": [(piece.name, piece.start, piece.stop) for piece in optimizer._shard],
+              "cmb": optimizer.files.cmb() is not None,
               "warnings": [str(w.message) for w in caught]}
     torch.save({"grads": grads_seen, "params": final, "local": local,
                 "masters": optimizer.master_weights() if rank == 0 else None, "result": result},

@@ -152,6 +152,9 @@ def test_fsdp2_run_equals_single_process_bit_for_bit(mount: Mount, tmp_path: Pat
     ranks = finished(tmp_path / "job", world, run_job(mount, tmp_path / "job", namespace, world, steps, dtype=dtype))
     assert all(r["result"]["committed_step"] == steps and r["result"]["steps_skipped"] == 0 for r in ranks)
     assert not any("averages the gradients" in w for r in ranks for w in r["result"]["warnings"])
+    # Through the CMB on every rank: where two ranks' rows share a device block (fc1.weight's
+    # first at 2 ranks), the device assembled it from both ranks' CMB_WRITEs.
+    assert all(r["result"]["cmb"] for r in ranks)
     check_rows(ranks, world)
     if world == 3:
         assert not any(name == "gain" for name, _, _ in ranks[2]["result"]["shard"])  # an empty shard
@@ -253,6 +256,7 @@ def test_fsdp2_without_the_cmb(mount: Mount, tmp_path: Path) -> None:
     world, steps = 2, 5
     ranks = finished(tmp_path / "job", world, run_job(mount, tmp_path / "job", "fsdp-files", world, steps,
                                                       use_cmb=False))
+    assert not any(r["result"]["cmb"] for r in ranks)
     params, masters, _ = single_process(mount, "fsdp-files-ref", ranks[0]["grads"], steps)
     assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
 
@@ -360,3 +364,23 @@ def test_fsdp2_layouts_it_refuses_name_the_param(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(fsdp, "is_dtensor", lambda tensor: isinstance(tensor, _FakeDTensor))
     with pytest.raises(ValueError, match="param bias is a plain tensor while w is an FSDP2 DTensor"):
         fsdp.uses_fsdp([entry(good, "w"), entry(torch.zeros(3), "bias")])
+
+
+def test_fsdp2_a_rank_that_cannot_load_its_masters_fails_every_rank(mount: Mount, tmp_path: Path) -> None:
+    """Rank 1's write of its masters' rows fails: every rank fails at construction with its
+    reason (none goes on to a step, which would seal a half-loaded namespace), the device
+    stays loading at step 0, and the job started again loads every rank's rows and trains
+    bit for bit as one process."""
+    out = tmp_path / "failed"
+    codes = run_job(mount, out, "fsdp-loadfail", 2, 3, fail_masters_rank=1)
+    assert codes == [4, 4], (codes, (out / "logs.txt").read_text()[-4000:])
+    for rank in range(2):
+        message = (out / f"error{rank}.txt").read_text()
+        assert "rank 1 could not load its master weights: OSError" in message and "injected" in message, message
+    stats = statistics(mount, "fsdp-loadfail")
+    assert stats["loading"] and stats["committed_step"] == 0
+    again = tmp_path / "again"
+    ranks = finished(again, 2, run_job(mount, again, "fsdp-loadfail", 2, 4))
+    assert all(r["result"]["first"] == 1 and not r["result"]["restored"] for r in ranks)
+    params, masters, _ = single_process(mount, "fsdp-loadfail-ref", ranks[0]["grads"], 4)
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
