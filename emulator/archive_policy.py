@@ -23,8 +23,8 @@ log = logging.getLogger("cossd.emulator.archive_policy")
 
 POLICY_FILE = "archive_policy.json"  # in the backing directory: {namespace name: policy}
 AUTO_PREFIX = "auto-"  # the policy's own snapshots; it never touches any other
-POLICY_KEYS = {"url", "every", "keep_local", "keep_remote", "max_pending", "endpoint_url", "chunk_bytes",
-               "memory_bytes"}
+POLICY_KEYS = {"url", "every", "keep_local", "keep_remote", "max_pending", "spill_capacity", "endpoint_url",
+               "chunk_bytes", "memory_bytes"}
 # Seconds between the runner's looks at the namespaces: a new version waits at most this long
 # after its step commits. A failed upload is retried after RETRY_S (the store may be back).
 TICK_S = 0.2
@@ -43,6 +43,16 @@ class Policy:
     endpoint_url: str | None
     chunk_bytes: int
     memory_bytes: int
+    # The drive's bytes that waiting versions (snapshots) may take at most; None: no bound
+    # but max_pending. Older waiting versions are coalesced beyond it, as beyond max_pending.
+    spill_capacity: int | None = None
+
+    def waiting_at_most(self, version_bytes: int) -> int:
+        """How many versions may wait for the store: max_pending, and no more than fit in
+        spill_capacity (at least the newest one, which set() checked fits)."""
+        if self.spill_capacity is None or version_bytes <= 0:
+            return self.max_pending
+        return max(1, min(self.max_pending, self.spill_capacity // version_bytes))
 
     @classmethod
     def parse(cls, payload: Any) -> "Policy":
@@ -65,7 +75,9 @@ class Policy:
                    max_pending=archive.int_field(payload, "max_pending", keep_local, 1, keep_local),
                    endpoint_url=endpoint, chunk_bytes=chunk,
                    memory_bytes=archive.int_field(payload, "memory_bytes", archive.DEFAULT_MEMORY_BYTES, chunk,
-                                       archive.MAX_MEMORY_BYTES))
+                                       archive.MAX_MEMORY_BYTES),
+                   spill_capacity=(None if payload.get("spill_capacity") is None else
+                                   archive.int_field(payload, "spill_capacity", 0, 1, 1 << 60)))
 
     def archive_payload(self, tag: str) -> dict[str, Any]:
         # overwrite: a version cut short before a restart is replaced by the rerun.
@@ -88,6 +100,7 @@ class PolicyState:
     last_snapshot_step: int = 0
     last_archived_step: int = 0
     pending: list[str] = dataclasses.field(default_factory=list)  # oldest first
+    spill_bytes: int = 0  # the drive's bytes the waiting versions take (their snapshots)
     uploading: str | None = None
     # The upload under way: its own thread starts the archive job, waits for it and trims
     # the store, so a store that hangs holds that thread only, never the policy's.
@@ -147,6 +160,11 @@ class PolicyRunner:
     def set(self, namespace: Namespace, payload: Any) -> dict[str, Any]:
         """Turn `namespace`'s policy on (a dict) or off (None); kept across restarts."""
         policy = None if payload is None else Policy.parse(payload)
+        version_bytes = namespace.snapshots.copy_bytes
+        if policy is not None and policy.spill_capacity is not None and policy.spill_capacity < version_bytes:
+            raise DeviceError(Status.INVALID_FIELD,
+                              f"spill_capacity {policy.spill_capacity} bytes holds no version of namespace "
+                              f"{namespace.name!r} (a version is a snapshot of {version_bytes} bytes)")
         if policy is not None:
             store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name))
             store.check_bucket(archive.parse_url(policy.url))  # refused now, not in the background
@@ -228,11 +246,14 @@ class PolicyRunner:
                 state.snapshots_taken += 1
             state.last_snapshot_step = committed
             state.pending.append(tag)
-        while len(state.pending) > policy.max_pending:
+        waiting_at_most = policy.waiting_at_most(namespace.snapshots.copy_bytes)
+        while len(state.pending) > waiting_at_most:
             dropped = state.pending.pop(0)  # the oldest waiting: the newest is what matters
             state.coalesced += 1
-            log.warning("namespace %s: %s coalesced: the store is slower than versions come (%d waiting at most)",
-                        namespace.name, dropped, policy.max_pending)
+            log.warning("namespace %s: %s coalesced: the store is slower than versions come (%d waiting at "
+                        "most%s)", namespace.name, dropped, waiting_at_most,
+                        "" if policy.spill_capacity is None else f" in {policy.spill_capacity} bytes of spill")
+        state.spill_bytes = len(state.pending) * namespace.snapshots.copy_bytes
         if state.upload is None and state.pending:
             state.uploading = state.pending.pop(0)
             state.upload = concurrent.futures.Future()
@@ -271,7 +292,8 @@ class PolicyRunner:
         if done:
             state.last_archived_step = max(state.last_archived_step, _auto_step(done[-1]))
         waiting = [t for t in auto if t not in archived and _auto_step(t) > state.last_archived_step]
-        state.pending = waiting[-policy.max_pending:]
+        state.pending = waiting[-policy.waiting_at_most(namespace.snapshots.copy_bytes):]
+        state.spill_bytes = len(state.pending) * namespace.snapshots.copy_bytes
         state.resumed = True
 
     def _failed(self, namespace: Namespace, state: PolicyState, why: str) -> None:

@@ -49,8 +49,13 @@ def archive_metrics(figures: dict[str, Any]) -> Iterator[Metric]:
                                 labels=NS)
     archived = GaugeMetricFamily("cossd_archive_policy_last_archived_step",
                                  "The newest step the policy archived.", labels=NS)
+    spill = GaugeMetricFamily("cossd_archive_policy_spill_bytes",
+                              "Bytes of the drive the versions waiting for the store take (their snapshots).",
+                              labels=NS)
     for namespace, state in sorted(states.items()):
         pending.add_metric((namespace,), len(state["pending"]))
         archived.add_metric((namespace,), state["last_archived_step"])
+        spill.add_metric((namespace,), state.get("spill_bytes", 0))
     yield pending
     yield archived
+    yield spill

@@ -120,12 +120,13 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media):
         # the dirty pages, so a retry could "succeed" over lost data. Like PostgreSQL, the
         # namespace then refuses further steps until the device is opened again.
         self.media_failure: str | None = None
-        # Snapshots copying the committed copy right now (pinned_committed): commits and
-        # rollbacks wait for them, so the copy cannot change under a snapshot.
-        self._pins = 0
-        # Flips (commits, rollbacks) waiting for the pins to go: new read pins wait behind
-        # them, so that readers one after another cannot hold a commit off for ever.
-        self._flips_waiting = 0
+        # Readers of each copy right now (snapshots copying the committed copy, replies
+        # written from it: pinned_committed, read_pinned). A copy changes only once it is the
+        # shadow and a step (or a rollback's fill) writes into it, so those wait for its pins,
+        # not the commit: a commit flips while a snapshot still copies the step before, and
+        # the begin after it waits (new pins always go to the committed copy, never to the
+        # shadow a begin waits on, so readers cannot hold a begin off for ever).
+        self._pins = {Copy.A: 0, Copy.B: 0}
         self.snapshots = SnapshotStore(self)
         # Wall-clock times (ns) the mount shows as mtime/ctime: of the last change to the
         # committed state (a commit, a rollback, the seal, an initial-state write) and of the

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..protocol.status import DeviceError, Status
 from .accounting import modeled_command
-from .layout import TensorLayout
+from .layout import Copy, TensorLayout
 from .media import StateFile
 from .namespace_common import LOADABLE_ROLES, ROLES, WouldBlock
 
@@ -56,27 +56,36 @@ class _Reads:
             yield []
             return
         with self.timing.command("read"):
-            views = [self._read(*reads[0], wait=True, copy=False, pin=True)]
+            pinned = self._read_copy_pinned(*reads[0])
         try:
-            # The pin holds the committed copy: the rest need not (and must not: a flip
-            # waiting for this pin would hold a second one back) pin again.
+            views = [pinned[1]]
+            # Every other range from the same pinned copy: one step's bytes, whatever commits.
             for tensor_name, role, offset, size in reads[1:]:
                 with self.timing.command("read"):
-                    views.append(self._read(tensor_name, role, offset, size, wait=True, copy=False))
+                    views.append(self._read(tensor_name, role, offset, size, wait=True, copy=False,
+                                            copy_of=pinned[0]))
             yield views
         finally:
-            self._unpin()
+            self._unpin(pinned[0])
 
-    def _unpin(self) -> None:
-        """Release one pin of the committed copy; a flip waiting for the pins may go on."""
+    def _read_copy_pinned(self, tensor_name: str, role: str, offset: int, size: int) -> tuple[Copy, Any]:
+        """A view of the committed copy with that copy pinned: (the copy, the view); the
+        caller unpins it."""
+        holder: list[Copy] = []
+        view = self._read(tensor_name, role, offset, size, wait=True, copy=False, pin=holder)
+        return holder[0], view
+
+    def _unpin(self, copy: Copy) -> None:
+        """Release one pin of `copy`; a begin waiting to write into it may go on."""
         with self._cond:
-            self._pins -= 1
+            self._pins[copy] -= 1
             self._cond.notify_all()
 
     def _read(self, tensor_name: str, role: str, offset: int, size: int, *, wait: bool, copy: bool,
-              pin: bool = False) -> Any:
+              pin: list[Copy] | None = None, copy_of: Copy | None = None) -> Any:
         """The bytes (copy=True: copied while no commit can move the committed copy) or a view.
-        pin=True holds the committed copy (see pinned_committed); the caller unpins."""
+        pin=[] pins the committed copy and appends it (see pinned_committed); the caller
+        unpins. copy_of reads a copy this caller has pinned already (committed or not since)."""
         tensor = self._tensor(tensor_name)
         if role == "grad":
             raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
@@ -84,21 +93,20 @@ class _Reads:
         if not self._lock.acquire(blocking=wait):
             raise WouldBlock
         try:
-            if pin:
-                while self._flips_waiting:
-                    self._cond.wait()
-            state = self._copies[self._sb.committed_copy]  # after any flip the wait let by
+            source = self._sb.committed_copy if copy_of is None else copy_of
+            state = self._copies[source]
             # A damaged copy (cut short, holes, replaced; a page the guard replaced with
             # zeros) is never served as the state: refused before the pin, so no unpin is owed.
             self._refuse_damaged(state)
-            if pin:
-                self._pins += 1  # first: nothing below raises, so the caller's unpin matches
+            if pin is not None:
+                self._pins[source] += 1  # first: nothing below raises, so the caller's unpin matches
+                pin.append(source)
             # Every read request served counts, an empty one at the end of the file too.
             self.counters.read_commands += 1
             if offset >= file_size or size <= 0:
                 return b""
             end = min(file_size, offset + size)
-            view = self._view(self._sb.committed_copy, tensor, role).view(np.uint8)[offset:end]
+            view = self._view(source, tensor, role).view(np.uint8)[offset:end]
             self.counters.bytes_read += len(view)
             if role == "param":
                 self.counters.param_bytes_out += len(view)

@@ -39,6 +39,10 @@ class _Steps:
             return opened
 
     def _begin_locked(self, step: int | None, grad_scale: float, explicit: bool) -> StepTransaction:
+        # The step writes into the shadow copy: not while a reader (a snapshot's copy, a
+        # reply) still reads it as the step before (pinned before the last commit flipped).
+        while self._pins[self._sb.committed_copy.other] and self._tx is None:
+            self._cond.wait()
         self._check_media()
         if self._tx is not None:
             raise DeviceError(
@@ -114,7 +118,8 @@ class _Steps:
             return tx.step
 
     def _commit_locked(self, tx: StepTransaction) -> CommitResult:
-        self._wait_for_pins_locked()  # a snapshot or a reply is reading the committed copy
+        # No wait for readers of the committed copy: the flip leaves its bytes as they are,
+        # and the next begin waits for them before anything writes into it.
         if self._tx is not tx:
             raise DeviceError(Status.NO_STEP_OPEN, f"namespace {self.name!r}: step {tx.step} was aborted")
         if self.media_failure is not None:
@@ -186,7 +191,6 @@ class _Steps:
         commit: one durable superblock write flips back."""
         with self._cond:
             self._check_media()
-            self._wait_for_pins_locked()
             if self._tx is not None:
                 raise DeviceError(Status.STEP_ALREADY_OPEN, f"namespace {self.name!r}: step {self._tx.step} "
                                   "is open (commit or abort it before reverting a step)")
@@ -278,15 +282,10 @@ class _Steps:
         self.counters.param_bytes_out += moved
         self.timing.add(host_out=moved)
 
-    def _wait_for_pins_locked(self) -> None:
-        """Wait until nothing reads the committed copy (caller holds the lock, about to flip)."""
-        self._flips_waiting += 1
-        try:
-            while self._pins:
-                self._cond.wait()
-        finally:
-            self._flips_waiting -= 1
-            self._cond.notify_all()
+    def _wait_for_shadow_pins_locked(self) -> None:
+        """Wait until nothing reads the shadow copy (caller holds the lock, about to write it)."""
+        while self._pins[self._sb.committed_copy.other]:
+            self._cond.wait()
 
     def set_hyperparameters(self, group: int | None = None, **changes: Any) -> Hyperparameters:
         """Change hyperparameters for the next step (persisted with the next commit).
@@ -325,12 +324,12 @@ class _Steps:
                     f"namespace {self.name!r} is still loading its initial state and has no "
                     f"committed step yet (step {self._sb.committed_step + 1} seals it)",
                 )
-            self._pins += 1
+            self._pins[self._sb.committed_copy] += 1
             superblock = self._sb
         try:
             yield superblock, self._copies[superblock.committed_copy]
         finally:
-            self._unpin()
+            self._unpin(superblock.committed_copy)
 
     def restore_committed(self, source: Superblock, fill: Callable[[StateFile], None]) -> int:
         """Make `source`'s state (a snapshot's) the committed one: `fill` writes its bytes
@@ -341,7 +340,7 @@ class _Steps:
         """
         with self._cond:
             self._check_media()
-            self._wait_for_pins_locked()
+            self._wait_for_shadow_pins_locked()  # the fill writes into the shadow
             if self._tx is not None:
                 raise DeviceError(
                     Status.STEP_ALREADY_OPEN,

@@ -102,7 +102,8 @@ def _policy(args: argparse.Namespace) -> int:
                 raise SystemExit("cossd archive: --every needs --to s3://BUCKET/PREFIX")
             policy = {"url": args.to, "every": args.every}
             for key, value in (("keep_local", args.keep_local), ("keep_remote", args.keep_remote),
-                               ("max_pending", args.max_pending), ("endpoint_url", args.endpoint_url),
+                               ("max_pending", args.max_pending), ("spill_capacity", args.spill_capacity),
+                               ("endpoint_url", args.endpoint_url),
                                ("chunk_bytes", args.chunk_size), ("memory_bytes", args.archive_memory)):
                 if value is not None:
                     policy[key] = value
@@ -114,7 +115,8 @@ def _policy(args: argparse.Namespace) -> int:
             return f"automatic archive of {value['namespace']!r}: off"
         return (f"automatic archive of {value['namespace']!r}: a snapshot every {on['every']} committed steps "
                 f"(auto-STEP), uploaded by the device to {on['url']}; keeping {on['keep_local']} on the drive, "
-                f"{on['keep_remote']} in the store, at most {on['max_pending']} waiting for it")
+                f"{on['keep_remote']} in the store, at most {on['max_pending']} waiting for it"
+                + (f" in at most {on['spill_capacity']} bytes of the drive" if on.get("spill_capacity") else ""))
 
     emit(args, result, normal)
     return 0
@@ -192,13 +194,16 @@ def register(verb: VerbFactory) -> None:
         "automatic archiving (no TAG)",
         "the device snapshots the namespace every K committed steps (tags auto-STEP) and uploads "
         "each snapshot itself, one at a time; while the store is slower than versions come, they "
-        "wait on the drive, and beyond --max-pending the older waiting ones are dropped "
+        "wait on the drive, and beyond --max-pending (or --spill-capacity) the older waiting ones are dropped "
         "(coalesced, counted); kept across restarts (docs/tiers.md)")
     policy.add_argument("--every", type=int, metavar="K", help="a version every K committed steps")
     policy.add_argument("--keep-local", type=int, metavar="N", help="the policy's snapshots kept on the drive (default 2)")
     policy.add_argument("--keep-remote", type=int, metavar="M", help="its versions kept in the store (default 3)")
     policy.add_argument("--max-pending", type=int, metavar="P",
                         help="versions waiting for the store at most (default and most: --keep-local)")
+    policy.add_argument("--spill-capacity", type=parse_size, metavar="BYTES",
+                        help="the drive's bytes that versions waiting for the store may take (each a snapshot "
+                             "of the namespace's state; default: no bound but --max-pending)")
     policy.add_argument("--off", action="store_true", help="stop the namespace's automatic archiving")
     policy.add_argument("--status", action="store_true", help="each policy and what it did (log page C4h)")
 

@@ -120,39 +120,44 @@ def metrics_mount(backing: Path, tmp_path: Path) -> Iterator[tuple[Mount, int]]:
         daemon.stop_background(mountpoint, pid)
 
 
+@pytest.mark.parametrize("bound", ["max_pending", "spill_capacity"])
 def test_a_store_that_stops_answering_makes_versions_wait_and_coalesce(
-        s3: str, metrics_mount: tuple[Mount, int]) -> None:
+        s3: str, metrics_mount: tuple[Mount, int], bound: str) -> None:
     """SIGSTOP of the S3 server: the upload under way hangs; training goes on, a version every
-    step waits on the drive, the older waiting ones are coalesced beyond max_pending (in the log
-    page and the metrics); SIGCONT: the waiting ones drain and the store holds the newest step."""
+    step waits on the drive, the older waiting ones are coalesced beyond max_pending, or beyond
+    the spill capacity in bytes (in the log page and the metrics); SIGCONT: the waiting ones
+    drain and the store holds the newest step."""
     mount, port = metrics_mount
     mp = mount.mountpoint
-    make_namespace(mp, "q", SMALL, steps=0)
+    name = f"q-{bound}"
+    make_namespace(mp, name, SMALL, steps=0)
     with AdminClient(mp) as client:
-        archive_calls.set_archive_policy(client, client.nsid("q"), {
-            "url": f"{URL}/b", "every": 1, "keep_local": 3, "keep_remote": 5, "max_pending": 2,
-            "chunk_bytes": 5 << 20})
+        version_bytes = client.statistics(client.nsid(name))["state_bytes_per_copy"]
+        limit = {"max_pending": 2} if bound == "max_pending" else {"spill_capacity": 2 * version_bytes + 4096}
+        archive_calls.set_archive_policy(client, client.nsid(name), {
+            "url": f"{URL}/b-{bound}", "every": 1, "keep_local": 3, "keep_remote": 5, "chunk_bytes": 5 << 20} | limit)
     group = _weed_group(s3)
     os.killpg(group, signal.SIGSTOP)
     try:
         for step in range(1, 7):
-            train(mp, "q", SMALL, step)  # a training step never waits for the store
-            wait_for(mp, "q", lambda s, step=step: s["snapshots_taken"] == step, timeout_s=30)
-        state = policy_state(mp, "q")
+            train(mp, name, SMALL, step)  # a training step never waits for the store
+            wait_for(mp, name, lambda s, step=step: s["snapshots_taken"] == step, timeout_s=30)
+        state = policy_state(mp, name)
         assert state["uploading"] == "auto-1"  # hung in the stopped store
         assert state["pending"] == ["auto-5", "auto-6"] and state["coalesced"] == 3
         # Coalesced versions leave the drive too (kept: the newest 3 and the one uploading).
-        assert local_auto(mp, "q") == ["auto-1", "auto-4", "auto-5", "auto-6"]
+        assert local_auto(mp, name) == ["auto-1", "auto-4", "auto-5", "auto-6"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         samples = {(sample.name, sample.labels.get("namespace")): sample.value
                    for family in text_string_to_metric_families(text) for sample in family.samples}
-        assert samples[("cossd_archive_policy_coalesced_total", "q")] == 3
-        assert samples[("cossd_archive_policy_pending", "q")] == 2
+        assert samples[("cossd_archive_policy_coalesced_total", name)] == 3
+        assert samples[("cossd_archive_policy_pending", name)] == 2
+        assert samples[("cossd_archive_policy_spill_bytes", name)] == 2 * version_bytes
     finally:
         os.killpg(group, signal.SIGCONT)
-    state = wait_for(mp, "q", lambda s: s["last_archived_step"] == 6 and s["uploading"] is None)
+    state = wait_for(mp, name, lambda s: s["last_archived_step"] == 6 and s["uploading"] is None)
     assert state["versions_archived"] == 3 and state["coalesced"] == 3
-    assert versions(f"{URL}/b", "q") == [("auto-1", 1), ("auto-5", 5), ("auto-6", 6)]
+    assert versions(f"{URL}/b-{bound}", name) == [("auto-1", 1), ("auto-5", 5), ("auto-6", 6)]
 
 
 def test_the_policy_survives_a_remount(s3: str, mount: Mount, tmp_path: Path) -> None:
@@ -179,6 +184,7 @@ def test_bad_policies_are_refused_and_change_nothing(s3: str, mount: Mount) -> N
         {"url": f"{URL}/d"},  # no every
         {"url": f"{URL}/d", "every": 0},
         {"url": f"{URL}/d", "every": 1, "keep_local": 2, "max_pending": 3},  # waits beyond what is kept
+        {"url": f"{URL}/d", "every": 1, "spill_capacity": 4096},  # holds no version of the namespace
         {"url": f"{URL}/d", "every": 1, "retention": 4},
         {"url": "s3://no-such-bucket-here/x", "every": 1},
         {"url": "file:///tmp/x", "every": 1},

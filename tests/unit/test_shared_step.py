@@ -185,10 +185,11 @@ def test_fewer_blocks_than_ranks_leaves_some_ranks_empty() -> None:
     assert sorted(p.name for pieces in shards for p in pieces) == ["b", "w"]
 
 
-def test_polls_racing_behind_a_reader_all_get_the_one_commit(setup, device: Device) -> None:
-    """Two ranks' polls find the step complete while a reader pins the committed copy: both
-    wait (letting go of the lock), one commits, and the other reads that commit, never an
-    error of its own (seen through the storage server, whose param reads pin)."""
+def test_a_reader_of_the_committed_copy_holds_off_the_next_begin_not_the_commit(setup, device: Device) -> None:
+    """Two ranks' polls find the step complete while a reader (a snapshot's copy, a reply)
+    pins the committed copy: the step commits at once, both read the one commit, and the
+    reader still sees the step before; the next begin, which writes into that copy, waits
+    until the reader lets go."""
     import threading
 
     admin, nsid, namespace, grads = setup
@@ -205,15 +206,25 @@ def test_polls_racing_behind_a_reader_all_get_the_one_commit(setup, device: Devi
         except DeviceError as exc:
             results.append(exc)
 
-    with namespace.pinned_committed():
+    began = threading.Event()
+
+    def begin() -> None:
+        admin.begin_step(nsid, 2, 1.0)
+        began.set()
+
+    with namespace.pinned_committed() as (superblock, copy):
+        before = bytes(copy.view(0, 4096, np.uint8))
         threads = [threading.Thread(target=poll, args=(rank,)) for rank in (0, 1)]
         for thread in threads:
             thread.start()
-        for _ in range(60_000):  # both polls wait for the pin to go (bounded: a bug must not hang)
-            if namespace._flips_waiting == 2:
-                break
-            threading.Event().wait(0.001)
-        assert namespace._flips_waiting == 2, results
-    for thread in threads:
-        thread.join()
-    assert results == [{"step": 1, "committed_step": 1, "skipped": False, "nonfinite_elements": 0}] * 2
+        for thread in threads:
+            thread.join(60)  # bounded: a commit held off by the pin would hang here
+        assert results == [{"step": 1, "committed_step": 1, "skipped": False, "nonfinite_elements": 0}] * 2
+        assert superblock.committed_step == 0 and namespace.committed_step == 1
+        opener = threading.Thread(target=begin)
+        opener.start()
+        assert not began.wait(0.3), "step 2 began writing into the copy a reader still holds"
+        assert bytes(copy.view(0, 4096, np.uint8)) == before
+    assert began.wait(60), "the begin never went on once the reader let go"
+    opener.join()
+    admin.abort_step(nsid)
