@@ -112,10 +112,10 @@ def daemon_killed(mount: Mount, tmp_path: Path, trial: int, world: int, rank: in
     ensure_mounted(mount)
     chance = random.Random(trial)
     namespace, at = f"dk{trial}", chance.randint(2, 5)
-    last = at + (12 if stage == "timer" else 3)
+    last = at + (40 if stage == "timer" else 3)  # a step takes tens of ms: the timer fires well before the end
     kill: dict[str, Any] = {"rank": rank, "step": at, "stage": stage, "target": "daemon", "pid": mount.pid}
     if stage == "timer":
-        kill["delay_s"] = chance.uniform(0.0, 0.3)  # from the start of step `at`: mostly inside a step
+        kill["delay_s"] = chance.uniform(0.0, 0.15)  # from the start of step `at`: mostly inside a step
     out = tmp_path / f"dk{trial}"
     dead = mount.pid
     codes = run_job(mount, out, namespace, world, last, synthetic=True, kill=kill)
@@ -210,6 +210,12 @@ def torchrun_job(mount: Mount, out: Path, namespace: str, world: int, last: int,
               "ddp": True, "synthetic": True, "kill": kill}
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    # torchrun's agent shares its rendezvous TCPStore with the workers by default, keyed the
+    # same on every attempt: a restarted gloo rank can read a dead worker's address from the
+    # first attempt and fail with "Gloo connectFullMesh failed ... Connection refused"
+    # (pytorch/pytorch#135712, seen here with torch 2.13). A fresh store per round is torch's
+    # own workaround for restarts.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     process = subprocess.run([str(torchrun), "--nproc-per-node", str(world), "--max-restarts", "1", "--standalone",
                               str(JOB), json.dumps(config)], env=env | {"OMP_NUM_THREADS": "1"},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=JOB_TIMEOUT_S)
