@@ -7,6 +7,10 @@ point it can build the image a power cut would leave behind:
 - "drop": only what was synced;
 - "keep": everything written (what kill -9 leaves: the page cache survives);
 - "tear": what was synced, plus a random subset of the unsynced 512-byte sectors.
+
+build_split_image gives each top-level directory under the root its own variant: several
+devices under one root, of which only some lose power ("drop"/"tear") while the others keep
+everything ("keep").
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from cossd.emulator import media
 
@@ -108,20 +112,48 @@ class PowerLossRecorder(media.MediaHooks):
         dest.mkdir(parents=True)
         return self._build_dir(self.root, dest, variant, rng)
 
+    def build_split_image(self, dest: Path, variants: Mapping[str, str], rng: random.Random,
+                          default: str = "keep") -> int:
+        """Like build_image, but each top-level entry under the root named in `variants` gets
+        its own variant, and every other one `default`: one device's media cut while the
+        others (their own directories under the same root) keep everything."""
+        unknown = set(variants) - set(os.listdir(self.root)) - set(self.entries.get(self.root, {}))
+        if unknown:
+            raise ValueError(f"no entries {sorted(unknown)} under {self.root}")
+        dest.mkdir(parents=True)
+        kept = 0
+        # "keep" parts: what is there now; cut parts: what the root's last dir fsync recorded.
+        for name in sorted(os.listdir(self.root)):
+            if variants.get(name, default) == "keep":
+                if os.path.isdir(self.root / name):
+                    shutil.copytree(self.root / name, dest / name)
+                else:
+                    shutil.copy2(self.root / name, dest / name)
+        for name, entry in sorted(self.entries.get(self.root, {}).items()):
+            variant = variants.get(name, default)
+            if variant != "keep":
+                kept += self._build_entry(self.root, name, entry, dest, variant, rng)
+        return kept
+
     def _build_dir(self, source: Path, dest: Path, variant: str, rng: random.Random) -> int:
         kept = 0
         for name, entry in sorted(self.entries.get(source, {}).items()):
-            if entry.is_dir:
-                (dest / name).mkdir()
-                kept += self._build_dir(source / name, dest / name, variant, rng)
-                continue
-            durable = self.content.get(entry.inode, b"")
-            data = bytearray(durable)
-            if variant == "tear":
-                current = self._current(source / name, entry.inode)
-                if current is not None:
-                    kept += _tear_into(data, current, rng)
-            (dest / name).write_bytes(bytes(data))
+            kept += self._build_entry(source, name, entry, dest, variant, rng)
+        return kept
+
+    def _build_entry(self, source: Path, name: str, entry: Entry, dest: Path, variant: str,
+                     rng: random.Random) -> int:
+        """Build `source / name` (durable as `entry`) into `dest / name`; unsynced sectors kept."""
+        if entry.is_dir:
+            (dest / name).mkdir()
+            return self._build_dir(source / name, dest / name, variant, rng)
+        data = bytearray(self.content.get(entry.inode, b""))
+        kept = 0
+        if variant == "tear":
+            current = self._current(source / name, entry.inode)
+            if current is not None:
+                kept = _tear_into(data, current, rng)
+        (dest / name).write_bytes(bytes(data))
         return kept
 
     @staticmethod
