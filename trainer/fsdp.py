@@ -39,6 +39,17 @@ def uses_fsdp(entries: list[Entry]) -> bool:
     return True
 
 
+def refuse_one_rank(entries: list[Entry]) -> None:
+    """A ValueError naming the param where FSDP2 DTensors reach an optimizer that is not
+    sharded (torch.distributed with one rank, or a process group of one): its one-process
+    path moves whole plain tensors."""
+    for entry in entries:
+        if is_dtensor(entry.param):
+            raise ValueError(f"param {entry.name} is an FSDP2 DTensor but the optimizer runs on one rank: "
+                             "the cossd optimizer takes FSDP2 params over two ranks or more; with one "
+                             "process, train the model without fully_shard (the namespace resumes either way)")
+
+
 def _rows_of(rows: int, world: int, coordinate: int) -> tuple[int, int]:
     """Rows start..stop-1 of dim 0 that Shard(0) gives mesh coordinate `coordinate` (torch.chunk's
     cut, as FSDP2 makes it: ceil(rows / world) each, the last ones shorter or empty)."""

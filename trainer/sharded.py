@@ -302,7 +302,10 @@ class ShardedSession:
         device (session.DeviceSession)."""
         if self._fsdp:
             fsdp.read_local_params(self.files, self.entries, self._shard, self.dtype)
-        elif self._ranks is not None and self._param_gather == "allgather" and self._shards is not None:
+            return
+        if self._ranks is None:
+            fsdp.refuse_one_rank(self.entries)  # an attach at one rank reads before any load
+        if self._ranks is not None and self._param_gather == "allgather" and self._shards is not None:
             self._read_and_gather()
         else:
             super()._read_params()  # type: ignore[misc]

@@ -85,7 +85,8 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = Path(config["out"])
     mode = config["mode"]  # "fsdp", or "ddp" (DDP over FP32 params; one process at world 1)
-    if world > 1:
+    distributed = world > 1 or mode == "fsdp"  # fully_shard needs a process group, even of one
+    if distributed:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Net()
@@ -153,7 +154,7 @@ def main() -> int:
                 "masters": optimizer.master_weights() if rank == 0 else None, "result": result},
                out / f"rank{rank}.pt")
     optimizer.close()
-    if world > 1:
+    if distributed:
         dist.barrier()
         dist.destroy_process_group()
     return 0

@@ -384,3 +384,13 @@ def test_fsdp2_a_rank_that_cannot_load_its_masters_fails_every_rank(mount: Mount
     assert all(r["result"]["first"] == 1 and not r["result"]["restored"] for r in ranks)
     params, masters, _ = single_process(mount, "fsdp-loadfail-ref", ranks[0]["grads"], 4)
     assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+
+
+def test_fsdp2_on_one_rank_is_refused_naming_the_param(mount: Mount, tmp_path: Path) -> None:
+    """fully_shard over a process group of one: the optimizer is not sharded there, and its
+    one-process path refuses the DTensors with a clear error naming a param."""
+    out = tmp_path / "job"
+    codes = run_job(mount, out, "fsdp-one", 1, 2)
+    assert codes == [4], (codes, (out / "logs.txt").read_text()[-4000:])
+    message = (out / "error0.txt").read_text()
+    assert message.startswith("ValueError: param fc1.weight is an FSDP2 DTensor but the optimizer runs on one rank")
