@@ -22,6 +22,9 @@ __all__ = ["TieredCheckpointer", "RestoreError", "StoreError"]
 MIB = 1 << 20
 CLOSE_JOIN_S = 30.0  # how long close() waits for the upload thread once it is told to stop
 SPILL_PAUSE_S = 5.0  # the spill tier's pause after a write failed (a full or failing disk)
+# Past max_stall_s, how much longer a save waits for a spill under way to end by itself before
+# its version is coalesced (a spill about to finish keeps its version).
+SPILL_GRACE_S = 0.25
 
 
 class TieredCheckpointer:
@@ -175,14 +178,24 @@ class TieredCheckpointer:
                 state.cv.wait(remaining)
                 continue
             # Bytes a spill under way frees when it ends; only the rest is dropped for.
-            moving = sum(v.nbytes for v in state.versions.values() if v.spilling and v.buffer is not None)
-            short = size - state.pool_free() - moving
+            spilling = [v for v in state.versions.values() if v.spilling and v.buffer is not None
+                        and not (v.archived or v.dropped)]
+            short = size - state.pool_free() - sum(v.nbytes for v in spilling)
             if short > 0:
                 in_pool = [v for v in state.versions.values() if v.buffer is not None
                            and not (v.archived or v.dropped or v.spilling or v.finishing)]
                 if state.coalesce(in_pool, short, step, include_uploading=True,
                                   why=f"the memory pool had no room for version {step} after {self.max_stall_s} s "
                                       "and the spill tier none for its versions"):
+                    continue
+            if spilling and time.monotonic() >= started + self.max_stall_s + SPILL_GRACE_S:
+                # The spill tier's disk is slower than the saves: its spill would hold this
+                # save for the rest of the version. It is coalesced too, and its write stops
+                # at its next chunk (tier_spill.SpillDir.write), which frees its pool room.
+                if state.coalesce(spilling, size - state.pool_free(), step, include_uploading=True,
+                                  why=f"version {step} waited {self.max_stall_s} s for the spill of "
+                                      f"version(s) {', '.join(str(v.step) for v in spilling)} to a disk slower "
+                                      "than the saves"):
                     continue
             state.cv.wait(0.05)  # spills under way end soon: they free the pool
         return waited

@@ -399,6 +399,54 @@ def test_every_tier_full_coalesces_and_keeps_the_newest(far_store: tuple[Any, st
         fresh.close()
 
 
+def test_a_spill_to_a_slow_disk_does_not_hold_a_save_past_its_bound(
+        far_store: tuple[Any, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store crawls and the spill dir's disk takes 2 s a chunk (each chunk of the spill
+    delayed before it is written): a save that needs the pool room of a version being spilled
+    waits max_stall_s (and a short grace), then that version is coalesced and its spill stops
+    at its next chunk, instead of the save waiting for the whole version to reach the disk."""
+    from cossd.trainer import tier_spill
+
+    chunks: list[int] = []
+    write = tier_spill.SpillDir.write
+
+    def slow_disk(self: Any, step: int, view: memoryview, chunk_bytes: int, needed: Any = lambda: True) -> Any:
+        def slowly() -> bool:
+            time.sleep(2.0)  # the disk: one chunk's time, before each chunk goes
+            chunks.append(step)
+            return needed()
+        return write(self, step, view, chunk_bytes, needed=slowly)
+
+    monkeypatch.setattr(tier_spill.SpillDir, "write", slow_disk)
+    pair, endpoint = far_store
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    with pair.b.entered():
+        pair.rate_limit(pair.b, mbit=1)  # nothing reaches the store during the test
+        try:
+            ck = checkpointer(url, endpoint_url=endpoint, memory_bytes=VERSION * 3 // 2,
+                              spill_dir=tmp_path / "spill", spill_bytes=VERSION * 4, max_stall_s=0.5)
+            model, optimizer = make_model()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                train_step(model, optimizer, 1)
+                ck.save(model, optimizer, 1)
+                wait_for(lambda: 1 in chunks, "the spill of version 1 begun")
+                train_step(model, optimizer, 2)
+                saved = ck.save(model, optimizer, 2)  # needs version 1's pool room
+            stats = ck.stats()
+            assert saved["stall_s"] > 0 and stats["coalesced_steps"] == [1], stats
+            drops = [str(w.message) for w in caught if "slower than the saves" in str(w.message)]
+            assert drops, [str(w.message) for w in caught]
+            wait_for(lambda: ck.stats()["spills_stopped"] == 1, "the spill stopped")
+            # Stopped at its next chunk: not all of its chunks went to the disk.
+            assert chunks.count(1) < -(-VERSION // CHUNK) + 1, chunks
+            assert not tier_spill.SpillDir(tmp_path / "spill").data_path(1).exists()
+            assert [row["step"] for row in ck.versions()] == [2]
+        finally:
+            pair.clear_rate_limit(pair.b)
+        ck.close(drain=False)
+
+
 def test_kill_9_mid_upload_leaves_no_complete_looking_version(far_store: tuple[Any, str], tmp_path: Path) -> None:
     pair, endpoint = far_store
     url = f"s3://{BUCKET}/{tmp_path.name}"
