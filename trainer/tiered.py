@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..model import pools
 from . import tier_payload, tier_policy, tier_restore, tier_spill, tier_store
 from .tier_restore import MEMORY, SPILL, STORE, RestoreError
 from .tier_state import TierState, Version
@@ -41,7 +42,8 @@ class TieredCheckpointer:
     def __init__(self, url: str, *, memory_bytes: int, spill_dir: str | os.PathLike[str] | None = None,
                  spill_bytes: int = 0, endpoint_url: str | None = None, chunk_bytes: int = 8 * MIB,
                  max_concurrency: int = 8, initial_concurrency: int = 2, part_latency_target_s: float = 2.0,
-                 max_stall_s: float = 5.0, upload_bytes_per_s: float | None = None, part_retries: int = 3) -> None:
+                 max_stall_s: float = 5.0, upload_bytes_per_s: float | None = None, part_retries: int = 3,
+                 pool_profile: str | os.PathLike[str] | None = None, pool_timed: bool = False) -> None:
         for name, value in (("memory_bytes", memory_bytes), ("spill_bytes", spill_bytes),
                             ("chunk_bytes", chunk_bytes), ("max_concurrency", max_concurrency),
                             ("initial_concurrency", initial_concurrency), ("part_retries", part_retries)):
@@ -56,6 +58,12 @@ class TieredCheckpointer:
         if not 1 <= max_concurrency <= 64 or part_retries < 0 or max_stall_s < 0:
             raise ValueError("max_concurrency must be 1-64, part_retries and max_stall_s at least 0")
         self.chunk_bytes, self.max_stall_s = chunk_bytes, max_stall_s
+        # The pool as a tier of its own (the talk's CXL memory): its profile models each save's
+        # copy into it (cossd.model.pools); timed, a save takes at least that long.
+        if pool_timed and pool_profile is None:
+            raise ValueError("pool_timed needs a pool_profile (e.g. 'cxl-x8')")
+        self.pool = None if pool_profile is None else pools.load_pool(pool_profile)
+        self.pool_timed = bool(pool_timed)
         window = tier_policy.AimdWindow(initial_concurrency, max_concurrency, part_latency_target_s)
         meter = tier_policy.StoreMeter()
         cap = tier_policy.TokenBucket(upload_bytes_per_s) if upload_bytes_per_s is not None else None
@@ -147,6 +155,10 @@ class TieredCheckpointer:
                 state.cv.notify_all()
             raise
         copied = time.monotonic() - started - stall
+        modeled = 0.0 if self.pool is None else self.pool.copy_ns(layout.size) / 1e9
+        if self.pool_timed and modeled > copied:
+            time.sleep(modeled - copied)  # host memory is faster than the pool it stands for
+            copied = modeled
         with state.cv:
             old = state.versions.get(step)
             if old is not None:  # a step saved again by an earlier checkpointer: this one replaces it
@@ -158,8 +170,10 @@ class TieredCheckpointer:
             state.floats["stall_s_total"] += stall
             state.floats["stall_s_max"] = max(state.floats["stall_s_max"], stall)
             state.floats["copy_s_total"] += copied
+            state.floats["pool_modeled_copy_s_total"] += modeled
             state.cv.notify_all()
-        return {"step": step, "bytes": layout.size, "stall_s": stall, "copy_s": copied}
+        return {"step": step, "bytes": layout.size, "stall_s": stall, "copy_s": copied} | (
+            {} if self.pool is None else {"modeled_copy_s": modeled})
 
     def _make_room(self, size: int, step: int, started: float) -> bool:
         """Lock held: wait until `size` bytes of the pool are free; True if it had to wait. Past
@@ -337,7 +351,10 @@ class TieredCheckpointer:
                          "uploads_cancelled", "stale_uploads_aborted", "spill_leftovers_removed", "spills_stopped",
                          "adopted_from_spill", "restores"):
                 figures[name] = state.counts[name]
-            figures.update({name: state.floats[name] for name in ("stall_s_total", "stall_s_max", "copy_s_total")})
+            figures.update({name: state.floats[name] for name in ("stall_s_total", "stall_s_max", "copy_s_total",
+                                                                  "pool_modeled_copy_s_total")})
+            figures["pool_profile"] = None if self.pool is None else self.pool.name
+            figures["pool_timed"] = self.pool_timed
         window = uploader.window
         # Besides the pool: the parts in flight, each a copy of its chunk (boto3 takes bytes).
         figures["upload_buffers_max_bytes"] = window.maximum * self.chunk_bytes

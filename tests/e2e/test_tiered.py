@@ -447,6 +447,29 @@ def test_a_spill_to_a_slow_disk_does_not_hold_a_save_past_its_bound(
         ck.close(drain=False)
 
 
+def test_the_pool_as_a_tier_with_a_timing_profile(store: str, tmp_path: Path) -> None:
+    """pool_profile models each save's copy into the pool (the CXL memory tier); timed, a save
+    into a pool slower than host memory takes at least the modeled time."""
+    slow = tmp_path / "slow-pool.json"
+    slow.write_text('{"name": "slow", "bytes_per_s": 50000000, "latency_ns": 1000}')  # 50 MB/s
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    with pytest.raises(ValueError, match="pool_timed needs a pool_profile"):
+        checkpointer(url, endpoint_url=store, memory_bytes=2 * VERSION, pool_timed=True)
+    ck = checkpointer(url, endpoint_url=store, memory_bytes=2 * VERSION, pool_profile="cxl-x8")
+    model, optimizer = make_model()
+    train_step(model, optimizer, 1)
+    saved = ck.save(model, optimizer, 1)
+    assert saved["modeled_copy_s"] == (250 + -(-saved["bytes"] * 10**9 // 36_000_000_000)) / 1e9
+    assert ck.stats()["pool_profile"] == "cxl-x8" and not ck.stats()["pool_timed"]
+    ck.close()
+    ck = checkpointer(url, endpoint_url=store, memory_bytes=2 * VERSION, pool_profile=slow, pool_timed=True)
+    train_step(model, optimizer, 2)
+    saved = ck.save(model, optimizer, 2)
+    assert saved["modeled_copy_s"] > 0.2 and saved["copy_s"] >= saved["modeled_copy_s"]
+    assert ck.stats()["pool_modeled_copy_s_total"] == saved["modeled_copy_s"]
+    ck.close()
+
+
 def test_kill_9_mid_upload_leaves_no_complete_looking_version(far_store: tuple[Any, str], tmp_path: Path) -> None:
     pair, endpoint = far_store
     url = f"s3://{BUCKET}/{tmp_path.name}"
