@@ -358,6 +358,78 @@ def test_the_devices_archive_paces_itself_across_a_throttled_link(far_store: tup
         pair.clear_rate_limit(pair.b)
 
 
+def test_the_devices_policy_through_a_link_that_slows_and_recovers(far_store: tuple[Any, str], tmp_path: Path,
+                                                                   figures: list[str]) -> None:
+    """The device's automatic policy (a version every step, at most two versions' bytes
+    waiting on the drive) with the store behind the veth: fast, then tbf 8 Mbit/s while steps
+    go on (versions wait within the spill capacity, the older ones coalesced, every step
+    committed without waiting for the store), then fast again: the waiting ones drain and the
+    store ends with the newest step. Step times are reported per phase, not asserted."""
+    import statistics
+
+    import numpy as np
+
+    from cossd.emulator import Device, NamespaceSpec, TensorSpec, archive
+    from cossd.emulator.archive_policy import PolicyRunner
+    from cossd.emulator.jobs import JobTable
+
+    pair, endpoint = far_store
+    backing = tmp_path / "backing"
+    Device.format(backing)
+    numel = 500_000  # a version (one state copy) of 7 MB: two parts of 5 MiB
+    with Device.open(backing) as device:
+        namespace = device.create_namespace(NamespaceSpec("policy", (TensorSpec("w", numel),)))
+        version = namespace.snapshots.copy_bytes
+        traffic = archive.Traffic()
+        runner = PolicyRunner(device, JobTable(), lambda name: traffic, set())
+        policy = {"url": f"s3://{BUCKET}/{tmp_path.name}", "endpoint_url": endpoint, "every": 1, "keep_local": 4,
+                  "keep_remote": 20, "spill_capacity": 2 * version, "chunk_bytes": 5 << 20}
+        # Set inside b: the policy's thread, and the upload threads it starts, live there.
+        pair.b.call(lambda: runner.set(namespace, policy))
+        rng = np.random.default_rng(5)
+        times: dict[str, list[float]] = {"fast": [], "slow": [], "fast again": []}
+        most_waiting = 0
+
+        def step(phase: str) -> None:
+            grads = (rng.standard_normal(numel) * 0.01).astype(np.float16).tobytes()
+            started = time.perf_counter()
+            namespace.write_grad("w", 0, grads)  # an implicit step: committed when this returns
+            times[phase].append(time.perf_counter() - started)
+
+        def state() -> dict[str, Any]:
+            return runner.page()["policy"]["state"]
+
+        try:
+            for _ in range(2):
+                step("fast")
+                wait_for(lambda: state()["last_archived_step"] == namespace.committed_step, "archived while fast")
+            pair.rate_limit(pair.b, mbit=8)  # 1 MB/s: a version takes 7 s
+            try:
+                for _ in range(6):
+                    step("slow")
+                    wait_for(lambda: state()["last_snapshot_step"] == namespace.committed_step, "snapshot taken")
+                    most_waiting = max(most_waiting, state()["spill_bytes"])
+                during = state()
+                assert during["spill_bytes"] <= 2 * version and len(during["pending"]) <= 2, during
+                assert during["coalesced"] >= 3, during
+            finally:
+                pair.clear_rate_limit(pair.b)
+            for _ in range(2):
+                step("fast again")
+                wait_for(lambda: state()["last_snapshot_step"] == namespace.committed_step, "snapshot taken")
+            wait_for(lambda: state()["last_archived_step"] == 10 and state()["uploading"] is None
+                     and not state()["pending"], "drained")
+        finally:
+            runner.close()
+        done = state()
+        assert namespace.committed_step == 10 and done["upload_failures"] == 0
+        assert done["versions_archived"] + done["coalesced"] == 10, done
+    medians = ", ".join(f"{phase} {statistics.median(values) * 1e3:.1f} ms" for phase, values in times.items())
+    figures.append(f"T18p device policy across a veth fast -> tbf 8 Mbit/s -> fast: step medians {medians}; "
+                   f"spill peak {most_waiting} of {2 * version} bytes; {done['versions_archived']} archived, "
+                   f"{done['coalesced']} coalesced, the newest (step 10) in the store")
+
+
 def test_every_tier_full_coalesces_and_keeps_the_newest(far_store: tuple[Any, str], tmp_path: Path) -> None:
     pair, endpoint = far_store
     url = f"s3://{BUCKET}/{tmp_path.name}"
