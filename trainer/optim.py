@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from . import grads as grad_rules
-from . import distributed, namespace_swap
+from . import distributed, fsdp, namespace_swap
 from ..client import Credentials
 from .distributed import Ranks
 from .namespace_files import WIRE_DTYPES, NamespaceFiles
@@ -210,6 +210,8 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self.committed_step = initial_step
 
     def _master_loads(self, masters: list[torch.Tensor] | None) -> list[tuple[str, str, torch.Tensor]]:
+        if masters is None:
+            fsdp.refuse_one_rank(self.entries)  # sharded FSDP2 params load their rows elsewhere (sharded.py)
         return master_loads(self.entries, masters)
 
     def _load_masters(self, masters: list[torch.Tensor] | None) -> None:

@@ -87,10 +87,6 @@ def description(name: str, entries: list[Entry], param_groups: list[dict[str, An
 
 def master_loads(entries: list[Entry], masters: list[torch.Tensor] | None) -> list[tuple[str, str, torch.Tensor]]:
     """The FP32 masters to write (from `masters` by entry index, else the params), checked."""
-    from .fsdp import refuse_one_rank  # here: fsdp.py imports this module
-
-    if masters is None:
-        refuse_one_rank(entries)  # sharded FSDP2 params load their rows elsewhere (sharded.py)
     loads = []
     for entry in entries:
         source = masters[entry.index] if masters is not None else entry.param
