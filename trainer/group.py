@@ -141,7 +141,7 @@ class DeviceGroup:
         self._group_ranks = group_ranks
         self.files = _GroupFiles(namespace, mounts)
         assigned = assign_to_devices(self.entries, len(mounts))
-        self._check_group_exists(mounts, namespace, group_ranks)
+        self._check_group_exists(mounts, namespace)
         children: list[Any] = []
         self._child_groups = []
         try:
@@ -173,34 +173,55 @@ class DeviceGroup:
         """The device names of a parent group's params (the parent's plan), for its children."""
         return [entry.name for entry in self.entries if entry.group == group_index]
 
-    def _check_group_exists(self, mounts: list[str], namespace: str, ranks: Ranks) -> None:
+    def _check_group_exists(self, mounts: list[str], namespace: str) -> None:
         """Refuse a group whose namespace lies on some devices past step 0 and is missing on
         others (a device replaced or added): creating it there would join a fresh start to a
         trained state. Rank 0 looks; every rank raises the same."""
-        verdict: dict[str, Any] = {}
+        def look() -> None:
+            found = {}
+            for mount in mounts:
+                probe = NamespaceFiles(mount, namespace, 30.0, use_cmb=False,
+                                       credentials=self._credentials)  # type: ignore[attr-defined]
+                try:
+                    found[mount] = int(probe.statistics()["committed_step"]) if probe.exists() else None
+                finally:
+                    probe.close()
+            missing = [mount for mount, step in found.items() if step is None]
+            trained = {mount: step for mount, step in found.items() if step}
+            if missing and trained:
+                raise RuntimeError(
+                    f"namespace {namespace!r} is missing on {', '.join(missing)} but holds trained state "
+                    f"on {', '.join(f'{mount} (step {step})' for mount, step in trained.items())}: the "
+                    "group's devices are not the ones it was trained on. Nothing was created; name the "
+                    "same devices in the same order, or delete the namespace everywhere to start anew")
+
+        error = self._on_rank0(look)
+        if error is not None:
+            raise RuntimeError(error.removeprefix("RuntimeError: "))
+
+    def _on_rank0(self, action: Any) -> str | None:
+        """Run `action` on rank 0 only; every rank gets its failure (the text) or None, so
+        every rank raises alike, and none goes on before rank 0 is done."""
+        ranks = self._group_ranks
+        assert ranks is not None
+        error = None
         if ranks.rank == 0:
             try:
-                found = {}
-                for mount in mounts:
-                    probe = NamespaceFiles(mount, namespace, 30.0, use_cmb=False,
-                                           credentials=self._credentials)  # type: ignore[attr-defined]
-                    try:
-                        found[mount] = int(probe.statistics()["committed_step"]) if probe.exists() else None
-                    finally:
-                        probe.close()
-                missing = [mount for mount, step in found.items() if step is None]
-                trained = {mount: step for mount, step in found.items() if step}
-                if missing and trained:
-                    verdict["error"] = (
-                        f"namespace {namespace!r} is missing on {', '.join(missing)} but holds trained state "
-                        f"on {', '.join(f'{mount} (step {step})' for mount, step in trained.items())}: the "
-                        "group's devices are not the ones it was trained on. Nothing was created; name the "
-                        "same devices in the same order, or delete the namespace everywhere to start anew")
+                action()
             except BaseException as exc:
-                verdict["error"] = f"{type(exc).__name__}: {exc}"
-        verdict = ranks.from_rank0(verdict)
-        if "error" in verdict:
-            raise RuntimeError(verdict["error"])
+                error = f"{type(exc).__name__}: {exc}"
+        return ranks.from_rank0(error)
+
+    def _revert(self, indices: Any, step: int) -> str | None:
+        """REVERT_STEP of `step` on the children at `indices`, by rank 0 (see _on_rank0)."""
+        children = self._group
+        assert children is not None
+
+        def revert() -> None:
+            for index in indices:
+                child = children[index]
+                child.files.command(child.files.admin.revert_step, child.files.nsid, step)
+        return self._on_rank0(revert)
 
     def _recover_group(self, mounts: list[str]) -> None:
         """Bring every device to one common step: a crash between the devices' commits of a
@@ -212,19 +233,11 @@ class DeviceGroup:
         steps = [child.committed_step for child in children]
         plan = common_step(steps, mounts)  # GroupDisagreementError on every rank alike
         if plan.revert:
-            outcome: dict[str, Any] = {}
-            if ranks.rank == 0:
-                try:
-                    for index in plan.revert:
-                        child = children[index]
-                        child.files.command(child.files.admin.revert_step, child.files.nsid, plan.step + 1)
-                except BaseException as exc:
-                    outcome["error"] = f"{type(exc).__name__}: {exc}"
-            outcome = ranks.from_rank0(outcome)
-            if "error" in outcome:
+            error = self._revert(plan.revert, plan.step + 1)
+            if error is not None:
                 raise GroupDisagreementError(
                     f"devices {[mounts[index] for index in plan.revert]} are at step {plan.step + 1} and the "
-                    f"others at {plan.step}; reverting them failed: {outcome['error']}")
+                    f"others at {plan.step}; reverting them failed: {error}")
             for index in plan.revert:
                 children[index].committed_step = plan.step
                 children[index]._read_params()
@@ -307,21 +320,11 @@ class DeviceGroup:
     def _revert_after_skip(self, step: int, committed: list[int]) -> None:
         """Rank 0 reverts the devices that committed `step` while another skipped it; every
         rank waits for it, so none begins the step again before the group is back at one."""
-        children, ranks = self._group, self._group_ranks
-        assert children is not None and ranks is not None
-        outcome: dict[str, Any] = {}
-        if ranks.rank == 0:
-            try:
-                for index in committed:
-                    child = children[index]
-                    child.files.command(child.files.admin.revert_step, child.files.nsid, step)
-            except BaseException as exc:
-                outcome["error"] = f"{type(exc).__name__}: {exc}"
-        outcome = ranks.from_rank0(outcome)
-        if "error" in outcome:
+        error = self._revert(committed, step)
+        if error is not None:
             raise GroupDisagreementError(
                 f"step {step} was skipped by some devices and committed by others; reverting those "
-                f"failed ({outcome['error']}); restart the job: it brings every device to one step")
+                f"failed ({error}); restart the job: it brings every device to one step")
 
     def _read_group_params(self) -> None:
         assert self._group is not None
