@@ -93,22 +93,8 @@ class ShardedSession:
         if on_fsdp:
             self._open_fsdp(rows)
             return
-        if ranks.rank == 0:
-            try:
-                setup = self._open_on_rank0()
-            except BaseException as exc:
-                ranks.from_rank0({"error": f"{type(exc).__name__}: {exc}"})
-                raise
-            ranks.from_rank0(setup)
-        else:
-            setup = ranks.from_rank0(None)
-            if "error" in setup:
-                raise RuntimeError(f"rank 0 could not open namespace {self.files.name!r}: {setup['error']}")
-            if not self.files.exists():  # looks its nsid up
-                raise RuntimeError(f"namespace {self.files.name!r} that rank 0 opened is gone")
-            config = self.files.config()
-            self._check_config(config)
-            self._sent_hypers = [group_hyper(group) for group in self.param_groups]
+        setup = self._setup_from_rank0(on_fsdp=False)
+        if ranks.rank != 0:
             self._read_params()
             self.restored = bool(setup["restored"])
             self.committed_step = int(setup["committed_step"])
@@ -122,6 +108,29 @@ class ShardedSession:
         self._shard = shards[ranks.rank]
         self._shards = shards
 
+    def _setup_from_rank0(self, on_fsdp: bool) -> dict[str, Any]:
+        """Rank 0 opens the namespace (_open_on_rank0) while the others wait; each other rank
+        then checks the namespace rank 0 opened is there and this model's. Rank 0's setup
+        (or its failure, raised on every rank)."""
+        ranks = self._ranks
+        assert ranks is not None
+        if ranks.rank == 0:
+            try:
+                setup = self._open_on_rank0(on_fsdp=on_fsdp)
+            except BaseException as exc:
+                ranks.from_rank0({"error": f"{type(exc).__name__}: {exc}"})
+                raise
+            ranks.from_rank0(setup)
+            return setup
+        setup = ranks.from_rank0(None)
+        if "error" in setup:
+            raise RuntimeError(f"rank 0 could not open namespace {self.files.name!r}: {setup['error']}")
+        if not self.files.exists():  # looks its nsid up
+            raise RuntimeError(f"namespace {self.files.name!r} that rank 0 opened is gone")
+        self._check_config(self.files.config())
+        self._sent_hypers = [group_hyper(group) for group in self.param_groups]
+        return setup
+
     def _open_fsdp(self, rows: list[Piece]) -> None:
         """Opening where FSDP2 holds the params: rank 0 attaches or creates the namespace of
         the global tensors (creating loads no masters: it holds only its own rows), the others
@@ -130,21 +139,7 @@ class ShardedSession:
         all have; then each reads back the params of its rows, into its local shards."""
         ranks = self._ranks
         assert ranks is not None
-        if ranks.rank == 0:
-            try:
-                setup = self._open_on_rank0(on_fsdp=True)
-            except BaseException as exc:
-                ranks.from_rank0({"error": f"{type(exc).__name__}: {exc}"})
-                raise
-            ranks.from_rank0(setup)
-        else:
-            setup = ranks.from_rank0(None)
-            if "error" in setup:
-                raise RuntimeError(f"rank 0 could not open namespace {self.files.name!r}: {setup['error']}")
-            if not self.files.exists():  # looks its nsid up
-                raise RuntimeError(f"namespace {self.files.name!r} that rank 0 opened is gone")
-            self._check_config(self.files.config())
-            self._sent_hypers = [group_hyper(group) for group in self.param_groups]
+        setup = self._setup_from_rank0(on_fsdp=True)
         self._fsdp = True
         self._shard = rows
         self._job = int(setup["job"])
