@@ -104,6 +104,21 @@ def start_mount(backing: Path, mountpoint: Path, sync: bool = False) -> Mount:
     return Mount(backing, mountpoint, pid, sync)
 
 
+def stop_mount(mounted: Mount) -> None:
+    """Unmount (lazily, whatever state the daemon is in) and wait for the daemon to exit,
+    killing it after 30 s."""
+    if is_mounted(mounted.mountpoint):
+        force_unmount(mounted.mountpoint)
+    try:
+        os.kill(mounted.pid, 0)
+    except ProcessLookupError:
+        return
+    try:
+        wait_for_exit(mounted.pid, 30)
+    except TimeoutError:
+        os.kill(mounted.pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def mount(backing: Path, tmp_path: Path) -> Iterator[Mount]:
     """A real FUSE mount of a fresh device, always unmounted (even when the test failed)."""
@@ -111,14 +126,4 @@ def mount(backing: Path, tmp_path: Path) -> Iterator[Mount]:
     try:
         yield mounted
     finally:
-        if is_mounted(mounted.mountpoint):
-            force_unmount(mounted.mountpoint)
-        try:
-            os.kill(mounted.pid, 0)
-        except ProcessLookupError:
-            pass
-        else:
-            try:
-                wait_for_exit(mounted.pid, 30)
-            except TimeoutError:
-                os.kill(mounted.pid, signal.SIGKILL)
+        stop_mount(mounted)

@@ -1,11 +1,6 @@
 """FSDP2 (fully_shard) models with the cossd optimizer: ranks as real processes on gloo (tests/e2e/fsdp_job.py) through a real mount, the namespace holding the global tensors, against single-process cossd and torch."""
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,7 +12,8 @@ from cossd.client import AdminClient
 from cossd.harness.reference import MixedPrecisionOptimizer
 from cossd.trainer import AdamW
 
-from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
+from conftest import Mount
+from ranks import bits_equal, finished, mounted_device, spawn_ranks
 
 pytestmark = pytest.mark.mount
 
@@ -31,26 +27,8 @@ JOB_TIMEOUT_S = 300
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
     """One device for the module's jobs (each on namespaces of its own), always unmounted."""
-    from cossd.emulator import Device
-
-    root = tmp_path_factory.mktemp("fsdp2")
-    Device.format(root / "backing", capacity_bytes=8 << 30, serial="FSDP2TEST0001")
-    mounted = start_mount(root / "backing", root / "mnt")
-    try:
+    with mounted_device(tmp_path_factory.mktemp("fsdp2"), "FSDP2TEST0001") as mounted:
         yield mounted
-    finally:
-        if is_mounted(mounted.mountpoint):
-            force_unmount(mounted.mountpoint)
-        try:
-            wait_for_exit(mounted.pid, 30)
-        except TimeoutError:
-            os.kill(mounted.pid, signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_job(mount: Mount, out: Path, namespace: str, world: int, last: int, mode: str = "fsdp",
@@ -58,39 +36,9 @@ def run_job(mount: Mount, out: Path, namespace: str, world: int, last: int, mode
     """Start `world` ranks of fsdp_job.py as torchrun would and wait for them; their exit
     codes (each rank's log in out/logs.txt). Options: dtype, clip, overflow, placement, use_cmb,
     param_gather."""
-    out.mkdir(parents=True, exist_ok=True)
     config = {"mount": str(mount.mountpoint), "namespace": namespace, "last": last, "out": str(out),
               "mode": mode} | options
-    base = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                         "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config)], env=base | {"RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    codes, logs = [], []
-    try:
-        for process in ranks:
-            text, _ = process.communicate(timeout=JOB_TIMEOUT_S)
-            codes.append(process.returncode)
-            logs.append(text)
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    (out / "logs.txt").write_text("\n".join(f"--- rank {r} (exit {c})\n{t}" for r, (c, t) in enumerate(zip(codes, logs))))
-    return codes
-
-
-def finished(out: Path, world: int, codes: list[int]) -> list[dict[str, Any]]:
-    assert codes == [0] * world, (codes, (out / "logs.txt").read_text()[-6000:])
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
-
-
-def bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        x.dtype == y.dtype and torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
-                                           y.view(torch.int16 if y.element_size() == 2 else torch.int32))
-        for x, y in zip(a, b))
+    return spawn_ranks(JOB, config, world, out, JOB_TIMEOUT_S)
 
 
 def model_for(dtype: str) -> job.Net:

@@ -1,10 +1,9 @@
 """Several devices, one optimizer (mount=[...]): whole tensors spread over a namespace per device, each step a group commit; crashes between the devices' commits, a device daemon killed mid-step, refusals."""
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,14 +16,15 @@ from cossd.client.snapshots import create_snapshot, rollback
 from cossd.protocol.group_commit import GroupDisagreementError
 from cossd.trainer import AdamW
 
-from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
+from conftest import Mount, force_unmount, start_mount, stop_mount
 
 pytestmark = pytest.mark.mount
 
 JOB = Path(__file__).with_name("group_job.py")
 sys.path.insert(0, str(JOB.parent))
 import multirank_job as job  # noqa: E402  (the model, its groups and schedule)
-from test_multirank import bits_equal, free_port, single_process  # noqa: E402
+from ranks import bits_equal, finished, mounted_device, spawn_ranks  # noqa: E402
+from test_multirank import single_process  # noqa: E402
 
 JOB_TIMEOUT_S = 240
 DEVICES = 3
@@ -33,23 +33,14 @@ DEVICES = 3
 @pytest.fixture(scope="module")
 def mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Mount]]:
     """Three devices, each its own daemon and backing; a test that kills one remounts it."""
-    from cossd.emulator import Device
-
     root = tmp_path_factory.mktemp("group")
-    mounted = []
-    try:
-        for index in range(DEVICES):
-            Device.format(root / f"backing{index}", capacity_bytes=4 << 30, serial=f"GROUP000{index}")
-            mounted.append(start_mount(root / f"backing{index}", root / f"mnt{index}"))
+    with contextlib.ExitStack() as stack:
+        mounted = [stack.enter_context(mounted_device(root / f"device{index}", f"GROUP000{index}", 4 << 30))
+                   for index in range(DEVICES)]
         yield mounted
-    finally:
+        # A remounted device is a new Mount in the list (the stack stops the one it started).
         for device in mounted:
-            if is_mounted(device.mountpoint):
-                force_unmount(device.mountpoint)
-            try:
-                wait_for_exit(device.pid, 30)
-            except TimeoutError:
-                os.kill(device.pid, signal.SIGKILL)
+            stop_mount(device)
 
 
 def remount(mounts: list[Mount], index: int) -> None:
@@ -61,33 +52,9 @@ def remount(mounts: list[Mount], index: int) -> None:
 
 def run_job(devices: list[Mount], out: Path, namespace: str, world: int, last: int, **options: Any) -> list[int]:
     """`world` ranks of tests/e2e/group_job.py over `devices`; their exit codes."""
-    out.mkdir(parents=True, exist_ok=True)
     config = {"mounts": [str(device.mountpoint) for device in devices], "namespace": namespace, "last": last,
               "out": str(out)} | options
-    base = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                         "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config)], env=base | {"RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    codes, logs = [], []
-    try:
-        for process in ranks:
-            text, _ = process.communicate(timeout=JOB_TIMEOUT_S)
-            codes.append(process.returncode)
-            logs.append(text)
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    (out / "logs.txt").write_text("\n".join(f"--- rank {r} (exit {c})\n{t}" for r, (c, t) in enumerate(zip(codes, logs))))
-    return codes
-
-
-def finished(out: Path, world: int, codes: list[int]) -> list[dict[str, Any]]:
-    assert codes == [0] * world, (codes, (out / "logs.txt").read_text()[-6000:],
-                                  [p.read_text() for p in out.glob("error*.txt")])
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
+    return spawn_ranks(JOB, config, world, out, JOB_TIMEOUT_S)
 
 
 def committed_steps(devices: list[Mount], namespace: str) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,8 @@ from cossd.client import AdminClient
 from cossd.harness.reference import MixedPrecisionOptimizer
 from cossd.trainer import AdamW
 
-from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
+from conftest import Mount
+from ranks import bits_equal, finished, free_port, mounted_device, spawn_ranks  # noqa: F401  (re-exported)
 
 pytestmark = pytest.mark.mount
 
@@ -31,64 +31,17 @@ JOB_TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
     """One device for the module's jobs (each on namespaces of its own), always unmounted."""
-    from cossd.emulator import Device
-
-    root = tmp_path_factory.mktemp("multirank")
-    Device.format(root / "backing", capacity_bytes=8 << 30, serial="MULTIRANK0001")
-    mounted = start_mount(root / "backing", root / "mnt")
-    try:
+    with mounted_device(tmp_path_factory.mktemp("multirank"), "MULTIRANK0001") as mounted:
         yield mounted
-    finally:
-        if is_mounted(mounted.mountpoint):
-            force_unmount(mounted.mountpoint)
-        try:
-            wait_for_exit(mounted.pid, 30)
-        except TimeoutError:
-            os.kill(mounted.pid, signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_job(mount: Any, out: Path, namespace: str, world: int, last: int, **options: Any) -> list[int]:
     """Start `world` ranks as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
     wait for them; their exit codes. `mount.mountpoint` is a mount or a server's URL. Options
     go to multirank_job.py (ddp, clip, overflow, kill, synthetic, step_timeout_s, use_cmb)."""
-    out.mkdir(parents=True, exist_ok=True)
     config = {"mount": str(mount.mountpoint), "namespace": namespace, "last": last, "out": str(out),
               "ddp": True} | options
-    base = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                         "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config)], env=base | {"RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    codes, logs = [], []
-    try:
-        for process in ranks:
-            text, _ = process.communicate(timeout=JOB_TIMEOUT_S)
-            codes.append(process.returncode)
-            logs.append(text)
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    (out / "logs.txt").write_text("\n".join(f"--- rank {r} (exit {c})\n{t}" for r, (c, t) in enumerate(zip(codes, logs))))
-    return codes
-
-
-def finished(out: Path, world: int, codes: list[int]) -> list[dict[str, Any]]:
-    """Every rank's saved results, once each rank exited 0 (else its log, in the failure)."""
-    assert codes == [0] * world, (codes, (out / "logs.txt").read_text()[-6000:])
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(world)]
-
-
-def bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
-                           y.view(torch.int16 if y.element_size() == 2 else torch.int32)) for x, y in zip(a, b))
+    return spawn_ranks(JOB, config, world, out, JOB_TIMEOUT_S)
 
 
 def single_process(mount: Mount, namespace: str, grads: dict[int, list[torch.Tensor]], last: int,

@@ -13,9 +13,8 @@ from typing import Any, Collection, Iterator
 import pytest
 import torch
 
-from cossd.emulator import Device
-
-from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
+from conftest import Mount, force_unmount, is_mounted, wait_for_exit
+from ranks import mounted_device
 from test_multirank import JOB, JOB_TIMEOUT_S, bits_equal, finished, run_job, single_process, statistics
 
 pytestmark = pytest.mark.mount
@@ -63,18 +62,8 @@ def reference(mount: Mount, last: int) -> tuple[list[torch.Tensor], list[torch.T
 def killable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
     """One device whose daemon the trials kill and remount (each trial on a namespace of its
     own); always unmounted at the end."""
-    root = tmp_path_factory.mktemp("multirank-kills")
-    Device.format(root / "backing", capacity_bytes=8 << 30, serial="MULTIRANKKILL1")
-    mounted = start_mount(root / "backing", root / "mnt")
-    try:
-        yield mounted
-    finally:
-        if is_mounted(mounted.mountpoint):
-            force_unmount(mounted.mountpoint)
-        try:
-            wait_for_exit(mounted.pid, 30)
-        except TimeoutError:
-            os.kill(mounted.pid, signal.SIGKILL)
+    with mounted_device(tmp_path_factory.mktemp("multirank-kills"), "MULTIRANKKILL1") as mounted:
+        yield mounted  # the trials' remounts update this Mount in place: the stop finds the live daemon
 
 
 def alive(pid: int) -> bool:
