@@ -28,7 +28,7 @@ from .namespace_open import _Opening
 from .namespace_reads import _Reads
 from .namespace_shared import SharedOutcome, _SharedSteps
 from .namespace_steps import _Steps
-from .namespace_writes import _Writes
+from .namespace_writes import MAX_QUEUED_BLOCKS, _Writes
 from .snapshots import SnapshotStore
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
 from .superblock import Superblock
@@ -109,6 +109,8 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media):
         # device that opens it attaches the device's (Device._attach).
         self._own_workers = KernelWorkers()
         self.workers = self._own_workers
+        # Blocks of written gradient bytes queued for the kernels at most (namespace_writes.py).
+        self.max_queued_blocks = MAX_QUEUED_BLOCKS
         self._views: dict[tuple[Copy, str, str], np.ndarray] = {}
         # Per (source copy, tensor): the kernel call that steps its blocks into the other copy.
         self._block_updates: dict[tuple[Copy, str], kernels.BlockUpdate] = {}

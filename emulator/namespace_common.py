@@ -65,6 +65,7 @@ class NamespaceCounters:
     steps_skipped: int = 0
     steps_aborted: int = 0
     steps_reverted: int = 0  # REVERT_STEP (a group commit's recovery)
+    grad_writes_waited: int = 0  # gradient writes held while MAX_QUEUED_BLOCKS blocks awaited the kernels
     nonfinite_elements: int = 0
     grad_bytes_in: int = 0
     state_bytes_loaded: int = 0

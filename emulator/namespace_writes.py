@@ -19,6 +19,11 @@ log = logging.getLogger("cossd.emulator.namespace")
 
 # write_grads_lent stages lent gradients in pieces of this many bytes (4 blocks).
 _LENT_STAGE_BYTES = 4 * BLOCK_ELEMS * 2
+# The most blocks of a step queued for the kernel workers at once from written (not lent)
+# gradient bytes, each holding its copy of the request's bytes (512 KiB of FP16/BF16): a writer
+# faster than the kernels (a disk-bound step) waits here instead of the daemon's memory growing
+# with the step's gradients (docs/benchmarks.md, "Scale"). 64 blocks: 32 MiB.
+MAX_QUEUED_BLOCKS = 64
 
 
 def _immutable(data: bytes | memoryview) -> bool:
@@ -192,6 +197,15 @@ class _Writes:
             raise WouldBlock
         try:
             tx = self._tx
+            if lent is None and tx is not None and tx.inflight >= self.max_queued_blocks:
+                # Backpressure: the kernels are behind; the request waits (the event loop's
+                # caller retries on a thread) until they have caught up.
+                if not wait:
+                    raise WouldBlock
+                self.counters.grad_writes_waited += 1
+                while self._tx is tx and tx.inflight >= self.max_queued_blocks:
+                    self._cond.wait()
+                tx = self._tx
             if tx is None:
                 if not wait:
                     raise WouldBlock

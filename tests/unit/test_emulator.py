@@ -574,3 +574,46 @@ def test_nowait_calls_step_aside_when_they_would_block(device: Device) -> None:
     # Nothing was taken by the refused calls: the whole gradient is still missing.
     assert ns.counters.grad_bytes_in == sum(len(d) for d in grads(ns, 0).values())
     ns.abort_step()
+
+
+def test_a_writer_faster_than_the_kernels_waits_instead_of_queuing_without_bound(device: Device) -> None:
+    """Gradient writes (not lent memory) queue at most max_queued_blocks blocks for the
+    kernels, each holding a copy of its bytes: with the kernels held, a writer of more blocks
+    waits at the bound (counted) and goes on as they run; the step ends as unbounded would."""
+    import threading
+
+    blocks = 12
+    ns = device.create_namespace(NamespaceSpec(name="queue", tensors=(TensorSpec("w", blocks * BLOCK_ELEMS),)))
+    ns.max_queued_blocks = 4
+    held = threading.Event()
+    run = ns._run_block_in_background
+    most = [0]
+
+    def held_block(tx, block):  # type: ignore[no-untyped-def]
+        most[0] = max(most[0], tx.inflight)
+        held.wait(60)
+        run(tx, block)
+
+    ns._run_block_in_background = held_block  # type: ignore[method-assign]
+    grads = (np.random.default_rng(9).standard_normal(blocks * BLOCK_ELEMS) * 0.01).astype(np.float16).tobytes()
+    begun = ns.begin_step()
+    writer = threading.Thread(target=lambda: [ns.write_grad("w", 2 * BLOCK_ELEMS * b, grads[2 * BLOCK_ELEMS * b:
+                                                                                            2 * BLOCK_ELEMS * (b + 1)])
+                                              for b in range(blocks)])
+    writer.start()
+    for _ in range(600):  # bounded: the writer reaches the bound and waits there
+        if ns.counters.grad_writes_waited:
+            break
+        threading.Event().wait(0.01)
+    assert ns.counters.grad_writes_waited == 1 and ns._tx is not None and ns._tx.inflight == 4
+    held.set()
+    writer.join(60)
+    assert not writer.is_alive()
+    assert ns.commit_step().committed_step == begun and most[0] <= 4
+    # The same step, unbounded, on a second namespace: the same state.
+    other = device.create_namespace(NamespaceSpec(name="free", tensors=(TensorSpec("w", blocks * BLOCK_ELEMS),)))
+    other.begin_step()
+    other.write_grad("w", 0, grads)
+    other.commit_step()
+    for role in ("master", "exp_avg", "exp_avg_sq", "param"):
+        assert ns.read("w", role, 0, 1 << 40) == other.read("w", role, 0, 1 << 40)
