@@ -165,7 +165,11 @@ class DeviceGroup:
             raise
         self._group = children
         self._owner = {id(entry.param): (child, entry) for child in children for entry in child.entries}
-        self._recover_group(mounts)
+        try:
+            self._recover_group(mounts)
+        except BaseException:
+            self._close_group()  # refused (devices too far apart): nothing left open
+            raise
         self.restored = all(child.restored for child in children)
         self.steps_skipped = sum(child.steps_skipped for child in children)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import signal
 import sys
@@ -215,3 +216,37 @@ def test_what_a_group_refuses(mounts: list[Mount], tmp_path: Path) -> None:
     with pytest.raises(GroupDisagreementError, match="more than one step apart"):
         AdamW(job.groups_of(model), mount=[first, second], namespace="moved")
     assert committed_steps(mounts[:2], "moved") == [4, 2]
+
+
+def test_state_dict_over_several_devices(mounts: list[Mount]) -> None:
+    """state_dict() reads every tensor's state from the device that holds it, in torch's
+    format (it loads into torch.optim.AdamW); loading it back is a no-op; another state is
+    refused with nothing changed."""
+    torch.manual_seed(0)
+    model = job.Net()
+    devices = [str(mounts[0].mountpoint), str(mounts[1].mountpoint)]
+    optimizer = AdamW(job.groups_of(model), mount=devices, namespace="statedict")
+    try:
+        params = job.optimizer_params(optimizer)
+        for _ in range(3):
+            for param in params:
+                param.grad = torch.full_like(param, 0.01)
+            optimizer.step()
+        saved = optimizer.state_dict()
+        assert sorted(saved["state"]) == list(range(len(params)))
+        assert all(float(entry["step"]) == 3 for entry in saved["state"].values())
+        masters = optimizer.master_weights()
+        assert [tuple(m.shape) for m in masters] == [tuple(p.shape) for p in params]
+        copies = [torch.nn.Parameter(m.clone()) for m in masters]
+        stock = torch.optim.AdamW([{"params": copies[:2]}, {"params": copies[2:]}])
+        stock.load_state_dict({k: v for k, v in saved.items() if not k.startswith("cossd")})
+        assert torch.equal(stock.state[copies[3]]["exp_avg"], saved["state"][3]["exp_avg"])
+        optimizer.load_state_dict(saved)  # its own state: a no-op
+        other = copy.deepcopy(saved)
+        other["state"][0]["exp_avg"].add_(1.0)
+        with pytest.raises(NotImplementedError, match="several devices"):
+            optimizer.load_state_dict(other)
+        assert committed_steps(mounts[:2], "statedict") == [3, 3]
+        assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
+    finally:
+        optimizer.close()
