@@ -168,11 +168,14 @@ def test_a_device_daemon_killed_mid_step(mounts: list[Mount], tmp_path: Path) ->
     assert all(errors), errors
     remount(mounts, 1)
     devices = mounts[:2]
+    # The daemon may die before device 1 commits step 4 ([3, 3] or [4, 3]: device 0 first),
+    # or, the kill being asynchronous, just after another rank's poll committed it ([4, 4]);
+    # device 1 never commits before device 0 (every rank polls device 0 first).
     steps = committed_steps(devices, namespace)
-    assert steps[1] == 3 and steps[0] in (3, 4), steps
+    assert steps in ([3, 3], [4, 3], [4, 4]), steps
     codes = run_job(devices, tmp_path / "b", namespace, 2, 8, synthetic=True)
     resumed = finished(tmp_path / "b", 2, codes)
-    assert resumed[0]["result"]["first"] == 4
+    assert resumed[0]["result"]["first"] == min(steps) + 1
     assert committed_steps(devices, namespace) == [8, 8]
     reference = uninterrupted(devices, tmp_path, namespace, 2, 8)
     for saved in resumed:
