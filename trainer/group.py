@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from ..protocol.group_commit import GroupDisagreementError, common_step
-from ..protocol.status import DeviceError
 from . import grads as grad_rules
 from .distributed import Ranks
 from .namespace_files import NamespaceFiles
@@ -369,4 +368,4 @@ class DeviceGroup:
             f"({self.files.mountpoint}) yet")
 
 
-__all__ = ["DeviceGroup", "DeviceError", "GroupDisagreementError", "assign_to_devices", "mount_list"]
+__all__ = ["DeviceGroup", "GroupDisagreementError", "assign_to_devices", "mount_list"]

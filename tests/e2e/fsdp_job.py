@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import warnings
@@ -15,11 +14,14 @@ import torch.nn.functional as F
 
 from cossd.trainer import AdamW
 
+sys.path.insert(0, str(Path(__file__).parent))
+# The same schedule and per-rank batches as the ZeRO-1 job's (and its model's sizes).
+from multirank_job import BASE_LR, CLASSES, INPUTS, batch, schedule  # noqa: E402
+
 # fc1.weight: 327,680 elements, more than one device block (262,144): at 2 ranks its block 0
 # is rows 0..1279 of rank 0 and the start of rank 1's, assembled on the device from both.
 # gain: 2 rows, so at 3 ranks the last rank's shard of it is empty.
-INPUTS, HIDDEN, CLASSES = 128, 2560, 64
-BASE_LR, WARMUP, TOTAL = 3e-3, 5, 60
+HIDDEN = 2560
 
 
 class Net(torch.nn.Module):
@@ -39,19 +41,6 @@ def groups_of(model: Net) -> list[dict[str, Any]]:
              "weight_decay": 0.1},
             {"params": [model.fc1.bias, model.fc2.bias, model.gain], "param_names": ["fc1.bias", "fc2.bias", "gain"],
              "weight_decay": 0.0, "lr": 2 * BASE_LR}]
-
-
-def schedule(step: int) -> float:
-    """Warmup then cosine, as a multiplier of each group's base lr, for step `step` (from 1)."""
-    if step <= WARMUP:
-        return step / WARMUP
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - WARMUP) / (TOTAL - WARMUP))))
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each rank's micro-batch of a step: its own data, fixed by (step, rank)."""
-    generator = torch.Generator().manual_seed(7919 * step + rank)
-    return torch.randn(8, INPUTS, generator=generator), torch.randint(0, CLASSES, (8,), generator=generator)
 
 
 def params_of(optimizer: AdamW) -> list[torch.Tensor]:
