@@ -105,6 +105,10 @@ def main() -> int:
                           param_gather=config.get("param_gather", "device"))
     except Exception as exc:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        if world > 1:
+            # Torn down before exit: a live gloo group at interpreter exit can abort the process
+            # ("terminate called without an active exception") instead of exiting 4.
+            dist.destroy_process_group()
         return 4
     net = model
     if mode == "ddp" and world > 1:

@@ -76,6 +76,10 @@ def main() -> int:
         optimizer = make_optimizer(model, config, mount)
     except Exception as exc:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        if world > 1:
+            # Torn down before exit: a live gloo group at interpreter exit can abort the process
+            # ("terminate called without an active exception") instead of exiting 4.
+            dist.destroy_process_group()
         return 4
     model.to(torch.bfloat16)
     ddp = config["ddp"] and world > 1 and not config.get("synthetic")
