@@ -20,6 +20,7 @@ from . import kinds
 from .layout import FORMAT_VERSION
 from .media import atomic_write_json, fsync_dir, read_json
 from .names import MAX_NAMESPACES
+from .namespace_verify import VERIFY_MODES, VERIFY_OPEN
 from .workers import KernelWorkers
 from .accounting import NamespaceTiming
 from ..model.profiles import DEFAULT_PROFILE
@@ -45,6 +46,11 @@ class DeviceConfig:
     profile: str = DEFAULT_PROFILE
     # True: file I/O and step commands complete no earlier than their modeled device time.
     timed: bool = False
+    # When an opened namespace's committed step is verified (namespace_verify.VERIFY_MODES):
+    # "open", every block's checksum before the device serves anything; "background", params
+    # as they are first served and the rest in a thread, so that a restart serves params at
+    # once whatever the state's size (what `cossd mount` does unless told --verify open).
+    verify: str = VERIFY_OPEN
 
 
 class Device:
@@ -155,6 +161,9 @@ class Device:
         root = Path(path)
         cls._read_superblock(root)  # a clear error before taking the lock
         TimingModel.named(config.profile)  # likewise for an unknown profile
+        if config.verify not in VERIFY_MODES:
+            raise DeviceError(Status.INVALID_FIELD,
+                              f"verify must be one of {', '.join(VERIFY_MODES)}, not {config.verify!r}")
         backing = BackingDirectory.lock(root)
         try:
             # Read again under the lock: a previous owner may have closed (and saved) since.
@@ -190,7 +199,7 @@ class Device:
         registered = self._superblock["namespaces"]
         for name, nsid in registered.items():
             try:
-                namespace = kinds.open_namespace(self._ns_dir(name), self.config.sync)
+                namespace = kinds.open_namespace(self._ns_dir(name), self.config.sync, self.config.verify)
             except (DeviceError, OSError, ValueError, KeyError) as exc:
                 self.failed_namespaces[name] = str(exc)
                 log.error("namespace %s (nsid %d) cannot be served: %s", name, nsid, exc)
@@ -282,7 +291,12 @@ class Device:
         def log_media_error() -> None:
             self.health.log_error(Status.UNRECOVERED_READ_ERROR, sqid=0xFFFF, nsid=nsid)
 
+        def log_block_error(error: tuple[str, int, int]) -> None:
+            # A block the background verification found bad, as recovery's at open.
+            self.health.log_error(Status.UNRECOVERED_READ_ERROR, sqid=0xFFFF, lba=error[2], nsid=nsid)
+
         namespace.media_error_sink = log_media_error
+        namespace.recovery_error_sink = log_block_error
 
     def describe(self) -> dict[str, Any]:
         """Identity, capacity and namespaces, as the vendor identify command returns them."""

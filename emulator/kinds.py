@@ -9,6 +9,7 @@ from ..protocol.status import DeviceError, Status
 from .layout import plan_layout
 from .media import read_json
 from .namespace import Namespace
+from .namespace_verify import VERIFY_OPEN
 from .nvm import KIND as NVM_KIND
 from .nvm import NvmNamespace, NvmSpec
 from .spec import NamespaceSpec
@@ -47,8 +48,9 @@ def create(directory: Path, nsid: int, spec: AnySpec, sync: bool) -> AnyNamespac
     return Namespace.create(directory, nsid, spec, sync)
 
 
-def open_namespace(directory: Path, sync: bool) -> AnyNamespace:
-    """Open a registered namespace; its meta.json says the kind (none: an optimizer)."""
+def open_namespace(directory: Path, sync: bool, verify: str = VERIFY_OPEN) -> AnyNamespace:
+    """Open a registered namespace; its meta.json says the kind (none: an optimizer).
+    `verify` applies to optimizer namespaces (namespace_verify.VERIFY_MODES)."""
     if read_json(directory / "meta.json").get("kind", OPTIMIZER_KIND) == NVM_KIND:
         return NvmNamespace.open(directory, sync)
-    return Namespace.open(directory, sync)
+    return Namespace.open(directory, sync, verify)

@@ -35,11 +35,17 @@ class SuperblockFlags(enum.IntFlag):
     NONE = 0
     # Initial weights or moments may still be written in place; checksums not yet valid.
     LOADING = 1
+    # The slot also holds a CRC32C of each block's params alone, after the group records:
+    # a restart verifies those before it serves a param, and the rest in the background.
+    # Slots written before this flag existed have none, and are verified whole at open.
+    PARAM_CRCS = 2
 
 
 # Fixed header of a superblock slot; followed by `block_count` little-endian u32 CRC32C,
 # one per kernel block (covering that block's master, exp_avg, exp_avg_sq and param bytes
-# in the committed copy). `crc` covers every byte after the crc field.
+# in the committed copy), the records of groups 1.. and, with the flag PARAM_CRCS,
+# `block_count` more u32: each block's param bytes alone. `crc` covers every byte after the
+# crc field.
 SUPERBLOCK_HEADER = np.dtype(
     [
         ("magic", "S8"),

@@ -3,7 +3,8 @@
 The class is one object with one lock; its methods live in modules by job:
 namespace_open (create, open, recover), namespace_reads (reads, pins, range checks),
 namespace_writes (initial state, the gradient path), namespace_steps (begin, commit, abort,
-hyperparameters, snapshot flips) and namespace_media (durability, damage, checksums).
+hyperparameters, snapshot flips), namespace_media (durability, damage, checksums) and
+namespace_verify (verifying a reopened copy lazily: params as served, the rest in the background).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .namespace_open import _Opening
 from .namespace_reads import _Reads
 from .namespace_shared import SharedOutcome, _SharedSteps
 from .namespace_steps import _Steps
+from .namespace_verify import _Verifying
 from .namespace_writes import MAX_QUEUED_BLOCKS, _Writes
 from .snapshots import SnapshotStore
 from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
@@ -51,7 +53,7 @@ def _backing_mtime_ns(directory: Path) -> int:
     return max(times) if times else time.time_ns()
 
 
-class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media):
+class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verifying):
     """One optimizer: its tensors, hyperparameters and state, committed step by step.
 
     Thread-safe: the fs layer calls write_grad from several worker threads; kernels for
@@ -73,6 +75,7 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media):
     ) -> None:
         # Taken only to record a damaged state copy once (_Media._media_damaged).
         self._damage_lock = threading.Lock()
+        self._init_verification()  # namespace_verify.py: nothing deferred until _recover says so
         self.directory = directory
         self.nsid = nsid
         self.spec = spec
@@ -141,6 +144,7 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media):
     def close(self) -> None:
         """Flush the committed step and release the media. An open step is abandoned."""
         try:
+            self._stop_verification()
             with self._cond:
                 # Blocks still updating the shadow copy must finish before its file closes.
                 while self._tx is not None and self._tx.inflight:
@@ -278,5 +282,6 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media):
             # The superblock sequence: moves at every commit, rollback and seal (trainer's
             # load_state_dict tells its own state from an older one of the same step by it).
             "seq": self._sb.seq,
+            "verification": self.verification_state(),
             "model": self.timing.snapshot(),
         }

@@ -24,22 +24,11 @@ class _Media:
     A part of Namespace (emulator/namespace.py), which holds the state these methods share.
     """
 
-    def _block_crc(self, copy: Copy, tensor: TensorLayout, local_block: int) -> int:
-        start, stop = tensor.block_range(local_block)
-        crc = 0
-        for role in BLOCK_ROLES:
-            crc = kernels.crc32c(self._view(copy, tensor, role)[start:stop], crc)
-        return crc
-
     def _verify_copy(self, superblock: Superblock) -> list[tuple[str, int]]:
-        """Blocks of the copy `superblock` names whose checksum does not match."""
-        bad = []
-        for tensor in self.layouts:
-            for block in range(tensor.block_count):
-                crc = self._block_crc(superblock.committed_copy, tensor, block)
-                if crc != int(superblock.block_crcs[tensor.first_block + block]):
-                    bad.append((tensor.name, block))
-        return bad
+        """Blocks of the copy `superblock` names whose checksum (or param checksum, where
+        the superblock has them) does not match (_block_fails, namespace_verify.py)."""
+        return [(tensor.name, block) for tensor in self.layouts for block in range(tensor.block_count)
+                if self._block_fails(superblock, tensor, block)]
 
     def _sync(self, media: StateFile | SlotFile) -> None:
         """fsync one file; a failure stops the namespace (see media_failure)."""
@@ -154,6 +143,7 @@ class _Media:
         """(blocks verified, bad blocks) of the committed copy. A namespace still loading has
         no checksums yet, so nothing is verified."""
         with self._lock:
+            self._await_verified_locked()
             if self.loading:
                 return 0, []
             bad = self._verify_copy(self._sb)
@@ -171,6 +161,7 @@ class _Media:
                 f"{tensor.name} has blocks 0..{tensor.block_count - 1}, not {block!r}",
             )
         with self._lock:
+            self._await_verified_locked()
             if self.loading:
                 raise DeviceError(
                     Status.INVALID_FIELD,

@@ -14,6 +14,7 @@ from ..protocol.status import DeviceError, Status
 from .layout import Copy, SuperblockFlags, plan_layout
 from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, media_error, read_json
 from .namespace_common import hyper_record, hypers_of
+from .namespace_verify import VERIFY_BACKGROUND, VERIFY_MODES, VERIFY_OPEN
 from .spec import NamespaceSpec
 from .superblock import SkipCounts, Superblock
 
@@ -55,8 +56,11 @@ class _Opening:
             slots = (SlotFile(directory / "sb.0"), SlotFile(directory / "sb.1"))
             encoded = superblock.encode()
             # Both slots get their full size now, so no later commit needs a new block
-            # (a full disk fails the create, not a step).
-            slots[1 - superblock.slot].allocate(len(encoded))
+            # (a full disk fails the create, not a step): a sealed superblock adds its
+            # param checksums, 4 bytes a block.
+            full_size = len(encoded) + 4 * total_blocks
+            for slot in slots:
+                slot.allocate(full_size)
             slots[superblock.slot].write(encoded)
             for slot in slots:
                 slot.sync()
@@ -72,8 +76,13 @@ class _Opening:
         return cls(directory, nsid, spec, (copies[0], copies[1]), slots, superblock, sync, layouts)
 
     @classmethod
-    def open(cls, directory: Path, sync: bool) -> Self:
+    def open(cls, directory: Path, sync: bool, verify: str = VERIFY_OPEN) -> Self:
         """Open an existing namespace, recovering to the newest valid committed step.
+
+        `verify` (namespace_verify.VERIFY_MODES): VERIFY_OPEN checks every block of the step
+        before this returns; VERIFY_BACKGROUND serves the newest step at once where its
+        superblock has param checksums, checking each param block as first served and the
+        whole copy in a thread (a failure then stops the namespace; see _Verifying).
 
         Each state copy is judged on its own: one that is missing or has the wrong size is a
         media error of that copy. Superblocks naming it are passed over, and the copy is
@@ -126,7 +135,7 @@ class _Opening:
             # Media errors of whole copies, for the device's error log and SMART figures.
             namespace.damaged_copies = list(damaged.values())
             namespace.counters.checksum_failures += len(damaged)
-            namespace._recover(usable)
+            namespace._recover(usable, verify)
         except BaseException:
             for state in copies.values():
                 state.close()
@@ -170,11 +179,19 @@ class _Opening:
         state.path = path
         return state
 
-    def _recover(self, candidates: list[Superblock]) -> None:
-        """Serve the newest superblock whose copy proves intact by its block checksums."""
+    def _recover(self, candidates: list[Superblock], verify: str = VERIFY_OPEN) -> None:
+        """Serve the newest superblock whose copy proves intact by its block checksums (with
+        VERIFY_BACKGROUND, the newest one with param checksums, verified lazily)."""
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, not {verify!r}")
+        deferred = False
         for superblock in candidates:
             if superblock.flags & SuperblockFlags.LOADING:
                 chosen = superblock
+                break
+            if verify == VERIFY_BACKGROUND and superblock.param_crcs is not None:
+                chosen = superblock
+                deferred = True
                 break
             bad = self._verify_copy(superblock)
             if not bad:
@@ -205,3 +222,5 @@ class _Opening:
             slot.sync()
         self._durable_seq = chosen.seq
         self._durable_step = chosen.committed_step
+        if deferred:
+            self._defer_verification(chosen)

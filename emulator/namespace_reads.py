@@ -90,9 +90,16 @@ class _Reads:
         if role == "grad":
             raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
         file_size = tensor.numel * self.itemsize(role)
+        if self.verifying and role == "param":
+            # Reopened and not yet verified whole: each param block is checked the first
+            # time it is served (namespace_verify.py).
+            self._check_params_before_serving(tensor, offset, size, wait)
         if not self._lock.acquire(blocking=wait):
             raise WouldBlock
         try:
+            if self.verifying and role != "param":
+                self._await_verified_locked(wait)  # master and moments: once all is verified
+            self._refuse_unservable()
             source = self._sb.committed_copy if copy_of is None else copy_of
             state = self._copies[source]
             # A damaged copy (cut short, holes, replaced; a page the guard replaced with

@@ -39,6 +39,8 @@ class _Steps:
             return opened
 
     def _begin_locked(self, step: int | None, grad_scale: float, explicit: bool) -> StepTransaction:
+        # A step reads the committed master and moments: they must have passed their checksums.
+        self._await_verified_locked()
         # The step writes into the shadow copy: not while a reader (a snapshot's copy, a
         # reply) still reads it as the step before (pinned before the last commit flipped).
         while self._pins[self._sb.committed_copy.other] and self._tx is None:
@@ -75,12 +77,14 @@ class _Steps:
     def _seal_locked(self) -> None:
         """End the loading phase: checksum the initial state and make it durable."""
         crcs = np.zeros(self.total_blocks, dtype=np.uint32)
+        param_crcs = np.zeros(self.total_blocks, dtype=np.uint32)
         copy = self._sb.committed_copy
         for tensor in self.layouts:
             for block in range(tensor.block_count):
-                crcs[tensor.first_block + block] = self._block_crc(copy, tensor, block)
+                index = tensor.first_block + block
+                crcs[index], param_crcs[index] = self._block_crcs(copy, tensor, block)
         self._sync(self._copies[copy])
-        sealed = self._sb.successor(flags=SuperblockFlags.NONE, block_crcs=crcs)
+        sealed = self._sb.successor(flags=SuperblockFlags.NONE, block_crcs=crcs, param_crcs=param_crcs)
         self._write_superblock(sealed, sync=True)
 
     def _quiesced_step_locked(self) -> StepTransaction:
@@ -160,6 +164,7 @@ class _Steps:
                 committed_step=tx.step,
                 committed_copy=shadow,
                 block_crcs=tx.block_crcs,
+                param_crcs=tx.param_crcs,
                 steps_committed=self._sb.steps_committed + 1,
                 steps_skipped=skips.steps_skipped,
                 last_skipped_step=skips.last_skipped_step,
@@ -190,6 +195,7 @@ class _Steps:
         changed. Already at step - 1: nothing to do ({"reverted": false}). Crash safe like a
         commit: one durable superblock write flips back."""
         with self._cond:
+            self._await_verified_locked()  # step's own copy first: a failure there stops it all
             self._check_media()
             if self._tx is not None:
                 raise DeviceError(Status.STEP_ALREADY_OPEN, f"namespace {self.name!r}: step {self._tx.step} "
@@ -230,6 +236,7 @@ class _Steps:
                 committed_copy=other.committed_copy,
                 flags=SuperblockFlags.NONE,
                 block_crcs=other.block_crcs.copy(),
+                param_crcs=None if other.param_crcs is None else other.param_crcs.copy(),
                 last_grad_scale=other.last_grad_scale,
                 **hyper_record(hypers_of(other)),
             )
@@ -317,6 +324,7 @@ class _Steps:
         or rollback waits until it exits (a step may stay open and keep computing: it only
         writes the shadow). Emulator/snapshots.py copies the state under it."""
         with self._lock:
+            self._await_verified_locked()  # a snapshot or export copies master and moments too
             self._check_media()
             if self.loading:
                 raise DeviceError(
@@ -339,6 +347,7 @@ class _Steps:
         Crash safe like a step: the committed copy is untouched until the slot write flips.
         """
         with self._cond:
+            self._await_verified_locked()
             self._check_media()
             self._wait_for_shadow_pins_locked()  # the fill writes into the shadow
             if self._tx is not None:
@@ -367,6 +376,7 @@ class _Steps:
                 committed_copy=shadow,
                 flags=SuperblockFlags.NONE,
                 block_crcs=source.block_crcs.copy(),
+                param_crcs=None if source.param_crcs is None else source.param_crcs.copy(),
                 last_grad_scale=source.last_grad_scale,
                 **hyper_record(hypers_of(source)),
             )

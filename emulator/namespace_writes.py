@@ -290,7 +290,7 @@ class _Writes:
             shadow = committed.other
             tensor = block.tensor
             start, stop = tensor.block_range(block.local_block)
-            crc = 0
+            crc = param_crc = 0
             written = 0
             state = self._copies[shadow]
             mapped = state.write_mode == "mapped"
@@ -311,7 +311,7 @@ class _Writes:
                 if mapped:
                     # The kernel stores the new state straight into the shadow copy's mapping.
                     state.before_mapped_write()
-                    crc, _ = self._block_update(committed, tensor)(
+                    crc, _, param_crc = self._block_update(committed, tensor)(
                         grad, start, tx.scalars[self._group_of[tensor.name]], block.param_copy)
                     written = (stop - start) * sum(self._role_dtype(role).itemsize for role in BLOCK_ROLES)
                 else:
@@ -319,7 +319,7 @@ class _Writes:
                     # (stores into a disk file's mapping would fault once per page).
                     out = buffers
                     # One pass: the step, and the checksum of its outputs while they are in cache.
-                    crc = kernels.adam_step_crc(
+                    crc, param_crc = kernels.adam_step_crcs(
                         grad,
                         self._view(committed, tensor, "master")[start:stop],
                         self._view(committed, tensor, "exp_avg")[start:stop],
@@ -344,7 +344,8 @@ class _Writes:
             log.exception("namespace %s: kernel failed on %s block %d", self.name, block.tensor.name, block.local_block)
             raise DeviceError(Status.INTERNAL_ERROR, f"kernel failed: {exc}") from exc
         with self._lock:
-            tx.finish(block, crc, nonfinite, copied=written > 0 and block.param_copy is not None)
+            tx.finish(block, crc, nonfinite, copied=written > 0 and block.param_copy is not None,
+                      param_crc=param_crc)
             self.counters.kernel_blocks += 1
             self.counters.kernel_ns += elapsed
             self.counters.media_bytes_written += written

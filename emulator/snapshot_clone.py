@@ -72,11 +72,15 @@ def write_fresh_records(directory: Path, nsid: int, spec: Any, copy_bytes: int, 
     Returns the superblock written."""
     superblock = dataclasses.replace(
         source, seq=1, committed_copy=Copy.A, flags=SuperblockFlags.NONE,
-        steps_committed=0, steps_skipped=0, last_skipped_step=0, block_crcs=source.block_crcs.copy())
+        steps_committed=0, steps_skipped=0, last_skipped_step=0, block_crcs=source.block_crcs.copy(),
+        param_crcs=None if source.param_crcs is None else source.param_crcs.copy())
     encoded = superblock.encode()
     slots = (media.SlotFile(directory / "sb.0"), media.SlotFile(directory / "sb.1"))
     try:
-        slots[1 - superblock.slot].allocate(len(encoded))
+        # Full size in both, param checksums included, so no later commit needs a new block.
+        full_size = len(encoded) + (4 * len(superblock.block_crcs) if superblock.param_crcs is None else 0)
+        for slot in slots:
+            slot.allocate(full_size)
         slots[superblock.slot].write(encoded)
         for slot in slots:
             slot.sync()

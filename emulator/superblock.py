@@ -52,6 +52,9 @@ class Superblock:
     extra_groups: np.ndarray = dataclasses.field(
         default_factory=lambda: np.zeros((0, len(GROUP_FIELDS)), dtype=np.float64)
     )
+    # The CRC32C of each block's params alone (the last part of its block checksum), or None
+    # where the slot predates them: what a restart checks before it serves a param.
+    param_crcs: np.ndarray | None = None
 
     @property
     def slot(self) -> int:
@@ -64,7 +67,10 @@ class Superblock:
         header["seq"] = self.seq
         header["committed_step"] = self.committed_step
         header["committed_copy"] = int(self.committed_copy)
-        header["flags"] = int(self.flags)
+        flags = self.flags & ~SuperblockFlags.PARAM_CRCS
+        if self.param_crcs is not None:
+            flags |= SuperblockFlags.PARAM_CRCS
+        header["flags"] = int(flags)
         header["adamw"] = int(self.mode == ADAMW)
         header["block_count"] = len(self.block_crcs)
         header["steps_committed"] = self.steps_committed
@@ -76,6 +82,7 @@ class Superblock:
             header.tobytes()
             + self.block_crcs.astype("<u4").tobytes()
             + np.ascontiguousarray(self.extra_groups, dtype="<f8").tobytes()
+            + (b"" if self.param_crcs is None else self.param_crcs.astype("<u4").tobytes())
         )
         crc = kernels.crc32c(memoryview(body)[SUPERBLOCK_CRC_START:])
         body[12:16] = crc.to_bytes(4, "little")
@@ -97,7 +104,10 @@ class Superblock:
         if blocks != expected_blocks:
             return None
         groups_at = SUPERBLOCK_HEADER.itemsize + 4 * blocks
-        end = groups_at + 8 * len(GROUP_FIELDS) * (expected_groups - 1)
+        params_at = groups_at + 8 * len(GROUP_FIELDS) * (expected_groups - 1)
+        flags = SuperblockFlags(int(header["flags"]))
+        with_params = bool(flags & SuperblockFlags.PARAM_CRCS)
+        end = params_at + (4 * blocks if with_params else 0)
         if len(data) < end:
             return None
         if kernels.crc32c(memoryview(data)[SUPERBLOCK_CRC_START:end]) != int(header["crc"]):
@@ -110,7 +120,7 @@ class Superblock:
             seq=int(header["seq"]),
             committed_step=int(header["committed_step"]),
             committed_copy=Copy(int(header["committed_copy"]) & 1),
-            flags=SuperblockFlags(int(header["flags"])),
+            flags=flags & ~SuperblockFlags.PARAM_CRCS,
             lr=float(header["lr"]),
             beta1=float(header["beta1"]),
             beta2=float(header["beta2"]),
@@ -123,10 +133,18 @@ class Superblock:
             last_skipped_step=int(header["last_skipped_step"]),
             last_grad_scale=float(header["last_grad_scale"]),
             extra_groups=extra.astype(np.float64),
+            param_crcs=(np.frombuffer(data, dtype="<u4", count=blocks, offset=params_at).astype(np.uint32)
+                        if with_params else None),
         )
 
     def successor(self, **changes: object) -> "Superblock":
-        """The next superblock (seq + 1), i.e. the one written into the other slot."""
+        """The next superblock (seq + 1), i.e. the one written into the other slot.
+
+        New block checksums without new param checksums drop the old ones: a param checksum
+        of another copy or step must never stand beside them (a restart would then fail
+        good params, or worse, pass stale ones)."""
+        if "block_crcs" in changes and "param_crcs" not in changes:
+            changes["param_crcs"] = None
         fields = dataclasses.asdict(self) | {"seq": self.seq + 1} | changes
         return Superblock(**fields)  # type: ignore[arg-type]
 

@@ -69,6 +69,7 @@ class StepTransaction:
         self.explicit = explicit
         self.total_blocks = total_blocks
         self.block_crcs = np.zeros(total_blocks, dtype=np.uint32)
+        self.param_crcs = np.zeros(total_blocks, dtype=np.uint32)  # each block's params alone
         # One BlockState per block of each tensor; a bytearray, whose items read as plain
         # ints (numpy scalars compare several times slower on this per-request path).
         self.states: dict[str, bytearray] = {}
@@ -169,11 +170,13 @@ class StepTransaction:
                 self.received_blocks += 1
         return ready
 
-    def finish(self, ready: ReadyBlock, crc: int, nonfinite: int, copied: bool = False) -> None:
+    def finish(self, ready: ReadyBlock, crc: int, nonfinite: int, copied: bool = False,
+               param_crc: int = 0) -> None:
         if copied:
             self.copied.add((ready.tensor.name, ready.local_block))
         self.states[ready.tensor.name][ready.local_block] = BlockState.DONE
         self.block_crcs[ready.tensor.first_block + ready.local_block] = crc
+        self.param_crcs[ready.tensor.first_block + ready.local_block] = param_crc
         self.nonfinite += nonfinite
         self.done_blocks += 1
 

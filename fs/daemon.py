@@ -19,6 +19,7 @@ import pyfuse3
 import trio
 
 from ..emulator import Device, DeviceConfig, DeviceError, Status
+from ..emulator.namespace_verify import VERIFY_BACKGROUND
 from ..emulator.backing import BackingDirectory
 from ..emulator.cmb import DEFAULT_CMB_BYTES
 from ..emulator.device import SUPERBLOCK_FILE
@@ -178,8 +179,12 @@ def serve(
     timed: bool = False,
     io_threads: int | None = None,
     cmb_bytes: int = DEFAULT_CMB_BYTES,
+    verify: str = VERIFY_BACKGROUND,
 ) -> None:
     """Serve the device at `mountpoint` until unmounted or signalled (foreground).
+
+    `verify` (DeviceConfig.verify): "background" serves params at once after a restart and
+    verifies the rest in a thread; "open" verifies every block before the mount is ready.
 
     `io_threads` (default COSSD_IO_THREADS, else one per core, at least 2) serve tensor
     reads and writes in front of pyfuse3 (fs/datapath.py); 0 leaves them to pyfuse3.
@@ -196,7 +201,7 @@ def serve(
     metrics = (MetricsServer.bind(metrics_port, metrics_addr, metrics_token_file)
                if metrics_port is not None else None)
     try:
-        device = Device.open(backing_path, DeviceConfig(sync=sync, profile=profile, timed=timed))
+        device = Device.open(backing_path, DeviceConfig(sync=sync, profile=profile, timed=timed, verify=verify))
     except BaseException:
         if metrics is not None:
             metrics.close()
@@ -243,6 +248,7 @@ def start_background(
     timed: bool = False,
     io_threads: int | None = None,
     cmb_bytes: int | None = None,
+    verify: str = VERIFY_BACKGROUND,
 ) -> int:
     """Start a daemon process and return its pid once the mount is ready."""
     # Check what can be checked here, so the common mistakes get a clear one-line error.
@@ -277,6 +283,8 @@ def start_background(
         command += ["--io-threads", str(io_threads)]
     if cmb_bytes is not None:
         command += ["--cmb-size", str(cmb_bytes)]
+    if verify != VERIFY_BACKGROUND:
+        command += ["--verify", verify]
     log_path = Path(log_file) if log_file else Path(backing) / "daemon.log"
     try:
         log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) if log_file \

@@ -124,7 +124,7 @@ def cossd_device_update(buffers: KernelBuffers, threads: int) -> Callable[[], No
 
     def update(start: int, stop: int) -> None:
         for low in range(start, stop, BLOCK_ELEMS):
-            block_update(b.grad16[low:min(stop, low + BLOCK_ELEMS)], low, scalars)  # (crc, non-finite)
+            block_update(b.grad16[low:min(stop, low + BLOCK_ELEMS)], low, scalars)  # (crc, non-finite, param crc)
 
     return lambda: split_run(update, b.n, threads)
 

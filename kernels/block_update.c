@@ -120,13 +120,14 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
                         uint32_t *crc_out)
 {
     return cossd_adam_step_crc_copy(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
-                                    exp_avg_sq_out, state_fmt, param_out, NULL, param_fmt, n, s, crc_out, NULL);
+                                    exp_avg_sq_out, state_fmt, param_out, NULL, param_fmt, n, s, crc_out, NULL, NULL);
 }
 
 int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
                              const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                              int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt, size_t n,
-                             const cossd_adam_scalars *s, uint32_t *crc_out, size_t *nonfinite_out)
+                             const cossd_adam_scalars *s, uint32_t *crc_out, uint32_t *param_crc_out,
+                             size_t *nonfinite_out)
 {
     size_t nonfinite = 0;
     int rc = adam_check(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
@@ -173,6 +174,8 @@ int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *ma
 combine:;
     if (nonfinite_out)
         *nonfinite_out = nonfinite;
+    if (param_crc_out) /* the params alone: what a restart checks before it serves them */
+        *param_crc_out = crc[3];
     uint32_t block = cossd_crc32c_combine(crc[0], crc[1], (uint64_t)n * ssz);
     block = cossd_crc32c_combine(block, crc[2], (uint64_t)n * ssz);
     *crc_out = cossd_crc32c_combine(block, crc[3], (uint64_t)n * 2);

@@ -108,13 +108,15 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
  * as it computes them (a controller memory buffer), with no second pass. With nonfinite_out
  * (NULL: not counted) it also counts the gradient's inf/NaN elements, on the AVX-512 path from
  * the very register each element's step used (a gradient in memory the host shares cannot
- * change between the count and its use). */
+ * change between the count and its use). With param_crc_out (NULL: not wanted) it also returns
+ * the CRC32C of param_out alone, the part of the block checksum a restart verifies before it
+ * serves the params (the four parts are computed apart and combined anyway). */
 int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *master_in,
                              const void *exp_avg_in, const void *exp_avg_sq_in,
                              float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                              int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt,
                              size_t n, const cossd_adam_scalars *s, uint32_t *crc_out,
-                             size_t *nonfinite_out);
+                             uint32_t *param_crc_out, size_t *nonfinite_out);
 
 int cossd_simd_available(void);
 int cossd_avx512_available(void);

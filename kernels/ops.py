@@ -112,14 +112,39 @@ def adam_step_crc(
     """adam_step out of place (no output may overlap an input) that also returns the CRC32C of
     master_out, exp_avg_out, exp_avg_sq_out and param_out in that order, as the device checksums
     a block. The same bits as adam_step followed by crc32c, in one pass over memory."""
+    return adam_step_crcs(grad, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                          exp_avg_sq_out, param_out, grad_format=grad_format, param_format=param_format,
+                          state_format=state_format, scalars=scalars)[0]
+
+
+def adam_step_crcs(
+    grad: Any,
+    master_in: Any,
+    exp_avg_in: Any,
+    exp_avg_sq_in: Any,
+    master_out: Any,
+    exp_avg_out: Any,
+    exp_avg_sq_out: Any,
+    param_out: Any,
+    *,
+    grad_format: HalfFormat,
+    param_format: HalfFormat,
+    state_format: StateFormat,
+    scalars: AdamScalars,
+) -> tuple[int, int]:
+    """adam_step_crc that also returns the CRC32C of param_out alone: (block CRC, param CRC),
+    from the same pass."""
     args, n = _adam_buffers(grad, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
                             exp_avg_sq_out, param_out, grad_format, param_format, state_format,
                             scalars, frozenset())
     if n == 0:
-        return 0
+        return 0, 0
     crc = _ffi.new("uint32_t *")
-    _check_rc(_lib.cossd_adam_step_crc(*args, crc), "adam_step_crc")
-    return int(crc[0])
+    param_crc = _ffi.new("uint32_t *")
+    # The step with no second param buffer: NULL after param_out, as cossd_adam_step_crc does.
+    args.insert(10, _ffi.NULL)
+    _check_rc(_lib.cossd_adam_step_crc_copy(*args, crc, param_crc, _ffi.NULL), "adam_step_crcs")
+    return int(crc[0]), int(param_crc[0])
 
 
 class BlockUpdate:
@@ -146,9 +171,10 @@ class BlockUpdate:
         self._outputs = [(b.start, b.end) for b in bufs[3:]]
         self._half_dtypes = _half_dtypes(self._gfmt)
 
-    def __call__(self, grad: Any, start: int, scalars: AdamScalars, param_copy: Any = None) -> tuple[int, int]:
+    def __call__(self, grad: Any, start: int, scalars: AdamScalars,
+                 param_copy: Any = None) -> tuple[int, int, int]:
         """Step elements start..start+len(grad)-1 with `grad`: (their CRC32C as adam_step_crc
-        gives it, the gradient's inf/NaN elements). `param_copy` (as many 16-bit elements) also
+        gives it, the gradient's inf/NaN elements, the CRC32C of the new params alone). `param_copy` (as many 16-bit elements) also
         receives the new params, in the same pass. A gradient with non-finite elements still
         steps (into outputs the caller then discards)."""
         g = _buf("grad", grad, self._half_dtypes, _HALF_CTYPE)
@@ -167,16 +193,17 @@ class BlockUpdate:
                 raise KernelArgumentError("param_copy overlaps the gradient or a state array")
             copy = c.ptr
         if n == 0:
-            return 0, 0
+            return 0, 0, 0
         for low, high in self._outputs:
             if g.start < high and low < g.end:
                 raise KernelArgumentError("grad overlaps an output")
         mi, ai, vi, mo, ao, vo, po = (b.ptr + start for b in self._bufs)
         crc = _ffi.new("uint32_t *")
+        param_crc = _ffi.new("uint32_t *")
         nonfinite = _ffi.new("size_t *")
         _check_rc(_lib.cossd_adam_step_crc_copy(g.ptr, self._gfmt, mi, ai, vi, mo, ao, vo, self._sfmt, po, copy,
-                                                self._pfmt, n, scalars._c, crc, nonfinite), "BlockUpdate")
-        return int(crc[0]), int(nonfinite[0])
+                                                self._pfmt, n, scalars._c, crc, param_crc, nonfinite), "BlockUpdate")
+        return int(crc[0]), int(nonfinite[0]), int(param_crc[0])
 
 
 def count_nonfinite(grad: Any, fmt: HalfFormat) -> int:

@@ -143,6 +143,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: {DEFAULT_PROFILE})")
     parser.add_argument("--timed", action="store_true",
                         help="complete file I/O and step commands no earlier than their modeled device time")
+    parser.add_argument("--verify", choices=("background", "open"), default="background",
+                        help="when the device verifies each namespace's committed step: 'background' "
+                             "(default) serves params at once, each param block checked as first read, the "
+                             "rest in a thread before any step; 'open' checks everything before serving "
+                             "(as `cossd mount --verify`)")
     parser.add_argument("--link", default=DEFAULT_LINK, metavar="NAME|FILE.json",
                         help=f"network link of the timing model (accounted per command; with --timed, honoured): "
                              f"{', '.join(LINKS)}, or a JSON file (default: {DEFAULT_LINK}; docs/timing-model.md)")
@@ -197,7 +202,8 @@ def run_foreground(args: argparse.Namespace) -> None:
         raise SystemExit(f"cossd serve: {exc}") from None
     try:
         device = Device.open(Path(args.backing).resolve(),
-                             DeviceConfig(sync=args.sync, profile=args.profile, timed=args.timed))
+                             DeviceConfig(sync=args.sync, profile=args.profile, timed=args.timed,
+                                          verify=args.verify))
     except BaseException:
         if metrics is not None:
             metrics.close()

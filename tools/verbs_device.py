@@ -66,7 +66,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
                      debug=args.debug, ready_fd=args.ready_fd,
                      metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
                      metrics_token_file=args.metrics_token_file, profile=args.profile, timed=args.timed,
-                     io_threads=args.io_threads, cmb_bytes=args.cmb_size)
+                     io_threads=args.io_threads, cmb_bytes=args.cmb_size, verify=args.verify)
         return 0
     if args.metrics_token_file is not None:  # a one-line error before anything starts
         from ..fs.metrics import MetricsPortError, load_token
@@ -80,7 +80,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
                                       metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
                                       metrics_token_file=args.metrics_token_file,
                                       profile=args.profile, timed=args.timed,
-                                      io_threads=args.io_threads, cmb_bytes=args.cmb_size)
+                                      io_threads=args.io_threads, cmb_bytes=args.cmb_size,
+                                      verify=args.verify)
     except DeviceError as exc:
         where = _mounted_at(args.backing) if exc.status == Status.NAMESPACE_NOT_READY else []
         if where:
@@ -106,7 +107,8 @@ def _mount_remote(args: argparse.Namespace) -> int:
     local_only = {"--sync": args.sync, "--metrics-port": args.metrics_port is not None,
                   "--metrics-token-file": args.metrics_token_file is not None,
                   "--profile": args.profile != DEFAULT_PROFILE, "--timed": args.timed,
-                  "--io-threads": args.io_threads is not None, "--cmb-size": args.cmb_size != DEFAULT_CMB_BYTES}
+                  "--io-threads": args.io_threads is not None, "--cmb-size": args.cmb_size != DEFAULT_CMB_BYTES,
+                  "--verify": args.verify != "background"}
     given = [option for option, used in local_only.items() if used]
     if given:
         raise SystemExit(f"cossd mount: {', '.join(given)} set the device's own behaviour, which is the "
@@ -325,3 +327,10 @@ def _register_mount(verb: VerbFactory) -> None:
                      help="controller memory buffer: shared memory that CMB_WRITE/CMB_READ move tensor "
                           "bytes through without FUSE copies; memory is used only as clients touch it; "
                           "0 turns it off (default: 1G; docs/command-set.md)")
+    sub.add_argument("--verify", choices=("background", "open"), default="background",
+                     help="when a restart verifies each namespace's committed step: 'background' (default) "
+                          "serves params at once, checking each param block against its own checksum as "
+                          "it is first read, and verifies master and moments in a thread before any step, "
+                          "snapshot or state read; 'open' checks every block before the mount is ready "
+                          "(slower at scale). A block that fails stops the namespace; a remount then "
+                          "recovers the step before (docs/reliability.md)")

@@ -645,18 +645,20 @@ def test_block_update_equals_adam_step_crc_on_each_range(
             s = slice(start, stop)
             copy = _aligned_empty(stop - start + 2, np.dtype(np.uint16), 3 * shift)
             copy[:] = 0xABCD
-            crc, nonfinite = update(inp["grad"][s], start, scalars, param_copy=copy[1:-1] if shift % 2 else None)
+            crc, nonfinite, param_crc = update(inp["grad"][s], start, scalars,
+                                               param_copy=copy[1:-1] if shift % 2 else None)
             assert nonfinite == k.count_nonfinite(inp["grad"][s], gfmt)
-            wanted = k.adam_step_crc(inp["grad"][s], inp["master"][s], inp["m"][s], inp["v"][s],
-                                     expected["master"][s], expected["m"][s], expected["v"][s],
-                                     expected["param"][s], scalars=scalars, **kw)
-            assert crc == wanted
+            wanted = k.adam_step_crcs(inp["grad"][s], inp["master"][s], inp["m"][s], inp["v"][s],
+                                      expected["master"][s], expected["m"][s], expected["v"][s],
+                                      expected["param"][s], scalars=scalars, **kw)
+            assert (crc, param_crc) == wanted
+            assert param_crc == k.crc32c(out["param"][s])  # the params' bytes alone
             assert_bits_equal(expected, out, f"{start}..{stop}")
             if shift % 2:  # the copy, and not a byte around it
                 assert np.array_equal(copy[1:-1], expected["param"][s]) and copy[0] == copy[-1] == 0xABCD
             else:
                 assert (copy == 0xABCD).all()
-        assert update(np.empty(0, np.uint16), n, scalars) == (0, 0)
+        assert update(np.empty(0, np.uint16), n, scalars) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("path", path_params())
@@ -694,7 +696,7 @@ def test_block_update_counts_nonfinite_gradient_elements(path: str, gfmt: HalfFo
             grad[spots[:1]] = exp | 1  # a NaN for certain
             out = [np.empty(n, np.float32) for _ in range(3)] + [np.empty(n, np.uint16)]
             update = k.BlockUpdate(inp["master"][shift:], inp["m"][shift:], inp["v"][shift:], *out, **kw)
-            _, counted = update(grad, 0, k.adam_scalars(HYPER_W, 1))
+            _, counted, _ = update(grad, 0, k.adam_scalars(HYPER_W, 1))
             assert counted == k.count_nonfinite(grad, gfmt) == int(((grad & exp) == exp).sum()) >= 1
 
 

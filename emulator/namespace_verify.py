@@ -1,0 +1,223 @@
+"""Verifying a reopened namespace's committed step lazily: each param block before it is first served, the whole copy in the background."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import kernels
+from ..protocol.status import DeviceError, Status
+from .layout import BLOCK_ELEMS, SUPERBLOCK_HEADER, Copy, TensorLayout
+from .namespace_common import BLOCK_ROLES, WouldBlock
+from .superblock import Superblock
+
+log = logging.getLogger("cossd.emulator.namespace")
+
+# How the committed copy is verified when a namespace is opened (DeviceConfig.verify):
+VERIFY_OPEN = "open"  # every block's checksum before anything is served (slow at scale)
+VERIFY_BACKGROUND = "background"  # params as first served, everything else in a thread
+VERIFY_MODES = (VERIFY_OPEN, VERIFY_BACKGROUND)
+
+# The background pass gives way to the host: while params were read this recently, it waits
+# (a restart's first job is to hand the trainer its params; the pass competes for the disk).
+HOST_READ_QUIET_NS = 20_000_000
+YIELD_SLEEP_S = 0.005
+
+
+class _Verifying:
+    """Deferred verification of the committed copy after an open (see VERIFY_BACKGROUND).
+
+    While it runs (`verifying`), nothing may read or step on bytes not yet checked:
+    - a param read checks each block it touches against the block's param checksum (the
+      superblock's `param_crcs`) the first time, before serving it;
+    - every other use of the committed copy (a begin, master or moment reads, snapshots,
+      export, scrub, revert, injected corruption) waits until the whole copy has passed.
+    A block that fails either check stops the namespace: the read that found it and every
+    later command fail (UNRECOVERED_READ_ERROR), and the failed step's superblock is wiped,
+    so that a remount recovers the newest older step whose copy passes, as recovery at open
+    would have. The step is never switched under a client that has read part of it, and
+    nothing unverified is ever served as good.
+
+    A part of Namespace (emulator/namespace.py), which holds the state these methods share.
+    """
+
+    def _init_verification(self) -> None:
+        self.verifying = False
+        self._param_checked = np.zeros(0, dtype=bool)
+        self._verify_stop = False
+        self._unservable: str | None = None  # why nothing may be served any more
+        self._verify_thread: threading.Thread | None = None
+        self._last_host_read_ns = 0
+        # Seconds the background pass took, once it is over (None before; statistics).
+        self.verified_in_s: float | None = None
+
+    # ------------------------------------------------------------------ checksums
+
+    def _block_crcs(self, copy: Copy, tensor: TensorLayout, local_block: int) -> tuple[int, int]:
+        """(block checksum, param checksum) of one block in `copy`: each role's CRC32C on its
+        own, combined in the block checksum's order (master, moments, param)."""
+        start, stop = tensor.block_range(local_block)
+        block = 0
+        part = 0
+        for index, role in enumerate(BLOCK_ROLES):
+            view = self._view(copy, tensor, role)[start:stop]
+            part = kernels.crc32c(view)
+            block = part if index == 0 else kernels.crc32c_combine(block, part, view.nbytes)
+        return block, part  # BLOCK_ROLES ends with the param
+
+    def _block_fails(self, superblock: Superblock, tensor: TensorLayout, local_block: int) -> bool:
+        crc, param_crc = self._block_crcs(superblock.committed_copy, tensor, local_block)
+        index = tensor.first_block + local_block
+        return crc != int(superblock.block_crcs[index]) or (
+            superblock.param_crcs is not None and param_crc != int(superblock.param_crcs[index]))
+
+    # ------------------------------------------------------------------ starting and ending
+
+    def _defer_verification(self, chosen: Superblock) -> None:
+        """Serve `chosen` now and verify it lazily (chosen.param_crcs must be present)."""
+        self.verifying = True
+        self._param_checked = np.zeros(self.total_blocks, dtype=bool)
+        self._verify_thread = threading.Thread(target=self._verify_in_background, args=(chosen,),
+                                               name=f"cossd-verify-{self.name}", daemon=True)
+        self._verify_thread.start()
+
+    def _stop_verification(self) -> None:
+        """Stop the background pass (the namespace is closing); what it did not check stays
+        unchecked, and the next open starts over."""
+        self._verify_stop = True
+        thread = self._verify_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def wait_verified(self, timeout: float | None = None) -> bool:
+        """Block until the committed copy is verified (or the namespace fell back); False on
+        timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.verifying:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _await_verified_locked(self, wait: bool = True) -> None:
+        """Wait (the caller holds the lock, which the wait releases) until the committed copy
+        is verified whole; WouldBlock instead where the caller must not block."""
+        while self.verifying:
+            if not wait:
+                raise WouldBlock
+            self._cond.wait()
+
+    def _verify_in_background(self, chosen: Superblock) -> None:
+        started = time.perf_counter()
+        bad: list[tuple[str, int]] = []
+        failure: str | None = None
+        try:
+            for tensor in self.layouts:
+                for block in range(tensor.block_count):
+                    if self._verify_stop:
+                        return
+                    self._give_way_to_host_reads()
+                    if self._block_fails(chosen, tensor, block):
+                        bad.append((tensor.name, block))
+        except BaseException as exc:  # a copy cut from under its mapping, an I/O error
+            failure = f"verifying step {chosen.committed_step}: {exc}"
+            log.exception("namespace %s: %s", self.name, failure)
+        with self._cond:
+            if self.verifying:
+                if (bad or failure is not None) and self._sb is chosen:
+                    self._discard_failed_step_locked(chosen, bad, failure)
+                self.verified_in_s = time.perf_counter() - started
+                self._end_verification_locked()
+        if not bad and failure is None:
+            log.info("namespace %s: step %d verified in the background in %.2f s", self.name,
+                     chosen.committed_step, self.verified_in_s or 0.0)
+
+    def _give_way_to_host_reads(self) -> None:
+        while (not self._verify_stop
+               and time.monotonic_ns() - self._last_host_read_ns < HOST_READ_QUIET_NS):
+            time.sleep(YIELD_SLEEP_S)
+
+    def _end_verification_locked(self) -> None:
+        self.verifying = False
+        self._param_checked = np.zeros(0, dtype=bool)
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the read path
+
+    def _check_params_before_serving(self, tensor: TensorLayout, offset: int, size: int, wait: bool) -> None:
+        """Verify the param blocks that bytes [offset, offset + size) touch, each once, before
+        they are served; a failure falls back and refuses this read. Runs without the lock:
+        while the namespace verifies, its committed copy cannot change (no begin can run)."""
+        self._last_host_read_ns = time.monotonic_ns()
+        end = min(offset + size, tensor.numel * 2)
+        if end <= offset:
+            return
+        first, last = offset // 2 // BLOCK_ELEMS, (end - 1) // 2 // BLOCK_ELEMS
+        superblock = self._sb
+        checked = self._param_checked
+        todo = [block for block in range(first, last + 1)
+                if self.verifying and not checked[tensor.first_block + block]]
+        if not todo:
+            return
+        if not wait:
+            raise WouldBlock  # reading cold media: not on the event loop
+        assert superblock.param_crcs is not None
+        for block in todo:
+            start, stop = tensor.block_range(block)
+            crc = kernels.crc32c(self._view(superblock.committed_copy, tensor, "param")[start:stop])
+            if crc == int(superblock.param_crcs[tensor.first_block + block]):
+                checked[tensor.first_block + block] = True
+                continue
+            with self._cond:
+                if self.verifying and self._sb is superblock:
+                    self._discard_failed_step_locked(superblock, [(tensor.name, block)], None)
+                    self._end_verification_locked()
+            self._refuse_unservable()
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                              f"namespace {self.name!r}: {tensor.name} block {block} fails its param checksum")
+
+    # ------------------------------------------------------------------ a step that fails
+
+    def _discard_failed_step_locked(self, failed: Superblock, bad: list[tuple[str, int]],
+                                    failure: str | None) -> None:
+        """`failed`, the step being served, has `bad` blocks (or could not be read: `failure`):
+        stop the namespace (every read, step and snapshot refused) rather than switch the
+        step under clients that may have read some of its params already. Where checksums
+        failed, its superblock slot is also wiped, durably, so that the next open recovers
+        the newest older step whose copy passes, as recovery at open would have chosen."""
+        self.counters.checksum_failures += len(bad)
+        errors = [(name, block, self.tensors[name].first_block + block) for name, block in bad]
+        self.recovery_errors.extend(errors)
+        sink = self.__dict__.get("recovery_error_sink")  # the device's error log
+        if sink is not None:
+            for error in errors:
+                sink(error)
+        what = failure or f"{len(bad)} block checksum(s) (first: {bad[0][0]} block {bad[0][1]})"
+        if bad:
+            try:
+                self._slots[failed.slot].write(bytes(SUPERBLOCK_HEADER.itemsize))
+                self._slots[failed.slot].sync()
+                then = "it is discarded; remount the device to recover the newest older step that passes"
+            except DeviceError as exc:
+                then = f"it could not be discarded ({exc.message}); remounting will find it again"
+        else:
+            then = "remount the device to verify it again"
+        reason = f"step {failed.committed_step} fails {what} found after the device was opened; {then}"
+        self._unservable = reason
+        self._media_damaged(reason)
+
+    def _refuse_unservable(self) -> None:
+        reason = self._unservable
+        if reason is not None:
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"namespace {self.name!r}: {reason}")
+
+    def verification_state(self) -> dict[str, Any]:
+        """For statistics: whether the committed copy is still being verified."""
+        checked = self._param_checked
+        return {"verifying": self.verifying, "verified_in_s": self.verified_in_s,
+                "param_blocks_checked": int(checked.sum()) if self.verifying else None}
