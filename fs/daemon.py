@@ -29,7 +29,6 @@ from ..kernels import guard
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
 from .fuse_signals import stop_on_signal
-from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
 from .operations import Operations
 
 log = logging.getLogger(__name__)
@@ -173,7 +172,7 @@ def serve(
     debug: bool = False,
     ready_fd: int | None = None,
     metrics_port: int | None = None,
-    metrics_addr: str = DEFAULT_METRICS_ADDR,
+    metrics_addr: str | None = None,  # None: fs/metrics.py's default (loopback)
     metrics_token_file: str | os.PathLike[str] | None = None,
     profile: str = DEFAULT_PROFILE,
     timed: bool = False,
@@ -198,8 +197,12 @@ def serve(
     guard.install()
     # Bound before the device opens: a busy port fails the mount before anything has started
     # (no power cycle counted, nothing mounted).
-    metrics = (MetricsServer.bind(metrics_port, metrics_addr, metrics_token_file)
-               if metrics_port is not None else None)
+    metrics = None
+    if metrics_port is not None:
+        # Imported only when asked for: prometheus_client is a restart's cost otherwise.
+        from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
+
+        metrics = MetricsServer.bind(metrics_port, metrics_addr or DEFAULT_METRICS_ADDR, metrics_token_file)
     try:
         device = Device.open(backing_path, DeviceConfig(sync=sync, profile=profile, timed=timed, verify=verify))
     except BaseException:
@@ -242,7 +245,7 @@ def start_background(
     log_file: str | os.PathLike[str] | None = None,
     timeout_s: float = 60.0,
     metrics_port: int | None = None,
-    metrics_addr: str = DEFAULT_METRICS_ADDR,
+    metrics_addr: str | None = None,  # None: fs/metrics.py's default (loopback)
     metrics_token_file: str | os.PathLike[str] | None = None,
     profile: str = DEFAULT_PROFILE,
     timed: bool = False,
@@ -264,8 +267,10 @@ def start_background(
     # for good; a race between the two ends in the daemon's own refusal).
     BackingDirectory.lock(Path(backing)).close()
     read_fd, write_fd = os.pipe()
+    # The daemon's own entry, which imports the daemon and not the whole command line
+    # (fs/mount_main.py): part of what a restart waits for.
     command = [
-        sys.executable, "-m", "cossd.tools.cli", "mount", "--foreground",
+        sys.executable, "-m", "cossd.fs.mount_main",
         "--ready-fd", str(write_fd), str(backing), str(mountpoint),
     ]
     if sync:
@@ -273,7 +278,9 @@ def start_background(
     if allow_other:
         command.append("--allow-other")
     if metrics_port is not None:
-        command += ["--metrics-port", str(metrics_port), "--metrics-addr", metrics_addr]
+        command += ["--metrics-port", str(metrics_port)]
+        if metrics_addr is not None:
+            command += ["--metrics-addr", metrics_addr]
         if metrics_token_file is not None:
             command += ["--metrics-token-file", str(Path(metrics_token_file).resolve())]
     command += ["--profile", profile if profile in PROFILES else str(Path(profile).resolve())]

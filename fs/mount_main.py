@@ -1,0 +1,65 @@
+"""The background mount daemon's entry point (`python -m cossd.fs.mount_main`): the options start_background passes, then serve.
+
+Why not `cossd mount --foreground`: the command line imports every verb family (clients,
+the wire protocol, the model tools) to build its parser, and a restart pays for each import
+before the device can serve a param. This entry imports the daemon alone. `cossd mount
+--foreground` stays the way to run the daemon by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from ..protocol.status import DeviceError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cossd mount", description="the mount daemon (started by `cossd mount`)")
+    parser.add_argument("backing")
+    parser.add_argument("mountpoint")
+    parser.add_argument("--ready-fd", type=int)
+    parser.add_argument("--sync", action="store_true")
+    parser.add_argument("--allow-other", action="store_true")
+    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--metrics-port", type=int)
+    parser.add_argument("--metrics-addr")
+    parser.add_argument("--metrics-token-file")
+    parser.add_argument("--profile")
+    parser.add_argument("--timed", action="store_true")
+    parser.add_argument("--io-threads", type=int)
+    parser.add_argument("--cmb-size", type=int)
+    parser.add_argument("--verify")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+    )
+    from . import daemon  # after the logging is set, as the command line does
+
+    given = {name: value for name, value in (
+        ("metrics_addr", args.metrics_addr), ("profile", args.profile), ("cmb_bytes", args.cmb_size),
+        ("verify", args.verify)) if value is not None}
+    try:
+        daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
+                     debug=args.debug, ready_fd=args.ready_fd, metrics_port=args.metrics_port,
+                     metrics_token_file=args.metrics_token_file, timed=args.timed,
+                     io_threads=args.io_threads, **given)
+    except DeviceError as exc:
+        # The line start_background quotes from the log when the mount fails, as the
+        # command line words it.
+        print(f"cossd mount: {exc.message} [{exc.status.name}]", file=sys.stderr)
+        return 1
+    except (OSError, RuntimeError) as exc:
+        print(f"cossd mount: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
