@@ -145,8 +145,12 @@ class DeviceFigures(Collector):
                 "cossd_open_step", "Step now open (0: none).", labels=NS),
             "cossd_loading": GaugeMetricFamily(
                 "cossd_loading", "1 while the namespace takes initial weights (before step 1).", labels=NS),
+            "cossd_verifying": GaugeMetricFamily(
+                "cossd_verifying", "1 while a reopened namespace's master and moments are verified in the "
+                "background (steps wait for it).", labels=NS),
             "cossd_media_failure": GaugeMetricFamily(
-                "cossd_media_failure", "1 once a failed fsync has stopped the namespace.", labels=NS),
+                "cossd_media_failure", "1 once a media failure (a failed fsync, a damaged copy, a block "
+                "that failed its checksum after the device opened) has stopped the namespace.", labels=NS),
             "cossd_parameters": GaugeMetricFamily(
                 "cossd_parameters", "Parameters (elements) in the namespace.", labels=NS),
             "cossd_state_bytes": GaugeMetricFamily(
@@ -168,6 +172,7 @@ class DeviceFigures(Collector):
                 "cossd_last_skipped_step": figures["last_skipped_step"] or 0,
                 "cossd_open_step": figures["step_open"] or 0,
                 "cossd_loading": int(bool(figures["loading"])),
+                "cossd_verifying": int(bool(figures["verification"]["verifying"])),
                 "cossd_media_failure": int(getattr(ns, "media_failure", None) is not None),
                 "cossd_parameters": figures["parameters"],
                 "cossd_state_bytes": figures["state_bytes_per_copy"],

@@ -93,8 +93,10 @@ class Mount:
         subprocess.run(["fusermount3", "-u", str(self.mountpoint)], check=True)
         wait_for_exit(self.pid)
 
-    def restart(self) -> None:
-        self.pid = daemon.start_background(self.backing, self.mountpoint, sync=self.sync)
+    def restart(self, verify: str = "background") -> None:
+        """Mount again; `verify` as `cossd mount --verify` ("open": every block checked
+        before the mount is ready, as recovery did before background verification)."""
+        self.pid = daemon.start_background(self.backing, self.mountpoint, sync=self.sync, verify=verify)
 
 
 def start_mount(backing: Path, mountpoint: Path, sync: bool = False) -> Mount:

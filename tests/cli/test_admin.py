@@ -212,7 +212,7 @@ def test_scrub_finds_a_flipped_byte_and_recovery_counts_it(mount: Mount, capsys:
     # At the next mount, recovery finds step 1's copy bad and falls back to step 0: one more
     # media error, logged with no command (sqid and cmdid FFFFh).
     mount.unmount()
-    mount.restart()
+    mount.restart(verify="open")
     assert (mp / "ns/net/step").read_text() == "0\n"
     recovered = smart(mp)
     assert recovered["media_errors"] == after["media_errors"] + 1

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import Mount
-from cossd.protocol.status import Status
+from cossd.protocol.status import DeviceError, Status
 from cossd.protocol.features import ALL_GROUPS, SAVE_BIT, FeatureId
 from cossd.emulator.health import WARNING_TEMP_KELVIN
 from cossd.emulator.injection import MAX_ARMED
@@ -354,8 +354,45 @@ def test_corrupted_block_is_found_by_scrub_and_counted_as_a_media_error(mount: M
     assert code == 1 and json.loads(out) == {"net": {"blocks": 2, "bad": [["w", 0], ["b", 0]]}}
     # The next mount's recovery refuses the corrupted copy and falls back to step 0.
     mount.unmount()
+    mount.restart(verify="open")
+    assert (mp / "ns/net/step").read_text() == "0\n"
+
+
+def test_a_restart_serves_params_at_once_and_a_bad_moment_found_later_stops_the_namespace(mount: Mount) -> None:
+    """`cossd mount` verifies in the background: the params of the newest step are served at
+    once (each block checked on its own; tests/unit/test_verify_background.py holds the pass
+    back to show it), a corrupted master found by the background pass stops the namespace
+    loudly, and the remount serves the step before."""
+    mp = mount.mountpoint
+    nsid = sealed_namespace(mp)
+    params = pread_all(tensor_dir(mp, "net", "w") / "param")
+    with AdminClient(mp) as admin:
+        corrupt_block(admin, nsid, "w", 0)  # a master byte of step 1's copy
+        errors_before = admin.smart_log()["media_errors"]
+    mount.unmount()
+    mount.restart()  # --verify background, the default
+    assert (mp / "ns/net/step").read_text() == "1\n"
+    try:  # served, its own checksums passing, unless the pass (a few ms here) already failed step 1
+        assert pread_all(tensor_dir(mp, "net", "w") / "param") == params
+    except OSError as exc:
+        assert exc.errno == errno.EIO
+    with AdminClient(mp) as admin:
+        with pytest.raises(DeviceError) as refused:
+            admin.begin_step(nsid, 2)  # waits for the background pass, which fails step 1
+        assert refused.value.status == Status.UNRECOVERED_READ_ERROR
+        assert "step 1 fails" in refused.value.message and "remount" in refused.value.message
+        assert admin.statistics(nsid)["verification"]["verifying"] is False
+        assert admin.smart_log()["media_errors"] > errors_before
+    with pytest.raises(OSError) as failed:  # nothing is served any more, not even params
+        pread_all(tensor_dir(mp, "net", "w") / "param")
+    assert failed.value.errno == errno.EIO
+    mount.unmount()
     mount.restart()
     assert (mp / "ns/net/step").read_text() == "0\n"
+    pwrite_all(tensor_dir(mp, "net", "w") / "grad", np.full(W_NUMEL, 0.5, np.float16).tobytes())
+    pwrite_all(tensor_dir(mp, "net", "b") / "grad", np.ones(B_NUMEL, np.float16).tobytes())
+    assert (mp / "ns/net/step").read_text() == "1\n"
+    assert pread_all(tensor_dir(mp, "net", "w") / "param") == params  # the same step 1 again
 
 
 # ---------------------------------------------------------------------- the CLI verbs
