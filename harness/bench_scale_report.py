@@ -69,8 +69,8 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
                   "| elements | cossd, s | mount | interpreter + imports | Device.open | the rest (mount minus those) "
                   "| params read | torch.load full state, s | bytes cossd / torch | torch.load / cossd "
                   "| all verified after, s | with --verify open, s (of which verification) "
-                  "| params from a running device, s | torch.load / that |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| warm: params from the running device, s | warm: torch.load, s | warm: torch.load / cossd |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in scale["restore"]:
             cossd, torch = row["cossd"], row["torch_load"]
             start = imports.get("with_imports_seconds", 0.0)
@@ -84,9 +84,8 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
                 f"| {cossd['bytes'] / 1e6:.0f} MB / {torch['bytes'] / 1e6:.0f} MB | {row['torch_vs_cossd']:.2f}x "
                 f"| {cossd.get('verified_after_seconds', float('nan')):.2f} "
                 + (f"| {at_open['seconds']:.3f} ({cossd['verify_seconds']:.3f}) " if at_open else "| n/a ")
-                + (f"| {cossd['running_device_read_seconds']:.3f} "
-                   f"| {torch['seconds'] / cossd['running_device_read_seconds']:.1f}x |"
-                   if cossd.get("running_device_read_seconds") else "| n/a | n/a |"))
+                + (f"| {row['warm']['cossd_params_seconds']:.3f} | {row['warm']['torch_load_seconds']:.3f} "
+                   f"| {row['warm']['torch_vs_cossd']:.1f}x |" if row.get("warm") else "| n/a | n/a | n/a |"))
     return lines
 
 
