@@ -167,9 +167,9 @@ class PowerLossTrial:
                 except DeviceError as exc:
                     if exc.status != Status.UNRECOVERED_READ_ERROR:
                         raise
-                assert ns.wait_verified(timeout=60)
-                if ns.media_failure is not None:
-                    return "remount"
+            assert ns.wait_verified(timeout=60)
+            if ns.media_failure is not None:  # the pass (perhaps over already) stopped it
+                return "remount"
             state = state_of(ns)
             if state != self.expected[step]:
                 wrong = [key for key in state if state[key] != self.expected[step][key]]
