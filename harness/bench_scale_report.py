@@ -63,7 +63,9 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
                   "device as `cossd mount` does, params verified as read and the rest in the background, then "
                   "the FP16 params) against torch.load of an FP32 model and its AdamW state; the mount's "
                   "start-up taken apart: interpreter and imports (a fresh python, "
-                  f"{imports.get('with_imports_seconds', 0):.3f} s), Device.open in process (recovery), and "
+                  f"{imports.get('with_imports_seconds', 0):.3f} s; {imports.get('through_cli_seconds', 0):.3f} s "
+                  "when the daemon was started through the whole command line), Device.open in process "
+                  "(recovery), and "
                   "the rest (FUSE mount, CMB, threads); beside it, the same with `--verify open` (every block "
                   "checked before the mount is ready) and when the background verification was over.", "",
                   "| elements | cossd, s | mount | interpreter + imports | Device.open | the rest (mount minus those) "
