@@ -28,12 +28,15 @@ from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 from ..kernels import guard
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
+from .fuse_limits import raised_max_pages_limit
 from .fuse_signals import stop_on_signal
 from .operations import Operations
 
 log = logging.getLogger(__name__)
 
 READY_MESSAGE = b"ready\n"
+# The largest FUSE request the data path asks for, in pages (see fs/fuse_limits.py).
+DEFAULT_REQUEST_PAGES = 512
 
 
 # glibc mallopt parameters.
@@ -122,14 +125,21 @@ def io_threads_from_env() -> int:
     return int(value) if value.strip() else DEFAULT_THREADS
 
 
+def request_pages_from_env() -> int:
+    """COSSD_FUSE_REQUEST_PAGES: the largest FUSE request the data path asks for, in pages
+    (the kernel grants up to fs.fuse.max_pages_limit; 256, 1 MiB, is libfuse's own)."""
+    value = os.environ.get("COSSD_FUSE_REQUEST_PAGES", "")
+    return int(value) if value.strip() else DEFAULT_REQUEST_PAGES
+
+
 async def _serve(operations: Operations, ready_fd: int | None, session_fd: int | None,
-                 io_threads: int, data_paths: list[DataPath]) -> None:
+                 io_threads: int, request_pages: int, data_paths: list[DataPath]) -> None:
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
         nursery.start_soon(stop_on_signal)
         nursery.start_soon(operations.save_health_periodically)
         # Before pyfuse3.main() first waits on its descriptor, which this swaps.
-        data_path = DataPath.attach(operations, session_fd, io_threads)
+        data_path = DataPath.attach(operations, session_fd, io_threads, request_pages)
         if data_path is not None:
             data_paths.append(data_path)
             operations.data_path = data_path
@@ -217,12 +227,17 @@ def serve(
         if metrics is not None:
             metrics.attach(operations)
         before = fuse_device_fds()
-        pyfuse3.init(operations, str(mountpoint), mount_options(backing_path, allow_other, debug))
+        # Larger requests only where the data path reads the device (libfuse's buffer holds
+        # 1 MiB); the kernel takes the limit once, in the mount call.
+        wanted = request_pages_from_env() if io_threads > 0 else 0
+        with raised_max_pages_limit(wanted) as limit:
+            pyfuse3.init(operations, str(mountpoint), mount_options(backing_path, allow_other, debug))
+        request_pages = min(wanted, limit)
         opened = fuse_device_fds() - before
         session_fd = opened.pop() if len(opened) == 1 else None
         data_paths: list[DataPath] = []
         try:
-            trio.run(_serve, operations, ready_fd, session_fd, io_threads, data_paths)
+            trio.run(_serve, operations, ready_fd, session_fd, io_threads, request_pages, data_paths)
         finally:
             for data_path in data_paths:
                 data_path.stop()  # gives pyfuse3 its descriptor back for the unmount

@@ -5,6 +5,7 @@ import collections
 import contextlib
 import errno
 import functools
+import itertools
 import json
 import logging
 import os
@@ -78,7 +79,9 @@ class Operations(pyfuse3.Operations):
         self.nursery: trio.Nursery | None = None
         self.errors_by_errno: collections.Counter[int] = collections.Counter()
         self._handles: dict[int, AdminHandle | FileHandle] = {}
-        self._next_fh = 1
+        # The next file handle: next() of a count is atomic, so the data path's threads and
+        # the event loop may open files at once.
+        self._fh_counter = itertools.count(1)
         self._flushing: set[int] = set()
         self._uid = os.getuid()
         self._gid = os.getgid()
@@ -228,31 +231,36 @@ class Operations(pyfuse3.Operations):
     # ------------------------------------------------------------------ open / release
 
     def _new_handle(self, handle: AdminHandle | FileHandle) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
+        fh = next(self._fh_counter)
         self._handles[fh] = handle
         return fh
 
     @_guarded
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        fh, direct_io, nonseekable = self.open_handle(inode, flags)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, nonseekable=nonseekable)
+
+    def open_handle(self, inode: int, flags: int) -> tuple[int, bool, bool]:
+        """OPEN (never blocks): a new handle of `inode`, as (fh, direct_io, nonseekable). The
+        handler above and the data path (fs/datapath.py) both answer with it."""
         self._fault("open")
         node = self.tree.node(inode)
         access = flags & os.O_ACCMODE
         writes = access in (os.O_WRONLY, os.O_RDWR)
         if node.kind == Kind.ADMIN:
-            return pyfuse3.FileInfo(fh=self._new_handle(AdminHandle()), direct_io=True, nonseekable=True)
+            return self._new_handle(AdminHandle()), True, True
         if node.kind == Kind.TEXT:
             if writes:
                 raise fuse_error(errno.EACCES)
             handle = FileHandle(node, False, self._text(node))
-            return pyfuse3.FileInfo(fh=self._new_handle(handle), direct_io=True)
+            return self._new_handle(handle), True, False
         if node.kind == Kind.DATA:  # an NVM namespace's blocks: read and write at any offset
-            return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, writes)), direct_io=True)
+            return self._new_handle(FileHandle(node, writes)), True, False
         if node.kind in (Kind.SNAP_TEXT, Kind.SNAP_ARRAY):  # a snapshot is read-only
             if writes:
                 raise fuse_error(errno.EROFS)
             text = self._text(node) if node.kind == Kind.SNAP_TEXT else b""
-            return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, False, text)), direct_io=True)
+            return self._new_handle(FileHandle(node, False, text)), True, False
         if node.kind != Kind.ARRAY:
             raise fuse_error(errno.EISDIR)
         namespace = self.tree.namespace(node)
@@ -270,9 +278,13 @@ class Operations(pyfuse3.Operations):
         # requests at once (asynchronous direct I/O), which the data path serves in parallel.
         # (A mapping of such a descriptor would be cached: not a supported use.)
         direct_io = not flags & os.O_DIRECT
-        return pyfuse3.FileInfo(fh=self._new_handle(FileHandle(node, writes)), direct_io=direct_io)
+        return self._new_handle(FileHandle(node, writes)), direct_io, False
 
     async def release(self, fh: int) -> None:
+        self.release_handle(fh)
+
+    def release_handle(self, fh: int) -> None:
+        """RELEASE (never blocks), for the handler above and the data path."""
         handle = self._handles.pop(fh, None)
         if isinstance(handle, AdminHandle):
             handle.close()  # what its queue pair held goes back to the daemon's budget
