@@ -255,3 +255,22 @@ def test_io_threads_option_is_checked(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "cossd.tools.cli", "mount", "--io-threads", "100",
                              str(tmp_path), str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and "not a thread count" in result.stderr
+
+
+def test_the_fuse_page_limit_is_raised_only_for_the_mount_call(mount: Mount) -> None:
+    """The daemon asks for 2 MiB requests: where root may, it raises fs.fuse.max_pages_limit
+    around its mount call alone and puts it back, so the machine's setting is unchanged after
+    (fs/fuse_limits.py); a tensor of several requests then still steps and reads back whole."""
+    from cossd.fs import fuse_limits
+
+    log = (mount.backing / "daemon.log").read_text()
+    if fuse_limits.LIMIT_PATH.exists() and os.access(fuse_limits.LIMIT_PATH, os.W_OK):
+        before = int(re.search(r"raised \S+ from (\d+) to 512 pages for this mount", log).group(1)) \
+            if "for this mount" in log else fuse_limits.max_pages_limit()
+        assert fuse_limits.max_pages_limit() == before
+    numel = 3 << 20  # 6 MiB of FP16: one 4 MiB piece and a tail
+    create_namespace(mount.mountpoint, "big", [("w", numel)])
+    grads = (np.arange(numel) % 7 - 3).astype(np.float16).tobytes()
+    pwrite_all(tensor_dir(mount.mountpoint, "big", "w") / "grad", grads)
+    assert (mount.mountpoint / "ns" / "big" / "step").read_text() == "1\n"
+    assert len(pread_all(tensor_dir(mount.mountpoint, "big", "w") / "param")) == 2 * numel
