@@ -14,6 +14,7 @@ from ..emulator.cmb import parallel_copy
 from ..emulator.workers import KernelWorkers
 
 from .bench_device import BenchDevice, filesystem_of
+from .bench_scale import disk_throughput
 from .measure import say, timed
 
 
@@ -130,14 +131,17 @@ FILE_PATH_VARIANTS = ((False, False), (True, False), (True, True))
 
 def _file_path_row(device: BenchDevice, media: str, o_direct: bool, nonfinite: bool, seconds: list[float],
                    n: int, in_memory: float | None, device_update: float | None,
-                   what: str | None = None) -> dict[str, Any]:
+                   what: str | None = None, disk_gels: float | None = None) -> dict[str, Any]:
     rate = n / statistics.median(seconds) / 1e9
     share = rate / in_memory if in_memory else None
+    disk_share = rate / disk_gels if disk_gels and not nonfinite else None
     what = what or ("O_DIRECT, NaN gradients: every step skipped, no kernel (the mount alone)" if nonfinite
                     else "O_DIRECT" if o_direct else "buffered")
     say(f"  through the mount ({what}, backing on {media}, {device.front_end}): {rate:.3f} G el/s"
-         + (f" = {share:.0%} of the kernel in memory" if share else ""))
+         + (f" = {share:.0%} of the kernel in memory" if share else "")
+         + (f", {disk_share:.2f}x what the disk sustains at 12 B/element" if disk_share else ""))
     return {"o_direct": o_direct, "media": media, "gels": rate, "vs_kernel_in_memory": share,
+            "vs_disk_at_12_bytes": disk_share,
             "vs_device_update_in_memory": rate / device_update if device_update else None,
             "skipped_steps": nonfinite, "front_end": device.front_end, "what": what,
             "transport": "files"}
@@ -151,14 +155,23 @@ def file_path_rows(device: BenchDevice, workdir: Path, n: int, repeat: int,
 
     With `pyfuse3_alone` (a second device on the same backing, mounted with --io-threads 0),
     each O_DIRECT step takes turns with the same step there; that row follows, with the data
-    path's speed-up as the median of the turn-by-turn ratios."""
+    path's speed-up as the median of the turn-by-turn ratios.
+
+    On a disk (not tmpfs), `dd` O_DIRECT into the same directory first (1 GiB, as the scale
+    section's probe): each row then also says how it compares with what the disk sustains
+    at the 12 B of new state an element needs per durable step."""
     media = filesystem_of(workdir)
+    disk = None if media.startswith("tmpfs") else disk_throughput(workdir, 1 << 30)
+    disk_gels = disk["gels_at_12_bytes"] if disk and disk["measured"] else None
+    if disk_gels:
+        say(f"  the disk under {media}: dd O_DIRECT {disk['bytes_per_second'] / 1e9:.2f} GB/s = "
+            f"{disk_gels:.3f} G el/s at 12 B/element")
     rows = []
     for o_direct, nonfinite in FILE_PATH_VARIANTS:
         step = file_path_step(device, o_direct, nonfinite=nonfinite)
         if pyfuse3_alone is None or not o_direct:
             rows.append(_file_path_row(device, media, o_direct, nonfinite, timed(step, repeat), n,
-                                       in_memory, device_update))
+                                       in_memory, device_update, disk_gels=disk_gels))
             continue
         other = file_path_step(pyfuse3_alone, o_direct, nonfinite=nonfinite)
         step()  # warm-up, both
@@ -168,8 +181,10 @@ def file_path_rows(device: BenchDevice, workdir: Path, n: int, repeat: int,
         for _ in range(repeat):
             ours += timed(step, 1, warmup=0)
             theirs += timed(other, 1, warmup=0)
-        rows.append(_file_path_row(device, media, o_direct, nonfinite, ours, n, in_memory, device_update))
-        alone = _file_path_row(pyfuse3_alone, media, o_direct, nonfinite, theirs, n, in_memory, device_update)
+        rows.append(_file_path_row(device, media, o_direct, nonfinite, ours, n, in_memory, device_update,
+                                   disk_gels=disk_gels))
+        alone = _file_path_row(pyfuse3_alone, media, o_direct, nonfinite, theirs, n, in_memory, device_update,
+                               disk_gels=disk_gels)
         alone["data_path_speedup"] = statistics.median(t / o for o, t in zip(ours, theirs))
         say(f"    the data path: {alone['data_path_speedup']:.2f}x pyfuse3 alone, turn by turn")
         rows.append(alone)
