@@ -49,8 +49,13 @@ def test_scale_section_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     (restore,) = scale["restore"]
     assert restore["elements"] == SIZES[-1] and restore["cossd"]["bytes"] == 2 * SIZES[-1]
     assert restore["torch_load"]["bytes"] > 12 * SIZES[-1]  # FP32 param and both moments, framed
-    for key in ("mount_seconds", "read_seconds", "open_seconds", "verify_seconds", "recovery_seconds"):
+    for key in ("mount_seconds", "read_seconds", "open_seconds", "verify_seconds", "recovery_seconds",
+                "open_background_seconds", "verified_after_seconds"):
         assert restore["cossd"][key] >= 0, key
+    # The background verification ends after the mount started, never before it was ready.
+    assert restore["cossd"]["verified_after_seconds"] >= restore["cossd"]["mount_seconds"]
+    assert set(restore["cossd_verify_at_open"]) >= {"mount_seconds", "read_seconds", "seconds"}
+    assert restore["warm"]["cossd_params_seconds"] > 0 and restore["warm"]["torch_load_seconds"] > 0
     assert scale["startup_imports"]["with_imports_seconds"] > scale["startup_imports"]["interpreter_seconds"]
     markdown = (output / "bench.md").read_text()
     assert "Scale: one namespace per size" in markdown and "Restore, cold cache" in markdown
