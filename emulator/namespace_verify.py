@@ -22,9 +22,12 @@ VERIFY_BACKGROUND = "background"  # params as first served, everything else in a
 VERIFY_MODES = (VERIFY_OPEN, VERIFY_BACKGROUND)
 
 # The background pass gives way to the host: while params were read this recently, it waits
-# (a restart's first job is to hand the trainer its params; the pass competes for the disk).
+# (a restart's first job is to hand the trainer its params; the pass competes for the disk),
+# but never while a command waits for the pass, and at most this long before each block, so
+# that a reader that never pauses cannot hold it off for ever.
 HOST_READ_QUIET_NS = 20_000_000
 YIELD_SLEEP_S = 0.005
+MAX_YIELD_PER_BLOCK_S = 0.1
 
 
 class _Verifying:
@@ -51,6 +54,7 @@ class _Verifying:
         self._unservable: str | None = None  # why nothing may be served any more
         self._verify_thread: threading.Thread | None = None
         self._last_host_read_ns = 0
+        self._verify_waiters = 0  # commands waiting for the pass: it then stops giving way
         # Seconds the background pass took, once it is over (None before; statistics).
         self.verified_in_s: float | None = None
 
@@ -97,20 +101,30 @@ class _Verifying:
         timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self.verifying:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
+            self._verify_waiters += 1
+            try:
+                while self.verifying:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._verify_waiters -= 1
         return True
 
     def _await_verified_locked(self, wait: bool = True) -> None:
         """Wait (the caller holds the lock, which the wait releases) until the committed copy
         is verified whole; WouldBlock instead where the caller must not block."""
-        while self.verifying:
-            if not wait:
-                raise WouldBlock
-            self._cond.wait()
+        if not self.verifying:
+            return
+        if not wait:
+            raise WouldBlock
+        self._verify_waiters += 1
+        try:
+            while self.verifying:
+                self._cond.wait()
+        finally:
+            self._verify_waiters -= 1
 
     def _verify_in_background(self, chosen: Superblock) -> None:
         started = time.perf_counter()
@@ -138,7 +152,8 @@ class _Verifying:
                      chosen.committed_step, self.verified_in_s or 0.0)
 
     def _give_way_to_host_reads(self) -> None:
-        while (not self._verify_stop
+        until = time.monotonic() + MAX_YIELD_PER_BLOCK_S
+        while (not self._verify_stop and not self._verify_waiters and time.monotonic() < until
                and time.monotonic_ns() - self._last_host_read_ns < HOST_READ_QUIET_NS):
             time.sleep(YIELD_SLEEP_S)
 

@@ -192,3 +192,29 @@ def test_new_block_checksums_never_keep_old_param_checksums() -> None:
     assert kept.param_crcs is not None and (kept.param_crcs == crcs + 7).all()
     decoded = Superblock.decode(superblock.encode(), 3)
     assert decoded is not None and (decoded.param_crcs == crcs + 7).all() and decoded.flags == 0
+
+
+def test_a_reader_that_never_pauses_does_not_hold_a_waiting_step_off(
+        device_at_step_5: Path, held_verifier: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass gives way to param reads, but not while a command waits for it."""
+    monkeypatch.setattr(namespace_verify, "MAX_YIELD_PER_BLOCK_S", 3600.0)  # only the waiter rule is left
+    step = _committed_step(device_at_step_5)
+    with Device.open(device_at_step_5, BACKGROUND) as device:
+        ns = device.namespace(NAME)
+        stop = threading.Event()
+
+        def keep_reading() -> None:
+            while not stop.is_set():
+                ns.read("b", "param", 0, 2)
+
+        reader = threading.Thread(target=keep_reading)
+        reader.start()
+        threading.Timer(0.2, held_verifier.set).start()  # the pass starts once reads are going on
+        try:
+            started = time.monotonic()
+            ns.begin_step(step + 1)
+            assert time.monotonic() - started < 30 and not ns.verifying
+            ns.abort_step()
+        finally:
+            stop.set()
+            reader.join()
