@@ -97,34 +97,33 @@ class _Verifying:
             thread.join()
 
     def wait_verified(self, timeout: float | None = None) -> bool:
-        """Block until the committed copy is verified (or the namespace fell back); False on
-        timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Block until the background pass is over (passed, or stopped the namespace); False
+        on timeout."""
         with self._cond:
-            self._verify_waiters += 1
-            try:
-                while self.verifying:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return False
-                    self._cond.wait(left)
-            finally:
-                self._verify_waiters -= 1
-        return True
+            return self._wait_for_pass_locked(timeout)
 
     def _await_verified_locked(self, wait: bool = True) -> None:
         """Wait (the caller holds the lock, which the wait releases) until the committed copy
         is verified whole; WouldBlock instead where the caller must not block."""
-        if not self.verifying:
-            return
-        if not wait:
+        if self.verifying and not wait:
             raise WouldBlock
+        self._wait_for_pass_locked(None)
+
+    def _wait_for_pass_locked(self, timeout: float | None) -> bool:
+        """The wait itself, counted as a waiter (the pass then stops giving way to reads)."""
+        if not self.verifying:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._verify_waiters += 1
         try:
             while self.verifying:
-                self._cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
         finally:
             self._verify_waiters -= 1
+        return True
 
     def _verify_in_background(self, chosen: Superblock) -> None:
         started = time.perf_counter()
