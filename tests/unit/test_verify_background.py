@@ -218,3 +218,26 @@ def test_a_reader_that_never_pauses_does_not_hold_a_waiting_step_off(
         finally:
             stop.set()
             reader.join()
+
+
+def test_a_pass_that_cannot_read_stops_the_namespace_and_the_remount_verifies_again(
+        device_at_step_5: Path, monkeypatch: pytest.MonkeyPatch, expected: dict[int, dict[str, bytes]]) -> None:
+    """An I/O error inside the background pass is never taken for a pass: the namespace stops
+    loudly, nothing is wiped (no checksum failed), and the next open verifies the same step."""
+    step = _committed_step(device_at_step_5)
+
+    def unreadable(self: object, *args: object) -> bool:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(namespace_verify._Verifying, "_block_fails", unreadable)
+        with Device.open(device_at_step_5, BACKGROUND) as device:
+            ns = device.namespace(NAME)
+            with pytest.raises(DeviceError) as refused:
+                ns.begin_step(step + 1)
+            assert refused.value.status == Status.UNRECOVERED_READ_ERROR
+            assert "Input/output error" in refused.value.message
+    with Device.open(device_at_step_5, BACKGROUND) as device:
+        ns = device.namespace(NAME)
+        assert ns.wait_verified(30) and ns.media_failure is None
+        assert ns.committed_step == step and state_of(ns) == expected[step]
