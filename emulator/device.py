@@ -175,9 +175,12 @@ class Device:
             backing.close()
             raise
         device = cls(root, superblock, config, backing)
+        # Only a close that recorded itself counts (a device formatted before the flag
+        # existed has none): its namespaces were flushed whole, so recovery need not fsync.
+        closed_cleanly = superblock.get("health", {}).get("clean") is True
         try:
             device._power_on()
-            device._open_namespaces()
+            device._open_namespaces(durable=closed_cleanly)
         except BaseException:
             device.close()
             raise
@@ -195,11 +198,12 @@ class Device:
                 # serving; only a crash during this open would then go uncounted.
                 log.error("could not mark the device in use: %s", exc.message)
 
-    def _open_namespaces(self) -> None:
+    def _open_namespaces(self, durable: bool = False) -> None:
         registered = self._superblock["namespaces"]
         for name, nsid in registered.items():
             try:
-                namespace = kinds.open_namespace(self._ns_dir(name), self.config.sync, self.config.verify)
+                namespace = kinds.open_namespace(self._ns_dir(name), self.config.sync, self.config.verify,
+                                                 durable=durable)
             except (DeviceError, OSError, ValueError, KeyError) as exc:
                 self.failed_namespaces[name] = str(exc)
                 log.error("namespace %s (nsid %d) cannot be served: %s", name, nsid, exc)

@@ -48,9 +48,10 @@ def create(directory: Path, nsid: int, spec: AnySpec, sync: bool) -> AnyNamespac
     return Namespace.create(directory, nsid, spec, sync)
 
 
-def open_namespace(directory: Path, sync: bool, verify: str = VERIFY_OPEN) -> AnyNamespace:
+def open_namespace(directory: Path, sync: bool, verify: str = VERIFY_OPEN, *, durable: bool = False) -> AnyNamespace:
     """Open a registered namespace; its meta.json says the kind (none: an optimizer).
-    `verify` applies to optimizer namespaces (namespace_verify.VERIFY_MODES)."""
+    `verify` and `durable` (the device closed cleanly last time) apply to optimizer
+    namespaces (namespace_open.Namespace.open)."""
     if read_json(directory / "meta.json").get("kind", OPTIMIZER_KIND) == NVM_KIND:
         return NvmNamespace.open(directory, sync)
-    return Namespace.open(directory, sync, verify)
+    return Namespace.open(directory, sync, verify, durable=durable)

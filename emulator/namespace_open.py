@@ -76,8 +76,12 @@ class _Opening:
         return cls(directory, nsid, spec, (copies[0], copies[1]), slots, superblock, sync, layouts)
 
     @classmethod
-    def open(cls, directory: Path, sync: bool, verify: str = VERIFY_OPEN) -> Self:
+    def open(cls, directory: Path, sync: bool, verify: str = VERIFY_OPEN, *, durable: bool = False) -> Self:
         """Open an existing namespace, recovering to the newest valid committed step.
+
+        `durable`: the device was closed cleanly last time (every namespace flushed), so
+        nothing of this namespace can sit in the page cache only, and recovery need not
+        fsync its files (see _recover).
 
         `verify` (namespace_verify.VERIFY_MODES): VERIFY_OPEN checks every block of the step
         before this returns; VERIFY_BACKGROUND serves the newest step at once where its
@@ -135,7 +139,7 @@ class _Opening:
             # Media errors of whole copies, for the device's error log and SMART figures.
             namespace.damaged_copies = list(damaged.values())
             namespace.counters.checksum_failures += len(damaged)
-            namespace._recover(usable, verify)
+            namespace._recover(usable, verify, durable=durable and not damaged)
         except BaseException:
             for state in copies.values():
                 state.close()
@@ -179,7 +183,7 @@ class _Opening:
         state.path = path
         return state
 
-    def _recover(self, candidates: list[Superblock], verify: str = VERIFY_OPEN) -> None:
+    def _recover(self, candidates: list[Superblock], verify: str = VERIFY_OPEN, *, durable: bool = False) -> None:
         """Serve the newest superblock whose copy proves intact by its block checksums (with
         VERIFY_BACKGROUND, the newest one with param checksums, verified lazily)."""
         if verify not in VERIFY_MODES:
@@ -215,11 +219,14 @@ class _Opening:
         self._recorded_skips = SkipCounts.load(self.directory)
         self.counters.steps_skipped = self._skips().steps_skipped
         # What survived a daemon crash may still sit in the page cache only: make it durable
-        # before anything can overwrite the other copy.
-        for state in self._copies:
-            state.sync()
-        for slot in self._slots:
-            slot.sync()
+        # before anything can overwrite the other copy. After a clean close there is none
+        # (the close flushed every file before it recorded itself), and these fsyncs would
+        # each wait behind whatever the disk has queued: a restart's param reads.
+        if not durable:
+            for state in self._copies:
+                state.sync()
+            for slot in self._slots:
+                slot.sync()
         self._durable_seq = chosen.seq
         self._durable_step = chosen.committed_step
         if deferred:

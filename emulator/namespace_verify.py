@@ -78,6 +78,13 @@ class _Verifying:
         return crc != int(superblock.block_crcs[index]) or (
             superblock.param_crcs is not None and param_crc != int(superblock.param_crcs[index]))
 
+    def _param_block_passes(self, superblock: Superblock, tensor: TensorLayout, local_block: int) -> bool:
+        """Whether one block's params in the committed copy match their own checksum."""
+        assert superblock.param_crcs is not None  # only such a step is verified lazily
+        start, stop = tensor.block_range(local_block)
+        crc = kernels.crc32c(self._view(superblock.committed_copy, tensor, "param")[start:stop])
+        return crc == int(superblock.param_crcs[tensor.first_block + local_block])
+
     # ------------------------------------------------------------------ starting and ending
 
     def _defer_verification(self, chosen: Superblock) -> None:
@@ -126,11 +133,15 @@ class _Verifying:
         return True
 
     def _verify_in_background(self, chosen: Superblock) -> None:
+        """The params first, as a trainer's first reads want them (a restart reads them ahead
+        of time: prefetch.py), so that those reads mostly find their blocks checked; then
+        every block whole, giving way to the host's reads."""
         started = time.perf_counter()
         bad: list[tuple[str, int]] = []
         failure: str | None = None
         try:
-            for tensor in self.layouts:
+            bad = self._verify_params_first(chosen)
+            for tensor in self.layouts if not bad else ():
                 for block in range(tensor.block_count):
                     if self._verify_stop:
                         return
@@ -149,6 +160,21 @@ class _Verifying:
         if not bad and failure is None:
             log.info("namespace %s: step %d verified in the background in %.2f s", self.name,
                      chosen.committed_step, self.verified_in_s or 0.0)
+
+    def _verify_params_first(self, chosen: Superblock) -> list[tuple[str, int]]:
+        """Each param block no read has checked yet, against its param checksum, without
+        giving way (it is the work those reads would do); the first that fails, if any."""
+        checked = self._param_checked
+        for tensor in self.layouts:
+            for block in range(tensor.block_count):
+                if self._verify_stop:
+                    return []
+                if checked[tensor.first_block + block]:
+                    continue
+                if not self._param_block_passes(chosen, tensor, block):
+                    return [(tensor.name, block)]
+                checked[tensor.first_block + block] = True
+        return []
 
     def _give_way_to_host_reads(self) -> None:
         until = time.monotonic() + MAX_YIELD_PER_BLOCK_S
@@ -180,11 +206,8 @@ class _Verifying:
             return
         if not wait:
             raise WouldBlock  # reading cold media: not on the event loop
-        assert superblock.param_crcs is not None
         for block in todo:
-            start, stop = tensor.block_range(block)
-            crc = kernels.crc32c(self._view(superblock.committed_copy, tensor, "param")[start:stop])
-            if crc == int(superblock.param_crcs[tensor.first_block + block]):
+            if self._param_block_passes(superblock, tensor, block):
                 checked[tensor.first_block + block] = True
                 continue
             with self._cond:

@@ -7,12 +7,17 @@ before the device can serve a param. This entry imports the daemon alone. `cossd
 """
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-from typing import Sequence
+import time
 
-from ..protocol.status import DeviceError
+ENTERED = time.monotonic()  # before the imports: the daemon's log says where its start-up went
+
+import argparse  # noqa: E402 (after the clock)
+import logging  # noqa: E402
+import sys  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+# Standard library alone, so that the params are being read before numpy and trio import.
+from ..emulator import prefetch  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.debug else logging.INFO,
         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
     )
+    # Before anything heavy: the disk reads the committed params while the imports below
+    # run (prefetch.py).
+    import os
+    if os.environ.get("COSSD_PREFETCH", "1") != "0":
+        prefetch.start(args.backing)
+    from ..protocol.status import DeviceError
     from . import daemon  # after the logging is set, as the command line does
 
     given = {name: value for name, value in (
@@ -49,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
                      debug=args.debug, ready_fd=args.ready_fd, metrics_port=args.metrics_port,
                      metrics_token_file=args.metrics_token_file, timed=args.timed,
-                     io_threads=args.io_threads, **given)
+                     io_threads=args.io_threads, entered=ENTERED, **given)
     except DeviceError as exc:
         # The line start_background quotes from the log when the mount fails, as the
         # command line words it.

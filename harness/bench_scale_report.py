@@ -59,30 +59,37 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
               + ("exceeds RAM." if scale["state_exceeded_ram"] else "fits in RAM.")]
     if scale.get("restore"):
         imports = scale.get("startup_imports", {})
-        lines += ["", "Restore, cold cache (posix_fadvise DONTNEED): cossd params only (a new daemon mounting the "
-                  "device as `cossd mount` does, params verified as read and the rest in the background, then "
-                  "the FP16 params) against torch.load of an FP32 model and its AdamW state; the mount's "
-                  "start-up taken apart: interpreter and imports (a fresh python, "
-                  f"{imports.get('with_imports_seconds', 0):.3f} s; {imports.get('through_cli_seconds', 0):.3f} s "
-                  "when the daemon was started through the whole command line), Device.open in process "
-                  "(recovery), and "
-                  "the rest (FUSE mount, CMB, threads); beside it, the same with `--verify open` (every block "
-                  "checked before the mount is ready) and when the background verification was over.", "",
-                  "| elements | cossd, s | mount | interpreter + imports | Device.open | the rest (mount minus those) "
-                  "| params read | torch.load full state, s | bytes cossd / torch | torch.load / cossd "
+        lines += ["", "Restore, cold cache (posix_fadvise DONTNEED), the median of each side's cold runs: cossd "
+                  "params only (a new daemon mounting the device as `cossd mount` does, reading the committed "
+                  "params ahead while it imports, params verified before they are served and the rest in the "
+                  "background, then the FP16 params read) against torch.load of an FP32 model and its AdamW "
+                  "state. The mount's start-up is taken apart from the daemon's own log line: the process start "
+                  "(exec and interpreter), its imports, Device.open (recovery) and the FUSE mount with its "
+                  f"threads. A fresh python importing what the daemon imports took "
+                  f"{imports.get('with_imports_seconds', 0):.3f} s, {imports.get('through_cli_seconds', 0):.3f} s "
+                  "through the whole command line. Beside it, the same with `--verify open` (every block checked "
+                  "before the mount is ready) and when the background verification was over.", "",
+                  "| elements | cossd, s (runs) | mount | process start | imports | Device.open | FUSE mount "
+                  "| params read | torch.load full state, s (runs) | bytes cossd / torch | torch.load / cossd "
                   "| all verified after, s | with --verify open, s (of which verification) "
                   "| warm: params from the running device, s | warm: torch.load, s | warm: torch.load / cossd |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in scale["restore"]:
             cossd, torch = row["cossd"], row["torch_load"]
-            start = imports.get("with_imports_seconds", 0.0)
-            opened = cossd.get("open_background_seconds", cossd["open_seconds"])
-            rest = cossd["mount_seconds"] - start - opened
+            parts = cossd.get("startup") or {}
             at_open = row.get("cossd_verify_at_open")
+
+            def runs(side: dict[str, Any]) -> str:
+                return f" ({', '.join(f'{run:.2f}' for run in side['runs'])})" if side.get("runs") else ""
+
+            def part(key: str) -> str:
+                return f"{parts[key]:.3f}" if key in parts else "n/a"
+
             lines.append(
-                f"| {_size(row['elements'])} | {cossd['seconds']:.3f} | {cossd['mount_seconds']:.3f} | {start:.3f} "
-                f"| {opened:.3f} | {rest:.3f} "
-                f"| {cossd['read_seconds']:.3f} | {torch['seconds']:.3f} "
+                f"| {_size(row['elements'])} | {cossd['seconds']:.3f}{runs(cossd)} | {cossd['mount_seconds']:.3f} "
+                f"| {part('process_start_seconds')} | {part('imports_seconds')} | {part('device_open_seconds')} "
+                f"| {part('fuse_mount_seconds')} "
+                f"| {cossd['read_seconds']:.3f} | {torch['seconds']:.3f}{runs(torch)} "
                 f"| {cossd['bytes'] / 1e6:.0f} MB / {torch['bytes'] / 1e6:.0f} MB | {row['torch_vs_cossd']:.2f}x "
                 f"| {cossd.get('verified_after_seconds', float('nan')):.2f} "
                 + (f"| {at_open['seconds']:.3f} ({cossd['verify_seconds']:.3f}) " if at_open else "| n/a ")

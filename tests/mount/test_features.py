@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -393,6 +394,25 @@ def test_a_restart_serves_params_at_once_and_a_bad_moment_found_later_stops_the_
     pwrite_all(tensor_dir(mp, "net", "b") / "grad", np.ones(B_NUMEL, np.float16).tobytes())
     assert (mp / "ns/net/step").read_text() == "1\n"
     assert pread_all(tensor_dir(mp, "net", "w") / "param") == params  # the same step 1 again
+
+
+def test_a_restart_reads_the_params_ahead_and_logs_where_its_start_up_went(mount: Mount) -> None:
+    """The daemon reads the committed params ahead while it imports (emulator/prefetch.py):
+    its log says how much it asked for, and once ready where the start-up went; the params
+    served after it are the step's own."""
+    mp = mount.mountpoint
+    sealed_namespace(mp)
+    params = pread_all(tensor_dir(mp, "net", "w") / "param")
+    mount.unmount()
+    log_path = mount.backing / "daemon.log"
+    before = log_path.read_text() if log_path.exists() else ""
+    mount.restart()
+    assert pread_all(tensor_dir(mp, "net", "w") / "param") == params
+    logged = log_path.read_text()[len(before):]
+    read_ahead = re.search(r"asked the kernel to read (\d+) MiB of committed params ahead", logged)
+    assert read_ahead is not None, logged
+    assert re.search(r"ready [\d.]+ s after the daemon's entry: imports [\d.]+ s, device open [\d.]+ s, "
+                     r"mount [\d.]+ s", logged), logged
 
 
 # ---------------------------------------------------------------------- the CLI verbs

@@ -42,15 +42,15 @@ def device_at_step_5(tmp_path: Path) -> Path:
 def held_verifier(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """The background pass waits, before its first block, until the test sets the event."""
     release = threading.Event()
-    original = namespace_verify._Verifying._give_way_to_host_reads
+    original = namespace_verify._Verifying._verify_params_first
 
-    def wait_for_release(self: namespace_verify._Verifying) -> None:
+    def wait_for_release(self: namespace_verify._Verifying, chosen: Superblock) -> list[tuple[str, int]]:
         while not release.wait(0.01):
             if self._verify_stop:
-                return
-        original(self)
+                return []
+        return original(self, chosen)
 
-    monkeypatch.setattr(namespace_verify._Verifying, "_give_way_to_host_reads", wait_for_release)
+    monkeypatch.setattr(namespace_verify._Verifying, "_verify_params_first", wait_for_release)
     yield release
     release.set()
 

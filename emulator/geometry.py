@@ -1,0 +1,106 @@
+"""Where a namespace's arrays lie on its media, in the standard library alone: block and region geometry, the copies, the superblock flags and the fixed start of a slot.
+
+Apart from layout.py (which adds the slot's numpy record) so that what must run before numpy
+is imported can use it: the mount daemon warms a restarted device's params into the page
+cache while its interpreter is still importing (prefetch.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+
+FORMAT_VERSION = 1
+
+# Elements per kernel block. A gradient block is processed (and its state checksummed) as
+# soon as all of its bytes have arrived; block boundaries depend only on the tensor, never
+# on how a client chunked its writes, which is what makes any chunking bit-identical.
+BLOCK_ELEMS = 1 << 18
+
+# Each state region starts on a page so regions never share a page (torn-page isolation).
+REGION_ALIGN = 4096
+
+SUPERBLOCK_MAGIC = b"COSSDSB1"
+SLOT_COUNT = 2
+# The first fields of a superblock slot (layout.SUPERBLOCK_HEADER, which a test holds this
+# to): magic, format_version, crc, seq, committed_step, committed_copy, flags.
+SLOT_PREFIX = struct.Struct("<8sIIQQBB")
+
+
+class Copy(enum.IntEnum):
+    """The two copies of every state array; a step reads the committed one, writes the other."""
+
+    A = 0
+    B = 1
+
+    @property
+    def other(self) -> "Copy":
+        return Copy(1 - self.value)
+
+
+class SuperblockFlags(enum.IntFlag):
+    NONE = 0
+    # Initial weights or moments may still be written in place; checksums not yet valid.
+    LOADING = 1
+    # The slot also holds a CRC32C of each block's params alone, after the group records:
+    # a restart verifies those before it serves a param, and the rest in the background.
+    # Slots written before this flag existed have none, and are verified whole at open.
+    PARAM_CRCS = 2
+
+
+def align_up(value: int, alignment: int = REGION_ALIGN) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def block_count(numel: int) -> int:
+    return max(1, -(-numel // BLOCK_ELEMS))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """Where one tensor's arrays live inside each state copy, and its global block range."""
+
+    name: str
+    numel: int
+    master_offset: int
+    exp_avg_offset: int
+    exp_avg_sq_offset: int
+    param_offset: int
+    first_block: int
+    block_count: int
+
+    def block_range(self, local_block: int) -> tuple[int, int]:
+        """Element range [start, end) of one of this tensor's blocks."""
+        start = local_block * BLOCK_ELEMS
+        return start, min(self.numel, start + BLOCK_ELEMS)
+
+
+def plan_layout(
+    tensors: list[tuple[str, int]], state_itemsize: int, param_itemsize: int
+) -> tuple[list[TensorLayout], int]:
+    """Lay tensors out in table order; returns the layouts and the bytes of one copy."""
+    layouts = []
+    offset = 0
+    first_block = 0
+    for name, numel in tensors:
+        master = offset
+        exp_avg = align_up(master + numel * 4)
+        exp_avg_sq = align_up(exp_avg + numel * state_itemsize)
+        param = align_up(exp_avg_sq + numel * state_itemsize)
+        offset = align_up(param + numel * param_itemsize)
+        blocks = block_count(numel)
+        layouts.append(
+            TensorLayout(name, numel, master, exp_avg, exp_avg_sq, param, first_block, blocks)
+        )
+        first_block += blocks
+    return layouts, max(offset, REGION_ALIGN)
+
+
+def region_offset(tensor: TensorLayout, role: str) -> int:
+    """Byte offset of one of a tensor's arrays inside a state copy (or a snapshot's state)."""
+    return {
+        "master": tensor.master_offset,
+        "exp_avg": tensor.exp_avg_offset,
+        "exp_avg_sq": tensor.exp_avg_sq_offset,
+        "param": tensor.param_offset,
+    }[role]

@@ -1,0 +1,118 @@
+"""A restart's cheap start: the params read ahead from the stopped device's own media (prefetch.py) and no recovery fsyncs after a clean close."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cossd.emulator import Device, DeviceConfig
+from cossd.emulator import prefetch
+from cossd.emulator.layout import SLOT_PREFIX, SUPERBLOCK_HEADER, Copy
+from cossd.emulator.media import StateFile
+from test_powerloss import NAME, grads, load, spec
+
+SLOT_FIELDS = ("magic", "format_version", "crc", "seq", "committed_step", "committed_copy", "flags")
+
+
+def _device(path: Path, steps: int) -> Path:
+    Device.format(path, capacity_bytes=1 << 30)
+    with Device.open(path) as device:
+        ns = device.create_namespace(spec())
+        load(ns)
+        for step in range(1, steps + 1):
+            for name, data in grads(step, False).items():
+                ns.write_grad(name, 0, data)
+    return path
+
+
+def test_the_slot_prefix_read_without_numpy_is_the_superblock_records_first_fields() -> None:
+    offset = 0
+    for name, (code, size) in zip(SLOT_FIELDS, [(c, np.dtype(c).itemsize) for c in
+                                               ("S8", "<u4", "<u4", "<u8", "<u8", "u1", "u1")]):
+        assert SUPERBLOCK_HEADER.fields[name][1] == offset, name
+        assert SUPERBLOCK_HEADER.fields[name][0] == np.dtype(code), name
+        offset += size
+    assert SLOT_PREFIX.size == offset
+
+
+@pytest.mark.parametrize("steps", [1, 2])  # the committed copy is B after one step, A after two
+def test_the_ranges_read_ahead_are_the_committed_params_of_every_tensor(tmp_path: Path, steps: int) -> None:
+    path = _device(tmp_path / "dev", steps)
+    ranges = prefetch.namespace_params(path / "ns" / NAME)
+    with Device.open(path) as device:
+        ns = device.namespace(NAME)
+        committed = ns._sb.committed_copy
+        assert committed == (Copy.B if steps % 2 else Copy.A)
+        assert [r.path.name for r in ranges] == [f"state.{committed.name}"] * len(ns.layouts)
+        for piece, tensor in zip(ranges, ns.layouts):
+            with open(piece.path, "rb") as stream:
+                stream.seek(piece.offset)
+                on_media = stream.read(piece.length)
+            assert on_media == ns.read(tensor.name, "param", 0, 2 * tensor.numel)
+    assert prefetch.prefetch_params(path) == sum(r.length for r in ranges)
+
+
+def test_the_read_ahead_stops_at_its_budget(tmp_path: Path) -> None:
+    path = _device(tmp_path / "dev", 1)
+    assert prefetch.prefetch_params(path, budget=4096) == 4096
+    assert prefetch.prefetch_params(path, budget=0) == 0
+
+
+def test_what_cannot_be_read_ahead_is_passed_over_quietly(tmp_path: Path) -> None:
+    path = _device(tmp_path / "dev", 1)
+    directory = path / "ns" / NAME
+    # No slot that starts as one of this format should: nothing to read ahead.
+    for index in (0, 1):
+        (directory / f"sb.{index}").write_bytes(b"\0" * 64)
+    assert prefetch.namespace_params(directory) == []
+    (directory / "meta.json").write_text("{not json")
+    assert prefetch.namespace_params(directory) == []
+    assert prefetch.prefetch_params(tmp_path / "no-such-device") == 0
+
+
+def test_the_read_ahead_process_leaves_the_daemon_no_child_to_reap(tmp_path: Path) -> None:
+    """start() forks twice and waits for the first: the worker belongs to init."""
+    path = _device(tmp_path / "dev", 1)
+    script = ("import os, sys; from pathlib import Path; from cossd.emulator import prefetch\n"
+              "started = prefetch.start(Path(sys.argv[1]))\n"
+              "try:\n    os.wait(); left = True\nexcept ChildProcessError:\n    left = False\n"
+              "print(started, left)")
+    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]
+
+
+def _syncs_at_open(path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    synced: list[Path] = []
+    original = StateFile.sync
+
+    def counting(self: StateFile) -> None:
+        synced.append(self.path)
+        original(self)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(StateFile, "sync", counting)
+        Device.open(path, DeviceConfig(verify="background")).close()
+    return len(synced)
+
+
+def test_recovery_fsyncs_the_state_copies_only_after_a_close_that_was_not_clean(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _device(tmp_path / "dev", 2)
+    # After a clean close nothing of the device's can sit in the page cache only: the opens
+    # (and the close, with nothing stepped) sync no state copy.
+    assert _syncs_at_open(path, monkeypatch) == 0
+    # A daemon that died in use leaves the mark set: what it wrote may be in the page cache
+    # only, and recovery makes both copies durable before anything can overwrite them.
+    superblock = json.loads((path / "superblock.json").read_text())
+    superblock["health"]["clean"] = False
+    (path / "superblock.json").write_text(json.dumps(superblock))
+    assert _syncs_at_open(path, monkeypatch) == 2
+    # A device formatted before the mark existed has none: not taken for a clean close.
+    superblock["health"].pop("clean")
+    (path / "superblock.json").write_text(json.dumps(superblock))
+    assert _syncs_at_open(path, monkeypatch) == 2
