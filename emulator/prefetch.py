@@ -127,9 +127,9 @@ def prefetch_params(backing: Path, budget: int | None = None) -> int:
                 continue
             try:
                 window = readahead_window(piece.path)
-                for offset in range(piece.offset, piece.offset + length, window):
-                    os.posix_fadvise(fd, offset, min(window, piece.offset + length - offset),
-                                     os.POSIX_FADV_WILLNEED)
+                end = piece.offset + length
+                for offset in range(piece.offset, end, window):
+                    os.posix_fadvise(fd, offset, min(window, end - offset), os.POSIX_FADV_WILLNEED)
                 asked += length
             except OSError:
                 pass

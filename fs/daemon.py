@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import gc
 import logging
 import os
 import resource
@@ -133,8 +134,13 @@ def request_pages_from_env() -> int:
 
 
 def _log_startup(startup: dict[str, float]) -> None:
-    """One line for the daemon's log: where its start-up went, from its entry to ready."""
+    """One line for the daemon's log: where its start-up went, from its entry to ready; and
+    the cyclic garbage collector back on, if the entry held it off for the imports
+    (mount_main.py), with what start-up made frozen out of its passes."""
     ready = time.monotonic()
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
     started = startup.get("entered", startup["serving"])
     log.info("ready %.3f s after the daemon's entry: imports %.3f s, device open %.3f s, mount %.3f s",
              ready - started, startup["serving"] - started, startup["opened"] - startup["serving"],
