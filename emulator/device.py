@@ -67,6 +67,7 @@ class Device:
         self.failed_namespaces: dict[str, str] = {}
         self.opened_at = time.time()
         self.health = Health(superblock.get("health"))
+        self._marked_in_use = False  # mark_in_use() done
         self.timing_model = TimingModel.named(config.profile)
         # The threads every optimizer namespace of this device steps its blocks on.
         self.workers = KernelWorkers()
@@ -157,7 +158,16 @@ class Device:
         return superblock
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], config: DeviceConfig = DeviceConfig()) -> "Device":
+    def open(cls, path: str | os.PathLike[str], config: DeviceConfig = DeviceConfig(), *,
+             mark_in_use: bool = True) -> "Device":
+        """Open the device at `path`: its lock, the power cycle counted, the in-use mark made
+        durable, every namespace recovered.
+
+        mark_in_use=False leaves the mark to the caller's `mark_in_use()`, which it must call
+        before it serves anything (the mount daemon opens the device while the disk is busy
+        reading params ahead, and makes the mark, an fsync that would wait behind those
+        reads, just before it mounts). Nothing the open itself writes needs it first: what
+        recovery writes (a wiped slot, a re-created copy) is fsynced on its own."""
         root = Path(path)
         cls._read_superblock(root)  # a clear error before taking the lock
         TimingModel.named(config.profile)  # likewise for an unknown profile
@@ -179,17 +189,22 @@ class Device:
         # existed has none): its namespaces were flushed whole, so recovery need not fsync.
         closed_cleanly = superblock.get("health", {}).get("clean") is True
         try:
-            device._power_on()
+            device.health.power_on()
+            if mark_in_use:
+                device.mark_in_use()
             device._open_namespaces(durable=closed_cleanly)
         except BaseException:
             device.close()
             raise
         return device
 
-    def _power_on(self) -> None:
-        """Count the power cycle and mark the device in use, durably, before serving anything:
-        an open that finds the mark still set knows the previous one never closed cleanly."""
-        self.health.power_on()
+    def mark_in_use(self) -> None:
+        """Mark the device in use, durably, before serving anything (once; Device.open does
+        it unless told not to): an open that finds the mark still set knows the previous one
+        never closed cleanly."""
+        if self._marked_in_use:
+            return
+        self._marked_in_use = True
         with self._lock:
             try:
                 self._store(dict(self._superblock), clean=False)

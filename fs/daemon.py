@@ -7,7 +7,6 @@ import errno
 import gc
 import logging
 import os
-import resource
 import select
 import stat
 import subprocess
@@ -19,16 +18,16 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from ..emulator import Device, DeviceConfig, DeviceError, Status
+from ..emulator import Device, DeviceError, Status
 from ..emulator.namespace_verify import VERIFY_BACKGROUND
 from ..emulator.backing import BackingDirectory
 from ..emulator.cmb import DEFAULT_CMB_BYTES
 from ..emulator.device import SUPERBLOCK_FILE
 from ..emulator.media import libc_function
 from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
-from ..kernels import guard
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
+from .device_start import open_device, raise_descriptor_limit  # noqa: F401 (raise_descriptor_limit: its old home)
 from .fuse_limits import raised_max_pages_limit
 from .fuse_signals import stop_on_signal
 from .operations import Operations
@@ -58,29 +57,6 @@ def keep_request_buffers_on_heap() -> None:
         return
     mallopt(_M_MMAP_THRESHOLD, _REQUEST_HEAP_BYTES)
     mallopt(_M_TRIM_THRESHOLD, 2 * _REQUEST_HEAP_BYTES)
-
-
-def raise_descriptor_limit() -> tuple[int, int]:
-    """Raise the soft limit on open descriptors to the hard one; returns (soft, hard) now.
-
-    A namespace keeps its two state copies open (one descriptor each), so 1,024 namespaces
-    need more than the usual default soft limit of 1,024. Where the hard limit is unlimited,
-    the kernel's per-process ceiling (fs.nr_open) is the target.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard
-    if hard == resource.RLIM_INFINITY:
-        try:
-            target = int(Path("/proc/sys/fs/nr_open").read_text())
-        except (OSError, ValueError):
-            target = 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (OSError, ValueError) as exc:
-            log.warning("could not raise the descriptor limit from %d to %d: %s", soft, target, exc)
-    return soft, hard
 
 
 def open_default_log(path: Path) -> int:
@@ -134,17 +110,17 @@ def request_pages_from_env() -> int:
 
 
 def _log_startup(startup: dict[str, float]) -> None:
-    """One line for the daemon's log: where its start-up went, from its entry to ready; and
-    the cyclic garbage collector back on, if the entry held it off for the imports
-    (mount_main.py), with what start-up made frozen out of its passes."""
+    """One line for the daemon's log: where its start-up went, from its entry to ready
+    (imports: all but Device.open and the mount); and the cyclic garbage collector back on,
+    if the entry held it off for the imports (mount_main.py), with what start-up made frozen
+    out of its passes."""
     ready = time.monotonic()
     if not gc.isenabled():
         gc.freeze()
         gc.enable()
-    started = startup.get("entered", startup["serving"])
+    total, mount = ready - startup["entered"], ready - startup["mount_from"]
     log.info("ready %.3f s after the daemon's entry: imports %.3f s, device open %.3f s, mount %.3f s",
-             ready - started, startup["serving"] - started, startup["opened"] - startup["serving"],
-             ready - startup["opened"])
+             total, total - startup["open_seconds"] - mount, startup["open_seconds"], mount)
 
 
 async def _serve(operations: Operations, ready_fd: int | None, session_fd: int | None,
@@ -207,11 +183,17 @@ def serve(
     cmb_bytes: int = DEFAULT_CMB_BYTES,
     verify: str = VERIFY_BACKGROUND,
     entered: float | None = None,
+    device: Device | None = None,
+    open_seconds: float | None = None,
 ) -> None:
     """Serve the device at `mountpoint` until unmounted or signalled (foreground).
 
     `entered`: time.monotonic() when the daemon's process entered its own code (before its
     imports); the log's ready line then says where the start-up went.
+
+    `device`: already opened by `device_start.open_device` (the daemon's entry does so before
+    it imports this module; `open_seconds` it took), never with a metrics port; this then
+    serves it and closes it at the end. None: this opens it.
 
     `verify` (DeviceConfig.verify): "background" serves params at once after a restart and
     verifies the rest in a thread; "open" verifies every block before the mount is ready.
@@ -220,28 +202,30 @@ def serve(
     reads and writes in front of pyfuse3 (fs/datapath.py); 0 leaves them to pyfuse3.
     `cmb_bytes` sizes the controller memory buffer (emulator/cmb.py; 0: none).
     """
-    startup = {"serving": time.monotonic()} | ({} if entered is None else {"entered": entered})
+    startup = {"entered": time.monotonic() if entered is None else entered, "open_seconds": open_seconds or 0.0}
     io_threads = io_threads_from_env() if io_threads is None else io_threads
     backing_path = Path(backing).resolve()
-    soft, hard = raise_descriptor_limit()
-    log.info("descriptor limit %d (hard %d): two per namespace", soft, hard)
-    # A state copy cut short under its mapping must fault into the guard, not kill the daemon.
-    guard.install()
-    # Bound before the device opens: a busy port fails the mount before anything has started
-    # (no power cycle counted, nothing mounted).
     metrics = None
-    if metrics_port is not None:
-        # Imported only when asked for: prometheus_client is a restart's cost otherwise.
-        from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
+    if device is None:
+        # Bound before the device opens: a busy port fails the mount before anything has
+        # started (no power cycle counted, nothing mounted).
+        if metrics_port is not None:
+            # Imported only when asked for: prometheus_client is a restart's cost otherwise.
+            from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
 
-        metrics = MetricsServer.bind(metrics_port, metrics_addr or DEFAULT_METRICS_ADDR, metrics_token_file)
-    try:
-        device = Device.open(backing_path, DeviceConfig(sync=sync, profile=profile, timed=timed, verify=verify))
-        startup["opened"] = time.monotonic()
-    except BaseException:
-        if metrics is not None:
-            metrics.close()
-        raise
+            metrics = MetricsServer.bind(metrics_port, metrics_addr or DEFAULT_METRICS_ADDR, metrics_token_file)
+        try:
+            opening = time.monotonic()
+            device = open_device(backing_path, sync=sync, profile=profile, timed=timed, verify=verify)
+            startup["open_seconds"] = time.monotonic() - opening
+        except BaseException:
+            if metrics is not None:
+                metrics.close()
+            raise
+    elif metrics_port is not None:
+        device.close()
+        raise ValueError("a device opened before serve() cannot have a metrics port (it must be bound first)")
+    startup["mount_from"] = time.monotonic()
     operations = None
     try:
         keep_request_buffers_on_heap()
@@ -249,6 +233,9 @@ def serve(
         operations.fault_hook = fault_hook_from_env()
         if metrics is not None:
             metrics.attach(operations)
+        # Opened by the entry without the in-use mark (it would have waited behind the
+        # params being read ahead): made durable now, before anything is served.
+        device.mark_in_use()
         before = fuse_device_fds()
         # Larger requests only where the data path reads the device (libfuse's buffer holds
         # 1 MiB); the kernel takes the limit once, in the mount call.

@@ -62,16 +62,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     # gives it (no BLAS call in the device), taking CPU from the start-up and the data path.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from ..protocol.status import DeviceError
-    from . import daemon  # after the logging is set, as the command line does
 
     given = {name: value for name, value in (
         ("metrics_addr", args.metrics_addr), ("profile", args.profile), ("cmb_bytes", args.cmb_size),
         ("verify", args.verify)) if value is not None}
     try:
+        # The device opens before trio, pyfuse3 and the fs layer import, so that the
+        # background verification checks the params (read ahead meanwhile) beside those
+        # imports, on the other core. Not with a metrics port: serve() binds it first, so
+        # that a busy port fails the mount before the device has counted a power cycle.
+        device, open_seconds = None, None
+        if args.metrics_port is None:
+            from .device_start import open_device
+
+            opening = time.monotonic()
+            device = open_device(args.backing, sync=args.sync, timed=args.timed, mark_in_use=False,
+                                 **{key: given[key] for key in ("profile", "verify") if key in given})
+            open_seconds = time.monotonic() - opening
+        try:
+            from . import daemon  # after the logging is set, as the command line does
+        except BaseException:
+            if device is not None:
+                device.close()
+            raise
         daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
                      debug=args.debug, ready_fd=args.ready_fd, metrics_port=args.metrics_port,
                      metrics_token_file=args.metrics_token_file, timed=args.timed,
-                     io_threads=args.io_threads, entered=ENTERED, **given)
+                     io_threads=args.io_threads, entered=ENTERED, device=device, open_seconds=open_seconds,
+                     **given)
     except DeviceError as exc:
         # The line start_background quotes from the log when the mount fails, as the
         # command line words it.

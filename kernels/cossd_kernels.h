@@ -93,6 +93,10 @@ uint32_t cossd_crc32c_sse42(uint32_t crc, const void *buf, size_t len);
 /* CRC32C of A followed by B, from the CRC of each and the length of B. */
 uint32_t cossd_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
+/* The CRC32C of each `block`-byte piece of buf (the last one may be shorter) into out, which
+   holds ceil(len / block) values: many checksums in one call, with Python's lock released. */
+void cossd_crc32c_blocks(const void *buf, size_t len, size_t block, uint32_t *out);
+
 /* An Adam step out of place (outputs must not overlap inputs) that also returns the CRC32C
  * of its outputs as the device checksums a block: master_out, exp_avg_out, exp_avg_sq_out
  * and param_out, in that order, from 0. One pass: each chunk's outputs are checksummed in

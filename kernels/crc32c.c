@@ -141,6 +141,13 @@ uint32_t cossd_crc32c(uint32_t crc, const void *buf, size_t len)
     return cossd_crc32c_scalar(crc, buf, len);
 }
 
+void cossd_crc32c_blocks(const void *buf, size_t len, size_t block, uint32_t *out)
+{
+    const uint8_t *p = buf;
+    for (size_t at = 0, i = 0; at < len; at += block, i++)
+        out[i] = cossd_crc32c(0, p + at, len - at < block ? len - at : block);
+}
+
 /* ---- Combination: CRC(A|B) from CRC(A), CRC(B) and |B| -------------------- */
 
 /* Product of two polynomials modulo the (reflected) CRC32C polynomial; bit 31 is x^0. */

@@ -260,16 +260,36 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return int(_lib.cossd_crc32c_combine(int(crc_a), int(crc_b), int(len_b)))
 
 
-def crc32c(buf: Any, value: int = 0) -> int:
-    """CRC32C (Castagnoli) of buf, continuing from `value` (the CRC of the preceding bytes)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 0xFFFFFFFF:
-        raise KernelArgumentError(f"value must be an int in [0, 2**32), got {value!r}")
+def _contiguous_bytes(buf: Any) -> memoryview:
+    """buf as a memoryview, refused unless it is a C-contiguous buffer (what a CRC reads)."""
     try:
         view = memoryview(buf)
     except TypeError:
         raise KernelArgumentError(f"buf must be a buffer object, got {type(buf).__name__}") from None
     if not view.c_contiguous:
         raise KernelArgumentError("buf must be C-contiguous")
+    return view
+
+
+def crc32c_blocks(buf: Any, block_bytes: int) -> np.ndarray:
+    """The CRC32C of each `block_bytes` piece of buf (the last may be shorter), in one call
+    that releases the GIL for all of them: a thread checking many blocks then needs no
+    Python in between, while another thread holds the interpreter."""
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, (int, np.integer)) or int(block_bytes) < 1:
+        raise KernelArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
+    view = _contiguous_bytes(buf)
+    out = np.zeros(-(-view.nbytes // int(block_bytes)), dtype=np.uint32)
+    if view.nbytes:
+        _lib.cossd_crc32c_blocks(_ffi.from_buffer(view), view.nbytes, int(block_bytes),
+                                 _ffi.cast("uint32_t *", out.ctypes.data))
+    return out
+
+
+def crc32c(buf: Any, value: int = 0) -> int:
+    """CRC32C (Castagnoli) of buf, continuing from `value` (the CRC of the preceding bytes)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 0xFFFFFFFF:
+        raise KernelArgumentError(f"value must be an int in [0, 2**32), got {value!r}")
+    view = _contiguous_bytes(buf)
     if view.nbytes == 0:
         return int(value)
     return int(_lib.cossd_crc32c(int(value), _ffi.from_buffer(view), view.nbytes))

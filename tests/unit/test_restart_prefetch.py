@@ -116,3 +116,26 @@ def test_recovery_fsyncs_the_state_copies_only_after_a_close_that_was_not_clean(
     superblock["health"].pop("clean")
     (path / "superblock.json").write_text(json.dumps(superblock))
     assert _syncs_at_open(path, monkeypatch) == 2
+
+
+def test_an_open_told_not_to_mark_the_device_in_use_leaves_it_to_mark_in_use(tmp_path: Path) -> None:
+    """The mount daemon opens the device while the params are read ahead and makes the in-use
+    mark (an fsync) just before it mounts: until then superblock.json keeps the last close's
+    mark; after it, a crash is counted as an unsafe shutdown as before."""
+    path = _device(tmp_path / "dev", 1)
+
+    def clean() -> bool:
+        return json.loads((path / "superblock.json").read_text())["health"]["clean"]
+
+    device = Device.open(path, mark_in_use=False)
+    try:
+        assert clean() is True
+        device.mark_in_use()
+        assert clean() is False
+        device.mark_in_use()  # once is enough
+        assert clean() is False
+    finally:
+        device.close()
+    assert clean() is True
+    with Device.open(path) as device:  # the default marks it at open
+        assert clean() is False
