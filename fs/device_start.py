@@ -37,7 +37,6 @@ def raise_descriptor_limit() -> tuple[int, int]:
     return soft, hard
 
 
-
 def open_device(backing: str | os.PathLike[str], *, sync: bool = False, profile: str = DEFAULT_PROFILE,
                 timed: bool = False, verify: str = VERIFY_BACKGROUND, mark_in_use: bool = True) -> Device:
     """What the daemon does before it serves: the descriptor limit raised (two per
