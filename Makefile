@@ -41,7 +41,7 @@ install: $(STAMP) bytecode
 
 # The package's bytecode, compiled ahead (only what changed since): where
 # PYTHONDONTWRITEBYTECODE is set, as on this project's machines, Python would otherwise
-# compile every module of cossd again in each new process, a quarter of a second at each
+# compile every module of cossd again in each new process, 0.14-0.2 s here at each
 # mount daemon's start (a restart's cost; docs/benchmarks.md) and in every test's child.
 PACKAGE_DIRS := cossd_pkg protocol client kernels model emulator fs server tools trainer integrations harness
 bytecode: $(STAMP)
