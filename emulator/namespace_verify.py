@@ -173,11 +173,11 @@ class _Verifying:
         checked = self._param_checked
         for tensor in self.layouts:
             params = self._view(chosen.committed_copy, tensor, "param")
+            at = tensor.first_block
             for first in range(0, tensor.block_count, PARAM_BATCH_BLOCKS):
                 if self._verify_stop:
                     return []
                 last = min(tensor.block_count, first + PARAM_BATCH_BLOCKS)
-                at = tensor.first_block
                 if checked[at + first:at + last].all():
                     continue
                 crcs = kernels.crc32c_blocks(params[first * BLOCK_ELEMS:last * BLOCK_ELEMS], 2 * BLOCK_ELEMS)

@@ -2,8 +2,8 @@
 
 Why: a restart's first job is to hand the trainer its params (2 B an element), and a daemon
 spends most of its start-up importing (numpy, trio, pyfuse3, its own modules), with the
-disk idle. The mount daemon's entry calls `start` before any of those imports: a thread
-finds each namespace's newest superblock slot, works out where the params of the copy it
+disk idle. The mount daemon's entry calls `start` before any of those imports: a worker
+process finds each namespace's newest superblock slot, works out where the params of the copy it
 names lie, and asks the kernel to read them ahead (POSIX_FADV_WILLNEED, which queues the
 reads and returns). The reads then overlap the imports, and the trainer's first reads find
 the pages in memory. Linux reads at most the disk's read-ahead window (read_ahead_kb) for
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from .geometry import FORMAT_VERSION, SLOT_COUNT, SLOT_PREFIX, SUPERBLOCK_MAGIC, plan_layout
+from .geometry import FORMAT_VERSION, SLOT_COUNT, SLOT_PREFIX, SUPERBLOCK_MAGIC, Copy, plan_layout
 
 log = logging.getLogger("cossd.emulator.prefetch")
 
@@ -68,6 +68,8 @@ def namespace_params(directory: Path) -> list[ParamRange]:
         meta = json.loads((directory / "meta.json").read_text())
         spec = meta["spec"]
         tensors = [(str(entry[0]), int(entry[1])) for entry in spec["tensors"]]
+        # NamespaceSpec.state_itemsize's rule, which this cannot import (spec.py needs numpy);
+        # tests/unit/test_restart_prefetch.py holds the ranges to the namespace's own.
         state_itemsize = 4 if spec.get("state_dtype", "fp32") == "fp32" else 2
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return []
@@ -75,7 +77,7 @@ def namespace_params(directory: Path) -> list[ParamRange]:
     if copy is None:
         return []
     layouts, _ = plan_layout(tensors, state_itemsize, PARAM_ITEMSIZE)
-    path = directory / f"state.{'AB'[copy]}"
+    path = directory / f"state.{Copy(copy).name}"
     return [ParamRange(path, tensor.param_offset, tensor.numel * PARAM_ITEMSIZE) for tensor in layouts]
 
 
@@ -116,7 +118,9 @@ def prefetch_params(backing: Path, budget: int | None = None) -> int:
         return 0
     asked = 0
     for directory in directories:
-        for piece in namespace_params(directory):
+        pieces = namespace_params(directory)
+        window = readahead_window(pieces[0].path) if pieces else DEFAULT_WINDOW  # one copy holds them all
+        for piece in pieces:
             length = min(piece.length, budget - asked)
             if length <= 0:
                 return asked
@@ -126,7 +130,6 @@ def prefetch_params(backing: Path, budget: int | None = None) -> int:
             except OSError:
                 continue
             try:
-                window = readahead_window(piece.path)
                 end = piece.offset + length
                 for offset in range(piece.offset, end, window):
                     os.posix_fadvise(fd, offset, min(window, end - offset), os.POSIX_FADV_WILLNEED)

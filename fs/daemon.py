@@ -27,7 +27,7 @@ from ..emulator.media import libc_function
 from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
-from .device_start import open_device, raise_descriptor_limit  # noqa: F401 (raise_descriptor_limit: its old home)
+from .device_start import open_device
 from .fuse_limits import raised_max_pages_limit
 from .fuse_signals import stop_on_signal
 from .operations import Operations
