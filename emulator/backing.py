@@ -15,11 +15,15 @@ from ..protocol.status import DeviceError, Status
 TOP_LEVEL = {
     "superblock.json": stat.S_IFREG,
     ".superblock.json.tmp": stat.S_IFREG,
+    "in-use": stat.S_IFREG,
     "daemon.log": stat.S_IFREG,
     "ns": stat.S_IFDIR,
     "exports": stat.S_IFDIR,
 }
 NAMESPACES_DIR = "ns"
+# An empty file a mount daemon creates before it serves and removes at a clean close: the
+# in-use mark the next open can see at once (emulator/device.py, Device.mark_in_use).
+IN_USE_FILE = "in-use"
 EXPORTS_DIR = "exports"
 
 
@@ -95,6 +99,25 @@ class BackingDirectory:
     @property
     def held(self) -> bool:
         return self.fd >= 0
+
+    # ------------------------------------------------------------------ the in-use file
+
+    def in_use_file_exists(self) -> bool:
+        return self._lstat(self.fd, IN_USE_FILE) is not None
+
+    def create_in_use_file(self) -> None:
+        """The empty in-use file, not fsynced (the caller makes it durable as it sees fit)."""
+        fd = os.open(IN_USE_FILE, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=self.fd)
+        os.close(fd)
+
+    def remove_in_use_file(self) -> bool:
+        """Unlink the in-use file (not the directory fsync); whether there was one."""
+        try:
+            os.unlink(IN_USE_FILE, dir_fd=self.fd)
+        except FileNotFoundError:
+            return False
+        return True
 
     # ------------------------------------------------------------------ the check
 

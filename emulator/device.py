@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .backing import BackingDirectory
+from .backing import IN_USE_FILE, BackingDirectory
 from ..protocol.status import DeviceError, Status
 from .health import Health
 from .lifetime import LifetimeCounters
@@ -68,6 +68,8 @@ class Device:
         self.opened_at = time.time()
         self.health = Health(superblock.get("health"))
         self._marked_in_use = False  # mark_in_use() done
+        self._in_use_file = False  # the in-use file is (or may be) there: a clean close removes it
+        self._marking: threading.Thread | None = None  # mark_in_use(durable_now=False)'s fsyncs
         self.timing_model = TimingModel.named(config.profile)
         # The threads every optimizer namespace of this device steps its blocks on.
         self.workers = KernelWorkers()
@@ -123,6 +125,8 @@ class Device:
         if capacity_bytes <= 0:
             raise DeviceError(Status.INVALID_FIELD, "capacity must be positive")
         (root / "ns").mkdir(exist_ok=True)
+        # A new device starts clean, whatever an old one's daemon left.
+        (root / IN_USE_FILE).unlink(missing_ok=True)
         superblock = {
             "format_version": FORMAT_VERSION,
             "identity": {
@@ -164,10 +168,10 @@ class Device:
         durable, every namespace recovered.
 
         mark_in_use=False leaves the mark to the caller's `mark_in_use()`, which it must call
-        before it serves anything (the mount daemon opens the device while the disk is busy
-        reading params ahead, and makes the mark, an fsync that would wait behind those
-        reads, just before it mounts). Nothing the open itself writes needs it first: what
-        recovery writes (a wiped slot, a re-created copy) is fsynced on its own."""
+        before it serves anything (the mount daemon opens the device early, while the disk is
+        busy reading params ahead, and makes the mark just before it mounts, without waiting
+        for its fsyncs). Nothing the open itself writes needs it first: what recovery writes
+        (a wiped slot, a re-created copy) is fsynced on its own."""
         root = Path(path)
         cls._read_superblock(root)  # a clear error before taking the lock
         TimingModel.named(config.profile)  # likewise for an unknown profile
@@ -187,7 +191,12 @@ class Device:
         device = cls(root, superblock, config, backing)
         # Only a close that recorded itself counts (a device formatted before the flag
         # existed has none): its namespaces were flushed whole, so recovery need not fsync.
-        closed_cleanly = superblock.get("health", {}).get("clean") is True
+        # The in-use file says a daemon served since, whatever superblock.json says (its own
+        # mark may not have been written yet: mark_in_use).
+        device._in_use_file = backing.in_use_file_exists()
+        closed_cleanly = superblock.get("health", {}).get("clean") is True and not device._in_use_file
+        if device._in_use_file:
+            device.health.previous_open_was_clean = False
         try:
             device.health.power_on()
             if mark_in_use:
@@ -198,13 +207,40 @@ class Device:
             raise
         return device
 
-    def mark_in_use(self) -> None:
-        """Mark the device in use, durably, before serving anything (once; Device.open does
-        it unless told not to): an open that finds the mark still set knows the previous one
-        never closed cleanly."""
+    def mark_in_use(self, *, durable_now: bool = True) -> None:
+        """Mark the device in use before serving anything (once; Device.open does it unless
+        told not to): an open that finds the mark still set knows the previous one never
+        closed cleanly, counts an unsafe shutdown, and has recovery fsync what it keeps.
+
+        durable_now=False (the mount daemon, at a restart) leaves the mark's fsyncs to a
+        thread, since they wait behind whatever the disk has queued (the params being read
+        ahead, the background verification). Before anything is served, the mark need only be
+        *visible* to the next open: a daemon killed while serving leaves its writes in the
+        page cache, and that open must fsync them, so it must see the mark; a power cut takes
+        the page cache, the mark with it, and leaves that open nothing to fsync. So an empty
+        in-use file is created at once, and the thread then records clean: false in
+        superblock.json durably, as the mark always was, so that an unsafe shutdown is counted
+        after a power cut too (except a cut within those fsyncs, the one window where it goes
+        uncounted). A clean close removes the file."""
         if self._marked_in_use:
             return
         self._marked_in_use = True
+        if durable_now:
+            self._record_in_use()
+            return
+        try:
+            self._backing.create_in_use_file()
+            self._in_use_file = True
+        except OSError as exc:
+            # Then the mark waits for its fsyncs, as it always did.
+            log.error("could not create %s (%s): marking the device in use durably first",
+                      self.path / IN_USE_FILE, exc.strerror)
+            self._record_in_use()
+            return
+        self._marking = threading.Thread(target=self._record_in_use, name="cossd-in-use-mark", daemon=True)
+        self._marking.start()
+
+    def _record_in_use(self) -> None:
         with self._lock:
             try:
                 self._store(dict(self._superblock), clean=False)
@@ -240,6 +276,19 @@ class Device:
                 log.warning("removing incomplete namespace directory %s", child)
                 shutil.rmtree(child, ignore_errors=True)
 
+    def _remove_in_use_file(self) -> None:
+        """After the clean record: the in-use file gone, durably (a power cut that brought it
+        back would count an unsafe shutdown that never happened)."""
+        if not self._in_use_file:
+            return
+        try:
+            if self._backing.remove_in_use_file():
+                fsync_dir(self.path)
+        except (OSError, DeviceError) as exc:
+            # The next open then counts an unsafe shutdown and fsyncs what recovery keeps:
+            # wrong by one count, never unsafe.
+            log.error("could not remove %s: %s", self.path / IN_USE_FILE, exc)
+
     def _ns_dir(self, name: str) -> Path:
         return self.path / "ns" / name
 
@@ -261,6 +310,8 @@ class Device:
                 for namespace in list(self.namespaces.values()):
                     self.health.fold(namespace.counters)
                 self.namespaces.clear()
+            if self._marking is not None:
+                self._marking.join()  # its clean: false must not land after the clean record
             if self._backing.held and flushed:
                 with self._lock:
                     try:
@@ -268,6 +319,8 @@ class Device:
                     except DeviceError as exc:
                         # The mark stays set: the next open counts an unsafe shutdown.
                         log.error("could not record a clean shutdown: %s", exc.message)
+                    else:
+                        self._remove_in_use_file()
         finally:
             self.workers.shutdown()
             self._backing.close()

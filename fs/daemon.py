@@ -233,9 +233,10 @@ def serve(
         operations.fault_hook = fault_hook_from_env()
         if metrics is not None:
             metrics.attach(operations)
-        # Opened by the entry without the in-use mark (it would have waited behind the
-        # params being read ahead): made durable now, before anything is served.
-        device.mark_in_use()
+        # Opened by the entry without the in-use mark: made now, before anything is served,
+        # its fsyncs left to a thread (they would wait behind the params being read ahead and
+        # the background verification: Device.mark_in_use says why that is safe).
+        device.mark_in_use(durable_now=False)
         before = fuse_device_fds()
         # Larger requests only where the data path reads the device (libfuse's buffer holds
         # 1 MiB); the kernel takes the limit once, in the mount call.

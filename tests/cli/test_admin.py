@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,9 @@ def test_power_cycles_and_unsafe_shutdowns(mount: Mount) -> None:
     assert second["host_write_commands"] == writes and second["data_units_written"] == first["data_units_written"]
 
     mount.kill()  # kill -9: the next open finds the device was never closed
+    # The daemon marks the device in use with an empty file at once (its record in
+    # superblock.json follows, on a thread): a kill at any point while serving is counted.
+    assert (mount.backing / "in-use").is_file()
     mount.restart()
     third = smart(mp)
     assert (third["power_cycles"], third["unsafe_shutdowns"]) == (3, 1)
@@ -174,11 +178,16 @@ def test_power_cycles_and_unsafe_shutdowns(mount: Mount) -> None:
     mount.restart()
     fourth = smart(mp)
     assert (fourth["power_cycles"], fourth["unsafe_shutdowns"]) == (4, 1)
-    health = json.loads((mount.backing / "superblock.json").read_text())["health"]
-    assert health["clean"] is False and health["power_cycles"] == 4  # marked in use while open
+    assert (mount.backing / "in-use").is_file()  # marked in use while open
+    deadline = time.monotonic() + 30  # the mark's durable record, written by a thread
+    while (health := json.loads((mount.backing / "superblock.json").read_text())["health"])["clean"]:
+        assert time.monotonic() < deadline, "superblock.json never recorded the device in use"
+        time.sleep(0.05)
+    assert health["power_cycles"] == 4
     mount.unmount()
     health = json.loads((mount.backing / "superblock.json").read_text())["health"]
     assert health["clean"] is True and health["unsafe_shutdowns"] == 1
+    assert not (mount.backing / "in-use").exists()
 
 
 # ---------------------------------------------------------------------- scrub and media errors

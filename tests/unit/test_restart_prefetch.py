@@ -13,6 +13,7 @@ from cossd.emulator import Device, DeviceConfig
 from cossd.emulator import prefetch
 from cossd.emulator.layout import SLOT_PREFIX, SUPERBLOCK_HEADER, Copy
 from cossd.emulator.media import StateFile
+from cossd.protocol.status import DeviceError
 from test_powerloss import NAME, grads, load, spec
 
 SLOT_FIELDS = ("magic", "format_version", "crc", "seq", "committed_step", "committed_copy", "flags")
@@ -139,3 +140,64 @@ def test_an_open_told_not_to_mark_the_device_in_use_leaves_it_to_mark_in_use(tmp
     assert clean() is True
     with Device.open(path) as device:  # the default marks it at open
         assert clean() is False
+
+
+def test_a_mark_left_to_its_thread_is_an_in_use_file_at_once_removed_by_a_clean_close(tmp_path: Path) -> None:
+    """The mount daemon marks the device in use without waiting for the mark's fsyncs: an
+    empty in-use file, visible to the next open at once; superblock.json records the mark
+    durably behind it; a clean close records itself, then removes the file."""
+    path = _device(tmp_path / "dev", 1)
+    in_use = path / "in-use"
+
+    def health() -> dict:
+        return json.loads((path / "superblock.json").read_text())["health"]
+
+    device = Device.open(path, mark_in_use=False)
+    try:
+        assert not in_use.exists()
+        device.mark_in_use(durable_now=False)
+        assert in_use.is_file() and in_use.stat().st_size == 0
+        assert device._marking is not None
+        device._marking.join()
+        assert health()["clean"] is False
+    finally:
+        device.close()
+    assert not in_use.exists() and health()["clean"] is True
+    cycles, unsafe = health()["power_cycles"], health()["unsafe_shutdowns"]
+    with Device.open(path):
+        pass
+    assert (health()["power_cycles"], health()["unsafe_shutdowns"]) == (cycles + 1, unsafe)
+
+
+def test_an_in_use_file_left_behind_is_an_unclean_close_whatever_superblock_json_says(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon killed after it created the in-use file and before its thread recorded the
+    mark leaves superblock.json saying clean: the file alone makes the next open count an
+    unsafe shutdown and fsync both copies (what the daemon wrote may be in the page cache
+    only). That open's clean close removes the file; a format removes one too."""
+    path = _device(tmp_path / "dev", 2)
+    in_use = path / "in-use"
+    in_use.touch()
+    before = json.loads((path / "superblock.json").read_text())["health"]
+    assert before["clean"] is True
+    assert _syncs_at_open(path, monkeypatch) == 2
+    after = json.loads((path / "superblock.json").read_text())["health"]
+    assert after["unsafe_shutdowns"] == before["unsafe_shutdowns"] + 1 and after["clean"] is True
+    assert not in_use.exists()
+    assert _syncs_at_open(path, monkeypatch) == 0  # clean again
+    # A directory that held a device's leftovers but no superblock is formatted afresh.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "in-use").touch()
+    Device.format(other, capacity_bytes=1 << 30)
+    assert not (other / "in-use").exists()
+
+
+def test_an_in_use_link_is_refused_and_never_followed(tmp_path: Path) -> None:
+    path = _device(tmp_path / "dev", 1)
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    (path / "in-use").symlink_to(target)
+    with pytest.raises(DeviceError, match="in-use is a symbolic link"):
+        Device.open(path)
+    assert target.read_text() == "keep"
