@@ -12,8 +12,9 @@ from ..protocol.status import DeviceError, Status
 
 # Files at the top of the backing directory that the device writes (or the CLI appends to),
 # and the type each must have. Anything else at the top is the user's and is left alone.
+SUPERBLOCK_FILE = "superblock.json"  # the device's own record: identity, namespaces, health
 TOP_LEVEL = {
-    "superblock.json": stat.S_IFREG,
+    SUPERBLOCK_FILE: stat.S_IFREG,
     ".superblock.json.tmp": stat.S_IFREG,
     "in-use": stat.S_IFREG,
     "daemon.log": stat.S_IFREG,

@@ -24,11 +24,7 @@ import numpy as np
 from ..protocol.status import DeviceError, Status
 from .workers import KernelWorkers
 
-# The default size: address space only until a client touches it (memfd pages are
-# allocated on first use), enough for the gradients and params of a 128M-parameter model.
-DEFAULT_CMB_BYTES = 1 << 30
-# Bounds of `cossd mount --cmb-size` (0 turns the CMB off).
-MAX_CMB_BYTES = 1 << 40
+from .geometry import DEFAULT_CMB_BYTES, MAX_CMB_BYTES  # noqa: F401 (this module's sizes, kept light there)
 # Copies into or out of the CMB larger than this are split across the kernel workers.
 _PARALLEL_COPY_BYTES = 4 << 20
 

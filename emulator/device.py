@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .backing import IN_USE_FILE, BackingDirectory
+from .backing import IN_USE_FILE, SUPERBLOCK_FILE, BackingDirectory
 from ..protocol.status import DeviceError, Status
 from .health import Health
 from .lifetime import LifetimeCounters
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 MODEL = "cossd computational SSD emulator"
 FIRMWARE_REVISION = "0.1.0"
 VENDOR_ID = 0x1D1D  # not a PCI-SIG assignment: the emulator's own
-SUPERBLOCK_FILE = "superblock.json"
 
 
 @dataclasses.dataclass(frozen=True)

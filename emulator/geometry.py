@@ -1,8 +1,10 @@
-"""Where a namespace's arrays lie on its media, in the standard library alone: block and region geometry, the copies, the superblock flags and the fixed start of a slot.
+"""Where a namespace's arrays lie on its media, in the standard library alone: block and region geometry, the copies, the superblock flags and the fixed start of a slot; and the CMB's sizes.
 
 Apart from layout.py (which adds the slot's numpy record) so that what must run before numpy
 is imported can use it: the mount daemon warms a restarted device's params into the page
-cache while its interpreter is still importing (prefetch.py).
+cache while its interpreter is still importing (prefetch.py). The CMB's default and largest
+sizes are here for the same reason: `cossd mount` states them in its options, and must not
+import numpy (with emulator/cmb.py) before it starts the daemon.
 """
 from __future__ import annotations
 
@@ -104,3 +106,11 @@ def region_offset(tensor: TensorLayout, role: str) -> int:
         "exp_avg_sq": tensor.exp_avg_sq_offset,
         "param": tensor.param_offset,
     }[role]
+
+
+# The controller memory buffer's default size: address space only until a client touches it
+# (memfd pages are allocated on first use), enough for the gradients and params of a
+# 128M-parameter model.
+DEFAULT_CMB_BYTES = 1 << 30
+# Bounds of `cossd mount --cmb-size` (0 turns the CMB off).
+MAX_CMB_BYTES = 1 << 40

@@ -1,16 +1,10 @@
 """The mount daemon: opens the device, serves the FUSE session, unmounts and flushes on exit."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import errno
 import gc
 import logging
 import os
-import select
-import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -20,21 +14,21 @@ import trio
 
 from ..emulator import Device, DeviceError, Status
 from ..emulator.namespace_verify import VERIFY_BACKGROUND
-from ..emulator.backing import BackingDirectory
 from ..emulator.cmb import DEFAULT_CMB_BYTES
-from ..emulator.device import SUPERBLOCK_FILE
 from ..emulator.media import libc_function
-from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
+from ..model.profiles import DEFAULT_PROFILE
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
 from .device_start import open_device
 from .fuse_limits import raised_max_pages_limit
 from .fuse_signals import stop_on_signal
+# The daemon's process lifecycle, in a light module of its own (the command line imports it
+# alone); named here too, where its callers have always found it.
+from .launch import READY_MESSAGE, start_background, stop_background, wait_for_exit  # noqa: F401
 from .operations import Operations
 
 log = logging.getLogger(__name__)
 
-READY_MESSAGE = b"ready\n"
 # The largest FUSE request the data path asks for, in pages (see fs/fuse_limits.py).
 DEFAULT_REQUEST_PAGES = 512
 
@@ -57,26 +51,6 @@ def keep_request_buffers_on_heap() -> None:
         return
     mallopt(_M_MMAP_THRESHOLD, _REQUEST_HEAP_BYTES)
     mallopt(_M_TRIM_THRESHOLD, 2 * _REQUEST_HEAP_BYTES)
-
-
-def open_default_log(path: Path) -> int:
-    """Open BACKING/daemon.log for appending, refusing (never following) a link or a file
-    of another type there; a descriptor for the daemon's stdout and stderr."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link; a fifo nobody reads
-            raise DeviceError(Status.INVALID_FIELD,
-                              f"refusing {path}: it is {'a symbolic link' if exc.errno == errno.ELOOP else 'a fifo'}; "
-                              "the device never follows links or writes other file types in its "
-                              "backing directory (remove it)") from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise DeviceError(Status.INVALID_FIELD, f"refusing {path}: it is not a regular file (remove it)")
-    os.set_blocking(fd, True)
-    return fd
 
 
 def mount_options(backing: Path, allow_other: bool, debug: bool) -> set[str]:
@@ -260,117 +234,3 @@ def serve(
             operations.controller.close()
         device.close()
         log.info("device %s closed cleanly", backing_path)
-
-
-def start_background(
-    backing: str | os.PathLike[str],
-    mountpoint: str | os.PathLike[str],
-    *,
-    sync: bool = False,
-    allow_other: bool = False,
-    log_file: str | os.PathLike[str] | None = None,
-    timeout_s: float = 60.0,
-    metrics_port: int | None = None,
-    metrics_addr: str | None = None,  # None: fs/metrics.py's default (loopback)
-    metrics_token_file: str | os.PathLike[str] | None = None,
-    profile: str = DEFAULT_PROFILE,
-    timed: bool = False,
-    io_threads: int | None = None,
-    cmb_bytes: int | None = None,
-    verify: str = VERIFY_BACKGROUND,
-) -> int:
-    """Start a daemon process and return its pid once the mount is ready."""
-    # Check what can be checked here, so the common mistakes get a clear one-line error.
-    if not (Path(backing) / SUPERBLOCK_FILE).is_file():
-        raise DeviceError(Status.INVALID_FIELD, f"{backing} is not a cossd device (run `cossd format {backing}`)")
-    if not Path(mountpoint).is_dir():
-        raise DeviceError(Status.INVALID_FIELD, f"mountpoint {mountpoint} is not a directory")
-    load_profile(profile)  # an unknown profile, likewise
-    # A link or foreign file where the device writes, likewise (the daemon checks again
-    # under its lock before it writes anything).
-    BackingDirectory.inspect(Path(backing))
-    # A device another daemon has open, likewise (taken and released: the daemon takes it
-    # for good; a race between the two ends in the daemon's own refusal).
-    BackingDirectory.lock(Path(backing)).close()
-    read_fd, write_fd = os.pipe()
-    # The daemon's own entry, which imports the daemon and not the whole command line
-    # (fs/mount_main.py): part of what a restart waits for.
-    command = [
-        sys.executable, "-m", "cossd.fs.mount_main",
-        "--ready-fd", str(write_fd), str(backing), str(mountpoint),
-    ]
-    if sync:
-        command.append("--sync")
-    if allow_other:
-        command.append("--allow-other")
-    if metrics_port is not None:
-        command += ["--metrics-port", str(metrics_port)]
-        if metrics_addr is not None:
-            command += ["--metrics-addr", metrics_addr]
-        if metrics_token_file is not None:
-            command += ["--metrics-token-file", str(Path(metrics_token_file).resolve())]
-    command += ["--profile", profile if profile in PROFILES else str(Path(profile).resolve())]
-    if timed:
-        command.append("--timed")
-    if io_threads is not None:
-        command += ["--io-threads", str(io_threads)]
-    if cmb_bytes is not None:
-        command += ["--cmb-size", str(cmb_bytes)]
-    if verify != VERIFY_BACKGROUND:
-        command += ["--verify", verify]
-    log_path = Path(log_file) if log_file else Path(backing) / "daemon.log"
-    try:
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) if log_file \
-            else open_default_log(log_path)
-    except BaseException:
-        os.close(read_fd)
-        os.close(write_fd)
-        raise
-    with open(log_fd, "ab") as log_stream:
-        process = subprocess.Popen(
-            command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_stream,
-            stderr=log_stream, start_new_session=True,
-        )
-    os.close(write_fd)
-    deadline = time.monotonic() + timeout_s
-    message = b""
-    with contextlib.closing(os.fdopen(read_fd, "rb", buffering=0)) as reader:
-        # The child writes "ready" or dies (closing the pipe); a hung child times out.
-        readable, _, _ = select.select([reader], [], [], timeout_s)
-        if readable:
-            message = reader.read(len(READY_MESSAGE))
-    if message != READY_MESSAGE:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
-        raise RuntimeError(
-            f"mount daemon failed to start (exit {process.returncode})"
-            + (f": {tail[0]}" if tail else "") + f"; log: {log_path}"
-        )
-    return process.pid
-
-
-def wait_for_exit(pid: int, timeout_s: float = 60.0) -> bool:
-    """Wait until process `pid` is gone, reaping it if it is our child; False on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            reaped, _ = os.waitpid(pid, os.WNOHANG)
-            if reaped == pid:
-                return True
-        except ChildProcessError:
-            pass  # not our child: watch /proc instead
-        if not Path(f"/proc/{pid}").exists():
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def stop_background(mountpoint: str | os.PathLike[str], pid: int, *, lazy: bool = False,
-                    timeout_s: float = 60.0) -> bool:
-    """Unmount a daemon started by start_background and wait for it to flush and exit."""
-    command = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
-    subprocess.run(command, capture_output=True)
-    return wait_for_exit(pid, timeout_s)

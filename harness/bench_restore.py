@@ -22,9 +22,10 @@ from .measure import say
 # What the mount daemon imports before it serves (python -m cossd.fs.mount_main, which
 # start_background runs): the daemon with FUSE, the emulator and the kernels.
 MOUNT_IMPORTS = "import cossd.fs.mount_main, cossd.fs.daemon"
-# What it imported before it had an entry of its own (`cossd mount --foreground`): the whole
-# command line too. Measured beside it, for what the cut is worth.
-CLI_MOUNT_IMPORTS = "import cossd.tools.cli, cossd.fs.daemon"
+# What `cossd mount` imports before it starts that daemon: the command line's mount verb
+# alone and the daemon's launcher (tools/cli.py, fs/launch.py), not the daemon.
+CLI_MOUNT_IMPORTS = ("from cossd.tools import cli; cli.build_parser(only='mount').parse_args(['mount', 'b', 'm']); "
+                     "import cossd.fs.launch")
 
 # A torch.save of the same model as FP32 with torch's AdamW state (param, exp_avg,
 # exp_avg_sq, step: 12 B/element), written and fsynced in a child so that the bench process
@@ -85,8 +86,8 @@ def startup_imports() -> dict[str, Any]:
         heaviest[top] = heaviest.get(top, 0) + int(self_us)
     top = sorted(heaviest.items(), key=lambda item: -item[1])[:6]
     say(f"  restore: interpreter start {bare:.3f} s, with the mount's imports {with_imports:.3f} s "
-        f"({', '.join(f'{name} {us / 1e6:.2f}' for name, us in top)}); through the command line "
-        f"{through_cli:.3f} s")
+        f"({', '.join(f'{name} {us / 1e6:.2f}' for name, us in top)}); `cossd mount`'s own, before it "
+        f"starts the daemon, {through_cli:.3f} s")
     return {"interpreter_seconds": bare, "with_imports_seconds": with_imports,
             "through_cli_seconds": through_cli,
             "imports_seconds": with_imports - bare,
@@ -202,6 +203,25 @@ def _mount_and_read(device: BenchDevice, state_files: list[Path], verify: str) -
             "warm_read_seconds": warm_read_seconds, "startup": _daemon_startup(device, mount_seconds)}
 
 
+def _cossd_command() -> list[str]:
+    """The `cossd` command beside this interpreter (the console script), else the module."""
+    script = Path(sys.executable).with_name("cossd")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "cossd.tools.cli"]
+
+
+def _mount_through_cli_and_read(device: BenchDevice, state_files: list[Path]) -> float:
+    """From a cold cache: `cossd mount BACKING MNT` run as a shell runs it (the command line's
+    own process and imports, then the daemon's), then the params read. Leaves it stopped."""
+    _drop(state_files)
+    started = time.perf_counter()
+    done = subprocess.run([*_cossd_command(), "mount", "-o", "json", str(device.backing), str(device.mountpoint)],
+                          check=True, capture_output=True, text=True)
+    device.pid = int(json.loads(done.stdout)["pid"])
+    seconds = time.perf_counter() - started + _read_params(device)
+    device.stop()
+    return seconds
+
+
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run whose total is the median (of an odd count: one of the runs, whole)."""
     return sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
@@ -231,6 +251,7 @@ def restore_costs(device: BenchDevice, workdir: Path, n: int) -> dict[str, Any]:
     background_runs = [_mount_and_read(device, state_files, "background") for _ in range(RESTORE_RUNS)]
     background = _median_run(background_runs)
     mount_seconds, read_seconds = background["mount_seconds"], background["read_seconds"]
+    through_cli = [_mount_through_cli_and_read(device, state_files) for _ in range(RESTORE_RUNS)]
     checkpoint = workdir / "full_state.pt"
     subprocess.run([sys.executable, "-c", _TORCH_SAVE, str(n), str(checkpoint)], check=True, capture_output=True)
     loads = [_torch_load_cold(checkpoint) for _ in range(RESTORE_RUNS)]
@@ -248,6 +269,7 @@ def restore_costs(device: BenchDevice, workdir: Path, n: int) -> dict[str, Any]:
                      "open_background_seconds": opened_background["open_seconds"], **opened,
                      "startup": background["startup"], "runs": [run["seconds"] for run in background_runs]},
            "cossd_verify_at_open": at_open,
+           "cossd_through_cli": {"seconds": sorted(through_cli)[len(through_cli) // 2], "runs": through_cli},
            "torch_load": {"seconds": loaded["seconds"], "bytes": file_bytes, "warm_seconds": warm["seconds"],
                           "runs": [run["seconds"] for run in loads]},
            "torch_vs_cossd": loaded["seconds"] / cossd_seconds,
@@ -264,7 +286,9 @@ def restore_costs(device: BenchDevice, workdir: Path, n: int) -> dict[str, Any]:
         f"{background['warm_read_seconds']:.3f} s against torch.load {warm['seconds']:.3f} s) against torch.load "
         f"of the full state "
         f"{loaded['seconds']:.3f} s, median of {', '.join(f'{run:.3f}' for run in row['torch_load']['runs'])} "
-        f"({file_bytes / 1e9:.2f} GB): {row['torch_vs_cossd']:.1f}x; with --verify open "
+        f"({file_bytes / 1e9:.2f} GB): {row['torch_vs_cossd']:.1f}x; started by `cossd mount` from a shell "
+        f"{row['cossd_through_cli']['seconds']:.3f} s, median of {', '.join(f'{run:.3f}' for run in through_cli)}"
+        f" ({loaded['seconds'] / row['cossd_through_cli']['seconds']:.1f}x); with --verify open "
         f"{at_open['seconds']:.3f} s (Device.open {opened['open_seconds']:.3f}, of which verification "
         f"{opened['verify_seconds']:.3f})")
     return row

@@ -8,19 +8,33 @@ INJECT_ERROR (`injection`). Imports nothing of cossd, so a client ships it witho
 device's code.
 """
 
-from .entries import COMPLETION, NSID_ALL, SUBMISSION, Completion, IdentifyCns, Opcode
-from .logpages import LogId
-from .status import STATUS_ERRNO, DeviceError, Status
+from __future__ import annotations
 
-__all__ = [
-    "COMPLETION",
-    "Completion",
-    "DeviceError",
-    "IdentifyCns",
-    "LogId",
-    "NSID_ALL",
-    "Opcode",
-    "STATUS_ERRNO",
-    "SUBMISSION",
-    "Status",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .entries import COMPLETION, NSID_ALL, SUBMISSION, Completion, IdentifyCns, Opcode
+    from .logpages import LogId
+    from .status import STATUS_ERRNO, DeviceError, Status
+
+# Where each name lives, imported on first use: `from cossd.protocol.status import ...` (the
+# command line, the mount daemon's launcher) must not import numpy through `entries`.
+_HOMES = {"COMPLETION": ".entries", "Completion": ".entries", "IdentifyCns": ".entries", "NSID_ALL": ".entries",
+          "Opcode": ".entries", "SUBMISSION": ".entries", "LogId": ".logpages", "DeviceError": ".status",
+          "STATUS_ERRNO": ".status", "Status": ".status"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # once: later lookups find it without this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

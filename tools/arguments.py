@@ -7,11 +7,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 import re
-from typing import Callable
+from typing import Callable, Protocol
 
-# build_parser's verb factory, which every verb module's register() is given:
-# verb(name, handler, help_text, formats=("normal", "json")) -> the verb's parser.
-VerbFactory = Callable[..., argparse.ArgumentParser]
+# Run as `nvme` (argv[0], e.g. a symlink to the cossd entry point), cossd answers nvme-cli's
+# verbs (tools/cli.py) and `version` prints nvme-cli's lines.
+NVME_PROG = "nvme"
+
+
+class VerbFactory(Protocol):
+    """What each verb module's register(verb) is given (tools/cli.py): verb(name, handler,
+    help_text, formats) adds a verb and returns its parser; wants(name) says whether the
+    command line needs that verb now, so that a family can leave out one whose registration
+    alone costs imports (the parser `cossd mount` builds holds its own verb and no other)."""
+
+    def __call__(self, name: str, handler: Callable[[argparse.Namespace], int], help_text: str,
+                 formats: tuple[str, ...] = ...) -> argparse.ArgumentParser: ...
+
+    def wants(self, name: str) -> bool: ...
+
 
 _SIZE = re.compile(r"(\d+)([KMGT]?)(i?B?)?", re.IGNORECASE)
 

@@ -12,25 +12,43 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..protocol.status import DeviceError
-from . import (
-    verbs_admin,
-    verbs_archive,
-    verbs_device,
-    verbs_features,
-    verbs_harness,
-    verbs_inject,
-    verbs_logs,
-    verbs_model,
-    verbs_namespace,
-    verbs_snapshots,
-    verbs_top,
-)
-from .nvme_json import NVME_PROG
+import importlib
+from types import ModuleType
 
-# The verb families; each registers its verbs with register(verb).
-VERB_MODULES = (verbs_device, verbs_namespace, verbs_admin, verbs_logs, verbs_harness, verbs_top,
-                verbs_features, verbs_inject, verbs_model, verbs_snapshots, verbs_archive)
+from ..protocol.status import DeviceError
+from .arguments import NVME_PROG
+
+# The verb families (tools/verbs_*.py), in the order they register; each registers its verbs
+# with register(verb).
+FAMILIES = ("verbs_device", "verbs_namespace", "verbs_admin", "verbs_logs", "verbs_harness", "verbs_top",
+            "verbs_features", "verbs_inject", "verbs_model", "verbs_snapshots", "verbs_archive")
+
+# The family of each verb: `cossd VERB` imports that family alone and builds a parser of that
+# verb alone. The families import what their verbs need (numpy, the clients, the server), and
+# `cossd mount` at a restart would otherwise pay for all of it before it starts the daemon.
+# tests/cli/test_cli.py checks it against what the families register.
+VERB_FAMILIES = {
+    "format": "verbs_device", "mount": "verbs_device", "serve": "verbs_device", "umount": "verbs_device",
+    "list": "verbs_device",
+    "create-ns": "verbs_namespace", "delete-ns": "verbs_namespace", "id-ns": "verbs_namespace",
+    "id-ctrl": "verbs_admin", "begin-step": "verbs_admin", "commit-step": "verbs_admin", "abort-step": "verbs_admin",
+    "revert-step": "verbs_admin", "admin-passthru": "verbs_admin", "flush": "verbs_admin", "scrub": "verbs_admin",
+    "version": "verbs_admin",
+    "smart-log": "verbs_logs", "error-log": "verbs_logs", "server-log": "verbs_logs", "get-log": "verbs_logs",
+    "demo": "verbs_harness", "bench": "verbs_harness",
+    "top": "verbs_top",
+    "get-feature": "verbs_features", "set-feature": "verbs_features",
+    "inject-error": "verbs_inject",
+    "model": "verbs_model",
+    "snapshot": "verbs_snapshots", "rollback": "verbs_snapshots", "clone": "verbs_snapshots",
+    "export": "verbs_snapshots",
+    "archive": "verbs_archive", "restore": "verbs_archive",
+}
+
+
+def family(name: str) -> ModuleType:
+    return importlib.import_module(f".{name}", __package__)
+
 
 # The order `cossd --help` lists the verbs in: a device's life first (format, mount, its
 # namespaces and steps), then the nvme-cli verbs, then the rest. Every verb is named here once.
@@ -40,25 +58,44 @@ HELP_ORDER = ("format", "mount", "serve", "umount", "create-ns", "delete-ns", "i
               "snapshot", "rollback", "clone", "export", "archive", "restore")
 
 
-def build_parser(prog: str = "cossd") -> argparse.ArgumentParser:
+class _Verbs:
+    """build_parser's verb factory (tools/arguments.py, VerbFactory): adds each verb a family
+    registers, or, for a parser of one verb (`only`), that verb alone; the others' parsers are
+    made and dropped."""
+
+    def __init__(self, verbs: argparse._SubParsersAction, only: str | None) -> None:
+        self.verbs = verbs
+        self.only = only
+
+    def wants(self, name: str) -> bool:
+        return self.only is None or name == self.only
+
+    def __call__(self, name: str, handler: Callable[[argparse.Namespace], int], help_text: str,
+                 formats: tuple[str, ...] = ("normal", "json")) -> argparse.ArgumentParser:
+        if self.wants(name):
+            sub = self.verbs.add_parser(name, help=help_text, description=help_text)
+        else:
+            sub = argparse.ArgumentParser(add_help=False)
+        sub.set_defaults(handler=handler)
+        sub.add_argument("-o", "--output-format", choices=formats, default="normal",
+                         help="output format (default: normal)")
+        return sub
+
+
+def build_parser(prog: str = "cossd", only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every verb, or with `only` (a verb of VERB_FAMILIES) that
+    verb alone, its family's imports alone paid for."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description="An emulated computational SSD that runs the Adam optimizer inside the drive.",
         epilog="Run `cossd VERB --help` for a verb's options. Docs: docs/ in the source tree.",
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-
-    def verb(name: str, handler: Callable[[argparse.Namespace], int], help_text: str,
-             formats: tuple[str, ...] = ("normal", "json")) -> argparse.ArgumentParser:
-        sub = verbs.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(handler=handler)
-        sub.add_argument("-o", "--output-format", choices=formats, default="normal",
-                         help="output format (default: normal)")
-        return sub
-
-    for module in VERB_MODULES:
-        module.register(verb)
-    _list_in_help_order(verbs)
+    factory = _Verbs(verbs, only)
+    for name in FAMILIES if only is None else (VERB_FAMILIES[only],):
+        family(name).register(factory)
+    if only is None:
+        _list_in_help_order(verbs)
     _describe_common_arguments(verbs)
     return parser
 
@@ -101,7 +138,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if prog is None:  # the name it was run by: `nvme` answers as nvme-cli
         prog = NVME_PROG if argv is None and Path(sys.argv[0]).name == NVME_PROG else "cossd"
     words = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(prog)
+    # A known verb gets a parser of its own (its family's imports alone); anything else (no
+    # verb, help, an unknown one) the whole command line, to list or suggest every verb.
+    only = words[0] if words and words[0] in VERB_FAMILIES else None
+    if prog == NVME_PROG and only not in NVME_VERBS:
+        only = None
+    parser = build_parser(prog, only)
     if not words or words == ["help"]:
         # The bare name prints the usage and succeeds, as nvme-cli does: scripts probe for
         # nvme-cli that way (nvme_metrics.py runs `nvme` and stops on a failure).

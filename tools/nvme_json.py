@@ -14,9 +14,6 @@ from ..protocol.entries import IdentifyCns, Opcode
 # smart-log's critical_warning object). Sources: nvme-print.c (v2.3), nvme-print-json.c (v2.11).
 PLAIN_VERSION = "2.3"
 VERBOSE_VERSION = "2.11"
-# Run as `nvme` (argv[0], e.g. a symlink to the cossd entry point), cossd answers nvme-cli's
-# verbs (tools/cli.py) and `version` prints nvme-cli's lines.
-NVME_PROG = "nvme"
 VENDOR_KEY = "cossd"  # cossd's own figures ride under this one key, after nvme-cli's
 SECTOR_BYTES = 4096  # LBA format 0 (the only one)
 

@@ -132,7 +132,8 @@ def cmd_scrub(args: argparse.Namespace) -> int:
 
 def cmd_version(args: argparse.Namespace) -> int:
     from .. import __version__
-    from .nvme_json import NVME_PROG, PLAIN_VERSION, VERBOSE_VERSION
+    from .arguments import NVME_PROG
+    from .nvme_json import PLAIN_VERSION, VERBOSE_VERSION
 
     value = {"cossd": __version__, "nvme_cli_json": PLAIN_VERSION, "nvme_cli_json_verbose": VERBOSE_VERSION}
     if getattr(args, "prog", "cossd") == NVME_PROG:

@@ -22,7 +22,7 @@ from .output import emit
 
 def parse_cmb_size(text: str) -> int:
     """A CMB size: 0, or a multiple of 4 KiB up to 1 TiB."""
-    from ..emulator.cmb import MAX_CMB_BYTES
+    from ..emulator.geometry import MAX_CMB_BYTES
 
     size = parse_size(text)
     if size and (size % 4096 or size > MAX_CMB_BYTES):
@@ -55,9 +55,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if given is not None:
             raise SystemExit(f"cossd mount: {option} is for a server's device (cossd://HOST:PORT), "
                              f"not a backing directory")
-    from ..fs import daemon
-
     if args.foreground:
+        from ..fs import daemon
+
         logging.basicConfig(
             level=logging.DEBUG if args.debug else logging.INFO,
             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
@@ -68,6 +68,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
                      metrics_token_file=args.metrics_token_file, profile=args.profile, timed=args.timed,
                      io_threads=args.io_threads, cmb_bytes=args.cmb_size, verify=args.verify)
         return 0
+    # The daemon's launcher alone: the daemon's own imports (trio, pyfuse3, numpy) are its
+    # process's to pay, not this one's before it starts it.
+    from ..fs import launch
+
     if args.metrics_token_file is not None:  # a one-line error before anything starts
         from ..fs.metrics import MetricsPortError, load_token
 
@@ -75,7 +79,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             raise MetricsPortError("--metrics-token-file goes with --metrics-port")
         load_token(args.metrics_token_file)
     try:
-        pid = daemon.start_background(args.backing, args.mountpoint, sync=args.sync,
+        pid = launch.start_background(args.backing, args.mountpoint, sync=args.sync,
                                       allow_other=args.allow_other, log_file=args.log_file,
                                       metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
                                       metrics_token_file=args.metrics_token_file,
@@ -99,7 +103,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def _mount_remote(args: argparse.Namespace) -> int:
     """`cossd mount cossd://HOST:PORT MNT`: the server's tree as a FUSE mount on this node
     (fs/remote_daemon.py); the device's own options are the server's (`cossd serve`)."""
-    from ..emulator.cmb import DEFAULT_CMB_BYTES
+    from ..emulator.geometry import DEFAULT_CMB_BYTES
     from ..fs import remote_daemon
     from ..fs.remote_lanes import DEFAULT_LANES, Credentials
     from ..model.profiles import DEFAULT_PROFILE
@@ -245,7 +249,8 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("--force", action="store_true", help="erase an existing device in BACKING")
 
     _register_mount(verb)
-    _register_serve(verb)
+    if verb.wants("serve"):  # its options come with the network server's imports
+        _register_serve(verb)
 
     sub = verb("umount", cmd_umount, "Unmount; waits until the daemon has flushed the state.")
     sub.add_argument("mountpoint", type=Path)
@@ -273,7 +278,7 @@ def _register_serve(verb: VerbFactory) -> None:
 
 
 def _register_mount(verb: VerbFactory) -> None:
-    from ..emulator.cmb import DEFAULT_CMB_BYTES
+    from ..emulator.geometry import DEFAULT_CMB_BYTES
     from ..model.profiles import DEFAULT_PROFILE, PROFILES
 
     sub = verb("mount", cmd_mount, "Mount a device; returns once the mount is ready. BACKING is a device's "

@@ -55,6 +55,10 @@ def test_scale_section_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     # The background verification ends after the mount started, never before it was ready.
     assert restore["cossd"]["verified_after_seconds"] >= restore["cossd"]["mount_seconds"]
     assert set(restore["cossd_verify_at_open"]) >= {"mount_seconds", "read_seconds", "seconds"}
+    # The same restart started by `cossd mount` as a shell runs it, cold, RESTORE_RUNS times.
+    through_cli = restore["cossd_through_cli"]
+    assert len(through_cli["runs"]) == 3 and min(through_cli["runs"]) > 0
+    assert through_cli["seconds"] == sorted(through_cli["runs"])[1]
     assert restore["warm"]["cossd_params_seconds"] > 0 and restore["warm"]["torch_load_seconds"] > 0
     assert scale["startup_imports"]["with_imports_seconds"] > scale["startup_imports"]["interpreter_seconds"]
     markdown = (output / "bench.md").read_text()

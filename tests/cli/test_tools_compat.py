@@ -190,26 +190,62 @@ def test_every_flag_and_positional_says_what_it_is_and_its_default() -> None:
 
 def test_each_verb_comes_from_one_family_and_help_lists_them_in_order() -> None:
     """Every verb module registers its verbs one way, register(verb); each verb is one module's,
-    and `cossd --help` and the parser's choices list them in cli.HELP_ORDER."""
+    the one cli.VERB_FAMILIES names (`cossd VERB` imports it alone), and `cossd --help` and the
+    parser's choices list them in cli.HELP_ORDER."""
     import argparse
 
     from cossd.tools import cli
 
     owners: dict[str, list[str]] = {}
-    for module in cli.VERB_MODULES:
-        def verb(name: str, *_handler_and_help: object, owner: str = module.__name__,
-                 **_formats: object) -> argparse.ArgumentParser:
-            owners.setdefault(name, []).append(owner)
-            return argparse.ArgumentParser()
+    for name in cli.FAMILIES:
+        class Recorder:
+            def __init__(self, owner: str) -> None:
+                self.owner = owner
 
-        module.register(verb)
+            def wants(self, _verb: str) -> bool:
+                return True
+
+            def __call__(self, verb: str, *_handler_and_help: object, **_formats: object) -> argparse.ArgumentParser:
+                owners.setdefault(verb, []).append(self.owner)
+                return argparse.ArgumentParser()
+
+        cli.family(name).register(Recorder(name))
     assert {name: found for name, found in owners.items() if len(found) != 1} == {}
     assert sorted(owners) == sorted(cli.HELP_ORDER)
+    assert {verb: found[0] for verb, found in owners.items()} == cli.VERB_FAMILIES
     verbs = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert list(verbs.choices) == list(cli.HELP_ORDER)
     listed = _cli("--help", check=True).stdout
     assert [line.split()[0] for line in listed.split("VERB ...", 1)[1].splitlines()
             if line.startswith("    ") and not line.startswith("     ")] == list(cli.HELP_ORDER)
+
+
+def test_a_verb_parses_with_its_own_parser_as_with_the_whole_command_line() -> None:
+    """`cossd VERB ...` builds a parser of that verb alone: the same options and defaults
+    as the whole command line's, for every verb."""
+    import argparse
+
+    from cossd.tools import cli
+
+    whole = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for verb in cli.HELP_ORDER:
+        alone = next(a for a in cli.build_parser(only=verb)._actions if isinstance(a, argparse._SubParsersAction))
+        assert list(alone.choices) == [verb]
+        assert [(a.option_strings, a.dest, a.default, a.help) for a in alone.choices[verb]._actions] == \
+            [(a.option_strings, a.dest, a.default, a.help) for a in whole.choices[verb]._actions], verb
+
+
+def test_cossd_mount_starts_the_daemon_without_the_daemons_imports() -> None:
+    """What `cossd mount BACKING MNT` imports before it starts the daemon process (which
+    imports them itself): no numpy, trio, pyfuse3 or torch, which a restart would otherwise
+    wait for twice."""
+    code = ("import sys\n"
+            "from cossd.tools import cli\n"
+            "args = cli.build_parser(only='mount').parse_args(['mount', '/nowhere', '/nowhere'])\n"
+            "from cossd.fs import launch\n"
+            "print(sorted(m for m in ('numpy', 'trio', 'pyfuse3', 'torch', 'cossd.fs.daemon') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_a_second_mount_says_where_the_device_is_mounted(mount: Mount, tmp_path: Path) -> None:
