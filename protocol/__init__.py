@@ -4,14 +4,15 @@ What a device and its clients must agree on, declared once: the 64-byte submissi
 16-byte completion entries with the opcodes (`entries`), the completion statuses with the
 errno each becomes at the file edge and `DeviceError` (`status`), the log-page and
 identify layouts (`logpages`), and the fields of Get/Set Features (`features`) and of
-INJECT_ERROR (`injection`). Imports nothing of cossd, so a client ships it without the
-device's code.
+INJECT_ERROR (`injection`). Imports no other layer of cossd (only the root package's
+lazy.py), so a client ships it without the device's code.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .entries import COMPLETION, NSID_ALL, SUBMISSION, Completion, IdentifyCns, Opcode
@@ -26,15 +27,4 @@ _HOMES = {"COMPLETION": ".entries", "Completion": ".entries", "IdentifyCns": ".e
 
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
-    globals()[name] = value  # once: later lookups find it without this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())
