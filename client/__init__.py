@@ -4,33 +4,32 @@ Imports only cossd.protocol (and numpy and the standard library), so a trainer o
 on a node without the device ships none of its code. Two transports: a local mount
 (`LocalMount`: the `.admin` queue pair, the tensor files, the CMB's memfd) and a storage
 server (`RemoteTransport`, cossd://HOST:PORT: NVMe/TCP framing, docs/server.md).
+The names below are imported when first used, not with the package.
 """
 
-from .admin import AdminClient
-from .cmb import CmbMapping, CmbRegion, claim_region, plan_cmb_batches
-from .mounts import MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE, mount_type_at, mounted_devices
-from .remote import Credentials, RemoteTransport, ServerUrl, is_remote, parse_url
-from .transport import LocalMount, Transport
-from .watchdog import DEFAULT_TIMEOUT_S, DeviceTimeoutError, Watchdog
+from __future__ import annotations
 
-__all__ = [
-    "AdminClient",
-    "CmbMapping",
-    "CmbRegion",
-    "Credentials",
-    "DEFAULT_TIMEOUT_S",
-    "DeviceTimeoutError",
-    "LocalMount",
-    "MOUNT_FSTYPE",
-    "REMOTE_MOUNT_FSTYPE",
-    "RemoteTransport",
-    "ServerUrl",
-    "Transport",
-    "Watchdog",
-    "claim_region",
-    "is_remote",
-    "mount_type_at",
-    "mounted_devices",
-    "parse_url",
-    "plan_cmb_batches",
-]
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .admin import AdminClient
+    from .cmb import CmbMapping, CmbRegion, claim_region, plan_cmb_batches
+    from .mounts import MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE, mount_type_at, mounted_devices
+    from .remote import Credentials, RemoteTransport, ServerUrl, is_remote, parse_url
+    from .transport import LocalMount, Transport
+    from .watchdog import DEFAULT_TIMEOUT_S, DeviceTimeoutError, Watchdog
+
+# Where each name lives, imported on first use: the mount daemon's launcher reads the mount
+# table (.mounts) without numpy and the clients' transports.
+_HOMES = {"AdminClient": ".admin", "CmbMapping": ".cmb", "CmbRegion": ".cmb", "Credentials": ".remote",
+          "DEFAULT_TIMEOUT_S": ".watchdog", "DeviceTimeoutError": ".watchdog", "LocalMount": ".transport",
+          "MOUNT_FSTYPE": ".mounts", "REMOTE_MOUNT_FSTYPE": ".mounts", "RemoteTransport": ".remote",
+          "ServerUrl": ".remote", "Transport": ".transport", "Watchdog": ".watchdog", "claim_region": ".cmb",
+          "is_remote": ".remote", "mount_type_at": ".mounts", "mounted_devices": ".mounts",
+          "parse_url": ".remote", "plan_cmb_batches": ".cmb"}
+
+__all__ = sorted(_HOMES)
+
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

@@ -1,8 +1,9 @@
 """Names a package exports but imports only when first used (PEP 562's module __getattr__).
 
-Why: the mount daemon and `cossd mount` import cossd.emulator and cossd.protocol for a few
-light modules (the layout arithmetic, the statuses) before numpy; importing every name a
-package exports would import numpy with them and cost the restart its head start.
+Why: the mount daemon and `cossd mount` import cossd.emulator, cossd.protocol and
+cossd.client for a few light modules (the layout arithmetic, the statuses, the mount table)
+before numpy; importing every name a package exports would import numpy with them and cost
+the restart its head start.
 """
 from __future__ import annotations
 

@@ -108,9 +108,15 @@ class BackingDirectory:
 
     def create_in_use_file(self) -> None:
         """The empty in-use file, not fsynced (the caller makes it durable as it sees fit)."""
-        fd = os.open(IN_USE_FILE, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=self.fd)
-        os.close(fd)
+        # O_NONBLOCK: a fifo put there since the check must not hang the daemon (ENXIO instead).
+        fd = os.open(IN_USE_FILE, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600, dir_fd=self.fd)
+        try:
+            mode = os.fstat(fd).st_mode
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(mode):
+            raise refusal(self.root / IN_USE_FILE, _kind(mode), _kind(stat.S_IFREG))
 
     def remove_in_use_file(self) -> bool:
         """Unlink the in-use file (not the directory fsync); whether there was one."""

@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 MODEL = "cossd computational SSD emulator"
 FIRMWARE_REVISION = "0.1.0"
 VENDOR_ID = 0x1D1D  # not a PCI-SIG assignment: the emulator's own
+# In a clean close's superblock.json: the namespaces that open could not open (failed_namespaces),
+# which that close therefore never flushed (Device.close).
+UNFLUSHED_KEY = "unflushed_namespaces"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,9 @@ class Device:
         self._marked_in_use = False  # mark_in_use() done
         self._in_use_file = False  # the in-use file is (or may be) there: a clean close removes it
         self._marking: threading.Thread | None = None  # mark_in_use(durable_now=False)'s fsyncs
+        # Recovery ran over every registered namespace (Device.open got to the end): only then
+        # can a close vouch for the state it leaves (see close).
+        self._recovered = False
         self.timing_model = TimingModel.named(config.profile)
         # The threads every optimizer namespace of this device steps its blocks on.
         self.workers = KernelWorkers()
@@ -119,13 +126,19 @@ class Device:
                 else:
                     child.unlink()
         if capacity_bytes is None:
-            stat = os.statvfs(root)
-            capacity_bytes = stat.f_bavail * stat.f_frsize
+            filesystem = os.statvfs(root)
+            capacity_bytes = filesystem.f_bavail * filesystem.f_frsize
         if capacity_bytes <= 0:
             raise DeviceError(Status.INVALID_FIELD, "capacity must be positive")
+        # A new device starts clean, whatever an old one's daemon left; anything but a file of
+        # that name is the user's, and refused before anything is written.
+        in_use = root / IN_USE_FILE
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(in_use.lstat().st_mode):
+                raise DeviceError(Status.INVALID_FIELD, f"refusing {in_use}: it is not a regular file, and a "
+                                  "device formatted here writes a file of that name (remove it)")
+            in_use.unlink()
         (root / "ns").mkdir(exist_ok=True)
-        # A new device starts clean, whatever an old one's daemon left.
-        (root / IN_USE_FILE).unlink(missing_ok=True)
         superblock = {
             "format_version": FORMAT_VERSION,
             "identity": {
@@ -194,16 +207,20 @@ class Device:
         # mark may not have been written yet: mark_in_use).
         device._in_use_file = backing.in_use_file_exists()
         closed_cleanly = superblock.get("health", {}).get("clean") is True and not device._in_use_file
+        # Namespaces that clean close could not open, so never flushed: what an earlier crash
+        # left of them may still be in the page cache only, and their recovery must fsync it.
+        unflushed = frozenset(superblock.get(UNFLUSHED_KEY, ())) if closed_cleanly else frozenset()
         if device._in_use_file:
             device.health.previous_open_was_clean = False
         try:
             device.health.power_on()
             if mark_in_use:
                 device.mark_in_use()
-            device._open_namespaces(durable=closed_cleanly)
+            device._open_namespaces(durable=closed_cleanly, unflushed=unflushed)
         except BaseException:
             device.close()
             raise
+        device._recovered = True
         return device
 
     def mark_in_use(self, *, durable_now: bool = True) -> None:
@@ -220,7 +237,8 @@ class Device:
         in-use file is created at once, and the thread then records clean: false in
         superblock.json durably, as the mark always was, so that an unsafe shutdown is counted
         after a power cut too (except a cut within those fsyncs, the one window where it goes
-        uncounted). A clean close removes the file."""
+        uncounted, and which lasts until the thread is done: seconds where the disk is busy). A
+        clean close waits for the thread, then removes the file."""
         if self._marked_in_use:
             return
         self._marked_in_use = True
@@ -230,10 +248,10 @@ class Device:
         try:
             self._backing.create_in_use_file()
             self._in_use_file = True
-        except OSError as exc:
+        except (OSError, DeviceError) as exc:
             # Then the mark waits for its fsyncs, as it always did.
             log.error("could not create %s (%s): marking the device in use durably first",
-                      self.path / IN_USE_FILE, exc.strerror)
+                      self.path / IN_USE_FILE, exc.strerror if isinstance(exc, OSError) else exc.message)
             self._record_in_use()
             return
         self._marking = threading.Thread(target=self._record_in_use, name="cossd-in-use-mark", daemon=True)
@@ -243,17 +261,18 @@ class Device:
         with self._lock:
             try:
                 self._store(dict(self._superblock), clean=False)
-            except DeviceError as exc:
+            except Exception as exc:  # on the mark's thread too, where nothing else would say it
                 # A full backing store must not stop a device whose state is preallocated from
                 # serving; only a crash during this open would then go uncounted.
-                log.error("could not mark the device in use: %s", exc.message)
+                log.error("could not mark the device in use: %s",
+                          exc.message if isinstance(exc, DeviceError) else exc)
 
-    def _open_namespaces(self, durable: bool = False) -> None:
+    def _open_namespaces(self, durable: bool = False, unflushed: frozenset[str] = frozenset()) -> None:
         registered = self._superblock["namespaces"]
         for name, nsid in registered.items():
             try:
                 namespace = kinds.open_namespace(self._ns_dir(name), self.config.sync, self.config.verify,
-                                                 durable=durable)
+                                                 durable=durable and name not in unflushed)
             except (DeviceError, OSError, ValueError, KeyError) as exc:
                 self.failed_namespaces[name] = str(exc)
                 log.error("namespace %s (nsid %d) cannot be served: %s", name, nsid, exc)
@@ -293,8 +312,18 @@ class Device:
 
     def close(self) -> None:
         """Flush every namespace, save the health figures as a clean shutdown, release the
-        backing directory."""
+        backing directory.
+
+        The clean record says recovery may skip its fsyncs next time, so it is written only
+        where this open recovered every namespace and flushed every one it opened; those it
+        could not open are named in it (UNFLUSHED_KEY), for their next recovery to fsync. An
+        open that failed part-way leaves the device as it found it (the next open counts an
+        unsafe shutdown)."""
         try:
+            # First: the mark's thread reads the namespaces' counters, which the close below
+            # folds and clears, and its clean: false must not land after the clean record.
+            if self._marking is not None:
+                self._marking.join()
             flushed = True
             try:
                 for namespace in list(self.namespaces.values()):
@@ -309,12 +338,11 @@ class Device:
                 for namespace in list(self.namespaces.values()):
                     self.health.fold(namespace.counters)
                 self.namespaces.clear()
-            if self._marking is not None:
-                self._marking.join()  # its clean: false must not land after the clean record
-            if self._backing.held and flushed:
+            if self._backing.held and flushed and self._recovered:
                 with self._lock:
                     try:
-                        self._store(dict(self._superblock), clean=True)
+                        self._store(dict(self._superblock) | {UNFLUSHED_KEY: sorted(self.failed_namespaces)},
+                                    clean=True)
                     except DeviceError as exc:
                         # The mark stays set: the next open counts an unsafe shutdown.
                         log.error("could not record a clean shutdown: %s", exc.message)

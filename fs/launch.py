@@ -3,7 +3,7 @@
 Apart from fs/daemon.py, whose imports (trio, pyfuse3, numpy, the emulator) the command line
 would otherwise pay before the daemon even starts: a restart waits for both processes'
 imports in turn. This module imports the standard library and the light parts of cossd
-(the backing directory's checks, the timing profiles, the status codes).
+(the backing directory's checks, the timing profiles, the status codes, the mount table's reader).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..client.mounts import MOUNT_FSTYPE, mount_type_at
 from ..emulator.backing import SUPERBLOCK_FILE, BackingDirectory
 from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 from ..protocol.status import DeviceError, Status
@@ -108,12 +109,18 @@ def start_background(
         os.close(read_fd)
         os.close(write_fd)
         raise
-    with open(log_fd, "ab") as log_stream:
-        process = subprocess.Popen(
-            command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_stream,
-            stderr=log_stream, start_new_session=True,
-        )
-    os.close(write_fd)
+    mounted_before = mount_type_at(mountpoint)
+    try:
+        with open(log_fd, "ab") as log_stream:
+            process = subprocess.Popen(
+                command, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_stream,
+                stderr=log_stream, start_new_session=True,
+            )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
     deadline = time.monotonic() + timeout_s
     message = b""
     with contextlib.closing(os.fdopen(read_fd, "rb", buffering=0)) as reader:
@@ -125,7 +132,12 @@ def start_background(
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            process.kill()
+            process.kill()  # hung: it never said ready, so nothing was served
+            process.wait()
+            # A daemon killed after its FUSE mount leaves it there, answering nothing: take it
+            # off, but only a cossd mount that was not there before this start.
+            if mounted_before != MOUNT_FSTYPE and mount_type_at(mountpoint) == MOUNT_FSTYPE:
+                subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
         raise RuntimeError(
             f"mount daemon failed to start (exit {process.returncode})"

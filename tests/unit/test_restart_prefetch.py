@@ -1,16 +1,20 @@
 """A restart's cheap start: the params read ahead from the stopped device's own media (prefetch.py) and no recovery fsyncs after a clean close."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cossd.emulator import Device, DeviceConfig
-from cossd.emulator import prefetch
+from cossd.emulator import kinds, prefetch
+from cossd.emulator.health import Health
 from cossd.emulator.layout import SLOT_PREFIX, SUPERBLOCK_HEADER, Copy
 from cossd.emulator.media import StateFile
 from cossd.protocol.status import DeviceError
@@ -201,3 +205,114 @@ def test_an_in_use_link_is_refused_and_never_followed(tmp_path: Path) -> None:
     with pytest.raises(DeviceError, match="in-use is a symbolic link"):
         Device.open(path)
     assert target.read_text() == "keep"
+
+
+def test_a_close_waits_for_the_marks_thread_before_it_folds_the_counters(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mark's thread adds the open namespaces' counters to the device's base as it records
+    clean: false; a close that started meanwhile (a mount that failed at once, an immediate
+    umount) waits for it before it folds those counters into the base and clears them, so
+    the thread's record counts nothing twice, and the clean record lands last."""
+    path = _device(tmp_path / "dev", 1)
+    release, in_thread = threading.Event(), threading.Event()
+    recorded: list[dict] = []
+    original = Health.totals
+
+    def held(self: Health, live: object) -> object:
+        if threading.current_thread().name == "cossd-in-use-mark":
+            live = list(live)  # type: ignore[call-overload]  # the namespaces as the thread saw them
+            in_thread.set()
+            assert release.wait(30)
+            totals = original(self, live)
+            recorded.append(dataclasses.asdict(totals))
+            return totals
+        return original(self, live)
+
+    def health() -> dict:
+        return json.loads((path / "superblock.json").read_text())["health"]
+
+    monkeypatch.setattr(Health, "totals", held)
+    device = Device.open(path, mark_in_use=False)
+    for name, data in grads(2, False).items():  # counted by the live namespace, not yet the base
+        device.namespaces[NAME].write_grad(name, 0, data)
+    expected = device.health.totals([ns.counters for ns in device.namespaces.values()]).host_write_commands
+    device.mark_in_use(durable_now=False)
+    assert in_thread.wait(30)
+    closing = threading.Thread(target=device.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive()  # waiting for the mark: nothing closed, folded or recorded yet
+    assert device.namespaces and health()["clean"] is True and (path / "in-use").exists()
+    release.set()
+    closing.join(30)
+    assert not closing.is_alive()
+    assert [entry["host_write_commands"] for entry in recorded] == [expected]
+    after = health()
+    assert after["clean"] is True and after["host_write_commands"] == expected
+    assert not (path / "in-use").exists()
+
+
+def test_a_clean_close_names_the_namespaces_it_could_not_open_and_their_recovery_fsyncs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a crash, an open that could not open a namespace (a transient error) never
+    recovered or flushed it: its clean close says so, and the next open recovers that
+    namespace as after a crash, fsyncing what it keeps."""
+    path = _device(tmp_path / "dev", 2)
+    (path / "in-use").touch()  # the crashed daemon's
+    original = kinds.open_namespace
+
+    def failing(*args: object, **kwargs: object) -> object:
+        raise OSError(24, "Too many open files")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(kinds, "open_namespace", failing)
+        with Device.open(path, DeviceConfig(verify="background")) as device:
+            assert NAME in device.failed_namespaces
+    superblock = json.loads((path / "superblock.json").read_text())
+    assert superblock["health"]["clean"] is True and superblock["unflushed_namespaces"] == [NAME]
+    assert kinds.open_namespace is original
+    assert _syncs_at_open(path, monkeypatch) == 2  # both copies, as after the crash
+    assert json.loads((path / "superblock.json").read_text())["unflushed_namespaces"] == []
+    assert _syncs_at_open(path, monkeypatch) == 0
+
+
+def test_an_open_that_fails_part_way_leaves_the_mark_as_it_found_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open interrupted before recovery went over every namespace recorded nothing clean:
+    the crashed daemon's in-use file stays, and the next open still recovers as after a crash."""
+    path = _device(tmp_path / "dev", 2)
+    (path / "in-use").touch()
+
+    def interrupted(self: Device, *args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Device, "_open_namespaces", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            Device.open(path, mark_in_use=False)
+    assert (path / "in-use").exists()
+    assert _syncs_at_open(path, monkeypatch) == 2
+    assert not (path / "in-use").exists()
+
+
+def test_format_refuses_an_in_use_that_is_not_a_file_and_writes_nothing(tmp_path: Path) -> None:
+    directory = tmp_path / "fresh"
+    (directory / "in-use").mkdir(parents=True)
+    with pytest.raises(DeviceError, match="in-use: it is not a regular file"):
+        Device.format(directory, capacity_bytes=1 << 30)
+    assert sorted(child.name for child in directory.iterdir()) == ["in-use"]
+
+
+def test_a_fifo_in_place_of_the_in_use_file_never_hangs_the_mark(tmp_path: Path) -> None:
+    """A fifo put there after the open's check: creating the file would block forever for a
+    reader; the mark is made durably instead, and says why in the log."""
+    path = _device(tmp_path / "dev", 1)
+    device = Device.open(path, mark_in_use=False)
+    try:
+        os.mkfifo(path / "in-use")
+        device.mark_in_use(durable_now=False)
+        assert device._marking is None
+        assert json.loads((path / "superblock.json").read_text())["health"]["clean"] is False
+    finally:
+        (path / "in-use").unlink()
+        device.close()
