@@ -109,6 +109,9 @@ async def _serve(operations: Operations, ready_fd: int | None, session_fd: int |
         if data_path is not None:
             data_paths.append(data_path)
             operations.data_path = data_path
+        if os.environ.get("COSSD_INJECT_HANG_BEFORE_READY"):  # tests only: a daemon hung once mounted
+            log.warning("fault injection: hanging before saying ready")
+            time.sleep(3600)
         if ready_fd is not None:
             os.write(ready_fd, READY_MESSAGE)
             os.close(ready_fd)

@@ -1,0 +1,44 @@
+"""start_background when the daemon never says ready: the caller gets a clear error, the daemon
+is killed and reaped, and the mount it left behind (answering nothing) is taken off."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import is_mounted
+from cossd.client.mounts import MOUNT_FSTYPE, mount_type_at
+from cossd.fs import launch
+
+pytestmark = pytest.mark.mount
+
+
+def test_a_daemon_hung_after_its_mount_is_killed_reaped_and_unmounted(
+        backing: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    monkeypatch.setenv("COSSD_INJECT_HANG_BEFORE_READY", "1")
+    children_before = _children()
+    with pytest.raises(RuntimeError, match=r"mount daemon failed to start \(exit -9\).*log: ") as raised:
+        launch.start_background(backing, mountpoint, timeout_s=10)
+    # The daemon's last words are in the message: it had mounted and then hung.
+    assert "hanging before saying ready" in str(raised.value)
+    assert mount_type_at(mountpoint) != MOUNT_FSTYPE and not is_mounted(mountpoint)
+    assert _children() == children_before  # reaped: no zombie left behind
+    # Killed while in use: the next open recovers as after a crash (the in-use file says so).
+    assert (backing / "in-use").exists()
+
+
+def _children() -> set[int]:
+    """This process's children, zombies included."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid():
+                found.add(int(entry.name))
+    return found
