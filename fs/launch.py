@@ -137,7 +137,7 @@ def start_background(
             # A daemon killed after its FUSE mount leaves it there, answering nothing: take it
             # off, but only a cossd mount that was not there before this start.
             if mounted_before != MOUNT_FSTYPE and mount_type_at(mountpoint) == MOUNT_FSTYPE:
-                subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+                _unmount(mountpoint, lazy=True)
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
         raise RuntimeError(
             f"mount daemon failed to start (exit {process.returncode})"
@@ -165,6 +165,11 @@ def wait_for_exit(pid: int, timeout_s: float = 60.0) -> bool:
 def stop_background(mountpoint: str | os.PathLike[str], pid: int, *, lazy: bool = False,
                     timeout_s: float = 60.0) -> bool:
     """Unmount a daemon started by start_background and wait for it to flush and exit."""
-    command = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
-    subprocess.run(command, capture_output=True)
+    _unmount(mountpoint, lazy=lazy)
     return wait_for_exit(pid, timeout_s)
+
+
+def _unmount(mountpoint: str | os.PathLike[str], *, lazy: bool) -> None:
+    """fusermount3 -u (-z: detach now, even if busy or answering nothing); its errors are the
+    caller's to find (the mount still there, the daemon still running)."""
+    subprocess.run(["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)], capture_output=True)
