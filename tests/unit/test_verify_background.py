@@ -127,13 +127,15 @@ def test_a_corrupt_param_block_fails_its_first_read_and_the_remount_serves_the_s
 
 
 def test_a_corrupt_moment_stops_the_namespace_once_found_and_the_remount_serves_the_step_before(
-        device_at_step_5: Path, expected: dict[int, dict[str, bytes]]) -> None:
+        device_at_step_5: Path, held_verifier: threading.Event, expected: dict[int, dict[str, bytes]]) -> None:
     step = _committed_step(device_at_step_5)
     _flip_byte(device_at_step_5, "exp_avg_sq", 0, device_at_step_5)
     with Device.open(device_at_step_5, BACKGROUND) as device:
         ns = device.namespace(NAME)
-        # The params are intact: served as they are (their own checksums pass).
+        # The params are intact: served as they are (their own checksums pass). The pass is held
+        # until then: a pass that got to the moment first would rightly refuse the read (CI saw it).
         assert ns.read("w", "param", 0, 1 << 40) == expected[step]["w/param"]
+        held_verifier.set()
         with pytest.raises(DeviceError) as refused:
             ns.begin_step(step + 1)  # waits for the pass, which fails step 5
         assert refused.value.status == Status.UNRECOVERED_READ_ERROR
