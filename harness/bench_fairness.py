@@ -29,11 +29,11 @@ def jain_index(values: list[float]) -> float:
     return total * total / (len(values) * squares) if squares else 0.0
 
 
-def _client(url: str, token_file: str, index: int, elements: int, start_at: float, stop_at: float,
+def _client(url: str, token_file: str, index: int, elements: int, duration_s: float, ready: Any,
             results: Any) -> None:
-    """One trainer (a process of its own): its namespace, then steps (begin, one WRITE of its
-    gradients, commit, one READ of its params) until stop_at; it reports the steps it
-    completed inside [start_at, stop_at] and their times."""
+    """One trainer (a process of its own): its namespace, then, once every trainer has its own
+    (`ready`, a barrier), steps (begin, one WRITE of its gradients, commit, one READ of its
+    params) for duration_s; it reports the steps it completed in that window and their times."""
     try:
         with AdminClient(url, 120, token_file=token_file) as client:
             name = f"fair{index}"
@@ -46,7 +46,10 @@ def _client(url: str, token_file: str, index: int, elements: int, start_at: floa
             values = [np.full(n, 1e-3 * (index + 1), np.float16).tobytes() for _, n in sizes]
             out = [bytearray(len(v)) for v in values]
             step, done, step_s = 0, 0, []
-            time.sleep(max(0.0, start_at - time.time()))  # every client starts at the same instant
+            # Every client starts at the same instant, however long the others took to start
+            # (a loaded machine spawns eight interpreters slowly): no window opens early.
+            ready.wait(300)
+            stop_at = time.time() + duration_s
             while time.time() < stop_at:
                 began = time.time()
                 step += 1
@@ -59,6 +62,7 @@ def _client(url: str, token_file: str, index: int, elements: int, start_at: floa
                     step_s.append(time.time() - began)
             results.put({"index": index, "steps": done, "step_s": step_s, "error": None})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        ready.abort()  # the others do not wait for this one
         results.put({"index": index, "steps": 0, "step_s": [], "error": f"{type(exc).__name__}: {exc}"})
 
 
@@ -83,15 +87,13 @@ def measure_fairness(workdir: Path, *, clients: int = 8, elements: int = 1 << 20
     assert token_file is not None, "a server's url goes with its token_file"
     context = multiprocessing.get_context("spawn")  # no threads or locks of this process copied
     results = context.Queue()
-    # Room for the processes to start and create their namespaces before the window opens.
-    start_at = time.time() + 3.0 + 0.5 * clients
-    stop_at = start_at + duration_s
-    processes = [context.Process(target=_client, args=(url, str(token_file), index, elements, start_at, stop_at,
+    ready = context.Barrier(clients)
+    processes = [context.Process(target=_client, args=(url, str(token_file), index, elements, duration_s, ready,
                                                        results), daemon=True) for index in range(clients)]
     try:
         for process in processes:
             process.start()
-        reports = sorted((results.get(timeout=stop_at - time.time() + 300) for _ in processes),
+        reports = sorted((results.get(timeout=duration_s + 600) for _ in processes),
                          key=lambda report: report["index"])
         for process in processes:
             process.join(60)

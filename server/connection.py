@@ -9,7 +9,7 @@ import select
 import socket
 import ssl
 import struct
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import numpy as np
 
@@ -41,7 +41,7 @@ IDLE_RELEASE_S = 1.0
 
 class Refused(Exception):
     """A client turned away before it was served: the reason is logged and counted under
-    `reason` (one of protocol/logpages.py's SERVER_REFUSALS)."""
+    `reason` (one of protocol/logpages.py's SERVER_REFUSALS) before the client is told."""
 
     def __init__(self, reason: str, why: str) -> None:
         super().__init__(why)
@@ -107,8 +107,8 @@ class Connection:
             self.sock.settimeout(None)  # keepalive finds a vanished peer; a client may idle
             while True:
                 self._serve_one()
-        except Refused as exc:
-            self.server.refused(self.peer, exc.reason, str(exc))
+        except Refused:
+            pass  # counted and logged by _refuse before the peer was told
         except WireError as exc:
             if not authenticated:
                 self.server.refused(self.peer, "framing", f"framing: {exc}")
@@ -161,20 +161,27 @@ class Connection:
         submission, data = self._capsule()
         cid = struct.unpack_from("<H", submission, 2)[0]
         if submission[0] != wire.FABRICS_OPCODE or submission[wire.FCTYPE_AT] != FabricsType.CONNECT:
-            self._reply(Completion(cid, Status.CONNECT_INVALID_HOST,
-                                   data=b"the first command must be a fabrics CONNECT"))
-            raise Refused("before_connect", "a command before CONNECT")
+            self._refuse(cid, Status.CONNECT_INVALID_HOST, "before_connect", "a command before CONNECT",
+                         "the first command must be a fabrics CONNECT")
         if busy is not None:
-            self._reply(Completion(cid, Status.CONNECT_CONTROLLER_BUSY, data=busy.encode()))
-            raise Refused("busy", busy)
+            self._refuse(cid, Status.CONNECT_CONTROLLER_BUSY, "busy", busy)
         refusal = self.server.check_token(data)
         if refusal is not None:
             reason, why = refusal
-            self._reply(Completion(cid, Status.CONNECT_INVALID_HOST, data=why.encode()))
-            raise Refused(reason, why)
+            self._refuse(cid, Status.CONNECT_INVALID_HOST, reason, why)
         self._reply(Completion(cid, Status.SUCCESS, data=json.dumps(
             {"maxh2cdata": wire.MAX_DATA_BYTES, "max_batch_bytes": wire.MAX_BATCH_BYTES}).encode()))
         log.info("%s: connected", self.peer)
+
+    def _refuse(self, cid: int, status: Status, reason: str, why: str, told: str | None = None) -> NoReturn:
+        """Turn the peer away at its CONNECT. Counted and logged first, then told: a client
+        that reads the server's figures or log right after its refusal finds it there."""
+        self.server.refused(self.peer, reason, why)
+        try:
+            self._reply(Completion(cid, status, data=(told or why).encode()))
+        except OSError:
+            pass  # the peer went before hearing it: the refusal stands, counted once
+        raise Refused(reason, why)
 
     # ------------------------------------------------------------------ replies
 
