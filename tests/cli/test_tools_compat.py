@@ -89,8 +89,9 @@ def test_times_follow_the_state_and_survive_a_remount(mount: Mount, tmp_path: Pa
     mount.restart()
     remounted = os.stat(master).st_mtime_ns
     # After a restart the media's own times stand in: those of the writes of the last change
-    # (the kernel stamps files from its coarse clock, a tick or so before the daemon's own).
-    assert committed - 50_000_000 <= remounted <= time.time_ns()
+    # (the kernel stamps files from its coarse clock, a tick or so before the daemon's own; a
+    # loaded machine can also preempt the daemon between the two stamps).
+    assert committed - 1_000_000_000 <= remounted <= time.time_ns()
 
 
 def test_umount_refuses_a_tmpfs_and_says_when_nothing_is_mounted(tmp_path: Path) -> None:

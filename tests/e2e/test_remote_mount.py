@@ -389,7 +389,7 @@ def test_a_stopped_server_is_a_timeout(served: Served, remote_mount: RemoteMount
     try:
         started = time.monotonic()
         assert _errno(lambda: (remote_mount.mountpoint / "ns").stat()) == errno.ETIMEDOUT
-        assert time.monotonic() - started < TIMEOUT_S + 2
+        assert time.monotonic() - started < TIMEOUT_S + 10  # its bound, not a hang (slack for a loaded machine)
     finally:
         os.kill(served.pid, signal.SIGCONT)
 

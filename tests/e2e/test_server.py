@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import Mount
+from waiting import wait_until
 from cossd.client import AdminClient, DeviceTimeoutError, RemoteTransport
 from cossd.emulator import Device
 from cossd.emulator.kinds import spec_from_payload
@@ -455,7 +456,12 @@ def test_kill_9_mid_step_many(serve: Callable[..., Served], token_file: Path, tm
 # ---------------------------------------------------------------------- a client gone mid-step
 
 
-def test_client_gone_mid_step_is_aborted_after_the_lease(served: Served, token_file: Path) -> None:
+# A lease long enough that a loaded machine's stalls cannot end it before the test looks.
+LEASE_S = 3.0
+
+
+def test_client_gone_mid_step_is_aborted_after_the_lease(serve: Callable[..., Served], token_file: Path) -> None:
+    served = serve("--lease-s", str(LEASE_S))
     with remote(served, token_file) as watcher:
         gone = remote(served, token_file)
         nsid = gone.create_namespace({"name": "g", "tensors": [["x", 1000]]})
@@ -464,18 +470,18 @@ def test_client_gone_mid_step_is_aborted_after_the_lease(served: Served, token_f
         gone.transport.write_at(handle, memoryview(np.ones(500, np.float16).tobytes()), 0)
         gone.close()  # the socket closes with the step open
         time.sleep(0.3)
-        assert watcher.statistics(nsid)["step_open"] == 1  # held for the lease (1 s)
-        deadline = time.monotonic() + 5
-        while watcher.statistics(nsid)["step_open"] is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        assert watcher.statistics(nsid)["step_open"] == 1  # held for the lease
+        wait_until(lambda: watcher.statistics(nsid)["step_open"] is None, LEASE_S + 15)
         stats = watcher.statistics(nsid)
         assert stats["step_open"] is None and stats["committed_step"] == 0
         # The step is gone: a new one starts clean, at the same number.
         assert watcher.begin_step(nsid, 1) == 1
-    assert "step aborted" in served.log()
+    assert wait_until(lambda: "step aborted" in served.log(), 10), served.log()  # logged after the abort
 
 
-def test_a_client_that_comes_back_within_the_lease_keeps_its_step(served: Served, token_file: Path) -> None:
+def test_a_client_that_comes_back_within_the_lease_keeps_its_step(serve: Callable[..., Served],
+                                                                  token_file: Path) -> None:
+    served = serve("--lease-s", str(LEASE_S))
     first = remote(served, token_file)
     nsid = first.create_namespace({"name": "r", "tensors": [["x", 1000]]})
     first.begin_step(nsid, 1)
@@ -485,7 +491,7 @@ def test_a_client_that_comes_back_within_the_lease_keeps_its_step(served: Served
     with remote(served, token_file) as second:
         handle = second.transport.open_file("ns/r/tensors/x/grad", True, False)
         second.transport.write_at(handle, memoryview(np.ones(500, np.float16).tobytes()), 1000)
-        time.sleep(1.5)  # past the lease: taken over, not aborted
+        time.sleep(LEASE_S + 0.5)  # past the lease: taken over, not aborted
         assert second.commit_step(nsid)["committed_step"] == 1
 
 
@@ -671,7 +677,7 @@ def test_a_stopped_server_is_a_timeout(served: Served, token_file: Path) -> None
             started = time.monotonic()
             with pytest.raises(DeviceTimeoutError):
                 client.describe()
-            assert 0.9 < time.monotonic() - started < 3.0
+            assert 0.9 < time.monotonic() - started < 10.0  # its bound, not a hang (slack for a loaded machine)
             with pytest.raises(DeviceTimeoutError):  # the stream's place is lost: at once
                 client.describe()
         finally:
@@ -750,6 +756,9 @@ def test_eight_clients_on_eight_namespaces_are_all_served(served: Served, token_
     through, none starved (the slowest takes at most a few times the fastest's time)."""
     elapsed: dict[int, float] = {}
     errors: list[BaseException] = []
+    # Every trainer's clock starts together, once all are connected and set up: otherwise the
+    # first ones time their steps alone while the others are still connecting.
+    ready = threading.Barrier(8)
 
     def trainer(index: int) -> None:
         try:
@@ -761,6 +770,7 @@ def test_eight_clients_on_eight_namespaces_are_all_served(served: Served, token_
                 params = [transport.open_file(f"ns/{name}/tensors/{t}/param", False, False) for t in ("w", "b")]
                 values = [np.full(200_001, 0.01, np.float16).tobytes(), np.full(31, 0.01, np.float16).tobytes()]
                 out = [bytearray(len(v)) for v in values]
+                ready.wait(60)
                 started = time.monotonic()
                 for step in range(1, 6):
                     client.begin_step(nsid, step)
@@ -771,6 +781,7 @@ def test_eight_clients_on_eight_namespaces_are_all_served(served: Served, token_
                 assert client.statistics(nsid)["committed_step"] == 5
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+            ready.abort()  # the others stop waiting for this one
 
     threads = [threading.Thread(target=trainer, args=(index,)) for index in range(8)]
     for thread in threads:
@@ -779,7 +790,9 @@ def test_eight_clients_on_eight_namespaces_are_all_served(served: Served, token_
         thread.join(60)
     assert not errors, errors
     assert len(elapsed) == 8
-    assert max(elapsed.values()) <= 4 * min(elapsed.values()) + 0.5, elapsed
+    # Starved would be many times slower; threads sharing one interpreter on 2 cores with the
+    # server are not equal, so the bound is loose.
+    assert max(elapsed.values()) <= 4 * min(elapsed.values()) + 2.0, elapsed
 
 
 def test_a_large_write_that_repeats_gradients_is_refused(served: Served, token_file: Path) -> None:

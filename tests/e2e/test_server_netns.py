@@ -143,7 +143,7 @@ def test_a_cut_veth_is_a_timeout_and_the_device_serves_step_n_or_n_plus_1(
 
     kind, waited = netns_pair.b.call(cut_mid_step, timeout=60)
     assert issubclass(kind, DeviceTimeoutError), kind
-    assert waited < timeout_s + 2.0, waited
+    assert waited < timeout_s + 10.0, waited  # its bound, not a hang (slack for a loaded machine)
     netns_pair.link_up()
 
     def after() -> tuple[int, dict[str, bytes]]:

@@ -552,7 +552,7 @@ def test_kill_9_mid_upload_leaves_no_complete_looking_version(far_store: tuple[A
     try:
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline().strip() == "archived 1"
-        pair.rate_limit(pair.b, mbit=32)  # 4 MB/s: version 2's parts take seconds
+        pair.rate_limit(pair.b, mbit=16)  # 2 MB/s: version 2's parts take seconds
         child.stdin.write("go\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "mid-upload 2, 3 spilled"
@@ -625,7 +625,11 @@ def child_main(url: str, spill: str, out: str) -> None:
                 time.sleep(0.02)
             print("archived 1", flush=True)
             sys.stdin.readline()
+    deadline = time.monotonic() + 120
     while ck.stats()["parts_uploaded"] < 4 or ck.stats()["versions_in_spill"] != [2, 3]:
+        if time.monotonic() > deadline:  # say so, rather than leave the parent reading forever
+            print(f"never mid-upload 2 with 3 spilled: {ck.stats()}", flush=True)
+            return
         time.sleep(0.01)  # version 1's 3 parts and one of version 2's
     print("mid-upload 2, 3 spilled", flush=True)
     time.sleep(600)

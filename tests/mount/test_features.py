@@ -26,6 +26,7 @@ from cossd.client import AdminClient
 from cossd.tools.verbs_features import get_feature, set_feature
 from cossd.tools.verbs_inject import arm_injection, clear_injections, corrupt_block, injection_log
 from helpers import create_namespace, pread_all, pwrite_all, run_cli, tensor_dir
+from waiting import wait_until
 
 pytestmark = pytest.mark.mount
 
@@ -408,11 +409,17 @@ def test_a_restart_reads_the_params_ahead_and_logs_where_its_start_up_went(mount
     before = log_path.read_text() if log_path.exists() else ""
     mount.restart()
     assert pread_all(tensor_dir(mp, "net", "w") / "param") == params
-    logged = log_path.read_text()[len(before):]
-    read_ahead = re.search(r"asked the kernel to read (\d+) MiB of committed params ahead", logged)
-    assert read_ahead is not None, logged
-    assert re.search(r"ready [\d.]+ s after the daemon's entry: imports [\d.]+ s, device open [\d.]+ s, "
-                     r"mount [\d.]+ s", logged), logged
+    # Both lines come after the daemon says ready (the read-ahead from a detached child): wait.
+    read_ahead_line = r"asked the kernel to read (\d+) MiB of committed params ahead"
+    ready_line = (r"ready [\d.]+ s after the daemon's entry: imports [\d.]+ s, device open [\d.]+ s, "
+                  r"mount [\d.]+ s")
+
+    def logged() -> str:
+        return log_path.read_text()[len(before):]
+
+    wait_until(lambda: re.search(read_ahead_line, logged()) and re.search(ready_line, logged()))
+    assert re.search(read_ahead_line, logged()) is not None, logged()
+    assert re.search(ready_line, logged()), logged()
 
 
 # ---------------------------------------------------------------------- the CLI verbs
