@@ -507,9 +507,7 @@ def _refusals(served: Served) -> int:
 
 
 def _wait_refusals(served: Served, count: int) -> None:
-    deadline = time.monotonic() + 5
-    while _refusals(served) < count and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: _refusals(served) >= count, 5)
     assert _refusals(served) == count, served.log()
 
 

@@ -11,7 +11,6 @@ import os
 import socket
 import struct
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -103,9 +102,7 @@ def test_connections_over_the_limit_are_refused_at_connect(serve: Any, token_fil
         assert seen["connections_open"] == 2 and seen["max_connections"] == 2
         assert "(--max-connections); try again later" in served.log()
         second.close()
-        deadline = time.monotonic() + 10  # the server sees the close, then lets the next one in
-        while figures(first)["connections_open"] > 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: figures(first)["connections_open"] <= 1, 10)  # the server sees the close first
         with AdminClient(served.url, 10, token_file=token_file) as third:
             assert third.describe()["namespaces"] == []
         assert figures(first)["connections_total"] == 3
@@ -234,9 +231,7 @@ def test_writes_that_do_not_fit_are_refused_and_change_nothing(serve: Any, token
         staller = AdminClient(served.url, 60, token_file=token_file)
         try:
             _stall(staller, "ns/v/data", 30 * MIB, MIB)
-            deadline = time.monotonic() + 10
-            while figures(client)["recv_held_bytes"] < 30 * MIB and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda: figures(client)["recv_held_bytes"] >= 30 * MIB, 10)
             with pytest.raises(OSError) as timed_out:
                 client.transport.write_many([(data, memoryview(pattern(3, 8 * MIB)), 0)])
             assert timed_out.value.errno == errno.EAGAIN, timed_out.value
@@ -254,9 +249,7 @@ def test_writes_that_do_not_fit_are_refused_and_change_nothing(serve: Any, token
         assert seen["recv_refused_too_large"] == 1 and seen["recv_refused_timeout"] == 2
         assert seen["recv_waits"] == 2
         # With the memory back, the same WRITEs go through.
-        deadline = time.monotonic() + 10
-        while figures(client)["recv_held_bytes"] >= 30 * MIB and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: figures(client)["recv_held_bytes"] < 30 * MIB, 10)
         client.transport.write_many([(data, memoryview(pattern(3, 8 * MIB)), 0)])
         client.transport.write_many([(grad, memoryview(np.ones(GRAD_ELEMS, np.float16).tobytes()), 0)])
         client.commit_step(nsid)  # the step begun above: all its gradients came in one WRITE
