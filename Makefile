@@ -51,8 +51,15 @@ bytecode: $(STAMP)
 # transformers and accelerate, Lightning). `make test` runs their tests where they are
 # installed and skips them, saying why, where not; .ci/run installs them first.
 # DeepSpeed has no wheel: it builds from its source distribution, with ninja for the JIT ops.
+# libaio-dev: DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload, `cossd bench --sections
+# peers`) links against libaio when it JIT-builds.
 FRAMEWORKS_STAMP := $(VENV)/.stamp-frameworks
 $(FRAMEWORKS_STAMP): $(STAMP)
+	@if ! [ -e /usr/include/libaio.h ]; then \
+	  echo "== installing libaio-dev"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq libaio-dev; \
+	fi
 	$(PY) -m pip install -q ninja
 	$(PY) -m pip install -q --no-build-isolation -e '.[test,frameworks]'
 	$(PY) -m pip install -q --no-build-isolation 'deepspeed==0.19.8'
