@@ -1,6 +1,8 @@
 """A cossd optimizer's state_dict and load_state_dict: torch's AdamW format, read from and loaded onto the device."""
 from __future__ import annotations
 
+import hashlib
+import math
 import weakref
 from typing import Any, Callable
 
@@ -60,21 +62,25 @@ class StateDict:
         return identity
 
     def _unchanged_since_handed_out(self, state_dict: dict[str, Any]) -> bool:
-        """Whether every tensor of `state_dict` is one the latest state_dict() call handed out,
-        unchanged in place since (torch counts in-place changes in a tensor's _version). A
-        tensor it did not hand out (a replaced entry, a deep copy, a file's, an older call's)
-        could hold anything, so it makes the load a real one: a no-op is only ever taken for
-        the very dict handed out, as accelerate hands it back."""
+        """Whether the tensors of `state_dict` are exactly those the latest state_dict() call
+        handed out, every one of them, each holding the bytes it held then. A tensor it did
+        not hand out (a replaced entry, a deep copy, a file's, an older call's) could hold
+        anything, so it makes the load a real one: a no-op is only ever taken for the very
+        dict handed out, as accelerate hands it back. Content is what counts: writes through
+        `.numpy()` or `.data` never move torch's `_version`, so each tensor's bytes are
+        hashed again and compared with their digest at hand-out (a pass over host memory;
+        nothing is read from the device)."""
         handed_out = getattr(self, "_handed_out", {})
         tensors = [value for entry in state_dict["state"].values() for value in entry.values()]
         tensors += list(state_dict.get("cossd_master", {}).values())
+        tensors = [tensor for tensor in tensors if isinstance(tensor, torch.Tensor)]
+        if {id(tensor) for tensor in tensors} != set(handed_out) or len(tensors) != len(handed_out):
+            return False  # one replaced, added or dropped
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            known = handed_out.get(id(tensor))
-            if known is None or known[0]() is not tensor or tensor._version != known[1]:
+            ref, version, digest = handed_out[id(tensor)]
+            if ref() is not tensor or tensor._version != version:  # the cheap test first
                 return False
-        return True
+        return all(_digest(tensor) == handed_out[id(tensor)][2] for tensor in tensors)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """torch.optim.AdamW's format, read from the device; loads into the stock optimizer.
@@ -100,7 +106,7 @@ class StateDict:
             groups.append(packed)
         masters = {index: values for index, values in enumerate(self.master_weights())}
         handed = [t for entry in state.values() for t in entry.values()] + list(masters.values())
-        self._handed_out = {id(t): (weakref.ref(t), t._version) for t in handed}
+        self._handed_out = {id(t): (weakref.ref(t), t._version, _digest(t)) for t in handed}
         return {"state": state, "param_groups": groups, "cossd_master": masters,
                 "cossd_namespace": identity}
 
@@ -119,6 +125,9 @@ class StateDict:
         # or the masters would be checked against the model's, not its partitions.
         if not self._bound and self._params_moved():
             self._rebind()
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
+                or not isinstance(state_dict.get("param_groups"), list):
+            raise ValueError("an optimizer state dict has a dict 'state' and a list 'param_groups'")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -128,11 +137,7 @@ class StateDict:
                                  "match the size of optimizer's group")
         order = [index for saved in saved_groups for index in saved["params"]]
         saved_state = state_dict["state"]
-        steps = {float(saved_state[i]["step"]) for i in order if i in saved_state}
-        if len(steps) > 1:
-            raise ValueError(f"params are at different steps {sorted(steps)}; the device "
-                             "steps a namespace as a whole")
-        step = int(steps.pop()) if steps else 0
+        step = _checked_step(order, saved_state, state_dict.get("cossd_master"))
         noop = (master is None and state_dict.get("cossd_namespace") is not None
                 and state_dict["cossd_namespace"] == self._identity()
                 and self._unchanged_since_handed_out(state_dict))
@@ -140,16 +145,24 @@ class StateDict:
             master = [state_dict["cossd_master"][i] for i in order]
         # Everything is checked before anything changes: bad input leaves the run as it was.
         loads = [] if noop else self._master_loads(master)
+        for name, role, values in loads:
+            _refuse_non_finite(values, f"master weights of {name}")
         if step > 0 and not noop:
             for entry, index in zip(self.entries, order):
                 entry_state = saved_state.get(index)
                 if entry_state is None:
                     raise ValueError(f"state for param {index} ({entry.name}) is missing")
                 for role in ("exp_avg", "exp_avg_sq"):
+                    if not isinstance(entry_state.get(role), torch.Tensor):
+                        raise ValueError(f"state for param {index} ({entry.name}) has no {role} tensor")
                     values = entry_state[role].detach().to("cpu", torch.float32).reshape(-1)
                     if values.numel() != entry.numel:
                         raise ValueError(f"{role} for param {index} ({entry.name}) has "
                                          f"{values.numel()} elements, not {entry.numel}")
+                    _refuse_non_finite(values, f"{role} for param {index} ({entry.name})")
+                    if role == "exp_avg_sq" and bool((values < 0).any()):
+                        raise ValueError(f"{role} for param {index} ({entry.name}) has negative "
+                                         "elements: a mean of squares is never below zero")
                     if self.state_dtype == "bf16":
                         values = values.to(torch.bfloat16)
                     loads.append((entry.name, role, values))
@@ -186,3 +199,51 @@ class StateDict:
         self.last_step_skipped = False
         # The device rounds the masters to the wire dtype; the model continues from that.
         self._read_params()
+
+
+def _digest(tensor: torch.Tensor) -> bytes:
+    """A digest of a CPU tensor's bytes (what load_state_dict compares a handed-out tensor by)."""
+    flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+    return hashlib.blake2b(flat.numpy(), digest_size=16).digest()
+
+
+def _refuse_non_finite(values: torch.Tensor, what: str) -> None:
+    """A ValueError naming `what` where it holds a NaN or an infinity: the device would step
+    from it, and every later step of that tensor would be NaN."""
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        bad = int(values.numel() - finite.sum())
+        raise ValueError(f"{what} holds {bad} non-finite element(s) (NaN or inf); nothing was loaded")
+
+
+def _checked_step(order: list[Any], saved_state: dict[Any, Any], masters: Any) -> int:
+    """The one step of a torch Adam(W) state dict's params, after checking its indices (each
+    param group lists distinct integer indices; `state` and `cossd_master` are keyed by
+    those) and steps (present, equal, a whole number >= 0): a ValueError saying what is
+    wrong otherwise."""
+    if any(not isinstance(index, int) or isinstance(index, bool) for index in order):
+        raise ValueError(f"param groups list param indices {order}: each must be an int")
+    if len(set(order)) != len(order):
+        raise ValueError(f"param groups list a param index twice: {order}")
+    stray = sorted((key for key in saved_state if key not in set(order)), key=str)
+    if stray:
+        raise ValueError(f"state holds param index(es) {stray} that no param group lists ({order})")
+    if isinstance(masters, dict):
+        missing = [index for index in order if index not in masters]
+        if missing:
+            raise ValueError(f"cossd_master has no master weights for param index(es) {missing}")
+    steps = set()
+    for index in order:
+        entry_state = saved_state.get(index)
+        if entry_state is None:
+            continue
+        if not isinstance(entry_state, dict) or "step" not in entry_state:
+            raise ValueError(f"state for param {index} has no 'step'")
+        value = float(entry_state["step"])
+        if not math.isfinite(value) or value < 0 or value != int(value):
+            raise ValueError(f"state for param {index} is at step {value}: a step is a whole number >= 0")
+        steps.add(int(value))
+    if len(steps) > 1:
+        raise ValueError(f"params are at different steps {sorted(steps)}; the device "
+                         "steps a namespace as a whole")
+    return steps.pop() if steps else 0
