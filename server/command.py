@@ -27,7 +27,8 @@ from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
 from .metrics import ServerCollector
 from .recv_memory import DEFAULT_RECV_MEMORY, DEFAULT_RECV_WAIT_S, MIN_RECV_MEMORY
 from .security import SecurityError, check_listen, load_token as load_client_token, server_tls_context
-from .server import DEFAULT_LEASE_S, DEFAULT_MAX_CONNECTIONS, Server
+from .server import (DEFAULT_HANDSHAKE_DEADLINE_S, DEFAULT_LEASE_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PREAUTH,
+                     Server)
 
 log = logging.getLogger("cossd.server.command")  # also when run as __main__
 
@@ -78,6 +79,13 @@ def _count(text: str) -> int:
     return value
 
 
+def _at_least_one(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -89,7 +97,10 @@ def _port(text: str) -> int:
 
 
 def _positive(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
     return value
@@ -117,8 +128,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "bytes in all (K/M/G suffixes), so param reads by many clients skip the media "
                              "(default: 0, off)")
     parser.add_argument("--max-connections", type=_count, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-                        help="connections served at once; more are refused at their CONNECT with "
-                             "CONNECT_CONTROLLER_BUSY, logged and counted (default: %(default)s; 0: no limit)")
+                        help="authenticated connections served at once; more are refused at their CONNECT "
+                             "with CONNECT_CONTROLLER_BUSY, logged and counted (default: %(default)s; 0: no limit). "
+                             "Connections not yet authenticated do not count (--max-preauth-connections)")
+    parser.add_argument("--max-preauth-connections", type=_at_least_one, default=DEFAULT_MAX_PREAUTH, metavar="N",
+                        help="connections not yet authenticated (handshake and CONNECT under way) held at once; "
+                             "when all N are held, the one that has waited longest is closed for a new one "
+                             "(default: %(default)s)")
+    parser.add_argument("--handshake-deadline-s", type=_positive, default=DEFAULT_HANDSHAKE_DEADLINE_S, metavar="S",
+                        help="a connection's TLS handshake, ICReq and CONNECT must be done within S seconds of its "
+                             "accept, else it is closed, logged and counted (default: %(default)s)")
     parser.add_argument("--recv-memory", type=parse_memory_size, default=DEFAULT_RECV_MEMORY, metavar="SIZE",
                         help="memory all connections' WRITE buffers may hold at once (K/M/G suffixes, at least "
                              "32M): gradient WRITEs from 4 MiB are received in pieces of at most 2 x 16 MiB, "
@@ -214,7 +233,8 @@ def run_foreground(args: argparse.Namespace) -> None:
             server = Server(device, host, port, token=token, tls=tls, lease_s=args.lease_s,  # type: ignore[arg-type]
                             link=args.link, param_cache_size=args.param_cache_size,
                             max_connections=args.max_connections, recv_memory=args.recv_memory,
-                            recv_wait_s=args.recv_wait_s)
+                            recv_wait_s=args.recv_wait_s, max_preauth=args.max_preauth_connections,
+                            handshake_deadline_s=args.handshake_deadline_s)
         except OSError as exc:
             raise SystemExit(f"cossd serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         if metrics is not None:
@@ -266,7 +286,9 @@ def _child_command(args: argparse.Namespace, ready_fd: int) -> list[str]:
                "--ready-fd", str(ready_fd), "--listen", f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
                "--lease-s", repr(args.lease_s), "--param-cache-size", str(args.param_cache_size),
                "--max-connections", str(args.max_connections), "--recv-memory", str(args.recv_memory),
-               "--recv-wait-s", repr(args.recv_wait_s)]
+               "--recv-wait-s", repr(args.recv_wait_s),
+               "--max-preauth-connections", str(args.max_preauth_connections),
+               "--handshake-deadline-s", repr(args.handshake_deadline_s)]
     if args.metrics_port is not None:
         command += ["--metrics-port", str(args.metrics_port), "--metrics-addr", args.metrics_addr]
     for option in ("token_file", "tls_cert", "tls_key", "client_ca", "metrics_token_file"):

@@ -3,8 +3,10 @@ authenticates it, then its capsules one at a time: admin submissions to the cont
 wire's file commands (open, read, write, text) to the device's I/O entry (emulator/io.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import mmap
 import select
 import socket
 import ssl
@@ -31,12 +33,27 @@ log = logging.getLogger(__name__)
 
 # Open files one connection may hold (a handle is a few dozen bytes of server memory).
 MAX_HANDLES = 1 << 16
-# How long a client has for the handshake and the connect before it is dropped (no thread
-# waits forever on a peer that connected and said nothing).
-HANDSHAKE_TIMEOUT_S = 10.0
+# The most data a CONNECT may carry: before authentication a peer is owed no more memory
+# than a token needs. A larger announcement is refused at its header, before any of its
+# data is received or a byte allocated for it.
+PREAUTH_MAX_DATA = 8 << 10
+# In-capsule data up to this size is received into the connection's reader buffer; larger
+# (a long transfer table, a large admin payload) into a mapping of its own, taken from the
+# server's receive memory and unmapped once the command is answered.
+CAPSULE_INLINE_BYTES = 1 << 16
 # A connection that sends no command for this long gives its receive buffer back to the
 # server's budget (a trainer between steps keeps it; an idle client holds little).
 IDLE_RELEASE_S = 1.0
+
+
+class CapsuleRefused(Exception):
+    """A command whose in-capsule data could not be given receive memory: its data was
+    dropped, and it is answered with `error` (nothing ran)."""
+
+    def __init__(self, cid: int, error: DeviceError) -> None:
+        super().__init__(error.message)
+        self.cid = cid
+        self.error = error
 
 
 class Refused(Exception):
@@ -46,6 +63,19 @@ class Refused(Exception):
     def __init__(self, reason: str, why: str) -> None:
         super().__init__(why)
         self.reason = reason
+
+
+@dataclasses.dataclass(eq=False)
+class PreAuth:
+    """A connection from its accept until its CONNECT is answered: the place it holds among
+    the unauthenticated, its deadline, and why the server closed it (set before the close, so
+    the connection's thread reports that rather than the bare end of its stream)."""
+
+    peer: str
+    fd: int
+    deadline: float  # time.monotonic()
+    closed_for: str | None = None
+
 
 
 def _cqe(completion: Completion) -> bytes:
@@ -64,7 +94,13 @@ class Host(Protocol):
 
     def check_token(self, offered: memoryview) -> tuple[str, str] | None: ...
 
+    def authenticated(self, record: PreAuth, connection: "Connection") -> str | None: ...
+
+    def count_preauth(self, counter: str) -> None: ...
+
     def refused(self, peer: str, reason: str, why: str) -> None: ...
+
+    def step_ended(self, nsid: int, how: str) -> None: ...
 
     def device_namespace(self, nsid: int) -> AnyNamespace | None: ...
 
@@ -78,10 +114,14 @@ class Host(Protocol):
 class Connection:
     """Serves one socket until the peer goes; never raises (each failure closes it)."""
 
-    def __init__(self, server: Host, sock: socket.socket, peer: str) -> None:
+    def __init__(self, server: Host, sock: socket.socket, peer: str, preauth: PreAuth) -> None:
         self.server = server
         self.sock = sock
         self.peer = peer
+        self.preauth = preauth
+        self.placed = False  # holds an authenticated place (--max-connections) until it closes
+        # A large capsule's own buffer and the receive memory it holds, until it is answered.
+        self._capsule_buffer: tuple[mmap.mmap, int] | None = None
         self.reader = wire.PduReader(sock.recv_into)
         self.writer = wire.PduWriter(sock)
         self.digests = Digest.NONE
@@ -95,14 +135,13 @@ class Connection:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def run(self, busy: str | None = None) -> None:
-        """Serve until the peer goes. `busy`: the server takes no more connections; the peer
-        is told so at its CONNECT (CONNECT_CONTROLLER_BUSY, this text) and closed."""
+    def run(self) -> None:
+        """Serve until the peer goes. The handshake and CONNECT run under the server's
+        deadline (it shuts the socket down at the deadline, setting preauth.closed_for)."""
         authenticated = False
         try:
-            self.sock.settimeout(HANDSHAKE_TIMEOUT_S)
             self._handshake()
-            self._connect(busy)
+            self._connect()
             authenticated = True
             self.sock.settimeout(None)  # keepalive finds a vanished peer; a client may idle
             while True:
@@ -110,25 +149,26 @@ class Connection:
         except Refused:
             pass  # counted and logged by _refuse before the peer was told
         except WireError as exc:
-            if not authenticated:
+            if not authenticated and self.preauth.closed_for is not None:
+                self.server.refused(self.peer, "handshake", self.preauth.closed_for)
+            elif not authenticated:
                 self.server.refused(self.peer, "framing", f"framing: {exc}")
+                self._terminate(exc.fes)
             else:
                 log.warning("%s: %s; closing the connection", self.peer, exc)
-            self._terminate(exc.fes)
+                self._terminate(exc.fes)
         except (ConnectionError, TimeoutError, OSError) as exc:
             if not authenticated:
-                self.server.refused(self.peer, "handshake", f"{type(exc).__name__}: {exc}")
+                self.server.refused(self.peer, "handshake",
+                                    self.preauth.closed_for or f"{type(exc).__name__}: {exc}")
             else:
                 log.info("%s: connection closed (%s)", self.peer, exc or type(exc).__name__)
         except Exception:  # a bug must not take the server down
             log.exception("%s: connection failed", self.peer)
         finally:
+            self._drop_capsule_buffer()
             self.writes.release()
             self.server.disconnected(self)
-            try:
-                self.sock.close()
-            except OSError:
-                pass
 
     def _terminate(self, fes: FatalError) -> None:
         try:
@@ -140,6 +180,8 @@ class Connection:
         head = self.reader.read_head(Digest.NONE)
         if head.type != PduType.IC_REQ:
             raise WireError(FatalError.PDU_SEQUENCE_ERROR, f"expected ICReq first, got {head.type.name}")
+        if head.data_len:  # an ICReq has none: do not read (or hold memory for) what it announces
+            raise WireError(FatalError.INVALID_HEADER_FIELD, f"an ICReq announcing {head.data_len} bytes of data")
         pfv, _hpda, dgst, _maxr2t = struct.unpack_from("<HBBI", head.header)
         if pfv != wire.PFV:
             raise WireError(FatalError.UNSUPPORTED_PARAMETER, f"ICReq PFV {pfv}, this server speaks {wire.PFV}")
@@ -148,27 +190,81 @@ class Connection:
         self.writer.send_raw(wire.ic_resp(self.digests))
         self.writer.digests = self.digests
 
-    def _capsule(self) -> tuple[memoryview, memoryview]:
-        """The next CapsuleCmd: its 64-byte submission and its in-capsule data (views of the
-        reader's buffers, valid until the next read)."""
+    def _capsule_head(self) -> tuple[memoryview, int, int]:
+        """The next CapsuleCmd's head: its 64-byte submission, its cid and how many bytes of
+        in-capsule data follow (not read yet)."""
         head = self.reader.read_head(self.digests)
         if head.type != PduType.CAPSULE_CMD:
             raise WireError(FatalError.PDU_SEQUENCE_ERROR, f"expected a CapsuleCmd, got {head.type.name}")
-        data = self.reader.read_data()
-        return memoryview(head.header), data
+        submission = memoryview(head.header)
+        return submission, struct.unpack_from("<H", submission, 2)[0], head.data_len
 
-    def _connect(self, busy: str | None) -> None:
-        submission, data = self._capsule()
-        cid = struct.unpack_from("<H", submission, 2)[0]
+    def _capsule(self) -> tuple[memoryview, memoryview]:
+        """The next CapsuleCmd of an authenticated connection: its 64-byte submission and its
+        in-capsule data (views valid until the next read). Data beyond CAPSULE_INLINE_BYTES
+        is received into a mapping of its own under the server's receive memory, given back
+        once the command is answered; where that memory cannot be had, the data is dropped
+        and the command answered with the refusal (CapsuleRefused)."""
+        submission, cid, size = self._capsule_head()
+        if size <= CAPSULE_INLINE_BYTES:
+            return submission, self.reader.read_data()
+        # Hold nothing else while waiting for it: two waiting connections never wait on each other.
+        self.writes.release()
+        memory = self.server.recv_memory
+        try:
+            memory.acquire(size, f"a command's {size} bytes of in-capsule data")
+            buffer = self._map(size)
+        except DeviceError as exc:
+            self.reader.skip_data(memoryview(bytearray(1 << 16)))
+            raise CapsuleRefused(cid, exc) from None
+        self._capsule_buffer = (buffer, size)
+        return submission, self.reader.read_data(memoryview(buffer))
+
+    def _map(self, size: int) -> mmap.mmap:
+        """An anonymous mapping of `size` bytes whose `size` the caller took from the receive
+        memory (given back here where the mapping fails). Its pages are touched only as data
+        is received, and it goes back to the system when closed (malloc would keep a freed
+        block of this size in the thread's arena)."""
+        try:
+            return mmap.mmap(-1, size)
+        except OSError as exc:
+            self.server.recv_memory.release(size)
+            raise DeviceError(Status.COMMAND_INTERRUPTED, f"the server cannot map {size} bytes "
+                                                          f"({exc.strerror})") from None
+
+    def _drop_capsule_buffer(self) -> None:
+        if self._capsule_buffer is None:
+            return
+        buffer, size = self._capsule_buffer
+        self._capsule_buffer = None
+        try:
+            buffer.close()
+        except BufferError:
+            pass  # a view of it lives on (an exception's frame): unmapped when that goes
+        self.server.recv_memory.release(size)
+
+    def _connect(self) -> None:
+        submission, cid, size = self._capsule_head()
+        if size > PREAUTH_MAX_DATA:
+            # Refused on the header's word alone: nothing of it is read, nothing allocated.
+            self.server.count_preauth("too_large")
+            self._refuse(cid, Status.CONNECT_INVALID_HOST, "framing",
+                         f"a capsule announcing {size} bytes of data before authentication; at most "
+                         f"{PREAUTH_MAX_DATA} (a token)")
+        data = self.reader.read_data()
         if submission[0] != wire.FABRICS_OPCODE or submission[wire.FCTYPE_AT] != FabricsType.CONNECT:
             self._refuse(cid, Status.CONNECT_INVALID_HOST, "before_connect", "a command before CONNECT",
                          "the first command must be a fabrics CONNECT")
-        if busy is not None:
-            self._refuse(cid, Status.CONNECT_CONTROLLER_BUSY, "busy", busy)
         refusal = self.server.check_token(data)
         if refusal is not None:
             reason, why = refusal
             self._refuse(cid, Status.CONNECT_INVALID_HOST, reason, why)
+        # Authenticated: an authenticated place now, or CONNECT_CONTROLLER_BUSY (a peer without
+        # the token never learns how busy the server is).
+        busy = self.server.authenticated(self.preauth, self)
+        if busy is not None:  # counted as the handshake's where its deadline came meanwhile
+            self._refuse(cid, Status.CONNECT_CONTROLLER_BUSY,
+                         "busy" if self.preauth.closed_for is None else "handshake", busy)
         self._reply(Completion(cid, Status.SUCCESS, data=json.dumps(
             {"maxh2cdata": wire.MAX_DATA_BYTES, "max_batch_bytes": wire.MAX_BATCH_BYTES}).encode()))
         log.info("%s: connected", self.peer)
@@ -194,9 +290,9 @@ class Connection:
     # ------------------------------------------------------------------ commands
 
     def _idle(self) -> None:
-        """Before the next command: where none comes within IDLE_RELEASE_S, the receive
-        buffers go back (the budget's to others, the reader's to the system), then wait."""
-        self.reader.trim(1 << 20)  # a large capsule's buffer (a long transfer table)
+        """Before the next command: where none comes within IDLE_RELEASE_S, the WRITE buffer
+        goes back (to the budget and the system), then wait. (The reader's own buffer stays at
+        CAPSULE_INLINE_BYTES: larger capsule data has a mapping of its own, unmapped at once.)"""
         if not self.writes.held:
             return
         if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
@@ -208,6 +304,14 @@ class Connection:
 
     def _serve_one(self) -> None:
         self._idle()
+        try:
+            self._serve_capsule()
+        except CapsuleRefused as refused:
+            self._reply(Completion(refused.cid, refused.error.status, data=refused.error.message.encode()))
+        finally:
+            self._drop_capsule_buffer()
+
+    def _serve_capsule(self) -> None:
         submission, data = self._capsule()
         opcode = submission[0]
         cid = struct.unpack_from("<H", submission, 2)[0]
@@ -241,6 +345,9 @@ class Connection:
             self.steps[nsid] = int(json.loads(completion.data)["step"])
         elif opcode_of(submission) in (Opcode.COMMIT_STEP, Opcode.ABORT_STEP):
             self.forget_step(nsid)
+            if completion.status in (Status.SUCCESS, Status.STEP_SKIPPED_NONFINITE):
+                self.server.step_ended(nsid, "committed" if opcode_of(submission) == Opcode.COMMIT_STEP
+                                       else "aborted")
         if self.server.param_cache.enabled:
             # A delete, rollback or commit gives the cached params' memory back now (a stale
             # entry is never served either way: the cache checks the superblock seq).
@@ -309,7 +416,7 @@ class Connection:
 
     def adopt(self, namespace: Namespace) -> None:
         """Gradients for `namespace` arrive: the data path's injections first (INJECT_ERROR
-        fails the WRITE here), then a lease held on its step is taken over."""
+        fails the WRITE here), then a lease held on its step ends (the step goes on)."""
         self.server.io.controller.injector.check_io(IoOpcode.WRITE, namespace.nsid)
         self.server.adopt(namespace.nsid)
 

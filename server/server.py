@@ -20,7 +20,7 @@ from ..model.links import DEFAULT_LINK, LinkModel
 from ..protocol import logpages
 from ..protocol.logpages import SERVER_REFUSALS, LogId
 
-from .connection import HANDSHAKE_TIMEOUT_S, Connection
+from .connection import Connection, PreAuth
 from .param_cache import ParamCache
 from .recv_memory import DEFAULT_RECV_MEMORY, DEFAULT_RECV_WAIT_S, RecvMemory
 from .security import token_matches
@@ -29,10 +29,21 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 64
-# Connections being turned away at once (each told CONNECT_CONTROLLER_BUSY on a thread of its
-# own for at most the handshake's timeout); beyond this a connection over the limit is closed
-# at accept, unanswered, so a flood of connects cannot make threads without bound.
-MAX_REFUSING = 16
+# Connections that have not authenticated yet (from accept to their CONNECT's answer), held
+# apart from --max-connections: unauthenticated peers never take an authenticated place.
+# Each is a thread, a socket and at most PREAUTH_MAX_DATA bytes of capsule data; when all
+# are held, the one that has waited longest is closed to let the new one in, so peers that
+# trickle their handshake cannot keep a token holder out.
+DEFAULT_MAX_PREAUTH = 256
+# The whole handshake (TLS, ICReq, CONNECT) must be done within this many seconds of the
+# accept, on the monotonic clock, whatever the peer's pace (a per-recv timeout alone lets a
+# peer that sends a byte every few seconds hold its place forever).
+DEFAULT_HANDSHAKE_DEADLINE_S = 10.0
+# How often the accept loop looks for handshakes past their deadline (the deadline's grain).
+DEADLINE_SWEEP_S = 0.1
+# Refusal lines logged a second at most: a flood of connects is counted in full but does not
+# fill the disk; the next line logged says how many were left out.
+REFUSAL_LOG_PER_S = 20
 HEALTH_SAVE_INTERVAL_S = 60.0
 # TCP keepalive: a peer that vanished without a FIN (node down, link cut) is found within
 # idle + interval * count seconds, and its steps go to the lease.
@@ -48,6 +59,21 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
+def _shut(fd: int) -> None:
+    """Shut a socket down by descriptor (wakes the thread blocked in its recv; the thread
+    closes it). The caller holds the server's lock, under which the descriptor stays open."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
 class Server:
     """Serves `device` on `host`:`port` (0: any free port; `address` says which) until stop().
 
@@ -55,21 +81,30 @@ class Server:
     `tls`: a server context (server/security.py) or None for plain TCP; `lease_s`: how long
     a step stays open after the client that had it open disconnects, before it is aborted;
     `param_cache_size`: bytes of committed params kept in memory for reads (0: none);
-    `max_connections`: connections served at once (0: no limit), more are refused at their
-    CONNECT; `recv_memory`: bytes all connections' WRITE buffers may hold at once, waited for
-    up to `recv_wait_s` (server/recv_memory.py).
+    `max_connections`: authenticated connections served at once (0: no limit), more are
+    refused at their CONNECT; `max_preauth`: connections not yet authenticated at once (the
+    longest waiting is closed for a new one); `handshake_deadline_s`: the time from accept to
+    an answered CONNECT; `recv_memory`: bytes all connections' receive buffers may hold at
+    once, waited for up to `recv_wait_s` (server/recv_memory.py).
     """
 
     def __init__(self, device: Device, host: str, port: int, *, token: bytes | None = None,
                  tls: ssl.SSLContext | None = None, lease_s: float = DEFAULT_LEASE_S,
                  link: str = DEFAULT_LINK, param_cache_size: int = 0,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, recv_memory: int = DEFAULT_RECV_MEMORY,
-                 recv_wait_s: float = DEFAULT_RECV_WAIT_S) -> None:
+                 recv_wait_s: float = DEFAULT_RECV_WAIT_S, max_preauth: int = DEFAULT_MAX_PREAUTH,
+                 handshake_deadline_s: float = DEFAULT_HANDSHAKE_DEADLINE_S) -> None:
+        if max_preauth < 1:
+            raise ValueError(f"max_preauth must be >= 1, got {max_preauth}")
+        if not handshake_deadline_s > 0:
+            raise ValueError(f"handshake_deadline_s must be > 0, got {handshake_deadline_s}")
         self.device = device
         self.controller = Controller(device)  # no CMB: a client across a network cannot map it
         # The server's own log page (C5h), served by this controller only: a mount has none.
         self.controller.log_pages[LogId.SERVER] = lambda _command: logpages.encode_server_log(self.figures())
         self.max_connections = max_connections
+        self.max_preauth = max_preauth
+        self.handshake_deadline_s = handshake_deadline_s
         self.recv_memory = RecvMemory(recv_memory, recv_wait_s)
         self.started_ns = time.time_ns()
         self.io = DeviceIO(self.controller)
@@ -85,8 +120,13 @@ class Server:
         self.address: tuple[str, int] = self.listener.getsockname()[:2]
         self.counters: dict[str, int] = {"connections": 0, "refused": 0, "leases_expired": 0}
         self.refusals: dict[str, int] = dict.fromkeys(SERVER_REFUSALS, 0)
-        self._places = 0  # connections from accept to close (the --max-connections count)
-        self._refusing = 0  # connections over the limit being told so
+        self._places = 0  # authenticated connections until they close (the --max-connections count)
+        # Unauthenticated connections, oldest first (insertion order), closed ones included
+        # until their thread ends; and how they ended where the server ended them.
+        self._preauth: dict[PreAuth, None] = {}
+        self._preauth_waiting = 0  # those not closed yet: what --max-preauth-connections bounds
+        self.preauth_counters = {"peak": 0, "deadline": 0, "evicted": 0, "too_large": 0}
+        self._log_window = (0.0, 0, 0)  # (second it began, lines logged in it, lines left out)
         self._lock = threading.Condition()
         self._connections: dict[Connection, threading.Thread] = {}
         self._leases: dict[int, tuple[int, float]] = {}  # nsid -> (step, deadline)
@@ -102,8 +142,9 @@ class Server:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
-        self.listener.settimeout(0.2)  # to see stop() without a wakeup
+        self.listener.settimeout(DEADLINE_SWEEP_S)  # to see stop() and the deadlines without a wakeup
         while not self._stopping.is_set():
+            self._close_overdue()
             try:
                 sock, peer = self.listener.accept()
             except TimeoutError:
@@ -112,55 +153,109 @@ class Server:
                 if self._stopping.is_set():
                     break
                 raise
-            thread = threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"),
+            name = f"{peer[0]}:{peer[1]}"
+            record = self._admit(sock, name)
+            thread = threading.Thread(target=self._serve, args=(sock, name, record),
                                       name=f"cossd-conn-{peer[1]}", daemon=True)
             thread.start()
         self._shutdown()
 
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        _tune(sock)
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    def _admit(self, sock: socket.socket, peer: str) -> PreAuth:
+        """A new connection's place among the unauthenticated, with its deadline; where all
+        are held, the one that has waited longest is closed for it."""
+        record = PreAuth(peer, sock.fileno(), time.monotonic() + self.handshake_deadline_s)
         with self._lock:
-            # A connection takes its place under the limit from its accept (its thread is
-            # held from then on), so the limit bounds threads and buffers alike.
-            busy = bool(self.max_connections) and self._places >= self.max_connections
-            unanswered = busy and self._refusing >= MAX_REFUSING
-            if not unanswered:
-                if busy:
-                    self._refusing += 1
-                else:
-                    self._places += 1
-        if unanswered:
-            sock.close()
-            self.refused(peer, "busy", f"{self.max_connections} connections open (--max-connections) and "
-                                       f"{MAX_REFUSING} being refused already: closed unanswered")
-            return
+            if self._preauth_waiting >= self.max_preauth:
+                oldest = next(r for r in self._preauth if r.closed_for is None)
+                self.preauth_counters["evicted"] += 1
+                self._close_preauth(oldest, f"closed before its CONNECT: {self.max_preauth} connections were "
+                                            "waiting to authenticate (--max-preauth-connections) and this one "
+                                            "the longest")
+            self._preauth[record] = None
+            self._preauth_waiting += 1
+            self.preauth_counters["peak"] = max(self.preauth_counters["peak"], self._preauth_waiting)
+        return record
+
+    def _close_preauth(self, record: PreAuth, why: str) -> None:
+        """(Under the lock.) End an unauthenticated connection: its thread, woken by the
+        shutdown, reports `why` as its refusal and closes the socket."""
+        record.closed_for = why
+        self._preauth_waiting -= 1
+        _shut(record.fd)
+
+    def _close_overdue(self) -> None:
+        """Close each connection whose handshake and CONNECT are not done by its deadline."""
+        now = time.monotonic()
+        with self._lock:
+            for record in self._preauth:
+                if record.deadline > now:
+                    break  # oldest first, and every deadline is accept + the same span
+                if record.closed_for is None:
+                    self.preauth_counters["deadline"] += 1
+                    self._close_preauth(record, f"no CONNECT within {self.handshake_deadline_s:g} s of its "
+                                                "accept (--handshake-deadline-s): closed")
+
+    def authenticated(self, record: PreAuth, connection: Connection) -> str | None:
+        """The connection's CONNECT passed the token check: it leaves the unauthenticated and
+        takes an authenticated place. None where it did; else why not (the server is full,
+        or stopping), the text the peer is told."""
+        with self._lock:
+            self._leave_preauth(record)
+            if record.closed_for is not None:
+                return record.closed_for  # its deadline came as it authenticated: closed already
+            if self._stopping.is_set():
+                return "the server is stopping"
+            if self.max_connections and self._places >= self.max_connections:
+                return (f"the server has {self.max_connections} connections open, its most "
+                        "(--max-connections); try again later")
+            self._places += 1
+            connection.placed = True
+            self._connections[connection] = threading.current_thread()
+            self.counters["connections"] += 1
+            return None
+
+    def _leave_preauth(self, record: PreAuth) -> None:
+        """(Under the lock.) The record leaves the unauthenticated, once."""
+        if record in self._preauth:
+            del self._preauth[record]
+            if record.closed_for is None:
+                self._preauth_waiting -= 1
+
+    def count_preauth(self, counter: str) -> None:
+        with self._lock:
+            self.preauth_counters[counter] += 1
+
+    def _serve(self, sock: socket.socket, peer: str, record: PreAuth) -> None:
+        connection: Connection | None = None
         try:
+            _tune(sock)
+            # Each recv of the handshake waits at most the whole deadline; the accept loop
+            # closes the connection at the deadline itself, whatever its pace.
+            sock.settimeout(self.handshake_deadline_s)
             if self.tls is not None:
                 try:
                     sock = self.tls.wrap_socket(sock, server_side=True)
                 except (ssl.SSLError, OSError) as exc:
-                    self.refused(peer, "tls", f"TLS handshake: {exc}")
-                    sock.close()
+                    if record.closed_for is not None:
+                        self.refused(peer, "handshake", record.closed_for)
+                    else:
+                        self.refused(peer, "tls", f"TLS handshake: {exc}")
                     return
-            connection = Connection(self, sock, peer)
-            if busy:
-                connection.run(busy=f"the server has {self.max_connections} connections open, its most "
-                                    "(--max-connections); try again later")
-                return
-            with self._lock:
-                if self._stopping.is_set():
-                    sock.close()
-                    return
-                self._connections[connection] = threading.current_thread()
-                self.counters["connections"] += 1
+            connection = Connection(self, sock, peer, record)
             connection.run()
+        except OSError as exc:  # the socket failed before the connection ran
+            self.refused(peer, "handshake", record.closed_for or f"{type(exc).__name__}: {exc}")
         finally:
             with self._lock:
-                if busy:
-                    self._refusing -= 1
-                else:
+                # Out of the unauthenticated before the socket closes: the deadline sweep
+                # shuts sockets down by descriptor, which must still be this connection's.
+                self._leave_preauth(record)
+                if connection is not None and connection.placed:
                     self._places -= 1
+            try:
+                sock.close()
+            except OSError:
+                pass
 
     def stop(self) -> None:
         """Stop accepting; the serving loop then closes every connection and returns."""
@@ -172,6 +267,9 @@ class Server:
         self.listener.close()
         with self._lock:
             connections = dict(self._connections)
+            for record in list(self._preauth):
+                if record.closed_for is None:
+                    self._close_preauth(record, "the server is stopping")
         for connection in connections:
             try:
                 connection.sock.shutdown(socket.SHUT_RDWR)
@@ -199,7 +297,17 @@ class Server:
         with self._lock:
             self.counters["refused"] += 1
             self.refusals[reason] += 1
-        log.warning("refused %s: %s", peer, why)
+            now = time.monotonic()
+            began, logged, left_out = self._log_window
+            if now - began >= 1.0:
+                began, logged = now, 0
+            if logged >= REFUSAL_LOG_PER_S:
+                self._log_window = (began, logged, left_out + 1)
+                return
+            self._log_window = (began, logged + 1, 0)
+        more = f" ({left_out} more refusals before this one not logged: at most {REFUSAL_LOG_PER_S} a second)" \
+            if left_out else ""
+        log.warning("refused %s: %s%s", peer, why, more)
 
     def device_namespace(self, nsid: int) -> AnyNamespace | None:
         try:
@@ -208,10 +316,25 @@ class Server:
             return None
 
     def adopt(self, nsid: int) -> None:
-        """A client sends gradients to a namespace: a lease held on its step is taken over."""
+        """A client sends gradients to a namespace: a lease held on its open step ends, and the
+        step goes on with this client."""
         with self._lock:
-            if self._leases.pop(nsid, None) is not None:
-                log.info("namespace %d: the leased step was taken over by a new connection", nsid)
+            lease = self._leases.pop(nsid, None)
+        namespace = self.device_namespace(nsid)
+        if lease is not None and isinstance(namespace, Namespace) and namespace.step_open == lease[0]:
+            log.info("namespace %s: step %d, left open by a client that went away, goes on with a new "
+                     "connection's gradients (not aborted)", namespace.name, lease[0])
+
+    def step_ended(self, nsid: int, how: str) -> None:
+        """A client committed or aborted (`how`) a namespace's step: a lease held on it ends.
+        Logged in the word the client used, as the trainer reports it."""
+        with self._lock:
+            lease = self._leases.pop(nsid, None)
+        if lease is not None:
+            namespace = self.device_namespace(nsid)
+            name = namespace.name if namespace is not None else str(nsid)
+            log.info("namespace %s: step %d, left open by a client that went away, %s by a new connection",
+                     name, lease[0], how)
 
     def after_command(self) -> None:
         self._work.set()
@@ -279,7 +402,10 @@ class Server:
         with self._lock:
             counters = dict(self.counters) | {"open_connections": len(self._connections), "leases": len(self._leases),
                                               "max_connections": self.max_connections,
-                                              "refusals": dict(self.refusals)}
+                                              "refusals": dict(self.refusals),
+                                              "preauth": dict(self.preauth_counters) | {
+                                                  "open": self._preauth_waiting, "max": self.max_preauth,
+                                                  "deadline_s": self.handshake_deadline_s}}
         return counters | {"link": self.link.snapshot(), "param_cache": self.param_cache.snapshot(),
                            "recv_memory": self.recv_memory.snapshot()}
 
