@@ -23,6 +23,9 @@ class SharedStep:
     ranks: int  # how many ranks take part; the step commits only once all have joined
     joined: set[int]
     hypers: tuple[Hyperparameters, ...]  # the groups' hyperparameters the step runs with
+    # Whether the opener sent them (groups): then every joining rank must send the same, so
+    # that a rank whose schedule drifted cannot join unseen by sending none.
+    hypers_sent: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +98,7 @@ class _SharedSteps:
                 raise
             if wanted != previous:
                 self.config_changed_ns = time.time_ns()
-            tx.shared = SharedStep(job, seq, ranks, {rank}, tuple(wanted))
+            tx.shared = SharedStep(job, seq, ranks, {rank}, tuple(wanted), groups is not None)
             self._shared_fence = True
             return {"step": tx.step, "grad_scale": grad_scale, "opened": True, "joined": 1, "ranks": ranks}
 
@@ -120,6 +123,11 @@ class _SharedSteps:
                               f"step {step}: rank {rank} sends grad scale {grad_scale!r}, the step was "
                               f"begun with {tx.grad_scale!r}; every rank must send the same (the same "
                               "loss scale and clip coefficient)")
+        if groups is None and shared.hypers_sent:
+            raise DeviceError(Status.INVALID_FIELD,
+                              f"step {step}: rank {rank} sent no hyperparameters (groups); the step was "
+                              f"begun with {[dataclasses.asdict(h) for h in shared.hypers]}, and every rank "
+                              "must send the same")
         if groups is not None:
             asked = [dataclasses.replace(hyper, **changes) for hyper, changes in
                      zip(shared.hypers, groups)] if len(groups) == len(shared.hypers) else None
