@@ -208,10 +208,7 @@ class RemoteTransport:
             self._broken = ConnectionAbortedError(
                 errno.ECONNABORTED, f"the cossd server at {self.location} closed the connection ({exc}); "
                                     "killed or restarted?")
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        _shut(self.sock)
         return self._broken
 
     def _command(self, submission: bytes, capsule_data: bytes | memoryview = b"",
@@ -295,10 +292,7 @@ class RemoteTransport:
     def close(self) -> None:
         if self._broken is None:
             self._broken = ConnectionAbortedError(errno.ECONNABORTED, f"{self.location}: transport closed")
-            try:
-                self.sock.close()
-            except OSError:
-                pass
+            _shut(self.sock)
 
     def reachable(self) -> bool:
         return self._broken is None
@@ -396,6 +390,21 @@ class RemoteTransport:
             self._errno_channel(completion, "read")
             counts += lengths
         return counts
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut the connection down, then close it. The shutdown wakes a thread blocked in a
+    receive on it at once (a close alone does not: it would wait out its timeout, and could
+    then read from a new connection given the same descriptor). The socket layer's shutdown
+    even for TLS: SSLSocket's own drops its TLS state under a thread that may be reading."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass  # never connected, or already reset
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 def _batches(items: list[tuple[int, memoryview, int]]) -> list[list[tuple[int, memoryview, int]]]:

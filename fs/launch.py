@@ -45,6 +45,18 @@ def open_default_log(path: Path) -> int:
     return fd
 
 
+def check_mountpoint(mountpoint: str | os.PathLike[str]) -> None:
+    """A directory with nothing mounted on it. A second device mounted on top of a mount hides
+    the first (its files, its `.admin`: every tool would talk to the top one), so it is
+    refused; checked before the directory itself, whose stat would hang on a hung mount."""
+    fstype = mount_type_at(mountpoint)
+    if fstype is not None:
+        raise DeviceError(Status.INVALID_FIELD, f"{mountpoint} is already a mount point ({fstype}); unmount it "
+                                                "first or choose another directory")
+    if not Path(mountpoint).is_dir():
+        raise DeviceError(Status.INVALID_FIELD, f"mountpoint {mountpoint} is not a directory")
+
+
 def start_background(
     backing: str | os.PathLike[str],
     mountpoint: str | os.PathLike[str],
@@ -66,8 +78,7 @@ def start_background(
     # Check what can be checked here, so the common mistakes get a clear one-line error.
     if not (Path(backing) / SUPERBLOCK_FILE).is_file():
         raise DeviceError(Status.INVALID_FIELD, f"{backing} is not a cossd device (run `cossd format {backing}`)")
-    if not Path(mountpoint).is_dir():
-        raise DeviceError(Status.INVALID_FIELD, f"mountpoint {mountpoint} is not a directory")
+    check_mountpoint(mountpoint)
     load_profile(profile)  # an unknown profile, likewise
     # A link or foreign file where the device writes, likewise (the daemon checks again
     # under its lock before it writes anything).

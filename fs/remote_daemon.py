@@ -9,13 +9,14 @@ import re
 import select
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pyfuse3
 import trio
 
-from ..client.mounts import REMOTE_MOUNT_FSTYPE
+from ..client.mounts import REMOTE_MOUNT_FSTYPE, mount_entries, mount_id_at, mount_type_at
 from ..client.remote import parse_url
 from ..client.watchdog import DEFAULT_TIMEOUT_S
 
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 READY_MESSAGE = b"ready\n"
 ERROR_PREFIX = b"error: "
 SUBTYPE = REMOTE_MOUNT_FSTYPE.removeprefix("fuse.")
+# How often the daemon looks whether its mount is still in the mount table, and how long it
+# gives its requests in flight to end once the mount is gone before it exits regardless.
+DETACH_POLL_S = 0.5
+EXIT_GRACE_S = 5.0
 
 
 class RemoteMountError(RuntimeError):
@@ -55,9 +60,43 @@ def _tell(ready_fd: int | None, message: bytes) -> None:
             pass
 
 
-async def _serve(ready_fd: int | None) -> None:
+def _exit_after(grace_s: float, why: str) -> None:
+    """Exit the process `grace_s` from now if it is still running then. The remote mount holds
+    no state (the server does), so nothing is lost; a request stuck on the server (stopped,
+    cut off) must not keep a detached mount's daemon alive until its timeout."""
+    def stop() -> None:
+        log.warning("%s; requests still in flight after %g s: exiting now", why, grace_s)
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(grace_s, stop)
+    timer.daemon = True
+    timer.start()
+
+
+async def _watch_mount(mount_id: int | None, mountpoint: str, connections: Lanes) -> None:
+    """End the daemon once its mount is gone from the mount table: detached by anyone
+    (fusermount3 -u, umount, a lazy detach while files are open), not only by `cossd umount`.
+    pyfuse3 ends its loop by itself on a plain unmount; a lazy detach with files still open,
+    or a request in flight on a server that stopped answering, would keep it serving a mount
+    nobody can reach by its path."""
+    if mount_id is None:  # not in this mount namespace's table: nothing to watch
+        return
+    while True:
+        await trio.sleep(DETACH_POLL_S)
+        if all(entry.mount_id != mount_id for entry in mount_entries()):
+            break
+    why = f"the mount at {mountpoint} was detached"
+    log.info("%s: closing the connections and exiting", why)
+    _exit_after(EXIT_GRACE_S, why)
+    pyfuse3.terminate()
+    connections.close()  # a command in flight fails at once: its request answers ENOTCONN
+
+
+async def _serve(ready_fd: int | None, mount_id: int | None, mountpoint: str, connections: Lanes) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_on_signal)
+        nursery.start_soon(_watch_mount, mount_id, mountpoint, connections)
         _tell(ready_fd, READY_MESSAGE)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
@@ -73,8 +112,7 @@ def serve(url: str, mountpoint: str | os.PathLike[str], credentials: Credentials
     connections = Lanes(url, credentials, timeout_s, lanes)  # with them (?digest=...)
     try:
         connections.check()
-        if not Path(mountpoint).is_dir():
-            raise RemoteMountError(f"mountpoint {mountpoint} is not a directory")
+        check_mountpoint(mountpoint)
         operations = RemoteOperations(connections, worker_threads=max(4, 2 * lanes))
         pyfuse3.init(operations, str(mountpoint), mount_options(server, allow_other, debug))
     except BaseException as exc:
@@ -83,11 +121,22 @@ def serve(url: str, mountpoint: str | os.PathLike[str], credentials: Credentials
         raise
     log.info("mounted %s at %s (%d connections at most, timeout %g s)", url, mountpoint, lanes, timeout_s)
     try:
-        trio.run(_serve, ready_fd)
+        trio.run(_serve, ready_fd, mount_id_at(Path(mountpoint), REMOTE_MOUNT_FSTYPE), str(mountpoint), connections)
     finally:
         pyfuse3.close(unmount=True)
         connections.close()
         log.info("unmounted %s from %s", server, mountpoint)
+
+
+def check_mountpoint(mountpoint: str | os.PathLike[str]) -> None:
+    """A directory with nothing mounted on it: a mount on top of another hides it (its files,
+    its `.admin`) and `cossd list` could no longer tell the two apart."""
+    fstype = mount_type_at(Path(mountpoint))
+    if fstype is not None:
+        raise RemoteMountError(f"{mountpoint} is already a mount point ({fstype}); unmount it first "
+                               "or choose another directory")
+    if not Path(mountpoint).is_dir():
+        raise RemoteMountError(f"mountpoint {mountpoint} is not a directory")
 
 
 def default_log_path(mountpoint: str | os.PathLike[str]) -> Path:
@@ -105,8 +154,7 @@ def start_background(url: str, mountpoint: str | os.PathLike[str], credentials: 
     """Start a remote mount's daemon and return (its pid, its log) once the mount is ready;
     RemoteMountError with the daemon's own reason where it could not mount."""
     parse_url(url)  # a malformed URL: ValueError with a one-line message, nothing started
-    if not Path(mountpoint).is_dir():
-        raise RemoteMountError(f"mountpoint {mountpoint} is not a directory")
+    check_mountpoint(mountpoint)
     log_path = Path(log_file) if log_file else default_log_path(mountpoint)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "cossd.tools.cli", "mount", "--foreground", "--ready-fd", "{fd}", url,

@@ -82,6 +82,9 @@ class Lanes:
             except (OSError, DeviceTimeoutError) as exc:
                 self._lost(None, exc)
                 raise
+            if self._closed:  # closed while this lane connected
+                fresh.transport.close()
+                raise ConnectionAbortedError(f"the mount of {self.url} is closing")
             self._lanes[index] = fresh
             if self._down is not None:
                 log.warning("reconnected to the cossd server at %s", self.url)
@@ -128,10 +131,17 @@ class Lanes:
                 self._down = None
 
     def close(self) -> None:
+        """Close every connection now; a command in flight on one fails at once. Never waits
+        out a lane being connected (that can take the timeout): _lane closes what it made
+        once it sees the mount closing."""
         self._closed = True
         for index, connecting in enumerate(self._connecting):
-            with connecting:
+            locked = connecting.acquire(timeout=0.2)
+            try:
                 lane, self._lanes[index] = self._lanes[index], None
+            finally:
+                if locked:
+                    connecting.release()
             if lane is not None:
                 lane.transport.close()
 

@@ -102,11 +102,17 @@ def parse_tensor(text: str) -> tuple[str, int]:
 DEVICE_HELP = ("the device: its mountpoint, a namespace's directory MOUNTPOINT/ns/NAME "
                "(the DevicePath `list -o json` shows), or a storage server's cossd://HOST:PORT")
 REMOTE_SCHEME = "cossd://"
+DEVICE_METAVAR = "MOUNTPOINT|cossd://HOST:PORT"
+MOUNT_OR_URL_HELP = ("where the device is mounted (as `cossd mount` was given it), or a storage server's "
+                     "cossd://HOST[:PORT] (`cossd serve`)")
 
 
 def add_device_argument(sub: argparse.ArgumentParser, **options: object) -> None:
     """A verb's DEVICE (a mountpoint or a server's URL, see device_location) and the options a
     server needs: the token and the CA to trust (else $COSSD_TOKEN_FILE, $COSSD_CA)."""
+    # The usage line and the help say both forms: "MOUNTPOINT" alone hid the server's URL.
+    options.setdefault("metavar", DEVICE_METAVAR)
+    options.setdefault("help", MOUNT_OR_URL_HELP)
     sub.add_argument("mountpoint", type=device_location, **options)  # type: ignore[arg-type]
     sub.add_argument("--token-file", metavar="FILE",
                      help="a storage server's token (default: $COSSD_TOKEN_FILE); only for cossd:// devices")

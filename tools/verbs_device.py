@@ -57,7 +57,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
                              f"not a backing directory")
     if args.foreground:
         from ..fs import daemon
+        from ..fs.launch import check_mountpoint
 
+        check_mountpoint(args.mountpoint)
         logging.basicConfig(
             level=logging.DEBUG if args.debug else logging.INFO,
             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
@@ -148,8 +150,14 @@ def _mounted_at(backing: Path) -> list[Path]:
     return [mountpoint for mountpoint, source in mounted_devices() if os.path.realpath(source) == target]
 
 
+# How long fusermount3 itself may take: it asks the kernel only, but a stuck one must not
+# hang `cossd umount`.
+FUSERMOUNT_TIMEOUT_S = 30.0
+
+
 def cmd_umount(args: argparse.Namespace) -> int:
     from ..client import MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE, AdminClient, mount_type_at
+    from ..client.mounts import mount_holders
 
     # Only ever a cossd mount: fusermount3 would detach any FUSE mount of this user, and as
     # root any filesystem at all (a tmpfs, an ext4 loop mount).
@@ -168,40 +176,72 @@ def cmd_umount(args: argparse.Namespace) -> int:
         pid = daemon_pid(args.mountpoint)
     else:
         try:
-            with AdminClient(args.mountpoint) as client:
+            with AdminClient(args.mountpoint, timeout_s=min(args.timeout, 10.0)) as client:
                 pid = client.describe()["pid"]
         except (OSError, DeviceError):
             pass  # not answering (crashed daemon): still detach the mount
     command = ["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [str(args.mountpoint)]
-    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=FUSERMOUNT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"cossd umount: fusermount3 did not return within {FUSERMOUNT_TIMEOUT_S:g} s "
+                         f"for {args.mountpoint}; try --lazy") from None
     if result.returncode != 0:
+        if "busy" in result.stderr.lower():
+            holders = mount_holders(args.mountpoint)
+            raise SystemExit(f"cossd umount: {args.mountpoint} is in use"
+                             + (f" by {'; '.join(holders)}" if holders else "")
+                             + ": close those files or cd out of it, or use --lazy (detach now; the daemon "
+                               "exits once they are closed)")
         raise SystemExit(f"cossd umount: {result.stderr.strip() or 'fusermount3 failed'}")
     if pid is not None:
-        # The daemon flushes the committed state after the unmount; wait for it.
+        # The daemon flushes the committed state after the unmount (a remote one only closes
+        # its connections); wait for it, never longer than --timeout.
         deadline = time.monotonic() + args.timeout
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            try:
-                if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
-                    break
-            except OSError:
-                break
+        while _running(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if Path(f"/proc/{pid}").exists() and time.monotonic() >= deadline:
-            raise SystemExit(f"cossd umount: daemon {pid} still running after {args.timeout} s")
+        if _running(pid):
+            what = ("its remote mount daemon" if fstype == REMOTE_MOUNT_FSTYPE
+                    else "its daemon, still flushing the state?")
+            raise SystemExit(f"cossd umount: {args.mountpoint} is detached, but {what} (pid {pid}) is still "
+                             f"running after {args.timeout:g} s; see its log, or `kill {pid}`")
     return 0
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, exited but not reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class _Shadowed(OSError):
+    """A mount that another is mounted on top of: listed from its backing directory."""
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     """nvme-cli's list: -o json as 2.3 (a flat entry per namespace), with -v as 2.11 (hosts,
     subsystems, controllers, namespaces); every cossd mount, also a crashed one, under "cossd"."""
-    from ..client import AdminClient, mounted_devices
+    from ..client import AdminClient
+    from ..client.mounts import FSNAME_PREFIX, MOUNT_FSTYPE, mount_entries, shadowed_mount_ids
     from ..emulator.device import SUPERBLOCK_FILE
     from . import nvme_json
 
     devices, controllers = [], []
-    for mountpoint, backing in mounted_devices(args.mountinfo):
+    entries = mount_entries(args.mountinfo)
+    # A mount with another on top of it: its path reaches the top one's `.admin`, so what it
+    # says of itself is read from its own backing directory instead (one made before cossd
+    # refused mounting onto a mount, or by hand).
+    shadowed = shadowed_mount_ids(entries)
+    for mount in entries:
+        if mount.fstype != MOUNT_FSTYPE:
+            continue
+        mountpoint, backing = mount.mountpoint, Path(mount.source.removeprefix(FSNAME_PREFIX))
         entry: dict[str, Any] = {"DevicePath": str(mountpoint), "Backing": str(backing)}
         try:
+            if mount.mount_id in shadowed:
+                raise _Shadowed(f"shadowed: another mount is on top of it at {mountpoint}")
             with AdminClient(mountpoint, timeout_s=args.timeout) as client:
                 described = client.describe()
                 controllers.append(nvme_json.listed_controller(client, mountpoint, backing,
@@ -213,7 +253,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         except (OSError, DeviceError, ValueError, KeyError) as exc:
             # A crashed or stopped daemon: what the backing directory itself says (it has
             # no identify pages to answer nvme-cli's part with, so it is only listed here).
-            entry |= {"State": f"not answering ({exc})"}
+            entry |= {"State": str(exc) if isinstance(exc, _Shadowed) else f"not answering ({exc})"}
             try:
                 stored = json.loads((backing / SUPERBLOCK_FILE).read_text())
                 identity = stored["identity"]
