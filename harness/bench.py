@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     if "scale" in sections:
         _scale_section(report, args)
+    if "peers" in sections:
+        _peers_section(report, args)
     if not sections & {"mount", "trainer"}:
         write_report(report, args.output)
         return 0
@@ -169,6 +171,25 @@ def _scale_section(report: dict[str, Any], args: argparse.Namespace) -> None:
         report["scale"] = scale_costs(workdir, sizes, restore)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _peers_section(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """cossd beside ZeRO-Infinity, ZeRO-Offload and resident AdamW (bench_peers.py), in a temp
+    dir on the disk; `args.peers` (a PeersSettings) overrides everything (the tests), else
+    --peers-params the sizes. Writes peers.png beside the report."""
+    from .bench_peers import PeersSettings, peers_costs
+    from .bench_peers_report import peers_chart
+
+    settings = getattr(args, "peers", None) or PeersSettings()
+    if getattr(args, "peers_params", None):
+        settings.sizes = tuple(args.peers_params)
+    workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-peers-"))
+    try:
+        report["peers"] = peers_costs(workdir, settings)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    args.output.mkdir(parents=True, exist_ok=True)
+    peers_chart(report["peers"], args.output / "peers.png")
 
 
 def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: BenchDevice, workdir: Path,

@@ -84,7 +84,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     remote=getattr(args, "remote", False))
 
 
-BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks", "scale"})
+BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks", "scale", "peers"})
 # `net` starts storage servers and takes a minute and a half; `oom` makes cgroups (root) and
 # drives workers into their memory caps for a few minutes; `ranks` runs 7 jobs of up to 4 rank
 # processes; `scale` steps namespaces up to 1B elements (30 GB of state on the disk, most of an
@@ -158,6 +158,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--net-elements", type=_positive_int, default=1 << 22,
                         help="net section: elements of the served tensor and parameters of the I/O-path "
                              "comparison's model (default 4M)")
+    parser.add_argument("--peers-params", type=_element_sizes, default=None,
+                        help="peers section: GPT sizes in parameters, comma separated, K/M as powers of 2 "
+                             "(default about 25M and 100M; e.g. 1M for a quick run)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the trainer section keeps the model's tensors: cpu, or cuda for a "
                              "GPU-resident fused AdamW against offload with device-host copies "

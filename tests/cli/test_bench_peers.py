@@ -1,0 +1,112 @@
+"""`cossd bench --sections peers` at a tiny size (~1M params, 2 steps): the report's structure, a figure or a reason in every row; no timing assertions."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from cossd.harness import bench, bench_peers
+from cossd.harness.bench_peers import PeersSettings, run_worker, summarize
+from cossd.harness.bench_peers_report import markdown_rows
+from cossd.trainer.options import add_bench_arguments
+from helpers import run_cli
+
+pytestmark = pytest.mark.mount
+
+TINY = 1 << 20
+
+
+def _args(output: Path, settings: PeersSettings) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--sections", "peers", "--output", str(output)])
+    args.peers = settings
+    return args
+
+
+def _check_row(peer: str, row: dict) -> None:
+    """A row that ran has every figure; one that did not says why."""
+    if not row["ok"]:
+        assert isinstance(row["why"], str) and row["why"], peer
+        return
+    assert row["parameters"] > 0.5 * TINY
+    step = row["step_s"]
+    assert 0 < step["min"] <= step["p25"] <= step["median"] <= step["p75"] <= step["max"], peer
+    assert row["storage_bytes_per_step"] is not None and row["storage_bytes_per_step"] >= 0, peer
+    assert set(row["checkpoint"]) >= {"stall_s", "bytes", "note", "storage_bytes"}, peer
+    assert row["trainer_peak_rss_bytes"] > 0
+    assert (row["storage_peak_rss_bytes"] is None) == (peer == "zero_infinity_disk"), peer
+    restore = row["restore"]
+    assert restore["ok"] == (peer != "resident"), (peer, restore)
+    if restore["ok"]:
+        assert restore["seconds"] > 0 and restore["storage_bytes"] is not None, peer
+
+
+@pytest.mark.slow  # a device, an ext4 volume and four worker processes: over a minute on 2 cores
+def test_cossd_and_floor_rows(tmp_path: Path) -> None:
+    """cossd through the CMB and the resident floor, one pinned turn: the device counted the
+    cossd step's 4 B/param on its link, and the restore after the kill -9 read the params."""
+    settings = PeersSettings(sizes=(TINY,), steps=2, warmup=1, turns=1, placements=("pinned",),
+                             peers=("cossd", "resident"))
+    report = bench_peers.peers_costs(tmp_path, settings)
+    rows = report["sizes"][str(TINY)]["placements"]["pinned"]
+    for peer, row in rows.items():
+        assert row["ok"], row
+        _check_row(peer, row)
+    cossd = rows["cossd"]
+    params = cossd["parameters"]
+    assert cossd["transport"] == "cmb"
+    # BF16 gradients out and BF16 params back: 4 B per parameter over the device's link.
+    assert cossd["storage_bytes_per_step"] == pytest.approx(4 * params, rel=0.01)
+    assert cossd["checkpoint"]["bytes"] == 0 and cossd["checkpoint"]["storage_bytes"] == 0
+    assert cossd["restore"]["storage_bytes"] >= 2 * params  # the params, read back
+    assert rows["resident"]["storage_bytes_per_step"] == 0
+    breakdown = report["sizes"][str(TINY)]["breakdown"]["pinned"]
+    assert breakdown["device_block_updates_s"] > 0 and breakdown["grads_out_and_device_step_s"] > 0
+    assert breakdown["params_back_and_copies_s"] > 0
+    # ZeRO-Infinity did not run: the model check says so instead of inventing a ratio.
+    assert "why" in report["model_check"]["checks"][f"{TINY} pinned"]
+    assert 1.0 < report["model_check"]["projection"][0]["speedup"]
+    assert any("cossd" in line for line in markdown_rows(report))
+
+
+def test_a_peer_that_cannot_run_gets_its_reason(tmp_path: Path) -> None:
+    """A worker that fails reports why, and the row and the table carry it; nothing raises."""
+    job = {"peer": "no-such-peer", "mode": "train", "job_id": "x-1", "params": TINY, "threads": 1,
+           "steps": 1, "warmup": 0}
+    result = run_worker(job, sorted(bench_peers.placements("unpinned")[0]), tmp_path / "log", 120)
+    assert result == {"ok": False, "job_id": "x-1", "why": "ValueError: unknown peer 'no-such-peer'"}
+    row = summarize("zero_offload", [result])
+    assert row == {"ok": False, "why": result["why"]}
+    section = {"labels": {"zero_offload": "(c)"}, "sizes": {str(TINY): {"placements": {"pinned": {"zero_offload": row}}}}}
+    assert "did not run: ValueError" in markdown_rows(section)[-1]
+
+
+def test_bench_cli_refuses_a_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "bench", "--sections", "peers", "--peers-params", "0")
+    assert code != 0 and "sizes are counts" in out + err
+
+
+@pytest.mark.slow
+def test_peers_section_tiny(tmp_path: Path) -> None:
+    """Every peer (the DeepSpeed ones where DeepSpeed and libaio are here; each its reason if
+    not) at ~1M params, pinned and unpinned, through `cossd bench`'s own run()."""
+    output = tmp_path / "out"
+    settings = PeersSettings(sizes=(TINY,), steps=2, warmup=1, turns=1)
+    assert bench.run(_args(output, settings)) == 0
+    peers = json.loads((output / "bench.json").read_text())["peers"]
+    assert (output / "peers.png").stat().st_size > 0
+    for placement in ("pinned", "unpinned"):
+        rows = peers["sizes"][str(TINY)]["placements"][placement]
+        assert set(rows) == set(bench_peers.PEERS)
+        for peer, row in rows.items():
+            _check_row(peer, row)
+        assert rows["cossd"]["ok"] and rows["resident"]["ok"] and rows["dcp_async"]["ok"]
+        if bench_peers.deepspeed_missing() is None:
+            assert rows["zero_infinity_disk"]["ok"], rows["zero_infinity_disk"]
+            check = peers["model_check"]["checks"][f"{TINY} {placement}"]
+            assert check["measured_ratio"] > 0 and "error" in check
+        else:
+            assert rows["zero_offload"]["why"] == bench_peers.deepspeed_missing()
