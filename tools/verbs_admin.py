@@ -12,6 +12,8 @@ from .output import binary_output, emit, hexdump, open_client, write_binary
 
 def cmd_id_ctrl(args: argparse.Namespace) -> int:
     from ..protocol.entries import IdentifyCns, Opcode
+    from ..protocol.logpages import LogId
+    from ..protocol.status import DeviceError, Status
     from . import nvme_json
 
     nvme_device(args)
@@ -21,16 +23,29 @@ def cmd_id_ctrl(args: argparse.Namespace) -> int:
             write_binary(page)
             return 0
         described = client.describe()
+        # Only a storage server's controller serves its page C5h (a mount answers
+        # INVALID_LOG_PAGE), through a URL or a remote mount alike: why there is no CMB.
+        served = False
+        if not described.get("cmb"):
+            try:
+                client.get_log_page(LogId.SERVER, length=4)
+                served = True
+            except DeviceError as exc:
+                if exc.status != Status.INVALID_LOG_PAGE:
+                    raise
     if args.output_format == "json":  # nvme-cli's keys from the page, cossd's own under one key
         value = nvme_json.id_ctrl(page, nvme_json.version_for(args.verbose))
         emit(args, value | {nvme_json.VENDOR_KEY: described}, str, sort_keys=False)
         return 0
-    emit(args, described, _controller_text)
+    emit(args, described, lambda value: _controller_text(value, served))
     return 0
 
 
-def _controller_text(value: dict[str, Any]) -> str:
-    """id-ctrl -o normal: the device as `describe` reports it, one namespace a line."""
+def _controller_text(value: dict[str, Any], served: bool = False) -> str:
+    """id-ctrl -o normal: the device as `describe` reports it, one namespace a line
+    (`served`: through a storage server, which has no CMB for a client to map)."""
+    no_cmb = ("none (a storage server: a client across the network cannot map one)" if served
+              else "none (mounted with --cmb-size 0)")
     identity = value["identity"]
     lines = [
         f"sn        : {identity['serial']}",
@@ -41,7 +56,7 @@ def _controller_text(value: dict[str, Any]) -> str:
         f"timing    : profile {value['timing']['profile']}" + (" (timed)" if value["timing"]["timed"] else ""),
         f"backing   : {value['backing']}",
         "cmb       : " + (f"{value['cmb']['size']} bytes at {value['cmb']['path']}" if value.get("cmb")
-                           else "none (mounted with --cmb-size 0)"),
+                           else no_cmb),
         f"namespaces: {len(value['namespaces'])}",
     ]
     for ns in value["namespaces"]:
