@@ -153,29 +153,45 @@ class RemoteTransport:
             raise ConnectionRefusedError(exc.errno or errno.ECONNREFUSED,
                                          f"{self.location}: cannot connect ({exc.strerror or exc})") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        presented = bool(cert if cert is not None else os.environ.get(CERT_ENV))
         try:
             if tls is not None:
-                sock = tls.wrap_socket(sock, server_hostname=self.url.host)
+                try:
+                    sock = tls.wrap_socket(sock, server_hostname=self.url.host)
+                except (ssl.SSLError, ConnectionError) as exc:
+                    raise _TlsRefused(_tls_handshake_failure(exc)) from None
             self.sock = sock
             self.reader = wire.PduReader(sock.recv_into)
             self.writer = wire.PduWriter(sock)
-            self._handshake(token)
+            self._handshake(token, tls is not None, presented)
+        except _TlsRefused as refused:
+            _shut(sock)
+            raise PermissionError(errno.EACCES, f"{self.location}: TLS refused: {refused}") from None
         except ssl.SSLError as exc:
-            sock.close()
+            _shut(sock)
             raise PermissionError(errno.EACCES, f"{self.location}: TLS refused ({exc.reason or exc})") from None
         except BaseException:
-            sock.close()
+            _shut(sock)
             raise
 
     # ------------------------------------------------------------------ the connection
 
-    def _handshake(self, token: bytes) -> None:
+    def _handshake(self, token: bytes, tls: bool = False, presented: bool = False) -> None:
         try:
             self.writer.send_raw(wire.ic_req(self.url.digests))
             head = self.reader.read_head(Digest.NONE)
         except TimeoutError:
             raise DeviceTimeoutError(f"{self.location}: no ICResp within {self.timeout_s:g} s") from None
-        except (ConnectionError, wire.WireError) as exc:
+        except (ConnectionError, ssl.SSLError) as exc:
+            if not tls:
+                if isinstance(exc, ssl.SSLError):
+                    raise
+                raise ConnectionRefusedError(errno.ECONNREFUSED, f"{self.location}: the server refused the "
+                                                                 f"handshake ({exc}); TLS server? give ca=") from None
+            # TLS 1.3 checks the client's certificate after the client's side of the handshake
+            # is done: a refusal shows as an alert or a closed connection at the first read.
+            raise _TlsRefused(_client_certificate_refused(exc, presented)) from None
+        except wire.WireError as exc:
             raise ConnectionRefusedError(errno.ECONNREFUSED, f"{self.location}: the server refused the "
                                                              f"handshake ({exc}); TLS server? give ca=") from None
         if head.type != PduType.IC_RESP:
@@ -390,6 +406,38 @@ class RemoteTransport:
             self._errno_channel(completion, "read")
             counts += lengths
         return counts
+
+
+class _TlsRefused(Exception):
+    """A TLS handshake that failed, with the reason as a user reads it."""
+
+
+def _tls_handshake_failure(exc: BaseException) -> str:
+    """Why the TLS handshake itself failed, in words: the server's certificate refused (expired,
+    made out to another host, signed by a CA not trusted), or a server that speaks no TLS."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"the server's certificate is not trusted: {exc.verify_message} (checked against the CA given)"
+    reason = getattr(exc, "reason", None) or ""
+    plain = ("nothing was sent in clear; if it is meant to be a plain TCP server, connect without a CA "
+             "(no ca=, no $COSSD_CA)")
+    if reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST",
+                  "UNKNOWN_PROTOCOL"):
+        return f"the server does not speak TLS ({reason}): {plain}"
+    if isinstance(exc, (ConnectionError, ssl.SSLEOFError)):
+        return (f"the server closed the connection during the TLS handshake ({reason or type(exc).__name__}): "
+                f"a server that does not speak TLS, or one refusing connections (see its log); {plain}")
+    return f"{reason or exc}"
+
+
+def _client_certificate_refused(exc: BaseException, presented: bool) -> str:
+    """The server ended the connection right after the TLS handshake: it requires a client
+    certificate (--client-ca) and was given none, or one its CA did not sign."""
+    reason = getattr(exc, "reason", None) or type(exc).__name__
+    if presented:
+        return (f"the server refused the client certificate ({reason}): it must be signed by the CA the "
+                "server trusts (its --client-ca)")
+    return (f"the server requires a client certificate ({reason}) and none was given (cert=/key=, or "
+            "$COSSD_CLIENT_CERT and $COSSD_CLIENT_KEY)")
 
 
 def _shut(sock: socket.socket) -> None:

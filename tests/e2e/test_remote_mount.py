@@ -318,6 +318,10 @@ def test_refused_credentials_or_no_server_fail_the_mount_and_leave_nothing(
     assert daemon_pid(mountpoint) is None  # no daemon left behind either
     code, out, _ = run_cli(capsys, "mount", "--help")
     assert code == 0 and "cossd://HOST" in out
+    # A verb that takes a mountpoint or a server's URL says both (it said MOUNTPOINT alone).
+    for verb in ("top", "create-ns", "snapshot"):
+        code, out, _ = run_cli(capsys, verb, "--help")
+        assert code == 0 and "MOUNTPOINT|cossd://HOST:PORT" in out, (verb, out)
 
 
 def test_mutual_tls_with_credentials_from_the_environment(serve: Callable[..., Served], token_file: Path,
