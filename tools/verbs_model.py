@@ -10,6 +10,7 @@ from typing import Any
 
 from ..protocol.status import DeviceError
 from ..model.links import LINKS, LinkProfile, load_link
+from ..model.offload import zero_infinity_serial
 from ..model.profiles import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -134,6 +135,10 @@ def _prediction_text(value: dict[str, Any]) -> str:
     lines += _table(rows)
     lines.append(f"ZeRO-Infinity / Smart-Infinity = {table['zero_over_smart_infinity']:g}x, "
                  f"ZeRO-Infinity / cossd = {table['zero_over_cossd']:g}x")
+    serial = value["zero_infinity_serial"]
+    phases = ", ".join(f"{name.replace('_', ' ')} {seconds:.3f}" for name, seconds in serial["phases_s"].items())
+    lines += ["", (f"ZeRO-Infinity as DeepSpeed runs it by default (swap-in, Adam, swap-out in series): "
+                   f"{serial['step_s']:.3f} s/step ({phases}); cossd {serial['speedup_of_cossd']:.2f}x faster")]
     return "\n".join(lines)
 
 
@@ -228,9 +233,22 @@ def cmd_model(args: argparse.Namespace) -> int:
         "schemes": {p.scheme: p.to_json(setup) for p in predictions},
         "smart_infinity_table": smart_infinity_table(setup.params, grad_bytes=setup.grad_bytes,
                                                      param_bytes=setup.param_bytes),
+        "zero_infinity_serial": _serial_zero(setup, predictions[0].step_ns),
     }
     emit(args, value, _prediction_text)
     return 0
+
+
+def _serial_zero(setup: StepSetup, cossd_step_ns: int) -> dict[str, Any]:
+    """ZeRO-Infinity as DeepSpeed runs it by default: swap-in, Adam, swap-out one after the
+    other (model/offload.py), and cossd's speedup over it."""
+    step = zero_infinity_serial(setup.params, setup.compute_ns, setup.profile, drives=setup.drives,
+                                uplink_bytes_per_s=setup.uplink_bytes_per_s,
+                                host_adam_elements_per_s=setup.host_adam_elements_per_s,
+                                moment_bytes=setup.moment_bytes)
+    return {"step_s": step.step_ns / 1e9, "speedup_of_cossd": step.step_ns / cossd_step_ns,
+            "phases_s": {"gradient_swap_out": step.gradient_swap_out_ns / 1e9, "swap_in": step.swap_in_ns / 1e9,
+                         "adam": step.adam_ns / 1e9, "swap_out": step.swap_out_ns / 1e9}}
 
 
 def _cmd_topology(args: argparse.Namespace) -> int:
