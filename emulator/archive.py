@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("cossd.emulator.archive")
 
 
-from .archive_store import (DEFAULT_CHUNK_BYTES, DEFAULT_MEMORY_BYTES, LIST_KEYS, MANIFEST_FORMAT,  # noqa: F401
-                            MANIFEST_OBJECT, MANIFEST_VERSION, MAX_CHUNK_BYTES, MAX_MEMORY_BYTES, MAX_PARTS,
+from .archive_store import (DAEMON, DEFAULT_CHUNK_BYTES, DEFAULT_MEMORY_BYTES, LIST_KEYS, MANIFEST_CHECKSUM,  # noqa: F401
+                            MANIFEST_FORMAT, MANIFEST_OBJECT, MANIFEST_VERSION, UNCHECKED_MANIFEST_VERSION, MAX_CHUNK_BYTES, MAX_MEMORY_BYTES, MAX_PARTS,
                             META_OBJECT, MIN_CHUNK_BYTES, PAYLOAD_KEYS, STATE_OBJECT, SUPERBLOCK_OBJECT,
                             Location, Store, Traffic, parse_endpoint, parse_url)
 
@@ -211,7 +211,7 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
     if parts > MAX_PARTS:
         raise DeviceError(Status.INVALID_FIELD, f"{parts} chunks of {request.chunk_bytes} bytes exceed S3's "
                                                 f"{MAX_PARTS} parts: use a larger chunk_bytes")
-    store = Store(request.endpoint_url, request.in_flight, traffic)  # counted as they move
+    store = Store(request.endpoint_url, request.in_flight, traffic, holder=DAEMON)  # counted as they move
     store.check_bucket(version)
     manifest_key = version.key(MANIFEST_OBJECT)
     if store.exists(version.bucket, manifest_key) and not request.overwrite:
@@ -248,8 +248,7 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
         store.put(version.bucket, version.key(SUPERBLOCK_OBJECT), superblock)
         store.put(version.bucket, version.key(META_OBJECT), meta)
         manifest = manifest_for(namespace, snapshot, request, crcs, superblock, meta, serial)
-        store.put(version.bucket, manifest_key,
-                  (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        store.put(version.bucket, manifest_key, encode_manifest(manifest))
         nonlocal completed
         completed = True
         log.info("namespace %s: snapshot %s (step %d) archived to %s", namespace.name,
@@ -264,27 +263,100 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
     return jobs.start(job, work, cleanup)
 
 
+# ---------------------------------------------------------------------- the manifest
+
+
+def canonical_manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """The bytes `manifest_crc32c` covers: the manifest without that field, as compact JSON
+    with sorted keys and ASCII escapes, so any reader re-derives them from the parsed object
+    whatever the stored file's whitespace."""
+    fields = {key: value for key, value in manifest.items() if key != MANIFEST_CHECKSUM}
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode()
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The stored manifest.json: the fields and their checksum, indented for a reader."""
+    sealed = dict(manifest) | {MANIFEST_CHECKSUM: kernels.crc32c(canonical_manifest_bytes(manifest))}
+    return (json.dumps(sealed, indent=1, sort_keys=True) + "\n").encode()
+
+
+def decode_manifest(raw: bytes, url: str, *, accept_unchecked: bool = False) -> dict[str, Any]:
+    """A manifest.json read back, its checksum and form verified; UNRECOVERED_READ_ERROR naming
+    the object otherwise. A format-1 manifest (no checksum of its own) only with
+    `accept_unchecked`, and then marked `"manifest_checked": False`."""
+    where = f"{url}/{MANIFEST_OBJECT}"
+    try:
+        manifest = json.loads(raw)
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+        if manifest.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
+        version = manifest.get("version")
+        if version == UNCHECKED_MANIFEST_VERSION:
+            if not accept_unchecked:
+                raise DeviceError(Status.UNRECOVERED_READ_ERROR, (
+                    f"{where} is format {version}, which carries no checksum of its own: a flipped bit in it "
+                    "(the namespace's spec, its sizes) would go unnoticed. Restore it only if you trust it: "
+                    "`cossd restore --accept-unchecked-manifest` (its chunks and blocks are still verified)"))
+        elif version != MANIFEST_VERSION:
+            raise ValueError(f"version {version!r}: this cossd reads {UNCHECKED_MANIFEST_VERSION} and "
+                             f"{MANIFEST_VERSION}")
+        else:
+            stored = manifest.get(MANIFEST_CHECKSUM)
+            computed = kernels.crc32c(canonical_manifest_bytes(manifest))
+            if stored != computed:
+                raise DeviceError(Status.UNRECOVERED_READ_ERROR, (
+                    f"{where} fails its own checksum ({MANIFEST_CHECKSUM} {stored!r}, its fields give "
+                    f"{computed}): the manifest was altered or damaged in the store; nothing was restored"))
+        for key in ("namespace", "tag", "spec", "objects", "archived"):
+            manifest[key]  # noqa: B018 (KeyError names a missing field)
+        int(manifest["state_bytes"]), int(manifest["chunk_bytes"]), int(manifest["step"])
+        [int(crc) for crc in manifest["chunks_crc32c"]]
+        for name in (SUPERBLOCK_OBJECT, META_OBJECT):
+            int(manifest["objects"][name]["bytes"]), int(manifest["objects"][name]["crc32c"])
+    except DeviceError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        detail = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{where} cannot be read: {detail}") from None
+    manifest["manifest_checked"] = version == MANIFEST_VERSION
+    return manifest
+
+
 # ---------------------------------------------------------------------- listing
 
 
-def list_versions(store: Store, root: Location) -> list[dict[str, Any]]:
-    """Every complete version under `root` (those with a manifest), oldest step first."""
+def list_versions(store: Store, root: Location,
+                  unreadable: list[dict[str, str]] | None = None) -> list[dict[str, Any]]:
+    """Every complete version under `root` (those with a manifest), oldest step first. A
+    manifest that fails its checks is left out, logged, and added to `unreadable` (url, error)
+    where given; a format-1 manifest is listed with "manifest_checked": False."""
     versions = []
     depth = len([p for p in root.prefix.split("/") if p])
     for key in store.keys(root):
         parts = key.split("/")
         if parts[-1] != MANIFEST_OBJECT or len(parts) != depth + 3:
             continue
-        manifest = json.loads(store.get(root.bucket, key))
         location = Location(root.bucket, "/".join(parts[:-1]))
+        try:
+            manifest = decode_manifest(store.get(root.bucket, key), location.url, accept_unchecked=True)
+        except DeviceError as exc:
+            if exc.status != Status.UNRECOVERED_READ_ERROR:
+                raise
+            log.warning("%s", exc.message)
+            if unreadable is not None:
+                unreadable.append({"url": location.url, "error": exc.message})
+            continue
         versions.append({"namespace": manifest["namespace"], "tag": manifest["tag"],
                          "step": manifest["step"], "bytes": manifest["state_bytes"],
                          "archived": manifest["archived"], "url": location.url,
-                         "endpoint": store.endpoint})
+                         "endpoint": store.endpoint, "manifest_checked": manifest["manifest_checked"]})
     return sorted(versions, key=lambda v: (v["namespace"], v["step"], v["tag"]))
 
 
-def read_manifest(store: Store, version: Location) -> dict[str, Any]:
+def read_manifest(store: Store, version: Location, *, accept_unchecked: bool = False) -> dict[str, Any]:
+    """The version's manifest, verified (decode_manifest); SNAPSHOT_NOT_FOUND where it has none."""
     try:
         raw = store.get(version.bucket, version.key(MANIFEST_OBJECT))
     except DeviceError as exc:
@@ -293,12 +365,4 @@ def read_manifest(store: Store, version: Location) -> dict[str, Any]:
                               f"{version.url} is no complete archived version (no {MANIFEST_OBJECT}; "
                               "an upload cut short is never complete)") from None
         raise
-    try:
-        manifest = json.loads(raw)
-        if manifest["format"] != MANIFEST_FORMAT or manifest["version"] != MANIFEST_VERSION:
-            raise ValueError(f"format {manifest['format']!r} version {manifest['version']!r}")
-        int(manifest["state_bytes"]), int(manifest["chunk_bytes"]), list(manifest["chunks_crc32c"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
-                          f"{version.url}: {MANIFEST_OBJECT} cannot be read: {exc}") from None
-    return manifest
+    return decode_manifest(raw, version.url, accept_unchecked=accept_unchecked)

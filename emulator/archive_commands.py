@@ -71,10 +71,12 @@ class ArchiveCommands:
         root = archive.parse_url(request["url"])
         endpoint = archive.parse_endpoint(request.get("endpoint_url"))
         traffic = archive.Traffic()
-        versions = archive.list_versions(archive.Store(endpoint, traffic=traffic), root)
+        unreadable: list[dict[str, str]] = []
+        versions = archive.list_versions(archive.Store(endpoint, traffic=traffic, holder=archive.DAEMON), root,
+                                         unreadable)
         self.traffic.setdefault("", archive.Traffic()).add(traffic)  # the device's own listing
         return Completion(command.cid, Status.SUCCESS, result=len(versions),
-                          data=_json({"url": root.url, "versions": versions}))
+                          data=_json({"url": root.url, "versions": versions, "unreadable": unreadable}))
 
     def figures(self) -> dict[str, Any]:
         """Every namespace's network counters and policy state, for the metrics endpoints."""

@@ -166,7 +166,7 @@ class PolicyRunner:
                               f"spill_capacity {policy.spill_capacity} bytes holds no version of namespace "
                               f"{namespace.name!r} (a version is a snapshot of {version_bytes} bytes)")
         if policy is not None:
-            store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name))
+            store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name), holder=archive.DAEMON)
             store.check_bucket(archive.parse_url(policy.url))  # refused now, not in the background
         with self._lock:
             policies = dict(self.policies)
@@ -284,7 +284,7 @@ class PolicyRunner:
         """After a restart (or a policy set anew): go on from the newest snapshot of the
         policy, and upload again those of them the store has no complete version of."""
         root = archive.parse_url(policy.url)
-        store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name))
+        store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name), holder=archive.DAEMON)
         archived = {v["tag"] for v in archive.list_versions(store, root) if v["namespace"] == namespace.name}
         if auto:
             state.last_snapshot_step = max(state.last_snapshot_step, _auto_step(auto[-1]))
@@ -328,7 +328,7 @@ class PolicyRunner:
         """The policy's versions in the store beyond the newest keep_remote go: the manifest
         first, so a version being deleted never looks complete."""
         root = archive.parse_url(policy.url)
-        store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name))
+        store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name), holder=archive.DAEMON)
         mine = [v for v in archive.list_versions(store, root)
                 if v["namespace"] == namespace.name and v["tag"].startswith(AUTO_PREFIX)]
         mine.sort(key=lambda v: v["step"])

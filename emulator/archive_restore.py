@@ -25,7 +25,12 @@ log = logging.getLogger("cossd.emulator.archive")
 
 from .archive import chunk_ranges, read_manifest
 from .snapshot_clone import write_fresh_records
-from .archive_store import DEFAULT_MEMORY_BYTES, MIN_CHUNK_BYTES, STATE_OBJECT, SUPERBLOCK_OBJECT, Location, Store, parse_url
+from .archive_store import (DEFAULT_MEMORY_BYTES, MANIFEST_OBJECT, META_OBJECT, MIN_CHUNK_BYTES, STATE_OBJECT,
+                            SUPERBLOCK_OBJECT, Location, Store, parse_url)
+from .backing import SUPERBLOCK_FILE
+# A fresh device is built in this directory inside the target and moved up only when whole,
+# so a restore killed midway leaves no device that looks good (the next restore clears it).
+STAGING_DIR = ".cossd-restore"
 
 
 def _checked_object(store: Store, version: Location, manifest: dict[str, Any], name: str) -> bytes:
@@ -76,19 +81,84 @@ def download_state(store: Store, version: Location, manifest: dict[str, Any], fd
     media.sync_fd(fd, path)
 
 
+def _checked_manifest(store: Store, version: Location, accept_unchecked: bool) -> dict[str, Any]:
+    """The version's manifest, verified, and naming the namespace and tag its URL ends with
+    (a manifest copied from another version's place is refused)."""
+    manifest = read_manifest(store, version, accept_unchecked=accept_unchecked)
+    named = version.prefix.split("/")[-2:]
+    if named != [manifest["namespace"], manifest["tag"]]:
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                          f"{version.url}/{MANIFEST_OBJECT} describes {manifest['namespace']}/{manifest['tag']}, "
+                          f"not the {'/'.join(named)} its place names; nothing was restored")
+    if not manifest["manifest_checked"]:
+        log.warning("%s: manifest format 1 (no checksum of its own) accepted as asked", version.url)
+    return manifest
+
+
+def _prepare_target(backing: Path) -> bool:
+    """True where `backing` gets a fresh device (absent or an empty directory), False where it
+    holds one. What a restore killed before it finished left is cleared here: a staging
+    directory without superblock.json beside it never became a device, so everything in
+    `backing` is that restore's and goes; beside a superblock.json it is the empty leftover of
+    the last rename, and only it goes."""
+    staging = backing / STAGING_DIR
+    has_staging = staging.is_dir() and not staging.is_symlink()
+    if (backing / SUPERBLOCK_FILE).exists():
+        if has_staging:
+            shutil.rmtree(staging)
+        return False
+    if backing.exists() and not backing.is_dir():
+        raise DeviceError(Status.INVALID_FIELD, f"{backing} is neither a device nor an empty directory")
+    if has_staging:
+        log.warning("%s: a restore into it was cut short (%s is left, no device): cleared, restoring again",
+                    backing, STAGING_DIR)
+        _empty(backing)
+    elif backing.exists() and any(backing.iterdir()):
+        raise DeviceError(Status.INVALID_FIELD, f"{backing} is neither a device nor an empty directory")
+    return True
+
+
+def _empty(directory: Path) -> None:
+    for entry in directory.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _move_up(staging: Path, backing: Path) -> None:
+    """The device built in `staging` becomes `backing`'s: every entry renamed up, superblock.json
+    last (from then on `backing` is a device), then the staging directory removed."""
+    names = sorted(entry.name for entry in staging.iterdir() if entry.name != SUPERBLOCK_FILE)
+    for name in names + [SUPERBLOCK_FILE]:
+        os.rename(staging / name, backing / name)
+    media.fsync_dir(backing)
+    staging.rmdir()
+    media.fsync_dir(backing)
+
+
 def restore(url: str, backing: Path, *, name: str | None = None, endpoint_url: str | None = None,
             memory_bytes: int = DEFAULT_MEMORY_BYTES, sync: bool = False,
-            progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Build namespace `name` (default: the archived one's) in the device at `backing` (formatted
-    first where it holds none) from the version at `url`; bit-identical, every chunk's CRC32C
-    and every block checksum verified. Whatever fails leaves the device as it was (and a
-    device this call formatted is removed again)."""
+            progress: Callable[[int, int], None] | None = None, capacity_bytes: int | None = None,
+            accept_unchecked: bool = False) -> dict[str, Any]:
+    """Build namespace `name` (default: the archived one's) in the device at `backing` from the
+    version at `url`; bit-identical. The manifest's own checksum, `sb` and `meta.json` are
+    verified before anything is created, each chunk of `state` before its bytes are written,
+    every block checksum before the namespace is registered. Where `backing` holds no device,
+    one of `capacity_bytes` (default: the filesystem's free space, as `cossd format`) is built
+    in a staging directory inside it and moved up only when whole. Whatever fails leaves the
+    device as it was (and no device where there was none). `accept_unchecked` accepts a
+    format-1 manifest, which has no checksum of its own."""
     from .device import Device, DeviceConfig
 
     version = parse_url(url)
-    store = Store(endpoint_url, max(1, memory_bytes // MIN_CHUNK_BYTES))
-    manifest = read_manifest(store, version)
+    backing = Path(backing)
+    if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
+        raise DeviceError(Status.INVALID_FIELD, f"capacity must be a positive number of bytes, got {capacity_bytes!r}")
+    store = Store(endpoint_url, max(1, memory_bytes // MIN_CHUNK_BYTES), holder="this process (cossd restore)")
+    manifest = _checked_manifest(store, version, accept_unchecked)
     superblock_bytes = _checked_object(store, version, manifest, SUPERBLOCK_OBJECT)
+    _checked_object(store, version, manifest, META_OBJECT)
     spec = dataclasses.replace(NamespaceSpec.from_json(manifest["spec"]),
                                name=name or manifest["namespace"],
                                initial_step=int(manifest["step"])).validate()
@@ -135,31 +205,32 @@ def restore(url: str, backing: Path, *, name: str | None = None, endpoint_url: s
             shutil.rmtree(directory, ignore_errors=True)
             raise
 
-    backing = Path(backing)
-    formatted = not (backing / "superblock.json").exists()
-    if formatted and backing.exists() and (not backing.is_dir() or any(backing.iterdir())):
-        raise DeviceError(Status.INVALID_FIELD, f"{backing} is neither a device nor an empty directory")
+    formatted = _prepare_target(backing)
+    if capacity_bytes is not None and not formatted:
+        raise DeviceError(Status.INVALID_FIELD, f"{backing} holds a device already: --capacity is for a fresh one "
+                                                "(its capacity was set when it was formatted)")
     created_dir = not backing.exists()
+    staging = backing / STAGING_DIR
     started = time.monotonic()
     try:
         if formatted:
-            Device.format(backing)
-        with Device.open(backing, DeviceConfig(sync=sync)) as device:
+            Device.format(staging, capacity_bytes=capacity_bytes)
+        with Device.open(staging if formatted else backing, DeviceConfig(sync=sync)) as device:
             namespace = device.adopt_namespace(spec.name, 2 * copy_bytes, build)
             result = {"namespace": namespace.name, "nsid": namespace.nsid,
                       "step": namespace.committed_step, "bytes": copy_bytes,
                       "backing": str(backing), "formatted": formatted, "source": version.url,
-                      "seconds": round(time.monotonic() - started, 3),
+                      "capacity_bytes": device.capacity_bytes,
+                      "manifest_checked": manifest["manifest_checked"],
                       "network_bytes_received": store.traffic.network_bytes_received}
+        if formatted:
+            _move_up(staging, backing)
+        result["seconds"] = round(time.monotonic() - started, 3)
     except BaseException:
         if formatted:  # nothing built: the device this call made goes again
             if created_dir:
                 shutil.rmtree(backing, ignore_errors=True)
             else:
-                for entry in backing.iterdir():
-                    if entry.is_dir() and not entry.is_symlink():
-                        shutil.rmtree(entry, ignore_errors=True)
-                    else:
-                        entry.unlink(missing_ok=True)
+                shutil.rmtree(staging, ignore_errors=True)
         raise
     return result

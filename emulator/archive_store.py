@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -19,7 +20,10 @@ STATE_OBJECT = "state"
 SUPERBLOCK_OBJECT = "sb"
 META_OBJECT = "meta.json"
 MANIFEST_FORMAT = "cossd-archive"
-MANIFEST_VERSION = 1
+# 2: the manifest carries `manifest_crc32c`, its own checksum (format 1 had none).
+MANIFEST_VERSION = 2
+UNCHECKED_MANIFEST_VERSION = 1
+MANIFEST_CHECKSUM = "manifest_crc32c"
 MIB = 1 << 20
 # S3 refuses parts under 5 MiB (the last excepted) and more than 10 000 parts.
 MIN_CHUNK_BYTES = 5 * MIB
@@ -100,9 +104,31 @@ class Traffic:
 _TRAFFIC = threading.Lock()
 
 
+# The holder of the device's own clients: the process `cossd mount` started.
+DAEMON = "the device's daemon"
+# Where a process finds S3 credentials, for the error that says none were found.
+CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in its environment, "
+                      "or ~/.aws/credentials of the user it runs as")
+
+
+def no_credentials(holder: str, endpoint: str, what: str) -> DeviceError:
+    """The error for boto3's NoCredentialsError: which process looked, where it looks, and how
+    the daemon gets them (it reads its environment once, when `cossd mount` starts it)."""
+    daemon = holder.startswith(DAEMON)
+    how = ("set them in the environment of `cossd mount` (e.g. `AWS_ACCESS_KEY_ID=... "
+           "AWS_SECRET_ACCESS_KEY=... cossd mount BACKING MOUNTPOINT`; with sudo, `sudo -E` or "
+           "/root/.aws/credentials) and mount again: the daemon uploads, not the `cossd archive` "
+           "that asked it" if daemon else "set them where this command runs")
+    return DeviceError(Status.DATA_TRANSFER_ERROR,
+                       f"object store: {what}{'' if endpoint in what else ' at ' + endpoint}: {holder} has no S3 "
+                       f"credentials; it reads "
+                       f"{CREDENTIAL_SOURCES}: {how}. docs/tiers.md#a-store-to-try-seaweedfs")
+
+
 @contextlib.contextmanager
-def store_errors(what: str) -> Iterator[None]:
-    """A failure of the store or of the way to it, as DATA_TRANSFER_ERROR naming `what`."""
+def store_errors(what: str, holder: str = "this process", endpoint: str = "") -> Iterator[None]:
+    """A failure of the store or of the way to it, as DATA_TRANSFER_ERROR naming `what`;
+    missing credentials as an error naming `holder`, the process that needs them."""
     import botocore.exceptions as errors
 
     try:
@@ -114,17 +140,20 @@ def store_errors(what: str) -> Iterator[None]:
         if code == "NoSuchBucket":
             raise DeviceError(Status.INVALID_FIELD, f"object store: {what}: no such bucket") from None
         raise DeviceError(Status.DATA_TRANSFER_ERROR, f"object store: {what}: {exc}") from None
-    except errors.BotoCoreError as exc:  # no route, no credentials, a timeout
+    except errors.NoCredentialsError:
+        raise no_credentials(holder, endpoint, what) from None
+    except errors.BotoCoreError as exc:  # no route, a timeout
         raise DeviceError(Status.DATA_TRANSFER_ERROR, f"object store: {what}: {exc}") from None
 
 
 class Store:
     """One S3 client. Endpoint and credentials are found as boto3 finds them
     (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws),
-    unless `endpoint_url` overrides the endpoint."""
+    unless `endpoint_url` overrides the endpoint. `holder` names the process for the error
+    that says it has no credentials."""
 
     def __init__(self, endpoint_url: str | None = None, connections: int = 10,
-                 traffic: Traffic | None = None) -> None:
+                 traffic: Traffic | None = None, holder: str = "this process") -> None:
         try:
             import boto3
             from botocore.config import Config
@@ -142,10 +171,19 @@ class Store:
             max_pool_connections=max(10, connections + 2),
             s3={"addressing_style": "path"},
         )
-        with store_errors("connecting"):
+        with store_errors("connecting", f"{holder} (pid {os.getpid()})", endpoint_url or "(as boto3 finds it)"):
             self.client = session.client("s3", endpoint_url=endpoint_url or None, config=config)
         self.endpoint = self.client.meta.endpoint_url
+        self.holder = f"{holder} (pid {os.getpid()})"
+        if endpoint_url is None and "AWS_ENDPOINT_URL" not in os.environ and "amazonaws.com" in self.endpoint:
+            # Said in the errors: an endpoint nobody chose is AWS's, not the store the user meant.
+            self.endpoint += (" (AWS's public endpoint: neither --endpoint-url nor AWS_ENDPOINT_URL "
+                              f"was given to {self.holder})")
         self.traffic = traffic if traffic is not None else Traffic()
+
+    def errors(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """store_errors, naming this client's process and endpoint."""
+        return store_errors(what, self.holder, self.endpoint)
 
     def _count(self, sent: int = 0, received: int = 0) -> None:
         with _TRAFFIC:
@@ -159,7 +197,7 @@ class Store:
 
     def check_bucket(self, location: Location) -> None:
         try:
-            with store_errors(f"bucket {location.bucket!r} at {self.endpoint}"):
+            with self.errors(f"bucket {location.bucket!r} at {self.endpoint}"):
                 self.client.head_bucket(Bucket=location.bucket)
         except DeviceError as exc:
             if exc.status != Status.SNAPSHOT_NOT_FOUND:
@@ -171,7 +209,7 @@ class Store:
 
     def exists(self, bucket: str, key: str) -> bool:
         try:
-            with store_errors(f"s3://{bucket}/{key}"):
+            with self.errors(f"s3://{bucket}/{key}"):
                 self.client.head_object(Bucket=bucket, Key=key)
         except DeviceError as exc:
             if exc.status == Status.SNAPSHOT_NOT_FOUND:
@@ -182,32 +220,32 @@ class Store:
         return True
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
-        with store_errors(f"writing s3://{bucket}/{key}"):
+        with self.errors(f"writing s3://{bucket}/{key}"):
             self.client.put_object(Bucket=bucket, Key=key, Body=data)
         self._count(sent=len(data))
 
     def get(self, bucket: str, key: str, byte_range: tuple[int, int] | None = None) -> bytes:
         """An object's bytes, or [start, stop) of them."""
         extra = {"Range": f"bytes={byte_range[0]}-{byte_range[1] - 1}"} if byte_range else {}
-        with store_errors(f"reading s3://{bucket}/{key}"):
+        with self.errors(f"reading s3://{bucket}/{key}"):
             data = self.client.get_object(Bucket=bucket, Key=key, **extra)["Body"].read()
         self._count(received=len(data))
         return data
 
     def size(self, bucket: str, key: str) -> int:
-        with store_errors(f"s3://{bucket}/{key}"):
+        with self.errors(f"s3://{bucket}/{key}"):
             size = int(self.client.head_object(Bucket=bucket, Key=key)["ContentLength"])
         self._count()
         return size
 
     def delete(self, bucket: str, key: str) -> None:
-        with store_errors(f"deleting s3://{bucket}/{key}"):
+        with self.errors(f"deleting s3://{bucket}/{key}"):
             self.client.delete_object(Bucket=bucket, Key=key)
         self._count()
 
     def keys(self, location: Location) -> Iterator[str]:
         prefix = location.key() + "/" if location.prefix else ""
-        with store_errors(f"listing {location.url}"):
+        with self.errors(f"listing {location.url}"):
             for page in self.client.get_paginator("list_objects_v2").paginate(
                     Bucket=location.bucket, Prefix=prefix):
                 self._count()
@@ -219,7 +257,7 @@ class Store:
     def pending_upload(self, bucket: str, key: str) -> tuple[str | None, dict[int, tuple[str, int]]]:
         """The newest unfinished multipart upload of `key` (an upload cut short) and its
         parts {number: (etag, size)}; older ones are aborted. (None, {}) if there is none."""
-        with store_errors(f"listing the uploads of s3://{bucket}/{key}"):
+        with self.errors(f"listing the uploads of s3://{bucket}/{key}"):
             uploads = [u for u in self.client.list_multipart_uploads(Bucket=bucket, Prefix=key)
                        .get("Uploads", []) if u["Key"] == key]
         self._count()
@@ -230,7 +268,7 @@ class Store:
             self.abort(bucket, key, stale["UploadId"])
         upload_id = uploads[-1]["UploadId"]
         parts: dict[int, tuple[str, int]] = {}
-        with store_errors(f"listing the parts of s3://{bucket}/{key}"):
+        with self.errors(f"listing the parts of s3://{bucket}/{key}"):
             for page in self.client.get_paginator("list_parts").paginate(
                     Bucket=bucket, Key=key, UploadId=upload_id):
                 self._count()
@@ -239,13 +277,13 @@ class Store:
         return upload_id, parts
 
     def start_upload(self, bucket: str, key: str) -> str:
-        with store_errors(f"starting the upload of s3://{bucket}/{key}"):
+        with self.errors(f"starting the upload of s3://{bucket}/{key}"):
             upload_id = self.client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
         self._count()
         return str(upload_id)
 
     def put_part(self, bucket: str, key: str, upload_id: str, number: int, data: bytes) -> str:
-        with store_errors(f"uploading part {number} of s3://{bucket}/{key}"):
+        with self.errors(f"uploading part {number} of s3://{bucket}/{key}"):
             etag = self.client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id,
                                            PartNumber=number, Body=data)["ETag"]
         self._count(sent=len(data))
@@ -253,13 +291,13 @@ class Store:
 
     def finish_upload(self, bucket: str, key: str, upload_id: str, etags: dict[int, str]) -> None:
         parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
-        with store_errors(f"completing the upload of s3://{bucket}/{key}"):
+        with self.errors(f"completing the upload of s3://{bucket}/{key}"):
             self.client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id,
                                                   MultipartUpload={"Parts": parts})
         self._count()
 
     def abort(self, bucket: str, key: str, upload_id: str) -> None:
-        with contextlib.suppress(DeviceError), store_errors(f"aborting an upload of s3://{bucket}/{key}"):
+        with contextlib.suppress(DeviceError), self.errors(f"aborting an upload of s3://{bucket}/{key}"):
             self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
         self._count()
 

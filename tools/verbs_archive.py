@@ -45,18 +45,24 @@ def _list_versions(args: argparse.Namespace) -> int:
 
         with open_client(args) as client:
             listing = archived_versions(client, args.list, endpoint_url=args.endpoint_url)
+        for entry in listing.get("unreadable", []):  # left out of the listing, said on stderr
+            print(f"cossd archive: left out: {entry['error']}", file=sys.stderr)
     else:
         from ..emulator import archive
 
         root = archive.parse_url(args.list)
-        listing = {"url": root.url,
-                   "versions": archive.list_versions(archive.Store(args.endpoint_url), root)}
+        unreadable: list[dict[str, str]] = []
+        store = archive.Store(args.endpoint_url, holder="this process (cossd archive --list)")
+        listing = {"url": root.url, "versions": archive.list_versions(store, root, unreadable)}
+        for entry in unreadable:  # left out of the listing, said on stderr
+            print(f"cossd archive: left out: {entry['error']}", file=sys.stderr)
 
     def table(value: dict[str, Any]) -> str:
         lines = [f"{'namespace':<20} {'tag':<24} {'step':>8} {'bytes':>10}  {'archived':<20}  where"]
         for v in value["versions"]:
             lines.append(f"{v['namespace']:<20} {v['tag']:<24} {v['step']:>8} {human_bytes(v['bytes']):>10}  "
-                         f"{v['archived']:<20}  {v['url']} ({v['endpoint']})")
+                         f"{v['archived']:<20}  {v['url']} ({v['endpoint']})"
+                         + ("" if v.get("manifest_checked", True) else "  [format-1 manifest: no checksum]"))
         return "\n".join(lines) if value["versions"] else f"no complete versions under {value['url']}"
 
     emit(args, listing, table)
@@ -159,8 +165,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     bar = _Progress(f"restore {args.url}", args.quiet)
     result = archive_restore.restore(args.url, args.backing, name=args.name, endpoint_url=args.endpoint_url,
-                             memory_bytes=args.archive_memory or archive.DEFAULT_MEMORY_BYTES,
-                             sync=args.sync, progress=bar)
+                                     memory_bytes=args.archive_memory or archive.DEFAULT_MEMORY_BYTES,
+                                     sync=args.sync, progress=bar, capacity_bytes=args.capacity,
+                                     accept_unchecked=args.accept_unchecked_manifest)
     bar(result["bytes"], result["bytes"], final=True)
     emit(args, result, lambda r: f"restored {r['source']} into namespace {r['namespace']!r} "
          f"(nsid {r['nsid']}, step {r['step']}) of {r['backing']}"
@@ -218,4 +225,10 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("--archive-memory", type=parse_size,
                      help="the most chunk bytes held at once (default 64M)")
     sub.add_argument("--sync", action="store_true", help="open the device as `mount --sync` would")
+    sub.add_argument("--capacity", type=parse_size,
+                     help="a fresh device's capacity, e.g. 64G, as `cossd format --capacity` (default: the "
+                          "filesystem's free space); refused where BACKING holds a device")
+    sub.add_argument("--accept-unchecked-manifest", action="store_true",
+                     help="restore a version whose manifest is format 1, which has no checksum of its own "
+                          "(its chunks and blocks are verified all the same)")
     sub.add_argument("-q", "--quiet", action="store_true", help="no progress line")
