@@ -491,8 +491,30 @@ def test_a_client_that_comes_back_within_the_lease_keeps_its_step(serve: Callabl
     with remote(served, token_file) as second:
         handle = second.transport.open_file("ns/r/tensors/x/grad", True, False)
         second.transport.write_at(handle, memoryview(np.ones(500, np.float16).tobytes()), 1000)
-        time.sleep(LEASE_S + 0.5)  # past the lease: taken over, not aborted
+        time.sleep(LEASE_S + 0.5)  # past the lease: continued by the second client, not aborted
         assert second.commit_step(nsid)["committed_step"] == 1
+    assert "step 1, left open by a client that went away, goes on with a new connection's gradients" in served.log()
+
+
+def test_a_leased_step_aborted_by_a_new_client_is_logged_as_aborted(serve: Callable[..., Served],
+                                                                    token_file: Path) -> None:
+    """The trainer, reopening a namespace with a step left open, aborts it and says so; the
+    server's log says the same word (before: "taken over" once the new step's gradients came)."""
+    served = serve("--lease-s", "30")
+    first = remote(served, token_file)
+    nsid = first.create_namespace({"name": "a", "tensors": [["x", 1000]]})
+    first.begin_step(nsid, 1)
+    first.close()
+    with remote(served, token_file) as second:
+        wait_until(lambda: "went away with step 1" in served.log(), 10)
+        second.abort_step(nsid)
+        assert second.begin_step(nsid, 1) == 1  # a new step of the same number
+        handle = second.transport.open_file("ns/a/tensors/x/grad", True, False)
+        second.transport.write_at(handle, memoryview(np.ones(1000, np.float16).tobytes()), 0)
+        assert second.commit_step(nsid)["committed_step"] == 1
+    log = served.log()
+    assert "step 1, left open by a client that went away, aborted by a new connection" in log
+    assert "taken over" not in log and "goes on with" not in log
 
 
 # ---------------------------------------------------------------------- refused, nothing changed
