@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import namespace_swap
+from . import dcp, namespace_swap
 from .namespace_files import NamespaceFiles
 from .plan import Entry, group_hyper
 
@@ -28,6 +28,21 @@ class StateDict:
     load_hook: Callable[[str], None] | None
     _bound: dict[int, Any]
     _sent_hypers: list[dict[str, float]]
+
+    # Which form state_dict() gives DCP's get_state_dict family: "reference" (a device
+    # snapshot's name, dcp.py) or "full" (the moments and masters, as any other caller gets).
+    dcp_form: str = "reference"
+    # How many of the snapshots that DCP saves take to keep (the oldest go first); None: all.
+    dcp_keep: int | None = None
+
+    @property
+    def state(self) -> dcp.DeviceStateView:  # type: ignore[override]
+        """torch's per-param state: empty, the state is on the device (see dcp.DeviceStateView)."""
+        return self.__dict__["_device_state_view"]
+
+    @state.setter
+    def state(self, value: Any) -> None:  # torch.optim.Optimizer.__init__ sets a defaultdict
+        self.__dict__["_device_state_view"] = dcp.DeviceStateView(self, value)
 
     def master_weights(self) -> list[torch.Tensor]:
         """The FP32 master weights, read from the device, shaped like the params."""
@@ -90,6 +105,10 @@ class StateDict:
         "cossd_namespace" says which namespace state it is, so that loading it back into
         that state is a no-op.
         """
+        if self.dcp_form not in ("reference", "full"):
+            raise ValueError(f"dcp_form must be 'reference' or 'full', got {self.dcp_form!r}")
+        if self.dcp_form == "reference" and dcp.called_by_dcp():
+            return dcp.reference_state_dict(self)  # type: ignore[arg-type]
         identity = self._identity()
         state: dict[int, dict[str, torch.Tensor]] = {}
         if self.committed_step > 0:
@@ -125,6 +144,9 @@ class StateDict:
         # or the masters would be checked against the model's, not its partitions.
         if not self._bound and self._params_moved():
             self._rebind()
+        if dcp.is_reference(state_dict):
+            dcp.load_reference(self, state_dict)  # type: ignore[arg-type]
+            return
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
                 or not isinstance(state_dict.get("param_groups"), list):
             raise ValueError("an optimizer state dict has a dict 'state' and a list 'param_groups'")
