@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ class SpillDir:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.delete_errors = 0  # files delete() could not remove
 
     def data_path(self, step: int) -> Path:
         return self.path / (tier_store.version_dir(step) + DATA_SUFFIX)
@@ -75,10 +77,19 @@ class SpillDir:
             os.close(fd)
 
     def delete(self, step: int) -> None:
-        # The sidecar first: from then on the version is not complete, whatever else survives.
+        """Remove a version's files, the sidecar first: from then on the version is not
+        complete, whatever else survives. A file that cannot be removed (the directory turned
+        read-only, the disk failing) is counted in `delete_errors` and warned of, never raised:
+        the caller is an upload or spill thread whose work must go on, and a sidecar left
+        behind is only a version the next checkpointer adopts (or removes, archived)."""
         for path in (self.sidecar_path(step), self.sidecar_path(step).with_suffix(".json.tmp"),
                      self.data_path(step)):
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                self.delete_errors += 1
+                warnings.warn(f"TieredCheckpointer: the spill file {path} cannot be removed: {exc}",
+                              RuntimeWarning, stacklevel=2)
 
     def scan(self) -> tuple[dict[int, dict[str, Any]], list[str]]:
         """({step: manifest} of the complete versions here, [names removed]): files of

@@ -198,9 +198,13 @@ class TieredCheckpointer:
             if short > 0:
                 in_pool = [v for v in state.versions.values() if v.buffer is not None
                            and not (v.archived or v.dropped or v.spilling or v.finishing)]
+                # Why the spill tier took none: its bound, or its disk failing (full, read-only),
+                # which the warning names so a failing disk is not read as a small bound.
+                spill_why = (f"the spill tier failing ({state.last_error})" if state.spill is not None
+                             and time.monotonic() < self._spill_retry_at else "the spill tier none for its versions")
                 if state.coalesce(in_pool, short, step, include_uploading=True,
                                   why=f"the memory pool had no room for version {step} after {self.max_stall_s} s "
-                                      "and the spill tier none for its versions"):
+                                      f"and {spill_why}"):
                     continue
             if spilling and time.monotonic() >= started + self.max_stall_s + SPILL_GRACE_S:
                 # The spill tier's disk is slower than the saves: its spill would hold this
@@ -351,6 +355,7 @@ class TieredCheckpointer:
                          "uploads_cancelled", "stale_uploads_aborted", "spill_leftovers_removed", "spills_stopped",
                          "adopted_from_spill", "restores"):
                 figures[name] = state.counts[name]
+            figures["spill_delete_errors"] = state.spill.delete_errors if state.spill is not None else 0
             figures.update({name: state.floats[name] for name in ("stall_s_total", "stall_s_max", "copy_s_total",
                                                                   "pool_modeled_copy_s_total")})
             figures["pool_profile"] = None if self.pool is None else self.pool.name

@@ -1,14 +1,17 @@
 """Attacks on the archive tier against a real S3 server (SeaweedFS): a manifest altered in the
 store, the bucket deleted during an archive and a restore, kill -9 of a restore, a daemon
-without credentials, `restore --capacity`."""
+without credentials, `restore --capacity`; a full and a read-only spill dir for the trainer's
+TieredCheckpointer."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -400,3 +403,95 @@ def test_a_daemon_without_credentials_says_which_process_needs_them(s3: str, bac
     for words in ("the device's daemon (pid", "has no S3 credentials", "AWS_ACCESS_KEY_ID",
                   "environment of `cossd mount`", s3):
         assert words in error.message, error.message
+
+
+# ---------------------------------------------------------------------- the trainer's spill dir
+
+
+@pytest.fixture
+def paused_store(s3: str, tmp_path: Path) -> Iterator[tuple[str, Callable[[bool], None]]]:
+    """A SeaweedFS of its own (the module's keys), and pause(True/False): SIGSTOP/SIGCONT of it,
+    so the store takes nothing while the tiers fill."""
+    from cossd.harness.s3_server import start_weed
+
+    server = start_weed(tmp_path / "weed-paused", "tiered-attacks")
+
+    def pause(stopped: bool) -> None:
+        os.killpg(server.process.pid, signal.SIGSTOP if stopped else signal.SIGCONT)
+
+    try:
+        yield server.endpoint, pause
+    finally:
+        pause(False)
+        server.stop()
+
+
+@pytest.fixture(params=["full", "read-only"])
+def bad_spill_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A spill dir on a 1 MiB tmpfs (smaller than one version), or on one mounted read-only:
+    (the dir, the error its writes get)."""
+    path = tmp_path / "spill"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(path)], check=True)
+    try:
+        if request.param == "read-only":
+            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+        yield path, "No space left on device" if request.param == "full" else "Read-only file system"
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_full_or_read_only_spill_dir_loses_no_version_silently(
+        paused_store: tuple[str, Callable[[bool], None]], bad_spill_dir: tuple[Path, str]) -> None:
+    from cossd.trainer import TieredCheckpointer
+    from test_tiered import assert_identical, make_model, restored, snapshot, train_step
+
+    endpoint, pause = paused_store
+    spill, expected_error = bad_spill_dir
+    model, optimizer = make_model()
+    url = f"s3://tiered-attacks/{spill.parent.name}"
+    states = {}
+    with warnings_caught() as caught:
+        ckpt = TieredCheckpointer(url, endpoint_url=endpoint, memory_bytes=32 * MIB, spill_dir=spill,
+                                  spill_bytes=256 * MIB, chunk_bytes=5 * MIB, max_stall_s=0.3)
+        try:
+            pause(True)  # the store takes nothing: the pool (2.5 versions) fills, the spill dir fails
+            for step in range(1, 7):
+                train_step(model, optimizer, step)
+                ckpt.save(model, optimizer, step)
+                states[step] = snapshot(model, optimizer)
+            during = ckpt.stats()
+            pause(False)
+            report = ckpt.close(drain=True, timeout_s=WAIT_S)
+        except BaseException:
+            pause(False)
+            ckpt.close(drain=False)
+            raise
+    # Every spill failed, each counted and warned of with the disk's own error.
+    assert during["spilled"] == 0 and during["spill_errors"] >= 1, during
+    assert expected_error in during["last_error"], during["last_error"]
+    messages = [str(w.message) for w in caught]
+    assert any(expected_error in m and "spill tier pauses" in m for m in messages), messages
+    # No version lost silently: each saved step is archived, or dropped by coalescing, which
+    # is counted, named and warned of.
+    final = report["stats"]
+    dropped = set(final["coalesced_steps"])
+    assert final["coalesced"] == len(dropped) >= 1
+    # The drops' warnings say why the spill tier took nothing: its disk's error.
+    assert any("dropped version(s)" in m and "spill tier failing" in m and expected_error in m
+               for m in messages), messages
+    with TieredCheckpointer(url, endpoint_url=endpoint, memory_bytes=32 * MIB) as reader:
+        archived = {row["step"] for row in reader.versions()}
+        assert archived | dropped == set(states) and not archived & dropped, (archived, dropped)
+        assert 6 in archived  # the newest is never the one dropped
+        info, loaded = restored(reader)
+        assert info["step"] == 6
+        assert_identical(loaded, states[6])
+    assert report["drained"] and list(spill.iterdir()) == []
+
+
+@contextlib.contextmanager
+def warnings_caught() -> Iterator[list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
