@@ -234,7 +234,10 @@ class Server:
             sock.settimeout(self.handshake_deadline_s)
             if self.tls is not None:
                 try:
-                    sock = self.tls.wrap_socket(sock, server_side=True)
+                    # The handshake by hand: a failed one inside wrap_socket would close the
+                    # descriptor while the deadline sweep may still shut it down by number.
+                    sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                    sock.do_handshake()
                 except (ssl.SSLError, OSError) as exc:
                     if record.closed_for is not None:
                         self.refused(peer, "handshake", record.closed_for)
