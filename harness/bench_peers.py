@@ -70,6 +70,13 @@ def deepspeed_missing() -> str | None:
     return None
 
 
+def volume_bytes(sizes: tuple[int, ...]) -> int:
+    """The NVM volume for the largest size: ZeRO-Infinity's swap (12-16 B/param) and its
+    checkpoint's copy of it, or DCP's files; in whole MiB (a namespace's capacity is a multiple
+    of 4 KiB, and 25M params x 48 B is not)."""
+    return -(-max(256 << 20, 48 * max(sizes)) // (1 << 20)) << 20
+
+
 def placements(name: str) -> tuple[list[int], list[int]]:
     """The trainer's cores and the device daemon's."""
     cores = sorted(os.sched_getaffinity(0))
@@ -169,9 +176,8 @@ class PeersRun:
         self.jobs = 0
 
     def open_volume(self) -> NvmVolume:
-        # ZeRO-Infinity's swap (12-16 B/param) and its checkpoint's copy of it, or DCP's files.
-        size = max(256 << 20, 48 * max(self.settings.sizes))
-        self.volume = NvmVolume(self.mountpoint, VOLUME_NAME, size, self.workdir / "volume").open()
+        self.volume = NvmVolume(self.mountpoint, VOLUME_NAME, volume_bytes(self.settings.sizes),
+                                self.workdir / "volume").open()
         return self.volume
 
     def close(self) -> None:

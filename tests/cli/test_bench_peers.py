@@ -84,6 +84,13 @@ def test_a_peer_that_cannot_run_gets_its_reason(tmp_path: Path) -> None:
     assert "did not run: ValueError" in markdown_rows(section)[-1]
 
 
+def test_volume_fits_and_is_whole_mib() -> None:
+    """25M params x 48 B is not a multiple of 4 KiB: the namespace would be refused."""
+    for sizes in ((TINY,), (25_000_000,), (25_000_000, 100_000_000)):
+        size = bench_peers.volume_bytes(sizes)
+        assert size % (1 << 20) == 0 and size >= 48 * max(sizes)
+
+
 def test_bench_cli_refuses_a_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "bench", "--sections", "peers", "--peers-params", "0")
     assert code != 0 and "sizes are counts" in out + err
