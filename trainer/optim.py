@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -157,25 +158,20 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
                 # The other ranks are about to wait for this one: they fail with its reason.
                 self._fail_together(exc)
             raise
-        try:
-            if self._ranks is not None:
-                self._open_sharded()  # rank 0 opens it as below, then every rank follows
-            else:
-                # A load_state_dict that a killed job left half done is finished or undone first.
-                done = namespace_swap.resolve_interrupted(self.files)
-                if done is not None:
-                    warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=3)
-                if self.files.exists():
-                    self._attach()
-                else:
-                    self._create(initial_step=0, masters=None)
-        except BaseException:
-            self.files.close()
-            raise
+        # Where deepspeed is imported, deepspeed.initialize opens the namespace once DeepSpeed
+        # has put its own tensors in the param groups (under ZeRO every rank's partitions on
+        # one namespace), or the first step() does: integrations/deepspeed.py.
+        self._deepspeed: Any = None
+        self._ds_deferred = False
+        if process_group is None and "deepspeed" in sys.modules:
+            from ..integrations import deepspeed as ds_support
+            self._ds_deferred = ds_support.defers(self, streaming, mounts is not None)
+        if self._ds_deferred:
+            self.cmb_pinned = False
+            self._initialized = True
+            return
+        self._open_namespace()
         self._initialized = True
-        # A GPU model's gradients and params cross between the GPU and the CMB: page-locked,
-        # each crossing is one DMA instead of a copy through CUDA's staging buffer.
-        self.cmb_pinned = self._pin_cmb_for_gpu()
         if streaming:
             self.files.stream_slots()  # where streamed gradients go, worked out before any backward
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cossd-grads")
@@ -183,6 +179,29 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
                 entry.param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # ------------------------------------------------------------------ setup
+
+    def _open_namespace(self) -> None:
+        """Attach to or create the namespace (where sharded, rank 0 for every rank)."""
+        if self._ranks is None:
+            self._ranks = distributed.current()  # a deferred open: DeepSpeed may have started the ranks since
+        try:
+            if self._ranks is not None:
+                self._open_sharded()  # rank 0 opens it as below, then every rank follows
+            else:
+                # A load_state_dict that a killed job left half done is finished or undone first.
+                done = namespace_swap.resolve_interrupted(self.files)
+                if done is not None:
+                    warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=4)
+                if self.files.exists():
+                    self._attach()
+                else:
+                    self._create(initial_step=0, masters=None)
+        except BaseException:
+            self.files.close()
+            raise
+        # A GPU model's gradients and params cross between the GPU and the CMB: page-locked,
+        # each crossing is one DMA instead of a copy through CUDA's staging buffer.
+        self.cmb_pinned = self._pin_cmb_for_gpu()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_initialized", False):
@@ -303,6 +322,12 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._deepspeed is not None:  # DeepSpeed ZeRO 1/2: one of its per-group calls
+            self._deepspeed.step()
+            return loss
+        if self._ds_deferred:
+            from ..integrations import deepspeed as ds_support
+            ds_support.open_deferred(self)
         if not self._bound and self._params_moved():
             if self._group is not None:
                 raise self._group_refusal("a wrapper's replacement of the params (DeepSpeed)")

@@ -47,6 +47,32 @@ class Rebind:
     _groups_at_init: list[dict[str, Any]]
     _state_options: dict[str, Any]
 
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Under DeepSpeed ZeRO (integrations/deepspeed_zero.py): a reference to the device's
+        state, no tensors; else the optimizer's own (state_dict.py)."""
+        binding = getattr(self, "_deepspeed", None)
+        if binding is not None:
+            return binding.state_dict()
+        self._open_if_deferred()
+        return super().state_dict()  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Under DeepSpeed ZeRO, DeepSpeed's load_checkpoint (integrations/deepspeed_zero.py);
+        else the optimizer's own (state_dict.py)."""
+        binding = getattr(self, "_deepspeed", None)
+        if binding is not None:
+            binding.load_state_dict(state_dict)
+            return
+        self._open_if_deferred()
+        super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
+
+    def _open_if_deferred(self) -> None:
+        """Open the namespace that a construction beside an imported deepspeed left for
+        deepspeed.initialize, where the optimizer is used without it."""
+        if getattr(self, "_ds_deferred", False):
+            from ..integrations import deepspeed as ds_support
+            ds_support.open_deferred(self)
+
     def _new_child(self, group: dict[str, Any], namespace: str) -> Any:
         """An optimizer of this class for one param group, on a namespace of its own."""
         raise NotImplementedError
@@ -95,8 +121,10 @@ class Rebind:
         self._abort()
         if len(given) == len(groups):
             # Every group in each call (DeepSpeed's FP16/BF16 wrappers, ZeRO with one group):
-            # this optimizer moves to the new tensors, one namespace as before.
-            self.files.delete()
+            # this optimizer moves to the new tensors, one namespace as before (none was made
+            # for the model's params where DeepSpeed's import deferred it: optim.py).
+            if self.files.exists():
+                self.files.delete()
             self.files.close()
             self.files = NamespaceFiles(self.files.mountpoint, name, self._state_options["timeout_s"],
                                         use_cmb=self._state_options["use_cmb"],
@@ -120,7 +148,8 @@ class Rebind:
                                        "exists already; delete it with `cossd delete-ns`")
             finally:
                 probe.close()
-        self.files.delete()
+        if self.files.exists():
+            self.files.delete()
         self.files.close()
         self.files = _SplitIntoGroups(names, self.files.mountpoint)  # type: ignore[assignment]
         for group, child_name in zip(groups, names):
