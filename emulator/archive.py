@@ -5,7 +5,8 @@ An archived version lives under s3://BUCKET/PREFIX/<namespace>/<tag>/ as four ob
 (the snapshot's state file, a multipart upload of fixed-size chunks), `sb` (its superblock,
 whose block checksums cover the state), `meta.json` (the snapshot's description) and
 `manifest.json`, written last: a version is complete exactly when its manifest exists, and
-the manifest carries every chunk's CRC32C, which a restore verifies before anything is built.
+the manifest carries every chunk's CRC32C, those of `sb` and `meta.json`, and its own
+(`manifest_crc32c`, over its canonical bytes), which a restore verifies before anything is built.
 docs/tiers.md describes the layout and the procedure.
 """
 from __future__ import annotations
