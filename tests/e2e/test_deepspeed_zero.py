@@ -54,3 +54,49 @@ def test_zero2_two_ranks_rank_killed_before_commit(device: Any, tmp_path: Path) 
             [reference[rank]["result"]["losses"][step] for step in range(4, STEPS + 1)]
         assert bits_equal(again[rank]["params"], reference[rank]["params"])
     assert bits_equal(again[0]["masters"], reference[0]["masters"])
+
+
+MATRIX = [(stage, precision, world) for stage in (1, 2) for precision in ("bf16", "fp16") for world in (1, 2, 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "precision", "world"), MATRIX,
+                         ids=[f"zero{s}-{p}-{w}ranks" for s, p, w in MATRIX])
+def test_zero_matrix_learns_like_torch_adamw(device: Any, tmp_path: Path, stage: int, precision: str,
+                                             world: int) -> None:
+    """ZeRO 1/2 x BF16/FP16 x 1-3 ranks, two param groups: every rank ends with the same
+    params, the namespace holds the two flat groups, and the loss follows torch's AdamW under
+    the same DeepSpeed config (the gradients reach the device in BF16)."""
+    common = {"stage": stage, "precision": precision}
+    expected = finished(tmp_path / "torch", world, run(device, tmp_path / "torch", world, namespace="-",
+                                                       torch=True, **common))
+    got = finished(tmp_path / "cossd", world, run(device, tmp_path / "cossd", world,
+                                                  namespace=f"ds-m-{stage}-{precision}-{world}", **common))
+    assert got[0]["result"]["names"] == [("zero.g0", 2048), ("zero.g1", 80)]
+    for rank in range(world):
+        assert bits_equal(got[rank]["params"], got[0]["params"])
+        ours, theirs = got[rank]["result"]["losses"], expected[rank]["result"]["losses"]
+        assert ours.keys() == theirs.keys()
+        assert max(abs(ours[step] - theirs[step]) for step in ours) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "precision", "match"), [
+    (3, "bf16", "ZeRO stage 3, BF16, 2 ranks"), (3, "fp16", "ZeRO stage 3, FP16, 2 ranks"),
+    (0, "bf16", "ZeRO stage 0, BF16, 2 ranks")])
+def test_unsupported_combinations_refused_at_initialize(device: Any, tmp_path: Path, stage: int, precision: str,
+                                                        match: str) -> None:
+    """Refused by deepspeed.initialize on every rank, naming the combination; the namespace
+    is never made."""
+    from cossd.trainer.namespace_files import NamespaceFiles
+
+    namespace = f"ds-refused-{stage}-{precision}"
+    codes = run(device, tmp_path, 2, namespace=namespace, stage=stage, precision=precision)
+    assert codes == [4, 4], (tmp_path / "logs.txt").read_text()[-3000:]
+    for rank in range(2):
+        assert match in (tmp_path / f"error{rank}.txt").read_text()
+    probe = NamespaceFiles(device.mountpoint, namespace, 30.0, use_cmb=False)
+    try:
+        assert not probe.exists()
+    finally:
+        probe.close()
