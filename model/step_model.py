@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..model.profiles import NS_PER_S, DeviceProfile
-from ..model.timing import (
+from .profiles import NS_PER_S, DeviceProfile
+from .timing import (
     Timing,
     TimingModel,
     Traffic,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..model.links import LinkModel, LinkProfile
-from ..model.profiles import NS_PER_S, DeviceProfile
-from ..model.timing import TimingModel, Traffic, pipeline_ns, step_traffic, transfer_ns
+from .links import LinkModel, LinkProfile
+from .profiles import NS_PER_S, DeviceProfile
+from .timing import TimingModel, Traffic, pipeline_ns, step_traffic, transfer_ns
 
 # The data of a command crosses the wire in messages of at most this much (a data PDU or one
 # RDMA operation); each pays the link's per-message bytes and work.

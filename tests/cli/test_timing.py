@@ -35,7 +35,7 @@ from cossd.model.timing import (
 )
 from cossd.fs import daemon
 from cossd.client import AdminClient
-from cossd.tools.step_model import StepSetup, predict_all, smart_infinity_table
+from cossd.model.step_model import StepSetup, predict_all, smart_infinity_table
 from helpers import create_namespace, run_cli, tensor_dir
 
 GB = 1_000_000_000
