@@ -80,6 +80,11 @@ class AdminClient:
         payload = json.dumps(description).encode()
         return self.call(Opcode.CREATE_NAMESPACE, payload=payload).result
 
+    def namespace_config(self, name: str) -> dict[str, Any]:
+        """The namespace's config.json (its tensors with their shapes, dtypes, hyperparameters),
+        read through the transport: a local mount's file, or a server's READ_TEXT."""
+        return json.loads(self.transport.read_text(f"ns/{name}/config.json"))
+
     def delete_namespace(self, nsid: int) -> None:
         self.call(Opcode.DELETE_NAMESPACE, nsid=nsid)
 

@@ -2,7 +2,8 @@
 
 The file follows the safetensors format: an 8-byte little-endian header length, a JSON header
 (padded with spaces to a multiple of 8 bytes) naming each tensor's dtype, shape and byte range,
-then the bytes. It is streamed one kernel block at a time, so exporting needs no memory in
+then the bytes. Each tensor has the shape recorded at the namespace's creation (so a model's
+load_state_dict takes the file as it is), or is flat (1-D) where none was recorded. It is streamed one kernel block at a time, so exporting needs no memory in
 proportion to the namespace, and every block is checked against its checksum on the way.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import os
 import shutil
 import struct
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
     from .device import Device
     from .namespace import Namespace
 
+log = logging.getLogger(__name__)
+
 EXPORTS_DIR = "exports"
 # Default file names, under BACKING/exports/<namespace>/: a name is one path component (no '/',
 # not '.' or '..'), so each namespace has its own directory, and in it the two prefixes keep
@@ -40,6 +44,23 @@ STEP_EXPORT = "step-{step}.safetensors"
 SNAPSHOT_EXPORT = "snapshot-{tag}.safetensors"
 SAFETENSORS_DTYPES = {"fp16": "F16", "bf16": "BF16", "fp32": "F32"}
 PAYLOAD_KEYS = {"tag", "path", "optimizer_state", "overwrite"}
+# The metadata key saying which tensors carry their model's shape: SHAPES_RECORDED (every
+# one), SHAPES_FLAT (none: a namespace created without shapes) or SHAPES_PARTIAL.
+SHAPES_KEY = "cossd.shapes"
+SHAPES_RECORDED, SHAPES_FLAT, SHAPES_PARTIAL = "recorded", "flat", "partial"
+
+
+def flat_tensors(namespace: Namespace) -> list[str]:
+    """The tensors of `namespace` created without a shape, which an export writes 1-D."""
+    return [t.name for t in namespace.spec.tensors if t.shape is None]
+
+
+def shapes_note(namespace: str, flat: list[str], total: int) -> str:
+    """The daemon log's line for an export of a namespace with tensors that have no recorded
+    shape (`cossd export` tells its user the same)."""
+    which = "its tensors have" if len(flat) == total else f"{len(flat)} of its {total} tensors have"
+    return (f"namespace {namespace!r}: {which} no recorded shape (created by an older cossd, or "
+            "by create-ns --tensor NAME:NUMEL); they are exported flat (1-D)")
 
 
 def tensor_name(tensor: str, role: str) -> str:
@@ -72,6 +93,8 @@ def plan(namespace: Namespace, superblock: Superblock, tag: str | None,
     dtypes = {"master": "fp32", "exp_avg": spec.state_dtype, "exp_avg_sq": spec.state_dtype,
               "param": spec.param_dtype}
     itemsizes = {role: namespace.itemsize(role) for role in CHECKSUM_ROLES}
+    shapes = {t.name: [t.numel] if t.shape is None else list(t.shape) for t in spec.tensors}
+    flat = flat_tensors(namespace)
     metadata = {
         "format": "pt",  # what transformers' loaders look for
         "cossd.namespace": namespace.name,
@@ -81,6 +104,8 @@ def plan(namespace: Namespace, superblock: Superblock, tag: str | None,
         "cossd.state_dtype": spec.state_dtype,
         "cossd.grad_dtype": spec.grad_dtype,
         "cossd.optimizer_state": "true" if optimizer_state else "false",
+        SHAPES_KEY: (SHAPES_RECORDED if not flat else
+                     SHAPES_FLAT if len(flat) == len(spec.tensors) else SHAPES_PARTIAL),
         "cossd.hyperparameters": json.dumps(
             {"lr": superblock.lr, "beta1": superblock.beta1, "beta2": superblock.beta2,
              "eps": superblock.eps, "weight_decay": superblock.weight_decay,
@@ -97,7 +122,8 @@ def plan(namespace: Namespace, superblock: Superblock, tag: str | None,
                                   "(a tensor is named like another tensor's optimizer state); "
                                   "export without optimizer_state")
             size = tensor.numel * itemsizes[role]
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtypes[role]], "shape": [tensor.numel],
+            # Optimizer state has its param's shape too: the same elements, one to one.
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtypes[role]], "shape": shapes[tensor.name],
                             "data_offsets": [offset, offset + size]}
             offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -265,6 +291,9 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) ->
     assert tmp is not None
     job = Job(job_id, "export", namespace.nsid, namespace.name, tag, superblock.committed_step,
               str(target), file_plan.total_bytes)
+    flat = flat_tensors(namespace)
+    if flat:
+        log.info("export job %d: %s", job_id, shapes_note(namespace.name, flat, len(namespace.spec.tensors)))
     final, temporary = target, tmp
 
     def work(job: Job) -> None:

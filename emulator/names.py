@@ -15,6 +15,9 @@ MAX_TENSORS_PER_NAMESPACE = 65536
 MAX_TENSOR_ELEMENTS = 1 << 40
 # Hyperparameter groups (torch param groups) per namespace; each is 40 bytes of superblock.
 MAX_GROUPS = 1024
+# Dimensions of a tensor's recorded shape (what the export writes; torch allows 64, models use
+# a handful).
+MAX_SHAPE_DIMS = 16
 
 
 def check_name(name: object, what: str) -> str:

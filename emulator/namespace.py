@@ -86,6 +86,7 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
         self._sb = superblock
         self._hypers = hypers_of(superblock)
         self._group_of = {t.name: t.group for t in spec.tensors}
+        self._shape_of = {t.name: t.shape for t in spec.tensors}
         self.layouts = layouts
         self.tensors = {t.name: t for t in layouts}
         self.total_blocks = sum(t.block_count for t in layouts)
@@ -249,7 +250,10 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
             # arrives whole from one writer.
             "block_elems": BLOCK_ELEMS,
             "tensors": [
-                {"name": t.name, "numel": t.numel, "group": self._group_of[t.name]}
+                # shape: the model's, as recorded at creation; null where none was (then the
+                # export writes the tensor flat).
+                {"name": t.name, "numel": t.numel, "group": self._group_of[t.name],
+                 "shape": None if self._shape_of[t.name] is None else list(self._shape_of[t.name])}
                 for t in self.layouts
             ],
         }

@@ -9,7 +9,7 @@ from .. import kernels
 
 from ..protocol.hyperparameters import BETA_FIELDS, GROUP_FIELDS, MODES
 from ..protocol.status import DeviceError, Status
-from .names import MAX_GROUPS, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
+from .names import MAX_GROUPS, MAX_SHAPE_DIMS, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
 
 HALF_FORMATS = {"fp16": kernels.HalfFormat.FP16, "bf16": kernels.HalfFormat.BF16}
 STATE_FORMATS = {"fp32": kernels.StateFormat.FP32, "bf16": kernels.StateFormat.BF16}
@@ -29,6 +29,25 @@ class TensorSpec:
     # Index into NamespaceSpec.groups: which hyperparameters update this tensor (a
     # torch param group).
     group: int = 0
+    # The tensor's shape as the model holds it (its product is numel), where the creator gave
+    # one: the device keeps the elements flat and uses the shape only to describe them (the
+    # export writes it). None: not recorded (an older client, or create-ns --tensor NAME:NUMEL).
+    shape: tuple[int, ...] | None = None
+
+    def _shown_shape(self) -> str:
+        return repr(list(self.shape) if isinstance(self.shape, tuple) else self.shape)[:80]
+
+    def check_shape(self) -> None:
+        """Refuse a recorded shape that is not a tuple of positive ints whose product is numel."""
+        if self.shape is None:
+            return
+        if (not isinstance(self.shape, tuple) or len(self.shape) > MAX_SHAPE_DIMS
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in self.shape)):
+            raise _invalid(f"tensor {self.name!r}: a shape is a list of at most {MAX_SHAPE_DIMS} "
+                           f"positive integers, got {self._shown_shape()}")
+        if math.prod(self.shape) != self.numel:
+            raise _invalid(f"tensor {self.name!r}: shape {list(self.shape)} holds {math.prod(self.shape)} "
+                           f"elements, not its {self.numel}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +153,7 @@ class NamespaceSpec:
                     f"tensor {tensor.name!r}: element count {tensor.numel} outside "
                     f"1..{MAX_TENSOR_ELEMENTS}",
                 )
+            tensor.check_shape()
         if self.grad_dtype not in HALF_FORMATS:
             raise _invalid(f"grad_dtype must be fp16 or bf16, got {self.grad_dtype!r}")
         if self.param_dtype not in HALF_FORMATS:
@@ -159,6 +179,9 @@ class NamespaceSpec:
         return 4 if self.state_dtype == "fp32" else 2
 
     def to_json(self) -> dict[str, Any]:
+        # "shapes" only where some tensor has one: a namespace without shapes is stored as
+        # before, so a build older than the shapes still opens it (media-format.md).
+        shapes = {t.name: list(t.shape) for t in self.tensors if t.shape is not None}
         return {
             "name": self.name,
             "tensors": [
@@ -171,7 +194,7 @@ class NamespaceSpec:
             "grad_dtype": self.grad_dtype,
             "param_dtype": self.param_dtype,
             "state_dtype": self.state_dtype,
-        }
+        } | ({"shapes": shapes} if shapes else {})
 
     @classmethod
     def from_json(cls, value: Any) -> "NamespaceSpec":
@@ -180,7 +203,7 @@ class NamespaceSpec:
             raise _invalid("namespace description must be a JSON object")
         known = {
             "name", "tensors", "hyperparameters", "groups", "grad_dtype", "param_dtype",
-            "state_dtype", "initial_step",
+            "state_dtype", "initial_step", "shapes",
         }
         unknown = set(value) - known
         if unknown:
@@ -198,6 +221,7 @@ class NamespaceSpec:
             if not (isinstance(entry, list) and len(entry) in (2, 3)):
                 raise _invalid(f"tensor entry {repr(entry)[:80]} must be [name, numel(, group)]")
             specs.append(TensorSpec(*entry))
+        specs = _with_shapes(specs, value.get("shapes", {}))
         hyper_json = value.get("hyperparameters", {})
         if not isinstance(hyper_json, dict):
             raise _invalid("hyperparameters must be a JSON object")
@@ -221,3 +245,20 @@ class NamespaceSpec:
             groups=groups,
             initial_step=value.get("initial_step", 0),
         ).validate()
+
+
+def _with_shapes(specs: list[TensorSpec], shapes: Any) -> list[TensorSpec]:
+    """The tensors with the shapes a description's "shapes" ({tensor: [dims]}) gives them;
+    tensors it does not name keep no shape (they export flat)."""
+    if not isinstance(shapes, dict):
+        raise _invalid("shapes must be a JSON object: {tensor name: [dims]}")
+    names = {spec.name for spec in specs if isinstance(spec.name, str)}
+    unknown = [name for name in shapes if name not in names]
+    if unknown:
+        raise _invalid(f"shapes: {len(unknown)} name(s) not among the namespace's tensors, "
+                       f"e.g. {unknown[0][:128]!r}")
+    for name, shape in shapes.items():
+        if not isinstance(shape, list):
+            raise _invalid(f"tensor {name!r}: shape must be a list of integers, got {repr(shape)[:80]}")
+    return [dataclasses.replace(spec, shape=tuple(shapes[spec.name]))
+            if isinstance(spec.name, str) and spec.name in shapes else spec for spec in specs]

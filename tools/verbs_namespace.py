@@ -2,10 +2,29 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from .arguments import (DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_int,
-                        parse_size, parse_tensor)
+                        parse_size)
 from .output import binary_output, emit, open_client, write_binary
+
+
+def parse_tensor_shape(text: str) -> tuple[str, int, list[int] | None]:
+    """--tensor NAME:NUMEL (an element count, no shape recorded) or NAME:D1xD2x... (a shape,
+    which the device keeps for the export): (name, element count, shape or None)."""
+    name, sep, size = text.rpartition(":")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"tensor must be NAME:NUMEL or NAME:D1xD2..., got {text!r}")
+    try:
+        dims = [int(dim) for dim in size.split("x")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"tensor {name!r}: {size!r} is neither an element count nor a shape like 768x3072") from None
+    if "x" not in size:
+        return name, dims[0], None
+    if any(dim < 1 for dim in dims):
+        raise argparse.ArgumentTypeError(f"tensor {name!r}: every dimension of {size!r} must be at least 1")
+    return name, math.prod(dims), dims
 
 
 def cmd_create_ns(args: argparse.Namespace) -> int:
@@ -15,13 +34,16 @@ def cmd_create_ns(args: argparse.Namespace) -> int:
         raise SystemExit("cossd create-ns: give at least one --tensor NAME:NUMEL (or --nvm --size N)")
     description = {
         "name": args.name,
-        "tensors": [[name, numel] for name, numel in args.tensor],
+        "tensors": [[name, numel] for name, numel, _ in args.tensor],
         "hyperparameters": {"lr": args.lr, "beta1": args.beta1, "beta2": args.beta2,
                             "eps": args.eps, "weight_decay": args.weight_decay, "mode": args.mode},
         "grad_dtype": args.grad_dtype,
         "param_dtype": args.param_dtype,
         "state_dtype": args.state_dtype,
     }
+    shapes = {name: shape for name, _, shape in args.tensor if shape is not None}
+    if shapes:
+        description["shapes"] = shapes
     with open_client(args) as client:
         nsid = client.create_namespace(description)
     emit(args, {"name": args.name, "nsid": nsid},
@@ -85,9 +107,10 @@ def register(verb: VerbFactory) -> None:
                "--nvm a plain NVM namespace (a raw data file).")
     add_device_argument(sub)
     sub.add_argument("name")
-    sub.add_argument("--tensor", type=parse_tensor, action="append",
-                     metavar="NAME:NUMEL", help="a tensor and its element count (repeatable; "
-                                                "required unless --nvm)")
+    sub.add_argument("--tensor", type=parse_tensor_shape, action="append",
+                     metavar="NAME:NUMEL|NAME:SHAPE",
+                     help="a tensor and its element count, or its shape (768x3072), which `cossd "
+                          "export` then writes (repeatable; required unless --nvm)")
     sub.add_argument("--nvm", action="store_true",
                      help="a plain NVM namespace: MOUNTPOINT/ns/NAME/data, 4 KiB blocks")
     sub.add_argument("--size", type=parse_size, help="with --nvm: its size, e.g. 1G (a multiple of 4096)")

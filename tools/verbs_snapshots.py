@@ -93,7 +93,17 @@ def cmd_export(args: argparse.Namespace) -> int:
                      overwrite=args.force)
         if not args.no_wait:
             job = _wait_with_bar(client, job, quiet=args.quiet)
+        tensors = client.namespace_config(args.name)["tensors"]
     raise_if_failed(job)
+    # A namespace created without shapes exports flat tensors: say so, since a model's
+    # load_state_dict would refuse them (the daemon's log says it too).
+    flat = [t["name"] for t in tensors if t.get("shape") is None]
+    if flat:
+        which = "its tensors have" if len(flat) == len(tensors) else f"{len(flat)} of its {len(tensors)} tensors have"
+        job = job | {"note": f"namespace {args.name!r}: {which} no recorded shape (created by an older "
+                             "cossd, or by create-ns --tensor NAME:NUMEL), so they are exported flat "
+                             "(1-D): reshape them to the model's shapes before load_state_dict"}
+        print(f"cossd export: note: {job['note']}", file=sys.stderr)
 
     def normal(value: dict[str, Any]) -> str:
         source = f"snapshot {value['tag']!r}" if value["tag"] else "namespace"

@@ -82,6 +82,9 @@ def description(name: str, entries: list[Entry], param_groups: list[dict[str, An
         "param_dtype": wire,
         "state_dtype": state_dtype,
         "initial_step": initial_step,
+        # Each param's shape, kept by the device so that `cossd export` writes the tensors as
+        # the model holds them (a 0-d param has shape []).
+        "shapes": {e.name: list(e.param.shape) for e in entries},
     }
 
 
