@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 # What the device calls each wire dtype, and the torch dtype it holds.
 WIRE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Bytes per gradient element of each grad_dtype a namespace may have.
+GRAD_ITEMSIZE = {"fp16": 2, "bf16": 2}
 
 # errnos that mean the daemon is gone or wedged rather than that a request was wrong.
 # (EIO is not among them: the daemon answers EIO for a request it failed, and stays up.)
@@ -118,6 +120,10 @@ class NamespaceFiles:
         # Streaming: each tensor's fixed place in this client's CMB part, once worked out
         # (False: not yet; None: the part cannot hold every gradient and param at once).
         self._stream_slots: dict[str, tuple[int, int, int]] | None | bool = False
+        # The namespace's gradient dtype and each tensor's element count, read from config.json
+        # at the first gradient write (None: not yet), to refuse a gradient of the wrong size
+        # here with its reason rather than as the device's bare EFBIG or EINVAL.
+        self._grad_layout: tuple[str, dict[str, int]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -145,6 +151,7 @@ class NamespaceFiles:
         return True
 
     def create(self, description: dict[str, Any]) -> None:
+        self._grad_layout = None
         self.nsid = self.command(self.admin.create_namespace, description)
 
     def delete(self) -> None:
@@ -152,12 +159,14 @@ class NamespaceFiles:
         if self.nsid is not None:
             self.command(self.admin.delete_namespace, self.nsid)
         self.nsid = None
+        self._grad_layout = None
 
     def retarget(self, name: str, nsid: int | None) -> None:
         """Point these files at another namespace with the same tensors (the staging
         namespace of an atomic replace, trainer/namespace_swap.py); the CMB part stays."""
         self._close_files()
         self.name, self.root, self.nsid = name, self._root(name), nsid
+        self._grad_layout = None
         self._params_back = {}
 
     def _root(self, name: str) -> Path | str:
@@ -223,9 +232,40 @@ class NamespaceFiles:
             self._fds[key] = fd
         return fd
 
+    def check_grad(self, tensor: str, values: torch.Tensor, first: int | None = None) -> None:
+        """Refuse, with the reason, gradients that do not fit `tensor`'s grad file: the whole
+        tensor (first None) of another byte size, or a piece from element `first` whose
+        elements are not the namespace's size or that runs past the end; and FP16 where the
+        namespace takes BF16 or the other way round (the same size, read as the wrong numbers).
+        The device would refuse the size too, but only as "File too large" or EINVAL."""
+        if self._grad_layout is None:
+            config = self.config()
+            self._grad_layout = (config["grad_dtype"], {t["name"]: int(t["numel"]) for t in config["tensors"]})
+        dtype, numels = self._grad_layout
+        if tensor not in numels:
+            return  # the device names an unknown tensor itself
+        itemsize = GRAD_ITEMSIZE.get(dtype, 2)
+        convert = f"convert to {dtype} (.to(torch.{'bfloat16' if dtype == 'bf16' else 'float16'}))"
+        given = WIRE_DTYPES.get(values.dtype)
+        if given is not None and given != dtype:
+            raise ValueError(f"gradient for {tensor} is {given}, the namespace {self.name!r} takes {dtype}: {convert}")
+        size = values.numel() * values.element_size()
+        if first is None:
+            if size != numels[tensor] * itemsize:
+                raise ValueError(f"gradient for {tensor} has {size} bytes, the namespace {self.name!r} expects "
+                                 f"{numels[tensor] * itemsize} bytes ({numels[tensor]} elements of {dtype}): "
+                                 + (convert if values.numel() == numels[tensor] else "check the tensor it is for"))
+        elif values.element_size() != itemsize or first < 0 or first + values.numel() > numels[tensor]:
+            raise ValueError(f"gradient piece for {tensor} has {values.numel()} elements of {values.element_size()} "
+                             f"bytes from element {first}, the namespace {self.name!r} expects {itemsize}-byte "
+                             f"{dtype} elements within its {numels[tensor]}: "
+                             + (convert if values.element_size() != itemsize else "check the range"))
+
     def write(self, tensor: str, role: str, values: torch.Tensor) -> int:
         """Write a tensor's bytes (copied to the host first if they are elsewhere) at offset 0
-        of one of a tensor's files."""
+        of one of a tensor's files; gradients are checked first (check_grad)."""
+        if role == "grad":
+            self.check_grad(tensor, values)
         array = values.detach().to("cpu").contiguous().view(-1)
         buffer = memoryview(array.view(torch.uint8).numpy())
         fd = self._fd(tensor, role, writing=True)
@@ -338,6 +378,7 @@ class NamespaceFiles:
         was made (backward's stream), which this thread's copy must wait for."""
         if ready is not None:
             ready.synchronize()
+        self.check_grad(tensor, values)
         slots = self.stream_slots()
         if slots is None:
             return self.write(tensor, "grad", values)
@@ -374,6 +415,9 @@ class NamespaceFiles:
         the step's end then needs no command.
         """
         self._params_back = {}
+        for tensor, role, values in items:
+            if role == "grad":
+                self.check_grad(tensor, values)
         cmb = self.cmb()
         if cmb is None:
             many = getattr(self.transport, "write_many", None)  # a storage server's WRITE
@@ -403,6 +447,9 @@ class NamespaceFiles:
         one (one command per CMB-full), else a storage server's batched WRITE, else a file
         write per piece at its offset. Each piece's offset is its first element times the
         values' element size."""
+        if role == "grad":
+            for tensor, first, values in items:
+                self.check_grad(tensor, values, first)
         arrays = [values.detach().to("cpu").contiguous().view(-1).view(torch.uint8) for _, _, values in items]
         starts = [first * values.element_size() for _, first, values in items]
         cmb = self.cmb()
