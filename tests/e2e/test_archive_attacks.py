@@ -77,15 +77,22 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
 
 def drop_bucket(endpoint: str, bucket: str) -> None:
     """Delete a bucket with whatever it holds (objects and unfinished uploads), as an operator
-    or a lifecycle rule might while the device uses it."""
+    or a lifecycle rule might while the device uses it. SeaweedFS makes a bucket again for a
+    write already on its way, so this deletes until it stays gone."""
     s3 = client(endpoint)
-    for upload in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
-        s3.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        for entry in page.get("Contents", []):
-            s3.delete_object(Bucket=bucket, Key=entry["Key"])
-    s3.delete_bucket(Bucket=bucket)
-    wait_until(lambda: not bucket_exists(endpoint, bucket), f"bucket {bucket} gone")
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        if bucket_exists(endpoint, bucket):
+            for upload in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
+                s3.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                for entry in page.get("Contents", []):
+                    s3.delete_object(Bucket=bucket, Key=entry["Key"])
+            s3.delete_bucket(Bucket=bucket)
+        time.sleep(0.5)
+        if not bucket_exists(endpoint, bucket):
+            return
+        assert time.monotonic() < deadline, f"bucket {bucket} still there after {WAIT_S} s"
 
 
 def bucket_exists(endpoint: str, bucket: str) -> bool:
@@ -93,7 +100,9 @@ def bucket_exists(endpoint: str, bucket: str) -> bool:
 
 
 def make_bucket(endpoint: str, bucket: str) -> None:
-    client(endpoint).create_bucket(Bucket=bucket)
+    """The bucket there (SeaweedFS may have made it again already, for a retried write)."""
+    if not bucket_exists(endpoint, bucket):
+        client(endpoint).create_bucket(Bucket=bucket)
     wait_until(lambda: bucket_exists(endpoint, bucket), f"bucket {bucket} made")
 
 
@@ -245,7 +254,14 @@ def test_bucket_deleted_during_an_archive(s3: str, gone_bucket: str, mount: Moun
             return row
 
         wait_until(lambda: current()["bytes_done"] > 0 or current()["state"] != "running", "a part uploaded")
-        drop_bucket(s3, bucket)
+        assert current()["state"] == "running", "the upload ended before the bucket went"
+        # The daemon held still while the bucket goes (a part already sent would make SeaweedFS
+        # create it again), then let go on with the upload into no bucket.
+        os.kill(mount.pid, signal.SIGSTOP)
+        try:
+            drop_bucket(s3, bucket)
+        finally:
+            os.kill(mount.pid, signal.SIGCONT)
         with pytest.raises(DeviceError) as caught:
             archive_calls.wait_for_archive(admin, job)
         assert caught.value.status in (Status.INVALID_FIELD, Status.DATA_TRANSFER_ERROR), caught.value.message
