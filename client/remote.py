@@ -187,13 +187,13 @@ class RemoteTransport:
                 if isinstance(exc, ssl.SSLError):
                     raise
                 raise ConnectionRefusedError(errno.ECONNREFUSED, f"{self.location}: the server refused the "
-                                                                 f"handshake ({exc}); TLS server? give ca=") from None
+                                                                 f"handshake ({exc}){_TLS_HINT}") from None
             # TLS 1.3 checks the client's certificate after the client's side of the handshake
             # is done: a refusal shows as an alert or a closed connection at the first read.
             raise _TlsRefused(_client_certificate_refused(exc, presented)) from None
         except wire.WireError as exc:
             raise ConnectionRefusedError(errno.ECONNREFUSED, f"{self.location}: the server refused the "
-                                                             f"handshake ({exc}); TLS server? give ca=") from None
+                                                             f"handshake ({exc}){_TLS_HINT}") from None
         if head.type != PduType.IC_RESP:
             raise ConnectionRefusedError(errno.ECONNREFUSED, f"{self.location}: answered {head.type.name}, "
                                                              "not ICResp")
@@ -406,6 +406,10 @@ class RemoteTransport:
             self._errno_channel(completion, "read")
             counts += lengths
         return counts
+
+
+# What a plain client told "no" at its first PDU most likely met: a server that wants TLS.
+_TLS_HINT = ": a TLS server? give its CA (ca=, --ca or $COSSD_CA)"
 
 
 class _TlsRefused(Exception):

@@ -36,8 +36,8 @@ def _step_state(client: AdminClient, nsid: int) -> tuple[int, int | None]:
     return stats["committed_step"], stats["step_open"]
 
 
-def _send_half_a_write(client: AdminClient, nsid: int, step: int) -> None:
-    """Begin `step`, announce every gradient in one WRITE, send half its bytes, and vanish."""
+def _send_half_a_write(client: AdminClient, nsid: int, step: int, fraction: float = 0.5) -> None:
+    """Begin `step`, announce every gradient in one WRITE, send `fraction` of its bytes, and vanish."""
     transport = client.transport
     assert isinstance(transport, RemoteTransport)
     client.begin_step(nsid, step)
@@ -47,7 +47,8 @@ def _send_half_a_write(client: AdminClient, nsid: int, step: int) -> None:
     whole = b"".join(grads.values())
     submission = encode_submission(wire.FABRICS_OPCODE, cid=77, nsid=FabricsType.WRITE)
     transport.writer.send(PduType.CAPSULE_CMD, submission[: SUBMISSION.itemsize], [table])
-    transport.writer.send_data(PduType.H2C_DATA, 77, 0, [memoryview(whole)[: len(whole) // 2]], SEND_CHUNK)
+    transport.writer.send_data(PduType.H2C_DATA, 77, 0, [memoryview(whole)[: int(len(whole) * fraction)]],
+                               SEND_CHUNK)
     _shut(transport.sock)
 
 
@@ -105,6 +106,43 @@ def test_a_client_gone_mid_write_or_mid_commit_leaves_no_half_step(serve: Callab
         assert _state(watcher) == references[3]
         wait_until(lambda: _held(watcher) == 0, 20)
         assert _held(watcher) == 0
+
+
+@pytest.mark.slow
+def test_clients_cut_at_random_points_of_steps_many(serve: Callable[..., Served], token_file: Path,  # noqa: F811
+                                                    tmp_path: Path, figures: list[str]) -> None:
+    """20 steps, each first attacked: a WRITE cut after a random share of its bytes, or a
+    COMMIT sent and the socket closed; then a new client settles the step. Never a half
+    step: after each, every state file equals the replay of the step the server says."""
+    trials = 20
+    references = _reference(tmp_path, trials + 1)
+    served = serve()
+    rng = np.random.default_rng(5)
+    outcomes = {"aborted": 0, "committed": 0}
+    with remote(served, token_file) as trainer:
+        nsid = trainer.create_namespace(KILL_MODEL)
+        for tensor, data in _masters().items():
+            handle = trainer.transport.open_file(f"ns/k/tensors/{tensor}/master", True, False)
+            trainer.transport.write_at(handle, memoryview(data), 0)
+    with remote(served, token_file) as watcher:
+        for step in range(1, trials + 1):
+            if rng.random() < 0.7:
+                _send_half_a_write(remote(served, token_file), nsid, step, float(rng.uniform(0.01, 0.99)))
+            else:
+                _write_all_then_commit_and_vanish(remote(served, token_file), nsid, step)
+            wait_until(lambda: _step_state(watcher, nsid)[1] is None, 20)
+            committed, still_open = _step_state(watcher, nsid)
+            assert still_open is None and committed in (step - 1, step)
+            assert _state(watcher) == references[committed]
+            outcomes["committed" if committed == step else "aborted"] += 1
+            if committed == step - 1:
+                with remote(served, token_file) as successor:
+                    _step(successor, nsid, step, [])
+            assert _state(watcher) == references[step]
+        wait_until(lambda: _held(watcher) == 0, 20)
+        assert _held(watcher) == 0
+    figures.append(f"clients cut mid-WRITE or mid-COMMIT: {trials} trials, 0 half steps "
+                   f"({outcomes['aborted']} aborted, {outcomes['committed']} committed whole), 0 bytes held after")
 
 
 # ---------------------------------------------------------------------- kill -9 under a trainer on a remote mount
