@@ -1,4 +1,4 @@
-"""Which cossd devices this node has mounted, read from /proc/self/mountinfo."""
+"""Which cossd devices this node has mounted, and what holds a mount busy, read from /proc (mountinfo, each process's links)."""
 from __future__ import annotations
 
 import dataclasses
