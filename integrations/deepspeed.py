@@ -7,13 +7,10 @@ optimizer's param groups in place of the model's params. cossd's optimizer follo
 (rebind.Rebind._rebind); this module refuses, with the reason, the wrappers whose
 tensors cannot be a fixed namespace: ZeRO-3 (a different flat sub-group at each step call)
 and DeepSpeed's own optimizer offload (cossd's state already lives on the device).
-Nothing here imports deepspeed: it is only consulted when deepspeed is imported already.
-
-Where deepspeed is imported when a cossd optimizer is made, the optimizer opens no namespace
-at construction (`defers`): `install` wraps DeepSpeedEngine._configure_optimizer so that
-deepspeed.initialize refuses what cossd does not run before DeepSpeed wraps the optimizer,
-and once it has, opens the namespace for the tensors the optimizer will step (`bind`): under
-ZeRO 1/2 the flat partitions of every rank on one namespace (deepspeed_zero.py).
+Nothing here imports deepspeed or the trainer: it only reads DeepSpeed's objects (the
+engine's config, the calling wrapper), and is consulted where deepspeed is imported already.
+The hooks that open a cossd optimizer's namespace at deepspeed.initialize, and the ZeRO 1/2
+binding, are the trainer's (cossd.trainer.deepspeed_zero).
 """
 from __future__ import annotations
 
@@ -63,45 +60,7 @@ def check_rebind(optimizer: torch.optim.Optimizer, old: list[torch.Tensor], new:
                                   "with a cossd optimizer")
 
 
-def defers(optimizer: torch.optim.Optimizer, streaming: bool, several_devices: bool) -> bool:
-    """Whether `optimizer` leaves its namespace unopened until deepspeed.initialize (or its
-    first step) shows which tensors it steps: where deepspeed is imported, for one device
-    and no streaming (neither runs under DeepSpeed's wrappers), and the namespace is new or
-    holds DeepSpeed ZeRO's flat groups. Installs the hook."""
-    if "deepspeed" not in sys.modules or streaming or several_devices:
-        return False
-    files = optimizer.files  # type: ignore[attr-defined]
-    if files.exists() and not all(tensor["name"].startswith("zero.g") for tensor in files.config()["tensors"]):
-        # A namespace of the model's own params (a plain loop, or DeepSpeed at stage 0):
-        # attached at construction as ever, so committed_step and restored tell at once.
-        return False
-    install()
-    return True
-
-
-def install() -> None:
-    """Wrap DeepSpeedEngine._configure_optimizer once: a cossd client optimizer is checked
-    against the engine's config before DeepSpeed wraps it and bound after."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    original = DeepSpeedEngine._configure_optimizer
-    if getattr(original, "_cossd_hook", False):
-        return
-
-    def _configure_optimizer(engine: Any, client_optimizer: Any, model_parameters: Any) -> Any:
-        cossd = client_optimizer if getattr(client_optimizer, "_ds_deferred", False) else None
-        if cossd is not None:
-            refuse_config(engine)
-        answer = original(engine, client_optimizer, model_parameters)
-        if cossd is not None:
-            bind(cossd, engine.optimizer)
-        return answer
-
-    _configure_optimizer._cossd_hook = True  # type: ignore[attr-defined]
-    DeepSpeedEngine._configure_optimizer = _configure_optimizer
-
-
-def _world() -> int:
+def world_size() -> int:
     """The job's world size (DeepSpeed's data-parallel ranks; cossd supports no model parallelism)."""
     import torch.distributed as dist
 
@@ -112,7 +71,7 @@ def refuse_config(engine: Any) -> None:
     """NotImplementedError, naming the combination, for a DeepSpeed config a cossd optimizer
     does not run under: raised in deepspeed.initialize, before anything reaches the device."""
     stage = int(engine.zero_optimization_stage())
-    world = _world()
+    world = world_size()
     precision = "BF16" if engine.bfloat16_enabled() else "FP16" if engine.fp16_enabled() else "FP32"
     combination = f"DeepSpeed ZeRO stage {stage}, {precision}, {world} rank{'s' if world > 1 else ''}"
     if stage == 3:
@@ -136,44 +95,3 @@ def refuse_config(engine: Any) -> None:
         raise NotImplementedError(
             f"{combination} with round_robin_gradients: its flat groups' order depends on the "
             "world size, where a cossd namespace keeps one order; remove round_robin_gradients")
-
-
-def bind(optimizer: Any, wrapper: Any) -> None:
-    """After DeepSpeed wrapped `optimizer` (or not, at FP32 stage 0): open its namespace for
-    the tensors it steps. ZeRO 1/2: every rank's flat partitions, one namespace, now (the
-    quick restore of a trained one included). Any other wrapper at one rank: the namespace of
-    the model's params as before, which the first step moves to the wrapper's tensors."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from .deepspeed_zero import ZeroBinding
-
-    if isinstance(wrapper, DeepSpeedZeroOptimizer) and getattr(wrapper, "optimizer", None) is optimizer:
-        binding = ZeroBinding(optimizer, wrapper)
-        optimizer._ds_deferred = False
-        try:
-            binding.open()
-        except BaseException:
-            optimizer._ds_deferred = True  # nothing was opened for a step to use
-            raise
-        optimizer._deepspeed = binding
-        return
-    world = _world()
-    if world > 1:
-        raise NotImplementedError(
-            f"DeepSpeed's {type(wrapper).__name__} with {world} ranks: a cossd optimizer runs "
-            "under it in one process only; with several ranks use zero_optimization.stage 1 or 2 "
-            "(without data_types.grad_accum_dtype fp32 under BF16)")
-    open_deferred(optimizer)
-
-
-def open_deferred(optimizer: Any) -> None:
-    """Open the namespace a deferring optimizer left unopened, as its construction would have
-    (at its first use where DeepSpeed never bound it)."""
-    if not getattr(optimizer, "_ds_deferred", False):
-        return
-    optimizer._ds_deferred = False
-    if optimizer._params_moved() and not optimizer.files.exists():
-        # A wrapper (DeepSpeed at stage 0) put its FP32 copies in the param groups: the first
-        # step makes the namespace for them (Rebind._rebind), none for the model's params.
-        return
-    optimizer._open_namespace()

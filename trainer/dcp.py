@@ -6,7 +6,7 @@ import json
 import secrets
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -14,8 +14,9 @@ from ..client import snapshots as snapshot_calls
 from ..protocol.status import DeviceError, Status
 from .plan import HYPER_FIELDS
 
-if TYPE_CHECKING:
-    from .optim import _DeviceAdam
+# The optimizer these functions take is optim._DeviceAdam, not imported here (not even for
+# type checking): optim imports state_dict, which imports this module.
+_DeviceAdam = Any
 
 # The per-param key of the reference form (on the first param only) and its fixed size: DCP
 # loads into a template of the same shape, and a later job's template is made before it

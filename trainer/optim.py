@@ -160,12 +160,12 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
             raise
         # Where deepspeed is imported, deepspeed.initialize opens the namespace once DeepSpeed
         # has put its own tensors in the param groups (under ZeRO every rank's partitions on
-        # one namespace), or the first step() does: integrations/deepspeed.py.
+        # one namespace), or the first step() does: deepspeed_zero.py.
         self._deepspeed: Any = None
         self._ds_deferred = False
         if process_group is None and "deepspeed" in sys.modules:
-            from ..integrations import deepspeed as ds_support
-            self._ds_deferred = ds_support.defers(self, streaming, mounts is not None)
+            from . import deepspeed_zero
+            self._ds_deferred = deepspeed_zero.defers(self, streaming, mounts is not None)
         if self._ds_deferred:
             self.cmb_pinned = False
             self._initialized = True
@@ -326,8 +326,8 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
             self._deepspeed.step()
             return loss
         if self._ds_deferred:
-            from ..integrations import deepspeed as ds_support
-            ds_support.open_deferred(self)
+            from . import deepspeed_zero
+            deepspeed_zero.open_deferred(self)
         if not self._bound and self._params_moved():
             if self._group is not None:
                 raise self._group_refusal("a wrapper's replacement of the params (DeepSpeed)")

@@ -48,7 +48,7 @@ class Rebind:
     _state_options: dict[str, Any]
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Under DeepSpeed ZeRO (integrations/deepspeed_zero.py): a reference to the device's
+        """Under DeepSpeed ZeRO (deepspeed_zero.py): a reference to the device's
         state, no tensors; else the optimizer's own (state_dict.py)."""
         binding = getattr(self, "_deepspeed", None)
         if binding is not None:
@@ -57,7 +57,7 @@ class Rebind:
         return super().state_dict()  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        """Under DeepSpeed ZeRO, DeepSpeed's load_checkpoint (integrations/deepspeed_zero.py);
+        """Under DeepSpeed ZeRO, DeepSpeed's load_checkpoint (deepspeed_zero.py);
         else the optimizer's own (state_dict.py)."""
         binding = getattr(self, "_deepspeed", None)
         if binding is not None:
@@ -70,8 +70,8 @@ class Rebind:
         """Open the namespace that a construction beside an imported deepspeed left for
         deepspeed.initialize, where the optimizer is used without it."""
         if getattr(self, "_ds_deferred", False):
-            from ..integrations import deepspeed as ds_support
-            ds_support.open_deferred(self)
+            from . import deepspeed_zero
+            deepspeed_zero.open_deferred(self)
 
     def _new_child(self, group: dict[str, Any], namespace: str) -> Any:
         """An optimizer of this class for one param group, on a namespace of its own."""

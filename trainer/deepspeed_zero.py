@@ -10,24 +10,113 @@ group's gradients, each later call sends its group's, and the last one waits for
 which the device makes only once every rank's every partition has arrived. Nothing is
 committed otherwise: a rank that dies between its gradients and the commit leaves the device
 at the step before, for every rank.
+
+The hooks that get the optimizer there live here too (the trainer's side of DeepSpeed): where
+deepspeed is imported when a cossd optimizer is made, it opens no namespace at construction
+(`defers`); `install` wraps DeepSpeedEngine._configure_optimizer so that deepspeed.initialize
+refuses what cossd does not run (cossd.integrations.deepspeed reads DeepSpeed's config and
+wrappers for that) before DeepSpeed wraps the optimizer, and `bind`s it after.
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..trainer.distributed import Ranks
-from ..trainer.plan import Entry
-from ..trainer.shard import Piece
+from ..integrations.deepspeed import refuse_config, world_size
+from .distributed import Ranks
+from .plan import Entry
+from .shard import Piece
 
 
 def tensor_name(group: int) -> str:
     """The namespace's tensor of param group `group`'s flat FP32 partitions."""
     return f"zero.g{group}"
 
+
+# ---------------------------------------------------------------------- the hooks
+
+def defers(optimizer: torch.optim.Optimizer, streaming: bool, several_devices: bool) -> bool:
+    """Whether `optimizer` leaves its namespace unopened until deepspeed.initialize (or its
+    first step) shows which tensors it steps: where deepspeed is imported, for one device
+    and no streaming (neither runs under DeepSpeed's wrappers), and the namespace is new or
+    holds DeepSpeed ZeRO's flat groups. Installs the hook."""
+    if "deepspeed" not in sys.modules or streaming or several_devices:
+        return False
+    files = optimizer.files  # type: ignore[attr-defined]
+    if files.exists() and not all(tensor["name"].startswith("zero.g") for tensor in files.config()["tensors"]):
+        # A namespace of the model's own params (a plain loop, or DeepSpeed at stage 0):
+        # attached at construction as ever, so committed_step and restored tell at once.
+        return False
+    install()
+    return True
+
+
+def install() -> None:
+    """Wrap DeepSpeedEngine._configure_optimizer once: a cossd client optimizer is checked
+    against the engine's config before DeepSpeed wraps it and bound after."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._configure_optimizer
+    if getattr(original, "_cossd_hook", False):
+        return
+
+    def _configure_optimizer(engine: Any, client_optimizer: Any, model_parameters: Any) -> Any:
+        cossd = client_optimizer if getattr(client_optimizer, "_ds_deferred", False) else None
+        if cossd is not None:
+            refuse_config(engine)
+        answer = original(engine, client_optimizer, model_parameters)
+        if cossd is not None:
+            bind(cossd, engine.optimizer)
+        return answer
+
+    _configure_optimizer._cossd_hook = True  # type: ignore[attr-defined]
+    DeepSpeedEngine._configure_optimizer = _configure_optimizer
+
+
+def bind(optimizer: Any, wrapper: Any) -> None:
+    """After DeepSpeed wrapped `optimizer` (or not, at FP32 stage 0): open its namespace for
+    the tensors it steps. ZeRO 1/2: every rank's flat partitions, one namespace, now (the
+    quick restore of a trained one included). Any other wrapper at one rank: the namespace of
+    the model's params as before, which the first step moves to the wrapper's tensors."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(wrapper, DeepSpeedZeroOptimizer) and getattr(wrapper, "optimizer", None) is optimizer:
+        binding = ZeroBinding(optimizer, wrapper)
+        optimizer._ds_deferred = False
+        try:
+            binding.open()
+        except BaseException:
+            optimizer._ds_deferred = True  # nothing was opened for a step to use
+            raise
+        optimizer._deepspeed = binding
+        return
+    world = world_size()
+    if world > 1:
+        raise NotImplementedError(
+            f"DeepSpeed's {type(wrapper).__name__} with {world} ranks: a cossd optimizer runs "
+            "under it in one process only; with several ranks use zero_optimization.stage 1 or 2 "
+            "(without data_types.grad_accum_dtype fp32 under BF16)")
+    open_deferred(optimizer)
+
+
+def open_deferred(optimizer: Any) -> None:
+    """Open the namespace a deferring optimizer left unopened, as its construction would have
+    (at its first use where DeepSpeed never bound it)."""
+    if not getattr(optimizer, "_ds_deferred", False):
+        return
+    optimizer._ds_deferred = False
+    if optimizer._params_moved() and not optimizer.files.exists():
+        # A wrapper (DeepSpeed at stage 0) put its FP32 copies in the param groups: the first
+        # step makes the namespace for them (Rebind._rebind), none for the model's params.
+        return
+    optimizer._open_namespace()
+
+
+# ---------------------------------------------------------------------- the binding
 
 class ZeroBinding:
     """What a cossd optimizer does under DeepSpeedZeroOptimizer: opens the namespace of the
