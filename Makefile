@@ -67,6 +67,23 @@ $(FRAMEWORKS_STAMP): $(STAMP)
 
 frameworks: $(FRAMEWORKS_STAMP)
 
+# torchtitan 0.3.0 in a virtualenv of its own (.venv-titan): its dependencies would upgrade
+# datasets, huggingface_hub and pandas in .venv. torch is the same CPU build; triton only
+# because torchtitan imports it at start-up (nothing runs it on the CPU). tests/e2e/
+# test_torchtitan.py runs its jobs in this interpreter and skips, saying why, without it.
+TITAN_VENV  := .venv-titan
+TITAN_STAMP := $(TITAN_VENV)/.stamp-torchtitan
+$(TITAN_STAMP): $(STAMP)
+	test -x $(TITAN_VENV)/bin/python || $(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/python -m pip install -q --upgrade pip 'setuptools>=77' wheel cffi
+	$(TITAN_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TITAN_VENV)/bin/python -m pip install -q torchtitan==0.3.0 triton==3.9.0
+	$(TITAN_VENV)/bin/python -m pip install -q --no-build-isolation -e .
+	touch $(TITAN_STAMP)
+
+.PHONY: torchtitan
+torchtitan: $(TITAN_STAMP)
+
 demo: $(STAMP) bytecode
 	$(PY) -m cossd.tools.cli demo
 

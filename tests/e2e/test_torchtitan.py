@@ -1,0 +1,149 @@
+"""torchtitan 0.3.0 with cossd's AdamW through its OptimizersContainer: the llama3 debug model trained by torchrun on gloo, checkpointed by torchtitan's CheckpointManager, the job killed (kill -9) between two checkpoints and resumed, bit-identical to the run that never stopped. Runs in the .venv-titan interpreter (`make torchtitan`)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from conftest import Mount
+from ranks import bits_equal, mounted_device
+
+REPO = Path(__file__).resolve().parents[2]
+TITAN_PY = REPO / ".venv-titan" / "bin" / "python"
+CONFIG = Path(__file__).with_name("titan_config.py")
+JOB_TIMEOUT_S = 300
+STEPS, KILL_AFTER = 7, 5  # checkpoints after steps 3 and 6 (interval 3) and the last; killed after 5
+
+
+def _titan_missing() -> str | None:
+    if not TITAN_PY.exists():
+        return f"{TITAN_PY} is absent: `make torchtitan` makes the torchtitan virtualenv"
+    probe = subprocess.run([str(TITAN_PY), "-c", "import torchtitan, cossd.integrations.torchtitan"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"torchtitan or cossd does not import in {TITAN_PY}: {probe.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+pytestmark = [pytest.mark.mount, pytest.mark.skipif(_titan_missing() is not None, reason=str(_titan_missing()))]
+
+
+@pytest.fixture(scope="module")
+def device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    with mounted_device(tmp_path_factory.mktemp("titan"), "TITANTEST001") as mounted:
+        yield mounted
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("titan-assets")
+    subprocess.run([str(TITAN_PY), str(CONFIG), "assets", str(root)], check=True, timeout=120)
+    return root
+
+
+def torchrun(device: Mount, assets: Path, dump: Path, namespace: str, world: int,
+             kill_after: int | None = None) -> subprocess.CompletedProcess[str]:
+    """torchtitan's trainer under torchrun, as a user starts it (through the CPU launcher)."""
+    env = os.environ | {"PYTHONPATH": str(CONFIG.parent), "TITAN_ASSETS": str(assets), "TITAN_STEPS": str(STEPS),
+                        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("TITAN_KILL_AFTER", None)
+    if kill_after is not None:
+        env["TITAN_KILL_AFTER"] = str(kill_after)
+    command = [str(TITAN_PY), "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--standalone",
+               "-m", "cossd.integrations.torchtitan_cpu", "--module", "titan_config", "--config", "tiny_llama",
+               "--optimizer.mount", str(device.mountpoint), "--optimizer.namespace", namespace,
+               "--dump_folder", str(dump)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    dump.mkdir(parents=True, exist_ok=True)
+    with open(dump / "logs.txt", "a") as log:
+        log.write(f"--- {' '.join(command)} (exit {done.returncode})\n{done.stdout}{done.stderr}")
+    return done
+
+
+def losses(dump: Path) -> dict[str, float]:
+    read = subprocess.run([str(TITAN_PY), str(CONFIG), "losses", str(dump)], capture_output=True, text=True,
+                          check=True, timeout=120)
+    return json.loads(read.stdout)
+
+
+def checkpoint_of(checkpoint: Path, scratch: Path) -> dict[str, Any]:
+    """A torchtitan (DCP) checkpoint, read whole."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, scratch)
+    return torch.load(scratch, weights_only=False)
+
+
+def model_of(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors in a torchtitan checkpoint (its top-level tensors)."""
+    return {k: v for k, v in checkpoint_of(checkpoint, scratch).items() if isinstance(v, torch.Tensor)}
+
+
+def device_state(device: Mount, namespace: str, scratch: Path) -> dict[str, torch.Tensor]:
+    """The namespace's masters, moments and params, as the device exports them."""
+    from safetensors.torch import load_file
+
+    subprocess.run([str(REPO / ".venv" / "bin" / "cossd"), "export", str(device.mountpoint), namespace,
+                    "--path", str(scratch), "--with-state", "-q", "--force"], check=True, timeout=120)
+    return load_file(scratch)
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and bits_equal([a[k] for k in sorted(a)], [b[k] for k in sorted(b)])
+
+
+@pytest.mark.slow  # three torchrun jobs of 2 ranks: about 90 s on 2 cores
+def test_two_ranks_killed_between_two_checkpoints_resume_bit_identical(device: Mount, assets: Path,
+                                                                       tmp_path: Path) -> None:
+    """FSDP2 at 2 gloo ranks: the run that never stopped against one whose ranks were
+    killed (-9) after step 5, between the checkpoints of steps 3 and 6, and resumed by the
+    same command: torchtitan loads step 3 (the device rolls back from step 5), and every
+    loss, every param of the last checkpoint and the device's masters and moments are
+    bit for bit the uninterrupted run's. The checkpoint holds the model and a reference."""
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    done = torchrun(device, assets, whole, "titan-whole", 2)
+    assert done.returncode == 0, (whole / "logs.txt").read_text()[-6000:]
+
+    killed = torchrun(device, assets, broken, "titan-broken", 2, kill_after=KILL_AFTER)
+    assert killed.returncode != 0 and "Signal 9 (SIGKILL) received" in killed.stdout + killed.stderr, \
+        (broken / "logs.txt").read_text()[-6000:]
+    checkpoints = broken / "checkpoint"
+    assert (checkpoints / "step-3").is_dir() and not (checkpoints / "step-6").exists()
+
+    resumed = torchrun(device, assets, broken, "titan-broken", 2)
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, (broken / "logs.txt").read_text()[-6000:]
+    assert "Training starts at step 4" in log
+
+    whole_losses, resumed_losses = losses(whole), losses(broken)
+    assert sorted(whole_losses, key=int) == [str(step) for step in range(1, STEPS + 1)]
+    assert resumed_losses == whole_losses  # float32 values, compared exactly
+    assert same_tensors(model_of(checkpoints / f"step-{STEPS}", tmp_path / "a.pt"),
+                        model_of(whole / "checkpoint" / f"step-{STEPS}", tmp_path / "b.pt"))
+    assert same_tensors(device_state(device, "titan-broken", tmp_path / "a.safetensors"),
+                        device_state(device, "titan-whole", tmp_path / "b.safetensors"))
+
+    # What the step-3 checkpoint holds: the model's FP32 params and, for the optimizer,
+    # each param's step and one 512-byte reference (no moments: 8 more bytes a param).
+    saved = checkpoint_of(whole / "checkpoint" / "step-3", tmp_path / "c.pt")
+    params = sum(v.numel() for v in saved.values() if isinstance(v, torch.Tensor))
+    optimizer = saved["optimizer"]
+    assert [k for k in optimizer if k.endswith(".cossd_ref")] == ["state.tok_embeddings.weight.cossd_ref"]
+    assert not any("exp_avg" in k for k in optimizer)
+    written = sum(p.stat().st_size for p in (whole / "checkpoint" / "step-3").rglob("*") if p.is_file())
+    assert params * 4 < written < params * 4 * 1.1, (params, written)
+
+
+def test_one_rank_is_refused_naming_the_param(device: Mount, assets: Path, tmp_path: Path) -> None:
+    """torchtitan applies fully_shard at one rank too (a mesh of one, for its mixed
+    precision); the cossd optimizer takes FSDP2 params at two ranks or more and refuses
+    before anything is committed, naming the param."""
+    done = torchrun(device, assets, tmp_path / "one", "titan-one", 1)
+    log = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "param tok_embeddings.weight is an FSDP2 DTensor but the optimizer runs on one rank" in log
