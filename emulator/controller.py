@@ -20,6 +20,7 @@ from ..protocol.logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
 from .namespace import Namespace
 from ..protocol.entries import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
 from ..protocol.hyperparameters import GROUP_FIELDS, SET_HYPERPARAMETERS_KEYS
+from ..protocol.computational import IO_QUEUE_FLAG
 from . import kinds, shared_commands
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,8 @@ IDENTIFY_BYTES = 4096
 # DeviceError (see Controller.execute).
 COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection_commands", "cossd.emulator.features",
                                     "cossd.emulator.snapshot_commands", "cossd.emulator.cmb_commands",
-                                    "cossd.emulator.archive_commands")
+                                    "cossd.emulator.archive_commands",
+                                    "cossd.emulator.computational.commands")
 
 # Effects beyond CSUPP that the Commands Supported and Effects page (LID 05h) announces.
 COMMAND_EFFECTS: dict[int, int] = {
@@ -152,6 +154,9 @@ class Controller:
         self.closers: list[Callable[[], None]] = []
         # Figures command modules keep (name -> a reader of them), for the metrics endpoints.
         self.figures: dict[str, Callable[[], dict[str, Any]]] = {}
+        # I/O commands of the compute and memory namespaces (a submission with IO_QUEUE_FLAG):
+        # opcode -> handler, which command modules add (emulator/computational/commands.py).
+        self.io_handlers: dict[int, Callable[[Command], Completion]] = {}
         for module in COMMAND_MODULES:
             self._handlers.update(importlib.import_module(module).handlers(self))
 
@@ -161,6 +166,8 @@ class Controller:
 
     def execute(self, command: Command) -> Completion:
         handler = self._handlers.get(command.opcode)
+        if command.flags & IO_QUEUE_FLAG:  # an I/O command: its opcodes are not the admin ones
+            handler = self.io_handlers.get(command.opcode)
         # An armed injection answers in the command's place: the command does not run.
         injected = self.injector.take(Queue.ADMIN, command.opcode, command.nsid, command.cid)
         location: int | None = None  # the submission byte a refusal names, where the handler says

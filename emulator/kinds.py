@@ -1,4 +1,4 @@
-"""The two namespace kinds a device holds: which one a create payload asks for, what each
+"""The namespace kinds a device holds (optimizer, nvm, and the standard's compute and memory): which one a create payload asks for, what each
 allocates, and how each is created and opened."""
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ from .namespace_verify import VERIFY_OPEN
 from .nvm import KIND as NVM_KIND
 from .nvm import NvmNamespace, NvmSpec
 from .spec import NamespaceSpec
+# The standard's compute and memory namespaces (NvmNamespace to the rest of the device).
+from .computational.namespaces import (COMPUTE_KIND, MEMORY_KIND, ComputeNamespace, ComputeSpec,
+                                       MemoryNamespace, MemorySpec)
 
 OPTIMIZER_KIND = "optimizer"
-KINDS = (OPTIMIZER_KIND, NVM_KIND)
+KINDS = (OPTIMIZER_KIND, NVM_KIND, COMPUTE_KIND, MEMORY_KIND)
 
-AnySpec = Union[NamespaceSpec, NvmSpec]
+AnySpec = Union[NamespaceSpec, NvmSpec, ComputeSpec, MemorySpec]
 AnyNamespace = Union[Namespace, NvmNamespace]
 
 
@@ -28,6 +31,10 @@ def spec_from_payload(value: Any) -> AnySpec:
     kind = value.get("kind", OPTIMIZER_KIND)
     if kind == NVM_KIND:
         return NvmSpec.from_json(value)
+    if kind == COMPUTE_KIND:
+        return ComputeSpec.from_json(value)
+    if kind == MEMORY_KIND:
+        return MemorySpec.from_json(value)
     if kind == OPTIMIZER_KIND:
         # The optimizer payload and its meta.json stay as they were: "kind" is not stored.
         return NamespaceSpec.from_json({k: v for k, v in value.items() if k != "kind"})
@@ -36,7 +43,7 @@ def spec_from_payload(value: Any) -> AnySpec:
 
 def allocation_bytes(spec: AnySpec) -> int:
     """Device capacity a namespace of `spec` takes: both state copies, or every NVM block."""
-    if isinstance(spec, NvmSpec):
+    if isinstance(spec, (NvmSpec, ComputeSpec, MemorySpec)):
         return spec.allocation_bytes
     _, copy_bytes = plan_layout([(t.name, t.numel) for t in spec.tensors], spec.state_itemsize, 2)
     return 2 * copy_bytes
@@ -45,6 +52,10 @@ def allocation_bytes(spec: AnySpec) -> int:
 def create(directory: Path, nsid: int, spec: AnySpec, sync: bool) -> AnyNamespace:
     if isinstance(spec, NvmSpec):
         return NvmNamespace.create(directory, nsid, spec, sync)
+    if isinstance(spec, ComputeSpec):
+        return ComputeNamespace.create(directory, nsid, spec)
+    if isinstance(spec, MemorySpec):
+        return MemoryNamespace.create(directory, nsid, spec)
     return Namespace.create(directory, nsid, spec, sync)
 
 
@@ -52,6 +63,11 @@ def open_namespace(directory: Path, sync: bool, verify: str = VERIFY_OPEN, *, du
     """Open a registered namespace; its meta.json says the kind (none: an optimizer).
     `verify` and `durable` (the device closed cleanly last time) apply to optimizer
     namespaces (namespace_open.Namespace.open)."""
-    if read_json(directory / "meta.json").get("kind", OPTIMIZER_KIND) == NVM_KIND:
+    kind = read_json(directory / "meta.json").get("kind", OPTIMIZER_KIND)
+    if kind == NVM_KIND:
         return NvmNamespace.open(directory, sync)
+    if kind == COMPUTE_KIND:
+        return ComputeNamespace.open(directory)
+    if kind == MEMORY_KIND:
+        return MemoryNamespace.open(directory)
     return Namespace.open(directory, sync, verify, durable=durable)

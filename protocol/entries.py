@@ -124,6 +124,12 @@ class Command:
     cdw15: int
     flags: int
     payload: bytes
+    # Dwords 2-4, which the vendor commands leave reserved; the Computational Programs
+    # command set's Execute Program uses them (protocol/computational.py). CDW4 is the low
+    # dword of `mptr`.
+    cdw2: int = 0
+    cdw3: int = 0
+    cdw4: int = 0
 
     @property
     def cdw10_11(self) -> int:
@@ -273,6 +279,9 @@ def decode_submission(raw: bytes) -> Command:
         cdw15=int(entry["cdw15"]),
         flags=int(entry["flags"]),
         payload=bytes(raw[SUBMISSION.itemsize :]),
+        cdw2=int(entry["cdw2"]),
+        cdw3=int(entry["cdw3"]),
+        cdw4=int(entry["mptr"]) & 0xFFFFFFFF,
     )
 
 

@@ -46,6 +46,18 @@ class Status(enum.IntEnum):
     # NVMe-oF Connect's "Connect Invalid Host": the network wire refused the host's credentials
     # (a wrong or missing token), or a command came before the connect
     CONNECT_INVALID_HOST = 0x184
+    # The Computational Programs command set's own (docs/command-set.md, "The standard face":
+    # values as a CSD emulator's header lists them, not checked against the specification's text)
+    INVALID_MEMORY_NAMESPACE = 0x18B
+    INVALID_MEMORY_RANGE_SET = 0x18C
+    INVALID_MEMORY_RANGE_SET_ID = 0x18D
+    INVALID_PROGRAM_INDEX = 0x18F
+    MAX_MEMORY_RANGE_EXCEEDED = 0x191
+    MAX_MEMORY_RANGE_SET_EXCEEDED = 0x192
+    NO_PROGRAM = 0x196
+    OVERLAPPING_MEMORY_RANGE = 0x197
+    PROGRAM_NOT_ACTIVATED = 0x198
+    PROGRAM_INDEX_NOT_DOWNLOADABLE = 0x19A
     # media and data integrity
     WRITE_FAULT = 0x280
     UNRECOVERED_READ_ERROR = 0x281
@@ -109,6 +121,16 @@ STATUS_ERRNO: dict[Status, int] = {
     Status.NAMESPACE_ID_UNAVAILABLE: errno.ENOSPC,
     Status.CONNECT_INVALID_HOST: errno.EACCES,
     Status.CONNECT_CONTROLLER_BUSY: errno.EBUSY,
+    Status.INVALID_MEMORY_NAMESPACE: errno.ENOENT,
+    Status.INVALID_MEMORY_RANGE_SET: errno.EINVAL,
+    Status.INVALID_MEMORY_RANGE_SET_ID: errno.ENOENT,
+    Status.INVALID_PROGRAM_INDEX: errno.EINVAL,
+    Status.MAX_MEMORY_RANGE_EXCEEDED: errno.E2BIG,
+    Status.MAX_MEMORY_RANGE_SET_EXCEEDED: errno.ENOSPC,
+    Status.NO_PROGRAM: errno.ENOENT,
+    Status.OVERLAPPING_MEMORY_RANGE: errno.EINVAL,
+    Status.PROGRAM_NOT_ACTIVATED: errno.EINVAL,
+    Status.PROGRAM_INDEX_NOT_DOWNLOADABLE: errno.EPERM,
     Status.WRITE_FAULT: errno.EIO,
     Status.UNRECOVERED_READ_ERROR: errno.EIO,
     Status.STEP_SKIPPED_NONFINITE: 0,

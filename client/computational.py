@@ -1,0 +1,145 @@
+"""The standard face of a computational SSD, from the host: compute and memory namespaces,
+program activation, memory range sets, Execute Program (adamw_step) and SLM I/O, over an
+AdminClient's queue pair (docs/command-set.md, "The standard face")."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+from ..protocol.computational import (ADAMW_PROGRAM_INDEX, CP_IDENTIFY_NAMESPACE, CSI_COMPUTE,
+                                      IDENTIFY_CNS_CSI_NAMESPACE, IDENTIFY_CSI_SHIFT, IO_QUEUE_FLAG, MAX_RANGES,
+                                      NVM_SOURCE_RANGE, PROGRAM_DESCRIPTOR, PROGRAM_TABLE_AT, ActivationSelect,
+                                      ComputeOpcode, CopyFormat, CpAdminOpcode, MemoryOpcode, RangeSetSelect,
+                                      encode_hyperparameters, encode_ranges)
+from ..protocol.entries import SUBMISSION, Completion, Opcode, encode_submission, status_error
+from ..protocol.status import DeviceError, Status
+from .admin import AdminClient
+
+# One range: (mnsid, starting byte, length in bytes).
+Range = tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecuteResult:
+    """An Execute Program's completion: the 64-bit return value and cossd's report."""
+
+    return_value: int
+    report: dict[str, Any]
+
+
+def submission(opcode: int, *, io: bool = False, cid: int = 0, nsid: int = 0, cdw2: int = 0, cdw3: int = 0,
+               cdw4: int = 0, payload: bytes = b"", **dwords: int) -> bytes:
+    """A 64-byte entry and its payload, with CDW2-4 and the I/O queue flag where given."""
+    raw = bytearray(encode_submission(opcode, cid=cid, nsid=nsid, payload=payload, **dwords))
+    entry = np.frombuffer(raw, dtype=SUBMISSION, count=1)
+    entry["flags"] = IO_QUEUE_FLAG if io else 0
+    entry["cdw2"], entry["cdw3"], entry["mptr"] = cdw2, cdw3, cdw4
+    return bytes(raw)
+
+
+class ComputationalClient:
+    """The two command sets over one AdminClient (not thread-safe, as it is not)."""
+
+    def __init__(self, admin: AdminClient) -> None:
+        self.admin = admin
+        self._cid = 0
+
+    def submit(self, opcode: int, *, io: bool = False, **fields: Any) -> Completion:
+        self._cid = (self._cid + 1) & 0xFFFF
+        return self.admin.transport.exchange(submission(opcode, io=io, cid=self._cid, **fields))
+
+    def call(self, opcode: int, *, io: bool = False, **fields: Any) -> Completion:
+        completion = self.submit(opcode, io=io, **fields)
+        if completion.status != Status.SUCCESS:
+            raise status_error(completion)
+        return completion
+
+    # ------------------------------------------------------------------ namespaces
+
+    def ensure_namespace(self, name: str, kind: str, **fields: Any) -> int:
+        """The nsid of namespace `name`, created as `kind` (compute or memory) where absent;
+        a namespace of that name and another kind is an error."""
+        for entry in self.admin.describe()["namespaces"]:
+            if entry["name"] == name:
+                if entry["kind"] != kind:
+                    raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
+                                      f"namespace {name!r} is a {entry['kind']} namespace, not {kind}")
+                return int(entry["nsid"])
+        return self.admin.create_namespace({"name": name, "kind": kind, **fields})
+
+    def identify(self, nsid: int) -> dict[str, Any]:
+        """The CP-specific Identify Namespace fields and the program table."""
+        page = self.admin.call(Opcode.IDENTIFY, nsid=nsid, cdw10=IDENTIFY_CNS_CSI_NAMESPACE,
+                               cdw11=CSI_COMPUTE << IDENTIFY_CSI_SHIFT).data
+        fields = np.frombuffer(page, dtype=CP_IDENTIFY_NAMESPACE, count=1)[0]
+        table = np.frombuffer(page, dtype=PROGRAM_DESCRIPTOR, count=1, offset=PROGRAM_TABLE_AT)
+        return {"fields": {name: int(fields[name]) for name in CP_IDENTIFY_NAMESPACE.names if name != "reserved7"},
+                "programs": [{"index": index, "occupied": int(row["flags"]) & 0x3,
+                              "activated": bool(int(row["flags"]) >> 2 & 1), "type": int(row["ptype"]),
+                              "pid": int(row["pid"])} for index, row in enumerate(table)]}
+
+    # ------------------------------------------------------------------ admin
+
+    def activate(self, nsid: int, index: int = ADAMW_PROGRAM_INDEX, active: bool = True) -> None:
+        select = ActivationSelect.ACTIVATE if active else ActivationSelect.DEACTIVATE
+        self.call(CpAdminOpcode.PROGRAM_ACTIVATION_MANAGEMENT, nsid=nsid, cdw10=index | select << 16)
+
+    def create_range_set(self, nsid: int, ranges: list[Range]) -> int:
+        return self.call(CpAdminOpcode.MEMORY_RANGE_SET_MANAGEMENT, nsid=nsid, cdw10=RangeSetSelect.CREATE,
+                         cdw11=len(ranges), payload=encode_ranges(ranges)).result
+
+    def delete_range_set(self, nsid: int, rsid: int) -> None:
+        self.call(CpAdminOpcode.MEMORY_RANGE_SET_MANAGEMENT, nsid=nsid, cdw10=RangeSetSelect.DELETE | rsid << 16)
+
+    # ------------------------------------------------------------------ Execute Program
+
+    def execute(self, nsid: int, *, ranges: list[Range] | None = None, range_set: int = 0, step: int = 0,
+                grad_scale: float | None = None, hyperparameters: dict[str, float] | None = None,
+                index: int = ADAMW_PROGRAM_INDEX) -> ExecuteResult:
+        """Execute Program `index` over inline `ranges` or the range set `range_set`;
+        `hyperparameters` (lr, beta1, beta2, eps, weight_decay, and optionally group) go
+        after the descriptors."""
+        inline = ranges or []
+        data = encode_ranges(inline)
+        if hyperparameters is not None:
+            data += encode_hyperparameters(**hyperparameters)
+        scale = struct.unpack("<Q", struct.pack("<d", grad_scale))[0] if grad_scale is not None else 0
+        completion = self.call(ComputeOpcode.EXECUTE_PROGRAM, io=True, nsid=nsid, cdw2=index | range_set << 16,
+                               cdw3=len(inline), cdw4=len(data), payload=data, cdw10=step & 0xFFFFFFFF,
+                               cdw11=step >> 32, cdw12=scale & 0xFFFFFFFF, cdw13=scale >> 32)
+        value = struct.unpack_from("<Q", completion.data)[0]
+        return ExecuteResult(value, json.loads(completion.data[8:]))
+
+    # ------------------------------------------------------------------ SLM I/O
+
+    def read(self, nsid: int, offset: int, length: int) -> bytes:
+        return self.call(MemoryOpcode.MEMORY_READ, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
+                         cdw11=offset >> 32, cdw12=length).data
+
+    def write(self, nsid: int, offset: int, data: bytes) -> int:
+        return self.call(MemoryOpcode.MEMORY_WRITE, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
+                         cdw11=offset >> 32, payload=bytes(data)).result
+
+    def fill(self, nsid: int, offset: int, length: int, pattern: int = 0) -> int:
+        return self.call(MemoryOpcode.MEMORY_FILL, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
+                         cdw11=offset >> 32, cdw12=length, cdw13=pattern).result
+
+    def copy_from_memory(self, nsid: int, offset: int, sources: list[Range]) -> int:
+        return self._copy(nsid, offset, CopyFormat.MEMORY, encode_ranges(sources), len(sources))
+
+    def copy_from_nvm(self, nsid: int, offset: int, sources: list[tuple[int, int, int]]) -> int:
+        """Memory Copy from LBA ranges (nvm nsid, first LBA, blocks) of NVM namespaces: a restore."""
+        table = np.zeros(len(sources), dtype=NVM_SOURCE_RANGE)
+        for row, (source, slba, blocks) in zip(table, sources):
+            row["nsid"], row["slba"], row["nlb"] = source, slba, blocks
+        return self._copy(nsid, offset, CopyFormat.NVM_LBAS, table.tobytes(), len(sources))
+
+    def _copy(self, nsid: int, offset: int, form: int, payload: bytes, count: int) -> int:
+        if not 1 <= count <= MAX_RANGES:
+            raise ValueError(f"1..{MAX_RANGES} source ranges, got {count}")
+        return self.call(MemoryOpcode.MEMORY_COPY, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
+                         cdw11=offset >> 32, cdw12=(count - 1) | form << 8, payload=payload).result
