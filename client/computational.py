@@ -143,3 +143,36 @@ class ComputationalClient:
             raise ValueError(f"1..{MAX_RANGES} source ranges, got {count}")
         return self.call(MemoryOpcode.MEMORY_COPY, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
                          cdw11=offset >> 32, cdw12=(count - 1) | form << 8, payload=payload).result
+
+
+# The namespaces a trainer's Execute Program path uses, made on first use: one compute
+# namespace and one memory namespace that is a window on the CMB (whose bytes the trainer
+# already maps and locks its part of).
+TRAINER_COMPUTE_NAMESPACE = "cossd-cp"
+TRAINER_WINDOW_NAMESPACE = "cossd-cmb"
+GROUPS_PER_EXECUTE = MAX_RANGES // 5
+
+
+class CmbProgram:
+    """adamw_step over gradients and params that sit in the CMB: what CMB_WRITE with
+    param_cmb_offset does, through the standard's Execute Program instead."""
+
+    def __init__(self, admin: AdminClient) -> None:
+        self.client = ComputationalClient(admin)
+        self.compute = self.client.ensure_namespace(TRAINER_COMPUTE_NAMESPACE, "compute")
+        self.window = self.client.ensure_namespace(TRAINER_WINDOW_NAMESPACE, "memory", cmb=True)
+        self.client.activate(self.compute)  # controller state: again after every restart
+
+    def adamw_step(self, nsid: int, spans: list[tuple[int, int, int, int]], *, step: int = 0,
+                   state_itemsize: int = 4) -> list[ExecuteResult]:
+        """Spans (first element in the namespace's table order, elements, gradient CMB offset,
+        params CMB offset), fifty to an Execute; step 0: the open step (the caller commits)."""
+        results = []
+        for at in range(0, len(spans), GROUPS_PER_EXECUTE):
+            ranges: list[Range] = []
+            for first, count, grad_at, params_at in spans[at : at + GROUPS_PER_EXECUTE]:
+                ranges += [(self.window, grad_at, 2 * count), (nsid, 4 * first, 4 * count),
+                           (nsid, state_itemsize * first, state_itemsize * count),
+                           (nsid, state_itemsize * first, state_itemsize * count), (self.window, params_at, 2 * count)]
+            results.append(self.client.execute(self.compute, ranges=ranges, step=step))
+        return results

@@ -116,7 +116,9 @@ ADAMW_ROLES = ("grad", "master", "exp_avg", "exp_avg_sq", "param_out")
 # What a compute namespace reports (CP Identify Namespace).
 MAX_ACTIVATED = 1  # maxact: the one program
 MAX_RANGE_SETS = 64  # maxmemrs
-RANGE_GRANULARITY = 4  # mrsg: bytes (dword); the unit is cossd's reading
+# mrsg: bytes; the unit is cossd's reading. 2, not a dword: a half-precision gradient of an odd
+# number of elements must be nameable as one range.
+RANGE_GRANULARITY = 2
 MAX_RANGES = 250  # maxmemr (a u8): fifty groups of five
 MAX_PROGRAM_BYTES = 0  # maxpb: no downloads
 LOAD_GRANULARITY = 0  # lpg

@@ -14,6 +14,7 @@ import torch
 from ..client import (DEFAULT_TIMEOUT_S, AdminClient, CmbRegion, Credentials, DeviceTimeoutError, is_remote,
                       plan_cmb_batches)
 from ..client.cmb import CMB_ALIGN
+from ..client.computational import CmbProgram
 from ..protocol.status import DeviceError, Status
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,16 @@ class NamespaceFiles:
 
     def __init__(self, mountpoint: str | os.PathLike[str], name: str,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S, use_cmb: bool = True,
-                 credentials: Credentials | None = None) -> None:
+                 credentials: Credentials | None = None, command_set: str = "vendor") -> None:
         # A storage server's URL (cossd://HOST:PORT) stays a string: a Path folds its "//".
         self.mountpoint: Path | str = os.fspath(mountpoint) if is_remote(mountpoint) else Path(mountpoint)
         self.use_cmb = use_cmb  # False: the tensor files only, even where the device has a CMB
+        # "cp": a step's gradients in the CMB go through the standard's Execute Program
+        # (adamw_step, client/computational.py) instead of CMB_WRITE; made on first use.
+        self.command_set = command_set
+        self._program: CmbProgram | None = None
+        self._first_element: dict[str, int] = {}  # each tensor's first element in table order
+        self._state_itemsize = 4
         self.name = name
         self.root = self._root(name)
         # A server's token and TLS files (None: from the environment); kept so that a new
@@ -397,11 +404,28 @@ class NamespaceFiles:
         for tensor, array in grads:
             grad_at, _, size = slots[tensor]
             window[grad_at : grad_at + size].copy_(array)
-        self.command(self.admin.cmb_write, self.nsid, [
-            {"tensor": tensor, "length": slots[tensor][2], "cmb_offset": cmb.base + slots[tensor][0],
-             "param_cmb_offset": cmb.base + slots[tensor][1]} for tensor, _ in grads])
+        if self.command_set == "cp":
+            self._execute_program(cmb.base, slots, [tensor for tensor, _ in grads])
+        else:
+            self.command(self.admin.cmb_write, self.nsid, [
+                {"tensor": tensor, "length": slots[tensor][2], "cmb_offset": cmb.base + slots[tensor][0],
+                 "param_cmb_offset": cmb.base + slots[tensor][1]} for tensor, _ in grads])
         self._params_back.update({tensor: slots[tensor][1:] for tensor, _ in grads})
         return sum(slots[tensor][2] for tensor, _ in grads)
+
+    def _execute_program(self, base: int, slots: dict[str, tuple[int, int, int]], tensors: list[str]) -> None:
+        """_grads_to_slots through Execute Program: each tensor's span of the namespace's
+        elements (table order), its gradients and params at their CMB places."""
+        if self._program is None:
+            config = self.config()
+            self._first_element, at = {}, 0
+            for entry in config["tensors"]:
+                self._first_element[entry["name"]] = at
+                at += int(entry["numel"])
+            self._state_itemsize = 2 if config.get("state_dtype") == "bf16" else 4
+            self._program = self.command(CmbProgram, self.admin)
+        spans = [(self._first_element[t], slots[t][2] // 2, base + slots[t][0], base + slots[t][1]) for t in tensors]
+        self.command(self._program.adamw_step, self.nsid, spans, state_itemsize=self._state_itemsize)
 
     def write_many(self, items: list[tuple[str, str, torch.Tensor]], params_back: bool = False) -> int:
         """write() of several (tensor, role, tensor) at offset 0, through the CMB where there
@@ -427,6 +451,10 @@ class NamespaceFiles:
         arrays = [values.detach().contiguous().view(-1).view(torch.uint8) for _, _, values in items]
         sizes = [array.numel() for array in arrays]
         slots = self.stream_slots() if params_back else None
+        if self.command_set == "cp" and params_back and slots is None:
+            raise RuntimeError(f"{self.mountpoint}: transport='cp' sends each step through Execute Program over "
+                               "the CMB, which must hold a step's gradients and params at once (a larger "
+                               "`cossd mount --cmb-size`, or another client's part freed)")
         if slots is not None and all(role == "grad" and tensor in slots and slots[tensor][2] == size
                                      for (tensor, role, _), size in zip(items, sizes)):
             return self._grads_to_slots([(tensor, array) for (tensor, _, _), array in zip(items, arrays)])

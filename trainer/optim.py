@@ -63,6 +63,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         step_timeout_s: float = 300.0,
         process_group: Any = None,
         param_gather: str = "device",
+        transport: str = "vendor",
         **torch_options: Any,
     ) -> None:
         # A ZeRO-1 job's params back: every rank reads all ("device") or its shard, then an all-gather.
@@ -98,6 +99,12 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
             raise ValueError(f"step_timeout_s must be > 0, got {step_timeout_s}")
         if average_grads is not None and not isinstance(average_grads, bool):
             raise ValueError(f"average_grads must be True, False or None, got {average_grads!r}")
+        # "cp": each step's gradients through the standard's Execute Program (adamw_step) over
+        # the CMB instead of the vendor CMB_WRITE (docs/trainer.md); one device, one process.
+        if transport not in ("vendor", "cp"):
+            raise ValueError(f"transport must be 'vendor' or 'cp', got {transport!r}")
+        if transport == "cp" and (mounts is not None or self._ranks is not None or not use_cmb):
+            raise ValueError("transport='cp' runs on one device in one process, through the CMB (use_cmb=True)")
         self.step_timeout_s = float(step_timeout_s)
         self._average = average_grads
         self._job = 0
@@ -152,7 +159,8 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
             self._initialized = True
             return
         try:
-            self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials)
+            self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials,
+                                        command_set=transport)
         except BaseException as exc:
             if self._ranks is not None:
                 # The other ranks are about to wait for this one: they fail with its reason.

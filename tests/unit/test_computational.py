@@ -105,7 +105,7 @@ def test_identify_program_table_and_load_program(rig: tuple[Controller, AdminCli
     compute, _ = cp_setup(cp)
     ident = cp.identify(compute)
     assert ident["fields"]["maxact"] == 1 and ident["fields"]["maxmemr"] == MAX_RANGES
-    assert ident["fields"]["maxpb"] == 0 and ident["fields"]["mrsg"] == 4
+    assert ident["fields"]["maxpb"] == 0 and ident["fields"]["mrsg"] == 2
     assert ident["programs"] == [{"index": 0, "occupied": 2, "activated": True, "type": 0, "pid": ADAMW_PROGRAM_ID}]
     assert cp.submit(CpAdminOpcode.LOAD_PROGRAM, nsid=compute, cdw10=0).status == Status.PROGRAM_INDEX_NOT_DOWNLOADABLE
     assert cp.submit(CpAdminOpcode.LOAD_PROGRAM, nsid=compute, cdw10=1).status == Status.INVALID_PROGRAM_INDEX
@@ -172,7 +172,7 @@ def test_nonfinite_step_returns_its_count(rig: tuple[Controller, AdminClient, Co
 def _hostile(window: int, opt: int, other: int) -> list[tuple[str, dict, Status]]:
     good = adamw_ranges(window, opt, 0, 1 << 20)
     return [
-        ("misaligned", {"ranges": good[:4] + [(window, (1 << 20) + 2, 2 * NUMEL)]}, Status.INVALID_FIELD),
+        ("misaligned", {"ranges": good[:4] + [(window, (1 << 20) + 1, 2 * NUMEL)]}, Status.INVALID_FIELD),
         ("overlap", {"ranges": good[:4] + [(window, 4, 2 * NUMEL)]}, Status.OVERLAPPING_MEMORY_RANGE),
         ("out of bounds", {"ranges": good[:4] + [(window, CMB_BYTES - 4, 2 * NUMEL)]}, Status.INVALID_MEMORY_RANGE_SET),
         ("past the namespace", {"ranges": adamw_ranges(window, opt, 0, 1 << 20, first=8)}, Status.INVALID_MEMORY_RANGE_SET),
