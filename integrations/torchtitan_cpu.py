@@ -11,7 +11,7 @@ a device module (memory statistics included), before any other torchtitan module
 them, then runs torchtitan's own `main()`. Its arguments are torchtitan.train's:
 
     torchrun --nproc-per-node 2 -m cossd.integrations.torchtitan_cpu \\
-        --module cossd.integrations.torchtitan --config llama3_debugmodel_cossd ...
+        --module cossd.trainer.torchtitan --config llama3_debugmodel_cossd ...
 
 `for_cpu(config)` adapts a trainer config to the CPU and gloo where torchtitan's defaults
 need a GPU: see its docstring. On a GPU none of this is needed: `torchrun -m

@@ -5,11 +5,13 @@ torchtitan builds its optimizers from `Trainer.Config.optimizer`, an
 subclass with its own `Config` is torchtitan's extension point. Point torchtitan at a config
 function of this module (its `--module` takes a module path):
 
-    torchrun --nproc-per-node 2 -m torchtitan.train --module cossd.integrations.torchtitan \\
+    torchrun --nproc-per-node 2 -m torchtitan.train --module cossd.trainer.torchtitan \\
         --config llama3_debugmodel_cossd --optimizer.mount /mnt/cossd --optimizer.namespace run1
 
 or use `cossd_adamw(...)` as the `optimizer` of a config of one's own. (Without a GPU, run
-`-m cossd.integrations.torchtitan_cpu` in place of `-m torchtitan.train`.)
+`-m cossd.integrations.torchtitan_cpu` in place of `-m torchtitan.train`.) It is optimizer
+logic beside torchtitan, as deepspeed_zero.py is beside DeepSpeed, so it lives in the
+trainer layer; importing it needs torchtitan installed.
 
 The container's `state_dict()` gives torchtitan's flat, FQN-keyed form with, for a cossd
 optimizer, only each param's `step` and the 512-byte reference (cossd.trainer.dcp): the
@@ -31,9 +33,8 @@ from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.components.optimizer.utils import get_flat_optim_state_dict, init_optim_state, load_flat_optim_state_dict
 
-from ..trainer import AdamW
-from ..trainer.dcp import REF_KEY, load_reference, reference_state_dict
-from ..trainer.optim import _DeviceAdam
+from .dcp import REF_KEY, load_reference, reference_state_dict
+from .optim import AdamW, _DeviceAdam
 
 # The name a ParamGroupConfig gives to have its params stepped by cossd's AdamW.
 COSSD_ADAMW = "CossdAdamW"

@@ -23,7 +23,7 @@ STEPS, KILL_AFTER = 7, 5  # checkpoints after steps 3 and 6 (interval 3) and the
 def _titan_missing() -> str | None:
     if not TITAN_PY.exists():
         return f"{TITAN_PY} is absent: `make torchtitan` makes the torchtitan virtualenv"
-    probe = subprocess.run([str(TITAN_PY), "-c", "import torchtitan, cossd.integrations.torchtitan"],
+    probe = subprocess.run([str(TITAN_PY), "-c", "import torchtitan, cossd.trainer.torchtitan"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
         return f"torchtitan or cossd does not import in {TITAN_PY}: {probe.stderr.strip().splitlines()[-1:]}"

@@ -24,7 +24,7 @@ WORDS = ("the drive runs adam on its own media and every step is a checkpoint wh
 def tiny_llama() -> Any:
     """llama3_debugmodel (dim 256, 6 layers, vocab 2048) with cossd's AdamW, adapted to CPU
     and gloo, on sequences of 64 tokens, batches of 2, checkpoints every 3 steps."""
-    from cossd.integrations.torchtitan import llama3_debugmodel_cossd
+    from cossd.trainer.torchtitan import llama3_debugmodel_cossd
     from cossd.integrations.torchtitan_cpu import for_cpu
 
     assets = Path(os.environ["TITAN_ASSETS"])
