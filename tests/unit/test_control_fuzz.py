@@ -28,6 +28,7 @@ from cossd import kernels
 from cossd.emulator import Device
 from cossd.emulator.controller import Controller
 from cossd.protocol.status import Status
+from cossd.protocol.computational import CpAdminOpcode
 from cossd.protocol.entries import MAX_PAYLOAD_BYTES
 from cossd.protocol.entries import (
     COMPLETION,
@@ -48,7 +49,8 @@ BASELINE: dict[str, dict[str, Any]] = {
     "aux": {"name": "aux", "tensors": [["t", 100]]},
 }
 SUCCESSFUL = (Status.SUCCESS, Status.STEP_SKIPPED_NONFINITE)
-KNOWN_OPCODES = sorted(int(opcode) for opcode in Opcode)
+# The admin opcodes of the vendor command set and of the Computational Programs command set.
+KNOWN_OPCODES = sorted(int(opcode) for opcode in (*Opcode, *CpAdminOpcode))
 IN_PROCESS_EXAMPLES = 1100  # 1-4 entries each: about 2600 entries
 THROUGH_MOUNT_EXAMPLES = 90  # 2-5 entries each: about 300 entries
 
