@@ -86,17 +86,6 @@ def parse_threads(text: str) -> int:
     return count
 
 
-def parse_tensor(text: str) -> tuple[str, int]:
-    name, sep, numel = text.rpartition(":")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"tensor must be NAME:NUMEL, got {text!r}")
-    try:
-        count = int(numel)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"element count of {name!r} is not an integer: {numel!r}") from None
-    return name, count
-
-
 # ---------------------------------------------------------------------- nvme-cli shaped verbs
 
 DEVICE_HELP = ("the device: its mountpoint, a namespace's directory MOUNTPOINT/ns/NAME "
