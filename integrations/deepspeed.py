@@ -95,3 +95,22 @@ def refuse_config(engine: Any) -> None:
         raise NotImplementedError(
             f"{combination} with round_robin_gradients: its flat groups' order depends on the "
             "world size, where a cossd namespace keeps one order; remove round_robin_gradients")
+
+
+# DeepSpeedEngine's methods that save or load a ZeRO checkpoint's optimizer state; `tag` is
+# a local of each (the checkpoint's tag, resolved from `latest` where the caller gave none).
+_CHECKPOINT_METHODS = ("_save_zero_checkpoint", "_load_zero_checkpoint")
+
+
+def checkpoint_tag() -> str | None:
+    """The tag of the DeepSpeed checkpoint being saved or loaded, where DeepSpeedEngine's
+    save_checkpoint or load_checkpoint is the caller (found on the stack); else None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if (frame.f_code.co_name in _CHECKPOINT_METHODS and candidate is not None
+                and type(candidate).__module__.startswith("deepspeed.")):
+            tag = frame.f_locals.get("tag")
+            return None if tag is None else str(tag)
+        frame = frame.f_back
+    return None

@@ -142,24 +142,26 @@ def _snapshots(optimizer: _DeviceAdam) -> dict[str, dict[str, Any]]:
     return {snapshot["tag"]: snapshot for snapshot in listed.get(files.name, [])}
 
 
-def _take_snapshot(optimizer: _DeviceAdam) -> dict[str, Any]:
+def _take_snapshot(optimizer: _DeviceAdam, prefix: str = SNAPSHOT_PREFIX) -> dict[str, Any]:
     """Rank 0's part of a save: a snapshot of the committed step (or the one the last save
-    took, where the namespace has not moved since), then the oldest DCP snapshots beyond
-    `dcp_keep` dropped. Returns the reference."""
+    took, where the namespace has not moved since), then the oldest snapshots of `prefix`
+    (the checkpoints of DCP, or of DeepSpeed: deepspeed_zero.py) beyond `dcp_keep` dropped.
+    Returns the reference."""
     files = optimizer.files
     identity = optimizer._identity()
     last = getattr(optimizer, "_dcp_last", None)
-    if last is not None and last[0] == identity and last[1]["snapshot"] in _snapshots(optimizer):
+    if (last is not None and last[0] == identity and last[1]["snapshot"].startswith(prefix)
+            and last[1]["snapshot"] in _snapshots(optimizer)):
         return last[1]
     step = int(identity["committed_step"]) if "committed_step" in identity else optimizer.committed_step
-    tag = f"{SNAPSHOT_PREFIX}{step}-{secrets.token_hex(4)}"
+    tag = f"{prefix}{step}-{secrets.token_hex(4)}"
     files.command(snapshot_calls.create_snapshot, files.admin, files.nsid, tag)
     reference = {"cossd": 1, "device": identity["device"], "namespace": files.name, "nsid": files.nsid,
                  "snapshot": tag, "step": step}
     optimizer._dcp_last = (optimizer._identity(), reference)
     keep = getattr(optimizer, "dcp_keep", None)
     if keep is not None:
-        ours = sorted((s for s in _snapshots(optimizer).values() if s["tag"].startswith(SNAPSHOT_PREFIX)),
+        ours = sorted((s for s in _snapshots(optimizer).values() if s["tag"].startswith(prefix)),
                       key=lambda s: (s.get("step", 0), s.get("created", "")))
         for old in ours[: max(0, len(ours) - keep)]:
             if old["tag"] != tag:
@@ -188,20 +190,21 @@ def reference_state_dict(optimizer: _DeviceAdam) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _roll_back(optimizer: _DeviceAdam, reference: dict[str, Any]) -> dict[str, Any]:
+def _roll_back(optimizer: _DeviceAdam, reference: dict[str, Any], checkpoint: str = "the DCP checkpoint") -> dict[str, Any]:
     """Rank 0's part of a load: the namespace back at the referenced snapshot (a step an
-    earlier job left open aborted first); a RuntimeError naming the snapshot where it is gone."""
+    earlier job left open aborted first); a RuntimeError naming `checkpoint` (the caller's
+    words for it) and the snapshot where it is gone."""
     files = optimizer.files
     identity = optimizer._identity()
     if reference["device"] != identity["device"] or reference["namespace"] != files.name:
         raise ValueError(
-            f"the DCP checkpoint's optimizer state is namespace {reference['namespace']!r} on the device with "
+            f"{checkpoint}: its optimizer state is namespace {reference['namespace']!r} on the device with "
             f"serial {reference['device']}, not this optimizer's ({files.name!r} on {identity['device']})")
     snapshot = _snapshots(optimizer).get(reference["snapshot"])
     if snapshot is None or snapshot.get("state") != "ready":
         why = "is gone" if snapshot is None else f"is {snapshot.get('state')} ({snapshot.get('error')})"
         raise RuntimeError(
-            f"the DCP checkpoint's optimizer state, snapshot {reference['snapshot']!r} of namespace "
+            f"{checkpoint}: its optimizer state, snapshot {reference['snapshot']!r} of namespace "
             f"{files.name!r} (step {reference['step']}), {why} on the device {identity['device']}: this "
             "checkpoint cannot be resumed with its masters and moments. Resume from a later checkpoint, "
             "or from the device's committed step without loading the optimizer's state")
@@ -213,8 +216,8 @@ def _roll_back(optimizer: _DeviceAdam, reference: dict[str, Any]) -> dict[str, A
             files.command(snapshot_calls.rollback, files.admin, files.nsid, reference["snapshot"])
         except DeviceError as exc:
             if exc.status == Status.SNAPSHOT_NOT_FOUND:
-                raise RuntimeError(f"snapshot {reference['snapshot']!r} of namespace {files.name!r} is gone "
-                                   "from the device") from None
+                raise RuntimeError(f"{checkpoint}: its optimizer state, snapshot {reference['snapshot']!r} of "
+                                   f"namespace {files.name!r}, is gone from the device") from None
             raise
         optimizer._dcp_last = (optimizer._identity(), reference)
     stats = files.statistics()

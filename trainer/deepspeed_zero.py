@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..integrations.deepspeed import refuse_config, world_size
+from ..integrations.deepspeed import checkpoint_tag, refuse_config, world_size
+from . import dcp
 from .distributed import Ranks
 from .plan import Entry
 from .shard import Piece
@@ -272,46 +273,63 @@ class ZeroBinding:
             opt.last_timing["params_s"] = clock() - reading
         opt.committed_step = int(result["committed_step"])
 
-
     # ------------------------------------------------------------------ DeepSpeed's checkpoints
 
     def state_dict(self) -> dict[str, Any]:
         """What DeepSpeed's save_checkpoint stores as this optimizer's state: no masters and no
-        moments (they are on the device), only the param groups' options and which device
-        state the checkpoint goes with (the namespace, its committed step)."""
+        moments, only the param groups' options and a reference to a device snapshot of the
+        committed step that rank 0 takes now (dcp.py's; `ds-<step>-<random>`, `dcp_keep`
+        bounds how many are kept), with the checkpoint's tag."""
+        opt = self.optimizer
         groups = []
         for index, group in enumerate(self.groups):
             packed = {key: value for key, value in group.items() if key != "params"}
             packed["params"] = [index]
             groups.append(packed)
-        return {"state": {}, "param_groups": groups, REFERENCE: self.optimizer._identity()}
+        if opt._step_open:
+            raise RuntimeError("save_checkpoint in the middle of engine.step() (some param groups stepped, "
+                               "not all): save between steps")
+        reference = dcp._on_rank0(opt, lambda: dcp._take_snapshot(opt, SNAPSHOT_PREFIX))
+        return {"state": {}, "param_groups": groups, REFERENCE: dict(reference, tag=checkpoint_tag())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """DeepSpeed's load_checkpoint: a reference to the state the device holds now loads as
-        a no-op (the param groups' options are taken); anything else is refused, saying why,
-        and nothing changes."""
+        """DeepSpeed's load_checkpoint: the namespace rolled back to the snapshot that the
+        checkpoint's reference names (rank 0, for every rank), then each rank's partitions get
+        its masters. A snapshot that is gone, or a checkpoint of another optimizer, is refused
+        naming the tag, and nothing changes."""
         opt = self.optimizer
         reference = state_dict.get(REFERENCE) if isinstance(state_dict, dict) else None
-        if reference is None:
+        if not isinstance(reference, dict) or "snapshot" not in reference:
             raise ValueError(
                 "under DeepSpeed ZeRO the cossd optimizer loads only checkpoints it saved itself (a "
-                "reference to its device state); this one holds optimizer state of another optimizer. "
-                "Load it into a job with that optimizer, or start the cossd run from the model's weights")
-        now = opt._identity()
-        if reference != now:
-            raise RuntimeError(
-                f"this DeepSpeed checkpoint goes with step {reference.get('committed_step')} of namespace "
-                f"{reference.get('name')!r} (nsid {reference.get('nsid')}, device {reference.get('device')}); "
-                f"the device holds step {now.get('committed_step')} of namespace {now.get('name')!r} (nsid "
-                f"{now.get('nsid')}). cossd keeps the latest committed step only: resume from the device "
-                "(deepspeed.initialize restores it), without load_checkpoint's optimizer state")
+                "reference to a device snapshot); this one holds "
+                f"{'an older cossd reference without a snapshot' if isinstance(reference, dict) else 'optimizer state of another optimizer'}. "
+                "Load it into a job with that optimizer, or start the cossd run from the device's committed step "
+                "(deepspeed.initialize restores it) or from the model's weights")
         saved = state_dict.get("param_groups")
         if not isinstance(saved, list) or len(saved) != len(self.groups):
             raise ValueError(f"the checkpoint has {len(saved) if isinstance(saved, list) else 'no'} param groups, "
                              f"this optimizer {len(self.groups)}")
+        tag = reference.get("tag") or checkpoint_tag()
+        snapshot = {key: value for key, value in reference.items() if key != "tag"}
+        outcome = dcp._on_rank0(opt, lambda: dcp._roll_back(opt, snapshot, f"DeepSpeed checkpoint tag {tag!r}"))
+        opt.committed_step = int(outcome["committed_step"])
+        opt.steps_skipped = int(outcome["steps_skipped"])
+        opt.last_step_skipped = False
+        opt.restored = True
+        opt._step_open = False
+        self._next_group = 0
         for group, theirs in zip(self.groups, saved):
             group.update({key: value for key, value in theirs.items() if key != "params"})
+        # The snapshot's masters into this rank's partitions and their bit16 copies. (DeepSpeed
+        # then loads its own copy of the FP32 partitions and the model, the same values: both
+        # were taken from the device at that step.)
+        self._read_masters()
+        for index, bit16 in enumerate(self.wrapper.parallel_partitioned_bit16_groups):
+            bit16[self.ranks.rank].data.copy_(self.partitions[index].data)
 
 
+# The prefix of the device snapshots DeepSpeed's save_checkpoint takes (dcp.py takes them).
+SNAPSHOT_PREFIX = "ds-"
 # The key of a cossd reference in the optimizer state DeepSpeed saves.
 REFERENCE = "cossd_device_state"

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -94,6 +95,15 @@ def main() -> int:
             return write(items, role=role)
 
         optimizer.files.write_pieces = write_pieces
+    checkpoints = config.get("checkpoints")
+    if config.get("load_tag"):
+        # A restart from a DeepSpeed checkpoint: the device rolls back to its tag's snapshot.
+        try:
+            loaded, _ = engine.load_checkpoint(checkpoints, tag=config["load_tag"])
+        except Exception as exc:
+            (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+            return 5
+        assert loaded is not None, f"no checkpoint {config['load_tag']} in {checkpoints}"
     dtype = next(engine.module.parameters()).dtype
     first = getattr(optimizer, "committed_step", 0) + 1
     losses = {}
@@ -104,6 +114,14 @@ def main() -> int:
             engine.backward(loss)
             engine.step()
             losses[step] = loss.item()
+            if config.get("save_every") and step % config["save_every"] == 0:
+                engine.save_checkpoint(checkpoints, tag=f"step{step}")
+            if step == config.get("kill_at"):
+                dist.barrier()  # every rank past the step, then the whole job is killed (kill -9)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == config.get("stall_at"):
+                (out / f"stalled{rank}").write_text(str(step))  # the test kills the daemon, then us
+                time.sleep(3600)
     except StepAbortedError as exc:
         (out / f"error{rank}.txt").write_text(f"{exc}\ncommitted_step={optimizer.committed_step}")
         return 3

@@ -223,6 +223,66 @@ def test_zero_groups_checkpoint_through_deepspeed(cossd_adamw, tmp_path: Path) -
     assert optimizer.committed_step == STEPS + 1
 
 
+def _more_steps(engine: Any, steps: int) -> list[float]:
+    x, y = data()
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for micro in range(ACCUMULATION):
+            rows = slice(micro * MICRO_BATCH, (micro + 1) * MICRO_BATCH)
+            loss = F.cross_entropy(engine(x[rows].to(torch.bfloat16)).float(), y[rows])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / ACCUMULATION
+        losses.append(total)
+    return losses
+
+
+def test_zero_checkpoint_tags_roll_the_device_back(cossd_adamw, mounted: Mount, tmp_path: Path) -> None:
+    """BF16 ZeRO-1, two groups: save_checkpoint(tag "a") at step 2 and "b" at step 4 each
+    record a device snapshot and write no moments; load_checkpoint("a") brings the device back
+    to step 2 and the next 2 steps repeat "a"->"b" bit for bit; once "a"'s snapshot is deleted,
+    loading "a" fails naming the tag, and nothing changes."""
+    from cossd.client import AdminClient
+    from cossd.client import snapshots as snapshot_calls
+    from cossd.trainer.deepspeed_zero import REFERENCE
+
+    engine, optimizer, _ = train(cossd_adamw("ds-tags"), "bf16", 1, steps=2)
+    at_a = [m.clone() for m in optimizer.master_weights()]
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    first = _more_steps(engine, 2)
+    at_b = [m.clone() for m in optimizer.master_weights()]
+    engine.save_checkpoint(str(tmp_path), tag="b")
+    [optim_file] = (tmp_path / "a").glob("*optim_states.pt")
+    saved = torch.load(optim_file, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]
+    assert saved["state"] == {} and saved[REFERENCE]["tag"] == "a" and saved[REFERENCE]["step"] == 2
+
+    engine.load_checkpoint(str(tmp_path), tag="a")
+    assert optimizer.committed_step == 2 and optimizer.restored
+    assert all(torch.equal(a, b) for a, b in zip(optimizer.master_weights(), at_a))
+    again = _more_steps(engine, 2)
+    assert again == first and optimizer.committed_step == 4
+    assert all(torch.equal(a, b) for a, b in zip(optimizer.master_weights(), at_b))
+
+    with AdminClient(mounted.mountpoint) as admin:
+        snapshot_calls.delete_snapshot(admin, admin.nsid("ds-tags"), saved[REFERENCE]["snapshot"])
+    with pytest.raises(RuntimeError, match="DeepSpeed checkpoint tag 'a': .* is gone"):
+        engine.load_checkpoint(str(tmp_path), tag="a")
+    assert optimizer.committed_step == 4
+    assert all(torch.equal(a, b) for a, b in zip(optimizer.master_weights(), at_b))
+
+
+def test_zero_checkpoint_of_torch_adamw_is_refused(cossd_adamw, tmp_path: Path) -> None:
+    """A DeepSpeed checkpoint saved with torch.optim.AdamW holds moments, not a reference:
+    load_checkpoint into a cossd job is refused with ValueError, and the device keeps its step."""
+    engine, _, _ = train(lambda g: torch.optim.AdamW(g, lr=LR), "bf16", 1, steps=1)
+    engine.save_checkpoint(str(tmp_path), tag="torch")
+    engine, optimizer, _ = train(cossd_adamw("ds-foreign"), "bf16", 1, steps=2)
+    with pytest.raises(ValueError, match="optimizer state of another optimizer"):
+        engine.load_checkpoint(str(tmp_path), tag="torch")
+    assert optimizer.committed_step == 2
+
+
 def test_zero_restart_resumes_from_the_device(cossd_adamw) -> None:
     """A BF16 ZeRO-2 job with two param groups, stopped after 3 steps and started again on the
     same namespace with no DeepSpeed checkpoint: deepspeed.initialize finds the flat

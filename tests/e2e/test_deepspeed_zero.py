@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -9,7 +13,7 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the optional framework tier: `make frameworks`)")
 
-from ranks import bits_equal, finished, mounted_device, spawn_ranks  # noqa: E402
+from ranks import bits_equal, finished, free_port, mounted_device, spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.mount
 
@@ -54,6 +58,73 @@ def test_zero2_two_ranks_rank_killed_before_commit(device: Any, tmp_path: Path) 
             [reference[rank]["result"]["losses"][step] for step in range(4, STEPS + 1)]
         assert bits_equal(again[rank]["params"], reference[rank]["params"])
     assert bits_equal(again[0]["masters"], reference[0]["masters"])
+
+
+# Checkpoints by DeepSpeed's save_checkpoint after steps 3 and 6 of 7; killed after 5, between them.
+LAST, SAVE_EVERY, KILL_AT = 7, 3, 5
+
+
+def checkpointed(device: Any, root: Path, name: str, **config: Any) -> list[int]:
+    """A BF16 ZeRO-2 job at 2 ranks on namespace `name`, saving tags step3 and step6 to root/name-ckpt."""
+    return run(device, root / name, 2, namespace=name, last=LAST, save_every=SAVE_EVERY,
+               checkpoints=str(root / f"{name}-ckpt"), **config)
+
+
+_uninterrupted: list[list[dict[str, Any]]] = []
+
+
+def resumed_like_uninterrupted(device: Any, root: Path, name: str) -> None:
+    """Restart `name` from tag step3 (the device holds step 5): it ends as a job that never
+    stopped (run once for the module: its namespace then holds step 7)."""
+    if not _uninterrupted:
+        _uninterrupted.append(finished(root / "ds-ck-whole", 2, checkpointed(device, root, "ds-ck-whole")))
+    whole = _uninterrupted[0]
+    again = finished(root / f"{name}-again", 2, run(device, root / f"{name}-again", 2, namespace=name, last=LAST,
+                                                      checkpoints=str(root / f"{name}-ckpt"), load_tag="step3"))
+    for rank in range(2):
+        result = again[rank]["result"]
+        assert result["first"] == SAVE_EVERY + 1 and result["committed_step"] == LAST
+        assert [result["losses"][step] for step in range(SAVE_EVERY + 1, LAST + 1)] == \
+            [whole[rank]["result"]["losses"][step] for step in range(SAVE_EVERY + 1, LAST + 1)]
+        assert bits_equal(again[rank]["params"], whole[rank]["params"])
+    assert bits_equal(again[0]["masters"], whole[0]["masters"])
+
+
+def test_zero2_job_killed_between_two_checkpoints_resumes_bit_identical(device: Any, tmp_path: Path) -> None:
+    """The whole job killed (kill -9, every rank) after step 5, between the checkpoints of
+    steps 3 and 6; restarted with engine.load_checkpoint(tag "step3"): the device rolls back
+    from step 5 to step 3's snapshot and the run ends bit for bit as the uninterrupted one."""
+    codes = checkpointed(device, tmp_path, "ds-ck-kill", kill_at=KILL_AT)
+    assert codes == [-9, -9], (codes, (tmp_path / "ds-ck-kill" / "logs.txt").read_text()[-3000:])
+    resumed_like_uninterrupted(device, tmp_path, "ds-ck-kill")
+
+
+@pytest.mark.slow
+def test_zero2_daemon_killed_between_two_checkpoints_resumes_bit_identical(device: Any, tmp_path: Path) -> None:
+    """The device daemon killed (kill -9) while the job stands after step 5, then the job;
+    the daemon restarted, the job restarted from tag step3: bit for bit as the uninterrupted run."""
+    name, world = "ds-ck-daemon", 2
+    out = tmp_path / name
+    out.mkdir(parents=True)
+    config = {"mount": str(device.mountpoint), "out": str(out), "stage": 2, "precision": "bf16", "namespace": name,
+              "last": LAST, "save_every": SAVE_EVERY, "checkpoints": str(tmp_path / f"{name}-ckpt"),
+              "stall_at": KILL_AT}
+    env = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                        "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config)], env=env | {"RANK": str(r)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(world)]
+    try:
+        deadline = time.monotonic() + 300
+        while not all((out / f"stalled{r}").exists() for r in range(world)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), "the job did not reach step 5"
+            time.sleep(0.2)
+        device.kill()  # kill -9 of the daemon: the device at step 5, snapshots of step 3 (and none later)
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+    device.restart()
+    resumed_like_uninterrupted(device, tmp_path, name)
 
 
 MATRIX = [(stage, precision, world) for stage in (1, 2) for precision in ("bf16", "fp16") for world in (1, 2, 3)]
