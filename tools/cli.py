@@ -21,7 +21,8 @@ from .arguments import NVME_PROG
 # The verb families (tools/verbs_*.py), in the order they register; each registers its verbs
 # with register(verb).
 FAMILIES = ("verbs_device", "verbs_namespace", "verbs_admin", "verbs_logs", "verbs_harness", "verbs_top",
-            "verbs_features", "verbs_inject", "verbs_model", "verbs_snapshots", "verbs_archive")
+            "verbs_features", "verbs_inject", "verbs_model", "verbs_snapshots", "verbs_archive",
+            "verbs_computational")
 
 # The family of each verb: `cossd VERB` imports that family alone and builds a parser of that
 # verb alone. The families import what their verbs need (numpy, the clients, the server), and
@@ -43,6 +44,8 @@ VERB_FAMILIES = {
     "snapshot": "verbs_snapshots", "rollback": "verbs_snapshots", "clone": "verbs_snapshots",
     "export": "verbs_snapshots",
     "archive": "verbs_archive", "restore": "verbs_archive",
+    "cp-list-programs": "verbs_computational", "cp-activate": "verbs_computational",
+    "cp-exec": "verbs_computational", "slm-read": "verbs_computational", "slm-write": "verbs_computational",
 }
 
 
@@ -55,7 +58,8 @@ def family(name: str) -> ModuleType:
 HELP_ORDER = ("format", "mount", "serve", "umount", "create-ns", "delete-ns", "id-ctrl", "begin-step", "commit-step",
               "abort-step", "revert-step", "smart-log", "error-log", "server-log", "get-log", "id-ns", "admin-passthru", "flush",
               "scrub", "list", "version", "demo", "bench", "top", "get-feature", "set-feature", "inject-error", "model",
-              "snapshot", "rollback", "clone", "export", "archive", "restore")
+              "snapshot", "rollback", "clone", "export", "archive", "restore", "cp-list-programs", "cp-activate",
+              "cp-exec", "slm-read", "slm-write")
 
 
 class _Verbs:

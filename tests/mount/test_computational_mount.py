@@ -20,7 +20,7 @@ from cossd.client import AdminClient
 from cossd.client.computational import TRAINER_COMPUTE_NAMESPACE, ComputationalClient
 from cossd.emulator import Device
 from cossd.trainer import AdamW
-from helpers import pread_all, tensor_dir
+from helpers import pread_all, run_cli, tensor_dir
 
 
 @pytest.fixture
@@ -153,3 +153,27 @@ def test_kill_9_mid_execute_recovers_like_a_vendor_step(mounted: Mount) -> None:
             pread_all(tensor_dir(mounted.mountpoint, "k", "w") / "param")
         # The compute namespace came back, its program not active (controller state).
         assert ComputationalClient(admin).identify(compute)["programs"][0]["activated"] is False
+
+
+@pytest.mark.mount
+def test_cli_verbs(mounted: Mount, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with AdminClient(mounted.mountpoint) as admin:
+        cp = ComputationalClient(admin)
+        cp.ensure_namespace("c", "compute")
+        cp.ensure_namespace("slm", "memory", capacity_bytes=8192)
+    code, out, _ = run_cli(capsys, "cp-activate", mounted.mountpoint, "c")
+    assert code == 0 and "activated" in out
+    code, out, _ = run_cli(capsys, "cp-list-programs", mounted.mountpoint, "c", "-o", "json")
+    listing = json.loads(out)
+    assert code == 0 and listing["programs"][0]["activated"] and listing["fields"]["maxpb"] == 0
+    source = tmp_path / "bytes"
+    source.write_bytes(b"cossd-cp" * 4)
+    code, out, _ = run_cli(capsys, "slm-write", mounted.mountpoint, "slm", "--offset", "0x100", "--input-file", source)
+    assert code == 0 and json.loads(run_cli(capsys, "slm-read", mounted.mountpoint, "slm", "--offset", "0x100",
+                                            "--length", 32, "-o", "json")[1])["data"] == (b"cossd-cp" * 4).hex()
+    # A refusal: one line naming the status, exit 1, as every verb.
+    code, _, err = run_cli(capsys, "slm-read", mounted.mountpoint, "slm", "--offset", 2, "--length", 4)
+    assert code == 1 and "INVALID_FIELD" in err
+    code, _, err = run_cli(capsys, "cp-exec", mounted.mountpoint, "c", "--range", "99:0:4", "--range", "99:0:4",
+                           "--range", "99:0:4", "--range", "99:0:4", "--range", "99:0:4")
+    assert code == 1 and "INVALID_MEMORY_NAMESPACE" in err

@@ -26,7 +26,11 @@ def package_tree(into: Path) -> Path:
                 (top / module.name).symlink_to(module)
             continue
         sub = name.removeprefix("cossd.")
-        assert "." not in sub, f"{name}: only folders for cossd.X are linked"
+        if "." in sub:  # a subpackage in its parent's folder (emulator/computational): linked with it
+            parent = name.rsplit(".", 1)[0]
+            assert Path(package_dir[name]).parent == Path(package_dir[parent]), \
+                f"{name}: only a subpackage inside its parent's folder is linked with it"
+            continue
         (top / sub).symlink_to(folder, target_is_directory=True)
     return into
 
