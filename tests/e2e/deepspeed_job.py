@@ -22,12 +22,12 @@ MICRO_BATCH, LR = 8, 1e-2
 
 
 class Tiny(torch.nn.Module):
-    """2,128 params: 16 -> 64 -> 16."""
+    """16 -> hidden -> 16: 2,128 params at the hidden width of 64 the tests train."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 64) -> None:
         super().__init__()
-        self.fc1 = torch.nn.Linear(16, 64)
-        self.fc2 = torch.nn.Linear(64, 16)
+        self.fc1 = torch.nn.Linear(16, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(x)))
@@ -69,7 +69,7 @@ def main() -> int:
         type(get_accelerator()).is_fp16_supported = lambda self: True
     deepspeed.init_distributed("gloo")
     torch.manual_seed(0)
-    model = Tiny()
+    model = Tiny(config.get("hidden", 64))
     try:
         if config.get("torch"):  # the reference: torch's AdamW under the same DeepSpeed config
             optimizer = torch.optim.AdamW(groups(model), lr=LR)
@@ -96,16 +96,22 @@ def main() -> int:
 
         optimizer.files.write_pieces = write_pieces
     checkpoints = config.get("checkpoints")
+    timings: dict[str, float] = {}
     if config.get("load_tag"):
         # A restart from a DeepSpeed checkpoint: the device rolls back to its tag's snapshot.
         try:
+            dist.barrier()
+            started = time.perf_counter()
             loaded, _ = engine.load_checkpoint(checkpoints, tag=config["load_tag"])
+            dist.barrier()
+            timings["restore_s"] = time.perf_counter() - started
         except Exception as exc:
             (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
             return 5
         assert loaded is not None, f"no checkpoint {config['load_tag']} in {checkpoints}"
     dtype = next(engine.module.parameters()).dtype
-    first = getattr(optimizer, "committed_step", 0) + 1
+    # cossd: where the device stands; torch's AdamW: where DeepSpeed's checkpoint left the engine.
+    first = getattr(optimizer, "committed_step", engine.global_steps) + 1
     losses = {}
     try:
         for step in range(first, config["last"] + 1):
@@ -115,7 +121,11 @@ def main() -> int:
             engine.step()
             losses[step] = loss.item()
             if config.get("save_every") and step % config["save_every"] == 0:
+                dist.barrier()  # the save stall: every rank from the step's end to the save's
+                started = time.perf_counter()
                 engine.save_checkpoint(checkpoints, tag=f"step{step}")
+                dist.barrier()
+                timings["save_s"] = time.perf_counter() - started
             if step == config.get("kill_at"):
                 dist.barrier()  # every rank past the step, then the whole job is killed (kill -9)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -127,10 +137,11 @@ def main() -> int:
         return 3
     params = [p.detach().clone() for p in engine.module.parameters()]
     if config.get("torch"):
-        torch.save({"result": {"losses": losses, "first": first}, "params": params}, out / f"rank{rank}.pt")
+        torch.save({"result": {"losses": losses, "first": first, "timings": timings}, "params": params},
+                   out / f"rank{rank}.pt")
     else:
         result = {"committed_step": optimizer.committed_step, "first": first, "restored": optimizer.restored,
-                  "losses": losses, "names": [(e.name, e.numel) for e in optimizer.entries]}
+                  "losses": losses, "names": [(e.name, e.numel) for e in optimizer.entries], "timings": timings}
         torch.save({"result": result, "params": params,
                     "masters": optimizer.master_weights() if rank == 0 else None}, out / f"rank{rank}.pt")
         optimizer.close()

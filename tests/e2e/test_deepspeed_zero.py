@@ -127,6 +127,39 @@ def test_zero2_daemon_killed_between_two_checkpoints_resumes_bit_identical(devic
     resumed_like_uninterrupted(device, tmp_path, name)
 
 
+HIDDEN = 16384  # a 540,688-param MLP for the checkpoint figures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoint_bytes_stall_and_restore_against_torch_adamw(device: Any, tmp_path: Path, stage: int,
+                                                                figures: list[str]) -> None:
+    """What DeepSpeed's save_checkpoint writes (BF16, 2 ranks) with torch.optim.AdamW and with
+    cossd, its stall, and a restarted job's load_checkpoint (cossd: the rollback included)."""
+    params = 33 * HIDDEN + 16
+    measured = {}
+    for kind in ("torch", "cossd"):
+        name = f"ds-bytes-{stage}-{kind}"
+        common = {"stage": stage, "hidden": HIDDEN, "checkpoints": str(tmp_path / f"{name}-ckpt"), "namespace": name,
+                  "torch": kind == "torch"}
+        saved = finished(tmp_path / name, 2, run(device, tmp_path / name, 2, last=SAVE_EVERY + 1,
+                                                 save_every=SAVE_EVERY, **common))
+        files = [p for p in (tmp_path / f"{name}-ckpt" / f"step{SAVE_EVERY}").rglob("*") if p.is_file()]
+        optim = sum(p.stat().st_size for p in files if "optim_states" in p.name)
+        size = sum(p.stat().st_size for p in files)
+        again = finished(tmp_path / f"{name}-again", 2, run(device, tmp_path / f"{name}-again", 2, last=SAVE_EVERY + 1,
+                                                             load_tag=f"step{SAVE_EVERY}", **common))
+        assert again[0]["result"]["first"] == SAVE_EVERY + 1
+        measured[kind] = (size, optim, max(r["result"]["timings"]["save_s"] for r in saved),
+                          max(r["result"]["timings"]["restore_s"] for r in again))
+    # torch: DeepSpeed's FP32 partitions and both moments (12 B/param); cossd: the FP32
+    # partitions only (4 B/param), the optimizer's part a reference.
+    assert measured["torch"][1] > params * 12 and measured["cossd"][1] < params * 4 + 64 * 1024
+    for kind, (size, optim, save_s, restore_s) in measured.items():
+        figures.append(f"DeepSpeed ZeRO-{stage} BF16 2 ranks {params} params, {kind}: checkpoint {size} B "
+                       f"(optimizer files {optim} B), save {save_s:.2f} s, restore {restore_s:.2f} s")
+
+
 MATRIX = [(stage, precision, world) for stage in (1, 2) for precision in ("bf16", "fp16") for world in (1, 2, 3)]
 
 
