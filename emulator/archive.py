@@ -22,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import kernels
+from ..protocol import manifest_seal
 from ..protocol.pacing import AimdWindow, StoreMeter
 from ..protocol.status import DeviceError, Status
 from . import media
@@ -267,19 +268,11 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
 # ---------------------------------------------------------------------- the manifest
 
 
-def canonical_manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    """The bytes `manifest_crc32c` covers: the manifest without that field, as compact JSON
-    with sorted keys and ASCII escapes, so any reader re-derives them from the parsed object
-    whatever the stored file's whitespace."""
-    fields = {key: value for key, value in manifest.items() if key != MANIFEST_CHECKSUM}
-    return json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode()
-
-
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
     """The stored manifest.json: the fields and their checksum, indented for a reader."""
-    sealed = dict(manifest) | {MANIFEST_CHECKSUM: kernels.crc32c(canonical_manifest_bytes(manifest))}
-    return (json.dumps(sealed, indent=1, sort_keys=True) + "\n").encode()
+    # The seal (protocol/manifest_seal.py) is the one the trainer's tiered manifests carry too.
+    return (json.dumps(manifest_seal.sealed(manifest, MANIFEST_CHECKSUM), indent=1, sort_keys=True)
+            + "\n").encode()
 
 
 def decode_manifest(raw: bytes, url: str, *, accept_unchecked: bool = False) -> dict[str, Any]:
@@ -304,12 +297,10 @@ def decode_manifest(raw: bytes, url: str, *, accept_unchecked: bool = False) -> 
             raise ValueError(f"version {version!r}: this cossd reads {UNCHECKED_MANIFEST_VERSION} and "
                              f"{MANIFEST_VERSION}")
         else:
-            stored = manifest.get(MANIFEST_CHECKSUM)
-            computed = kernels.crc32c(canonical_manifest_bytes(manifest))
-            if stored != computed:
+            problem = manifest_seal.seal_problem(manifest, MANIFEST_CHECKSUM)
+            if problem is not None:
                 raise DeviceError(Status.UNRECOVERED_READ_ERROR, (
-                    f"{where} fails its own checksum ({MANIFEST_CHECKSUM} {stored!r}, its fields give "
-                    f"{computed}): the manifest was altered or damaged in the store; nothing was restored"))
+                    f"{where} {problem}: the manifest was altered or damaged in the store; nothing was restored"))
         for key in ("namespace", "tag", "spec", "objects", "archived"):
             manifest[key]  # noqa: B018 (KeyError names a missing field)
         int(manifest["state_bytes"]), int(manifest["chunk_bytes"]), int(manifest["step"])

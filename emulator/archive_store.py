@@ -11,6 +11,7 @@ import re
 import threading
 from collections.abc import Iterator
 
+from ..protocol.manifest_seal import SEAL_FIELD
 from ..protocol.status import DeviceError, Status
 
 log = logging.getLogger("cossd.emulator.archive")
@@ -23,7 +24,7 @@ MANIFEST_FORMAT = "cossd-archive"
 # 2: the manifest carries `manifest_crc32c`, its own checksum (format 1 had none).
 MANIFEST_VERSION = 2
 UNCHECKED_MANIFEST_VERSION = 1
-MANIFEST_CHECKSUM = "manifest_crc32c"
+MANIFEST_CHECKSUM = SEAL_FIELD  # "manifest_crc32c", the trainer's tiered manifests' field too
 MIB = 1 << 20
 # S3 refuses parts under 5 MiB (the last excepted) and more than 10 000 parts.
 MIN_CHUNK_BYTES = 5 * MIB

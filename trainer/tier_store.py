@@ -5,13 +5,20 @@ import contextlib
 import json
 import re
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import crc32c
 
+from ..protocol import manifest_seal
+
 MANIFEST_FORMAT = "cossd-tiered"
-MANIFEST_VERSION = 1
+# 2: the manifest (and the spill dir's sidecar) carries `manifest_crc32c`, its own checksum
+# over its canonical bytes (protocol/manifest_seal.py, the device's archive's seal too).
+MANIFEST_VERSION = 2
+UNCHECKED_MANIFEST_VERSION = 1  # the same fields without a checksum of their own
+MANIFEST_CHECKSUM = manifest_seal.SEAL_FIELD
 DATA_OBJECT = "data"
 MANIFEST_OBJECT = "manifest.json"
 MIB = 1 << 20
@@ -28,7 +35,12 @@ class StoreError(RuntimeError):
 
 
 class CorruptVersionError(RuntimeError):
-    """A version whose bytes do not match its manifest's checksums (in the store or the spill dir)."""
+    """A version whose bytes do not match its manifest's checksums, or whose manifest fails its
+    own (in the store or the spill dir)."""
+
+
+class UncheckedManifestError(CorruptVersionError):
+    """A version whose manifest is format 1 (no checksum of its own), refused unless accepted."""
 
 
 def parse_url(url: object) -> tuple[str, str]:
@@ -50,23 +62,42 @@ def version_dir(step: int) -> str:
 
 
 def manifest(step: int, payload_bytes: int, chunk_bytes: int, crcs: list[int], created: str) -> dict[str, Any]:
-    """A version's manifest (the spill dir's sidecar has the same form)."""
+    """A version's manifest, not yet sealed (the spill dir's sidecar has the same form); each
+    writer seals it (`manifest_seal.sealed`) once its last field is in."""
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "step": step,
             "payload_bytes": payload_bytes, "chunk_bytes": chunk_bytes, "chunks_crc32c": crcs,
             "created": created}
 
 
-def check_manifest(data: Any, step: int) -> dict[str, Any]:
-    """A manifest read back, checked for form; CorruptVersionError if it is not one."""
+def check_manifest(data: Any, step: int, where: str, accept_unchecked: bool = False) -> dict[str, Any]:
+    """A manifest read back from `where` (the store or the spill dir), checked: its own
+    checksum first, then its form. CorruptVersionError saying what is wrong; a format-1
+    manifest is refused (UncheckedManifestError) unless `accept_unchecked`, and then warned of."""
+    version = data.get("version") if isinstance(data, dict) else None
+    if isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT and version == UNCHECKED_MANIFEST_VERSION:
+        if not accept_unchecked:
+            raise UncheckedManifestError(
+                f"version {step} in {where}: its manifest is format {UNCHECKED_MANIFEST_VERSION}, which carries no "
+                "checksum of its own, so a flipped bit in it would go unnoticed; it is not used. Restore it only "
+                "if you trust it: TieredCheckpointer(..., accept_unchecked_manifests=True) (its chunks are still "
+                "verified)")
+        warnings.warn(f"TieredCheckpointer: version {step} in {where} has a format-{UNCHECKED_MANIFEST_VERSION} "
+                      "manifest (no checksum of its own), used as accept_unchecked_manifests asks",
+                      RuntimeWarning, stacklevel=3)
+    elif isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT and version == MANIFEST_VERSION:
+        problem = manifest_seal.seal_problem(data, MANIFEST_CHECKSUM)
+        if problem is not None:
+            raise CorruptVersionError(f"version {step} in {where}: its manifest {problem}: it was altered or "
+                                      "damaged; the version is not used")
     try:
-        ok = (data["format"] == MANIFEST_FORMAT and data["version"] == MANIFEST_VERSION and data["step"] == step
-              and data["chunk_bytes"] > 0
+        ok = (data["format"] == MANIFEST_FORMAT and data["version"] in (UNCHECKED_MANIFEST_VERSION, MANIFEST_VERSION)
+              and data["step"] == step and data["chunk_bytes"] > 0
               and len(data["chunks_crc32c"]) == -(-data["payload_bytes"] // data["chunk_bytes"]))
     except (KeyError, TypeError):
         ok = False
     if not ok:
-        raise CorruptVersionError(f"version {step}: its manifest is not a {MANIFEST_FORMAT} v{MANIFEST_VERSION} "
-                                  "manifest that matches its step")
+        raise CorruptVersionError(f"version {step} in {where}: its manifest is not a {MANIFEST_FORMAT} "
+                                  f"v{MANIFEST_VERSION} manifest that matches its step")
     return data
 
 
@@ -75,9 +106,11 @@ class ObjectStore:
     finds them (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE,
     ~/.aws), unless `endpoint_url` overrides the endpoint. Versions are PREFIX/vSTEP/."""
 
-    def __init__(self, url: str, endpoint_url: str | None = None, connections: int = 10) -> None:
+    def __init__(self, url: str, endpoint_url: str | None = None, connections: int = 10,
+                 accept_unchecked: bool = False) -> None:
         self.bucket, self.prefix = parse_url(url)
         self.url = url
+        self.accept_unchecked = accept_unchecked  # format-1 manifests (no checksum of their own)
         if endpoint_url is not None and not re.match(r"https?://[^/\s]", str(endpoint_url)):
             raise ValueError(f"endpoint_url must be an http(s):// URL, got {endpoint_url!r}")
         try:
@@ -144,7 +177,7 @@ class ObjectStore:
             data = json.loads(body)
         except ValueError:
             raise CorruptVersionError(f"version {step} in {self.url}: its manifest is not JSON") from None
-        return check_manifest(data, step)
+        return check_manifest(data, step, self.url, self.accept_unchecked)
 
     def abort_stale_uploads(self) -> int:
         """Abort every unfinished multipart upload of a version under the prefix (a process
@@ -191,7 +224,10 @@ class ObjectStore:
         if size != record["payload_bytes"]:
             raise StoreError(f"s3://{self.bucket}/{key} holds {size} bytes after its upload, not "
                              f"{record['payload_bytes']}")
-        body = json.dumps({**record, "archived": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()
+        # Sealed once complete: the seal covers every field, `archived` included.
+        body = json.dumps(manifest_seal.sealed({**record, "archived": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                      time.gmtime())},
+                                               MANIFEST_CHECKSUM)).encode()
         with self.errors(f"writing the manifest of version {step}"):
             self.client.put_object(Bucket=self.bucket, Key=self.key(step, MANIFEST_OBJECT), Body=body)
 

@@ -43,7 +43,8 @@ class TieredCheckpointer:
                  spill_bytes: int = 0, endpoint_url: str | None = None, chunk_bytes: int = 8 * MIB,
                  max_concurrency: int = 8, initial_concurrency: int = 2, part_latency_target_s: float = 2.0,
                  max_stall_s: float = 5.0, upload_bytes_per_s: float | None = None, part_retries: int = 3,
-                 pool_profile: str | os.PathLike[str] | None = None, pool_timed: bool = False) -> None:
+                 pool_profile: str | os.PathLike[str] | None = None, pool_timed: bool = False,
+                 accept_unchecked_manifests: bool = False) -> None:
         for name, value in (("memory_bytes", memory_bytes), ("spill_bytes", spill_bytes),
                             ("chunk_bytes", chunk_bytes), ("max_concurrency", max_concurrency),
                             ("initial_concurrency", initial_concurrency), ("part_retries", part_retries)):
@@ -67,9 +68,11 @@ class TieredCheckpointer:
         window = tier_policy.AimdWindow(initial_concurrency, max_concurrency, part_latency_target_s)
         meter = tier_policy.StoreMeter()
         cap = tier_policy.TokenBucket(upload_bytes_per_s) if upload_bytes_per_s is not None else None
-        self._store = tier_store.ObjectStore(url, endpoint_url, connections=max_concurrency)
+        # Format-1 manifests and sidecars (no checksum of their own) are refused unless accepted.
+        accept = bool(accept_unchecked_manifests)
+        self._store = tier_store.ObjectStore(url, endpoint_url, connections=max_concurrency, accept_unchecked=accept)
         self._store.check_bucket()
-        spill = tier_spill.SpillDir(spill_dir) if spill_dir is not None else None
+        spill = tier_spill.SpillDir(spill_dir, accept_unchecked=accept) if spill_dir is not None else None
         self._state = TierState(memory_bytes, spill_bytes, spill)
         self._need = 0                # the room the spill thread keeps free in the pool: the last save's size
         self._last_step: int | None = None
@@ -98,16 +101,23 @@ class TieredCheckpointer:
 
     def _adopt_spilled(self, archived: set[int]) -> None:
         """Versions a previous checkpointer left in the spill dir: uploaded from there (or
-        removed where the store has them already); files of a spill cut short removed."""
+        removed where the store has them already); files of a spill cut short removed; a
+        version whose sidecar fails its checks discarded, and a format-1 one left, each warned of."""
         state, spill = self._state, self._state.spill
         if spill is None:
             return
-        complete, removed = spill.scan()
+        found = spill.scan()
+        removed = found.cut_short
         state.counts["spill_leftovers_removed"] = len(removed)
         if removed:
             warnings.warn(f"TieredCheckpointer: removed {len(removed)} file(s) of versions whose spill was cut "
                           f"short in {spill.path}: {', '.join(removed[:6])}", RuntimeWarning, stacklevel=3)
-        for step, record in complete.items():
+        state.counts["spill_corrupt"] += len(found.corrupt)
+        for why in found.corrupt:
+            warnings.warn(f"TieredCheckpointer: discarded {why}", RuntimeWarning, stacklevel=3)
+        for why in found.unchecked:
+            warnings.warn(f"TieredCheckpointer: left in place, not adopted: {why}", RuntimeWarning, stacklevel=3)
+        for step, record in found.complete.items():
             if step in archived:
                 spill.delete(step)
                 continue
