@@ -37,7 +37,9 @@ class TieredCheckpointer:
     from the pool to `spill_dir` (at most `spill_bytes`). When every tier is full, versions
     not yet archived are coalesced: the newest is kept, intermediate ones dropped, counted in
     stats() and warned of. `restore` loads the newest complete version from the fastest tier
-    that holds it. docs/tiers.md describes the tiers, the policy and the objects."""
+    that holds it. Manifests written before they carried their own checksum (format 1) are
+    used only with `accept_unchecked_manifests=True`. docs/tiers.md describes the tiers, the
+    policy and the objects."""
 
     def __init__(self, url: str, *, memory_bytes: int, spill_dir: str | os.PathLike[str] | None = None,
                  spill_bytes: int = 0, endpoint_url: str | None = None, chunk_bytes: int = 8 * MIB,
@@ -337,8 +339,9 @@ class TieredCheckpointer:
                 version: int | None = None) -> dict[str, Any]:
         """Load version `version` (None: the newest complete one) into `model` and
         `optimizer`, bit for bit, from the memory pool, the spill dir or the store, in that
-        order; {"step", "tier", "skipped"}. A copy that fails its checks is skipped with a
-        warning (for version=None, older versions are tried next); RestoreError if none
+        order; {"step", "tier", "skipped"}. A copy that fails its checks (its manifest's own
+        checksum, verified first; a chunk's CRC32C) is skipped with a warning naming it (for
+        version=None, older versions are tried next); RestoreError if none
         loads. The model and optimizer change only once a version has been read and checked
         whole (ValueError, nothing loaded, where it does not fit them)."""
         done = tier_restore.restore(self._state, self._store, self.versions(), model, optimizer, version)
