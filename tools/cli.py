@@ -1,6 +1,6 @@
 """The `cossd` command line: format, mount and administer an emulated computational SSD.
 
-The verbs live in families, one module each (tools/verbs_*.py); every module has
+The verbs live in families, one module each (tools/verbs/*.py); every module has
 `register(verb)`, called with build_parser's verb factory. Here: the parser, the entry point,
 the nvme-cli compatible entry (run as `nvme`) and the help of the arguments most verbs share.
 """
@@ -18,39 +18,39 @@ from types import ModuleType
 from ..protocol.status import DeviceError
 from .arguments import NVME_PROG
 
-# The verb families (tools/verbs_*.py), in the order they register; each registers its verbs
+# The verb families (tools/verbs/*.py), in the order they register; each registers its verbs
 # with register(verb).
-FAMILIES = ("verbs_device", "verbs_namespace", "verbs_admin", "verbs_logs", "verbs_harness", "verbs_top",
-            "verbs_features", "verbs_inject", "verbs_model", "verbs_snapshots", "verbs_archive",
-            "verbs_computational")
+FAMILIES = ("device", "namespace", "admin", "logs", "harness", "top",
+            "features", "inject", "model", "snapshots", "archive",
+            "computational")
 
 # The family of each verb: `cossd VERB` imports that family alone and builds a parser of that
 # verb alone. The families import what their verbs need (numpy, the clients, the server), and
 # `cossd mount` at a restart would otherwise pay for all of it before it starts the daemon.
 # tests/cli/test_cli.py checks it against what the families register.
 VERB_FAMILIES = {
-    "format": "verbs_device", "mount": "verbs_device", "serve": "verbs_device", "umount": "verbs_device",
-    "list": "verbs_device",
-    "create-ns": "verbs_namespace", "delete-ns": "verbs_namespace", "id-ns": "verbs_namespace",
-    "id-ctrl": "verbs_admin", "begin-step": "verbs_admin", "commit-step": "verbs_admin", "abort-step": "verbs_admin",
-    "revert-step": "verbs_admin", "admin-passthru": "verbs_admin", "flush": "verbs_admin", "scrub": "verbs_admin",
-    "version": "verbs_admin",
-    "smart-log": "verbs_logs", "error-log": "verbs_logs", "server-log": "verbs_logs", "get-log": "verbs_logs",
-    "demo": "verbs_harness", "bench": "verbs_harness",
-    "top": "verbs_top",
-    "get-feature": "verbs_features", "set-feature": "verbs_features",
-    "inject-error": "verbs_inject",
-    "model": "verbs_model",
-    "snapshot": "verbs_snapshots", "rollback": "verbs_snapshots", "clone": "verbs_snapshots",
-    "export": "verbs_snapshots",
-    "archive": "verbs_archive", "restore": "verbs_archive",
-    "cp-list-programs": "verbs_computational", "cp-activate": "verbs_computational",
-    "cp-exec": "verbs_computational", "slm-read": "verbs_computational", "slm-write": "verbs_computational",
+    "format": "device", "mount": "device", "serve": "device", "umount": "device",
+    "list": "device",
+    "create-ns": "namespace", "delete-ns": "namespace", "id-ns": "namespace",
+    "id-ctrl": "admin", "begin-step": "admin", "commit-step": "admin", "abort-step": "admin",
+    "revert-step": "admin", "admin-passthru": "admin", "flush": "admin", "scrub": "admin",
+    "version": "admin",
+    "smart-log": "logs", "error-log": "logs", "server-log": "logs", "get-log": "logs",
+    "demo": "harness", "bench": "harness",
+    "top": "top",
+    "get-feature": "features", "set-feature": "features",
+    "inject-error": "inject",
+    "model": "model",
+    "snapshot": "snapshots", "rollback": "snapshots", "clone": "snapshots",
+    "export": "snapshots",
+    "archive": "archive", "restore": "archive",
+    "cp-list-programs": "computational", "cp-activate": "computational",
+    "cp-exec": "computational", "slm-read": "computational", "slm-write": "computational",
 }
 
 
 def family(name: str) -> ModuleType:
-    return importlib.import_module(f".{name}", __package__)
+    return importlib.import_module(f".verbs.{name}", __package__)
 
 
 # The order `cossd --help` lists the verbs in: a device's life first (format, mount, its

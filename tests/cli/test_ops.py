@@ -22,7 +22,8 @@ from cossd.emulator import Device
 from cossd.emulator.device import SUPERBLOCK_FILE
 from cossd.protocol.logpages import DATA_UNIT_BYTES
 from cossd.fs import daemon
-from cossd.tools import media_health, verbs_top
+from cossd.tools import media_health
+from cossd.tools.verbs import top as verbs_top
 from cossd.tools.cli import main
 from cossd.client import AdminClient
 from helpers import create_namespace, run_cli, tensor_dir

@@ -20,7 +20,7 @@ from cossd.client import AdminClient
 from cossd.client import archive as archive_calls
 from cossd.client import snapshots as snapshot_calls
 from cossd.emulator import Device, DeviceError, Status, archive, archive_restore
-from cossd.tools import verbs_archive
+from cossd.tools.verbs import archive as verbs_archive
 from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
 from s3_server import store_in_environment
 

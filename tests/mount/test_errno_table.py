@@ -524,7 +524,7 @@ def row_snapshot_deleted_handle(env: Env) -> int:
 # ---------------------------------------------------------------------- injected failures
 
 def row_injected_io_failure(env: Env) -> int:
-    from cossd.tools.verbs_inject import arm_injection
+    from cossd.tools.verbs.inject import arm_injection
 
     root = env.fresh()
     arm_injection(env.admin, 1, "WRITE_FAULT", queue="io", nsid=env.admin.nsid(root.name))

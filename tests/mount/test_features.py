@@ -23,8 +23,8 @@ from cossd.protocol.logpages import WARN_TEMPERATURE
 from cossd.protocol.entries import NSID_ALL, Opcode
 from cossd.tools.cli import main
 from cossd.client import AdminClient
-from cossd.tools.verbs_features import get_feature, set_feature
-from cossd.tools.verbs_inject import arm_injection, clear_injections, corrupt_block, injection_log
+from cossd.tools.verbs.features import get_feature, set_feature
+from cossd.tools.verbs.inject import arm_injection, clear_injections, corrupt_block, injection_log
 from helpers import create_namespace, pread_all, pwrite_all, run_cli, tensor_dir
 from waiting import wait_until
 

@@ -40,7 +40,7 @@ from cossd.protocol.entries import (
     encode_submission,
 )
 from cossd.client import AdminClient
-from cossd.tools.verbs_inject import clear_injections, injection_log
+from cossd.tools.verbs.inject import clear_injections, injection_log
 from helpers import pwrite_all, tensor_dir
 
 # The namespaces every example starts from, each with step 1 committed.

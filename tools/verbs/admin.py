@@ -6,15 +6,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .arguments import DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_int
-from .output import binary_output, emit, hexdump, open_client, write_binary
+from ..arguments import DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_int
+from ..output import binary_output, emit, hexdump, open_client, write_binary
 
 
 def cmd_id_ctrl(args: argparse.Namespace) -> int:
-    from ..protocol.entries import IdentifyCns, Opcode
-    from ..protocol.logpages import LogId
-    from ..protocol.status import DeviceError, Status
-    from . import nvme_json
+    from ...protocol.entries import IdentifyCns, Opcode
+    from ...protocol.logpages import LogId
+    from ...protocol.status import DeviceError, Status
+    from .. import nvme_json
 
     nvme_device(args)
     with open_client(args) as client:
@@ -109,7 +109,7 @@ def cmd_admin_passthru(args: argparse.Namespace) -> int:
 def cmd_flush(args: argparse.Namespace) -> int:
     """FLUSH (C9h), like `nvme flush`: make one namespace's committed step (or an NVM
     namespace's acknowledged writes) durable, or every namespace's."""
-    from ..protocol.entries import NSID_ALL
+    from ...protocol.entries import NSID_ALL
 
     with open_client(args) as client:
         nsid = client.nsid(args.name) if args.name else NSID_ALL
@@ -125,7 +125,7 @@ def cmd_flush(args: argparse.Namespace) -> int:
 
 
 def cmd_scrub(args: argparse.Namespace) -> int:
-    from ..protocol.entries import NSID_ALL
+    from ...protocol.entries import NSID_ALL
 
     with open_client(args) as client:
         nsid = client.nsid(args.name) if args.name else NSID_ALL
@@ -146,9 +146,9 @@ def cmd_scrub(args: argparse.Namespace) -> int:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    from .. import __version__
-    from .arguments import NVME_PROG
-    from .nvme_json import PLAIN_VERSION, VERBOSE_VERSION
+    from ... import __version__
+    from ..arguments import NVME_PROG
+    from ..nvme_json import PLAIN_VERSION, VERBOSE_VERSION
 
     value = {"cossd": __version__, "nvme_cli_json": PLAIN_VERSION, "nvme_cli_json_verbose": VERBOSE_VERSION}
     if getattr(args, "prog", "cossd") == NVME_PROG:

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..client import AdminClient
-from .arguments import VerbFactory, add_device_argument, parse_int
+from ...client import AdminClient
+from ..arguments import VerbFactory, add_device_argument, parse_int
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 

@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..protocol.status import DeviceError, Status
-from .arguments import VerbFactory, device_location, parse_port, parse_size, parse_threads
-from .output import emit
+from ...protocol.status import DeviceError, Status
+from ..arguments import VerbFactory, device_location, parse_port, parse_size, parse_threads
+from ..output import emit
 
 
 def parse_cmb_size(text: str) -> int:
     """A CMB size: 0, or a multiple of 4 KiB up to 1 TiB."""
-    from ..emulator.geometry import MAX_CMB_BYTES
+    from ...emulator.geometry import MAX_CMB_BYTES
 
     size = parse_size(text)
     if size and (size % 4096 or size > MAX_CMB_BYTES):
@@ -39,7 +39,7 @@ def parse_connections(text: str) -> int:
 
 
 def cmd_format(args: argparse.Namespace) -> int:
-    from ..emulator import Device
+    from ...emulator import Device
 
     identity = Device.format(args.backing, capacity_bytes=args.capacity, serial=args.serial, force=args.force)
     emit(args, identity, lambda i: f"formatted {args.backing}: serial {i['serial']}, "
@@ -56,8 +56,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
             raise SystemExit(f"cossd mount: {option} is for a server's device (cossd://HOST:PORT), "
                              f"not a backing directory")
     if args.foreground:
-        from ..fs import daemon
-        from ..fs.launch import check_mountpoint
+        from ...fs import daemon
+        from ...fs.launch import check_mountpoint
 
         check_mountpoint(args.mountpoint)
         logging.basicConfig(
@@ -72,10 +72,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return 0
     # The daemon's launcher alone: the daemon's own imports (trio, pyfuse3, numpy) are its
     # process's to pay, not this one's before it starts it.
-    from ..fs import launch
+    from ...fs import launch
 
     if args.metrics_token_file is not None:  # a one-line error before anything starts
-        from ..fs.metrics import MetricsPortError, load_token
+        from ...fs.metrics import MetricsPortError, load_token
 
         if args.metrics_port is None:
             raise MetricsPortError("--metrics-token-file goes with --metrics-port")
@@ -105,10 +105,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def _mount_remote(args: argparse.Namespace) -> int:
     """`cossd mount cossd://HOST:PORT MNT`: the server's tree as a FUSE mount on this node
     (fs/remote_daemon.py); the device's own options are the server's (`cossd serve`)."""
-    from ..emulator.geometry import DEFAULT_CMB_BYTES
-    from ..fs import remote_daemon
-    from ..fs.remote_lanes import DEFAULT_LANES, Credentials
-    from ..model.profiles import DEFAULT_PROFILE
+    from ...emulator.geometry import DEFAULT_CMB_BYTES
+    from ...fs import remote_daemon
+    from ...fs.remote_lanes import DEFAULT_LANES, Credentials
+    from ...model.profiles import DEFAULT_PROFILE
 
     local_only = {"--sync": args.sync, "--metrics-port": args.metrics_port is not None,
                   "--metrics-token-file": args.metrics_token_file is not None,
@@ -144,7 +144,7 @@ def _mount_remote(args: argparse.Namespace) -> int:
 
 def _mounted_at(backing: Path) -> list[Path]:
     """The mountpoints where the device in `backing` is mounted now (from mountinfo)."""
-    from ..client import mounted_devices
+    from ...client import mounted_devices
 
     target = os.path.realpath(backing)
     return [mountpoint for mountpoint, source in mounted_devices() if os.path.realpath(source) == target]
@@ -156,8 +156,8 @@ FUSERMOUNT_TIMEOUT_S = 30.0
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from ..client import MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE, AdminClient, mount_type_at
-    from ..client.mounts import mount_holders
+    from ...client import MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE, AdminClient, mount_type_at
+    from ...client.mounts import mount_holders
 
     # Only ever a cossd mount: fusermount3 would detach any FUSE mount of this user, and as
     # root any filesystem at all (a tmpfs, an ext4 loop mount).
@@ -169,7 +169,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
                          f"({MOUNT_FSTYPE} or {REMOTE_MOUNT_FSTYPE}); refusing to unmount it")
     pid = None
     if fstype == REMOTE_MOUNT_FSTYPE:
-        from ..fs.remote_daemon import daemon_pid
+        from ...fs.remote_daemon import daemon_pid
 
         # The server holds the state (nothing to flush here): wait only for this node's daemon
         # to close its connections. VENDOR_IDENTIFY's pid would be the server's.
@@ -223,10 +223,10 @@ class _Shadowed(OSError):
 def cmd_list(args: argparse.Namespace) -> int:
     """nvme-cli's list: -o json as 2.3 (a flat entry per namespace), with -v as 2.11 (hosts,
     subsystems, controllers, namespaces); every cossd mount, also a crashed one, under "cossd"."""
-    from ..client import AdminClient
-    from ..client.mounts import FSNAME_PREFIX, MOUNT_FSTYPE, mount_entries, shadowed_mount_ids
-    from ..emulator.device import SUPERBLOCK_FILE
-    from . import nvme_json
+    from ...client import AdminClient
+    from ...client.mounts import FSNAME_PREFIX, MOUNT_FSTYPE, mount_entries, shadowed_mount_ids
+    from ...emulator.device import SUPERBLOCK_FILE
+    from .. import nvme_json
 
     devices, controllers = [], []
     entries = mount_entries(args.mountinfo)
@@ -311,15 +311,15 @@ def register(verb: VerbFactory) -> None:
 
 
 def _register_serve(verb: VerbFactory) -> None:
-    from ..server.command import add_serve_arguments, serve
+    from ...server.command import add_serve_arguments, serve
 
     sub = verb("serve", serve, "Serve a device on the network (cossd://HOST:PORT); returns once it listens.")
     add_serve_arguments(sub)
 
 
 def _register_mount(verb: VerbFactory) -> None:
-    from ..emulator.geometry import DEFAULT_CMB_BYTES
-    from ..model.profiles import DEFAULT_PROFILE, PROFILES
+    from ...emulator.geometry import DEFAULT_CMB_BYTES
+    from ...model.profiles import DEFAULT_PROFILE, PROFILES
 
     sub = verb("mount", cmd_mount, "Mount a device; returns once the mount is ready. BACKING is a device's "
                "backing directory on this node, or a storage server's cossd://HOST[:PORT][?digest=...] "

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from .arguments import (DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_int,
+from ..arguments import (DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_int,
                         parse_size)
-from .output import binary_output, emit, open_client, write_binary
+from ..output import binary_output, emit, open_client, write_binary
 
 
 def parse_tensor_shape(text: str) -> tuple[str, int, list[int] | None]:
@@ -72,8 +72,8 @@ def cmd_delete_ns(args: argparse.Namespace) -> int:
 def cmd_id_ns(args: argparse.Namespace) -> int:
     """Identify Namespace (CNS 00h), decoded with nvme-cli's field names. The namespace: NAME,
     else -n NSID, else the one a device path MOUNTPOINT/ns/NAME names."""
-    from ..protocol.entries import IdentifyCns, Opcode
-    from . import nvme_json
+    from ...protocol.entries import IdentifyCns, Opcode
+    from .. import nvme_json
 
     named = nvme_device(args)
     with open_client(args) as client:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .arguments import VerbFactory
+from ..arguments import VerbFactory
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ..harness import demo
+    from ...harness import demo
 
     try:
         return demo.main(args)
@@ -23,7 +23,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..harness import bench
+    from ...harness import bench
 
     try:
         return bench.run(args)
@@ -33,7 +33,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register(verb: VerbFactory) -> None:
-    from ..trainer.options import add_bench_arguments, add_demo_arguments
+    from ...trainer.options import add_bench_arguments, add_demo_arguments
 
     sub = verb("demo", cmd_demo, "Train a small GPT through a temporary mount, crash the device "
                "mid-step, restore, and compare with torch.save and DCP checkpointing.")

@@ -7,7 +7,7 @@ import struct
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.features import (
+from ...protocol.features import (
     ALL_GROUPS,
     CAP_CHANGEABLE,
     CAP_NAMESPACE_SPECIFIC,
@@ -18,14 +18,14 @@ from ..protocol.features import (
     FeatureId,
     Select,
 )
-from ..protocol.entries import Completion, Opcode
-from ..protocol.hyperparameters import GROUP_FIELDS
+from ...protocol.entries import Completion, Opcode
+from ...protocol.hyperparameters import GROUP_FIELDS
 
-from .arguments import VerbFactory, add_device_argument, parse_int
-from .output import emit, open_client
+from ..arguments import VerbFactory, add_device_argument, parse_int
+from ..output import emit, open_client
 
 if TYPE_CHECKING:
-    from ..client import AdminClient
+    from ...client import AdminClient
 
 # nvme-cli's names of the features, as its get-feature prints them.
 FEATURE_NAMES = {

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .arguments import VerbFactory, device_location, parse_size
-from .output import emit, human_bytes, open_client
+from ..arguments import VerbFactory, device_location, parse_size
+from ..output import emit, human_bytes, open_client
 
 
 
@@ -41,14 +41,14 @@ def _list_versions(args: argparse.Namespace) -> int:
         raise SystemExit("cossd archive: --list takes no NAMESPACE or TAG (the mountpoint, if "
                          "given, is the device that lists the store)")
     if args.mountpoint is not None:
-        from ..client.archive import archived_versions
+        from ...client.archive import archived_versions
 
         with open_client(args) as client:
             listing = archived_versions(client, args.list, endpoint_url=args.endpoint_url)
         for entry in listing.get("unreadable", []):  # left out of the listing, said on stderr
             print(f"cossd archive: left out: {entry['error']}", file=sys.stderr)
     else:
-        from ..emulator import archive
+        from ...emulator import archive
 
         root = archive.parse_url(args.list)
         unreadable: list[dict[str, str]] = []
@@ -72,7 +72,7 @@ def _list_versions(args: argparse.Namespace) -> int:
 def _policy(args: argparse.Namespace) -> int:
     """--every K (on) or --off: the device's own archiving of one namespace; --status: what
     every policy did."""
-    from ..client.archive import archive_statistics, set_archive_policy
+    from ...client.archive import archive_statistics, set_archive_policy
 
     if args.mountpoint is None or (args.name is None and not args.status) or args.tag is not None:
         raise SystemExit("cossd archive: give MOUNTPOINT NAMESPACE --every K --to s3://BUCKET/PREFIX "
@@ -136,7 +136,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
     if args.mountpoint is None or args.name is None or args.tag is None or args.to is None:
         raise SystemExit("cossd archive: give MOUNTPOINT NAMESPACE TAG --to s3://BUCKET/PREFIX "
                          "(or --list s3://BUCKET/PREFIX)")
-    from ..client.archive import archive, wait_for_archive
+    from ...client.archive import archive, wait_for_archive
 
     with open_client(args) as client:
         job = archive(client, client.nsid(args.name), args.tag, args.to,
@@ -161,7 +161,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from ..emulator import archive, archive_restore
+    from ...emulator import archive, archive_restore
 
     bar = _Progress(f"restore {args.url}", args.quiet)
     result = archive_restore.restore(args.url, args.backing, name=args.name, endpoint_url=args.endpoint_url,

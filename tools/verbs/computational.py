@@ -7,9 +7,9 @@ import argparse
 import sys
 from typing import Any
 
-from ..client.computational import ComputationalClient
-from .arguments import VerbFactory, add_device_argument
-from .output import emit, open_client
+from ...client.computational import ComputationalClient
+from ..arguments import VerbFactory, add_device_argument
+from ..output import emit, open_client
 
 
 def _range(text: str) -> tuple[int, int, int]:

@@ -8,19 +8,19 @@ import math
 import re
 from typing import Any
 
-from ..protocol.status import DeviceError
-from ..model.links import LINKS, LinkProfile, load_link
-from ..model.offload import zero_infinity_serial
-from ..model.profiles import (
+from ...protocol.status import DeviceError
+from ...model.links import LINKS, LinkProfile, load_link
+from ...model.offload import zero_infinity_serial
+from ...model.profiles import (
     DEFAULT_PROFILE,
     PROFILES,
     DeviceProfile,
     load_profile,
 )
 
-from .arguments import VerbFactory
-from .output import emit
-from ..model.step_model import (
+from ..arguments import VerbFactory
+from ..output import emit
+from ...model.step_model import (
     DTYPE_BYTES,
     GPU_ADAM_ELEMENTS_PER_S,
     HOST_ADAM_ELEMENTS_PER_S,
@@ -28,7 +28,7 @@ from ..model.step_model import (
     predict_all,
     smart_infinity_table,
 )
-from ..model.topology_model import PARAM_READS, TopologySetup, predict_topology
+from ...model.topology_model import PARAM_READS, TopologySetup, predict_topology
 
 _COUNT = re.compile(r"([0-9]*\.?[0-9]+(?:e[+]?[0-9]+)?)([kmbgt]?)", re.IGNORECASE)
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}

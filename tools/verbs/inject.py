@@ -5,15 +5,15 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.entries import NSID_ALL, IoOpcode, Opcode
-from ..protocol.injection import InjectAction, Queue
-from ..protocol.logpages import LogId
+from ...protocol.entries import NSID_ALL, IoOpcode, Opcode
+from ...protocol.injection import InjectAction, Queue
+from ...protocol.logpages import LogId
 
-from .arguments import VerbFactory, add_device_argument
-from .output import emit, open_client
+from ..arguments import VerbFactory, add_device_argument
+from ..output import emit, open_client
 
 if TYPE_CHECKING:
-    from ..client import AdminClient
+    from ...client import AdminClient
 
 
 # ---------------------------------------------------------------------- client helpers

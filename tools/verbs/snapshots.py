@@ -7,8 +7,8 @@ import os
 import sys
 from typing import Any
 
-from ..client import AdminClient
-from ..client.snapshots import (
+from ...client import AdminClient
+from ...client.snapshots import (
     clone,
     create_snapshot,
     delete_snapshot,
@@ -18,9 +18,9 @@ from ..client.snapshots import (
     snapshots,
     wait_for_job,
 )
-from ..protocol.entries import NSID_ALL
-from .arguments import VerbFactory, add_device_argument
-from .output import emit, human_bytes, open_client
+from ...protocol.entries import NSID_ALL
+from ..arguments import VerbFactory, add_device_argument
+from ..output import emit, human_bytes, open_client
 
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, Callable
 
-from .arguments import (
+from ..arguments import (
     DEVICE_HELP,
     VerbFactory,
     add_device_argument,
@@ -17,7 +17,7 @@ from .arguments import (
     parse_log_len,
     parse_log_offset,
 )
-from .output import binary_output, emit, hexdump, open_client, write_binary
+from ..output import binary_output, emit, hexdump, open_client, write_binary
 
 # Critical warning bits as nvme-cli names them (-H).
 CRITICAL_WARNING_BITS = (
@@ -46,7 +46,7 @@ def _line(label: str, value: object) -> str:
 
 def _smart_text(device: object, smart: dict[str, Any], human: bool) -> str:
     """The SMART page as nvme smart-log prints it (-H: the critical warning bits decoded)."""
-    from ..protocol.logpages import DATA_UNIT_BYTES
+    from ...protocol.logpages import DATA_UNIT_BYTES
 
     warning = smart["critical_warning"]
     lines = [f"Smart Log for NVME device:{device} namespace-id:ffffffff", _line("critical_warning", warning)]
@@ -83,9 +83,9 @@ def _smart_text(device: object, smart: dict[str, Any], human: bool) -> str:
 
 
 def cmd_smart_log(args: argparse.Namespace) -> int:
-    from ..protocol.entries import NSID_ALL
-    from ..protocol.logpages import LogId, decode_smart
-    from . import nvme_json
+    from ...protocol.entries import NSID_ALL
+    from ...protocol.logpages import LogId, decode_smart
+    from .. import nvme_json
 
     nvme_device(args)  # SMART is controller wide: a namespace's path reads its controller's
     with open_client(args) as client:
@@ -99,7 +99,7 @@ def cmd_smart_log(args: argparse.Namespace) -> int:
     value = nvme_json.smart_log(page, nvme_json.version_for(args.verbose), human=args.human_readable)
     media = None
     if backing is not None:  # --media: the real drive under the backing directory
-        from .media_health import media_report, render_media
+        from ..media_health import media_report, render_media
 
         media = media_report(backing)
         value[nvme_json.VENDOR_KEY] = {"media": media}
@@ -114,15 +114,15 @@ def cmd_smart_log(args: argparse.Namespace) -> int:
 
 def _status_name(status_field: int) -> str:
     """The Status named by an error log entry's status field (without its phase tag)."""
-    from ..protocol.status import Status
+    from ...protocol.status import Status
 
     status = Status.from_field((status_field >> 8) & 0x7, status_field & 0xFF)
     return status.name if isinstance(status, Status) else f"{status:#05x}"
 
 
 def _opcode_name(opcode: int, sqid: int = 0) -> str:
-    from ..protocol.entries import IoOpcode, Opcode
-    from ..protocol.logpages import DATA_PATH_SQID
+    from ...protocol.entries import IoOpcode, Opcode
+    from ...protocol.logpages import DATA_PATH_SQID
 
     try:
         # An injected data-path failure is logged with sqid 1 and an I/O opcode (D0h).
@@ -154,8 +154,8 @@ def _error_entries_text(device: object, entries: list[dict[str, int]]) -> str:
 
 
 def cmd_error_log(args: argparse.Namespace) -> int:
-    from ..protocol.logpages import ERROR_LOG_ENTRIES, LogId, decode_error_log
-    from . import nvme_json
+    from ...protocol.logpages import ERROR_LOG_ENTRIES, LogId, decode_error_log
+    from .. import nvme_json
 
     nvme_device(args)
     with open_client(args) as client:
@@ -188,7 +188,7 @@ def _server_text(device: object, figures: dict[str, int]) -> str:
 
 
 def cmd_server_log(args: argparse.Namespace) -> int:
-    from ..protocol.logpages import LogId, decode_server_log
+    from ...protocol.logpages import LogId, decode_server_log
 
     with open_client(args) as client:
         page = client.get_log_page(LogId.SERVER)
@@ -200,9 +200,9 @@ def cmd_server_log(args: argparse.Namespace) -> int:
 
 
 def cmd_get_log(args: argparse.Namespace) -> int:
-    from ..protocol import logpages
-    from ..protocol.entries import NSID_ALL
-    from ..protocol.logpages import LogId
+    from ...protocol import logpages
+    from ...protocol.entries import NSID_ALL
+    from ...protocol.logpages import LogId
 
     with open_client(args) as client:
         nsid = client.nsid(args.namespace) if args.namespace else NSID_ALL
