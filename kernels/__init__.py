@@ -8,7 +8,7 @@ GIL, so several threads may run kernels on disjoint buffers in parallel.
 
 Modules, one job each (the public names are re-exported here; use them from here):
 validation (formats, the error, buffer checks), hyper (hyperparameters and per-step
-scalars), ops (the kernel wrappers), dispatch (SIMD path selection, COSSD_KERNEL,
+scalars), ops (the kernel wrappers), state_formats (the block-scaled FP16 and INT8 moments), dispatch (SIMD path selection, COSSD_KERNEL,
 streaming stores); guard (the SIGBUS guard of the state-file mappings) stands apart.
 The C sources are listed in _build.py; docs/kernels.md describes both.
 """
@@ -42,11 +42,22 @@ from .ops import (
     param_to_master,
     stream_probe,
 )
-from .validation import HalfFormat, KernelArgumentError, StateFormat
+from .state_formats import (
+    adam_step_q,
+    decode_state,
+    encode_state,
+    state_bytes_per_element,
+    state_map,
+    state_scale_count,
+)
+from .validation import BLOCK_SCALED_FORMATS, STATE_BLOCK, HalfFormat, KernelArgumentError, Moment, StateFormat
 
 __all__ = [
     "HalfFormat",
     "StateFormat",
+    "Moment",
+    "BLOCK_SCALED_FORMATS",
+    "STATE_BLOCK",
     "KernelArgumentError",
     "AdamHyper",
     "AdamScalars",
@@ -55,6 +66,12 @@ __all__ = [
     "adam_step_crc",
     "adam_step_crcs",
     "BlockUpdate",
+    "adam_step_q",
+    "encode_state",
+    "decode_state",
+    "state_map",
+    "state_scale_count",
+    "state_bytes_per_element",
     "count_nonfinite",
     "master_to_param",
     "param_to_master",

@@ -23,12 +23,13 @@ _SOURCES = [
         "simd_avx512.c",  # the same bodies compiled for AVX-512
         "crc32c.c",  # CRC32C: tables, crc32 instruction, carry-less folding, combine
         "block_update.c",  # the device's block update: step plus checksum in one pass
+        "qstate.c",  # block-scaled moments (FP16 + scale, INT8 + absmax): maps, scalar step, encode/decode
     )
 ]
 _INTERNAL_HEADERS = [
     _HERE / name
     for name in ("cossd_internal.h", "cossd_scalar.h", "simd.h", "adam_body.h", "convert_body.h", "simd_kernels.h",
-                 "crc32c_internal.h")
+                 "crc32c_internal.h", "qstate_scalar.h", "qstate_body.h")
 ]
 # The SIGBUS guard of the state-file mappings: a separate C file in the same module.
 _GUARD_HEADER = _HERE / "cossd_guard.h"

@@ -54,18 +54,12 @@ SIMD_FN void simd_put_state(void *p, size_t i, int fmt, simd_f x, int stream)
         simd_putf((float *)p + i, x, stream);
 }
 
-/* The new master (NaN made canonical), exp_avg and exp_avg_sq of elements i..i+LANES-1
- * (only the lanes in km when masked), from gradient bits already loaded: the checksummed
- * block update counts the non-finite ones from the same register the step uses. Lanes
- * outside km compute on zeros and are discarded. */
-SIMD_FN void adam_vec_math(simd_h bits, int gfmt, const float *mi, const void *ai, const void *vi, int sfmt,
-                           size_t i, const adam_vk *c, int decoupled, simd_mask km, int masked, simd_f *p_out,
-                           simd_f *m_out, simd_f *v_out)
+/* The step's arithmetic on loaded (decoded) operands, in adam_elem's order: the new master
+ * (NaN made canonical), exp_avg and exp_avg_sq. Shared with the block-scaled formats
+ * (qstate_body.h), which decode their moments differently. */
+SIMD_FN void adam_vec_core(simd_f g, simd_f p, simd_f m_in, simd_f v_in, const adam_vk *c, int decoupled,
+                           simd_f *p_out, simd_f *m_out, simd_f *v_out)
 {
-    simd_f g = SIMD_MUL(simd_h_to_f32(bits, gfmt), c->grad_scale);
-    simd_f p = simd_loadf(mi + i, km, masked);
-    simd_f m_in = simd_load_state(ai, i, sfmt, km, masked);
-    simd_f v_in = simd_load_state(vi, i, sfmt, km, masked);
     if (decoupled)
         p = SIMD_MUL(p, c->decay);
     else
@@ -78,6 +72,21 @@ SIMD_FN void adam_vec_math(simd_h bits, int gfmt, const float *mi, const void *a
     *p_out = simd_canon_nan(p);
     *m_out = m;
     *v_out = v;
+}
+
+/* The new master (NaN made canonical), exp_avg and exp_avg_sq of elements i..i+LANES-1
+ * (only the lanes in km when masked), from gradient bits already loaded: the checksummed
+ * block update counts the non-finite ones from the same register the step uses. Lanes
+ * outside km compute on zeros and are discarded. */
+SIMD_FN void adam_vec_math(simd_h bits, int gfmt, const float *mi, const void *ai, const void *vi, int sfmt,
+                           size_t i, const adam_vk *c, int decoupled, simd_mask km, int masked, simd_f *p_out,
+                           simd_f *m_out, simd_f *v_out)
+{
+    simd_f g = SIMD_MUL(simd_h_to_f32(bits, gfmt), c->grad_scale);
+    simd_f p = simd_loadf(mi + i, km, masked);
+    simd_f m_in = simd_load_state(ai, i, sfmt, km, masked);
+    simd_f v_in = simd_load_state(vi, i, sfmt, km, masked);
+    adam_vec_core(g, p, m_in, v_in, c, decoupled, p_out, m_out, v_out);
 }
 
 /* Elements i..i+LANES-1 (only the lanes in km when masked): computed and stored, the

@@ -20,9 +20,20 @@ extern "C" {
 #define COSSD_HALF_FP16 0
 #define COSSD_HALF_BF16 1
 
-/* Moment (exp_avg / exp_avg_sq) storage formats. */
+/* Moment (exp_avg / exp_avg_sq) storage formats. FP32 and BF16 are elementwise; FP16 (IEEE
+ * binary16 codes with a power-of-two scale per block) and INT8 (codes into a dynamic map with
+ * an FP32 absmax per block) keep one FP32 scale per COSSD_STATE_BLOCK elements beside the
+ * codes, and step through cossd_adam_step_q. */
 #define COSSD_STATE_FP32 0
 #define COSSD_STATE_BF16 1
+#define COSSD_STATE_FP16 2
+#define COSSD_STATE_INT8 3
+#define COSSD_STATE_BLOCK 256
+
+/* Which moment a block-scaled buffer holds: INT8 uses the signed map for exp_avg and the
+ * unsigned one for exp_avg_sq. */
+#define COSSD_MOMENT_EXP_AVG 0
+#define COSSD_MOMENT_EXP_AVG_SQ 1
 
 /* Return codes of the int-returning kernels. */
 #define COSSD_OK 0
@@ -121,6 +132,52 @@ int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *ma
                              int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt,
                              size_t n, const cossd_adam_scalars *s, uint32_t *crc_out,
                              uint32_t *param_crc_out, size_t *nonfinite_out);
+
+/* Adam step over block-scaled moments (any state_fmt; FP32 and BF16 ignore the scales and run
+ * cossd_adam_step). exp_avg_* and exp_avg_sq_* hold n codes (uint16_t for FP16, uint8_t for
+ * INT8); *_scale_* hold one float per COSSD_STATE_BLOCK elements, ceil(n / COSSD_STATE_BLOCK),
+ * the first for elements 0..255. One pass per block: decode, step, then choose the block's new
+ * scale from its new values and encode. Outputs may be their inputs (in place), as in
+ * cossd_adam_step. */
+int cossd_adam_step_q(const uint16_t *grad, int grad_fmt, const float *master_in,
+                      const void *exp_avg_in, const float *exp_avg_scale_in,
+                      const void *exp_avg_sq_in, const float *exp_avg_sq_scale_in,
+                      float *master_out, void *exp_avg_out, float *exp_avg_scale_out,
+                      void *exp_avg_sq_out, float *exp_avg_sq_scale_out,
+                      int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
+                      const cossd_adam_scalars *s);
+int cossd_adam_step_q_scalar(const uint16_t *grad, int grad_fmt, const float *master_in,
+                             const void *exp_avg_in, const float *exp_avg_scale_in,
+                             const void *exp_avg_sq_in, const float *exp_avg_sq_scale_in,
+                             float *master_out, void *exp_avg_out, float *exp_avg_scale_out,
+                             void *exp_avg_sq_out, float *exp_avg_sq_scale_out,
+                             int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
+                             const cossd_adam_scalars *s);
+int cossd_adam_step_q_avx2(const uint16_t *grad, int grad_fmt, const float *master_in,
+                           const void *exp_avg_in, const float *exp_avg_scale_in,
+                           const void *exp_avg_sq_in, const float *exp_avg_sq_scale_in,
+                           float *master_out, void *exp_avg_out, float *exp_avg_scale_out,
+                           void *exp_avg_sq_out, float *exp_avg_sq_scale_out,
+                           int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
+                           const cossd_adam_scalars *s);
+int cossd_adam_step_q_avx512(const uint16_t *grad, int grad_fmt, const float *master_in,
+                             const void *exp_avg_in, const float *exp_avg_scale_in,
+                             const void *exp_avg_sq_in, const float *exp_avg_sq_scale_in,
+                             float *master_out, void *exp_avg_out, float *exp_avg_scale_out,
+                             void *exp_avg_sq_out, float *exp_avg_sq_scale_out,
+                             int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
+                             const cossd_adam_scalars *s);
+
+/* FP32 moments into a state format's codes and per-block scales (as the step encodes them),
+ * and back (exact for FP16 and INT8: a code times its scale). moment is COSSD_MOMENT_*. For
+ * FP32 and BF16 the scales are not touched (may be NULL). */
+int cossd_state_encode(const float *x, size_t n, int state_fmt, int moment, void *codes_out,
+                       float *scales_out);
+int cossd_state_decode(const void *codes, const float *scales, size_t n, int state_fmt, int moment,
+                       float *out);
+/* The INT8 map of a moment (256 floats, ascending). A stored byte indexes it directly for
+ * exp_avg_sq and XORed with 0x80 for exp_avg (whose zero is at index 128). */
+int cossd_state_map(int moment, float *out);
 
 int cossd_simd_available(void);
 int cossd_avx512_available(void);

@@ -2,6 +2,7 @@
 
 #include "cossd_internal.h"
 #include "crc32c_internal.h"
+#include "qstate_scalar.h"
 
 COSSD_HIDDEN int g_has_avx2;
 COSSD_HIDDEN int g_has_avx512;
@@ -33,6 +34,7 @@ __attribute__((constructor)) static void cossd_init(void)
     g_best_level = g_has_avx512 ? COSSD_SIMD_AVX512 : g_has_avx2 ? COSSD_SIMD_AVX2 : COSSD_SIMD_SCALAR;
     /* One constructor for the whole module, so the tables are filled in a known order. */
     cossd_crc_init();
+    cossd_qmap_init(); /* the INT8 moment maps (qstate.c) */
 }
 
 int cossd_level_present(int level)

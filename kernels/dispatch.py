@@ -10,7 +10,16 @@ import numpy as np
 
 from ._cossd_kernels import ffi as _ffi
 from ._cossd_kernels import lib as _lib
-from .validation import _F16, _U16, KernelArgumentError, StateFormat, _check_lengths, _enum_arg, _state_buffers
+from .validation import (
+    _F16,
+    _U16,
+    KernelArgumentError,
+    StateFormat,
+    _check_lengths,
+    _elementwise_state,
+    _enum_arg,
+    _state_buffers,
+)
 
 
 _LEVEL_NAMES = {_lib.COSSD_SIMD_SCALAR: "scalar", _lib.COSSD_SIMD_AVX2: "avx2", _lib.COSSD_SIMD_AVX512: "avx512"}
@@ -88,6 +97,7 @@ def stream_plan(
     """The outputs ("master_out", "exp_avg_out", ...) that adam_step on `path` (default: the
     current one) would write with streaming stores for these buffers; empty for scalar."""
     sfmt = _enum_arg("state_format", state_format, StateFormat)
+    _elementwise_state(sfmt, "stream_plan")
     name = simd_level() if path is None else path
     if name not in _LEVELS:
         raise KernelArgumentError(f"path must be one of 'avx512', 'avx2', 'scalar', got {path!r}")

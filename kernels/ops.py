@@ -24,6 +24,7 @@ from .validation import (
     _buf,
     _check_lengths,
     _check_overlap,
+    _elementwise_state,
     _enum_arg,
     _half_dtypes,
     _state_buffers,
@@ -58,6 +59,7 @@ def _adam_buffers(
     gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
     pfmt = _enum_arg("param_format", param_format, HalfFormat)
     sfmt = _enum_arg("state_format", state_format, StateFormat)
+    _elementwise_state(sfmt, "adam_step")
     if not isinstance(scalars, AdamScalars):
         raise KernelArgumentError(f"scalars must come from adam_scalars(), got {type(scalars).__name__}")
     g = _buf("grad", grad, _half_dtypes(gfmt), _HALF_CTYPE)
@@ -163,6 +165,7 @@ class BlockUpdate:
         self._gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
         self._pfmt = _enum_arg("param_format", param_format, HalfFormat)
         self._sfmt = _enum_arg("state_format", state_format, StateFormat)
+        _elementwise_state(self._sfmt, "BlockUpdate")
         bufs = _state_buffers(master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
                               param_out, self._sfmt, _half_dtypes(self._pfmt))
         self.n = _check_lengths(bufs)

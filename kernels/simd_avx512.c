@@ -1,4 +1,4 @@
-/* simd_avx512.c: the AVX-512 F/BW/DQ/VL kernels (Adam step, conversions), compiled from the bodies written once on simd.h. */
+/* simd_avx512.c: the AVX-512 F/BW/DQ/VL kernels (Adam step over elementwise and block-scaled moments, conversions), compiled from the bodies written once on simd.h. */
 
 #include "cossd_internal.h"
 
@@ -6,6 +6,8 @@
 #define SIMD_ISA_AVX512 1
 #include "simd.h"
 #include "adam_body.h"
+#include "qstate_scalar.h"
+#include "qstate_body.h"
 #include "convert_body.h"
 #include "simd_kernels.h"
 #endif

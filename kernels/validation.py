@@ -22,10 +22,26 @@ class HalfFormat(enum.IntEnum):
 
 
 class StateFormat(enum.IntEnum):
-    """Storage format of the Adam moments; values match the C enum."""
+    """Storage format of the Adam moments; values match the C enum. FP32 and BF16 are
+    elementwise; FP16 (scaled) and INT8 (block-wise, dynamic map) keep one FP32 scale per
+    STATE_BLOCK elements beside their codes and step through adam_step_q."""
 
     FP32 = 0
     BF16 = 1
+    FP16 = 2
+    INT8 = 3
+
+
+# The formats whose moments need a scale per block (docs/kernels.md, "Block-scaled moments").
+BLOCK_SCALED_FORMATS = frozenset({StateFormat.FP16, StateFormat.INT8})
+STATE_BLOCK = 256  # elements per scale: COSSD_STATE_BLOCK
+
+
+class Moment(enum.IntEnum):
+    """Which Adam moment a buffer holds: INT8 maps exp_avg (signed) and exp_avg_sq (unsigned) differently."""
+
+    EXP_AVG = 0
+    EXP_AVG_SQ = 1
 
 
 class KernelArgumentError(ValueError):
@@ -35,6 +51,7 @@ class KernelArgumentError(ValueError):
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 _U16 = np.dtype(np.uint16)
+_U8 = np.dtype(np.uint8)
 _RAW_BYTE_FORMATS = ("B", "b", "c")
 
 
@@ -90,7 +107,9 @@ def _half_dtypes(fmt: int) -> tuple[np.dtype, ...]:
 
 
 def _state_dtypes(fmt: int) -> tuple[np.dtype, ...]:
-    return (_F32,) if fmt == StateFormat.FP32 else (_U16,)
+    """The dtypes a moment buffer of format fmt may have (FP16 codes: raw bits or float16)."""
+    return {StateFormat.FP32: (_F32,), StateFormat.BF16: (_U16,), StateFormat.FP16: (_U16, _F16),
+            StateFormat.INT8: (_U8,)}[StateFormat(fmt)]
 
 
 _HALF_CTYPE = "uint16_t[]"
@@ -98,7 +117,16 @@ _F32_CTYPE = "float[]"
 
 
 def _state_ctype(fmt: int) -> str:
-    return _F32_CTYPE if fmt == StateFormat.FP32 else _HALF_CTYPE
+    return {StateFormat.FP32: _F32_CTYPE, StateFormat.INT8: "uint8_t[]"}.get(StateFormat(fmt), _HALF_CTYPE)
+
+
+def _elementwise_state(sfmt: int, what: str) -> None:
+    """Refuse a block-scaled format where a call has no room for its scales."""
+    if sfmt in BLOCK_SCALED_FORMATS:
+        raise KernelArgumentError(
+            f"{what}: state_format {StateFormat(sfmt).name} keeps a scale per {STATE_BLOCK}-element block; "
+            "use adam_step_q (or BlockUpdateQ), which take the scale arrays"
+        )
 
 
 class _Buf(NamedTuple):

@@ -17,6 +17,10 @@ import cossd.kernels as k
 from cossd.kernels import AdamHyper, HalfFormat, KernelArgumentError, StateFormat
 from reference_adam import ref_adam, ref_f32_to_bf16, ref_f32_to_half
 
+# The moment formats adam_step takes; the block-scaled ones (FP16, INT8) have their own tests
+# (test_kernels_state_formats.py).
+ELEMENTWISE_STATE = (StateFormat.FP32, StateFormat.BF16)
+
 ALL_PATHS = ("scalar", "avx2", "avx512")
 PATHS = k.available_kernels()  # what this CPU runs, e.g. ("scalar", "avx2", "avx512")
 SIMD_PATHS = tuple(p for p in PATHS if p != "scalar")
@@ -113,7 +117,7 @@ ADAM_COMBOS = [
     (gfmt, pfmt, sfmt, hyper)
     for gfmt in HalfFormat
     for pfmt in HalfFormat
-    for sfmt in StateFormat
+    for sfmt in ELEMENTWISE_STATE
     for hyper in (HYPER_W, HYPER_L2, HYPER_LOW_BETA1)
 ]
 HYPER_IDS = {HYPER_W: "adamw", HYPER_L2: "adamL2", HYPER_LOW_BETA1: "adamw-b1lo"}
@@ -212,7 +216,7 @@ def test_adam_special_values_simd_equals_scalar(
 @pytest.mark.parametrize("path", path_params())
 def test_adam_in_place_equals_out_of_place(path: str) -> None:
     n = 4099
-    for sfmt in StateFormat:
+    for sfmt in ELEMENTWISE_STATE:
         inp = make_inputs(n, HalfFormat.FP16, sfmt, seed=3)
         s = k.adam_scalars(HYPER_W, step=3)
         with kernel_path(path):
@@ -1048,7 +1052,7 @@ def test_stream_plan_rejects_bad_arguments() -> None:
 def test_stream_plan_follows_the_policy(path: str) -> None:
     """Only write-only outputs are streamed, only when aligned, only past the threshold; never by scalar code."""
     simd = path != "scalar"
-    for sfmt in StateFormat:
+    for sfmt in ELEMENTWISE_STATE:
         n = 4096
         inp = make_inputs(n, HalfFormat.FP16, sfmt, seed=12)
         inp = {role: placed_outputs(inp, dict.fromkeys(("master", "m", "v", "param"), 0))[role]

@@ -1,0 +1,171 @@
+"""Wrappers of the block-scaled moment formats (FP16 with a power-of-two scale per block, INT8 with a dynamic map and an absmax per block): the step, encode/decode and the INT8 maps.
+
+A moment in FP16 or INT8 is two arrays: its codes (uint16 or uint8, one per element) and its
+scales (float32, one per STATE_BLOCK elements, ceil(n / STATE_BLOCK)). docs/kernels.md,
+"Block-scaled moments", defines both formats.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._cossd_kernels import ffi as _ffi
+from ._cossd_kernels import lib as _lib
+from .hyper import AdamScalars
+from .ops import _check_rc
+from .validation import (
+    _F32,
+    _F32_CTYPE,
+    _HALF_CTYPE,
+    BLOCK_SCALED_FORMATS,
+    STATE_BLOCK,
+    HalfFormat,
+    KernelArgumentError,
+    Moment,
+    StateFormat,
+    _buf,
+    _check_lengths,
+    _check_overlap,
+    _enum_arg,
+    _half_dtypes,
+    _state_buffers,
+    _state_ctype,
+    _state_dtypes,
+)
+
+
+def state_scale_count(n: int) -> int:
+    """How many scales a block-scaled moment of n elements keeps: one per STATE_BLOCK."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise KernelArgumentError(f"n must be a non-negative int, got {n!r}")
+    return -(-int(n) // STATE_BLOCK)
+
+
+def state_bytes_per_element(state_format: StateFormat) -> float:
+    """Bytes one moment element takes, its share of the block scale included (FP16 2.0156, INT8 1.0156)."""
+    sfmt = StateFormat(_enum_arg("state_format", state_format, StateFormat))
+    itemsize = _state_dtypes(sfmt)[0].itemsize
+    return itemsize + (4 / STATE_BLOCK if sfmt in BLOCK_SCALED_FORMATS else 0.0)
+
+
+_SCALE_NAMES = ("exp_avg_scale_in", "exp_avg_sq_scale_in", "exp_avg_scale_out", "exp_avg_sq_scale_out")
+
+
+def _scale_buffers(scales: tuple[Any, Any, Any, Any], n: int) -> list[Any]:
+    """The four scale arrays of a step, each checked: float32, ceil(n / STATE_BLOCK) long."""
+    want = state_scale_count(n)
+    bufs = []
+    for name, obj, output in zip(_SCALE_NAMES, scales, (False, False, True, True)):
+        if obj is None:
+            raise KernelArgumentError(f"{name} is required for a block-scaled state format")
+        b = _buf(name, obj, (_F32,), _F32_CTYPE, output=output)
+        if b.arr.size != want:
+            raise KernelArgumentError(f"{name} has {b.arr.size} scales; {n} elements need {want}")
+        bufs.append(b)
+    return bufs
+
+
+def adam_step_q(
+    grad: Any,
+    master_in: Any,
+    exp_avg_in: Any,
+    exp_avg_sq_in: Any,
+    master_out: Any,
+    exp_avg_out: Any,
+    exp_avg_sq_out: Any,
+    param_out: Any,
+    *,
+    exp_avg_scale_in: Any = None,
+    exp_avg_sq_scale_in: Any = None,
+    exp_avg_scale_out: Any = None,
+    exp_avg_sq_scale_out: Any = None,
+    grad_format: HalfFormat,
+    param_format: HalfFormat,
+    state_format: StateFormat,
+    scalars: AdamScalars,
+) -> None:
+    """One Adam/AdamW step over moments in any state format. For FP16 and INT8 the four scale
+    arrays are required; each block's new scale is chosen from its new values. Outputs may be
+    the very same buffers as their inputs (scales included); no other overlap is allowed.
+    FP32 and BF16 ignore the scales and run adam_step's kernel."""
+    gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
+    pfmt = _enum_arg("param_format", param_format, HalfFormat)
+    sfmt = _enum_arg("state_format", state_format, StateFormat)
+    if not isinstance(scalars, AdamScalars):
+        raise KernelArgumentError(f"scalars must come from adam_scalars(), got {type(scalars).__name__}")
+    g = _buf("grad", grad, _half_dtypes(gfmt), _HALF_CTYPE)
+    state = _state_buffers(master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
+                           param_out, sfmt, _half_dtypes(pfmt))
+    n = _check_lengths([g, *state])
+    scales = (exp_avg_scale_in, exp_avg_sq_scale_in, exp_avg_scale_out, exp_avg_sq_scale_out)
+    if sfmt in BLOCK_SCALED_FORMATS:
+        sbufs = _scale_buffers(scales, n)
+        scale_ptrs = [b.ptr for b in sbufs]
+    else:
+        sbufs, scale_ptrs = [], [_ffi.NULL] * 4
+    pairs = frozenset({("master_in", "master_out"), ("exp_avg_in", "exp_avg_out"),
+                       ("exp_avg_sq_in", "exp_avg_sq_out"), ("exp_avg_scale_in", "exp_avg_scale_out"),
+                       ("exp_avg_sq_scale_in", "exp_avg_sq_scale_out")})
+    _check_overlap([g, *state, *sbufs], pairs)
+    if n == 0:
+        return
+    mi, ai, vi, mo, ao, vo, po = (b.ptr for b in state)
+    asi, vsi, aso, vso = scale_ptrs
+    _check_rc(_lib.cossd_adam_step_q(g.ptr, gfmt, mi, ai, asi, vi, vsi, mo, ao, aso, vo, vso, sfmt, po, pfmt, n,
+                                     scalars._c), "adam_step_q")
+
+
+def encode_state(x: Any, codes_out: Any, scales_out: Any = None, *, state_format: StateFormat,
+                 moment: Moment) -> None:
+    """FP32 moments into a state format's codes (and, for FP16/INT8, its per-block scales),
+    exactly as the step encodes its new moments; blocks start at element 0 of x."""
+    sfmt = _enum_arg("state_format", state_format, StateFormat)
+    mom = _enum_arg("moment", moment, Moment)
+    src = _buf("x", x, (_F32,), _F32_CTYPE)
+    dst = _buf("codes_out", codes_out, _state_dtypes(sfmt), _state_ctype(sfmt), output=True)
+    bufs = [src, dst]
+    n = _check_lengths(bufs)
+    sptr = _ffi.NULL
+    if sfmt in BLOCK_SCALED_FORMATS:
+        if scales_out is None:
+            raise KernelArgumentError("scales_out is required for a block-scaled state format")
+        s = _buf("scales_out", scales_out, (_F32,), _F32_CTYPE, output=True)
+        if s.arr.size != state_scale_count(n):
+            raise KernelArgumentError(f"scales_out has {s.arr.size} scales; {n} elements need {state_scale_count(n)}")
+        bufs.append(s)
+        sptr = s.ptr
+    _check_overlap(bufs)
+    if n:
+        _check_rc(_lib.cossd_state_encode(src.ptr, n, sfmt, mom, dst.ptr, sptr), "encode_state")
+
+
+def decode_state(codes: Any, scales: Any, out: Any, *, state_format: StateFormat, moment: Moment) -> None:
+    """A moment's codes (and per-block scales) back to FP32: code times scale, exact."""
+    sfmt = _enum_arg("state_format", state_format, StateFormat)
+    mom = _enum_arg("moment", moment, Moment)
+    src = _buf("codes", codes, _state_dtypes(sfmt), _state_ctype(sfmt))
+    dst = _buf("out", out, (_F32,), _F32_CTYPE, output=True)
+    bufs = [src, dst]
+    n = _check_lengths(bufs)
+    sptr = _ffi.NULL
+    if sfmt in BLOCK_SCALED_FORMATS:
+        if scales is None:
+            raise KernelArgumentError("scales is required for a block-scaled state format")
+        s = _buf("scales", scales, (_F32,), _F32_CTYPE)
+        if s.arr.size != state_scale_count(n):
+            raise KernelArgumentError(f"scales has {s.arr.size} scales; {n} elements need {state_scale_count(n)}")
+        bufs.append(s)
+        sptr = s.ptr
+    _check_overlap(bufs)
+    if n:
+        _check_rc(_lib.cossd_state_decode(src.ptr, sptr, n, sfmt, mom, dst.ptr), "decode_state")
+
+
+def state_map(moment: Moment) -> np.ndarray:
+    """The INT8 map of a moment: 256 float32 values, ascending; an INT8 code indexes it."""
+    mom = _enum_arg("moment", moment, Moment)
+    out = np.empty(256, dtype=np.float32)
+    _check_rc(_lib.cossd_state_map(mom, _ffi.cast("float *", out.ctypes.data)), "state_map")
+    return out
