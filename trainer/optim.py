@@ -154,6 +154,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         # Called with each tensor's index before its gradient is written (fault injection).
         self.before_grad_write: Callable[[int], None] | None = None
+        # Set before any return below: step() asks every optimizer whether DeepSpeed binds it.
+        self._deepspeed: Any = None
+        self._ds_deferred = False
         if mounts is not None:
             self._open_group(mounts, namespace, self._ranks, self._make_group_child)
             self._initialized = True
@@ -169,8 +172,6 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         # Where deepspeed is imported, deepspeed.initialize opens the namespace once DeepSpeed
         # has put its own tensors in the param groups (under ZeRO every rank's partitions on
         # one namespace), or the first step() does: deepspeed_zero.py.
-        self._deepspeed: Any = None
-        self._ds_deferred = False
         if process_group is None and "deepspeed" in sys.modules:
             from . import deepspeed_zero
             self._ds_deferred = deepspeed_zero.defers(self, streaming, mounts is not None)
