@@ -4,7 +4,9 @@ What a device and its clients must agree on, declared once: the 64-byte submissi
 16-byte completion entries with the opcodes (`entries`), the completion statuses with the
 errno each becomes at the file edge and `DeviceError` (`status`), the log-page and
 identify layouts (`logpages`), and the fields of Get/Set Features (`features`) and of
-INJECT_ERROR (`injection`). Imports no other layer of cossd (only the root package's
+INJECT_ERROR (`injection`), the Computational Programs and Subsystem Local Memory layouts
+(`computational`), and the seal (canonical bytes and CRC32C) that the device's archive and the
+trainer's tiered checkpointer put on their manifests (`manifest_seal`). Imports no other layer of cossd (only the root package's
 lazy.py), so a client ships it without the device's code.
 """
 
