@@ -5,8 +5,9 @@
 #include "cossd_internal.h"
 #include "qstate_scalar.h"
 
-COSSD_HIDDEN float g_qmap[2][256];
-COSSD_HIDDEN float g_qmid[2][256];
+COSSD_HIDDEN float g_qmap[2][256] __attribute__((aligned(64)));
+COSSD_HIDDEN float g_qmid[2][256] __attribute__((aligned(64)));
+COSSD_HIDDEN float g_qprobe[2][QPROBE_LEVELS][128] __attribute__((aligned(64)));
 
 /*
  * The INT8 maps, a dynamic construction: a code spends more of its bits on the fraction the
@@ -57,6 +58,11 @@ void cossd_qmap_init(void)
         for (int i = 0; i < 255; i++)
             g_qmid[m][i] = 0.5f * (g_qmap[m][i] + g_qmap[m][i + 1]);
         g_qmid[m][255] = INFINITY; /* never probed: the search reads entries 0..254 */
+        for (int level = 0; level < QPROBE_LEVELS; level++) {
+            int step = 128 >> level;
+            for (int j = 0; j < 128; j++)
+                g_qprobe[m][level][j] = j * 2 * step < 256 ? g_qmid[m][j * 2 * step + step - 1] : INFINITY;
+        }
     }
 }
 

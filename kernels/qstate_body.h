@@ -5,7 +5,8 @@
  * block's full vectors run here, its last few elements (a call's last block only, when n is
  * not a multiple of the vector width) through the scalar element functions: every operation
  * is elementwise or an exact max, so the bits are the scalar path's. The INT8 encoder probes
- * the same 8 midpoints per element as q8_search, with gathers.
+ * the same 8 midpoints per element as q8_search: the first levels' from registers, the rest
+ * with gathers.
  */
 
 #ifndef COSSD_QSTATE_BODY_H
@@ -48,6 +49,25 @@ SIMD_FN int simd_amax(simd_f *amax, simd_f x)
 SIMD_FN float simd_hmax(simd_f x) { return _mm512_reduce_max_ps(x); }
 
 SIMD_FN simd_i simd_xor_0x80(simd_i idx) { return _mm512_xor_si512(idx, _mm512_set1_epi32(0x80)); }
+
+/* Every level from registers: table[j] for j < entries (a constant once unrolled), by
+ * permutes of 32 entries (vpermt2ps), the right one chosen per lane by j's range. Measured
+ * against gathers (docs/kernels.md, "Block-scaled moments"). */
+#define SIMD_REG_LEVELS 8
+/* The decode's 256-entry map from registers too (8 permutes): faster than a gather here. */
+#define SIMD_DECODE_LOOKUP(table, idx) simd_lookup(table, idx, 256)
+SIMD_FN simd_f simd_lookup(const float *table, simd_i j, int entries)
+{
+    if (entries <= 16)
+        return _mm512_permutexvar_ps(j, _mm512_load_ps(table));
+    simd_f r = _mm512_permutex2var_ps(_mm512_load_ps(table), j, _mm512_load_ps(table + 16));
+    for (int base = 32; base < entries; base += 32) {
+        simd_f t = _mm512_permutex2var_ps(_mm512_load_ps(table + base), j, _mm512_load_ps(table + base + 16));
+        r = _mm512_mask_mov_ps(r, _mm512_cmpge_epu32_mask(j, _mm512_set1_epi32(base)), t);
+    }
+    return r;
+}
+SIMD_FN simd_i simd_shift_right(simd_i x, int count) { return _mm512_srl_epi32(x, _mm_cvtsi32_si128(count)); }
 
 /* h, raised to 1 (the smallest subnormal) where x > 0: such an h is a non-negative pattern */
 SIMD_FN simd_h simd_h_at_least_one_if_positive(simd_h h, simd_f x)
@@ -95,6 +115,21 @@ SIMD_FN int simd_amax(simd_f *amax, simd_f x)
 
 SIMD_FN simd_i simd_xor_0x80(simd_i idx) { return _mm256_xor_si256(idx, _mm256_set1_epi32(0x80)); }
 
+/* Levels up to 16 probes from registers (steps 128 down to 8), by permutes of 8 entries
+ * (vpermps) chosen per lane by j's range; the last three by gathers. */
+#define SIMD_REG_LEVELS 5
+#define SIMD_DECODE_LOOKUP(table, idx) simd_gather(table, idx)
+SIMD_FN simd_f simd_lookup(const float *table, simd_i j, int entries)
+{
+    simd_f r = _mm256_permutevar8x32_ps(_mm256_load_ps(table), j);
+    for (int base = 8; base < entries; base += 8) {
+        __m256 in_range = _mm256_castsi256_ps(_mm256_cmpgt_epi32(j, _mm256_set1_epi32(base - 1)));
+        r = _mm256_blendv_ps(r, _mm256_permutevar8x32_ps(_mm256_load_ps(table + base), j), in_range);
+    }
+    return r;
+}
+SIMD_FN simd_i simd_shift_right(simd_i x, int count) { return _mm256_srl_epi32(x, _mm_cvtsi32_si128(count)); }
+
 SIMD_FN simd_h simd_h_at_least_one_if_positive(simd_h h, simd_f x)
 {
     __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
@@ -119,7 +154,7 @@ SIMD_FN simd_f simd_q_decode(const void *codes, size_t i, simd_f scale, int fmt,
     simd_i idx = simd_load_u8((const uint8_t *)codes + i);
     if (moment == COSSD_MOMENT_EXP_AVG)
         idx = simd_xor_0x80(idx);
-    return SIMD_MUL(simd_gather(g_qmap[moment], idx), scale);
+    return SIMD_MUL(SIMD_DECODE_LOOKUP(g_qmap[moment], idx), scale);
 }
 
 SIMD_FN void simd_q_encode(void *codes, size_t i, simd_f x, const qblock_params *q, int fmt, int moment)
@@ -138,7 +173,14 @@ SIMD_FN void simd_q_encode(void *codes, size_t i, simd_f x, const qblock_params 
 #else
     simd_i idx = _mm256_setzero_si256();
 #endif
-    for (int step = 128; step; step >>= 1) /* q8_search, lane by lane */
+    /* q8_search, lane by lane: the first levels from registers (a level can reach only a
+     * few midpoints: a permute of g_qprobe by idx / 2s), the last ones by gathers. */
+    int step = 128, level = 0;
+    for (; level < SIMD_REG_LEVELS; level++, step >>= 1) {
+        simd_i j = simd_shift_right(idx, __builtin_ctz((unsigned)(2 * step)));
+        idx = simd_add_if_lt(idx, simd_lookup(g_qprobe[moment][level], j, 1 << level), y, step);
+    }
+    for (; step; step >>= 1)
         idx = simd_add_if_lt(idx, simd_gather(mid + step - 1, idx), y, step);
     if (moment == COSSD_MOMENT_EXP_AVG_SQ)
         idx = simd_at_least_one_if_positive(idx, y);

@@ -28,8 +28,13 @@
 
 /* The INT8 maps (ascending) and the midpoints between neighbours (255 of them; entry 255 is
  * +inf, never compared), per moment; filled once at load (qstate.c, cossd_qmap_init). */
-extern COSSD_HIDDEN float g_qmap[2][256];
-extern COSSD_HIDDEN float g_qmid[2][256];
+extern COSSD_HIDDEN float g_qmap[2][256] __attribute__((aligned(64)));
+extern COSSD_HIDDEN float g_qmid[2][256] __attribute__((aligned(64)));
+/* The midpoints each level of the search can probe, for the SIMD paths to look up in
+ * registers: level L (step s = 128 >> L, idx a multiple of 2s) probes g_qmid[idx + s - 1],
+ * stored at g_qprobe[moment][L][idx / 2s] (2^L entries, the rest +inf). */
+#define QPROBE_LEVELS 8
+extern COSSD_HIDDEN float g_qprobe[2][QPROBE_LEVELS][128] __attribute__((aligned(64)));
 COSSD_HIDDEN void cossd_qmap_init(void);
 
 COSSD_INLINE int qstate_fmt(int fmt) { return fmt == COSSD_STATE_FP16 || fmt == COSSD_STATE_INT8; }
