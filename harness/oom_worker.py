@@ -1,4 +1,4 @@
-"""One trainer of the OOM bench (bench_oom.py), checkpointing every step: DCP async_save, the tiered checkpointer, or cossd offload.
+"""One trainer of the OOM bench (harness/bench/oom.py), checkpointing every step: DCP async_save, the tiered checkpointer, or cossd offload.
 
 Run as `python -m cossd.harness.oom_worker CONFIG_JSON`. It speaks JSON lines on stdout and
 waits for a line on stdin three times: before anything is allocated (the bench puts it into

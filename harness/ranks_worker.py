@@ -1,4 +1,4 @@
-"""One rank of `cossd bench --sections ranks`: a sharded cossd AdamW on a shared namespace, its steps timed, its params back read from the device or all-gathered (started by harness/bench_ranks.py as torchrun would: RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
+"""One rank of `cossd bench --sections ranks`: a sharded cossd AdamW on a shared namespace, its steps timed, its params back read from the device or all-gathered (started by harness/bench/ranks.py as torchrun would: RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
 from __future__ import annotations
 
 import json

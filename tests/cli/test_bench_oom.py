@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cossd.harness import bench, cgroups
-from cossd.harness.bench_oom import METHODS, OomSettings
-from cossd.harness.bench_report import markdown
+from cossd.harness.bench.oom import METHODS, OomSettings
+from cossd.harness.bench.report import markdown
 
 MIB = 1 << 20
 

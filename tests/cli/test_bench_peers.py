@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cossd.harness import bench, bench_peers
-from cossd.harness.bench_peers import PeersSettings, run_worker, summarize
-from cossd.harness.bench_peers_report import markdown_rows
+from cossd.harness import bench
+from cossd.harness.bench import peers as bench_peers
+from cossd.harness.bench.peers import PeersSettings, run_worker, summarize
+from cossd.harness.bench.peers_report import markdown_rows
 from cossd.trainer.options import add_bench_arguments
 from helpers import run_cli
 

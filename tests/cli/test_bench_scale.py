@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cossd.harness import bench_scale
+from cossd.harness.bench import scale as bench_scale
 from helpers import run_cli
 
 pytestmark = pytest.mark.mount

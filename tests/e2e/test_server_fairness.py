@@ -1,11 +1,11 @@
 """Eight trainers at once through one storage server, each on its own namespace and in a
-process of its own (harness/bench_fairness.py): every one makes progress, and Jain's index of
+process of its own (harness/bench/fairness.py): every one makes progress, and Jain's index of
 the steps each completed in the same window is near 1. Counts, not timings, are asserted."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from cossd.harness.bench_fairness import jain_index, measure_fairness
+from cossd.harness.bench.fairness import jain_index, measure_fairness
 
 # Loose on purpose: the machine is shared, and scheduling noise moves a few steps; a server
 # that served clients in turn (one connection's commands starving the others') would give

@@ -4,7 +4,7 @@ Each method trains the same model in a worker process of its own (harness/oom_wo
 placed in a fresh cgroup v1 memory group (the cap) and blkio group (the sink's write
 throttle) before it allocates anything. The bench samples the group's memory every ~50 ms
 and reports what happened: the peak, an OOM kill or a failure (never counted as success),
-the steps done, the stall per step and the bytes written. bench_oom_report.py draws and
+the steps done, the stall per step and the bytes written. oom_report.py draws and
 tabulates it.
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from . import cgroups
-from .measure import say
-from .oom_sink import SinkUnavailable, SyncSink
-from .oom_targets import BUCKET, Drive, Store
+from .. import cgroups
+from ..measure import say
+from ..oom_sink import SinkUnavailable, SyncSink
+from ..oom_targets import BUCKET, Drive, Store
 
 METHODS = ("dcp", "tiered", "cossd")
 LABELS = {"dcp": "PyTorch DCP async_save, no wait", "tiered": "cossd.trainer.TieredCheckpointer",
@@ -258,7 +258,7 @@ def resident_state_bytes(settings: OomSettings) -> int:
     param's step counter), counted on a model built on the meta device (no memory)."""
     import torch
 
-    from .gpt import GPT, GPTConfig
+    from ..gpt import GPT, GPTConfig
 
     with torch.device("meta"):
         model = GPT(GPTConfig(**settings.model()))

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from ..client import AdminClient
-from ..client.remote import RemoteTransport
-from ..protocol.logpages import LogId, decode_server_log
+from ...client import AdminClient
+from ...client.remote import RemoteTransport
+from ...protocol.logpages import LogId, decode_server_log
 
-from .bench_net import BenchServer
-from .measure import say
-from .nvm_volume import NvmVolume
+from .net import BenchServer
+from ..measure import say
+from ..nvm_volume import NvmVolume
 
 LR = 1e-3
 TENSORS = 4  # the "model": a few flat tensors, as a network's layers are
@@ -163,7 +163,7 @@ def _smart(server: BenchServer) -> dict[str, int]:
 def offloaded(server: BenchServer, n: int, cycles: int) -> dict[str, Any]:
     """cossd.trainer.AdamW with mount=cossd://...: BF16 grads in, the step on the device,
     BF16 params back; every step durable (the commit is the checkpoint)."""
-    from ..trainer import AdamW
+    from ...trainer import AdamW
 
     params = _model(n, torch.bfloat16, 6)
     previous = os.environ.get("COSSD_TOKEN_FILE")

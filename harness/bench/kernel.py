@@ -9,10 +9,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .. import kernels
-from ..emulator.layout import BLOCK_ELEMS
+from ... import kernels
+from ...emulator.layout import BLOCK_ELEMS
 
-from .measure import split_run
+from ..measure import split_run
 
 BYTES_PER_ELEMENT = 28  # every kernel contender moves 28 bytes per element (BYTES_MOVED)
 HYPER = kernels.AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, mode="adamw")

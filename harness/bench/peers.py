@@ -1,6 +1,6 @@
 """`cossd bench --sections peers`: cossd beside what users run instead (ZeRO-Infinity's NVMe offload, ZeRO-Offload, resident AdamW with and without DCP async_save), on one GPT, one disk, the same threads, in alternating turns.
 
-Each peer trains in a process of its own (bench_peers_worker.py: DeepSpeed's state is
+Each peer trains in a process of its own (peers_worker.py: DeepSpeed's state is
 process-global), which is then killed with SIGKILL and followed by a restore process. One
 cossd device serves the cossd row through its memory buffer, and a plain NVM namespace of it,
 ext4 on a loop device, holds ZeRO-Infinity's second swap folder and the other peers'
@@ -23,15 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..client import AdminClient
-from ..emulator import Device
-from ..fs import daemon
+from ...client import AdminClient
+from ...emulator import Device
+from ...fs import daemon
 
-from .bench_peers_model import model_check
-from .bench_peers_worker import RESULT_PREFIX, gpt_shape
-from .cgroups import disk_of
-from .measure import say
-from .nvm_volume import NvmVolume
+from .peers_model import model_check
+from .peers_worker import RESULT_PREFIX, gpt_shape
+from ..cgroups import disk_of
+from ..measure import say
+from ..nvm_volume import NvmVolume
 
 PEERS: dict[str, str] = {
     "cossd": "(a) cossd, through the CMB",
@@ -120,7 +120,7 @@ def run_worker(job: dict[str, Any], cores: list[int], log: Path, timeout_s: floa
     SIGKILL (its whole session: DCP's writer process too). Never raises: a worker that failed
     or hung gives {"ok": False, "why": ...}."""
     with open(log, "ab") as output:
-        process = subprocess.Popen([sys.executable, "-m", "cossd.harness.bench_peers_worker", json.dumps(job)],
+        process = subprocess.Popen([sys.executable, "-m", "cossd.harness.bench.peers_worker", json.dumps(job)],
                                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
                                    preexec_fn=lambda: os.sched_setaffinity(0, cores))
     deadline = time.monotonic() + timeout_s

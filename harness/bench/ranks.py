@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..emulator import Device
-from ..fs import daemon
+from ...emulator import Device
+from ...fs import daemon
 
-from .measure import say
+from ..measure import say
 
 WORLDS = (1, 2, 4)
 # How a rank gets the params back (the optimizer's param_gather=).

@@ -5,9 +5,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..client import AdminClient
-from ..emulator import Device
-from ..fs import daemon
+from ...client import AdminClient
+from ...emulator import Device
+from ...fs import daemon
 
 
 class BenchDevice:

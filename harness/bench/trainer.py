@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ..client import AdminClient
-from ..trainer import AdamW
+from ...client import AdminClient
+from ...trainer import AdamW
 
-from . import bench_iteration
-from .nvm_volume import NvmVolume, syncfs
+from . import iteration as bench_iteration
+from ..nvm_volume import NvmVolume, syncfs
 
 TRAINER_NAMESPACE = "bench-trainer"
 LR = 1e-3

@@ -10,14 +10,14 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ..client import AdminClient
-from ..fs import daemon
+from ...client import AdminClient
+from ...fs import daemon
 
-from . import bench_trainer
-from .bench_device import BenchDevice, filesystem_of
-from .checkpointing import drop_from_page_cache, files_under
-from .measure import say
-from .nvm_volume import NvmVolume
+from . import trainer as bench_trainer
+from .device import BenchDevice, filesystem_of
+from ..checkpointing import drop_from_page_cache, files_under
+from ..measure import say
+from ..nvm_volume import NvmVolume
 
 
 CHECKPOINT_NAMESPACE = "bench-checkpoints"  # the plain NVM namespace torch.save and DCP write to

@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..emulator import Device
+from ...emulator import Device
 
-from .netns import Netns
-from .served import ServedDevice, write_token
+from ..netns import Netns
+from ..served import ServedDevice, write_token
 
 # The socket pair's far end: one process, as the server is, answering 'w' (take TOTAL bytes,
 # ack one byte) and 'r' (send TOTAL bytes) until 'q'. recv_into one buffer: no copies.
@@ -97,7 +97,7 @@ def _cache_option() -> bool:
     """Whether this server has a parameter cache (`--param-cache-size`) to measure."""
     import argparse
 
-    from ..server.command import add_serve_arguments
+    from ...server.command import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -111,7 +111,7 @@ class RemoteStep:
     def __init__(self, server: BenchServer, n: int) -> None:
         import numpy as np
 
-        from ..client import AdminClient
+        from ...client import AdminClient
 
         self.admin = AdminClient(server.url, token_file=server.token_file)
         self.nsid = self.admin.create_namespace({"name": "bench", "tensors": [["w", n]]})
@@ -156,7 +156,7 @@ class RemoteStep:
 def wire_turn(pair: SocketPair, remote: RemoteStep, samples: dict[str, list[float]]) -> None:
     """One turn of the wire's rows: the socket pair both ways, then a step through the server
     (its WRITE and READ timed inside it)."""
-    from .measure import timed
+    from ..measure import timed
 
     samples["tcp_write"] += timed(lambda: pair.send(remote.grads), 1, warmup=0)
     samples["tcp_read"] += timed(pair.receive, 1, warmup=0)
@@ -170,9 +170,9 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     through the server against the local CMB and O_DIRECT file steps, all in turns."""
     import statistics
 
-    from .bench_device import BenchDevice
-    from .bench_mount import cmb_step, file_path_step
-    from .measure import say, timed
+    from .device import BenchDevice
+    from .mount import cmb_step, file_path_step
+    from ..measure import say, timed
 
     size = 2 * n
     samples: dict[str, list[float]] = {key: [] for key in
@@ -251,8 +251,8 @@ def veth_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     Where namespaces cannot be made (not root, no iproute2), says why instead."""
     import statistics
 
-    from . import netns
-    from .measure import say
+    from .. import netns
+    from ..measure import say
 
     reason = netns.unavailable()
     if reason is not None:
@@ -298,9 +298,9 @@ def veth_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
 def fairness(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     """Eight trainers at once, each a process on its own namespace, stepping through one server
     for a window (2 s a turn, 10 s at most): the steps each completed and Jain's index of them
-    (harness/bench_fairness.py)."""
-    from .bench_fairness import measure_fairness
-    from .measure import say
+    (harness/bench/fairness.py)."""
+    from .fairness import measure_fairness
+    from ..measure import say
 
     result = measure_fairness(workdir / "fairness", clients=8, elements=min(n, 1 << 20),
                               duration_s=float(min(10, 2 * repeat)))
@@ -313,7 +313,7 @@ def _cache_rows(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     """Param reads with the server's cache on against off, in turns (two servers)."""
     import statistics
 
-    from .measure import timed
+    from ..measure import timed
 
     servers: list[BenchServer] = []
     steps: list[RemoteStep] = []

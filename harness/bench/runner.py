@@ -1,8 +1,9 @@
 """`cossd bench`: cossd's kernel, file path, checkpoint and restore, measured beside their peers in one run.
 
-The sections live in modules of their own (bench_kernel, bench_mount, bench_checkpoint,
-bench_trainer, bench_net and bench_iopath, bench_oom, bench_scale), the devices they mount in bench_device, the report in bench_report; this
-module runs them in order and offers their names, as `cossd bench` and the tests use them.
+The sections live in modules of their own beside this one (kernel, mount, checkpoint, trainer,
+net and iopath, oom, scale, ranks, peers), the devices they mount in device.py, the report in
+report.py; this module runs them in order and offers their names, which the package
+(cossd.harness.bench) exports as `cossd bench` and the tests use them.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import argparse
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,20 +18,20 @@ from typing import Any
 
 import torch
 
-from .. import kernels
-from ..emulator.layout import BLOCK_ELEMS
-from ..trainer.options import BENCH_SECTIONS, DEFAULT_BENCH_SECTIONS, add_bench_arguments
+from ... import kernels
+from ...emulator.layout import BLOCK_ELEMS
+from ...trainer.options import BENCH_SECTIONS, DEFAULT_BENCH_SECTIONS, add_bench_arguments
 
-from . import bench_net, bench_trainer
-from .bench_checkpoint import (CHECKPOINT_NAMESPACE, checkpoint_costs, checkpoint_volume, restore_costs,
+from . import net as bench_net, trainer as bench_trainer
+from .checkpoint import (CHECKPOINT_NAMESPACE, checkpoint_costs, checkpoint_volume, restore_costs,
                                trainer_checkpoint_target)
-from .bench_device import BenchDevice, filesystem_of, ram_workdir, ram_workdir_available
-from .bench_kernel import (BYTES_MOVED, BYTES_PER_ELEMENT, DEEPSPEED_INSTALL, HYPER, SWEEP_BYTES, KernelBuffers,
+from .device import BenchDevice, filesystem_of, ram_workdir, ram_workdir_available
+from .kernel import (BYTES_MOVED, BYTES_PER_ELEMENT, DEEPSPEED_INSTALL, HYPER, SWEEP_BYTES, KernelBuffers,
                            cossd_device_update, cossd_kernel, cossd_ordinary_stores, deepspeed_cpuadam,
                            kernel_row, roofline_probe, torch_adamw)
-from .bench_mount import FILE_PATH_VARIANTS, cmb_rows, cmb_step, file_path_rows, file_path_step
-from .bench_report import chart, cpu_name, markdown, write_report
-from .measure import say, split_run, timed
+from .mount import FILE_PATH_VARIANTS, cmb_rows, cmb_step, file_path_rows, file_path_step
+from .report import chart, cpu_name, markdown, write_report
+from ..measure import say, split_run, timed
 
 __all__ = [
     "BENCH_SECTIONS", "BYTES_MOVED", "BYTES_PER_ELEMENT", "CHECKPOINT_NAMESPACE", "DEEPSPEED_INSTALL",
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if "oom" in sections:
         _oom_section(report, args)
     if "ranks" in sections:
-        from .bench_ranks import ranks_costs
+        from .ranks import ranks_costs
 
         workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-ranks-"))
         try:
@@ -127,7 +127,7 @@ MOUNT_TURNS = 15
 def _net_section(report: dict[str, Any], args: argparse.Namespace) -> None:
     """Storage servers on loopback (backing on tmpfs where there is one, as the local steps'):
     the wire against a socket pair and the local steps, then the I/O-path comparison."""
-    from .bench_iopath import iopath_costs
+    from .iopath import iopath_costs
 
     n = getattr(args, "net_elements", 1 << 22)
     ram = ram_workdir()
@@ -143,10 +143,10 @@ def _net_section(report: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _oom_section(report: dict[str, Any], args: argparse.Namespace) -> None:
-    """Per-step checkpoints under a cgroup memory cap with a throttled sink (bench_oom.py), in
+    """Per-step checkpoints under a cgroup memory cap with a throttled sink (oom.py), in
     a temp dir on the disk (the sink's image, the store's and the drive's data). `args.oom` (an
     OomSettings) overrides the model and the sizes: the tests run it tiny."""
-    from .bench_oom import OomSettings, oom_costs
+    from .oom import OomSettings, oom_costs
 
     settings = getattr(args, "oom", None) or OomSettings()
     workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-oom-"))
@@ -159,10 +159,10 @@ def _oom_section(report: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _scale_section(report: dict[str, Any], args: argparse.Namespace) -> None:
-    """Growing namespaces on fresh devices backed by the temp dir's disk (bench_scale.py), all
+    """Growing namespaces on fresh devices backed by the temp dir's disk (scale.py), all
     under one directory deleted at the end; the restore at 16M and 256M where those are among
     the sizes, else at the largest."""
-    from .bench_scale import scale_costs
+    from .scale import scale_costs
 
     sizes = getattr(args, "scale_sizes", None) or [1 << 20, 1 << 24, 1 << 28, 1 << 30]
     restore = {1 << 24, 1 << 28} & set(sizes) or {max(sizes)}
@@ -174,11 +174,11 @@ def _scale_section(report: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _peers_section(report: dict[str, Any], args: argparse.Namespace) -> None:
-    """cossd beside ZeRO-Infinity, ZeRO-Offload and resident AdamW (bench_peers.py), in a temp
+    """cossd beside ZeRO-Infinity, ZeRO-Offload and resident AdamW (peers.py), in a temp
     dir on the disk; `args.peers` (a PeersSettings) overrides everything (the tests), else
     --peers-params the sizes. Writes peers.png beside the report."""
-    from .bench_peers import PeersSettings, peers_costs
-    from .bench_peers_report import peers_chart
+    from .peers import PeersSettings, peers_costs
+    from .peers_report import peers_chart
 
     settings = getattr(args, "peers", None) or PeersSettings()
     if getattr(args, "peers_params", None):
@@ -230,8 +230,3 @@ def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: Be
     for name, row in report["restore"].items():
         say(f"  restore, {name}: {row['seconds']:.3f} s, {row['bytes'] / 1e6:.0f} MB read")
 
-
-if __name__ == "__main__":
-    cli = argparse.ArgumentParser(prog="python -m cossd.harness.bench", description=__doc__)
-    add_bench_arguments(cli)
-    sys.exit(run(cli.parse_args()))

@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..model.offload import measured_profile, zero_infinity_serial
-from ..model.profiles import load_profile
-from ..model.step_model import StepSetup, predict_cossd, predict_zero_infinity
+from ...model.offload import measured_profile, zero_infinity_serial
+from ...model.profiles import load_profile
+from ...model.step_model import StepSetup, predict_cossd, predict_zero_infinity
 
 PROBE_BYTES = 256 << 20
 BLOCK = 1 << 20

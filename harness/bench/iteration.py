@@ -2,7 +2,7 @@
 a model, resident AdamW (with and without a per-step checkpoint) against cossd offload (with
 the gradients sent at step(), or streamed while backward runs).
 
-The trainer rows of bench_trainer.py time the optimizer step alone, on one flat tensor. What a
+The trainer rows of trainer.py time the optimizer step alone, on one flat tensor. What a
 user pays per iteration also depends on what overlaps backward: with `streaming=True` each
 gradient leaves (and the drive's kernel runs on it) while backward is still producing the
 others. On a GPU backward leaves the CPU's cores to the drive; on a 2-core CPU they share
@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..client import AdminClient
-from ..trainer import AdamW
+from ...client import AdminClient
+from ...trainer import AdamW
 
-from .nvm_volume import NvmVolume
+from ..nvm_volume import NvmVolume
 
 BLOCKS = 4  # Linear(w, 2w), GELU, Linear(2w, w), four times: about 16 w^2 parameters
 ROWS = 256  # the batch: rows of w features

@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from ..client import AdminClient
-from ..emulator import Device
-from ..protocol.logpages import LogId, decode_server_log
-from ..protocol.status import DeviceError
+from ...client import AdminClient
+from ...emulator import Device
+from ...protocol.logpages import LogId, decode_server_log
+from ...protocol.status import DeviceError
 
-from .served import ServedDevice, write_token
+from ..served import ServedDevice, write_token
 
 # Each client's tensors: one large and one small, as a model's weight and bias.
 BIAS_ELEMENTS = 1024

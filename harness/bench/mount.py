@@ -9,13 +9,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..client import AdminClient
-from ..emulator.cmb import parallel_copy
-from ..emulator.workers import KernelWorkers
+from ...client import AdminClient
+from ...emulator.cmb import parallel_copy
+from ...emulator.workers import KernelWorkers
 
-from .bench_device import BenchDevice, filesystem_of
-from .bench_scale import disk_throughput
-from .measure import say, timed
+from .device import BenchDevice, filesystem_of
+from .scale import disk_throughput
+from ..measure import say, timed
 
 
 def _aligned(size: int) -> mmap.mmap:

@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..emulator import Device, DeviceConfig
-from ..emulator.namespace_media import _Media
-from ..fs import daemon
+from ...emulator import Device, DeviceConfig
+from ...emulator.namespace_media import _Media
+from ...fs import daemon
 
-from .bench_device import BenchDevice
-from .checkpointing import drop_from_page_cache, files_under
-from .measure import say
+from .device import BenchDevice
+from ..checkpointing import drop_from_page_cache, files_under
+from ..measure import say
 
 # What the mount daemon imports before it serves (python -m cossd.fs.mount_main, which
 # start_background runs): the daemon with FUSE, the emulator and the kernels.

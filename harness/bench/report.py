@@ -6,8 +6,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from . import bench_trainer
-from .measure import say
+from . import trainer as bench_trainer
+from ..measure import say
 
 
 def write_report(report: dict[str, Any], output: Path) -> None:
@@ -19,12 +19,12 @@ def write_report(report: dict[str, Any], output: Path) -> None:
         chart(report, output / "bench.png")
         written.append(output / "bench.png")
         if report.get("oom", {}).get("measured"):
-            from .bench_oom_report import chart as oom_chart  # the oom section's own figure
+            from .oom_report import chart as oom_chart  # the oom section's own figure
 
             oom_chart(report, output / "oom.png")
             written.append(output / "oom.png")
         if any(row["measured"] for row in report.get("scale", {}).get("sizes", [])):
-            from .bench_scale_report import chart as scale_chart  # the scale section's log-log figure
+            from .scale_report import chart as scale_chart  # the scale section's log-log figure
 
             scale_chart(report, output / "scale.png")
             written.append(output / "scale.png")
@@ -86,19 +86,19 @@ def markdown(report: dict[str, Any]) -> str:
     if "trainer" in report:
         lines += bench_trainer.markdown_rows(report["trainer"])
     if "net" in report:
-        from .bench_net import markdown_rows as net_rows  # the net section's own tables
+        from .net import markdown_rows as net_rows  # the net section's own tables
 
         lines += net_rows(report)
     if "oom" in report:
-        from .bench_oom_report import markdown_rows as oom_rows  # the oom section's table
+        from .oom_report import markdown_rows as oom_rows  # the oom section's table
 
         lines += oom_rows(report)
     if "ranks" in report:
-        from .bench_ranks import markdown_rows as ranks_rows  # the ranks section's table
+        from .ranks import markdown_rows as ranks_rows  # the ranks section's table
 
         lines += ranks_rows(report)
     if "scale" in report:
-        from .bench_scale_report import markdown_rows as scale_rows  # the scale section's tables
+        from .scale_report import markdown_rows as scale_rows  # the scale section's tables
 
         lines += scale_rows(report)
     if "file_path" not in report:  # no mount section

@@ -1,7 +1,7 @@
 """One peer of `cossd bench --sections peers` in a process of its own: train a GPT some steps, save, report JSON; or restore after a kill -9.
 
 DeepSpeed's engine, its process group and its JIT ops are process-global, so each peer (and each
-turn of it) runs here, started by bench_peers.py with a JSON job on argv[1]. The result is one
+turn of it) runs here, started by peers.py with a JSON job on argv[1]. The result is one
 line on stdout that starts with RESULT_PREFIX (DeepSpeed prints its own lines around it). After a
 "train" job has printed its result it waits: the bench kills it with SIGKILL, and a "restore" job
 then brings the trainer back from what the storage kept.
@@ -61,7 +61,7 @@ class StorageCounter:
         if self.spec["kind"] == "diskstats":
             read, written = disk_sectors(self.spec["disk"])
             return 512 * (read + written)
-        from ..client import AdminClient
+        from ...client import AdminClient
 
         with AdminClient(Path(self.spec["mount"])) as admin:
             stats = admin.statistics(admin.nsid(self.spec["namespace"]))
@@ -74,7 +74,7 @@ def device_times(job: dict[str, Any]) -> dict[str, int] | None:
     """The cossd namespace's own clocks (block updates, flushes), where the job is cossd's."""
     if job["peer"] != "cossd":
         return None
-    from ..client import AdminClient
+    from ...client import AdminClient
 
     with AdminClient(Path(job["mount"])) as admin:
         stats = admin.statistics(admin.nsid(job["namespace"]))
@@ -111,7 +111,7 @@ class Peer:
     def __init__(self, job: dict[str, Any]) -> None:
         import torch
 
-        from .gpt import GPT, GPTConfig, StdlibCorpus
+        from ..gpt import GPT, GPTConfig, StdlibCorpus
 
         self.job, self.torch = job, torch
         self.config = GPTConfig(**gpt_shape(job["params"]))
@@ -229,7 +229,7 @@ class Cossd(Peer):
 
     def __init__(self, job: dict[str, Any]) -> None:
         super().__init__(job)
-        from ..trainer import AdamW
+        from ...trainer import AdamW
 
         self.module = self.model(self.torch.bfloat16)
         self.optimizer = AdamW(self.module.parameters(), mount=job["mount"], namespace=job["namespace"], lr=LR)

@@ -15,20 +15,20 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..client import AdminClient
-from ..emulator import Device
-from ..emulator.cmb import parallel_copy
-from ..emulator.layout import BLOCK_ELEMS
-from ..emulator.workers import KernelWorkers
-from ..fs import daemon
+from ...client import AdminClient
+from ...emulator import Device
+from ...emulator.cmb import parallel_copy
+from ...emulator.layout import BLOCK_ELEMS
+from ...emulator.workers import KernelWorkers
+from ...fs import daemon
 
-from .bench_device import BenchDevice, filesystem_of
-from .measure import say
+from .device import BenchDevice, filesystem_of
+from ..measure import say
 
 # Bytes of gradient (and of params) the bench holds at once: the client never holds a whole
 # tensor, so its own memory stays flat while the state grows past RAM.
 CLIENT_CHUNK = 128 << 20
-FILE_PIECE = 4 << 20  # the file path's pwrite/pread size, as bench_mount's
+FILE_PIECE = 4 << 20  # the file path's pwrite/pread size, as mount.py's
 # Room on the disk left beside the state (the daemon's logs, the dd probe, other users).
 DISK_MARGIN = 4 << 30
 # State bytes per element of one copy (FP32 master and moments, FP16 param: media-format.md).
@@ -320,7 +320,7 @@ def scale_costs(root: Path, sizes: list[int], restore_sizes: set[int],
                 dd_bytes: int | None = None) -> dict[str, Any]:
     """Each size on a fresh device under `root` (deleted as soon as it is measured), the
     restore where asked, the disk's own write speed, and the growth exponents."""
-    from .bench_restore import restore_costs, startup_imports  # its own module: the restore breakdown
+    from .restore import restore_costs, startup_imports  # its own module: the restore breakdown
 
     ram = memory_total()
     report: dict[str, Any] = {"media": filesystem_of(root), "ram_bytes": ram, "client_chunk_bytes": CLIENT_CHUNK,
