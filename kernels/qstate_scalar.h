@@ -97,8 +97,7 @@ COSSD_INLINE unsigned q8_search(float y, int moment)
     const float *mid = g_qmid[moment];
     unsigned idx = 0;
     for (unsigned step = 128; step; step >>= 1)
-        if (mid[idx + step - 1] < y)
-            idx += step;
+        idx += (unsigned)(mid[idx + step - 1] < y) * step; /* no branch: the outcome is a coin flip */
     if (moment == COSSD_MOMENT_EXP_AVG_SQ && idx == 0 && y > 0.0f)
         idx = 1; /* a positive second moment never decodes to 0 */
     return idx;
