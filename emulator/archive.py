@@ -28,7 +28,7 @@ from ..protocol.status import DeviceError, Status
 from . import media
 from .jobs import Job, JobTable
 from .namespace import Namespace
-from .snapshots import META_FILE, SUPERBLOCK_FILE, Snapshot, SnapshotStore
+from .namespace.snapshots import META_FILE, SUPERBLOCK_FILE, Snapshot, SnapshotStore
 
 if TYPE_CHECKING:
     from .device import Device

@@ -14,7 +14,7 @@ from ..protocol.status import DeviceError, Status
 from . import archive, media
 from .jobs import JobTable
 from .namespace import Namespace
-from .snapshots import MAX_SNAPSHOTS
+from .namespace.snapshots import MAX_SNAPSHOTS
 
 if TYPE_CHECKING:
     from .device import Device

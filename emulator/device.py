@@ -21,7 +21,7 @@ from . import kinds
 from .layout import FORMAT_VERSION
 from .media import atomic_write_json, fsync_dir, read_json
 from .names import MAX_NAMESPACES
-from .namespace_verify import VERIFY_MODES, VERIFY_OPEN
+from .namespace.verify import VERIFY_MODES, VERIFY_OPEN
 from .workers import KernelWorkers
 from .accounting import NamespaceTiming
 from ..model.profiles import DEFAULT_PROFILE
@@ -49,7 +49,7 @@ class DeviceConfig:
     profile: str = DEFAULT_PROFILE
     # True: file I/O and step commands complete no earlier than their modeled device time.
     timed: bool = False
-    # When an opened namespace's committed step is verified (namespace_verify.VERIFY_MODES):
+    # When an opened namespace's committed step is verified (namespace.verify.VERIFY_MODES):
     # "open", every block's checksum before the device serves anything; "background", params
     # as they are first served and the rest in a thread, so that a restart serves params at
     # once whatever the state's size (what `cossd mount` does unless told --verify open).

@@ -25,7 +25,7 @@ from . import media
 from ..protocol.status import DeviceError, Status
 from .jobs import Job, JobTable
 from .layout import TensorLayout, region_offset
-from .snapshots import CHECKSUM_ROLES, STATE_FILE, Snapshot
+from .namespace.snapshots import CHECKSUM_ROLES, STATE_FILE, Snapshot
 from .superblock import Superblock
 
 if TYPE_CHECKING:

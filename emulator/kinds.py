@@ -9,7 +9,7 @@ from ..protocol.status import DeviceError, Status
 from .layout import plan_layout
 from .media import read_json
 from .namespace import Namespace
-from .namespace_verify import VERIFY_OPEN
+from .namespace.verify import VERIFY_OPEN
 from .nvm import KIND as NVM_KIND
 from .nvm import NvmNamespace, NvmSpec
 from .spec import NamespaceSpec
@@ -62,7 +62,7 @@ def create(directory: Path, nsid: int, spec: AnySpec, sync: bool) -> AnyNamespac
 def open_namespace(directory: Path, sync: bool, verify: str = VERIFY_OPEN, *, durable: bool = False) -> AnyNamespace:
     """Open a registered namespace; its meta.json says the kind (none: an optimizer).
     `verify` and `durable` (the device closed cleanly last time) apply to optimizer
-    namespaces (namespace_open.Namespace.open)."""
+    namespaces (Namespace.open, in emulator/namespace/open.py)."""
     kind = read_json(directory / "meta.json").get("kind", OPTIMIZER_KIND)
     if kind == NVM_KIND:
         return NvmNamespace.open(directory, sync)

@@ -11,7 +11,7 @@ from . import media
 from .layout import Copy, SuperblockFlags
 from .names import check_name
 from .namespace import Namespace
-from .snapshots import Snapshot, SnapshotStore
+from .namespace.snapshots import Snapshot, SnapshotStore
 from .superblock import Superblock
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import pyfuse3
 import trio
 
 from ..emulator import Device, DeviceError, Status
-from ..emulator.namespace_verify import VERIFY_BACKGROUND
+from ..emulator.namespace.verify import VERIFY_BACKGROUND
 from ..emulator.cmb import DEFAULT_CMB_BYTES
 from ..emulator.media import libc_function
 from ..model.profiles import DEFAULT_PROFILE

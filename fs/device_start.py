@@ -7,7 +7,7 @@ import resource
 from pathlib import Path
 
 from ..emulator import Device, DeviceConfig
-from ..emulator.namespace_verify import VERIFY_BACKGROUND
+from ..emulator.namespace.verify import VERIFY_BACKGROUND
 from ..kernels import guard
 from ..model.profiles import DEFAULT_PROFILE
 

@@ -6,7 +6,7 @@ import stat
 from typing import Callable
 
 from ..emulator.namespace import Namespace
-from ..emulator.snapshots import Snapshot
+from ..emulator.namespace.snapshots import Snapshot
 
 from .nodes import SNAPSHOT_DIR_KINDS, Kind, Node, fuse_error
 

@@ -22,7 +22,7 @@ from ..emulator import Device, DeviceError, Status
 from ..emulator.kinds import AnyNamespace
 from ..emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
 from ..emulator.nvm import NvmNamespace
-from ..emulator.snapshots import Snapshot
+from ..emulator.namespace.snapshots import Snapshot
 from ..protocol.entries import Completion
 from ..protocol.wire import STAT_ENTRIES, FabricsType
 

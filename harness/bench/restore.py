@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ...emulator import Device, DeviceConfig
-from ...emulator.namespace_media import _Media
+from ...emulator.namespace.media import _Media
 from ...fs import daemon
 
 from .device import BenchDevice

@@ -764,7 +764,7 @@ def test_cli_verbs_normal_and_json(mount: Mount, tmp_path: Path, capsys: pytest.
 
 def test_snapshot_limit_per_namespace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The limit is one comparison; a lowered limit checks it without taking 1024 snapshots."""
-    from cossd.emulator import snapshots
+    from cossd.emulator.namespace import snapshots
 
     monkeypatch.setattr(snapshots, "MAX_SNAPSHOTS", 2)
     Device.format(tmp_path / "dev", capacity_bytes=1 << 30)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cossd.emulator import Device, DeviceConfig, DeviceError, Status
-from cossd.emulator import namespace_verify
+from cossd.emulator.namespace import verify as namespace_verify
 from cossd.emulator.layout import BLOCK_ELEMS, Copy
 from cossd.emulator.superblock import Superblock
 from test_powerloss import NAME, grads, load, poisoned_steps, reference, spec, state_of

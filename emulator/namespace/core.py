@@ -1,10 +1,10 @@
 """An optimizer namespace: A/B state copies on the media, step transactions, recovery.
 
-The class is one object with one lock; its methods live in modules by job:
-namespace_open (create, open, recover), namespace_reads (reads, pins, range checks),
-namespace_writes (initial state, the gradient path), namespace_steps (begin, commit, abort,
-hyperparameters, snapshot flips), namespace_media (durability, damage, checksums) and
-namespace_verify (verifying a reopened copy lazily: params as served, the rest in the background).
+The class is one object with one lock; its methods live in modules by job beside this one:
+open.py (create, open, recover), reads.py (reads, pins, range checks), writes.py (initial
+state, the gradient path), steps.py (begin, commit, abort, hyperparameters, snapshot flips),
+shared.py (shared steps), media.py (durability, damage, checksums) and verify.py (verifying a
+reopened copy lazily: params as served, the rest in the background).
 """
 from __future__ import annotations
 
@@ -17,25 +17,25 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernels
-from ..protocol.status import DeviceError, Status
-from .accounting import NamespaceTiming
-from .layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, region_offset
-from .media import SlotFile, StateFile
-from .namespace_common import (BLOCK_ROLES, LOADABLE_ROLES, ROLES, CommitResult, NamespaceCounters,
+from ... import kernels
+from ...protocol.status import DeviceError, Status
+from ..accounting import NamespaceTiming
+from ..layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, region_offset
+from ..media import SlotFile, StateFile
+from .common import (BLOCK_ROLES, LOADABLE_ROLES, ROLES, CommitResult, NamespaceCounters,
                                hypers_of)
-from .namespace_media import _Media
-from .namespace_open import _Opening
-from .namespace_reads import _Reads
-from .namespace_shared import SharedOutcome, _SharedSteps
-from .namespace_steps import _Steps
-from .namespace_verify import _Verifying
-from .namespace_writes import MAX_QUEUED_BLOCKS, _Writes
+from .media import _Media
+from .open import _Opening
+from .reads import _Reads
+from .shared import SharedOutcome, _SharedSteps
+from .steps import _Steps
+from .verify import _Verifying
+from .writes import MAX_QUEUED_BLOCKS, _Writes
 from .snapshots import SnapshotStore
-from .spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
-from .superblock import Superblock
-from .transaction import StepTransaction
-from .workers import KernelWorkers
+from ..spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
+from ..superblock import Superblock
+from ..transaction import StepTransaction
+from ..workers import KernelWorkers
 
 __all__ = ["CommitResult", "Namespace", "NamespaceCounters", "NamespaceSpec", "TensorSpec", "ROLES",
            "LOADABLE_ROLES"]
@@ -75,7 +75,7 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
     ) -> None:
         # Taken only to record a damaged state copy once (_Media._media_damaged).
         self._damage_lock = threading.Lock()
-        self._init_verification()  # namespace_verify.py: nothing deferred until _recover says so
+        self._init_verification()  # namespace/verify.py: nothing deferred until _recover says so
         self.directory = directory
         self.nsid = nsid
         self.spec = spec
@@ -100,7 +100,7 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
         self._durable_seq = superblock.seq
         self._durable_step = superblock.committed_step
         self._tx: StepTransaction | None = None
-        # Shared steps (namespace_shared.py): how the last one ended, and whether a gradient
+        # Shared steps (namespace/shared.py): how the last one ended, and whether a gradient
         # write outside a step is refused rather than opening an implicit step.
         self._last_shared: SharedOutcome | None = None
         self._shared_fence = False
@@ -113,7 +113,7 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
         # device that opens it attaches the device's (Device._attach).
         self._own_workers = KernelWorkers()
         self.workers = self._own_workers
-        # Blocks of written gradient bytes queued for the kernels at most (namespace_writes.py).
+        # Blocks of written gradient bytes queued for the kernels at most (namespace/writes.py).
         self.max_queued_blocks = MAX_QUEUED_BLOCKS
         self._views: dict[tuple[Copy, str, str], np.ndarray] = {}
         # Per (source copy, tensor): the kernel call that steps its blocks into the other copy.

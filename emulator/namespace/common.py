@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from .spec import Hyperparameters
-from ..protocol.hyperparameters import GROUP_FIELDS
-from .lifetime import LifetimeCounters
-from .superblock import Superblock
+from ..spec import Hyperparameters
+from ...protocol.hyperparameters import GROUP_FIELDS
+from ..lifetime import LifetimeCounters
+from ..superblock import Superblock
 
 ROLES = ("grad", "param", "master", "exp_avg", "exp_avg_sq")
 LOADABLE_ROLES = ("master", "exp_avg", "exp_avg_sq")

@@ -10,13 +10,13 @@ from typing import Self
 
 import numpy as np
 
-from ..protocol.status import DeviceError, Status
-from .layout import Copy, SuperblockFlags, plan_layout
-from .media import SlotFile, StateFile, atomic_write_json, fsync_dir, media_error, read_json
-from .namespace_common import hyper_record, hypers_of
-from .namespace_verify import VERIFY_BACKGROUND, VERIFY_MODES, VERIFY_OPEN
-from .spec import NamespaceSpec
-from .superblock import SkipCounts, Superblock
+from ...protocol.status import DeviceError, Status
+from ..layout import Copy, SuperblockFlags, plan_layout
+from ..media import SlotFile, StateFile, atomic_write_json, fsync_dir, media_error, read_json
+from .common import hyper_record, hypers_of
+from .verify import VERIFY_BACKGROUND, VERIFY_MODES, VERIFY_OPEN
+from ..spec import NamespaceSpec
+from ..superblock import SkipCounts, Superblock
 
 log = logging.getLogger("cossd.emulator.namespace")
 
@@ -83,7 +83,7 @@ class _Opening:
         nothing of this namespace can sit in the page cache only, and recovery need not
         fsync its files (see _recover).
 
-        `verify` (namespace_verify.VERIFY_MODES): VERIFY_OPEN checks every block of the step
+        `verify` (namespace.verify.VERIFY_MODES): VERIFY_OPEN checks every block of the step
         before this returns; VERIFY_BACKGROUND serves the newest step at once where its
         superblock has param checksums, checking each param block as first served and the
         whole copy in a thread (a failure then stops the namespace; see _Verifying).

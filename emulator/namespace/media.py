@@ -7,13 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernels
-from ..protocol.status import DeviceError, Status
-from .accounting import modeled_command
-from .layout import Copy, TensorLayout
-from .media import SlotFile, StateFile
-from .namespace_common import BLOCK_ROLES
-from .superblock import Superblock
+from ... import kernels
+from ...protocol.status import DeviceError, Status
+from ..accounting import modeled_command
+from ..layout import Copy, TensorLayout
+from ..media import SlotFile, StateFile
+from .common import BLOCK_ROLES
+from ..superblock import Superblock
 
 log = logging.getLogger("cossd.emulator.namespace")
 
@@ -26,7 +26,7 @@ class _Media:
 
     def _verify_copy(self, superblock: Superblock) -> list[tuple[str, int]]:
         """Blocks of the copy `superblock` names whose checksum (or param checksum, where
-        the superblock has them) does not match (_block_fails, namespace_verify.py)."""
+        the superblock has them) does not match (_block_fails, namespace/verify.py)."""
         return [(tensor.name, block) for tensor in self.layouts for block in range(tensor.block_count)
                 if self._block_fails(superblock, tensor, block)]
 

@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from .. import kernels
+from ... import kernels
 
-from . import media
-from ..protocol.status import DeviceError, Status
-from .layout import BLOCK_ELEMS, TensorLayout, plan_layout, region_offset
-from .names import check_name
-from .namespace_common import BLOCK_ROLES
-from .superblock import Superblock
+from .. import media
+from ...protocol.status import DeviceError, Status
+from ..layout import BLOCK_ELEMS, TensorLayout, plan_layout, region_offset
+from ..names import check_name
+from .common import BLOCK_ROLES
+from ..superblock import Superblock
 
 
 

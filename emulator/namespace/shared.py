@@ -5,11 +5,11 @@ import dataclasses
 import time
 from typing import Any
 
-from ..protocol.status import DeviceError, Status
-from .accounting import modeled_command
-from .namespace_common import CommitResult
-from .spec import Hyperparameters
-from .transaction import StepTransaction
+from ...protocol.status import DeviceError, Status
+from ..accounting import modeled_command
+from .common import CommitResult
+from ..spec import Hyperparameters
+from ..transaction import StepTransaction
 
 
 @dataclasses.dataclass

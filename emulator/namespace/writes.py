@@ -8,12 +8,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import kernels
-from ..protocol.status import DeviceError, Status
-from .accounting import modeled_command
-from .layout import BLOCK_ELEMS, Copy, TensorLayout
-from .namespace_common import BLOCK_ROLES, LOADABLE_ROLES, CommitResult, WouldBlock
-from .transaction import ReadyBlock, StepTransaction, first_overlap
+from ... import kernels
+from ...protocol.status import DeviceError, Status
+from ..accounting import modeled_command
+from ..layout import BLOCK_ELEMS, Copy, TensorLayout
+from .common import BLOCK_ROLES, LOADABLE_ROLES, CommitResult, WouldBlock
+from ..transaction import ReadyBlock, StepTransaction, first_overlap
 
 log = logging.getLogger("cossd.emulator.namespace")
 

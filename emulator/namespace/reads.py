@@ -6,11 +6,11 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..protocol.status import DeviceError, Status
-from .accounting import modeled_command
-from .layout import Copy, TensorLayout
-from .media import StateFile
-from .namespace_common import LOADABLE_ROLES, ROLES, WouldBlock
+from ...protocol.status import DeviceError, Status
+from ..accounting import modeled_command
+from ..layout import Copy, TensorLayout
+from ..media import StateFile
+from .common import LOADABLE_ROLES, ROLES, WouldBlock
 
 
 class _Reads:
@@ -92,7 +92,7 @@ class _Reads:
         file_size = tensor.numel * self.itemsize(role)
         if self.verifying and role == "param":
             # Reopened and not yet verified whole: each param block is checked the first
-            # time it is served (namespace_verify.py).
+            # time it is served (namespace/verify.py).
             self._check_params_before_serving(tensor, offset, size, wait)
         if not self._lock.acquire(blocking=wait):
             raise WouldBlock

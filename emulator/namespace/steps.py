@@ -10,15 +10,15 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .. import kernels
-from ..protocol.status import DeviceError, Status
-from .accounting import modeled_command
-from .layout import SuperblockFlags
-from .media import StateFile
-from .namespace_common import CommitResult, hyper_record, hypers_of
-from .spec import Hyperparameters
-from .superblock import SkipCounts, Superblock
-from .transaction import StepTransaction, block_range_of
+from ... import kernels
+from ...protocol.status import DeviceError, Status
+from ..accounting import modeled_command
+from ..layout import SuperblockFlags
+from ..media import StateFile
+from .common import CommitResult, hyper_record, hypers_of
+from ..spec import Hyperparameters
+from ..superblock import SkipCounts, Superblock
+from ..transaction import StepTransaction, block_range_of
 
 log = logging.getLogger("cossd.emulator.namespace")
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernels
-from ..protocol.status import DeviceError, Status
-from .layout import BLOCK_ELEMS, SUPERBLOCK_HEADER, Copy, TensorLayout
-from .namespace_common import BLOCK_ROLES, WouldBlock
-from .superblock import Superblock
+from ... import kernels
+from ...protocol.status import DeviceError, Status
+from ..layout import BLOCK_ELEMS, SUPERBLOCK_HEADER, Copy, TensorLayout
+from .common import BLOCK_ROLES, WouldBlock
+from ..superblock import Superblock
 
 log = logging.getLogger("cossd.emulator.namespace")
 

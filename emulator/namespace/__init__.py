@@ -1,0 +1,40 @@
+"""The optimizer namespace: the Namespace class (core.py), the parts it is made of, and its snapshot store.
+
+core.py assembles Namespace from one part per job: open.py (create, open, recover), reads.py
+(reads, pins, range checks), writes.py (initial state, the gradient path), steps.py (begin,
+commit, abort, hyperparameters, snapshot flips), shared.py (a step the ranks of a job share),
+media.py (durability, damage, checksums) and verify.py (a reopened copy verified lazily);
+common.py holds what they share (roles, counters, CommitResult), snapshots.py each
+namespace's snapshot store (SnapshotStore). They import cossd.protocol, cossd.kernels and the
+device's lower modules beside this package (layout, media, spec, superblock, transaction,
+accounting, workers), never the controller, the command modules or the device that hold them.
+
+The names below are imported when first used: the mount daemon's light modules import
+verify.py's constants before numpy, and a part imported first must not pull in core.py,
+which imports every part.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ..spec import NamespaceSpec, TensorSpec
+    from .common import LOADABLE_ROLES, ROLES, CommitResult, NamespaceCounters
+    from .core import Namespace
+
+# Each exported name, and the module (relative to this package) that defines it.
+_EXPORTS = {
+    "CommitResult": ".common",
+    "LOADABLE_ROLES": ".common",
+    "Namespace": ".core",
+    "NamespaceCounters": ".common",
+    "NamespaceSpec": "..spec",
+    "ROLES": ".common",
+    "TensorSpec": "..spec",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
