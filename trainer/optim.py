@@ -17,7 +17,7 @@ from ..client import Credentials
 from .distributed import Ranks
 from .namespace_files import WIRE_DTYPES, NamespaceFiles
 from .plan import HYPER_FIELDS, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
-from .group import DeviceGroup, mount_list
+from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
 from .session import DeviceSession
 from .sharded import ShardedSession
@@ -194,6 +194,12 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if self._ranks is None:
             self._ranks = distributed.current()  # a deferred open: DeepSpeed may have started the ranks since
         try:
+            if self._ranks is None and fsdp.uses_fsdp(self.entries):
+                # FSDP2 on a one-member mesh (torchtitan at one rank): the sharded path at world 1,
+                # where each DTensor's local shard is the whole tensor (fsdp.local_pieces checks).
+                if self.streaming:
+                    raise ValueError("streaming=True is not supported with FSDP2 params; use streaming=False")
+                self._ranks = SoloRanks()
             if self._ranks is not None:
                 self._open_sharded()  # rank 0 opens it as below, then every rank follows
             else:

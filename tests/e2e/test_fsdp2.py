@@ -334,11 +334,23 @@ def test_fsdp2_a_rank_that_cannot_load_its_masters_fails_every_rank(mount: Mount
     assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
 
 
-def test_fsdp2_on_one_rank_is_refused_naming_the_param(mount: Mount, tmp_path: Path) -> None:
-    """fully_shard over a process group of one: the optimizer is not sharded there, and its
-    one-process path refuses the DTensors with a clear error naming a param."""
+def test_fsdp2_on_a_one_member_mesh_trains_as_one_process(mount: Mount, tmp_path: Path) -> None:
+    """fully_shard over a process group of one (torchtitan at one rank): each DTensor's local
+    shard is the whole tensor, and the optimizer takes it as such (gradients out, params back
+    in place): 6 steps equal single-process cossd on plain params bit for bit, and the job
+    resumes from the device (a second run of 3 more steps)."""
     out = tmp_path / "job"
-    codes = run_job(mount, out, "fsdp-one", 1, 2)
-    assert codes == [4], (codes, (out / "logs.txt").read_text()[-4000:])
-    message = (out / "error0.txt").read_text()
-    assert message.startswith("ValueError: param fc1.weight is an FSDP2 DTensor but the optimizer runs on one rank")
+    ranks = finished(out, 1, run_job(mount, out, "fsdp-one", 1, 6))
+    result = ranks[0]["result"]
+    assert result["committed_step"] == 6 and result["steps_skipped"] == 0 and result["first"] == 1
+    check_rows(ranks, 1)  # one piece per tensor, the whole of it
+    params, masters, _ = single_process(mount, "fsdp-one-ref", ranks[0]["grads"], 6)
+    assert bits_equal(ranks[0]["params"], params) and bits_equal(ranks[0]["masters"], masters)
+    assert bits_equal([t.reshape(-1) for t in ranks[0]["local"]], [p.reshape(-1) for p in params])
+    again = tmp_path / "again"
+    resumed = finished(again, 1, run_job(mount, again, "fsdp-one", 1, 9))[0]
+    assert resumed["result"]["first"] == 7 and resumed["result"]["restored"]
+    assert statistics(mount, "fsdp-one")["committed_step"] == 9
+    grads = ranks[0]["grads"] | resumed["grads"]
+    params, masters, _ = single_process(mount, "fsdp-one-ref9", grads, 9)
+    assert bits_equal(resumed["params"], params) and bits_equal(resumed["masters"], masters)
