@@ -24,7 +24,7 @@ log = logging.getLogger("cossd.emulator.archive")
 
 
 from .archive import chunk_ranges, read_manifest
-from .snapshot_clone import write_fresh_records
+from .snapshots.clone import write_fresh_records
 from .archive_store import (DEFAULT_MEMORY_BYTES, MANIFEST_OBJECT, META_OBJECT, MIN_CHUNK_BYTES, STATE_OBJECT,
                             SUPERBLOCK_OBJECT, Location, Store, parse_url)
 from .backing import SUPERBLOCK_FILE

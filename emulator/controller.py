@@ -31,7 +31,7 @@ IDENTIFY_BYTES = 4096
 # returning {opcode: handler}; a handler takes a Command and returns a Completion or raises
 # DeviceError (see Controller.execute).
 COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection_commands", "cossd.emulator.features",
-                                    "cossd.emulator.snapshot_commands", "cossd.emulator.cmb_commands",
+                                    "cossd.emulator.snapshots.commands", "cossd.emulator.cmb_commands",
                                     "cossd.emulator.archive_commands",
                                     "cossd.emulator.computational.commands")
 

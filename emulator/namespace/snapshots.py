@@ -419,7 +419,7 @@ class SnapshotStore:
         finally:
             os.close(fd)
 
-    # ------------------------------------------------------------------ rollback (clones: emulator/snapshot_clone.py)
+    # ------------------------------------------------------------------ rollback (clones: emulator/snapshots/clone.py)
 
     def rollback(self, tag: object) -> tuple[Snapshot, int]:
         """Commit the snapshot's state as the namespace's newest step (no step may be open);

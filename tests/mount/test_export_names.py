@@ -13,7 +13,7 @@ import safetensors
 
 from conftest import Mount
 from cossd.protocol.status import DeviceError, Status
-from cossd.emulator.export import default_path
+from cossd.emulator.snapshots.export import default_path
 from cossd.client import snapshots as snapshot_calls
 from cossd.client import AdminClient
 from helpers import create_namespace, pwrite_all, tensor_dir

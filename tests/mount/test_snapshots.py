@@ -31,7 +31,7 @@ from cossd.emulator import (
 from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.protocol.logpages import CSUPP, LBCC, NIC, LogId
 from cossd.emulator.namespace import Namespace
-from cossd.emulator import snapshot_clone
+from cossd.emulator.snapshots import clone as snapshot_clone
 from cossd.protocol.entries import Opcode
 from cossd.client import snapshots as snapshot_calls
 from cossd.tools import cli

@@ -5,14 +5,14 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from . import controller as controller_module
+from .. import controller as controller_module
 from . import export
-from ..protocol.status import DeviceError, Status
-from .jobs import JobTable
-from ..protocol.logpages import LBCC, NIC, LogId
-from . import snapshot_clone
-from .namespace import Namespace
-from ..protocol.entries import NSID_ALL, Command, Completion, Opcode
+from ...protocol.status import DeviceError, Status
+from ..jobs import JobTable
+from ...protocol.logpages import LBCC, NIC, LogId
+from . import clone as snapshot_clone
+from ..namespace import Namespace
+from ...protocol.entries import NSID_ALL, Command, Completion, Opcode
 
 # What the Commands Supported and Effects page (LID 05h) announces beyond CSUPP.
 EFFECTS = {

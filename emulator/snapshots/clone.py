@@ -7,15 +7,15 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import media
-from .layout import Copy, SuperblockFlags
-from .names import check_name
-from .namespace import Namespace
-from .namespace.snapshots import Snapshot, SnapshotStore
-from .superblock import Superblock
+from .. import media
+from ..layout import Copy, SuperblockFlags
+from ..names import check_name
+from ..namespace import Namespace
+from ..namespace.snapshots import Snapshot, SnapshotStore
+from ..superblock import Superblock
 
 if TYPE_CHECKING:
-    from .device import Device
+    from ..device import Device
 
 
 def clone(store: SnapshotStore, tag: object, new_name: object, device: Device) -> Namespace:

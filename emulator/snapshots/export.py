@@ -19,18 +19,18 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import kernels
+from ... import kernels
 
-from . import media
-from ..protocol.status import DeviceError, Status
-from .jobs import Job, JobTable
-from .layout import TensorLayout, region_offset
-from .namespace.snapshots import CHECKSUM_ROLES, STATE_FILE, Snapshot
-from .superblock import Superblock
+from .. import media
+from ...protocol.status import DeviceError, Status
+from ..jobs import Job, JobTable
+from ..layout import TensorLayout, region_offset
+from ..namespace.snapshots import CHECKSUM_ROLES, STATE_FILE, Snapshot
+from ..superblock import Superblock
 
 if TYPE_CHECKING:
-    from .device import Device
-    from .namespace import Namespace
+    from ..device import Device
+    from ..namespace import Namespace
 
 log = logging.getLogger(__name__)
 
