@@ -14,6 +14,7 @@ binding, are the trainer's (cossd.trainer.deepspeed_zero).
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -65,6 +66,28 @@ def world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+# The variables that launchers set in each rank's environment before any process group
+# exists: torchrun and DeepSpeed's launcher (WORLD_SIZE), Open MPI (mpirun, and DeepSpeed's
+# MPI-based launchers), MPICH and Intel MPI (PMI_SIZE).
+_LAUNCHER_WORLD_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def expected_world_size() -> int:
+    """The job's world size as known now: torch.distributed's where it is initialized, else
+    the largest that a launcher's variable announces (1 where none is set or readable)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    sizes = [1]
+    for variable in _LAUNCHER_WORLD_VARIABLES:
+        try:
+            sizes.append(int(os.environ.get(variable, "1")))
+        except ValueError:  # not a number: says nothing about the job
+            continue
+    return max(sizes)
 
 
 def refuse_config(engine: Any) -> None:

@@ -12,10 +12,13 @@ committed otherwise: a rank that dies between its gradients and the commit leave
 at the step before, for every rank.
 
 The hooks that get the optimizer there live here too (the trainer's side of DeepSpeed): where
-deepspeed is imported when a cossd optimizer is made, it opens no namespace at construction
-(`defers`); `install` wraps DeepSpeedEngine._configure_optimizer so that deepspeed.initialize
-refuses what cossd does not run (cossd.integrations.deepspeed reads DeepSpeed's config and
-wrappers for that) before DeepSpeed wraps the optimizer, and `bind`s it after.
+deepspeed is imported when a cossd optimizer is made, it leaves its namespace unopened only
+where opening it then could not be right (`defers`: a namespace of ZeRO's flat groups, or a
+new one in a job of several ranks), and reads nothing but the truth meanwhile
+(`deferred_value`); `install` wraps DeepSpeedEngine._configure_optimizer so that
+deepspeed.initialize refuses what cossd does not run (cossd.integrations.deepspeed reads
+DeepSpeed's config and wrappers for that) before DeepSpeed wraps the optimizer, and `bind`s it
+after, converting a namespace the constructor made and never stepped.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..integrations.deepspeed import checkpoint_tag, refuse_config, world_size
+from ..integrations.deepspeed import checkpoint_tag, expected_world_size, refuse_config, world_size
 from . import dcp
 from .distributed import Ranks
 from .plan import Entry
@@ -40,20 +43,31 @@ def tensor_name(group: int) -> str:
 
 # ---------------------------------------------------------------------- the hooks
 
+def holds_zero_groups(config: dict[str, Any]) -> bool:
+    """Whether a namespace's config is DeepSpeed ZeRO's flat groups (`zero.g<N>` only)."""
+    names = [tensor["name"] for tensor in config["tensors"]]
+    return bool(names) and all(name.startswith("zero.g") for name in names)
+
+
 def defers(optimizer: torch.optim.Optimizer, streaming: bool, several_devices: bool) -> bool:
-    """Whether `optimizer` leaves its namespace unopened until deepspeed.initialize (or its
-    first step) shows which tensors it steps: where deepspeed is imported, for one device
-    and no streaming (neither runs under DeepSpeed's wrappers), and the namespace is new or
-    holds DeepSpeed ZeRO's flat groups. Installs the hook."""
+    """Whether `optimizer`, made where deepspeed is imported, leaves its namespace unopened
+    until deepspeed.initialize (or its first step) shows which tensors it steps. Only where
+    the constructor cannot open it truthfully for every use: the namespace holds DeepSpeed
+    ZeRO's flat groups (an earlier ZeRO job's; the model's params cannot attach to them), or
+    it is new and the job has several ranks (one namespace for all, which deepspeed.initialize
+    makes once). Anything else is opened at construction as without DeepSpeed, so that every
+    read is true at once; `bind` converts a namespace made so and never stepped for ZeRO.
+    Installs the hook, for one device and no streaming (neither runs under DeepSpeed's
+    wrappers)."""
     if "deepspeed" not in sys.modules or streaming or several_devices:
         return False
-    files = optimizer.files  # type: ignore[attr-defined]
-    if files.exists() and not all(tensor["name"].startswith("zero.g") for tensor in files.config()["tensors"]):
-        # A namespace of the model's own params (a plain loop, or DeepSpeed at stage 0):
-        # attached at construction as ever, so committed_step and restored tell at once.
-        return False
     install()
-    return True
+    optimizer._ds_bindable = True  # type: ignore[attr-defined]
+    files = optimizer.files  # type: ignore[attr-defined]
+    if files.exists():
+        return holds_zero_groups(files.config())
+    optimizer._ds_fresh = True  # type: ignore[attr-defined]  # made by this optimizer, if anyone
+    return expected_world_size() > 1
 
 
 def install() -> None:
@@ -66,12 +80,18 @@ def install() -> None:
         return
 
     def _configure_optimizer(engine: Any, client_optimizer: Any, model_parameters: Any) -> Any:
-        cossd = client_optimizer if getattr(client_optimizer, "_ds_deferred", False) else None
-        if cossd is not None:
+        cossd = client_optimizer if getattr(client_optimizer, "_ds_bindable", False) else None
+        if cossd is None:
+            return original(engine, client_optimizer, model_parameters)
+        try:
             refuse_config(engine)
-        answer = original(engine, client_optimizer, model_parameters)
-        if cossd is not None:
-            bind(cossd, engine.optimizer)
+            answer = original(engine, client_optimizer, model_parameters)
+        except BaseException:
+            # Refused (by cossd or by DeepSpeed) before anything was stepped: the device is
+            # left as before the optimizer was made.
+            release_unstepped(cossd)
+            raise
+        bind(cossd, engine.optimizer)
         return answer
 
     _configure_optimizer._cossd_hook = True  # type: ignore[attr-defined]
@@ -81,11 +101,15 @@ def install() -> None:
 def bind(optimizer: Any, wrapper: Any) -> None:
     """After DeepSpeed wrapped `optimizer` (or not, at FP32 stage 0): open its namespace for
     the tensors it steps. ZeRO 1/2: every rank's flat partitions, one namespace, now (the
-    quick restore of a trained one included). Any other wrapper at one rank: the namespace of
-    the model's params as before, which the first step moves to the wrapper's tensors."""
+    quick restore of a trained one included; a namespace the constructor opened for the
+    model's params and never stepped is converted at one rank). Any other wrapper at one
+    rank: the namespace of the model's params as before, which the first step moves to the
+    wrapper's tensors."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if isinstance(wrapper, DeepSpeedZeroOptimizer) and getattr(wrapper, "optimizer", None) is optimizer:
+        if not optimizer._ds_deferred:
+            _convert_for_zero(optimizer)
         binding = ZeroBinding(optimizer, wrapper)
         optimizer._ds_deferred = False
         try:
@@ -104,17 +128,110 @@ def bind(optimizer: Any, wrapper: Any) -> None:
     open_deferred(optimizer)
 
 
+def _never_stepped(optimizer: Any) -> bool:
+    """Whether the namespace the optimizer opened holds only its initial weights (still
+    loading: no step has sealed it), as the optimizer also believes."""
+    if optimizer.restored or optimizer.committed_step != 0:
+        return False
+    return bool(optimizer.files.statistics()["loading"])
+
+
+def _convert_for_zero(optimizer: Any) -> None:
+    """The namespace the constructor opened for the model's own params goes, so that the
+    ZeRO binding makes the one of the flat groups under the same name: only where it never
+    stepped and one process runs the job. Else refused, naming why, with nothing changed."""
+    files = optimizer.files
+    name = files.name
+    if not _never_stepped(optimizer):
+        stats = files.statistics()
+        raise RuntimeError(
+            f"namespace {name!r} holds this model's own params at committed step {stats['committed_step']} "
+            "(trained without DeepSpeed ZeRO, or at stage 0), where under ZeRO a namespace holds DeepSpeed's "
+            "flat groups (zero.g0, ...): it cannot move to them. Use a new namespace name for the ZeRO job "
+            f"(or delete this one with `cossd delete-ns {name}`); the device keeps it as it is")
+    world = world_size()
+    if world > 1:
+        how = ("it was new and neither a process group nor a launcher's WORLD_SIZE said there would be "
+               "several ranks" if getattr(optimizer, "_ds_fresh", False) else "it existed already")
+        raise RuntimeError(
+            f"deepspeed.initialize runs ZeRO at {world} ranks, but this optimizer opened namespace {name!r} "
+            f"for the model's own params when it was made ({how}), where every rank's partitions must go to "
+            "one namespace that deepspeed.initialize opens. Delete it (`cossd delete-ns "
+            f"{name}`; it never stepped) and make the optimizer under torchrun or the deepspeed launcher, "
+            "or after deepspeed.init_distributed()")
+    _reopen_empty(optimizer)
+
+
+def release_unstepped(optimizer: Any) -> None:
+    """Where a refused deepspeed.initialize leaves an optimizer that made its namespace at
+    construction and never stepped it: the namespace goes and the optimizer defers again
+    (its first step makes it anew), so the refusal changes nothing on the device."""
+    if (optimizer._ds_deferred or optimizer._deepspeed is not None or not getattr(optimizer, "_ds_fresh", False)
+            or world_size() > 1 or not optimizer.files.exists() or not _never_stepped(optimizer)):
+        return
+    _reopen_empty(optimizer)
+    optimizer._ds_deferred = True
+
+
+def _reopen_empty(optimizer: Any) -> None:
+    """Delete the optimizer's never-stepped namespace; its files point at the name again,
+    with no namespace behind it (the binding or the first step makes one)."""
+    from .namespace_files import NamespaceFiles
+
+    old = optimizer.files
+    if old.exists():
+        old.delete()
+    old.close()
+    options = optimizer._state_options
+    optimizer.files = NamespaceFiles(old.mountpoint, old.name, options["timeout_s"], use_cmb=options["use_cmb"],
+                                     credentials=old.credentials, command_set=old.command_set)
+    optimizer.cmb_pinned = False  # the old files' pinning went with them
+
+
 def open_deferred(optimizer: Any) -> None:
     """Open the namespace a deferring optimizer left unopened, as its construction would have
-    (at its first use where DeepSpeed never bound it)."""
+    (at its first use where DeepSpeed never bound it). A namespace of DeepSpeed ZeRO's flat
+    groups is refused (only deepspeed.initialize can open it), naming why."""
     if not getattr(optimizer, "_ds_deferred", False):
         return
+    files = optimizer.files
+    if files.exists() and holds_zero_groups(files.config()):
+        raise ValueError(zero_layout_message(optimizer, "step(), state_dict() or load_state_dict()"))
     optimizer._ds_deferred = False
-    if optimizer._params_moved() and not optimizer.files.exists():
+    if optimizer._params_moved() and not files.exists():
         # A wrapper (DeepSpeed at stage 0) put its FP32 copies in the param groups: the first
         # step makes the namespace for them (Rebind._rebind), none for the model's params.
         return
     optimizer._open_namespace()
+
+
+def zero_layout_message(optimizer: Any, what: str) -> str:
+    """Why `what` cannot run on a deferring optimizer whose namespace holds ZeRO's flat groups."""
+    name = optimizer.files.name
+    return (f"namespace {name!r} holds DeepSpeed ZeRO's flat param groups (zero.g0, ...), from an earlier ZeRO "
+            f"job: only deepspeed.initialize with ZeRO stage 1 or 2 opens it (and reads the model's params back "
+            f"from it), so {what} cannot run before then. Without DeepSpeed ZeRO this optimizer needs a "
+            f"namespace of the model's own params: use another name, or delete it with `cossd delete-ns {name}`")
+
+
+def deferred_value(optimizer: Any, what: str, kept: Any) -> Any:
+    """What `what` (committed_step, steps_skipped or restored) truthfully reads while the
+    namespace waits for deepspeed.initialize: `kept` (the constructor's) where there is no
+    namespace yet (nothing has trained); the device's count where there is one; `restored`
+    there only once its answer is known (False for a namespace that never stepped), else
+    RuntimeError: the params are read back at deepspeed.initialize, not yet."""
+    files = optimizer.files
+    if not files.exists():
+        return kept
+    stats = files.statistics()
+    if what == "restored":
+        if stats["loading"]:
+            return False
+        raise RuntimeError(
+            f"restored is not known yet: namespace {files.name!r} has trained (committed step "
+            f"{stats['committed_step']}) and deepspeed.initialize reads its params back into the model. Read "
+            "restored after deepspeed.initialize (committed_step already reads the device's step)")
+    return int(stats[what])
 
 
 # ---------------------------------------------------------------------- the binding

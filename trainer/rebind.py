@@ -1,4 +1,4 @@
-"""A cossd optimizer following the params a wrapper (DeepSpeed) put in its param groups, to new namespaces."""
+"""A cossd optimizer following the params a wrapper (DeepSpeed) put in its param groups, to new namespaces, and reading only the truth while DeepSpeed has yet to open its namespace."""
 from __future__ import annotations
 
 import os
@@ -39,13 +39,66 @@ class Rebind:
     files: NamespaceFiles
     entries: list[Entry]
     param_groups: list[dict[str, Any]]
-    committed_step: int
-    restored: bool
     streaming: bool
     max_grad_norm: float | None
     _bound: dict[int, Any]
     _groups_at_init: list[dict[str, Any]]
     _state_options: dict[str, Any]
+
+    # What the trainer reads of the device's state (docs/trainer.md, "What the optimizer tells
+    # you"). While the namespace waits for deepspeed.initialize (deepspeed_zero.defers) the kept
+    # values are the constructor's, which are not the device's where the namespace exists: the
+    # device answers then (deepspeed_zero.deferred_value), or the read fails saying why.
+
+    @property
+    def committed_step(self) -> int:
+        """The step the device has committed; the next step() is this + 1."""
+        return self._deferred_read("committed_step", self.__dict__.get("_committed_step", 0))
+
+    @committed_step.setter
+    def committed_step(self, value: int) -> None:
+        self.__dict__["_committed_step"] = value
+
+    @property
+    def steps_skipped(self) -> int:
+        """Steps the device skipped for inf/NaN gradients, over the namespace's life."""
+        return self._deferred_read("steps_skipped", self.__dict__.get("_steps_skipped", 0))
+
+    @steps_skipped.setter
+    def steps_skipped(self, value: int) -> None:
+        self.__dict__["_steps_skipped"] = value
+
+    @property
+    def restored(self) -> bool:
+        """Whether the optimizer reattached to a namespace that had trained and read its params back."""
+        return self._deferred_read("restored", self.__dict__.get("_restored", False))
+
+    @restored.setter
+    def restored(self, value: bool) -> None:
+        self.__dict__["_restored"] = value
+
+    def _deferred_read(self, what: str, kept: Any) -> Any:
+        if not self.__dict__.get("_ds_deferred", False):
+            return kept
+        from . import deepspeed_zero
+        return deepspeed_zero.deferred_value(self, what, kept)
+
+    def master_weights(self) -> list[torch.Tensor]:
+        """The FP32 master weights, read from the device (state_dict.py); refused, saying
+        why, while the namespace waits for deepspeed.initialize."""
+        if self.__dict__.get("_ds_deferred", False):
+            from . import deepspeed_zero
+            if self.files.exists():
+                if deepspeed_zero.holds_zero_groups(self.files.config()):
+                    raise RuntimeError(deepspeed_zero.zero_layout_message(self, "master_weights()"))
+                raise RuntimeError(
+                    f"namespace {self.files.name!r} was made after this optimizer (by another rank of the job): "
+                    "deepspeed.initialize opens it for this rank too, and master_weights() reads it after that")
+            raise RuntimeError(
+                f"namespace {self.files.name!r} does not exist yet: deepspeed.initialize makes it for every "
+                "rank of this job (or this optimizer's first step() does, without DeepSpeed), and "
+                "master_weights() reads it after that")
+        return super().master_weights()  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """Under DeepSpeed ZeRO (deepspeed_zero.py): a reference to the device's

@@ -369,3 +369,102 @@ def test_gpt_bf16_zero2_parity_with_clipping(cossd_adamw, size: str, figures: li
                    f"{expected[-1]:.4f} (torch AdamW) vs {losses[-1]:.4f} (cossd), final difference "
                    f"{losses[-1] - expected[-1]:+.2e}, largest {largest:.2e}")
     assert losses[-1] < losses[0] and largest < 1e-2
+
+
+# ---------------------------------------------------------------------- deepspeed imported, no engine
+
+def _plain_steps(model: torch.nn.Module, optimizer: Any, steps: int) -> None:
+    """`steps` steps of a plain torch loop (no DeepSpeed engine) on the module's task."""
+    x, y = data()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def test_plain_loop_beside_deepspeed_reads_the_truth(cossd_adamw) -> None:
+    """A plain loop in a process where deepspeed is imported (as `cossd bench` is): the
+    optimizer opens its new namespace at construction, so master_weights() and the files
+    work before the first step; a restart on the trained namespace reads committed_step 3
+    and restored True before any step, with the trained params back in the model. (Every
+    read used to fail or read 0 before the first step.)"""
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = cossd_adamw("ds-plain")(groups(model))
+    assert optimizer.committed_step == 0 and not optimizer.restored and optimizer.steps_skipped == 0
+    before = [p.detach().clone() for group in groups(model) for p in group["params"]]
+    assert all(torch.equal(m, p) for m, p in zip(optimizer.master_weights(), before))
+    assert [t["numel"] for t in optimizer.files.config()["tensors"]] == [1024, 1024, 64, 16]
+    optimizer.files.cmb()  # the bench's probe: raised FileNotFoundError (no namespace yet)
+    _plain_steps(model, optimizer, 3)
+    trained = [p.detach().clone() for group in groups(model) for p in group["params"]]
+    masters = [m.clone() for m in optimizer.master_weights()]
+    optimizer.close()
+
+    torch.manual_seed(1)  # other initial weights: the restore must replace them
+    again_model = Tiny()
+    again = cossd_adamw("ds-plain")(groups(again_model))
+    assert again.committed_step == 3 and again.restored  # the restart recipe's start: step 4
+    assert all(torch.equal(p, q) for p, q in zip((p for g in groups(again_model) for p in g["params"]), trained))
+    assert all(torch.equal(a, b) for a, b in zip(again.master_weights(), masters))
+
+
+def test_zero_namespace_read_before_initialize_is_the_devices(cossd_adamw) -> None:
+    """A namespace of ZeRO's flat groups waits for deepspeed.initialize; before it,
+    committed_step reads the device's step (it read 0: a restart computed from it began at
+    step 1, silently), restored and master_weights() refuse saying why, and a plain step()
+    is refused without touching the device. deepspeed.initialize then restores as ever."""
+    _, first, _ = train(cossd_adamw("ds-early"), "bf16", 2, steps=3)
+    first.close()
+    torch.manual_seed(0)
+    model = Tiny()
+    waiting = cossd_adamw("ds-early")(groups(model))
+    assert waiting.committed_step == 3 and waiting.steps_skipped == 0
+    with pytest.raises(RuntimeError, match=r"restored is not known yet: .*\(committed step 3\)"):
+        waiting.restored
+    with pytest.raises(RuntimeError, match="only deepspeed.initialize with ZeRO stage 1 or 2 opens it"):
+        waiting.master_weights()
+    model(data()[0]).sum().backward()
+    with pytest.raises(ValueError, match="holds DeepSpeed ZeRO's flat param groups"):
+        waiting.step()
+    assert waiting.committed_step == 3
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=waiting, config=config("bf16", 2))
+    assert waiting.restored and waiting.committed_step == 3
+    _more_steps(engine, 1)
+    assert waiting.committed_step == 4
+
+
+def test_zero_converts_the_namespace_made_at_construction(cossd_adamw) -> None:
+    """One process: the optimizer opens its new namespace at construction (the model's own
+    params, reads true at once); deepspeed.initialize with ZeRO-2 replaces it, never stepped,
+    with the flat groups' on one namespace, and the run follows torch's AdamW."""
+    _, _, expected = train(lambda g: torch.optim.AdamW(g, lr=LR), "bf16", 2, steps=3)
+
+    def read_first(param_groups: list[dict[str, Any]]) -> AdamW:
+        optimizer = cossd_adamw("ds-convert")(param_groups)
+        assert optimizer.committed_step == 0 and not optimizer.restored
+        assert len(optimizer.master_weights()) == 4  # the model's params, on the device
+        return optimizer
+
+    _, optimizer, losses = train(read_first, "bf16", 2, steps=3)
+    assert [(entry.name, entry.numel) for entry in optimizer.entries] == [("zero.g0", 2048), ("zero.g1", 80)]
+    assert [t["name"] for t in optimizer.files.config()["tensors"]] == ["zero.g0", "zero.g1"]
+    assert optimizer.committed_step == 3 and not optimizer.restored
+    assert max(abs(a - b) for a, b in zip(losses, expected)) < 1e-3
+
+
+def test_zero_on_a_trained_plain_namespace_is_refused_at_initialize(cossd_adamw) -> None:
+    """A namespace a plain loop trained cannot become ZeRO's: refused inside
+    deepspeed.initialize, naming the namespace and its step, and the device keeps it."""
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = cossd_adamw("ds-plain-trained")(groups(model))
+    _plain_steps(model, optimizer, 2)
+    masters = [m.clone() for m in optimizer.master_weights()]
+    optimizer.close()
+    with pytest.raises(RuntimeError, match="'ds-plain-trained' holds this model's own params at committed step 2"):
+        train(cossd_adamw("ds-plain-trained"), "bf16", 2, steps=1)
+    again = cossd_adamw("ds-plain-trained")(groups(Tiny()))
+    assert again.committed_step == 2 and again.restored
+    assert all(torch.equal(a, b) for a, b in zip(again.master_weights(), masters))
