@@ -67,13 +67,20 @@ def main() -> int:
         # DeepSpeed's CPU accelerator refuses FP16 where oneDNN has no FP16 kernels; torch runs it anywhere.
         from deepspeed.accelerator import get_accelerator
         type(get_accelerator()).is_fp16_supported = lambda self: True
-    deepspeed.init_distributed("gloo")
     torch.manual_seed(0)
     model = Tiny(config.get("hidden", 64))
+    early = None
+    if config.get("optimizer_before_ranks"):
+        # Made before any process group, where only the launcher's WORLD_SIZE tells of the
+        # ranks; what committed_step reads then is recorded.
+        optimizer = AdamW(groups(model), lr=LR, mount=config["mount"], namespace=config["namespace"],
+                          step_timeout_s=config.get("step_timeout_s", 60.0))
+        early = optimizer.committed_step
+    deepspeed.init_distributed("gloo")
     try:
         if config.get("torch"):  # the reference: torch's AdamW under the same DeepSpeed config
             optimizer = torch.optim.AdamW(groups(model), lr=LR)
-        else:
+        elif not config.get("optimizer_before_ranks"):
             optimizer = AdamW(groups(model), lr=LR, mount=config["mount"], namespace=config["namespace"],
                               step_timeout_s=config.get("step_timeout_s", 60.0))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(config))
@@ -141,6 +148,7 @@ def main() -> int:
                    out / f"rank{rank}.pt")
     else:
         result = {"committed_step": optimizer.committed_step, "first": first, "restored": optimizer.restored,
+                  "early_committed_step": early,
                   "losses": losses, "names": [(e.name, e.numel) for e in optimizer.entries], "timings": timings}
         torch.save({"result": result, "params": params,
                     "masters": optimizer.master_weights() if rank == 0 else None}, out / f"rank{rank}.pt")

@@ -204,3 +204,26 @@ def test_unsupported_combinations_refused_at_initialize(device: Any, tmp_path: P
         assert not probe.exists()
     finally:
         probe.close()
+
+
+def test_zero2_optimizer_made_before_the_process_group(device: Any, tmp_path: Path) -> None:
+    """Each rank makes its optimizer before deepspeed.init_distributed, where only the
+    launcher's WORLD_SIZE=2 tells of the ranks: no rank makes a namespace of its own,
+    deepspeed.initialize makes the one of both ranks' partitions, and the job ends as one
+    whose optimizers were made after. Started again the same way on the trained namespace,
+    each rank's committed_step reads the device's step before deepspeed.initialize."""
+    reference = finished(tmp_path / "ref", 2, run(device, tmp_path / "ref", 2, namespace="ds-early-ref", last=3))
+    early = finished(tmp_path / "early", 2, run(device, tmp_path / "early", 2, namespace="ds-early-ranks", last=3,
+                                                optimizer_before_ranks=True))
+    for rank in range(2):
+        result = early[rank]["result"]
+        assert result["early_committed_step"] == 0 and result["committed_step"] == 3
+        assert result["names"] == [("zero.g0", 2048), ("zero.g1", 80)]
+        assert result["losses"] == reference[rank]["result"]["losses"]
+        assert bits_equal(early[rank]["params"], reference[rank]["params"])
+    again = finished(tmp_path / "again", 2, run(device, tmp_path / "again", 2, namespace="ds-early-ranks", last=5,
+                                                optimizer_before_ranks=True))
+    for rank in range(2):
+        result = again[rank]["result"]
+        assert result["early_committed_step"] == 3 and result["restored"] and result["first"] == 4
+        assert result["committed_step"] == 5
