@@ -70,6 +70,10 @@ class TensorLayout:
     param_offset: int
     first_block: int
     block_count: int
+    # Block-scaled moments (state_dtype fp16 and int8): where each moment's per-block scales
+    # (float32, one per SCALE_BLOCK elements) lie; -1 for fp32 and bf16 moments, which have none.
+    exp_avg_scale_offset: int = -1
+    exp_avg_sq_scale_offset: int = -1
 
     def block_range(self, local_block: int) -> tuple[int, int]:
         """Element range [start, end) of one of this tensor's blocks."""
@@ -77,25 +81,56 @@ class TensorLayout:
         return start, min(self.numel, start + BLOCK_ELEMS)
 
 
+# Elements per scale of a block-scaled moment (kernels.STATE_BLOCK, which a test holds this
+# to); a kernel block holds a whole number of them, so each block owns its scales.
+SCALE_BLOCK = 256
+assert BLOCK_ELEMS % SCALE_BLOCK == 0
+
+# The state formats whose moments keep a float32 scale per SCALE_BLOCK elements, and the
+# bytes of one moment code in each state format.
+SCALED_STATE_DTYPES = frozenset({"fp16", "int8"})
+STATE_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+
+
+def scale_count(numel: int) -> int:
+    """Scales a block-scaled moment of `numel` elements keeps."""
+    return -(-numel // SCALE_BLOCK)
+
+
 def plan_layout(
-    tensors: list[tuple[str, int]], state_itemsize: int, param_itemsize: int
+    tensors: list[tuple[str, int]], state_itemsize: int, param_itemsize: int, *, scaled: bool = False
 ) -> tuple[list[TensorLayout], int]:
-    """Lay tensors out in table order; returns the layouts and the bytes of one copy."""
+    """Lay tensors out in table order; returns the layouts and the bytes of one copy. With
+    `scaled` each moment's codes are followed by a region of its float32 block scales."""
     layouts = []
     offset = 0
     first_block = 0
     for name, numel in tensors:
         master = offset
         exp_avg = align_up(master + numel * 4)
-        exp_avg_sq = align_up(exp_avg + numel * state_itemsize)
-        param = align_up(exp_avg_sq + numel * state_itemsize)
+        after = align_up(exp_avg + numel * state_itemsize)
+        exp_avg_scale = -1
+        if scaled:
+            exp_avg_scale, after = after, align_up(after + scale_count(numel) * 4)
+        exp_avg_sq = after
+        after = align_up(exp_avg_sq + numel * state_itemsize)
+        exp_avg_sq_scale = -1
+        if scaled:
+            exp_avg_sq_scale, after = after, align_up(after + scale_count(numel) * 4)
+        param = after
         offset = align_up(param + numel * param_itemsize)
         blocks = block_count(numel)
         layouts.append(
-            TensorLayout(name, numel, master, exp_avg, exp_avg_sq, param, first_block, blocks)
+            TensorLayout(name, numel, master, exp_avg, exp_avg_sq, param, first_block, blocks,
+                         exp_avg_scale, exp_avg_sq_scale)
         )
         first_block += blocks
     return layouts, max(offset, REGION_ALIGN)
+
+
+def plan_spec_layout(tensors: list[tuple[str, int]], state_dtype: str) -> tuple[list[TensorLayout], int]:
+    """plan_layout for a namespace whose moments are in `state_dtype` (params 2 bytes)."""
+    return plan_layout(tensors, STATE_ITEMSIZE[state_dtype], 2, scaled=state_dtype in SCALED_STATE_DTYPES)
 
 
 def region_offset(tensor: TensorLayout, role: str) -> int:
@@ -105,6 +140,8 @@ def region_offset(tensor: TensorLayout, role: str) -> int:
         "exp_avg": tensor.exp_avg_offset,
         "exp_avg_sq": tensor.exp_avg_sq_offset,
         "param": tensor.param_offset,
+        "exp_avg_scale": tensor.exp_avg_scale_offset,
+        "exp_avg_sq_scale": tensor.exp_avg_sq_scale_offset,
     }[role]
 
 

@@ -11,6 +11,8 @@ from .geometry import (  # noqa: F401 (re-exported: the device's modules import 
     BLOCK_ELEMS,
     FORMAT_VERSION,
     REGION_ALIGN,
+    SCALE_BLOCK,
+    SCALED_STATE_DTYPES,
     SLOT_COUNT,
     SLOT_PREFIX,
     SUPERBLOCK_MAGIC,
@@ -20,7 +22,9 @@ from .geometry import (  # noqa: F401 (re-exported: the device's modules import 
     align_up,
     block_count,
     plan_layout,
+    plan_spec_layout,
     region_offset,
+    scale_count,
 )
 
 # Fixed header of a superblock slot; followed by `block_count` little-endian u32 CRC32C,

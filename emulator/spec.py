@@ -9,10 +9,14 @@ from .. import kernels
 
 from ..protocol.hyperparameters import BETA_FIELDS, GROUP_FIELDS, MODES
 from ..protocol.status import DeviceError, Status
+from .geometry import SCALED_STATE_DTYPES, STATE_ITEMSIZE, TensorLayout, plan_spec_layout
 from .names import MAX_GROUPS, MAX_SHAPE_DIMS, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
 
 HALF_FORMATS = {"fp16": kernels.HalfFormat.FP16, "bf16": kernels.HalfFormat.BF16}
-STATE_FORMATS = {"fp32": kernels.StateFormat.FP32, "bf16": kernels.StateFormat.BF16}
+# fp16 and int8 moments are block-scaled: codes plus a float32 scale per 256 elements
+# (docs/kernels.md, "Block-scaled moments"; docs/media-format.md, the regions).
+STATE_FORMATS = {"fp32": kernels.StateFormat.FP32, "bf16": kernels.StateFormat.BF16,
+                 "fp16": kernels.StateFormat.FP16, "int8": kernels.StateFormat.INT8}
 # Step numbers travel in two dwords and kernels take them as float exponents; this bound
 # keeps both comfortably exact.
 MAX_INITIAL_STEP = 1 << 53
@@ -159,7 +163,7 @@ class NamespaceSpec:
         if self.param_dtype not in HALF_FORMATS:
             raise _invalid(f"param_dtype must be fp16 or bf16, got {self.param_dtype!r}")
         if self.state_dtype not in STATE_FORMATS:
-            raise _invalid(f"state_dtype must be fp32 or bf16, got {self.state_dtype!r}")
+            raise _invalid(f"state_dtype must be one of {', '.join(STATE_FORMATS)}, got {self.state_dtype!r}")
         self.hyper.validate()
         if (not isinstance(self.initial_step, int) or isinstance(self.initial_step, bool)
                 or not 0 <= self.initial_step < MAX_INITIAL_STEP):
@@ -176,7 +180,17 @@ class NamespaceSpec:
 
     @property
     def state_itemsize(self) -> int:
-        return 4 if self.state_dtype == "fp32" else 2
+        """Bytes of one moment code on the media (its block scale aside)."""
+        return STATE_ITEMSIZE[self.state_dtype]
+
+    @property
+    def scaled_state(self) -> bool:
+        """Whether the moments keep a float32 scale per 256 elements beside their codes."""
+        return self.state_dtype in SCALED_STATE_DTYPES
+
+    def layout(self) -> tuple[list[TensorLayout], int]:
+        """Where every tensor's arrays lie in a state copy, and the bytes of one copy."""
+        return plan_spec_layout([(t.name, t.numel) for t in self.tensors], self.state_dtype)
 
     def to_json(self) -> dict[str, Any]:
         # "shapes" only where some tensor has one: a namespace without shapes is stored as

@@ -44,6 +44,7 @@ from .ops import (
 )
 from .state_formats import (
     adam_step_q,
+    adam_step_q_crcs,
     decode_state,
     encode_state,
     state_bytes_per_element,
@@ -67,6 +68,7 @@ __all__ = [
     "adam_step_crcs",
     "BlockUpdate",
     "adam_step_q",
+    "adam_step_q_crcs",
     "encode_state",
     "decode_state",
     "state_map",

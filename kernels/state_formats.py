@@ -14,7 +14,7 @@ import numpy as np
 from ._cossd_kernels import ffi as _ffi
 from ._cossd_kernels import lib as _lib
 from .hyper import AdamScalars
-from .ops import _check_rc
+from .ops import _check_rc, crc32c, crc32c_combine
 from .validation import (
     _F32,
     _F32_CTYPE,
@@ -115,6 +115,59 @@ def adam_step_q(
     asi, vsi, aso, vso = scale_ptrs
     _check_rc(_lib.cossd_adam_step_q(g.ptr, gfmt, mi, ai, asi, vi, vsi, mo, ao, aso, vo, vso, sfmt, po, pfmt, n,
                                      scalars._c), "adam_step_q")
+
+
+def adam_step_q_crcs(
+    grad: Any,
+    master_in: Any,
+    exp_avg_in: Any,
+    exp_avg_scale_in: Any,
+    exp_avg_sq_in: Any,
+    exp_avg_sq_scale_in: Any,
+    master_out: Any,
+    exp_avg_out: Any,
+    exp_avg_scale_out: Any,
+    exp_avg_sq_out: Any,
+    exp_avg_sq_scale_out: Any,
+    param_out: Any,
+    *,
+    grad_format: HalfFormat,
+    param_format: HalfFormat,
+    state_format: StateFormat,
+    scalars: AdamScalars,
+    param_copy: Any = None,
+) -> tuple[int, int]:
+    """The device's block update for a block-scaled state format: adam_step_q out of place
+    (the committed copy in, the shadow out), then (the block CRC32C, the params' CRC32C).
+
+    The block CRC chains the six output arrays in media order: master, exp_avg codes, their
+    scales, exp_avg_sq codes, their scales, param; so a torn scale fails the block as a torn
+    moment does. `param_copy` (as many 16-bit elements) receives the new params too. The
+    outputs may not overlap the inputs: the shadow copy is never the committed one.
+    """
+    sfmt = _enum_arg("state_format", state_format, StateFormat)
+    if sfmt not in BLOCK_SCALED_FORMATS:
+        raise KernelArgumentError(f"adam_step_q_crcs runs the block-scaled formats (FP16, INT8); "
+                                  f"{StateFormat(sfmt).name} runs through BlockUpdate or adam_step_crcs")
+    outputs = (master_out, exp_avg_out, exp_avg_scale_out, exp_avg_sq_out, exp_avg_sq_scale_out, param_out)
+    inputs = (master_in, exp_avg_in, exp_avg_scale_in, exp_avg_sq_in, exp_avg_sq_scale_in)
+    for out in outputs:
+        if any(np.shares_memory(np.asarray(out), np.asarray(inp)) for inp in inputs):
+            raise KernelArgumentError("adam_step_q_crcs steps out of place: an output overlaps an input")
+    adam_step_q(grad, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out, param_out,
+                exp_avg_scale_in=exp_avg_scale_in, exp_avg_sq_scale_in=exp_avg_sq_scale_in,
+                exp_avg_scale_out=exp_avg_scale_out, exp_avg_sq_scale_out=exp_avg_sq_scale_out,
+                grad_format=grad_format, param_format=param_format, state_format=sfmt, scalars=scalars)
+    if param_copy is not None:
+        copy = np.asarray(param_copy)
+        if copy.size != np.asarray(param_out).size or copy.dtype.itemsize != 2:
+            raise KernelArgumentError(f"param_copy must hold {np.asarray(param_out).size} 16-bit elements")
+        copy[...] = np.asarray(param_out).view(copy.dtype)
+    block = 0
+    for out in outputs[:-1]:
+        block = crc32c(out, block)
+    param_crc = crc32c(param_out)
+    return crc32c_combine(block, param_crc, np.asarray(param_out).nbytes), param_crc
 
 
 def encode_state(x: Any, codes_out: Any, scales_out: Any = None, *, state_format: StateFormat,

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ... import kernels
+from ..layout import SCALE_BLOCK
 from ..spec import Hyperparameters
 from ...protocol.hyperparameters import GROUP_FIELDS
 from ..lifetime import LifetimeCounters
@@ -16,6 +18,37 @@ ROLES = ("grad", "param", "master", "exp_avg", "exp_avg_sq")
 LOADABLE_ROLES = ("master", "exp_avg", "exp_avg_sq")
 # The arrays a block checksum covers, in checksum order.
 BLOCK_ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
+# The same for block-scaled moments (state_dtype fp16, int8): each moment's codes, then its
+# float32 scales (one per SCALE_BLOCK elements), so a torn scale fails its block as a torn
+# code does. The param stays last: its part alone is the block's param checksum.
+SCALED_BLOCK_ROLES = ("master", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "param")
+SCALE_ROLES = {"exp_avg_scale": "exp_avg", "exp_avg_sq_scale": "exp_avg_sq"}
+MOMENT_ROLES = ("exp_avg", "exp_avg_sq")
+
+
+def decoded_moment_bytes(codes: np.ndarray, scales: np.ndarray, state_format: Any, role: str,
+                         offset: int, end: int) -> np.ndarray:
+    """Bytes [offset, end) of a block-scaled moment as FP32, as the mount tree and exports give
+    it, from that moment's whole codes and scales (views of a state copy or a snapshot's): only
+    the 256-element blocks the range touches are decoded (kernels.decode_state, exact)."""
+    numel = codes.size
+    lo = offset // 4 // SCALE_BLOCK * SCALE_BLOCK
+    last_element = -(-end // 4)  # one past the last element the range touches
+    hi = min(numel, -(-last_element // SCALE_BLOCK) * SCALE_BLOCK)
+    out = np.empty(hi - lo, dtype=np.float32)
+    kernels.decode_state(codes[lo:hi], scales[lo // SCALE_BLOCK : -(-hi // SCALE_BLOCK)], out,
+                         state_format=state_format,
+                         moment=kernels.Moment.EXP_AVG if role == "exp_avg" else kernels.Moment.EXP_AVG_SQ)
+    return out.view(np.uint8)[offset - 4 * lo : end - 4 * lo]
+
+
+def block_slice(role: str, start: int, stop: int) -> slice:
+    """The indices of a role's array that elements [start, stop) own: the elements
+    themselves, or for a scale role the scales of their SCALE_BLOCK-element blocks (a block
+    boundary is always a scale boundary)."""
+    if role in SCALE_ROLES:
+        return slice(start // SCALE_BLOCK, -(-stop // SCALE_BLOCK))
+    return slice(start, stop)
 
 def hypers_of(superblock: Superblock) -> list[Hyperparameters]:
     """The hyperparameters of every group, as a superblock recorded them with its step."""
@@ -78,6 +111,9 @@ class NamespaceCounters:
     kernel_ns: int = 0
     flushes: int = 0
     flush_ns: int = 0
+    # Wall time spent checking a whole copy's checksums (_verify_copy: at an open that verifies
+    # it, a rollback, a scrub); not device busy time for SMART, which counts kernels and flushes.
+    copy_verify_ns: int = 0
     checksum_failures: int = 0
 
     def lifetime_share(self) -> LifetimeCounters:

@@ -20,10 +20,10 @@ import numpy as np
 from ... import kernels
 from ...protocol.status import DeviceError, Status
 from ..accounting import NamespaceTiming
-from ..layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, region_offset
+from ..layout import BLOCK_ELEMS, Copy, SuperblockFlags, TensorLayout, region_offset, scale_count
 from ..media import SlotFile, StateFile
-from .common import (BLOCK_ROLES, LOADABLE_ROLES, ROLES, CommitResult, NamespaceCounters,
-                               hypers_of)
+from .common import (BLOCK_ROLES, LOADABLE_ROLES, MOMENT_ROLES, ROLES, SCALE_ROLES, SCALED_BLOCK_ROLES,
+                     CommitResult, NamespaceCounters, block_slice, hypers_of)
 from .media import _Media
 from .open import _Opening
 from .reads import _Reads
@@ -93,7 +93,14 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
         self._grad_format = HALF_FORMATS[spec.grad_dtype]
         self._param_format = HALF_FORMATS[spec.param_dtype]
         self._state_format = STATE_FORMATS[spec.state_dtype]
-        self._state_dtype = np.dtype(np.float32 if spec.state_dtype == "fp32" else np.uint16)
+        # The dtype of one moment code on the media: FP32 itself, BF16 and FP16 bits, INT8 codes.
+        self._state_dtype = np.dtype({"fp32": np.float32, "bf16": np.uint16, "fp16": np.uint16,
+                                      "int8": np.uint8}[spec.state_dtype])
+        # Block-scaled moments (fp16, int8): a float32 scale per 256 elements beside each
+        # moment's codes, in the block checksum (common.SCALED_BLOCK_ROLES); the mount tree's
+        # moment files read them decoded to FP32.
+        self._scaled = spec.scaled_state
+        self._block_roles = SCALED_BLOCK_ROLES if self._scaled else BLOCK_ROLES
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._flush_lock = threading.Lock()
@@ -166,25 +173,26 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
         key = (copy, tensor.name, role)
         view = self._views.get(key)
         if view is None:
-            view = self._copies[copy].view(
-                self._region_offset(tensor, role), tensor.numel, self._role_dtype(role)
-            )
+            count = scale_count(tensor.numel) if role in SCALE_ROLES else tensor.numel
+            view = self._copies[copy].view(self._region_offset(tensor, role), count, self._role_dtype(role))
             self._views[key] = view
         return view
 
     def _staging(self, count: int) -> dict[str, np.ndarray]:
         """Per-thread buffers for one block, allocated once per worker thread: the outputs
-        (BLOCK_ROLES) and "grad", where a lent gradient is copied before it is counted and
-        stepped."""
+        (the block roles) and "grad", where a lent gradient is copied before it is counted
+        and stepped."""
         buffers = getattr(self._thread_local, "buffers", None)
         if buffers is None:
-            buffers = {role: np.empty(BLOCK_ELEMS, dtype=self._role_dtype(role)) for role in BLOCK_ROLES}
+            buffers = {role: np.empty(block_slice(role, 0, BLOCK_ELEMS).stop, dtype=self._role_dtype(role))
+                       for role in self._block_roles}
             buffers["grad"] = np.empty(BLOCK_ELEMS, dtype=np.uint16)
             self._thread_local.buffers = buffers
-        return {role: array[:count] for role, array in buffers.items()}
+        return {role: array[block_slice(role, 0, count)] for role, array in buffers.items()}
 
     def _role_dtype(self, role: str) -> np.dtype:
-        if role == "master":
+        """The dtype of a role's array on the media (see itemsize for the files' elements)."""
+        if role == "master" or role in SCALE_ROLES:
             return np.dtype(np.float32)
         if role == "param":
             return np.dtype(np.uint16)
@@ -193,7 +201,12 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
     _region_offset = staticmethod(region_offset)
 
     def itemsize(self, role: str) -> int:
-        return 2 if role == "grad" else self._role_dtype(role).itemsize
+        """Bytes of one element of a tensor file: block-scaled moments read (and load) as FP32."""
+        if role == "grad":
+            return 2
+        if self._scaled and role in MOMENT_ROLES:
+            return 4
+        return self._role_dtype(role).itemsize
 
     def file_size(self, tensor_name: str, role: str) -> int:
         return self._tensor(tensor_name).numel * self.itemsize(role)

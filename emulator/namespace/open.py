@@ -11,7 +11,7 @@ from typing import Self
 import numpy as np
 
 from ...protocol.status import DeviceError, Status
-from ..layout import Copy, SuperblockFlags, plan_layout
+from ..layout import Copy, SuperblockFlags
 from ..media import SlotFile, StateFile, atomic_write_json, fsync_dir, media_error, read_json
 from .common import hyper_record, hypers_of
 from .verify import VERIFY_BACKGROUND, VERIFY_MODES, VERIFY_OPEN
@@ -31,11 +31,7 @@ class _Opening:
     def create(cls, directory: Path, nsid: int, spec: NamespaceSpec, sync: bool) -> Self:
         """Lay out and preallocate a namespace at step 0, ready for initial weights."""
         spec.validate()
-        layouts, copy_bytes = plan_layout(
-            [(t.name, t.numel) for t in spec.tensors],
-            spec.state_itemsize,
-            2,
-        )
+        layouts, copy_bytes = spec.layout()
         directory.mkdir(parents=True)
         copies: list[StateFile] = []
         try:
@@ -95,9 +91,7 @@ class _Opening:
         """
         meta = read_json(directory / "meta.json")
         spec = NamespaceSpec.from_json(meta["spec"])
-        layouts, copy_bytes = plan_layout(
-            [(t.name, t.numel) for t in spec.tensors], spec.state_itemsize, 2
-        )
+        layouts, copy_bytes = spec.layout()
         if copy_bytes != meta["copy_bytes"]:
             raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{directory}: layout mismatch")
         copies: dict[Copy, StateFile] = {}

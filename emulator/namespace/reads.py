@@ -8,9 +8,9 @@ import numpy as np
 
 from ...protocol.status import DeviceError, Status
 from ..accounting import modeled_command
-from ..layout import Copy, TensorLayout
+from ..layout import SCALE_BLOCK, Copy, TensorLayout
 from ..media import StateFile
-from .common import LOADABLE_ROLES, ROLES, WouldBlock
+from .common import LOADABLE_ROLES, MOMENT_ROLES, ROLES, WouldBlock, decoded_moment_bytes
 
 
 class _Reads:
@@ -113,7 +113,13 @@ class _Reads:
             if offset >= file_size or size <= 0:
                 return b""
             end = min(file_size, offset + size)
-            view = self._view(source, tensor, role).view(np.uint8)[offset:end]
+            if self._scaled and role in MOMENT_ROLES:
+                # Block-scaled moments read as FP32: the blocks the range touches, decoded.
+                view = decoded_moment_bytes(self._view(source, tensor, role),
+                                            self._view(source, tensor, role + "_scale"),
+                                            self._state_format, role, offset, end)
+            else:
+                view = self._view(source, tensor, role).view(np.uint8)[offset:end]
             self.counters.bytes_read += len(view)
             if role == "param":
                 self.counters.param_bytes_out += len(view)
@@ -143,6 +149,7 @@ class _Reads:
         if role not in LOADABLE_ROLES:
             raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
         self._check_range(tensor, role, offset, length)
+        self._check_scaled_load(tensor, role, offset, length)
         if not self.loading:
             raise DeviceError(
                 Status.STATE_SEALED,
@@ -180,3 +187,16 @@ class _Reads:
                 f"{tensor.name}/{role}: write of {length} bytes at {offset} passes the end "
                 f"({tensor.numel * itemsize} bytes)",
             )
+
+    def _check_scaled_load(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
+        """A load of block-scaled moments (FP32 in, encoded per 256-element block) must cover
+        whole scale blocks, or end at the file's end: MISALIGNED_ACCESS otherwise."""
+        if not (self._scaled and role in MOMENT_ROLES) or length == 0:
+            return
+        first, stop = offset // 4, (offset + length) // 4
+        if first % SCALE_BLOCK or (stop % SCALE_BLOCK and stop != tensor.numel):
+            raise DeviceError(
+                Status.MISALIGNED_ACCESS,
+                f"{tensor.name}/{role}: {self.spec.state_dtype} moments keep a scale per {SCALE_BLOCK} "
+                f"elements, so a load must cover whole {SCALE_BLOCK * 4}-byte blocks (or end at the "
+                f"file's end); got elements {first}..{stop}")

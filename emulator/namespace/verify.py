@@ -11,7 +11,7 @@ import numpy as np
 from ... import kernels
 from ...protocol.status import DeviceError, Status
 from ..layout import BLOCK_ELEMS, SUPERBLOCK_HEADER, Copy, TensorLayout
-from .common import BLOCK_ROLES, WouldBlock
+from .common import WouldBlock, block_slice
 from ..superblock import Superblock
 
 log = logging.getLogger("cossd.emulator.namespace")
@@ -69,11 +69,11 @@ class _Verifying:
         start, stop = tensor.block_range(local_block)
         block = 0
         part = 0
-        for index, role in enumerate(BLOCK_ROLES):
-            view = self._view(copy, tensor, role)[start:stop]
+        for index, role in enumerate(self._block_roles):
+            view = self._view(copy, tensor, role)[block_slice(role, start, stop)]
             part = kernels.crc32c(view)
             block = part if index == 0 else kernels.crc32c_combine(block, part, view.nbytes)
-        return block, part  # BLOCK_ROLES ends with the param
+        return block, part  # the block roles end with the param
 
     def _block_fails(self, superblock: Superblock, tensor: TensorLayout, local_block: int) -> bool:
         crc, param_crc = self._block_crcs(superblock.committed_copy, tensor, local_block)

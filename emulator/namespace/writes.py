@@ -12,7 +12,7 @@ from ... import kernels
 from ...protocol.status import DeviceError, Status
 from ..accounting import modeled_command
 from ..layout import BLOCK_ELEMS, Copy, TensorLayout
-from .common import BLOCK_ROLES, LOADABLE_ROLES, CommitResult, WouldBlock
+from .common import BLOCK_ROLES, LOADABLE_ROLES, MOMENT_ROLES, CommitResult, WouldBlock, block_slice
 from ..transaction import ReadyBlock, StepTransaction, first_overlap
 
 log = logging.getLogger("cossd.emulator.namespace")
@@ -45,6 +45,7 @@ class _Writes:
             raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
         length = len(data)
         self._check_range(tensor, role, offset, length)
+        self._check_scaled_load(tensor, role, offset, length)
         if length == 0:
             return 0
         with self._lock:
@@ -57,23 +58,41 @@ class _Writes:
                 )
             itemsize = self.itemsize(role)
             first = offset // itemsize
-            view = self._view(self._sb.committed_copy, tensor, role)
-            source = np.frombuffer(data, dtype=view.dtype)
-            view[first : first + len(source)] = source
-            media_bytes = length
+            if self._scaled and role in MOMENT_ROLES:
+                media_bytes = self._load_scaled_moment(tensor, role, first, data)
+            else:
+                view = self._view(self._sb.committed_copy, tensor, role)
+                source = np.frombuffer(data, dtype=view.dtype)
+                view[first : first + len(source)] = source
+                media_bytes = length
             if role == "master":
                 kernels.master_to_param(
-                    view[first : first + len(source)],
-                    self._view(self._sb.committed_copy, tensor, "param")[first : first + len(source)],
+                    view[first : first + length // 4],
+                    self._view(self._sb.committed_copy, tensor, "param")[first : first + length // 4],
                     self._param_format,
                 )
-                media_bytes += 2 * len(source)  # the param bytes derived from the master
+                media_bytes += length // 2  # the param bytes derived from the master
             self.counters.state_bytes_loaded += length
             self.changed_ns = time.time_ns()
             self.counters.write_commands += 1
             self.counters.media_bytes_written += media_bytes
             self.timing.add(host_in=length, media_write=media_bytes)
         return length
+
+    def _load_scaled_moment(self, tensor: TensorLayout, role: str, first: int, data: bytes | memoryview) -> int:
+        """Encode FP32 moments written while loading into a block-scaled moment's codes and
+        scales, exactly as a step encodes (kernels.encode_state). A scale covers 256 elements,
+        so the write must cover whole scale blocks (or end at the tensor's end): MISALIGNED_ACCESS
+        otherwise, before anything is written. Returns the media bytes written."""
+        values = np.frombuffer(data, dtype=np.float32)
+        stop = first + len(values)
+        self._check_scaled_load(tensor, role, first * 4, len(data))
+        copy = self._sb.committed_copy
+        codes = self._view(copy, tensor, role)[first:stop]
+        scales = self._view(copy, tensor, role + "_scale")[block_slice(role + "_scale", first, stop)]
+        kernels.encode_state(values, codes, scales, state_format=self._state_format,
+                             moment=kernels.Moment.EXP_AVG if role == "exp_avg" else kernels.Moment.EXP_AVG_SQ)
+        return codes.nbytes + scales.nbytes
 
     @modeled_command("write_grad")
     def write_grad(self, tensor_name: str, offset: int, data: bytes | memoryview) -> int:
@@ -282,6 +301,32 @@ class _Writes:
             self._block_updates[key] = update
         return update
 
+    def _run_scaled_block(self, tensor: TensorLayout, committed: Copy, start: int, stop: int, grad: np.ndarray,
+                          scalars: kernels.AdamScalars, param_copy: np.ndarray | None,
+                          buffers: dict[str, np.ndarray] | None) -> tuple[int, int, int]:
+        """One block of a namespace with block-scaled moments (fp16, int8) from the committed
+        copy into the shadow: the one-pass decode, step and encode (kernels.adam_step_q_crcs)
+        straight into the shadow's mapping (buffers None), or into this thread's buffers that
+        are then written with pwrite. Returns (block CRC, param CRC, media bytes written)."""
+        shadow = committed.other
+        roles = self._block_roles
+        inputs = [self._view(committed, tensor, role)[block_slice(role, start, stop)] for role in roles[:-1]]
+        state = self._copies[shadow]
+        if buffers is None:
+            state.before_mapped_write()
+            outputs = [self._view(shadow, tensor, role)[block_slice(role, start, stop)] for role in roles]
+        else:
+            outputs = [buffers[role] for role in roles]
+        crc, param_crc = kernels.adam_step_q_crcs(
+            grad, *inputs, *outputs, grad_format=self._grad_format, param_format=self._param_format,
+            state_format=self._state_format, scalars=scalars, param_copy=param_copy)
+        if buffers is not None:
+            for role, out in zip(roles, outputs):
+                region = self._region_offset(tensor, role) + block_slice(role, start, stop).start * out.itemsize
+                state.write_at(region, out)
+                state.start_writeback(region, out.nbytes)
+        return crc, param_crc, sum(out.nbytes for out in outputs)
+
     def _run_block(self, tx: StepTransaction, block: ReadyBlock) -> None:
         """Check and update one complete gradient block into the shadow copy."""
         try:
@@ -308,7 +353,11 @@ class _Writes:
             nonfinite = kernels.count_nonfinite(grad, self._grad_format)
             # Once the step is known to be skipped there is no point updating the shadow.
             if not nonfinite and tx.nonfinite == 0:
-                if mapped:
+                if self._scaled:
+                    crc, param_crc, written = self._run_scaled_block(
+                        tensor, committed, start, stop, grad, tx.scalars[self._group_of[tensor.name]],
+                        block.param_copy, None if mapped else buffers)
+                elif mapped:
                     # The kernel stores the new state straight into the shadow copy's mapping.
                     state.before_mapped_write()
                     crc, _, param_crc = self._block_update(committed, tensor)(
