@@ -32,7 +32,7 @@ IDENTIFY_BYTES = 4096
 # DeviceError (see Controller.execute).
 COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection_commands", "cossd.emulator.features",
                                     "cossd.emulator.snapshots.commands", "cossd.emulator.cmb_commands",
-                                    "cossd.emulator.archive_commands",
+                                    "cossd.emulator.archive.commands",
                                     "cossd.emulator.computational.commands")
 
 # Effects beyond CSUPP that the Commands Supported and Effects page (LID 05h) announces.

@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .kinds import OPTIMIZER_KIND, AnyNamespace
-from .metrics_archive import archive_metrics
+from .archive.metrics import archive_metrics
 
 if TYPE_CHECKING:
     from .device import Device

@@ -19,7 +19,8 @@ from conftest import Mount, is_mounted, start_mount
 from cossd.client import AdminClient
 from cossd.client import archive as archive_calls
 from cossd.client import snapshots as snapshot_calls
-from cossd.emulator import Device, DeviceError, Status, archive, archive_restore
+from cossd.emulator import Device, DeviceError, Status
+from cossd.emulator.archive import restore as archive_restore, versions as archive
 from cossd.tools.verbs import archive as verbs_archive
 from helpers import create_namespace, pread_all, pwrite_all, tensor_dir
 from s3_server import store_in_environment
@@ -274,7 +275,7 @@ def test_bad_requests_change_nothing(s3: str, mount: Mount, tmp_path: Path) -> N
 def test_without_boto3_a_clear_error() -> None:
     """Where boto3 is not installed the archive commands fail with a message that says so."""
     code = ("import sys; sys.modules['boto3'] = None\n"
-            "from cossd.emulator import archive\n"
+            "from cossd.emulator.archive import versions as archive\n"
             "try:\n    archive.Store()\nexcept archive.DeviceError as exc:\n"
             "    print(exc.status.name, exc.message)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

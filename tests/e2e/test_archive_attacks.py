@@ -21,7 +21,8 @@ from conftest import Mount, start_mount, stop_mount
 from cossd.client import AdminClient
 from cossd.client import archive as archive_calls
 from cossd.client import snapshots as snapshot_calls
-from cossd.emulator import Device, DeviceError, Status, archive, archive_restore
+from cossd.emulator import Device, DeviceError, Status
+from cossd.emulator.archive import restore as archive_restore, versions as archive
 from s3_server import client, store_in_environment
 from test_archive import BIG, SMALL, make_namespace, run_verb, state_through
 
@@ -318,7 +319,7 @@ def test_bucket_deleted_during_a_restore(s3: str, gone_bucket: str, mount: Mount
 RESTORER = """
 import sys
 from pathlib import Path
-from cossd.emulator import archive_restore
+from cossd.emulator.archive import restore as archive_restore
 
 stopped = []
 

@@ -19,7 +19,8 @@ from conftest import Mount, start_mount
 from prometheus_client.parser import text_string_to_metric_families
 from cossd.client import AdminClient
 from cossd.client import archive as archive_calls
-from cossd.emulator import DeviceError, Status, archive
+from cossd.emulator import DeviceError, Status
+from cossd.emulator.archive import versions as archive
 from cossd.fs import daemon
 from test_archive import BUCKET, SMALL, make_namespace, run_verb, s3, state_through, train  # noqa: F401
 

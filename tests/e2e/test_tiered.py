@@ -326,13 +326,14 @@ def test_slow_store_spills_then_drains(far_store: tuple[Any, str], tmp_path: Pat
 
 def test_the_devices_archive_paces_itself_across_a_throttled_link(far_store: tuple[Any, str],
                                                                    tmp_path: Path) -> None:
-    """The device's own archiver (ARCHIVE, emulator/archive.py) shares the AIMD window of
+    """The device's own archiver (ARCHIVE, emulator/archive/versions.py) shares the AIMD window of
     protocol/pacing.py: across a 40 Mbit/s link a 5 MiB part takes longer than its 0.625 s
     target, so the window of parts in flight halves (counted in log page C4h's figures), and
     the version still arrives whole."""
     import numpy as np
 
-    from cossd.emulator import Device, NamespaceSpec, TensorSpec, archive
+    from cossd.emulator import Device, NamespaceSpec, TensorSpec
+    from cossd.emulator.archive import versions as archive
     from cossd.emulator.jobs import JobTable
 
     pair, endpoint = far_store
@@ -369,8 +370,9 @@ def test_the_devices_policy_through_a_link_that_slows_and_recovers(far_store: tu
 
     import numpy as np
 
-    from cossd.emulator import Device, NamespaceSpec, TensorSpec, archive
-    from cossd.emulator.archive_policy import PolicyRunner
+    from cossd.emulator import Device, NamespaceSpec, TensorSpec
+    from cossd.emulator.archive import versions as archive
+    from cossd.emulator.archive.policy import PolicyRunner
     from cossd.emulator.jobs import JobTable
 
     pair, endpoint = far_store

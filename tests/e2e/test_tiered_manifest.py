@@ -41,7 +41,7 @@ def test_one_seal_for_the_device_and_the_trainer() -> None:
     device's kernels computed before, so archives sealed then still verify) of compact
     sorted-key JSON without the seal; any changed field is found, indentation is not."""
     from cossd import kernels
-    from cossd.emulator import archive
+    from cossd.emulator.archive import versions as archive
     from cossd.protocol import manifest_seal
     from cossd.trainer import tier_store
 

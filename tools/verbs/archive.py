@@ -3,7 +3,7 @@
 
 `archive` is a client of the mount (cossd.client.archive). `archive --list` without a device
 and `restore` read the store from this node: they import the device's archive module
-(cossd.emulator.archive), as the device verbs import the device (an import-linter entry).
+(cossd.emulator.archive: versions.py, restore.py), as the device verbs import the device (an import-linter entry).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _list_versions(args: argparse.Namespace) -> int:
         for entry in listing.get("unreadable", []):  # left out of the listing, said on stderr
             print(f"cossd archive: left out: {entry['error']}", file=sys.stderr)
     else:
-        from ...emulator import archive
+        from ...emulator.archive import versions as archive
 
         root = archive.parse_url(args.list)
         unreadable: list[dict[str, str]] = []
@@ -161,7 +161,7 @@ def cmd_archive(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from ...emulator import archive, archive_restore
+    from ...emulator.archive import restore as archive_restore, versions as archive
 
     bar = _Progress(f"restore {args.url}", args.quiet)
     result = archive_restore.restore(args.url, args.backing, name=args.name, endpoint_url=args.endpoint_url,

@@ -6,13 +6,13 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from . import archive, archive_policy
-from . import controller as controller_module
-from .jobs import JobTable
-from .namespace import Namespace
-from ..protocol.entries import NSID_ALL, Command, Completion, Opcode
-from ..protocol.logpages import LogId
-from ..protocol.status import DeviceError, Status
+from . import policy as archive_policy, versions as archive
+from .. import controller as controller_module
+from ..jobs import JobTable
+from ..namespace import Namespace
+from ...protocol.entries import NSID_ALL, Command, Completion, Opcode
+from ...protocol.logpages import LogId
+from ...protocol.status import DeviceError, Status
 
 
 def _json(value: Any) -> bytes:

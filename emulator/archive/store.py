@@ -11,8 +11,8 @@ import re
 import threading
 from collections.abc import Iterator
 
-from ..protocol.manifest_seal import SEAL_FIELD
-from ..protocol.status import DeviceError, Status
+from ...protocol.manifest_seal import SEAL_FIELD
+from ...protocol.status import DeviceError, Status
 
 log = logging.getLogger("cossd.emulator.archive")
 

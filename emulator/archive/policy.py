@@ -10,16 +10,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.status import DeviceError, Status
-from . import archive, media
-from .jobs import JobTable
-from .namespace import Namespace
-from .namespace.snapshots import MAX_SNAPSHOTS
+from ...protocol.status import DeviceError, Status
+from .. import media
+from . import versions as archive
+from ..jobs import JobTable
+from ..namespace import Namespace
+from ..namespace.snapshots import MAX_SNAPSHOTS
 
 if TYPE_CHECKING:
-    from .device import Device
+    from ..device import Device
 
-log = logging.getLogger("cossd.emulator.archive_policy")
+log = logging.getLogger("cossd.emulator.archive.policy")
 
 POLICY_FILE = "archive_policy.json"  # in the backing directory: {namespace name: policy}
 AUTO_PREFIX = "auto-"  # the policy's own snapshots; it never touches any other

@@ -21,22 +21,22 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import kernels
-from ..protocol import manifest_seal
-from ..protocol.pacing import AimdWindow, StoreMeter
-from ..protocol.status import DeviceError, Status
-from . import media
-from .jobs import Job, JobTable
-from .namespace import Namespace
-from .namespace.snapshots import META_FILE, SUPERBLOCK_FILE, Snapshot, SnapshotStore
+from ... import kernels
+from ...protocol import manifest_seal
+from ...protocol.pacing import AimdWindow, StoreMeter
+from ...protocol.status import DeviceError, Status
+from .. import media
+from ..jobs import Job, JobTable
+from ..namespace import Namespace
+from ..namespace.snapshots import META_FILE, SUPERBLOCK_FILE, Snapshot, SnapshotStore
 
 if TYPE_CHECKING:
-    from .device import Device
+    from ..device import Device
 
 log = logging.getLogger("cossd.emulator.archive")
 
 
-from .archive_store import (DAEMON, DEFAULT_CHUNK_BYTES, DEFAULT_MEMORY_BYTES, LIST_KEYS, MANIFEST_CHECKSUM,  # noqa: F401
+from .store import (DAEMON, DEFAULT_CHUNK_BYTES, DEFAULT_MEMORY_BYTES, LIST_KEYS, MANIFEST_CHECKSUM,  # noqa: F401
                             MANIFEST_FORMAT, MANIFEST_OBJECT, MANIFEST_VERSION, UNCHECKED_MANIFEST_VERSION, MAX_CHUNK_BYTES, MAX_MEMORY_BYTES, MAX_PARTS,
                             META_OBJECT, MIN_CHUNK_BYTES, PAYLOAD_KEYS, STATE_OBJECT, SUPERBLOCK_OBJECT,
                             Location, Store, Traffic, parse_endpoint, parse_url)

@@ -13,21 +13,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import kernels
-from ..protocol.status import DeviceError, Status
-from . import media
-from .layout import Copy, plan_layout
-from .namespace import Namespace, NamespaceSpec
-from .superblock import Superblock
+from ... import kernels
+from ...protocol.status import DeviceError, Status
+from .. import media
+from ..layout import Copy, plan_layout
+from ..namespace import Namespace, NamespaceSpec
+from ..superblock import Superblock
 
 log = logging.getLogger("cossd.emulator.archive")
 
 
-from .archive import chunk_ranges, read_manifest
-from .snapshots.clone import write_fresh_records
-from .archive_store import (DEFAULT_MEMORY_BYTES, MANIFEST_OBJECT, META_OBJECT, MIN_CHUNK_BYTES, STATE_OBJECT,
+from .versions import chunk_ranges, read_manifest
+from ..snapshots.clone import write_fresh_records
+from .store import (DEFAULT_MEMORY_BYTES, MANIFEST_OBJECT, META_OBJECT, MIN_CHUNK_BYTES, STATE_OBJECT,
                             SUPERBLOCK_OBJECT, Location, Store, parse_url)
-from .backing import SUPERBLOCK_FILE
+from ..backing import SUPERBLOCK_FILE
 # A fresh device is built in this directory inside the target and moved up only when whole,
 # so a restore killed midway leaves no device that looks good (the next restore clears it).
 STAGING_DIR = ".cossd-restore"
@@ -149,7 +149,7 @@ def restore(url: str, backing: Path, *, name: str | None = None, endpoint_url: s
     in a staging directory inside it and moved up only when whole. Whatever fails leaves the
     device as it was (and no device where there was none). `accept_unchecked` accepts a
     format-1 manifest, which has no checksum of its own."""
-    from .device import Device, DeviceConfig
+    from ..device import Device, DeviceConfig
 
     version = parse_url(url)
     backing = Path(backing)
