@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any, Union
 
 from ..protocol.status import DeviceError, Status
-from .layout import plan_layout
 from .media import read_json
 from .namespace import Namespace
 from .namespace.verify import VERIFY_OPEN
@@ -45,7 +44,7 @@ def allocation_bytes(spec: AnySpec) -> int:
     """Device capacity a namespace of `spec` takes: both state copies, or every NVM block."""
     if isinstance(spec, (NvmSpec, ComputeSpec, MemorySpec)):
         return spec.allocation_bytes
-    _, copy_bytes = plan_layout([(t.name, t.numel) for t in spec.tensors], spec.state_itemsize, 2)
+    _, copy_bytes = spec.layout()
     return 2 * copy_bytes
 
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from .geometry import FORMAT_VERSION, SLOT_COUNT, SLOT_PREFIX, SUPERBLOCK_MAGIC, Copy, plan_layout
+from .geometry import FORMAT_VERSION, SLOT_COUNT, SLOT_PREFIX, SUPERBLOCK_MAGIC, Copy, plan_spec_layout
 
 log = logging.getLogger("cossd.emulator.prefetch")
 
@@ -68,15 +68,14 @@ def namespace_params(directory: Path) -> list[ParamRange]:
         meta = json.loads((directory / "meta.json").read_text())
         spec = meta["spec"]
         tensors = [(str(entry[0]), int(entry[1])) for entry in spec["tensors"]]
-        # NamespaceSpec.state_itemsize's rule, which this cannot import (spec.py needs numpy);
+        # NamespaceSpec.layout's rule (geometry.plan_spec_layout), which needs no numpy;
         # tests/unit/test_restart_prefetch.py holds the ranges to the namespace's own.
-        state_itemsize = 4 if spec.get("state_dtype", "fp32") == "fp32" else 2
+        layouts, _ = plan_spec_layout(tensors, str(spec.get("state_dtype", "fp32")))
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return []
     copy = _newest_copy(directory)
     if copy is None:
         return []
-    layouts, _ = plan_layout(tensors, state_itemsize, PARAM_ITEMSIZE)
     path = directory / f"state.{Copy(copy).name}"
     return [ParamRange(path, tensor.param_offset, tensor.numel * PARAM_ITEMSIZE) for tensor in layouts]
 

@@ -15,13 +15,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from ... import kernels
 
 from .. import media
 from ...protocol.status import DeviceError, Status
-from ..layout import BLOCK_ELEMS, TensorLayout, plan_layout, region_offset
+from ..layout import BLOCK_ELEMS, SCALE_BLOCK, TensorLayout, region_offset
 from ..names import check_name
-from .common import BLOCK_ROLES
+from .common import BLOCK_ROLES, MOMENT_ROLES, block_slice, decoded_moment_bytes
 from ..superblock import Superblock
 
 
@@ -38,7 +40,12 @@ class SnapshotSource(Protocol):
     total_blocks: int
     sync_commits: bool
 
+    _block_roles: tuple[str, ...]
+    _state_format: Any
+
     def itemsize(self, role: str) -> int: ...
+
+    def _role_dtype(self, role: str) -> Any: ...
 
     def pinned_committed(self) -> contextlib.AbstractContextManager[tuple[Superblock, media.StateFile]]: ...
 
@@ -115,9 +122,12 @@ class SnapshotStore:
         self.namespace = namespace
         self.root = namespace.directory / SNAPSHOTS_DIR
         spec = namespace.spec
-        _, self.copy_bytes = plan_layout([(t.name, t.numel) for t in spec.tensors],
-                                         spec.state_itemsize, 2)
+        _, self.copy_bytes = spec.layout()
         self._itemsizes = {role: namespace.itemsize(role) for role in CHECKSUM_ROLES}
+        # What a block checksum covers on the media: each role's array and its element size
+        # there (block-scaled moments: the codes, then their scales; see common.SCALED_BLOCK_ROLES).
+        self._block_roles: tuple[str, ...] = namespace._block_roles
+        self._media_itemsizes = {role: namespace._role_dtype(role).itemsize for role in self._block_roles}
         self.lock = threading.Lock()  # one create, delete, rollback or clone at a time
         self._snapshots: dict[str, Snapshot] = {}
         self._damaged: dict[str, Damaged] = {}
@@ -235,10 +245,11 @@ class SnapshotStore:
     def _block_crc(self, fd: int, path: Path, tensor: TensorLayout, block: int) -> int:
         start, stop = tensor.block_range(block)
         crc = 0
-        for role in CHECKSUM_ROLES:
-            size = self._itemsizes[role]
-            offset = region_offset(tensor, role) + start * size
-            length = (stop - start) * size
+        for role in self._block_roles:
+            size = self._media_itemsizes[role]
+            owned = block_slice(role, start, stop)
+            offset = region_offset(tensor, role) + owned.start * size
+            length = (owned.stop - owned.start) * size
             data = os.pread(fd, length, offset)
             if len(data) != length:
                 raise DeviceError(Status.UNRECOVERED_READ_ERROR,
@@ -415,9 +426,29 @@ class SnapshotStore:
                 self._verified.setdefault(snapshot_id, set()).update(unverified)
         fd = self.open_state(snapshot)
         try:
+            if self.namespace.spec.scaled_state and role in MOMENT_ROLES:
+                return self._read_decoded(fd, snapshot, tensor, role, offset, end)
             return os.pread(fd, end - offset, region_offset(tensor, role) + offset)
         finally:
             os.close(fd)
+
+    def _read_decoded(self, fd: int, snapshot: Snapshot, tensor: TensorLayout, role: str, offset: int,
+                      end: int) -> bytes:
+        """Bytes [offset, end) of a block-scaled moment of a snapshot, as FP32: the 256-element
+        blocks the range touches, their codes and scales read (verified above) and decoded."""
+        first = offset // 4 // SCALE_BLOCK * SCALE_BLOCK
+        last_element = -(-end // 4)  # one past the last element the range touches
+        last = min(tensor.numel, -(-last_element // SCALE_BLOCK) * SCALE_BLOCK)
+        code_size = self._media_itemsizes[role]
+        raw = os.pread(fd, (last - first) * code_size, region_offset(tensor, role) + first * code_size)
+        owned = block_slice(role + "_scale", first, last)
+        scales = os.pread(fd, (owned.stop - owned.start) * 4, region_offset(tensor, role + "_scale") + owned.start * 4)
+        if len(raw) != (last - first) * code_size or len(scales) != (owned.stop - owned.start) * 4:
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"snapshot {snapshot.tag!r} ends inside {tensor.name}")
+        codes = np.frombuffer(raw, dtype=np.uint8 if code_size == 1 else np.uint16)
+        decoded = decoded_moment_bytes(codes, np.frombuffer(scales, dtype=np.float32),
+                                       self.namespace._state_format, role, offset - 4 * first, end - 4 * first)
+        return decoded.tobytes()
 
     # ------------------------------------------------------------------ rollback (clones: emulator/snapshots/clone.py)
 

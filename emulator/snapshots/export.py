@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ... import kernels
 
 from .. import media
@@ -78,6 +80,10 @@ class ExportPlan:
     roles: tuple[str, ...]
     itemsizes: dict[str, int]
     header: bytes
+    # Block-scaled moments (state_dtype fp16, int8): their state format, and the bytes of
+    # one code on the media; the file has them decoded to FP32 (itemsizes 4). None otherwise.
+    scaled_format: kernels.StateFormat | None = None
+    code_itemsize: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -90,7 +96,10 @@ def plan(namespace: Namespace, superblock: Superblock, tag: str | None,
     """The file's layout and header for `namespace`'s state at `superblock`'s step."""
     spec = namespace.spec
     roles = tuple(r for r in CHECKSUM_ROLES if optimizer_state or r == "param")
-    dtypes = {"master": "fp32", "exp_avg": spec.state_dtype, "exp_avg_sq": spec.state_dtype,
+    # Block-scaled moments are exported decoded, as FP32 (the codes mean nothing without
+    # their scales); cossd.state_dtype still says how the device keeps them.
+    moment_dtype = "fp32" if spec.scaled_state else spec.state_dtype
+    dtypes = {"master": "fp32", "exp_avg": moment_dtype, "exp_avg_sq": moment_dtype,
               "param": spec.param_dtype}
     itemsizes = {role: namespace.itemsize(role) for role in CHECKSUM_ROLES}
     shapes = {t.name: [t.numel] if t.shape is None else list(t.shape) for t in spec.tensors}
@@ -128,8 +137,9 @@ def plan(namespace: Namespace, superblock: Superblock, tag: str | None,
             offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data then starts 8-byte aligned
+    scaled_format = namespace._state_format if spec.scaled_state else None
     return ExportPlan(tuple(namespace.layouts), roles, itemsizes,
-                      struct.pack("<Q", len(text)) + text)
+                      struct.pack("<Q", len(text)) + text, scaled_format, spec.state_itemsize)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -146,12 +156,17 @@ def stream(plan_: ExportPlan, source_fd: int, superblock: Superblock, out_fd: in
     for tensor in plan_.layouts:
         crcs = [0] * tensor.block_count
         for role in CHECKSUM_ROLES:
-            size = plan_.itemsizes[role]
+            scaled = plan_.scaled_format is not None and role in ("exp_avg", "exp_avg_sq")
+            size = plan_.code_itemsize if scaled else plan_.itemsizes[role]
             base = region_offset(tensor, role)
             for block in range(tensor.block_count):
                 start, stop = tensor.block_range(block)
                 data = media.read_exact(source_fd, (stop - start) * size, base + start * size, "the exported state")
                 crcs[block] = kernels.crc32c(data, crcs[block])
+                if scaled:
+                    # The block's scales follow its codes in the checksum; the file gets both
+                    # decoded (kernels.decode_state, exact).
+                    data = _decoded_block(plan_, source_fd, tensor, role, start, stop, data, crcs, block)
                 if role in plan_.roles:
                     _write_all(out_fd, data)
                     job.bytes_done += len(data)
@@ -162,6 +177,23 @@ def stream(plan_: ExportPlan, source_fd: int, superblock: Superblock, out_fd: in
                     f"step {superblock.committed_step}: {tensor.name} block {block} fails its "
                     "checksum; nothing was exported",
                 )
+
+
+def _decoded_block(plan_: ExportPlan, source_fd: int, tensor: TensorLayout, role: str, start: int, stop: int,
+                   codes: bytes, crcs: list[int], block: int) -> bytes:
+    """One block of a block-scaled moment as FP32, from its codes and its scales (read here
+    and chained onto the block's checksum, which covers them right after the codes)."""
+    scale_role = role + "_scale"
+    first, last = start // kernels.STATE_BLOCK, -(-stop // kernels.STATE_BLOCK)
+    scales = media.read_exact(source_fd, (last - first) * 4, region_offset(tensor, scale_role) + first * 4,
+                              "the exported state")
+    crcs[block] = kernels.crc32c(scales, crcs[block])
+    out = np.empty(stop - start, dtype=np.float32)
+    code_dtype = np.uint8 if plan_.code_itemsize == 1 else np.uint16
+    kernels.decode_state(np.frombuffer(codes, dtype=code_dtype), np.frombuffer(scales, dtype=np.float32), out,
+                         state_format=plan_.scaled_format,
+                         moment=kernels.Moment.EXP_AVG if role == "exp_avg" else kernels.Moment.EXP_AVG_SQ)
+    return out.tobytes()
 
 
 # ---------------------------------------------------------------------- the command

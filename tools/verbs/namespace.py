@@ -130,9 +130,10 @@ def register(verb: VerbFactory) -> None:
                      help="dtype the trainer writes gradients in (default: %(default)s)")
     sub.add_argument("--param-dtype", choices=("fp16", "bf16"), default="fp16",
                      help="dtype the device hands params back in (default: %(default)s)")
-    sub.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
-                     help="dtype of the Adam moments; master weights are always fp32 "
-                          "(default: %(default)s)")
+    sub.add_argument("--state-dtype", choices=("fp32", "bf16", "fp16", "int8"), default="fp32",
+                     help="format of the Adam moments on the media: fp32, bf16, or block-scaled fp16 or int8 "
+                          "(a float32 scale per 256 elements; the moment files read as fp32); master "
+                          "weights are always fp32 (default: %(default)s)")
 
     sub = verb("delete-ns", cmd_delete_ns, "Delete a namespace and its state.")
     add_device_argument(sub)
