@@ -10,10 +10,12 @@ from typing import Any
 import torch
 
 from ..protocol.group_commit import GroupDisagreementError, common_step
+from . import fsdp
 from . import grads as grad_rules
 from .distributed import Ranks
 from .namespace_files import NamespaceFiles
 from .plan import Entry
+from .shard import Piece, plan_shards
 from .sharded import StepAbortedError
 
 
@@ -67,45 +69,57 @@ def mount_list(mount: Any) -> list[str] | None:
     return mounts
 
 
-def assign_to_devices(entries: list[Entry], devices: int) -> list[list[Entry]]:
-    """Each device's entries: contiguous runs of whole tensors in param order, none empty,
-    with the largest run as small as it can be (a tensor is never split across devices:
-    each device then steps whole tensors, and a job resumes on its devices at any world
-    size with nothing moved)."""
-    sizes = [entry.numel for entry in entries]
-    if len(sizes) < devices:
-        raise ValueError(f"{devices} devices for {len(sizes)} tensors: some devices would hold nothing "
-                         "(a tensor is never split across devices); use at most as many devices as tensors")
+# The placement rule's unit: the device block of cossd's media format (docs/media-format.md).
+# A constant of the rule, not read from the devices, so that the placement is a function of
+# the tensor list and the device count alone, known before any namespace exists.
+PLACEMENT_BLOCK_ELEMS = 1 << 18
 
-    def parts_needed(cap: int) -> int:
-        parts, load = 1, 0
-        for size in sizes:
-            if load + size > cap:
-                parts, load = parts + 1, 0
-            load += size
-        return parts
 
-    # The smallest cap on a device's elements that `devices` runs can keep (binary search).
-    low, high = max(sizes), sum(sizes)
-    while low < high:
-        middle = (low + high) // 2
-        if parts_needed(middle) <= devices:
-            high = middle
-        else:
-            low = middle + 1
-    runs: list[list[Entry]] = [[]]
-    load = 0
-    for index, entry in enumerate(entries):
-        runs_to_open = devices - len(runs)
-        tensors_left = len(entries) - index  # this one and those after it
-        # A new run where this one would pass the cap, or where every device still empty
-        # needs one of the tensors left.
-        if runs[-1] and (load + entry.numel > low or tensors_left <= runs_to_open):
-            runs.append([])
-            load = 0
-        runs[-1].append(entry)
-        load += entry.numel
-    return runs
+def place_on_devices(tensors: list[tuple[str, int]], devices: int) -> list[list[Piece]]:
+    """The placement rule: each device's element ranges (pieces) of `tensors` (name, numel,
+    in param order) laid end to end, one contiguous run per device, about total/devices
+    elements each, cut only where a block of PLACEMENT_BLOCK_ELEMS ends (a multiple of it
+    inside a tensor, or a tensor's end) at the boundary nearest the ideal cut. So a large
+    tensor (an embedding) is split across devices, small ones stay whole, and no device
+    carries more than its share plus one block. None may be empty: ValueError."""
+    shards = plan_shards(tensors, devices, PLACEMENT_BLOCK_ELEMS, none_empty=True)
+    empty = [index for index, shard in enumerate(shards) if not shard]
+    if empty:
+        raise ValueError(
+            f"{devices} devices for {sum(numel for _, numel in tensors)} elements in {len(tensors)} tensors: "
+            f"device(s) {empty} would hold nothing (tensors are cut only at blocks of "
+            f"{PLACEMENT_BLOCK_ELEMS} elements); use fewer devices")
+    return shards
+
+
+def recorded_placement(tensors: list[tuple[str, int]], layouts: list[list[tuple[str, int]]],
+                       mounts: list[str]) -> list[list[Piece]]:
+    """The placement the devices' namespaces record (each device's tensors, name and numel,
+    in order: together they tile `tensors` in order, a tensor split across consecutive
+    devices under its own name on each). A job resumes on the placement it was created with,
+    whichever rule made it (whole tensors before the split existed). ValueError where the
+    devices hold other tensors than these."""
+    placement: list[list[Piece]] = []
+    index, offset = 0, 0  # the tensor being tiled, and the elements of it placed so far
+    for mount, layout in zip(mounts, layouts):
+        pieces = []
+        for name, numel in layout:
+            if index >= len(tensors) or name != tensors[index][0] or offset + numel > tensors[index][1] \
+                    or numel < 1:
+                raise ValueError(
+                    f"the namespace on {mount} holds {name!r} ({numel} elements) where this optimizer "
+                    f"places {tensors[index][0] + ' from element ' + str(offset) if index < len(tensors) else 'nothing'}: "
+                    "the devices hold a different set of tensors (another model, or the devices named in "
+                    "another order); use another namespace name or delete it with `cossd delete-ns`")
+            pieces.append(Piece(index, name, offset, offset + numel))
+            offset += numel
+            if offset == tensors[index][1]:
+                index, offset = index + 1, 0
+        placement.append(pieces)
+    if index != len(tensors):
+        raise ValueError(f"the devices' namespaces hold {index} of this optimizer's {len(tensors)} tensors "
+                         f"whole ({tensors[index][0]} is not all there): a different set of tensors")
+    return placement
 
 
 class DeviceGroup:
@@ -126,8 +140,12 @@ class DeviceGroup:
     files: Any
     _group: list[Any] | None
     _group_ranks: Ranks | None
+    _average: bool | None
     _child_groups: list[list[int]]  # per child: the parent group index of each of its groups
-    _owner: dict[int, tuple[Any, Entry]]  # id(param) -> (child, the child's entry)
+    # Per parent entry index: the (child, the child's entry) holding its pieces, in element order.
+    _owner: dict[int, list[tuple[Any, Entry]]]
+    # The pieces of split tensors: (the child's 1-D param, the parent's entry, start, stop).
+    _pieces: list[tuple[torch.Tensor, Entry, int, int]]
 
     # ------------------------------------------------------------------ opening
 
@@ -139,31 +157,46 @@ class DeviceGroup:
         group_ranks = ranks if ranks is not None else SoloRanks()
         self._group_ranks = group_ranks
         self.files = _GroupFiles(namespace, mounts)
-        assigned = assign_to_devices(self.entries, len(mounts))
-        self._check_group_exists(mounts, namespace)
+        self._pieces = []
+        if fsdp.uses_fsdp(self.entries):
+            raise self._group_refusal("FSDP2's DTensor params")
+        layouts = self._look_at_devices(mounts, namespace)
+        tensors = [(entry.name, entry.numel) for entry in self.entries]
+        if all(layout is not None for layout in layouts):
+            placement = recorded_placement(tensors, layouts, mounts)  # type: ignore[arg-type]
+        else:
+            placement = place_on_devices(tensors, len(mounts))
         children: list[Any] = []
         self._child_groups = []
+        owner: dict[int, list[tuple[Any, Entry]]] = {}
         try:
-            for mount, entries in zip(mounts, assigned):
-                mine = {id(entry.param) for entry in entries}
+            for mount, shard in zip(mounts, placement):
+                # Each param group's tensors on this device, in param order: a whole tensor is
+                # the param itself, a piece is a 1-D view of the param's elements (_piece_tensor).
+                by_group: dict[int, list[tuple[torch.Tensor, str]]] = {}
+                for piece in shard:
+                    entry = self.entries[piece.index]
+                    whole = piece.start == 0 and piece.stop == entry.numel
+                    tensor = entry.param if whole else self._piece_tensor(entry, piece)
+                    by_group.setdefault(entry.group, []).append((tensor, entry.name))
                 groups, parents = [], []
-                for index, group in enumerate(self.param_groups):
-                    names = self._param_names(index)
-                    params = [(param, name) for param, name in zip(group["params"], names) if id(param) in mine]
-                    if not params:
-                        continue
-                    options = {key: value for key, value in group.items() if key not in ("params", "param_names")}
-                    groups.append(options | {"params": [param for param, _ in params],
+                for index, params in sorted(by_group.items()):
+                    options = {key: value for key, value in self.param_groups[index].items()
+                               if key not in ("params", "param_names")}
+                    groups.append(options | {"params": [tensor for tensor, _ in params],
                                              "param_names": [name for _, name in params]})
                     parents.append(index)
-                children.append(make_child(groups, mount, group_ranks))
+                child = make_child(groups, mount, group_ranks)
+                children.append(child)
                 self._child_groups.append(parents)
+                for piece, theirs in zip(shard, child.entries):
+                    owner.setdefault(piece.index, []).append((child, theirs))
         except BaseException:
             for child in children:
                 child.close()
             raise
         self._group = children
-        self._owner = {id(entry.param): (child, entry) for child in children for entry in child.entries}
+        self._owner = owner
         try:
             self._recover_group(mounts)
         except BaseException:
@@ -172,21 +205,55 @@ class DeviceGroup:
         self.restored = all(child.restored for child in children)
         self.steps_skipped = sum(child.steps_skipped for child in children)
 
-    def _param_names(self, group_index: int) -> list[str]:
-        """The device names of a parent group's params (the parent's plan), for its children."""
-        return [entry.name for entry in self.entries if entry.group == group_index]
+    def _piece_tensor(self, entry: Entry, piece: Piece) -> torch.Tensor:
+        """The child's param for elements piece.start..stop-1 of `entry`'s param: a 1-D view of
+        them, so that the child reads the committed params straight into the model's param.
+        Made again before each use (_refresh_pieces): a model moved or cast after the
+        optimizer was made (model.to(bfloat16)) holds new storage under the same param."""
+        tensor = self._flat_range(entry, piece.start, piece.stop)
+        self._pieces.append((tensor, entry, piece.start, piece.stop))
+        return tensor
 
-    def _check_group_exists(self, mounts: list[str], namespace: str) -> None:
-        """Refuse a group whose namespace lies on some devices past step 0 and is missing on
-        others (a device replaced or added): creating it there would join a fresh start to a
-        trained state. Rank 0 looks; every rank raises the same."""
-        def look() -> None:
-            found = {}
+    @staticmethod
+    def _flat_range(entry: Entry, start: int, stop: int) -> torch.Tensor:
+        param = entry.param.detach()
+        if not param.is_contiguous():
+            raise ValueError(f"param {entry.name} is split across devices but is not contiguous: its "
+                             "pieces are views of its elements in order; make it contiguous")
+        return param.view(-1)[start:stop]
+
+    def _refresh_pieces(self, with_grads: bool = False) -> None:
+        """Point every piece at its param's elements now, and (`with_grads`) its .grad at the
+        same elements of the param's gradient, for the children to send."""
+        for tensor, entry, start, stop in self._pieces:
+            tensor.data = self._flat_range(entry, start, stop)
+            if with_grads:
+                grad = entry.param.grad
+                assert grad is not None  # step() refused a step with missing gradients
+                tensor.grad = grad.detach().reshape(-1)[start:stop]
+
+    def _drop_piece_grads(self) -> None:
+        for tensor, _, _, _ in self._pieces:
+            tensor.grad = None
+
+    def _look_at_devices(self, mounts: list[str], namespace: str) -> list[list[tuple[str, int]] | None]:
+        """Each device's tensors (name, numel) where it holds the namespace, else None. Refuse
+        a group whose namespace lies on some devices past step 0 and is missing on others (a
+        device replaced or added): creating it there would join a fresh start to a trained
+        state. Rank 0 looks; every rank gets the same answer or raises the same."""
+        def look() -> list[list[tuple[str, int]] | None]:
+            found: dict[str, int | None] = {}
+            layouts: list[list[tuple[str, int]] | None] = []
             for mount in mounts:
                 probe = NamespaceFiles(mount, namespace, 30.0, use_cmb=False,
                                        credentials=self._credentials)  # type: ignore[attr-defined]
                 try:
-                    found[mount] = int(probe.statistics()["committed_step"]) if probe.exists() else None
+                    if probe.exists():
+                        found[mount] = int(probe.statistics()["committed_step"])
+                        layouts.append([(t["name"], int(t["numel"])) for t in probe.config()["tensors"]])
+                    else:
+                        found[mount] = None
+                        layouts.append(None)
                 finally:
                     probe.close()
             missing = [mount for mount, step in found.items() if step is None]
@@ -197,10 +264,21 @@ class DeviceGroup:
                     f"on {', '.join(f'{mount} (step {step})' for mount, step in trained.items())}: the "
                     "group's devices are not the ones it was trained on. Nothing was created; name the "
                     "same devices in the same order, or delete the namespace everywhere to start anew")
+            return layouts
 
-        error = self._on_rank0(look)
-        if error is not None:
-            raise RuntimeError(error.removeprefix("RuntimeError: "))
+        ranks = self._group_ranks
+        assert ranks is not None
+        answer: dict[str, Any] = {}
+        if ranks.rank == 0:
+            try:
+                answer["layouts"] = look()
+            except BaseException as exc:
+                answer["error"] = f"{type(exc).__name__}: {exc}"
+        answer = ranks.from_rank0(answer)
+        if "error" in answer:
+            raise RuntimeError(answer["error"].removeprefix("RuntimeError: "))
+        return [None if layout is None else [(name, numel) for name, numel in layout]
+                for layout in answer["layouts"]]
 
     def _on_rank0(self, action: Any) -> str | None:
         """Run `action` on rank 0 only; every rank gets its failure (the text) or None, so
@@ -241,6 +319,7 @@ class DeviceGroup:
                 raise GroupDisagreementError(
                     f"devices {[mounts[index] for index in plan.revert]} are at step {plan.step + 1} and the "
                     f"others at {plan.step}; reverting them failed: {error}")
+            self._refresh_pieces()
             for index in plan.revert:
                 children[index].committed_step = plan.step
                 children[index]._read_params()
@@ -276,7 +355,17 @@ class DeviceGroup:
         started = clock()
         self._sync_group_options()
         step = self.committed_step + 1
-        pieces = [child._shard_grads() for child in children]
+        if ranks.world > 1 and self._average is None:
+            # Decided once over the whole params (a piece of a split tensor is no param of the
+            # DDP module), then the same for every child.
+            average = self._averaging()  # type: ignore[attr-defined]
+            for child in children:
+                child._average = average
+        self._refresh_pieces(with_grads=True)
+        try:
+            pieces = [child._shard_grads() for child in children]
+        finally:
+            self._drop_piece_grads()  # each child has its pieces' gradients on the host now
         squares = math.fsum(child._squares(mine) for child, mine in zip(children, pieces))
         total = math.fsum(ranks.gather(squares))
         if not math.isfinite(total):
@@ -331,6 +420,7 @@ class DeviceGroup:
 
     def _read_group_params(self) -> None:
         assert self._group is not None
+        self._refresh_pieces()
         for child in self._group:
             child._read_params()
 
@@ -347,15 +437,15 @@ class DeviceGroup:
     # ------------------------------------------------------------------ state_dict's reads
 
     def _group_read_state(self, entry: Entry, role: str) -> torch.Tensor:
-        child, theirs = self._owner[id(entry.param)]
-        return child._read_state(theirs, role)
+        parts = [child._read_state(theirs, role).reshape(-1) for child, theirs in self._owner[entry.index]]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(entry.param.shape)
 
     def _group_master_weights(self) -> list[torch.Tensor]:
         masters = []
         for entry in self.entries:
-            child, theirs = self._owner[id(entry.param)]
-            masters.append(child.files.read(theirs.name, "master", torch.float32, theirs.numel)
-                           .view(entry.param.shape))
+            parts = [child.files.read(theirs.name, "master", torch.float32, theirs.numel)
+                     for child, theirs in self._owner[entry.index]]
+            masters.append((parts[0] if len(parts) == 1 else torch.cat(parts)).view(entry.param.shape))
         return masters
 
     def _group_identity(self) -> dict[str, Any]:
@@ -368,4 +458,5 @@ class DeviceGroup:
             f"({self.files.mountpoint}) yet")
 
 
-__all__ = ["DeviceGroup", "GroupDisagreementError", "assign_to_devices", "mount_list"]
+__all__ = ["DeviceGroup", "GroupDisagreementError", "PLACEMENT_BLOCK_ELEMS", "mount_list", "place_on_devices",
+           "recorded_placement"]

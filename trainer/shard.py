@@ -18,7 +18,8 @@ class Piece:
         return self.stop - self.start
 
 
-def plan_shards(tensors: list[tuple[str, int]], world: int, block_elems: int) -> list[list[Piece]]:
+def plan_shards(tensors: list[tuple[str, int]], world: int, block_elems: int,
+                none_empty: bool = False) -> list[list[Piece]]:
     """Each rank's pieces of `tensors` (name, numel), in order: contiguous runs of the
     tensors laid end to end, about total/world elements each.
 
@@ -27,6 +28,9 @@ def plan_shards(tensors: list[tuple[str, int]], world: int, block_elems: int) ->
     rank and none is assembled from two (each block then runs the kernel as soon as it
     arrives, with no staging copy). Each cut is the block boundary nearest the ideal one;
     with fewer blocks than ranks some ranks get nothing (they still join every step).
+    `none_empty` (the devices of a group, trainer/group.py): each cut is the nearest among
+    the boundaries that leave every part at least one block, where there are enough blocks;
+    a part then still holds at most total/world plus one block.
     """
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
@@ -40,10 +44,15 @@ def plan_shards(tensors: list[tuple[str, int]], world: int, block_elems: int) ->
         boundaries.extend(base + min(numel, (block + 1) * block_elems) for block in range(blocks))
     total = boundaries[-1]
     cuts = [0]
+    at = 0  # the index in `boundaries` of the last cut
     for rank in range(1, world):
         ideal = total * rank / world
-        nearest = min(boundaries, key=lambda at: (abs(at - ideal), at))
-        cuts.append(max(nearest, cuts[-1]))
+        low, high = 0, len(boundaries) - 1
+        if none_empty and len(boundaries) - 1 >= world:
+            # After the last cut, and leaving one boundary for each part still to come.
+            low, high = at + 1, len(boundaries) - 1 - (world - rank)
+        at = min(range(low, high + 1), key=lambda index: (abs(boundaries[index] - ideal), boundaries[index]))
+        cuts.append(max(boundaries[at], cuts[-1]))
     cuts.append(total)
     shards: list[list[Piece]] = []
     for rank in range(world):

@@ -1,4 +1,4 @@
-"""One rank of a training job whose optimizer spreads over several devices (mount=[...]), as torchrun would start it; tests/e2e/test_group.py runs it."""
+"""One rank of a training job whose optimizer spreads over several devices (mount=[...]), a tensor split across them, as torchrun would start it; tests/e2e/test_group.py runs it."""
 from __future__ import annotations
 
 import json
@@ -22,8 +22,9 @@ from cossd.trainer import AdamW, DeviceLostError, StepAbortedError  # noqa: E402
 def arm(optimizer: Any, kill: dict[str, Any], rank: int, out: Path) -> None:
     """kill -9 at kill["stage"] of step kill["step"]: "between_devices" (this process, after
     device 0 committed the step and before device 1's commit was asked for), or "daemon"
-    (device kill["device"]'s daemon, kill["pid"], once this rank's gradients of the step are
-    all sent, before any commit)."""
+    (the last device's daemon, kill["pid"], once this rank's gradients of the step are
+    all sent, before any commit), or "daemon_between" (device kill["device"]'s daemon,
+    kill["pid"], once the device before it committed the step)."""
     children = optimizer._group
 
     def strike(target: str) -> None:
@@ -40,6 +41,18 @@ def arm(optimizer: Any, kill: dict[str, Any], rank: int, out: Path) -> None:
             return wait(step)
 
         children[1]._wait_for_commit = wait_then_die
+    elif kill["stage"] == "daemon_between":
+        # Device kill["device"]'s daemon, right after the device before it committed the step.
+        before = children[kill["device"] - 1]
+        wait_before = before._wait_for_commit
+
+        def commit_then_strike(step: int) -> Any:
+            answer = wait_before(step)
+            if step == kill["step"]:
+                strike("daemon")
+            return answer
+
+        before._wait_for_commit = commit_then_strike
     elif kill["stage"] == "daemon":
         last = children[-1]
         begin = last._begin_shared
@@ -108,7 +121,7 @@ def main() -> int:
               "restored": optimizer.restored, "first": first, "warnings": [str(w.message) for w in seen]}
     torch.save({"params": [p.detach().clone() for p in params], "masters": optimizer.master_weights(),
                 "grads": grads_seen, "result": result,
-                "devices": [[entry.name for entry in child.entries] for child in optimizer._group]},
+                "devices": [[(entry.name, entry.numel) for entry in child.entries] for child in optimizer._group]},
                out / f"rank{rank}.pt")
     optimizer.close()
     if world > 1:

@@ -82,25 +82,33 @@ def all_grads(ranks: list[dict[str, Any]]) -> dict[int, list[torch.Tensor]]:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world, devices", [(1, 2), (2, 2), (2, 3)])
+# The placement rule on the test net (fc1.weight 327,680 elements, fc2.weight 163,840,
+# fc1.bias 2,560, fc2.bias 64; blocks of 262,144): fc1.weight is split at its first block's end.
+PLACED = {  # the optimizer's names for them: g0.p0, g0.p1, g1.p2, g1.p3
+    2: [[("g0.p0", 262144)], [("g0.p0", 65536), ("g0.p1", 163840), ("g1.p2", 2560), ("g1.p3", 64)]],
+    3: [[("g0.p0", 262144)], [("g0.p0", 65536)], [("g0.p1", 163840), ("g1.p2", 2560), ("g1.p3", 64)]],
+}
+
+
+@pytest.mark.parametrize("world, devices", [(1, 2), (2, 2), (2, 3), (3, 3)])
 def test_a_group_equals_one_device_bit_for_bit(mounts: list[Mount], tmp_path: Path, world: int,
                                                devices: int) -> None:
-    """One process or two ranks (DDP) over two or three devices: every device holds whole
-    tensors of the model, and the params and masters equal a single-process, single-device
-    run on the same gradients, bit for bit (two groups, warmup-cosine)."""
+    """One process, two or three ranks (DDP) over two or three devices, fc1.weight split
+    across devices 0 and 1 by the placement rule: the params and masters equal a
+    single-process, single-device run on the same gradients, bit for bit (two groups,
+    warmup-cosine), and each device's namespace holds its pieces."""
     namespace = f"eq{world}x{devices}"
     codes = run_job(mounts[:devices], tmp_path / "job", namespace, world, 12)
     ranks = finished(tmp_path / "job", world, codes)
     for other in ranks[1:]:
         assert bits_equal(other["params"], ranks[0]["params"])
-    layout = ranks[0]["devices"]
-    assert len(layout) == devices and all(layout), layout
-    assert sum(map(len, layout)) == 4 and len({name for names in layout for name in names}) == 4
-    for device, names in zip(mounts[:devices], layout):
+    layout = [[tuple(piece) for piece in pieces] for pieces in ranks[0]["devices"]]
+    assert layout == PLACED[devices], layout
+    for device, pieces in zip(mounts[:devices], layout):
         stats = statistics(device, namespace)
         assert stats["committed_step"] == 12 and stats["steps_committed"] == 12
         config = json.loads((Path(device.mountpoint) / "ns" / namespace / "config.json").read_text())
-        assert [tensor["name"] for tensor in config["tensors"]] == names
+        assert [(tensor["name"], tensor["numel"]) for tensor in config["tensors"]] == pieces
     params, masters, _ = single_process(mounts[0], f"ref-{namespace}", ranks[0]["grads"], 12)
     assert bits_equal(ranks[0]["params"], params)
     assert bits_equal(ranks[0]["masters"], masters)
@@ -181,6 +189,90 @@ def test_a_device_daemon_killed_mid_step(mounts: list[Mount], tmp_path: Path) ->
     for saved in resumed:
         assert bits_equal(saved["params"], reference["params"])
         assert bits_equal(saved["masters"], reference["masters"])
+
+
+@pytest.mark.parametrize("device", [1, 2])
+def test_a_daemon_killed_between_two_devices_commits(mounts: list[Mount], tmp_path: Path, device: int) -> None:
+    """Three devices, fc1.weight split across devices 0 and 1: kill -9 of device 1's (or 2's)
+    daemon once the device before it committed step 4. The job fails with a clear error;
+    with the device remounted, the restart brings every device to step 3 (reverting those at
+    4) and finishes bit for bit as an uninterrupted run."""
+    devices = mounts[:3]
+    namespace = f"between-daemon{device}"
+    codes = run_job(devices, tmp_path / "a", namespace, 1, 8, synthetic=True,
+                    kill={"stage": "daemon_between", "step": 4, "device": device, "pid": devices[device].pid})
+    assert codes == [3], (codes, (tmp_path / "a" / "logs.txt").read_text()[-4000:])
+    assert (tmp_path / "a" / "aborted0.txt").read_text()
+    remount(mounts, device)
+    devices = mounts[:3]
+    steps = committed_steps(devices, namespace)
+    assert steps == [4] * device + [3] * (3 - device), steps
+    codes = run_job(devices, tmp_path / "b", namespace, 1, 8, synthetic=True)
+    resumed = finished(tmp_path / "b", 1, codes)[0]
+    assert resumed["result"]["first"] == 4
+    assert any("reverted to step 3" in text for text in resumed["result"]["warnings"])
+    assert committed_steps(devices, namespace) == [8, 8, 8]
+    reference = uninterrupted(devices, tmp_path, namespace, 1, 8)
+    assert bits_equal(resumed["params"], reference["params"])
+    assert bits_equal(resumed["masters"], reference["masters"])
+
+
+def test_a_job_placed_by_whole_tensors_resumes_on_its_placement(mounts: list[Mount], tmp_path: Path) -> None:
+    """A job made before tensors were split (each device a namespace of whole tensors: the
+    old rule put fc1.weight alone on device 0, fc2.weight and fc1.bias on device 1, fc2.bias
+    on device 2) resumes on the placement its devices record, not the new rule's, and ends
+    bit for bit equal to one device trained on the same gradients throughout."""
+    devices = [str(device.mountpoint) for device in mounts[:3]]
+    namespace = "oldplacement"
+    torch.manual_seed(0)
+    model = job.Net()
+    params = [param for group in job.groups_of(model) for param in group["params"]]
+    names = ["g0.p0", "g0.p1", "g1.p2", "g1.p3"]
+    old = [[0], [1, 2], [3]]
+    # The old job: one namespace per device of its whole tensors, stepped on the same
+    # gradients for 3 steps (what its group commits left on each device).
+    children = []
+    for mount, indices in zip(devices, old):
+        groups = []
+        for group_index, group in enumerate(job.groups_of(model)):
+            mine = [index for index in indices if any(params[index] is p for p in group["params"])]
+            if mine:
+                options = {k: v for k, v in group.items() if k != "params"}
+                groups.append(options | {"params": [params[i] for i in mine], "param_names": [names[i] for i in mine]})
+        children.append(AdamW(groups, lr=job.BASE_LR, betas=(0.9, 0.95), mount=mount, namespace=namespace,
+                              dtype=torch.bfloat16))
+    model.to(torch.bfloat16)  # as group_job.py and single_process do, after the optimizer
+    grads = {step: job.synthetic_grads(step, params) for step in range(1, 7)}
+    for step in range(1, 4):
+        for child, indices in zip(children, old):
+            for group in child.param_groups:
+                group["lr"] = (job.BASE_LR if group["weight_decay"] else 2 * job.BASE_LR) * job.schedule(step)
+            for index in indices:
+                params[index].grad = grads[step][index].clone()
+            child.step()
+    for child in children:
+        child.close()
+    torch.manual_seed(0)
+    model = job.Net()
+    optimizer = AdamW(job.groups_of(model), lr=job.BASE_LR, betas=(0.9, 0.95), mount=devices, namespace=namespace)
+    model.to(torch.bfloat16)
+    try:
+        assert optimizer.committed_step == 3 and optimizer.restored
+        assert [[(e.name, e.numel) for e in child.entries] for child in optimizer._group] == [
+            [("g0.p0", 327680)], [("g0.p1", 163840), ("g1.p2", 2560)], [("g1.p3", 64)]]
+        resumed = job.optimizer_params(optimizer)
+        for step in range(4, 7):
+            for group, base in zip(optimizer.param_groups, (job.BASE_LR, 2 * job.BASE_LR)):
+                group["lr"] = base * job.schedule(step)
+            for param, grad in zip(resumed, grads[step]):
+                param.grad = grad.clone()
+            optimizer.step()
+        ours, masters = [p.detach().clone() for p in resumed], optimizer.master_weights()
+    finally:
+        optimizer.close()
+    assert committed_steps(mounts[:3], namespace) == [6, 6, 6]
+    params, reference_masters, _ = single_process(mounts[0], f"ref-{namespace}", grads, 6)
+    assert bits_equal(ours, params) and bits_equal(masters, reference_masters)
 
 
 def test_what_a_group_refuses(mounts: list[Mount], tmp_path: Path) -> None:
