@@ -169,9 +169,10 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
                 # The other ranks are about to wait for this one: they fail with its reason.
                 self._fail_together(exc)
             raise
-        # Where deepspeed is imported, deepspeed.initialize opens the namespace once DeepSpeed
-        # has put its own tensors in the param groups (under ZeRO every rank's partitions on
-        # one namespace), or the first step() does: deepspeed_zero.py.
+        # Where deepspeed is imported, the namespace waits for deepspeed.initialize (or the first
+        # step()) only where opening it now could not be right: it holds ZeRO's flat groups, or
+        # it is new and the job has several ranks (one namespace for all); meanwhile the reads
+        # ask the device (rebind.py). Else it opens now, as without DeepSpeed: deepspeed_zero.py.
         if process_group is None and "deepspeed" in sys.modules:
             from . import deepspeed_zero
             self._ds_deferred = deepspeed_zero.defers(self, streaming, mounts is not None)
