@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return StepAbortedError
     if name == "TieredCheckpointer":
-        from .tiered import TieredCheckpointer
+        from .checkpoint.tiered import TieredCheckpointer
 
         return TieredCheckpointer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

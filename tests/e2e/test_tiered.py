@@ -119,7 +119,7 @@ def checkpointer(url: str, **options: Any) -> Any:
 
 
 def version_bytes() -> int:
-    from cossd.trainer import tier_payload
+    from cossd.trainer.checkpoint import payload as tier_payload
 
     model, optimizer = make_model()
     train_step(model, optimizer, 1)
@@ -135,7 +135,7 @@ VERSION = version_bytes()
 
 def test_the_policy_aimd_and_the_coalescing_rule() -> None:
     """The policy's rules alone (no store): AIMD's window, and which versions coalescing drops."""
-    from cossd.trainer.tier_policy import AimdWindow, Candidate, coalesce
+    from cossd.trainer.checkpoint.policy import AimdWindow, Candidate, coalesce
 
     window = AimdWindow(initial=2, maximum=4, latency_target_s=1.0)
     for _ in range(5):
@@ -161,7 +161,7 @@ def test_a_spill_no_longer_needed_stops_and_leaves_nothing(tmp_path: Path) -> No
     """A version archived (or dropped) while it is being spilled: the spill stops at the next
     chunk and removes what it wrote, so a save waiting for its pool room is not held for the
     rest of a slow disk; a version still needed is spilled whole and complete."""
-    from cossd.trainer.tier_spill import SpillDir
+    from cossd.trainer.checkpoint.spill import SpillDir
 
     spill = SpillDir(tmp_path / "spill")
     view = memoryview(bytes(range(256)) * 4096)  # 1 MiB: 16 chunks of 64 KiB
@@ -216,7 +216,7 @@ def test_every_step_within_the_pool_bound_restored_bit_for_bit(store: str, tmp_p
     assert_identical(state, states[archived[0]])
 
     # Bad input: a clear error, and nothing changes.
-    from cossd.trainer.tiered import RestoreError
+    from cossd.trainer.checkpoint.tiered import RestoreError
 
     model, optimizer = make_model(seed=5)
     before = snapshot(model, optimizer)
@@ -243,7 +243,7 @@ def test_every_step_within_the_pool_bound_restored_bit_for_bit(store: str, tmp_p
         checkpointer(url, memory_bytes=memory, chunk_bytes=MIB)
     with pytest.raises(ValueError, match="spill_dir and spill_bytes"):
         checkpointer(url, memory_bytes=memory, spill_bytes=VERSION)
-    from cossd.trainer.tier_store import StoreError
+    from cossd.trainer.checkpoint.store import StoreError
 
     with pytest.raises(StoreError, match="no-such-bucket"):
         checkpointer("s3://no-such-bucket/x", memory_bytes=memory)
@@ -277,7 +277,7 @@ def test_corrupted_object_detected_on_restore(store: str, tmp_path: Path) -> Non
     assert_identical(state, states[1])
     model, optimizer = make_model(seed=7)
     before = snapshot(model, optimizer)
-    from cossd.trainer.tiered import RestoreError
+    from cossd.trainer.checkpoint.tiered import RestoreError
 
     with pytest.warns(RuntimeWarning), pytest.raises(RestoreError, match="chunk 1.*CRC32C"):
         fresh.restore(model, optimizer, 2)
@@ -479,7 +479,7 @@ def test_a_spill_to_a_slow_disk_does_not_hold_a_save_past_its_bound(
     delayed before it is written): a save that needs the pool room of a version being spilled
     waits max_stall_s (and a short grace), then that version is coalesced and its spill stops
     at its next chunk, instead of the save waiting for the whole version to reach the disk."""
-    from cossd.trainer import tier_spill
+    from cossd.trainer.checkpoint import spill as tier_spill
 
     chunks: list[int] = []
     write = tier_spill.SpillDir.write
@@ -573,7 +573,7 @@ def test_kill_9_mid_upload_leaves_no_complete_looking_version(far_store: tuple[A
         unfinished = [u["Key"] for u in uploads]
         assert f"{tmp_path.name}/v{2:012d}/data" in unfinished
         # ... with no manifest: the store lists version 1 only, restore never sees version 2 there.
-        from cossd.trainer.tier_store import ObjectStore
+        from cossd.trainer.checkpoint.store import ObjectStore
 
         assert ObjectStore(url, endpoint).complete_steps() == [1]
         # Versions 2 and 3 survived in the spill dir. Version 3's file goes bad on the disk.

@@ -43,7 +43,7 @@ def test_one_seal_for_the_device_and_the_trainer() -> None:
     from cossd import kernels
     from cossd.emulator.archive import versions as archive
     from cossd.protocol import manifest_seal
-    from cossd.trainer import tier_store
+    from cossd.trainer.checkpoint import store as tier_store
 
     record = tier_store.manifest(7, 12_602_880, 5 << 20, [2892736014, 2957909845, 359192300],
                                  "2026-12-02T04:58:09Z")
@@ -65,8 +65,8 @@ def test_one_seal_for_the_device_and_the_trainer() -> None:
 def test_spill_sidecars_are_sealed_and_format_1_is_refused_unless_accepted(tmp_path: Path) -> None:
     """A sidecar is written sealed; scan() discards one whose seal fails (damage: it is only
     ever written whole), and leaves a format-1 one alone unless accepted."""
-    from cossd.trainer import tier_store
-    from cossd.trainer.tier_spill import SpillDir
+    from cossd.trainer.checkpoint import store as tier_store
+    from cossd.trainer.checkpoint.spill import SpillDir
 
     spill = SpillDir(tmp_path)
     view = memoryview(bytes(range(256)) * 1024)
@@ -118,7 +118,7 @@ def two_archived(store: str, tmp_path: Path) -> Iterator[tuple[str, dict[int, An
 def test_a_bit_flipped_in_the_stored_manifest_skips_that_version(
         two_archived: tuple[str, dict[int, Any], Any, str, bytes]) -> None:
     from cossd.protocol import manifest_seal
-    from cossd.trainer.tiered import RestoreError
+    from cossd.trainer.checkpoint.tiered import RestoreError
 
     url, states, s3, key, original = two_archived
     stored = json.loads(original)

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from . import tier_payload
-from .tier_state import TierState
-from .tier_store import CorruptVersionError, ObjectStore, StoreError
+from . import payload as tier_payload
+from .state import TierState
+from .store import CorruptVersionError, ObjectStore, StoreError
 
 MEMORY, SPILL, STORE = "memory", "spill", "store"
 

@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import crc32c
 
-from ..protocol import manifest_seal
-from . import tier_store
+from ...protocol import manifest_seal
+from . import store as tier_store
 
 DATA_SUFFIX = ".data"
 SIDECAR_SUFFIX = ".json"

@@ -11,7 +11,7 @@ from typing import Any
 
 import crc32c
 
-from ..protocol import manifest_seal
+from ...protocol import manifest_seal
 
 MANIFEST_FORMAT = "cossd-tiered"
 # 2: the manifest (and the spill dir's sidecar) carries `manifest_crc32c`, its own checksum

@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..protocol.pacing import AimdWindow, StoreMeter
+from ...protocol.pacing import AimdWindow, StoreMeter
 
 __all__ = ["AimdWindow", "Candidate", "StoreMeter", "TokenBucket", "coalesce"]
 

@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from ..model import pools
-from . import tier_payload, tier_policy, tier_restore, tier_spill, tier_store
-from .tier_restore import MEMORY, SPILL, STORE, RestoreError
-from .tier_state import TierState, Version
-from .tier_store import StoreError
-from .tier_upload import Uploader
+from ...model import pools
+from . import payload as tier_payload, policy as tier_policy, restore as tier_restore
+from . import spill as tier_spill, store as tier_store
+from .restore import MEMORY, SPILL, STORE, RestoreError
+from .state import TierState, Version
+from .store import StoreError
+from .upload import Uploader
 
 __all__ = ["TieredCheckpointer", "RestoreError", "StoreError"]
 

@@ -9,9 +9,9 @@ import warnings
 
 import crc32c
 
-from . import tier_payload, tier_policy, tier_store
-from .tier_state import Cancelled, TierState, Version
-from .tier_store import CorruptVersionError, StoreError
+from . import payload as tier_payload, policy as tier_policy, store as tier_store
+from .state import Cancelled, TierState, Version
+from .store import CorruptVersionError, StoreError
 
 
 class Uploader:

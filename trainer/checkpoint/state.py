@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from . import tier_policy
-from .tier_spill import SpillDir
+from . import policy as tier_policy
+from .spill import SpillDir
 
 
 class Cancelled(Exception):
