@@ -88,8 +88,11 @@ def install() -> None:
             answer = original(engine, client_optimizer, model_parameters)
         except BaseException:
             # Refused (by cossd or by DeepSpeed) before anything was stepped: the device is
-            # left as before the optimizer was made.
-            release_unstepped(cossd)
+            # left as before the optimizer was made. Best effort: the refusal is what is raised.
+            try:
+                release_unstepped(cossd)
+            except Exception:  # a never-stepped namespace left behind is reattached or converted later
+                pass
             raise
         bind(cossd, engine.optimizer)
         return answer
@@ -125,7 +128,7 @@ def bind(optimizer: Any, wrapper: Any) -> None:
             f"DeepSpeed's {type(wrapper).__name__} with {world} ranks: a cossd optimizer runs "
             "under it in one process only; with several ranks use zero_optimization.stage 1 or 2 "
             "(without data_types.grad_accum_dtype fp32 under BF16)")
-    open_deferred(optimizer)
+    open_deferred(optimizer, f"DeepSpeed without ZeRO 1/2 (its {type(wrapper).__name__}) cannot step it")
 
 
 def _never_stepped(optimizer: Any) -> bool:
@@ -188,15 +191,16 @@ def _reopen_empty(optimizer: Any) -> None:
     optimizer.cmb_pinned = False  # the old files' pinning went with them
 
 
-def open_deferred(optimizer: Any) -> None:
+def open_deferred(optimizer: Any,
+                  refusal: str = "step(), state_dict() and load_state_dict() cannot open it without it") -> None:
     """Open the namespace a deferring optimizer left unopened, as its construction would have
     (at its first use where DeepSpeed never bound it). A namespace of DeepSpeed ZeRO's flat
-    groups is refused (only deepspeed.initialize can open it), naming why."""
+    groups is refused (only deepspeed.initialize with ZeRO can open it), saying `refusal`."""
     if not getattr(optimizer, "_ds_deferred", False):
         return
     files = optimizer.files
     if files.exists() and holds_zero_groups(files.config()):
-        raise ValueError(zero_layout_message(optimizer, "step(), state_dict() or load_state_dict()"))
+        raise ValueError(zero_layout_message(optimizer, refusal))
     optimizer._ds_deferred = False
     if optimizer._params_moved() and not files.exists():
         # A wrapper (DeepSpeed at stage 0) put its FP32 copies in the param groups: the first
@@ -205,13 +209,13 @@ def open_deferred(optimizer: Any) -> None:
     optimizer._open_namespace()
 
 
-def zero_layout_message(optimizer: Any, what: str) -> str:
-    """Why `what` cannot run on a deferring optimizer whose namespace holds ZeRO's flat groups."""
+def zero_layout_message(optimizer: Any, clause: str) -> str:
+    """Why a deferring optimizer whose namespace holds ZeRO's flat groups refuses a use (`clause`)."""
     name = optimizer.files.name
     return (f"namespace {name!r} holds DeepSpeed ZeRO's flat param groups (zero.g0, ...), from an earlier ZeRO "
             f"job: only deepspeed.initialize with ZeRO stage 1 or 2 opens it (and reads the model's params back "
-            f"from it), so {what} cannot run before then. Without DeepSpeed ZeRO this optimizer needs a "
-            f"namespace of the model's own params: use another name, or delete it with `cossd delete-ns {name}`")
+            f"from it); {clause}. Without DeepSpeed ZeRO this optimizer needs a namespace of the model's own "
+            f"params: use another name, or delete it with `cossd delete-ns {name}`")
 
 
 def deferred_value(optimizer: Any, what: str, kept: Any) -> Any:

@@ -90,7 +90,7 @@ class Rebind:
             from . import deepspeed_zero
             if self.files.exists():
                 if deepspeed_zero.holds_zero_groups(self.files.config()):
-                    raise RuntimeError(deepspeed_zero.zero_layout_message(self, "master_weights()"))
+                    raise RuntimeError(deepspeed_zero.zero_layout_message(self, "master_weights() reads it after that"))
                 raise RuntimeError(
                     f"namespace {self.files.name!r} was made after this optimizer (by another rank of the job): "
                     "deepspeed.initialize opens it for this rank too, and master_weights() reads it after that")
