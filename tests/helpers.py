@@ -1,9 +1,10 @@
-"""Test helpers: namespaces through the control file, file I/O patterns, a torch reference."""
+"""Test helpers: namespaces through the control file, file I/O patterns, a torch reference, free loopback ports."""
 from __future__ import annotations
 
 import mmap
 import os
 import random
+import socket
 import sys
 from pathlib import Path
 from typing import Iterable
@@ -127,3 +128,21 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: object,
             print(exc.code, file=sys.stderr)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on loopback now (for a server, a metrics endpoint or
+    torch.distributed's MASTER_PORT); all probed at once, so they differ."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def free_port() -> int:
+    """One port free on loopback now."""
+    return free_ports(1)[0]

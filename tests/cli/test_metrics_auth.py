@@ -5,7 +5,6 @@ one line before anything starts."""
 from __future__ import annotations
 
 import os
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,17 +16,12 @@ from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device
 from cossd.fs import daemon
 from cossd.tools.cli import main
-from helpers import create_namespace
+from helpers import create_namespace, free_port
 
 pytestmark = pytest.mark.mount
 
 TOKEN = "s3cret-token-0123456789abcdef"
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def get(port: int, authorization: str | None = None) -> tuple[int, dict[str, str], str]:

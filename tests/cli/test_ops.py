@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -26,7 +25,7 @@ from cossd.tools import media_health
 from cossd.tools.verbs import top as verbs_top
 from cossd.tools.cli import main
 from cossd.client import AdminClient
-from helpers import create_namespace, run_cli, tensor_dir
+from helpers import create_namespace, free_port, run_cli, tensor_dir
 
 pytestmark = pytest.mark.mount
 
@@ -34,11 +33,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 W_NUMEL = 300_000  # two blocks of fp16 gradient: 600 000 bytes
 B_NUMEL = 100
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def scrape(port: int) -> dict[str, tuple[str, dict[tuple[tuple[str, str], ...], float]]]:

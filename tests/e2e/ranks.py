@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from conftest import Mount, start_mount, stop_mount
+from helpers import free_port
 
 
 @contextlib.contextmanager
@@ -28,11 +28,6 @@ def mounted_device(root: Path, serial: str, capacity_bytes: int = 8 << 30) -> It
     finally:
         stop_mount(mounted)
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def spawn_ranks(script: Path, config: dict[str, Any], world: int, out: Path, timeout_s: float) -> list[int]:

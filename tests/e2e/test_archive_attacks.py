@@ -429,7 +429,7 @@ def test_a_daemon_without_credentials_says_which_process_needs_them(s3: str, bac
 def paused_store(s3: str, tmp_path: Path) -> Iterator[tuple[str, Callable[[bool], None]]]:
     """A SeaweedFS of its own (the module's keys), and pause(True/False): SIGSTOP/SIGCONT of it,
     so the store takes nothing while the tiers fill."""
-    from cossd.harness.s3_server import start_weed
+    from s3_server import start_weed
 
     server = start_weed(tmp_path / "weed-paused", "tiered-attacks")
 

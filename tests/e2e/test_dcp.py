@@ -23,7 +23,8 @@ from cossd.trainer import AdamW
 from cossd.trainer.dcp import REF_KEY
 
 from conftest import Mount
-from ranks import bits_equal, free_port, mounted_device, spawn_ranks
+from helpers import free_port
+from ranks import bits_equal, mounted_device, spawn_ranks
 
 pytestmark = pytest.mark.mount
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,6 +23,7 @@ from cossd.trainer import AdamW  # noqa: E402
 from cossd.trainer.namespace_files import NamespaceFiles  # noqa: E402
 
 from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.mount
 
@@ -33,17 +33,12 @@ ACCUMULATION = 2
 LR = 1e-2
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.fixture(scope="module", autouse=True)
 def distributed() -> None:
     """DeepSpeed needs a process group even for one process: gloo, world size 1."""
     if not torch.distributed.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
         deepspeed.init_distributed("gloo")
 
@@ -433,6 +428,10 @@ def test_zero_namespace_read_before_initialize_is_the_devices(cossd_adamw) -> No
     assert waiting.restored and waiting.committed_step == 3
     _more_steps(engine, 1)
     assert waiting.committed_step == 4
+    # A second engine cannot take the bound optimizer over (it would convert or rebind the namespace).
+    with pytest.raises(RuntimeError, match="steps under a DeepSpeed engine already"):
+        deepspeed.initialize(model=Tiny(), optimizer=waiting, config=config("bf16", 2))
+    assert waiting.committed_step == 4 and waiting.files.config()["tensors"][0]["name"] == "zero.g0"
 
 
 def test_zero_converts_the_namespace_made_at_construction(cossd_adamw) -> None:

@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the optional framework tier: `make frameworks`)")
 
-from ranks import bits_equal, finished, free_port, mounted_device, spawn_ranks  # noqa: E402
+from helpers import free_port  # noqa: E402
+from ranks import bits_equal, finished, mounted_device, spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.mount
 

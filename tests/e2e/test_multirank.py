@@ -17,7 +17,8 @@ from cossd.harness.reference import MixedPrecisionOptimizer
 from cossd.trainer import AdamW
 
 from conftest import Mount
-from ranks import bits_equal, finished, free_port, mounted_device, spawn_ranks  # noqa: F401  (re-exported)
+from helpers import free_port
+from ranks import bits_equal, finished, mounted_device, spawn_ranks  # noqa: F401  (re-exported)
 
 pytestmark = pytest.mark.mount
 

@@ -24,16 +24,12 @@ from cossd.protocol.entries import Opcode, encode_submission
 from cossd.protocol.logpages import SERVER_LOG_BYTES, SERVER_LOG_FIELDS, SERVER_REFUSALS, LogId, decode_server_log
 from cossd.protocol.status import Status
 from cossd.server.metrics import RECV_REFUSALS, SERVER_METRICS
+from helpers import free_port
 from test_server import TOKEN, Served, start_server
 
 METRICS_TOKEN = "metrics-s3cret-0123456789abcdef"
 REPO = Path(__file__).resolve().parents[2]
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def scrape(port: int, authorization: str | None = None) -> tuple[int, str]:

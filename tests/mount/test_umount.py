@@ -17,7 +17,7 @@ from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device
 from cossd.fs import launch
 from cossd.fs.remote_daemon import daemon_pid
-from cossd.harness.served import ServedDevice, write_token
+from served import ServedDevice, write_token
 from helpers import run_cli
 from waiting import wait_until
 
