@@ -234,7 +234,7 @@ class Controller:
             struct.pack_into("<I", page, 516, 1024)  # nn: namespaces supported
             logpages.fill_identify_controller(page, identity)  # VER, CNTRLTYPE, SQES, CQES, SUBNQN
             vendor = _json({"kernels": ["adamw", "adam"], "grad_dtypes": ["fp16", "bf16"],
-                            "param_dtypes": ["fp16", "bf16"], "state_dtypes": ["fp32", "bf16"],
+                            "param_dtypes": ["fp16", "bf16"], "state_dtypes": ["fp32", "bf16", "fp16", "int8"],
                             "profile": self.device.timing_model.profile.name,
                             "timed": self.device.config.timed})
             page[3072 : 3072 + len(vendor)] = vendor[:1024]

@@ -16,7 +16,7 @@ from typing import Any
 from ... import kernels
 from ...protocol.status import DeviceError, Status
 from .. import media
-from ..layout import Copy, plan_layout
+from ..layout import Copy
 from ..namespace import Namespace, NamespaceSpec
 from ..superblock import Superblock
 
@@ -162,7 +162,7 @@ def restore(url: str, backing: Path, *, name: str | None = None, endpoint_url: s
     spec = dataclasses.replace(NamespaceSpec.from_json(manifest["spec"]),
                                name=name or manifest["namespace"],
                                initial_step=int(manifest["step"])).validate()
-    layouts, copy_bytes = plan_layout([(t.name, t.numel) for t in spec.tensors], spec.state_itemsize, 2)
+    layouts, copy_bytes = spec.layout()  # fp16/int8 moments: their scale regions too
     total_blocks = sum(t.block_count for t in layouts)
     superblock = Superblock.decode(superblock_bytes, total_blocks, len(spec.group_hypers))
     if copy_bytes != manifest["state_bytes"] or superblock is None:
