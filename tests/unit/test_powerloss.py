@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -21,8 +22,12 @@ NAME = "opt"
 ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
 
 
+# The moments' format of every namespace these trials make (a test over fp16/int8 sets it).
+STATE_DTYPE = "fp32"
+
+
 def spec() -> NamespaceSpec:
-    return NamespaceSpec(name=NAME, tensors=TENSORS)
+    return NamespaceSpec(name=NAME, tensors=TENSORS, state_dtype=STATE_DTYPE)
 
 
 def load(ns: Namespace) -> None:
@@ -216,6 +221,19 @@ def test_power_loss_at_every_sync_point_short(tmp_path: Path, figures: list[str]
     outcomes = run_trials(tmp_path, steps=4, variants=("drop", "tear"), write_probability=0.0, seed=1)
     report(outcomes, figures, f"{writes} state writes")
     assert sum(o.states for o in outcomes.values()) >= 40
+
+
+@pytest.mark.parametrize("state_dtype", ["fp16", "int8"])
+def test_power_loss_over_block_scaled_moments(tmp_path: Path, figures: list[str], state_dtype: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block-scaled moments (codes and a scale per 256 elements, all under the block
+    checksums): every crash state recovers a promised step with the right bytes, scales
+    included (the moments read decoded, so a wrong scale shows as wrong bytes)."""
+    monkeypatch.setattr(sys.modules[__name__], "STATE_DTYPE", state_dtype)
+    assert spec().state_dtype == state_dtype
+    outcomes = run_trials(tmp_path, steps=3, variants=("drop", "tear"), write_probability=0.0, seed=13)
+    report(outcomes, figures, f"{state_dtype} moments")
+    assert sum(o.states for o in outcomes.values()) >= 30
 
 
 def test_power_loss_with_background_verification_short(tmp_path: Path, figures: list[str]) -> None:
