@@ -333,3 +333,46 @@ def test_bad_arguments_are_refused_and_change_nothing() -> None:
     after = bits(st)
     for key in before:
         assert np.array_equal(before[key], after[key]), f"{key} changed by a refused call"
+
+
+@pytest.mark.parametrize("sfmt", [StateFormat.FP16, StateFormat.INT8])
+def test_checksummed_block_update_steps_out_of_place_and_chains_codes_and_scales(sfmt: StateFormat) -> None:
+    """adam_step_q_crcs, the device's block update for these formats: the in-place step's bits
+    out of place, the block CRC over master, exp_avg codes, their scales, exp_avg_sq codes,
+    their scales and param in that order, the param CRC alone, and the param copy."""
+    n = 1000
+    st = fresh_state(n, sfmt, seed=3)
+    step(st, grads(n, 1, seed=4)[0], sfmt, k.adam_scalars(HYPER_W, 1))  # nonzero codes and scales
+    grad = grads(n, 1, seed=5)[0]
+    inputs = {key: value.copy() for key, value in st.items()}
+    outs = {key: np.empty_like(value) for key, value in st.items()}
+    copy = np.zeros(n, np.uint16)
+    crc, param_crc = k.adam_step_q_crcs(
+        grad, inputs["master"], inputs["m"], inputs["ms"], inputs["v"], inputs["vs"], outs["master"], outs["m"],
+        outs["ms"], outs["v"], outs["vs"], outs["param"], grad_format=HalfFormat.FP16, param_format=HalfFormat.FP16,
+        state_format=sfmt, scalars=k.adam_scalars(HYPER_W, 2), param_copy=copy)
+    step(st, grad, sfmt, k.adam_scalars(HYPER_W, 2))
+    order = ("master", "m", "ms", "v", "vs", "param")
+    for key in order:
+        assert outs[key].tobytes() == st[key].tobytes(), key
+    assert crc == bitwise_crc32c(b"".join(st[key].tobytes() for key in order))
+    assert param_crc == bitwise_crc32c(st["param"].tobytes()) and copy.tobytes() == st["param"].tobytes()
+    # Out of place only (the shadow is never the committed copy); FP32 and BF16 go elsewhere.
+    with pytest.raises(KernelArgumentError, match="out of place"):
+        k.adam_step_q_crcs(grad, st["master"], st["m"], st["ms"], st["v"], st["vs"], st["master"], outs["m"],
+                           outs["ms"], outs["v"], outs["vs"], outs["param"], grad_format=HalfFormat.FP16,
+                           param_format=HalfFormat.FP16, state_format=sfmt, scalars=k.adam_scalars(HYPER_W, 2))
+    with pytest.raises(KernelArgumentError, match="block-scaled"):
+        k.adam_step_q_crcs(grad, *(st[key] for key in order[:-1]), *(outs[key] for key in order),
+                           grad_format=HalfFormat.FP16, param_format=HalfFormat.FP16, state_format=StateFormat.FP32,
+                           scalars=k.adam_scalars(HYPER_W, 2))
+
+
+def bitwise_crc32c(data: bytes) -> int:
+    """CRC-32C bit by bit: an independent check of kernels.crc32c's chaining."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
