@@ -84,6 +84,10 @@ def install() -> None:
         if cossd is None:
             return original(engine, client_optimizer, model_parameters)
         try:
+            if cossd._deepspeed is not None:
+                raise RuntimeError(
+                    "this cossd optimizer steps under a DeepSpeed engine already (an earlier "
+                    "deepspeed.initialize): make a new optimizer for each engine")
             refuse_config(engine)
             answer = original(engine, client_optimizer, model_parameters)
         except BaseException:
