@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from ..protocol.group_commit import GroupDisagreementError, common_step
-from . import fsdp
+from . import fsdp, namespace_swap
 from . import grads as grad_rules
 from .distributed import Ranks
 from .namespace_files import NamespaceFiles
-from .plan import Entry
+from .plan import Entry, group_hyper
 from .shard import Piece, plan_shards
 from .sharded import StepAbortedError
 
@@ -244,9 +244,20 @@ class DeviceGroup:
         def look() -> list[list[tuple[str, int]] | None]:
             found: dict[str, int | None] = {}
             layouts: list[list[tuple[str, int]] | None] = []
-            for mount in mounts:
-                probe = NamespaceFiles(mount, namespace, 30.0, use_cmb=False,
-                                       credentials=self._credentials)  # type: ignore[attr-defined]
+            probes = [NamespaceFiles(mount, namespace, 30.0, use_cmb=False,
+                                     credentials=self._credentials)  # type: ignore[attr-defined]
+                      for mount in mounts]
+            try:
+                # A load_state_dict over the group that a killed job left half done: undone or
+                # finished on every device alike, before any device is looked at alone.
+                done = namespace_swap.resolve_group(probes)
+                if done is not None:
+                    warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=6)
+            except BaseException:
+                for probe in probes:
+                    probe.close()
+                raise
+            for mount, probe in zip(mounts, probes):
                 try:
                     if probe.exists():
                         found[mount] = int(probe.statistics()["committed_step"])
@@ -447,6 +458,49 @@ class DeviceGroup:
                      for child, theirs in self._owner[entry.index]]
             masters.append((parts[0] if len(parts) == 1 else torch.cat(parts)).view(entry.param.shape))
         return masters
+
+    def _load_group_state(self, step: int, loads: list[tuple[str, str, torch.Tensor]]) -> None:
+        """load_state_dict of another state over the group (state_dict.py has checked it all):
+        each device gets its pieces of `loads` (name, role, flat values) in a staging
+        namespace, and rank 0 switches every device to them atomically for the group
+        (namespace_swap.replace_group: after a kill, the next open leaves the old state on
+        every device or the new one on every device); every rank then reads the params."""
+        children, ranks = self._group, self._group_ranks
+        assert children is not None and ranks is not None
+        self._sync_group_options()  # the loaded groups' options go into each device's namespace
+        entries = {entry.name: entry for entry in self.entries}
+        position = {id(child): index for index, child in enumerate(children)}
+        per_child: list[list[tuple[str, str, torch.Tensor]]] = [[] for _ in children]
+        for name, role, values in loads:
+            at = 0
+            for child, theirs in self._owner[entries[name].index]:
+                per_child[position[id(child)]].append((theirs.name, role, values[at : at + theirs.numel]))
+                at += theirs.numel
+        hook = self.load_hook or (lambda stage: None)  # type: ignore[attr-defined]
+
+        def replace() -> None:
+            namespace_swap.replace_group(
+                [child.files for child in children], [child._description(step) for child in children],
+                [lambda child=child, mine=mine: child.files.write_many(mine) for child, mine in zip(children, per_child)],
+                hook)
+
+        error = self._on_rank0(replace)
+        for child in children:
+            if ranks.rank != 0:  # rank 0's files follow the switch; the others look the new nsid up
+                child.files.retarget(child.files.name, None)
+                if not child.files.exists():
+                    raise RuntimeError(f"namespace {child.files.name!r} is gone from {child.files.mountpoint} "
+                                       f"after rank 0's load ({error})")
+            child._sent_hypers = [group_hyper(group) for group in child.param_groups]
+        if error is not None:
+            if ranks.rank == 0 or error.startswith("RuntimeError: the new state"):
+                raise RuntimeError(error.removeprefix("RuntimeError: "))
+            raise RuntimeError(f"rank 0 could not load the state: {error}")
+        for child in children:
+            child.committed_step, child.steps_skipped = step, 0
+        self.committed_step, self.steps_skipped, self.last_step_skipped = step, 0, False  # type: ignore[attr-defined]
+        # The device rounds the masters to the wire dtype; the model continues from that.
+        self._read_group_params()
 
     def _group_identity(self) -> dict[str, Any]:
         assert self._group is not None

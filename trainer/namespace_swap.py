@@ -1,4 +1,4 @@
-"""Replace an optimizer namespace's state atomically: load a staging namespace, then switch."""
+"""Replace an optimizer namespace's state atomically (on one device, or on every device of a group): load a staging namespace, then switch."""
 from __future__ import annotations
 
 import hashlib
@@ -97,17 +97,12 @@ def resolve_interrupted(files: NamespaceFiles) -> str | None:
     return f"finished a load into {files.name!r} that a killed job had sealed but not switched"
 
 
-def replace(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[], None],
-            hook: Callable[[str], None] = lambda stage: None) -> None:
-    """Make namespace `files.name` hold new state, atomically: a kill -9 (of this process or
-    of the daemon) at any instant leaves either the old run or the new one, whole.
-
-    The state is loaded (`fill`, which writes through `files`) into a fresh staging
-    namespace, which is then sealed (its loading phase ended, durably) and snapshotted. Only
-    then is the old namespace deleted and the snapshot cloned under its name; the staging
-    namespace goes last. resolve_interrupted() finishes or undoes a replace cut short. On
-    an error before the old namespace is deleted, the staging namespace is dropped and the
-    old run is untouched. `files` ends up on the new namespace."""
+def _prepare(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[], None],
+             hook: Callable[[str], None]) -> int:
+    """The first half of a replace: the new state loaded (`fill`) into a fresh staging
+    namespace, sealed (its loading phase ended, durably) and snapshotted; the old run is
+    untouched. Returns the staging namespace's nsid, `files` back on the old run. On an
+    error the staging namespace is dropped and the error raised."""
     name, old_nsid = files.name, files.nsid
     assert old_nsid is not None
     staging = staging_name(name)
@@ -142,13 +137,116 @@ def replace(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[
     staging_nsid = files.nsid
     assert staging_nsid is not None
     files.retarget(name, old_nsid)
+    return staging_nsid
+
+
+def replace(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[], None],
+            hook: Callable[[str], None] = lambda stage: None) -> None:
+    """Make namespace `files.name` hold new state, atomically: a kill -9 (of this process or
+    of the daemon) at any instant leaves either the old run or the new one, whole.
+
+    The state is loaded (`fill`, which writes through `files`) into a fresh staging
+    namespace, which is then sealed (its loading phase ended, durably) and snapshotted. Only
+    then is the old namespace deleted and the snapshot cloned under its name; the staging
+    namespace goes last. resolve_interrupted() finishes or undoes a replace cut short. On
+    an error before the old namespace is deleted, the staging namespace is dropped and the
+    old run is untouched. `files` ends up on the new namespace."""
+    name = files.name
+    staging_nsid = _prepare(files, description, fill, hook)
     files.delete()
     hook("old_deleted")
     try:
         new_nsid = _switch(files, staging_nsid, hook)
     except BaseException as exc:
         raise RuntimeError(
-            f"the new state of {name!r} is loaded and sealed in {staging!r}, but switching it in "
+            f"the new state of {name!r} is loaded and sealed in {staging_name(name)!r}, but switching it in "
             f"failed ({exc}); the next optimizer created on {name!r} finishes the switch") from exc
     files.retarget(name, new_nsid)
     hook("done")
+
+
+# ---------------------------------------------------------------------------------------------
+# A group of devices (mount=[...]): one namespace of the same name on each, replaced together.
+#
+# The new state is prepared (staged, sealed, snapshotted) on every device in order, device 0
+# first; only then is each device switched, in the same order. So while preparing, the
+# staging namespaces lie on a prefix of the devices (an error drops them last device first,
+# keeping it one) and every device still holds its old run; once switching has begun, device
+# 0 has no staging namespace left, or has lost its old run, or holds the new one. The new run
+# is a clone made after its staging namespace, so its nsid is the larger (a device never
+# reuses an nsid, and hands them out in increasing order), where the old run's is smaller.
+# That is enough for resolve_group to tell, from the devices alone, which half a killed
+# replace was in: before the switch began every device goes back to its old run, after it
+# every device goes on to the new one.
+
+
+def replace_group(members: list[NamespaceFiles], descriptions: list[dict[str, Any]],
+                  fills: list[Callable[[], None]],
+                  hook: Callable[[str], None] = lambda stage: None) -> None:
+    """Make the namespace on every device of `members` hold new state, atomically for the
+    group: a kill -9 at any instant leaves the old run on every device or the new one on
+    every device (resolve_group, at the next open, finishes or undoes it). `hook` gets each
+    stage as "<stage>@<device index>", then "done". Each member's files end up on its new
+    namespace."""
+    prepared: list[tuple[NamespaceFiles, int]] = []
+    try:
+        for index, (files, description, fill) in enumerate(zip(members, descriptions, fills)):
+            prepared.append((files, _prepare(files, description, fill, lambda stage: hook(f"{stage}@{index}"))))
+    except BaseException:
+        for files, staging_nsid in reversed(prepared):  # the last first: the rest stay a prefix
+            try:
+                _delete(files, staging_nsid)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                log.warning("could not delete the staging namespace of %s; the next optimizer on "
+                            "it deletes it", files.name)
+        raise
+    for index, (files, staging_nsid) in enumerate(prepared):
+        try:
+            files.delete()
+            hook(f"old_deleted@{index}")
+            new_nsid = _switch(files, staging_nsid, lambda stage: hook(f"{stage}@{index}"))
+        except BaseException as exc:
+            raise RuntimeError(
+                f"the new state of {files.name!r} is loaded and sealed on every device of the group, and "
+                f"switching it in failed on device {index} ({exc}); the next optimizer created on the "
+                "group finishes the switch on every device") from exc
+        files.retarget(files.name, new_nsid)
+        hook(f"switched@{index}")
+    hook("done")
+
+
+def resolve_group(members: list[NamespaceFiles]) -> str | None:
+    """Finish or undo a replace_group that a killed job left half done (see above), so that
+    every device holds the old run or every device the new one. Returns what was done, for
+    the caller to log, or None if nothing was left over."""
+    found = []
+    for files in members:
+        listing = _listing(files)
+        found.append((files, listing.get(files.name), listing.get(staging_name(files.name))))
+    if all(staging is None for _, _, staging in found):
+        return None
+    began = found[0][2] is None or any(
+        staging is not None and (target is None or int(target["nsid"]) > int(staging["nsid"]))
+        for _, target, staging in found)
+    name = members[0].name
+    if not began:
+        for files, target, staging in reversed(found):
+            if staging is not None:
+                if target is None:
+                    raise RuntimeError(f"namespace {files.name!r} is missing on one device of the group while "
+                                       "a load into it had not begun switching: no whole run is left there")
+                _delete(files, int(staging["nsid"]))
+        return f"deleted the staging namespaces of a load into {name!r} that did not finish (every device keeps the old run)"
+    for files, target, staging in found:
+        if staging is None:
+            continue  # switched already
+        if staging["loading"]:
+            raise RuntimeError(f"namespace {files.name!r}: its staging namespace never finished loading "
+                               "although the group's switch had begun; delete it with `cossd delete-ns`")
+        if target is not None and int(target["nsid"]) > int(staging["nsid"]):
+            _delete(files, int(staging["nsid"]))  # switched, all but dropping the staging namespace
+            continue
+        if target is not None:
+            files.command(files.admin.delete_namespace, int(target["nsid"]))  # the old run
+        _switch(files, int(staging["nsid"]), lambda stage: None)
+    return f"finished a load into {name!r} that a killed job had begun switching (every device holds the new run)"

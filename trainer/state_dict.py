@@ -196,9 +196,13 @@ class StateDict:
         if noop:
             return  # the groups' changed options go to the device with the next step
         if getattr(self, "_group", None) is not None:
-            for group, options in zip(self.param_groups, before):
-                group.update(options)
-            raise self._group_refusal("load_state_dict of another state")  # type: ignore[attr-defined]
+            try:  # every device's pieces, replaced atomically for the group (group.py)
+                self._load_group_state(step, loads)  # type: ignore[attr-defined]
+            except BaseException:
+                for group, options in zip(self.param_groups, before):  # the old run goes on as it was
+                    group.update(options)
+                raise
+            return
         if getattr(self, "_ranks", None) is not None:
             for group, options in zip(self.param_groups, before):
                 group.update(options)

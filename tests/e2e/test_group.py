@@ -314,9 +314,10 @@ def test_what_a_group_refuses(mounts: list[Mount], tmp_path: Path) -> None:
 
 
 def test_state_dict_over_several_devices(mounts: list[Mount]) -> None:
-    """state_dict() reads every tensor's state from the device that holds it, in torch's
-    format (it loads into torch.optim.AdamW); loading it back is a no-op; another state is
-    refused with nothing changed."""
+    """state_dict() reads every tensor's state from the devices that hold it (a split
+    tensor's pieces joined), in torch's format (it loads into torch.optim.AdamW); loading it
+    back is a no-op; another state is loaded on both devices; a bad one is refused with
+    nothing changed."""
     torch.manual_seed(0)
     model = job.Net()
     devices = [str(mounts[0].mountpoint), str(mounts[1].mountpoint)]
@@ -338,10 +339,14 @@ def test_state_dict_over_several_devices(mounts: list[Mount]) -> None:
         assert torch.equal(stock.state[copies[3]]["exp_avg"], saved["state"][3]["exp_avg"])
         optimizer.load_state_dict(saved)  # its own state: a no-op
         other = copy.deepcopy(saved)
-        other["state"][0]["exp_avg"].add_(1.0)
-        with pytest.raises(NotImplementedError, match="several devices"):
-            optimizer.load_state_dict(other)
+        other["state"][0]["exp_avg"].add_(1.0)  # fc1.weight's, split across the two devices
+        optimizer.load_state_dict(other)  # another state: replaced on both devices (test_group_load.py)
         assert committed_steps(mounts[:2], "statedict") == [3, 3]
-        assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
+        assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], other["state"][0]["exp_avg"])
+        bad = copy.deepcopy(saved)
+        bad["state"][3]["exp_avg_sq"].fill_(-1.0)
+        with pytest.raises(ValueError, match="negative"):
+            optimizer.load_state_dict(bad)
+        assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], other["state"][0]["exp_avg"])
     finally:
         optimizer.close()
