@@ -88,10 +88,15 @@ def assert_equals_reference(ns: Namespace, ref: dict[str, dict[str, np.ndarray]]
         assert ns.read(t.name, "master", 0, 1 << 40) == st["master"].tobytes()
 
 
+@pytest.mark.parametrize("writes", ["pwrite", "mapped"])
 @pytest.mark.parametrize("state_dtype", SCALED)
-def test_steps_equal_the_kernel_reference_and_survive_remount(backing: Path, state_dtype: str) -> None:
+def test_steps_equal_the_kernel_reference_and_survive_remount(backing: Path, state_dtype: str, writes: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways new state reaches the shadow copy (emulator/media.py write_mode_for)."""
+    monkeypatch.setenv("COSSD_STATE_WRITES", writes)
     with Device.open(backing) as device:
         ns = device.create_namespace(make_spec(state_dtype))
+        assert ns.statistics()["state_writes"] == writes
         load_and_step(ns, range(3))
         assert ns.committed_step == 3
         assert ns.config()["state_dtype"] == state_dtype
