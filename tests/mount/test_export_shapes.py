@@ -60,8 +60,8 @@ def train_tiny(mp: Path, namespace: str, steps: int) -> Tiny:
 
 def export_file(capsys: pytest.CaptureFixture[str], mp: Path, namespace: str, path: Path,
                 *options: str) -> str:
-    """`cossd export` to `path`; its stderr."""
-    code, _, err = run_cli(capsys, "export", mp, namespace, "--path", path, "-q", *options)
+    """`cossd export` to `path`; its stderr (the progress bar, and the note where one is due)."""
+    code, _, err = run_cli(capsys, "export", mp, namespace, "--path", path, *options)
     assert code == 0, err
     return err
 

@@ -103,7 +103,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         job = job | {"note": f"namespace {args.name!r}: {which} no recorded shape (created by an older "
                              "cossd, or by create-ns --tensor NAME:NUMEL), so they are exported flat "
                              "(1-D): reshape them to the model's shapes before load_state_dict"}
-        print(f"cossd export: note: {job['note']}", file=sys.stderr)
+        if not args.quiet:  # -q keeps stderr for errors; the JSON form carries the note either way
+            print(f"cossd export: note: {job['note']}", file=sys.stderr)
 
     def normal(value: dict[str, Any]) -> str:
         source = f"snapshot {value['tag']!r}" if value["tag"] else "namespace"
@@ -165,4 +166,5 @@ def register(verb: VerbFactory) -> None:
                      help="replace the output file if it exists (without it an existing export is "
                           "never replaced)")
     sub.add_argument("--no-wait", action="store_true", help="return once the job has started")
-    sub.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sub.add_argument("-q", "--quiet", action="store_true",
+                     help="no progress bar, and no note on stderr (-o json carries the note as 'note')")
