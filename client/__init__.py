@@ -13,13 +13,33 @@ from typing import TYPE_CHECKING
 
 from ..lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from .admin import AdminClient
-    from .cmb import CmbMapping, CmbRegion, claim_region, plan_cmb_batches
-    from .mounts import MOUNT_FSTYPE, REMOTE_MOUNT_FSTYPE, mount_type_at, mounted_devices
-    from .remote import Credentials, RemoteTransport, ServerUrl, is_remote, parse_url
-    from .transport import LocalMount, Transport
-    from .watchdog import DEFAULT_TIMEOUT_S, DeviceTimeoutError, Watchdog
+if TYPE_CHECKING:  # `X as X`: an explicit re-export, so ruff and mypy see what __all__ lists
+    from .admin import AdminClient as AdminClient
+    from .cmb import (
+        CmbMapping as CmbMapping,
+        CmbRegion as CmbRegion,
+        claim_region as claim_region,
+        plan_cmb_batches as plan_cmb_batches,
+    )
+    from .mounts import (
+        MOUNT_FSTYPE as MOUNT_FSTYPE,
+        REMOTE_MOUNT_FSTYPE as REMOTE_MOUNT_FSTYPE,
+        mount_type_at as mount_type_at,
+        mounted_devices as mounted_devices,
+    )
+    from .remote import (
+        Credentials as Credentials,
+        RemoteTransport as RemoteTransport,
+        ServerUrl as ServerUrl,
+        is_remote as is_remote,
+        parse_url as parse_url,
+    )
+    from .transport import LocalMount as LocalMount, Transport as Transport
+    from .watchdog import (
+        DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S,
+        DeviceTimeoutError as DeviceTimeoutError,
+        Watchdog as Watchdog,
+    )
 
 # Where each name lives, imported on first use: the mount daemon's launcher reads the mount
 # table (.mounts) without numpy and the clients' transports.

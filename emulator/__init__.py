@@ -15,10 +15,15 @@ from typing import TYPE_CHECKING
 
 from ..lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from ..protocol.status import DeviceError, Status
-    from .device import Device, DeviceConfig
-    from .namespace import CommitResult, Namespace, NamespaceSpec, TensorSpec
+if TYPE_CHECKING:  # `X as X`: an explicit re-export, so ruff and mypy see what __all__ lists
+    from ..protocol.status import DeviceError as DeviceError, Status as Status
+    from .device import Device as Device, DeviceConfig as DeviceConfig
+    from .namespace import (
+        CommitResult as CommitResult,
+        Namespace as Namespace,
+        NamespaceSpec as NamespaceSpec,
+        TensorSpec as TensorSpec,
+    )
 
 # Each exported name, and the module (relative to this package) that defines it.
 _EXPORTS = {

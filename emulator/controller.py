@@ -88,25 +88,31 @@ def log_range(command: Command, page: bytes) -> bytes:
 # INJECT_ERROR's clear takes none): such a payload is decoded with the protocol's limits
 # (decode_json_payload: depth, duplicate keys, NaN, 64-bit numbers) before the handler runs,
 # so that no shape of JSON reaches a handler as anything but INVALID_FIELD.
-_ALWAYS: Callable[[Command], bool] = lambda command: True
-_IF_GIVEN: Callable[[Command], bool] = lambda command: bool(command.payload)
+def _always(command: Command) -> bool:
+    return True
+
+
+def _if_given(command: Command) -> bool:
+    return bool(command.payload)
+
+
 JSON_PAYLOADS: dict[int, Callable[[Command], bool]] = {
-    Opcode.CREATE_NAMESPACE: _ALWAYS,
-    Opcode.SET_HYPERPARAMETERS: _ALWAYS,
-    Opcode.SNAPSHOT_CREATE: _IF_GIVEN,
-    Opcode.SNAPSHOT_DELETE: _IF_GIVEN,
-    Opcode.SNAPSHOT_ROLLBACK: _IF_GIVEN,
-    Opcode.SNAPSHOT_CLONE: _IF_GIVEN,
-    Opcode.EXPORT: _IF_GIVEN,
+    Opcode.CREATE_NAMESPACE: _always,
+    Opcode.SET_HYPERPARAMETERS: _always,
+    Opcode.SNAPSHOT_CREATE: _if_given,
+    Opcode.SNAPSHOT_DELETE: _if_given,
+    Opcode.SNAPSHOT_ROLLBACK: _if_given,
+    Opcode.SNAPSHOT_CLONE: _if_given,
+    Opcode.EXPORT: _if_given,
     Opcode.INJECT_ERROR: lambda command: command.cdw10 & 0xFF in (0, 1),  # arm, corrupt
-    Opcode.CMB_WRITE: _ALWAYS,
-    Opcode.CMB_READ: _ALWAYS,
-    Opcode.ARCHIVE: _ALWAYS,
-    Opcode.ARCHIVE_LIST: _ALWAYS,
+    Opcode.CMB_WRITE: _always,
+    Opcode.CMB_READ: _always,
+    Opcode.ARCHIVE: _always,
+    Opcode.ARCHIVE_LIST: _always,
     # The shared-step forms (a job's ranks on one namespace: emulator/shared_commands.py).
-    Opcode.BEGIN_STEP: _IF_GIVEN,
-    Opcode.COMMIT_STEP: _IF_GIVEN,
-    Opcode.ABORT_STEP: _IF_GIVEN,
+    Opcode.BEGIN_STEP: _if_given,
+    Opcode.COMMIT_STEP: _if_given,
+    Opcode.ABORT_STEP: _if_given,
     # SET_FEATURES decodes C0h's and C1h's payloads itself (emulator/features.py).
 }
 # SET_HYPERPARAMETERS: the fields a payload may change (mode is fixed at creation: refused by
@@ -182,7 +188,7 @@ class Controller:
             try:
                 takes_json = JSON_PAYLOADS.get(command.opcode)
                 if takes_json is not None and takes_json(command):
-                    command.json  # INVALID_FIELD unless well-formed; handlers parse it again
+                    _ = command.json  # INVALID_FIELD unless well-formed; handlers parse it again
                 completion = handler(command)
             except DeviceError as exc:
                 completion = Completion(command.cid, exc.status, data=exc.message.encode())

@@ -12,7 +12,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
-from ..emulator import Device, DeviceError, Status
+from ..emulator import Device
 from ..emulator.namespace.verify import VERIFY_BACKGROUND
 from ..emulator.cmb import DEFAULT_CMB_BYTES
 from ..emulator.media import libc_function

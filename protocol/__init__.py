@@ -16,10 +16,17 @@ from typing import TYPE_CHECKING
 
 from ..lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from .entries import COMPLETION, NSID_ALL, SUBMISSION, Completion, IdentifyCns, Opcode
-    from .logpages import LogId
-    from .status import STATUS_ERRNO, DeviceError, Status
+if TYPE_CHECKING:  # `X as X`: an explicit re-export, so ruff and mypy see what __all__ lists
+    from .entries import (
+        COMPLETION as COMPLETION,
+        NSID_ALL as NSID_ALL,
+        SUBMISSION as SUBMISSION,
+        Completion as Completion,
+        IdentifyCns as IdentifyCns,
+        Opcode as Opcode,
+    )
+    from .logpages import LogId as LogId
+    from .status import STATUS_ERRNO as STATUS_ERRNO, DeviceError as DeviceError, Status as Status
 
 # Where each name lives, imported on first use: `from cossd.protocol.status import ...` (the
 # command line, the mount daemon's launcher) must not import numpy through `entries`.

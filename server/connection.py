@@ -447,7 +447,7 @@ class Connection:
                     self._send_ranges(cid, views)
         else:
             views = []
-            for (opened, namespace), (tensor, role, offset, length) in zip(files, reads):
+            for (_opened, namespace), (tensor, role, offset, length) in zip(files, reads):
                 views.append(self.server.io.read(namespace, tensor, role, offset, length) if length else b"")
             self._send_ranges(cid, views)
         return Completion(cid, Status.SUCCESS, result=total & 0xFFFF_FFFF)

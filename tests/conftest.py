@@ -20,7 +20,7 @@ _TREE = Path(__file__).resolve().parents[1]
 sys.path[:] = [entry for entry in sys.path if Path(entry or os.getcwd()).resolve() != _TREE]
 
 from cossd.emulator import Device, DeviceConfig  # noqa: E402
-from cossd.fs import daemon
+from cossd.fs import daemon  # noqa: E402
 
 
 # Lines of figures (trials, failures) that torture tests report; printed at the end of the run.

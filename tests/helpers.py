@@ -6,6 +6,7 @@ import os
 import random
 import socket
 import sys
+import tomllib
 from pathlib import Path
 from typing import Iterable
 
@@ -146,3 +147,31 @@ def free_ports(count: int) -> list[int]:
 def free_port() -> int:
     """One port free on loopback now."""
     return free_ports(1)[0]
+
+
+# The repository's root: pyproject.toml and the folders it maps the package onto.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def package_tree(into: Path) -> Path:
+    """A `cossd` directory whose subpackages are links to the folders pyproject maps them
+    onto (package-dir). grimp (import-linter's graph) and mypy find a package's
+    modules by walking its directory, and cossd's own (cossd_pkg/) holds only __init__.py."""
+    setuptools = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir = setuptools["package-dir"]
+    top = into / "cossd"
+    top.mkdir()
+    for name in setuptools["packages"]:
+        folder = REPO_ROOT / package_dir[name]
+        if name == "cossd":
+            for module in folder.glob("*.py"):
+                (top / module.name).symlink_to(module)
+            continue
+        sub = name.removeprefix("cossd.")
+        if "." in sub:  # a subpackage in its parent's folder (emulator/computational): linked with it
+            parent = name.rsplit(".", 1)[0]
+            assert Path(package_dir[name]).parent == Path(package_dir[parent]), \
+                f"{name}: only a subpackage inside its parent's folder is linked with it"
+            continue
+        (top / sub).symlink_to(folder, target_is_directory=True)
+    return into

@@ -53,7 +53,7 @@ class PowerLossRecorder(media.MediaHooks):
 
     def _snapshot_everything(self) -> None:
         """At installation, whatever is on disk counts as durable."""
-        for directory, subdirs, files in os.walk(self.root):
+        for directory, _subdirs, files in os.walk(self.root):
             path = Path(directory)
             self.entries[path] = self._list(path)
             for name in files:

@@ -77,7 +77,7 @@ class Run:
             self.save()
             print(f"\ngpu-node: FAILED at '{name}': {error}\n(partial results: {self.out / 'gpu-node.json'})",
                   file=sys.stderr, flush=True)
-            raise SystemExit(1)
+            raise SystemExit(1) from error
         row.update(ok=True, seconds=round(time.monotonic() - began, 1))
         self.report["steps"][name] = row
         self.save()

@@ -167,7 +167,7 @@ class StateDict:
             master = [state_dict["cossd_master"][i] for i in order]
         # Everything is checked before anything changes: bad input leaves the run as it was.
         loads = [] if noop else self._master_loads(master)
-        for name, role, values in loads:
+        for name, _role, values in loads:
             _refuse_non_finite(values, f"master weights of {name}")
         if step > 0 and not noop:
             for entry, index in zip(self.entries, order):

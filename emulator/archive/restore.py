@@ -19,15 +19,14 @@ from .. import media
 from ..layout import Copy
 from ..namespace import Namespace, NamespaceSpec
 from ..superblock import Superblock
-
-log = logging.getLogger("cossd.emulator.archive")
-
-
 from .versions import chunk_ranges, read_manifest
 from ..snapshots.clone import write_fresh_records
 from .store import (DEFAULT_MEMORY_BYTES, MANIFEST_OBJECT, META_OBJECT, MIN_CHUNK_BYTES, STATE_OBJECT,
                             SUPERBLOCK_OBJECT, Location, Store, parse_url)
 from ..backing import SUPERBLOCK_FILE
+
+log = logging.getLogger("cossd.emulator.archive")
+
 # A fresh device is built in this directory inside the target and moved up only when whole,
 # so a restore killed midway leaves no device that looks good (the next restore clears it).
 STAGING_DIR = ".cossd-restore"

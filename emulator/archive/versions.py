@@ -33,13 +33,12 @@ from ..namespace.snapshots import META_FILE, SUPERBLOCK_FILE, Snapshot, Snapshot
 if TYPE_CHECKING:
     from ..device import Device
 
-log = logging.getLogger("cossd.emulator.archive")
-
-
 from .store import (DAEMON, DEFAULT_CHUNK_BYTES, DEFAULT_MEMORY_BYTES, LIST_KEYS, MANIFEST_CHECKSUM,  # noqa: F401
                             MANIFEST_FORMAT, MANIFEST_OBJECT, MANIFEST_VERSION, UNCHECKED_MANIFEST_VERSION, MAX_CHUNK_BYTES, MAX_MEMORY_BYTES, MAX_PARTS,
                             META_OBJECT, MIN_CHUNK_BYTES, PAYLOAD_KEYS, STATE_OBJECT, SUPERBLOCK_OBJECT,
                             Location, Store, Traffic, parse_endpoint, parse_url)
+
+log = logging.getLogger("cossd.emulator.archive")
 
 # Held while a version is added to or taken from the running set.
 _RUNNING = threading.Lock()

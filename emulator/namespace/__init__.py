@@ -19,10 +19,15 @@ from typing import TYPE_CHECKING
 
 from ...lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from ..spec import NamespaceSpec, TensorSpec
-    from .common import LOADABLE_ROLES, ROLES, CommitResult, NamespaceCounters
-    from .core import Namespace
+if TYPE_CHECKING:  # `X as X`: an explicit re-export, so ruff and mypy see what __all__ lists
+    from ..spec import NamespaceSpec as NamespaceSpec, TensorSpec as TensorSpec
+    from .common import (
+        LOADABLE_ROLES as LOADABLE_ROLES,
+        ROLES as ROLES,
+        CommitResult as CommitResult,
+        NamespaceCounters as NamespaceCounters,
+    )
+    from .core import Namespace as Namespace
 
 # Each exported name, and the module (relative to this package) that defines it.
 _EXPORTS = {

@@ -7,10 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ... import kernels
 from ...protocol.status import DeviceError, Status
 from ..accounting import modeled_command
-from ..layout import Copy, TensorLayout
 from ..media import SlotFile, StateFile
 from ..superblock import Superblock
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, get_state_dict,
-                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_optimizer_state_dict)
 
 from cossd.client import AdminClient
 from cossd.client import snapshots as snapshot_calls

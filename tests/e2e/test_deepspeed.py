@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -416,7 +415,7 @@ def test_zero_namespace_read_before_initialize_is_the_devices(cossd_adamw) -> No
     waiting = cossd_adamw("ds-early")(groups(model))
     assert waiting.committed_step == 3 and waiting.steps_skipped == 0
     with pytest.raises(RuntimeError, match=r"restored is not known yet: .*\(committed step 3\)"):
-        waiting.restored
+        _ = waiting.restored
     with pytest.raises(RuntimeError, match="only deepspeed.initialize with ZeRO stage 1 or 2 opens it"):
         waiting.master_weights()
     model(data()[0]).sum().backward()

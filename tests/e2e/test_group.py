@@ -234,7 +234,7 @@ def test_a_job_placed_by_whole_tensors_resumes_on_its_placement(mounts: list[Mou
     children = []
     for mount, indices in zip(devices, old):
         groups = []
-        for group_index, group in enumerate(job.groups_of(model)):
+        for group in job.groups_of(model):
             mine = [index for index in indices if any(params[index] is p for p in group["params"])]
             if mine:
                 options = {k: v for k, v in group.items() if k != "params"}

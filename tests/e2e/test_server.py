@@ -1043,8 +1043,7 @@ def test_param_cache_reads_equal_media_reads(tmp_path: Path) -> None:
                 return out
 
             seen = []
-            for step, kind in enumerate(["commit", "commit", "skip", "abort", "snapshot", "commit", "commit",
-                                         "rollback", "commit"], start=1):
+            for kind in ["commit", "commit", "skip", "abort", "snapshot", "commit", "commit", "rollback", "commit"]:
                 if kind in ("commit", "skip"):
                     _cache_step(client, nsid, 0, grads(bad=kind == "skip"))
                 elif kind == "abort":
@@ -1131,7 +1130,7 @@ def test_param_cache_read_rate(tmp_path: Path) -> None:
     for size in (0, 256 << 20):
         with in_process_server(tmp_path / f"rate{size}", param_cache_size=size) as server:
             with AdminClient(f"cossd://127.0.0.1:{server.address[1]}") as client:
-                nsid = client.create_namespace({"name": "r", "tensors": [["x", 16 << 20]]})
+                client.create_namespace({"name": "r", "tensors": [["x", 16 << 20]]})
                 transport = client.transport
                 grad = transport.open_file("ns/r/tensors/x/grad", True, False)
                 transport.write_at(grad, memoryview(np.full(16 << 20, 0.01, np.float16).tobytes()), 0)

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
+from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.protocol.status import Status
 from cossd.protocol.entries import COMPLETION, Opcode, decode_completion, encode_submission
 from cossd.fs import daemon

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit
+from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device, DeviceError, NamespaceSpec, TensorSpec
 from cossd.client import AdminClient
 from helpers import create_namespace, pread_all, tensor_dir

@@ -36,7 +36,7 @@ def open_write(path: Path) -> int:
 
 def test_mount_is_listed_as_fuse_cossd(mount: Mount) -> None:
     with open("/proc/self/mounts") as mounts:
-        line = next(l for l in mounts if l.split()[1] == str(mount.mountpoint.resolve()))
+        line = next(entry for entry in mounts if entry.split()[1] == str(mount.mountpoint.resolve()))
     device, _, fstype, options = line.split()[:4]
     assert fstype == "fuse.cossd" and device.startswith("cossd:")
     assert "nosuid" in options and "nodev" in options and "allow_other" not in options

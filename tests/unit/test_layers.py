@@ -8,31 +8,9 @@ import sys
 import tomllib
 from pathlib import Path
 
+from helpers import package_tree
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def package_tree(into: Path) -> Path:
-    """A `cossd` directory whose subpackages are links to the folders pyproject maps them
-    onto (package-dir). grimp, which import-linter builds its graph with, finds a package's
-    modules by walking its directory, and cossd's own (cossd_pkg/) holds only __init__.py."""
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    package_dir = setuptools["package-dir"]
-    top = into / "cossd"
-    top.mkdir()
-    for name in setuptools["packages"]:
-        folder = ROOT / package_dir[name]
-        if name == "cossd":
-            for module in folder.glob("*.py"):
-                (top / module.name).symlink_to(module)
-            continue
-        sub = name.removeprefix("cossd.")
-        if "." in sub:  # a subpackage in its parent's folder (emulator/computational): linked with it
-            parent = name.rsplit(".", 1)[0]
-            assert Path(package_dir[name]).parent == Path(package_dir[parent]), \
-                f"{name}: only a subpackage inside its parent's folder is linked with it"
-            continue
-        (top / sub).symlink_to(folder, target_is_directory=True)
-    return into
 
 
 def test_the_import_contracts_hold(tmp_path: Path) -> None:

@@ -32,12 +32,13 @@ CRITICAL_WARNING_BITS = (
 
 def si_bytes(count: int) -> str:
     """nvme-cli's SI rendering of a byte count: '512.00 kB'."""
-    value, unit = float(count), "B"
-    for unit in ("B", "kB", "MB", "GB", "TB", "PB", "EB"):
-        if value < 1000:
-            break
+    units = ("B", "kB", "MB", "GB", "TB", "PB", "EB")
+    value, index = float(count), 0
+    # Past the last unit the value grows instead (the old loop divided once more and misnamed it).
+    while value >= 1000 and index < len(units) - 1:
         value /= 1000
-    return f"{value:.2f} {unit}"
+        index += 1
+    return f"{value:.2f} {units[index]}"
 
 
 def _line(label: str, value: object) -> str:
