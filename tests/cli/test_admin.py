@@ -26,6 +26,7 @@ from cossd.emulator.layout import SUPERBLOCK_HEADER
 from cossd.protocol.logpages import LogId
 from cossd.emulator.namespace import NamespaceCounters
 from cossd.protocol.entries import NSID_ALL, Opcode
+from cossd.protocol.computational import CpAdminOpcode
 from cossd.tools.cli import main
 from cossd.client import AdminClient, mounted_devices
 from helpers import create_namespace, run_cli, tensor_dir
@@ -268,7 +269,8 @@ def test_every_log_id_answers_and_the_error_log_keeps_the_latest_64(mount: Mount
 
         effects = np.frombuffer(admin.get_log_page(LogId.COMMANDS_SUPPORTED_AND_EFFECTS), dtype="<u4")
         assert effects.size == 1024
-        supported_opcodes = {int(op) for op in Opcode}
+        # The vendor opcodes and the Computational Programs admin commands (85h, 88h, 89h).
+        supported_opcodes = {int(op) for op in Opcode} | {int(op) for op in CpAdminOpcode}
         assert {op for op in range(256) if effects[op] & logpages.CSUPP} == supported_opcodes
         assert not effects[256:].any()  # no I/O command set: data moves through the tensor files
         assert effects[Opcode.CREATE_NAMESPACE] & logpages.NIC and effects[Opcode.COMMIT_STEP] & logpages.LBCC
