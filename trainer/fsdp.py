@@ -1,7 +1,7 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard) params in a sharded optimizer: each rank's element ranges of the global tensors, its local gradients out, its masters in, its params back in place."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -97,20 +97,36 @@ def local_pieces(entries: list[Entry], ranks: Ranks) -> list[Piece]:
     return pieces
 
 
-def _local(entry: Entry) -> torch.Tensor:
-    return entry.param.to_local()
+# Where a piece's local elements are: `param(piece)` the tensor holding them (any shape, its
+# elements in order are the piece's), `grad(piece)` the same of the gradient. By default each
+# piece is a whole local shard of its entry's DTensor; a group of devices (group.py) gives a
+# device's pieces the part of the local shard that falls on that device instead.
+Views = tuple[Callable[[Piece], torch.Tensor], Callable[[Piece], "torch.Tensor | None"]]
 
 
-def local_grads(entries: list[Entry], pieces: list[Piece], dtype: torch.dtype) -> list[tuple[str, int, torch.Tensor]]:
+def shard_views(entries: list[Entry]) -> Views:
+    """Each piece is its entry's local shard, whole (the optimizer on one device)."""
+    def param(piece: Piece) -> torch.Tensor:
+        return entries[piece.index].param.to_local()
+
+    def grad(piece: Piece) -> torch.Tensor | None:
+        grad = entries[piece.index].param.grad
+        return grad.to_local() if is_dtensor(grad) else grad
+
+    return param, grad
+
+
+def local_grads(entries: list[Entry], pieces: list[Piece], dtype: torch.dtype,
+                views: Views | None = None) -> list[tuple[str, int, torch.Tensor]]:
     """This rank's gradient pieces: each param's local gradient shard, which FSDP2's
     reduce-scatter already averaged over the ranks (nothing more is averaged here), in the
     wire dtype on the host."""
+    _, grad_of = views or shard_views(entries)
     out = []
     for piece in pieces:
         entry = entries[piece.index]
-        grad = entry.param.grad
-        assert grad is not None  # step() refused a step with missing gradients
-        local = grad.to_local() if is_dtensor(grad) else grad
+        local = grad_of(piece)
+        assert local is not None  # step() refused a step with missing gradients
         flat = local.detach().reshape(-1)
         if flat.numel() != piece.numel:
             raise RuntimeError(f"param {entry.name}: a local gradient of {flat.numel()} elements, its "
@@ -119,20 +135,24 @@ def local_grads(entries: list[Entry], pieces: list[Piece], dtype: torch.dtype) -
     return out
 
 
-def local_masters(entries: list[Entry], pieces: list[Piece]) -> list[tuple[str, int, torch.Tensor]]:
+def local_masters(entries: list[Entry], pieces: list[Piece],
+                  views: Views | None = None) -> list[tuple[str, int, torch.Tensor]]:
     """This rank's rows of the FP32 master weights to load: its local shards of the params."""
-    return [(piece.name, piece.start, _local(entries[piece.index]).detach().reshape(-1).to("cpu", torch.float32))
+    param_of, _ = views or shard_views(entries)
+    return [(piece.name, piece.start, param_of(piece).detach().reshape(-1).to("cpu", torch.float32))
             for piece in pieces]
 
 
-def read_local_params(files: Any, entries: list[Entry], pieces: list[Piece], dtype: torch.dtype) -> None:
+def read_local_params(files: Any, entries: list[Entry], pieces: list[Piece], dtype: torch.dtype,
+                      views: Views | None = None) -> None:
     """The committed params of this rank's rows, straight into each param's local shard
     (in place, where its dtype is what the device holds; an FP32 shard gets the FP32 master
     itself, as a one-process optimizer's FP32 params do)."""
+    param_of, _ = views or shard_views(entries)
     reads, staged = [], []
     any_device = files.cmb() is not None
     for piece in pieces:
-        local = _local(entries[piece.index]).detach()
+        local = param_of(piece).detach()
         role, wanted = ("master", torch.float32) if local.dtype == torch.float32 else ("param", dtype)
         if (any_device or local.device.type == "cpu") and local.dtype == wanted and local.is_contiguous():
             reads.append((piece.name, role, piece.start, local.view(-1)))

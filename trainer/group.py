@@ -140,6 +140,7 @@ class DeviceGroup:
     files: Any
     _group: list[Any] | None
     _group_ranks: Ranks | None
+    _group_fsdp: bool  # FSDP2 holds the params: each child reaches this rank's rows through views
     _average: bool | None
     _child_groups: list[list[int]]  # per child: the parent group index of each of its groups
     # Per parent entry index: the (child, the child's entry) holding its pieces, in element order.
@@ -158,8 +159,11 @@ class DeviceGroup:
         self._group_ranks = group_ranks
         self.files = _GroupFiles(namespace, mounts)
         self._pieces = []
-        if fsdp.uses_fsdp(self.entries):
-            raise self._group_refusal("FSDP2's DTensor params")
+        # FSDP2: this rank's rows of each global tensor (ValueError for what FSDP2 layouts
+        # fsdp.local_pieces refuses, HSDP's 2-D mesh among them), the same on every rank.
+        self._group_fsdp = fsdp.uses_fsdp(self.entries)
+        rows = {piece.index: piece for piece in fsdp.local_pieces(self.entries, group_ranks)} \
+            if self._group_fsdp else {}
         layouts = self._look_at_devices(mounts, namespace)
         tensors = [(entry.name, entry.numel) for entry in self.entries]
         if all(layout is not None for layout in layouts):
@@ -177,7 +181,10 @@ class DeviceGroup:
                 for piece in shard:
                     entry = self.entries[piece.index]
                     whole = piece.start == 0 and piece.stop == entry.numel
-                    tensor = entry.param if whole else self._piece_tensor(entry, piece)
+                    if self._group_fsdp:
+                        tensor = self._fsdp_stand_in(entry, piece)
+                    else:
+                        tensor = entry.param if whole else self._piece_tensor(entry, piece)
                     by_group.setdefault(entry.group, []).append((tensor, entry.name))
                 groups, parents = [], []
                 for index, params in sorted(by_group.items()):
@@ -186,7 +193,8 @@ class DeviceGroup:
                     groups.append(options | {"params": [tensor for tensor, _ in params],
                                              "param_names": [name for _, name in params]})
                     parents.append(index)
-                child = make_child(groups, mount, group_ranks)
+                preset = self._fsdp_preset(shard, rows) if self._group_fsdp else None
+                child = make_child(groups, mount, group_ranks, preset)
                 children.append(child)
                 self._child_groups.append(parents)
                 for piece, theirs in zip(shard, child.entries):
@@ -204,6 +212,48 @@ class DeviceGroup:
             raise
         self.restored = all(child.restored for child in children)
         self.steps_skipped = sum(child.steps_skipped for child in children)
+
+    @staticmethod
+    def _fsdp_stand_in(entry: Entry, piece: Piece) -> torch.Tensor:
+        """Under FSDP2 a device's child holds no elements of its pieces itself (each rank's
+        rows are in its local shards, reached through the child's views): its param for a
+        piece only gives the piece's size, an expanded one-element tensor (no memory)."""
+        local = entry.param.to_local()
+        return torch.zeros(1, dtype=local.dtype, device=local.device).expand(piece.numel)
+
+    def _fsdp_preset(self, shard: list[Piece], rows: dict[int, Piece]) -> dict[str, Any]:
+        """A device's child under FSDP2: this rank's rows of each of the device's pieces (the
+        part of its local shard that falls in the piece, in the piece's own elements), and
+        views of those elements in the local shards of the params and their gradients."""
+        mine: list[Piece] = []
+        where: dict[int, tuple[Entry, int]] = {}  # child entry -> (the param's entry, local offset of its start)
+        for position, piece in enumerate(shard):
+            local = rows.get(piece.index)
+            if local is None:
+                continue  # this rank holds no rows of this tensor (more ranks than rows)
+            low, high = max(piece.start, local.start), min(piece.stop, local.stop)
+            if low < high:
+                mine.append(Piece(position, piece.name, low - piece.start, high - piece.start))
+                where[position] = (self.entries[piece.index], piece.start - local.start)
+
+        def flat(tensor: torch.Tensor, name: str) -> torch.Tensor:
+            if not tensor.is_contiguous():
+                raise ValueError(f"param {name}: its FSDP2 local shard is not contiguous")
+            return tensor.view(-1)
+
+        def param(row: Piece) -> torch.Tensor:
+            entry, offset = where[row.index]
+            return flat(entry.param.to_local(), entry.name)[offset + row.start : offset + row.stop]
+
+        def grad(row: Piece) -> torch.Tensor | None:
+            entry, offset = where[row.index]
+            local = entry.param.grad
+            if local is None:
+                return None
+            local = local.to_local() if fsdp.is_dtensor(local) else local
+            return flat(local, entry.name)[offset + row.start : offset + row.stop]
+
+        return {"_fsdp_rows": mine, "_fsdp_views": (param, grad)}
 
     def _piece_tensor(self, entry: Entry, piece: Piece) -> torch.Tensor:
         """The child's param for elements piece.start..stop-1 of `entry`'s param: a 1-D view of
@@ -366,7 +416,7 @@ class DeviceGroup:
         started = clock()
         self._sync_group_options()
         step = self.committed_step + 1
-        if ranks.world > 1 and self._average is None:
+        if ranks.world > 1 and self._average is None and not self._group_fsdp:
             # Decided once over the whole params (a piece of a split tensor is no param of the
             # DDP module), then the same for every child.
             average = self._averaging()  # type: ignore[attr-defined]
@@ -467,6 +517,8 @@ class DeviceGroup:
         every device or the new one on every device); every rank then reads the params."""
         children, ranks = self._group, self._group_ranks
         assert children is not None and ranks is not None
+        if self._group_fsdp:
+            raise self._group_refusal("load_state_dict of another state under FSDP2")
         self._sync_group_options()  # the loaded groups' options go into each device's namespace
         entries = {entry.name: entry for entry in self.entries}
         position = {id(child): index for index, child in enumerate(children)}

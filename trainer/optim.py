@@ -318,10 +318,13 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
                              dtype=torch.bfloat16, **self._state_options, **self._torch_options)
         return child
 
-    def _make_group_child(self, groups: list[dict[str, Any]], mount: str, ranks: Ranks) -> _DeviceAdam:
+    def _make_group_child(self, groups: list[dict[str, Any]], mount: str, ranks: Ranks,
+                          preset: dict[str, Any] | None = None) -> _DeviceAdam:
         """The optimizer of one device of a group (DeviceGroup): the groups' params on it, a
-        shared step of the job's ranks on its namespace of the group's name."""
+        shared step of the job's ranks on its namespace of the group's name. `preset`: its
+        attributes set before it opens (FSDP2's rows and views, group.py)."""
         child = type(self).__new__(type(self))
+        child.__dict__.update(preset or {})
         # One process: no all-reduce to average with (there is nothing to average).
         average = False if ranks.world == 1 else self._average
         _DeviceAdam.__init__(child, groups, mount=mount, namespace=self.files.name, dtype=self.dtype,

@@ -55,6 +55,10 @@ class ShardedSession:
     _param_gather: str = "device"
     _shards: list[list[Piece]] | None = None
     _fsdp: bool = False
+    # A group's device under FSDP2 (group.py): this rank's rows of the device's pieces, and
+    # where their local elements are (fsdp.Views), given before opening; None elsewhere.
+    _fsdp_rows: list[Piece] | None = None
+    _fsdp_views: fsdp.Views | None = None
     # The bytes this rank's last read of the params moved: from the device, and through the
     # all-gather (sent, received); for the bench.
     last_param_bytes: dict[str, int] | None = None
@@ -72,8 +76,11 @@ class ShardedSession:
             # FSDP2's params (DTensors): the namespace holds the global tensors (their names and
             # sizes are the layout), each rank's part is its own rows; an unsupported placement
             # fails here, on this rank with its reason and on the others with this rank's.
-            on_fsdp = fsdp.uses_fsdp(self.entries)
-            rows = fsdp.local_pieces(self.entries, ranks) if on_fsdp else []
+            if self._fsdp_rows is not None:
+                on_fsdp, rows = True, self._fsdp_rows
+            else:
+                on_fsdp = fsdp.uses_fsdp(self.entries)
+                rows = fsdp.local_pieces(self.entries, ranks) if on_fsdp else []
         except ValueError as exc:
             self._fail_together(exc)
             raise
@@ -151,7 +158,7 @@ class ShardedSession:
             try:
                 if rows:
                     # The device rounds each master to the wire dtype's param as it is written.
-                    self.files.write_pieces(fsdp.local_masters(self.entries, rows), role="master")
+                    self.files.write_pieces(fsdp.local_masters(self.entries, rows, self._fsdp_views), role="master")
             except BaseException as exc:
                 outcome["error"] = f"{type(exc).__name__}: {exc}"
             # A barrier that carries each rank's failure: a rank whose masters did not go in
@@ -255,7 +262,7 @@ class ShardedSession:
         assert ranks is not None
         if self._fsdp:
             # FSDP2's reduce-scatter left each rank its rows of the averaged gradients.
-            return fsdp.local_grads(self.entries, self._shard, self.dtype)
+            return fsdp.local_grads(self.entries, self._shard, self.dtype, self._fsdp_views)
         full = [entry.param.grad for entry in self.entries]
         if self._averaging():
             full = distributed.average(full, ranks)  # type: ignore[arg-type]
@@ -296,7 +303,7 @@ class ShardedSession:
         param_gather="device", or before the shards are planned) every param from the
         device (session.DeviceSession)."""
         if self._fsdp:
-            fsdp.read_local_params(self.files, self.entries, self._shard, self.dtype)
+            fsdp.read_local_params(self.files, self.entries, self._shard, self.dtype, self._fsdp_views)
             return
         if self._ranks is None:
             fsdp.refuse_one_rank(self.entries)  # an attach at one rank reads before any load

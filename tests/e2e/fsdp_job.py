@@ -99,7 +99,7 @@ def main() -> int:
 
         NamespaceFiles.write_pieces = failing  # type: ignore[method-assign]
     try:
-        optimizer = AdamW(groups_of(model), lr=BASE_LR, betas=(0.9, 0.95), mount=config["mount"],
+        optimizer = AdamW(groups_of(model), lr=BASE_LR, betas=(0.9, 0.95), mount=config.get("mounts") or config["mount"],
                           namespace=config["namespace"], max_grad_norm=config.get("clip"),
                           use_cmb=config.get("use_cmb", True), step_timeout_s=60.0,
                           param_gather=config.get("param_gather", "device"))
@@ -141,7 +141,10 @@ def main() -> int:
     result = {"committed_step": optimizer.committed_step, "steps_skipped": optimizer.steps_skipped,
               "first": first, "restored": optimizer.restored, "norms": norms,
               "shard": [(piece.name, piece.start, piece.stop) for piece in optimizer._shard],
-              "cmb": optimizer.files.cmb() is not None,
+              # Over several devices (mounts=[...]): each device's rows of this rank, in its pieces.
+              "devices": [[(child.entries[piece.index].name, child.entries[piece.index].numel, piece.start, piece.stop)
+                           for piece in child._shard] for child in optimizer._group or []],
+              "cmb": all(child.files.cmb() is not None for child in optimizer._group or [optimizer]),
               "warnings": [str(w.message) for w in caught]}
     torch.save({"grads": grads_seen, "params": final, "local": local,
                 "masters": optimizer.master_weights() if rank == 0 else None, "result": result},

@@ -120,6 +120,50 @@ def test_fsdp2_run_equals_single_process_bit_for_bit(mount: Mount, tmp_path: Pat
             assert bits_equal([local.reshape(-1)], [params[index].reshape(-1)[start:stop]]), (rank, name)
 
 
+@pytest.fixture(scope="module")
+def more_devices(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Mount]]:
+    """Two more devices, for jobs over three (each its own daemon and backing)."""
+    root = tmp_path_factory.mktemp("fsdp2-devices")
+    with mounted_device(root / "b", "FSDP2TEST0002") as second, mounted_device(root / "c", "FSDP2TEST0003") as third:
+        yield [second, third]
+
+
+@pytest.mark.parametrize("world,devices,dtype", [(2, 2, "mixed"), (3, 3, "bf16"), (1, 2, "mixed")])
+def test_fsdp2_over_several_devices_equals_one_device_bit_for_bit(mount: Mount, more_devices: list[Mount],
+                                                                 tmp_path: Path, world: int, devices: int,
+                                                                 dtype: str) -> None:
+    """FSDP2 at 1, 2 and 3 ranks over 2 and 3 devices (mount=[...]), fc1.weight split across
+    devices 0 and 1 by the placement rule: each rank sends, for each device, the part of its
+    local shard that falls there (at 2 ranks device 0's piece of fc1.weight holds rows of
+    both ranks) and reads those rows back; 8 steps equal single-process cossd on one device,
+    params and masters bit for bit."""
+    steps, namespace = 8, f"fsdp-group{world}x{devices}{dtype}"
+    mounts = [str(device.mountpoint) for device in [mount, *more_devices][:devices]]
+    out = tmp_path / "job"
+    ranks = finished(out, world, run_job(mount, out, namespace, world, steps, dtype=dtype, mounts=mounts))
+    assert all(r["result"]["committed_step"] == steps and r["result"]["steps_skipped"] == 0 for r in ranks)
+    assert not any("averages the gradients" in w for r in ranks for w in r["result"]["warnings"])
+    # Every element of every device's pieces comes from exactly one rank.
+    for device in range(devices):
+        sizes: dict[str, int] = {}
+        covered: dict[str, list[tuple[int, int]]] = {}
+        for r in ranks:
+            for name, numel, start, stop in r["result"]["devices"][device]:
+                sizes[name] = numel
+                covered.setdefault(name, []).append((start, stop))
+        for name, spans in covered.items():
+            spans.sort()
+            assert spans[0][0] == 0 and spans[-1][1] == sizes[name], (device, name, spans)
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (device, name, spans)
+    if world == 2:
+        assert [name for name, _, _, _ in ranks[0]["result"]["devices"][0]] == ["fc1.weight"]
+        assert [name for name, _, _, _ in ranks[1]["result"]["devices"][0]] == ["fc1.weight"]
+    params, masters, _ = single_process(mount, f"{namespace}-ref", ranks[0]["grads"], steps, dtype)
+    for r in ranks:
+        assert bits_equal(r["params"], params)
+    assert bits_equal(ranks[0]["masters"], masters)
+
+
 def test_fsdp2_resumes_at_another_world_size_and_in_one_process(mount: Mount, tmp_path: Path) -> None:
     """An FSDP2 job saved at 2 ranks resumes at 3 (each rank loading nothing, reading only
     its rows), then in one process without torch.distributed: the same namespace of global
