@@ -77,7 +77,7 @@ class ComputationalClient:
                                cdw11=CSI_COMPUTE << IDENTIFY_CSI_SHIFT).data
         fields = np.frombuffer(page, dtype=CP_IDENTIFY_NAMESPACE, count=1)[0]
         table = np.frombuffer(page, dtype=PROGRAM_DESCRIPTOR, count=1, offset=PROGRAM_TABLE_AT)
-        return {"fields": {name: int(fields[name]) for name in CP_IDENTIFY_NAMESPACE.names if name != "reserved7"},
+        return {"fields": {name: int(fields[name]) for name in CP_IDENTIFY_NAMESPACE.names or () if name != "reserved7"},
                 "programs": [{"index": index, "occupied": int(row["flags"]) & 0x3,
                               "activated": bool(int(row["flags"]) >> 2 & 1), "type": int(row["ptype"]),
                               "pid": int(row["pid"])} for index, row in enumerate(table)]}
@@ -98,7 +98,7 @@ class ComputationalClient:
     # ------------------------------------------------------------------ Execute Program
 
     def execute(self, nsid: int, *, ranges: list[Range] | None = None, range_set: int = 0, step: int = 0,
-                grad_scale: float | None = None, hyperparameters: dict[str, float] | None = None,
+                grad_scale: float | None = None, hyperparameters: dict[str, Any] | None = None,
                 index: int = ADAMW_PROGRAM_INDEX) -> ExecuteResult:
         """Execute Program `index` over inline `ranges` or the range set `range_set`;
         `hyperparameters` (lr, beta1, beta2, eps, weight_decay, and optionally group) go

@@ -98,7 +98,7 @@ def mount_type_at(path: os.PathLike[str], mountinfo: str | os.PathLike[str] = "/
     return found
 
 
-def _resolved(path: os.PathLike[str]) -> str:
+def _resolved(path: str | os.PathLike[str]) -> str:
     """`path` as mountinfo names it: absolute, its parent's links resolved, never the path
     itself (a stat of a hung FUSE mount would hang)."""
     given = os.path.abspath(path)

@@ -288,11 +288,12 @@ class RemoteTransport:
         with self._lock:
             return self._command(submission, memoryview(submission)[SUBMISSION.itemsize :])
 
-    def _fabrics(self, fctype: int, capsule_data: bytes = b"", *, cdw10: int = 0,
-                 bulk: Sequence[memoryview] = (), into: Sequence[memoryview] = (), **fields: int) -> Completion:
+    def _fabrics(self, fctype: int, capsule_data: bytes = b"", *, cdw10: int = 0, cdw11: int = 0, cdw12: int = 0,
+                 cdw14: int = 0, cdw15: int = 0,
+                 bulk: Sequence[memoryview] = (), into: Sequence[memoryview] = ()) -> Completion:
         with self._lock:
             submission = encode_submission(wire.FABRICS_OPCODE, cid=self._next_cid(), nsid=fctype, cdw10=cdw10,
-                                           **fields)
+                                           cdw11=cdw11, cdw12=cdw12, cdw14=cdw14, cdw15=cdw15)
             return self._command(submission, capsule_data, bulk, into)
 
     @staticmethod

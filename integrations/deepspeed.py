@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ _STAGE3_MODULES = ("deepspeed.runtime.zero.stage3", "deepspeed.runtime.superoffl
 def calling_wrapper(optimizer: torch.optim.Optimizer) -> Any | None:
     """The DeepSpeed object whose method is calling into `optimizer` (a wrapper holds it as
     `.optimizer`), found on the stack; None where DeepSpeed is not the caller."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if (candidate is not None and candidate is not optimizer
@@ -128,7 +129,7 @@ _CHECKPOINT_METHODS = ("_save_zero_checkpoint", "_load_zero_checkpoint")
 def checkpoint_tag() -> str | None:
     """The tag of the DeepSpeed checkpoint being saved or loaded, where DeepSpeedEngine's
     save_checkpoint or load_checkpoint is the caller (found on the stack); else None."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if (frame.f_code.co_name in _CHECKPOINT_METHODS and candidate is not None

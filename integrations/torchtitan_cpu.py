@@ -83,7 +83,7 @@ def use_cpu() -> None:
     import torchtitan.tools.utils as titan_utils
 
     titan_utils.device_type = "cpu"
-    titan_utils.device_module = CpuDeviceModule  # type: ignore[assignment]
+    titan_utils.device_module = CpuDeviceModule
 
 
 def add_set_timeout() -> None:
@@ -118,7 +118,7 @@ def for_cpu(config: Any) -> Any:
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
     for _, _, parent, attr in list(config.model_spec.model.traverse(FlexAttention.Config)):
-        setattr(parent, attr, ScaledDotProductAttention.Config())  # type: ignore[index]
+        setattr(parent, attr, ScaledDotProductAttention.Config())
     config.parallelism.spmd_backend = "partial_dtensor"
     config.training.disable_cuda_graphs = True
     config.model_spec.parallelize_fn = _summing_reductions(config.model_spec.parallelize_fn)

@@ -157,7 +157,7 @@ def adam_step_q_crcs(
     adam_step_q(grad, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out, param_out,
                 exp_avg_scale_in=exp_avg_scale_in, exp_avg_sq_scale_in=exp_avg_sq_scale_in,
                 exp_avg_scale_out=exp_avg_scale_out, exp_avg_sq_scale_out=exp_avg_sq_scale_out,
-                grad_format=grad_format, param_format=param_format, state_format=sfmt, scalars=scalars)
+                grad_format=grad_format, param_format=param_format, state_format=StateFormat(sfmt), scalars=scalars)
     if param_copy is not None:
         copy = np.asarray(param_copy)
         if copy.size != np.asarray(param_out).size or copy.dtype.itemsize != 2:

@@ -108,8 +108,9 @@ def _half_dtypes(fmt: int) -> tuple[np.dtype, ...]:
 
 def _state_dtypes(fmt: int) -> tuple[np.dtype, ...]:
     """The dtypes a moment buffer of format fmt may have (FP16 codes: raw bits or float16)."""
-    return {StateFormat.FP32: (_F32,), StateFormat.BF16: (_U16,), StateFormat.FP16: (_U16, _F16),
-            StateFormat.INT8: (_U8,)}[StateFormat(fmt)]
+    accepted: dict[StateFormat, tuple[np.dtype, ...]] = {
+        StateFormat.FP32: (_F32,), StateFormat.BF16: (_U16,), StateFormat.FP16: (_U16, _F16), StateFormat.INT8: (_U8,)}
+    return accepted[StateFormat(fmt)]
 
 
 _HALF_CTYPE = "uint16_t[]"

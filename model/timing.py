@@ -144,7 +144,8 @@ class TimingModel:
                   self.compute_ns(traffic.elements)]
         chunks = self.chunks(traffic)
         fixed = self.fixed_ns(traffic, host_command=host_command)
-        return Timing(*stages, fixed, chunks, fixed + pipeline_ns(stages, chunks))
+        host_in, host_out, media, compute = stages
+        return Timing(host_in, host_out, media, compute, fixed, chunks, fixed + pipeline_ns(stages, chunks))
 
 
 def step_traffic(elements: int, *, grad_bytes: int = 2, param_bytes: int = 2,

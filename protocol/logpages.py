@@ -43,6 +43,7 @@ SMART_LOG = np.dtype(
     ]
 )
 assert SMART_LOG.itemsize == 512, SMART_LOG.itemsize
+assert SMART_LOG.fields is not None
 assert SMART_LOG.fields["data_units_read"][1] == 32, "data units read at byte 32"
 assert SMART_LOG.fields["warning_temp_time"][1] == 192, "warning temperature time at byte 192"
 assert SMART_LOG.fields["temperature_sensor"][1] == 200, "temperature sensors at byte 200"
