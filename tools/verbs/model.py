@@ -79,7 +79,7 @@ def _gb(nbytes: float) -> str:
 
 
 def _profiles_text(profiles: list[dict[str, Any]]) -> str:
-    rows = [("profile", "link GB/s", "NAND ch x GB/s", "tR us", "tPROG us", "media r/w GB/s",
+    rows: list[tuple[str, ...]] = [("profile", "link GB/s", "NAND ch x GB/s", "tR us", "tPROG us", "media r/w GB/s",
              "DRAM GiB", "updater", "Adam G el/s")]
     for p in profiles:
         derived = p["derived"]
@@ -112,7 +112,7 @@ def _prediction_text(value: dict[str, Any]) -> str:
         f"device: {setup['drives']} x {value['profile']['name']} ({value['profile']['summary']}){uplink}",
         "",
     ]
-    rows = [("scheme", "link B/param", "link GB/step", "media read GB", "media write GB",
+    rows: list[tuple[str, ...]] = [("scheme", "link B/param", "link GB/step", "media read GB", "media write GB",
              "I/O s/step", "step s", "x compute", "bottleneck")]
     for scheme in value["schemes"].values():
         slowdown = scheme["slowdown"]
@@ -143,7 +143,7 @@ def _prediction_text(value: dict[str, Any]) -> str:
 
 
 def _links_text(links: list[dict[str, Any]]) -> str:
-    rows = [("link", "GB/s per direction", "latency us", "per message ns", "per message B")]
+    rows: list[tuple[str, ...]] = [("link", "GB/s per direction", "latency us", "per message ns", "per message B")]
     rows += [(link["name"], f"{link['bytes_per_s'] / 1e9:.3f}", f"{link['latency_ns'] / 1000:g}",
               f"{link['message_ns']}", f"{link['message_bytes']}") for link in links]
     lines = _table(rows) + [f"  {link['name']}: {link['summary']}" for link in links]
@@ -163,7 +163,7 @@ def _topology_text(value: dict[str, Any]) -> str:
          f"param {setup['param_dtype']}, moments {setup['state_dtype']} (master fp32); {reads}"),
         "",
     ]
-    rows = [("resource", "count", "busy s/step (each)", "GB/step (each)")]
+    rows: list[tuple[str, ...]] = [("resource", "count", "busy s/step (each)", "GB/step (each)")]
     for name, resource in value["resources"].items():
         moved = "-" if "elements" in resource else _gb(resource["bytes"])
         rows.append((name, str(resource["count"]), f"{resource['busy_s']:.4f}", moved))

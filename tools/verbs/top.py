@@ -114,7 +114,7 @@ def render(view: dict[str, Any], iterations: int | None) -> str:
     lines = [title, health, load, ""]
     header = ("NAMESPACE", "STEP", "DURABLE", "OPEN", "STEPS/S", "SKIPPED", "SKIP/S", "GRAD IN",
               "PARAM OUT", "KERNEL%")
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for name, entry in view["namespaces"].items():
         step = str(entry["committed_step"]) + (" L" if entry["loading"] else "")
         rows.append((
