@@ -1,4 +1,4 @@
-"""C2g: simulated power loss across 2 and 3 devices stepped as one group commit; recovery by common_step + revert_step lands every device on one step, bit-identical to an uninterrupted run."""
+"""C2g: simulated power loss across 2 and 3 devices stepped as one group commit (whole tensors, or one split across two devices); recovery by common_step + revert_step lands every device on one step, bit-identical to an uninterrupted run."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,11 +32,20 @@ class Protocol:
                                      # before the others have committed N: the violation
     poison: bool = True              # some steps poisoned on one device (or all)
     many_tensors: bool = False       # the last device holds enough tensors for a 2-sector superblock
+    split: bool = False              # one tensor split across devices 0 and 1, as the placement rule cuts it
+
+
+# The split tensor: SPLIT_ELEMS elements, device 0 holding its first block, device 1 the rest
+# (trainer/group.py's placement rule cuts at a block boundary), each under the tensor's name.
+SPLIT_NAME, SPLIT_ELEMS = "w", BLOCK_ELEMS + 1000
 
 
 def tensors_of(device: int, protocol: Protocol, count: int) -> tuple[TensorSpec, ...]:
     """Each device holds part of the model: device 0 a tensor of two kernel blocks (one
     partial), the others small ones, to keep each crash image cheap to build."""
+    if protocol.split and device < 2:
+        piece = BLOCK_ELEMS if device == 0 else SPLIT_ELEMS - BLOCK_ELEMS
+        return (TensorSpec(SPLIT_NAME, piece), TensorSpec(f"b{device}", 7))
     if protocol.many_tensors and device == count - 1:
         # 130 one-block tensors: 128 header bytes + 4 per block checksum > one 512-byte sector.
         return tuple(TensorSpec(f"n{device}_{index}", 5 + index % 3) for index in range(130))
@@ -69,8 +78,13 @@ def poisoned(iteration: int, count: int, protocol: Protocol) -> set[int]:
 
 def write_grads(ns: Namespace, device: int, iteration: int, poison: bool) -> None:
     rng = np.random.default_rng(10_000 * device + iteration)
+    # A split tensor's gradient is one tensor's, of which each device gets its elements.
+    whole = (np.random.default_rng(iteration).standard_normal(SPLIT_ELEMS) * 0.01).astype(np.float16)
     for index, tensor in enumerate(ns.layouts):
         values = (rng.standard_normal(tensor.numel) * 0.01).astype(np.float16)
+        if tensor.name == SPLIT_NAME:
+            start = 0 if device == 0 else BLOCK_ELEMS
+            values = whole[start : start + tensor.numel].copy()
         if poison and index == 0:
             values[tensor.numel // 2] = np.inf
         ns.write_grad(tensor.name, 0, values.tobytes())
@@ -235,7 +249,8 @@ class GroupPowerLossTrial:
         with self._opened(root) as devices:
             namespaces = []
             # The reference keeps to the protocol even where the trial under test breaks it.
-            proper = Protocol(poison=self.protocol.poison, many_tensors=self.protocol.many_tensors)
+            proper = Protocol(poison=self.protocol.poison, many_tensors=self.protocol.many_tensors,
+                              split=self.protocol.split)
             for device, dev in enumerate(devices):
                 ns = dev.create_namespace(spec(device, proper, self.count))
                 load(ns, device)
@@ -416,6 +431,29 @@ def test_group_power_loss_at_every_sync_point_short(scratch: Path, figures: list
                           write_probability=0.0, seed=1, sample=True)
     report(outcomes, figures)
     assert sum(o.states for o in outcomes.values()) >= 200
+    assert all(o.failed == 0 for o in outcomes.values()), [o.failures[:3] for o in outcomes.values()]
+
+
+def test_group_power_loss_over_a_split_tensor_short(scratch: Path, figures: list[str]) -> None:
+    """As the short run, with one tensor split across devices 0 and 1 (its first block on
+    device 0, the rest on device 1, each device's piece under the tensor's name, its
+    gradient one tensor's cut in two): every cut recovers the group to one promised step
+    with every device's bytes, the pieces of the split tensor included, as the reference's."""
+    outcomes = run_trials(scratch, counts=(2, 3), iterations=3, protocol=Protocol(split=True),
+                          group_variants=("drop", "tear"), single_variants=("drop", "tear"),
+                          write_probability=0.0, seed=7, sample=True)
+    report(outcomes, figures, "a tensor split across devices 0 and 1")
+    assert sum(o.states for o in outcomes.values()) >= 200
+    assert all(o.failed == 0 for o in outcomes.values()), [o.failures[:3] for o in outcomes.values()]
+
+
+@pytest.mark.slow
+def test_group_power_loss_over_a_split_tensor_torture(scratch: Path, figures: list[str]) -> None:
+    """Every cut at every sync point and at 5% of the writes, 5 group steps, a split tensor."""
+    outcomes = run_trials(scratch, counts=(2, 3), iterations=5, protocol=Protocol(split=True),
+                          group_variants=("drop", "keep", "tear"), single_variants=("drop", "tear"),
+                          write_probability=0.05, seed=8)
+    report(outcomes, figures, "torture, a split tensor")
     assert all(o.failed == 0 for o in outcomes.values()), [o.failures[:3] for o in outcomes.values()]
 
 
