@@ -442,6 +442,14 @@ class NamespaceFiles:
         for tensor, role, values in items:
             if role == "grad":
                 self.check_grad(tensor, values)
+        if any(role in ("exp_avg", "exp_avg_sq") for _, role, _ in items) \
+                and self.config().get("state_dtype") in ("fp16", "int8"):
+            # Block-scaled moments load only in whole 256-element blocks, and the CMB may cut
+            # a tensor anywhere: each moment goes whole through its file (a one-off load).
+            moments = [item for item in items if item[1] in ("exp_avg", "exp_avg_sq")]
+            rest = [item for item in items if item[1] not in ("exp_avg", "exp_avg_sq")]
+            written = sum(self.write(tensor, role, values) for tensor, role, values in moments)
+            return written + (self.write_many(rest) if rest else 0)
         cmb = self.cmb()
         if cmb is None:
             many = getattr(self.transport, "write_many", None)  # a storage server's WRITE

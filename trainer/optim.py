@@ -16,7 +16,7 @@ from . import distributed, fsdp, namespace_swap
 from ..client import Credentials
 from .distributed import Ranks
 from .namespace_files import WIRE_DTYPES, NamespaceFiles
-from .plan import HYPER_FIELDS, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
+from .plan import HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
 from .session import DeviceSession
@@ -110,8 +110,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self._job = 0
         self._seq = 0
         self._shard = []
-        if state_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"state_dtype must be 'fp32' or 'bf16', got {state_dtype!r}")
+        # fp16 and int8: block-scaled moments on the device (docs/trainer.md#state_dtype).
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {state_dtype!r}")
         self._mode = "adamw" if defaults.get("decoupled_weight_decay") else "adam"
         self._initialized = False
         super().__init__(params, defaults)

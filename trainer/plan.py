@@ -14,6 +14,9 @@ from .namespace_files import WIRE_DTYPES
 # only at their default value.
 UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 HYPER_FIELDS = GROUP_FIELDS
+# The moments' formats a namespace can keep (emulator/spec.py STATE_FORMATS): fp16 and int8
+# are block-scaled, and read and load as FP32 (docs/media-format.md).
+STATE_DTYPES = ("fp32", "bf16", "fp16", "int8")
 TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
 

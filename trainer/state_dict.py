@@ -56,8 +56,7 @@ class StateDict:
     def _read_state(self, entry: Entry, role: str) -> torch.Tensor:
         if getattr(self, "_group", None) is not None:
             return self._group_read_state(entry, role)  # type: ignore[attr-defined]
-        dtype = torch.float32 if self.state_dtype == "fp32" else torch.bfloat16
-        values = self.files.read(entry.name, role, dtype, entry.numel)
+        values = self.files.read(entry.name, role, moment_file_dtype(self.state_dtype), entry.numel)
         return values.to(torch.float32).view(entry.param.shape)
 
     def _identity(self) -> dict[str, Any]:
@@ -185,8 +184,8 @@ class StateDict:
                     if role == "exp_avg_sq" and bool((values < 0).any()):
                         raise ValueError(f"{role} for param {index} ({entry.name}) has negative "
                                          "elements: a mean of squares is never below zero")
-                    if self.state_dtype == "bf16":
-                        values = values.to(torch.bfloat16)
+                    # fp16/int8 files take FP32 values, which the device encodes per block.
+                    values = values.to(moment_file_dtype(self.state_dtype))
                     loads.append((entry.name, role, values))
         before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         for saved, group in zip(saved_groups, self.param_groups):
@@ -225,6 +224,13 @@ class StateDict:
         self.last_step_skipped = False
         # The device rounds the masters to the wire dtype; the model continues from that.
         self._read_params()
+
+
+def moment_file_dtype(state_dtype: str) -> torch.dtype:
+    """The dtype of a moment file's elements: bf16 moments read and load as their own bits;
+    fp32 ones, and block-scaled fp16/int8 ones (decoded on read, encoded on load by the
+    device, docs/media-format.md#block-scaled-moments-fp16-and-int8), as FP32."""
+    return torch.bfloat16 if state_dtype == "bf16" else torch.float32
 
 
 def _digest(tensor: torch.Tensor) -> bytes:

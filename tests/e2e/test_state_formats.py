@@ -1,0 +1,158 @@
+"""cossd.trainer with block-scaled moments (state_dtype fp16, int8) through a real mount: state_dict, loads, transports, parity, restart."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cossd.trainer import AdamW, DeviceLostError
+
+from conftest import Mount
+
+pytestmark = pytest.mark.mount
+
+SCALED = ["fp16", "int8"]
+BLOCK = 256  # elements per scale (kernels.STATE_BLOCK)
+
+
+class OddNet(torch.nn.Module):
+    """Tensors whose sizes are not whole 256-element scale blocks (37, 16 x 37, 37 x 300),
+    and one of 300 x 1000 elements, larger than many blocks: each tensor's last block is partial."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 37)
+        self.fc2 = torch.nn.Linear(37, 300)
+        self.fc3 = torch.nn.Linear(300, 1000, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def odd_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return OddNet().to(torch.bfloat16)
+
+
+def odd_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(32, 16, generator=generator).to(torch.bfloat16)
+    y = torch.randint(0, 1000, (32,), generator=generator)
+    return F.cross_entropy(model(x).float(), y)
+
+
+def train(model: torch.nn.Module, optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = odd_loss(model, step)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+    return losses
+
+
+def param_bits(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone().view(torch.int16) for p in model.parameters()]
+
+
+@pytest.fixture
+def opened(mount: Mount):
+    """Opens optimizers, closing them before the mount is torn down (even on failure)."""
+    optimizers: list = []
+
+    def open_optimizer(*args, **kwargs):
+        optimizer = AdamW(*args, **kwargs)
+        optimizers.append(optimizer)
+        return optimizer
+
+    yield open_optimizer
+    for optimizer in optimizers:
+        try:
+            optimizer.close()
+        except Exception:
+            pass
+
+
+def test_unknown_state_dtype_is_refused(mount: Mount) -> None:
+    with pytest.raises(ValueError, match="fp32, bf16, fp16, int8"):
+        AdamW(odd_model().parameters(), mount=mount.mountpoint, namespace="bad", state_dtype="fp8")
+
+
+@pytest.mark.parametrize("state_dtype", SCALED)
+def test_state_dict_reads_fp32_and_loads_into_another_namespace(opened, mount: Mount, state_dtype: str) -> None:
+    """state_dict() gives the device's decoded moments as FP32; loading them into a fresh
+    namespace (every tensor's last scale block partial) re-encodes them to the same codes, so
+    both runs go on bit for bit."""
+    model = odd_model()
+    optimizer = opened(model.parameters(), mount=mount.mountpoint, namespace="src", lr=3e-3,
+                       state_dtype=state_dtype)
+    train(model, optimizer, range(1, 4))
+    exported = optimizer.state_dict()
+    assert float(exported["state"][0]["step"]) == 3.0
+    for index, param in enumerate(model.parameters()):
+        for role in ("exp_avg", "exp_avg_sq"):
+            moment = exported["state"][index][role]
+            assert moment.dtype == torch.float32 and moment.shape == param.shape
+            assert bool(moment.abs().sum() > 0), f"{role} of param {index} is all zeros"
+        assert bool((exported["state"][index]["exp_avg_sq"] >= 0).all())
+    # The reads are what the mount's files hold: FP32, numel x 4 bytes.
+    files = optimizer.files
+    raw = files.read(optimizer.entries[3].name, "exp_avg", torch.float32, optimizer.entries[3].numel)
+    assert torch.equal(raw.view(exported["state"][3]["exp_avg"].shape), exported["state"][3]["exp_avg"])
+
+    copy_model = odd_model(seed=7)  # its own init: everything comes from the state dict
+    copied = opened(copy_model.parameters(), mount=mount.mountpoint, namespace="dst", lr=3e-3,
+                    state_dtype=state_dtype)
+    copied.load_state_dict(exported)
+    assert copied.committed_step == 3
+    assert all(torch.equal(a, b) for a, b in zip(param_bits(model), param_bits(copy_model)))
+    reloaded = copied.state_dict()
+    for index in exported["state"]:
+        for role in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(reloaded["state"][index][role], exported["state"][index][role]), (index, role)
+    train(model, optimizer, range(4, 7))
+    train(copy_model, copied, range(4, 7))
+    assert all(torch.equal(a, b) for a, b in zip(param_bits(model), param_bits(copy_model)))
+
+
+@pytest.mark.parametrize("state_dtype", SCALED)
+def test_stock_state_loads_encoded_within_the_format_error(opened, mount: Mount, state_dtype: str) -> None:
+    """A stock torch AdamW state (any values, FP32) loads into a fp16/int8 namespace: what
+    reads back is the encoding of what was loaded, within the format's error per block."""
+    model = odd_model()
+    stock = torch.optim.AdamW([p.detach().float().requires_grad_() for p in model.parameters()], lr=3e-3)
+    generator = torch.Generator().manual_seed(3)
+    for param in stock.param_groups[0]["params"]:
+        param.grad = torch.randn(param.shape, generator=generator) * 10 ** torch.randint(-4, 1, param.shape,
+                                                                                         generator=generator)
+    stock.step()
+    state = stock.state_dict()
+    optimizer = opened(odd_model(seed=1).parameters(), mount=mount.mountpoint, namespace="stock",
+                       state_dtype=state_dtype)
+    optimizer.load_state_dict(state, master=[p.detach() for p in stock.param_groups[0]["params"]])
+    loaded = optimizer.state_dict()
+    # fp16: 11 significant bits with a power-of-two scale per block; int8: a 256-entry map
+    # scaled by the block's absmax (coarsest near the top: a step of about 1/64 there).
+    tolerance = {"fp16": 2.0 ** -10, "int8": 2.0 ** -5}[state_dtype]
+    for index, values in state["state"].items():
+        for role in ("exp_avg", "exp_avg_sq"):
+            want = values[role].reshape(-1)
+            got = loaded["state"][index][role].reshape(-1)
+            for start in range(0, want.numel(), BLOCK):
+                block, back = want[start:start + BLOCK], got[start:start + BLOCK]
+                absmax = float(block.abs().max())
+                error = float((block - back).abs().max())
+                assert error <= tolerance * absmax, f"{index} {role} block {start // BLOCK}: {error} of {absmax}"
+
+
+def test_bf16_state_dict_still_reads_its_own_bits(opened, mount: Mount) -> None:
+    """bf16 moments read as bf16 (exact in FP32): the fp16/int8 reads did not change them."""
+    model = odd_model()
+    optimizer = opened(model.parameters(), mount=mount.mountpoint, namespace="bf", state_dtype="bf16")
+    train(model, optimizer, range(1, 3))
+    moment = optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(moment, moment.to(torch.bfloat16).float())
+    assert bool(moment.abs().sum() > 0)
