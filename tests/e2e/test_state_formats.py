@@ -156,3 +156,51 @@ def test_bf16_state_dict_still_reads_its_own_bits(opened, mount: Mount) -> None:
     moment = optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(moment, moment.to(torch.bfloat16).float())
     assert bool(moment.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("state_dtype", SCALED)
+def test_execute_program_transport_steps_like_the_vendor_path(opened, mount: Mount, state_dtype: str) -> None:
+    """transport='cp' (Execute Program's adamw_step over the CMB) with block-scaled moments:
+    the device's moment ranges are their FP32 view (4 bytes an element), and the steps equal
+    the vendor CMB_WRITE path's bit for bit, moments included."""
+    models = [odd_model(), odd_model()]
+    vendor = opened(models[0].parameters(), mount=mount.mountpoint, namespace="vendor", state_dtype=state_dtype)
+    program = opened(models[1].parameters(), mount=mount.mountpoint, namespace="cp", state_dtype=state_dtype,
+                     transport="cp")
+    assert train(models[0], vendor, range(1, 5)) == train(models[1], program, range(1, 5))
+    assert all(torch.equal(a, b) for a, b in zip(param_bits(models[0]), param_bits(models[1])))
+    ours, theirs = vendor.state_dict()["state"], program.state_dict()["state"]
+    assert all(torch.equal(ours[i][role], theirs[i][role]) for i in ours for role in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("state_dtype", SCALED)
+def test_kill_9_then_the_trainer_resumes_bit_for_bit(opened, mount: Mount, state_dtype: str) -> None:
+    """kill -9 of the daemon in the middle of a step of a fp16/int8 namespace; after a
+    remount a new job (its own random init) reattaches at the committed step and continues
+    bit for bit like a run that was never interrupted: params, and the moments state_dict reads."""
+    straight_model = odd_model()
+    straight = opened(straight_model.parameters(), mount=mount.mountpoint, namespace="straight",
+                      state_dtype=state_dtype)
+    train(straight_model, straight, range(1, 9))
+    expected_state = straight.state_dict()["state"]
+    straight.close()
+
+    model = odd_model()
+    optimizer = opened(model.parameters(), mount=mount.mountpoint, namespace="crashy", state_dtype=state_dtype)
+    train(model, optimizer, range(1, 5))
+    optimizer.zero_grad()
+    odd_loss(model, 5).backward()
+    optimizer.before_grad_write = lambda index: mount.kill() if index == 2 else None
+    with pytest.raises(DeviceLostError, match="remount"):
+        optimizer.step()
+    optimizer.close()
+    mount.restart()
+
+    restarted = odd_model(seed=99)
+    resumed = opened(restarted.parameters(), mount=mount.mountpoint, namespace="crashy", state_dtype=state_dtype)
+    assert resumed.restored and resumed.committed_step == 4
+    train(restarted, resumed, range(5, 9))
+    assert all(torch.equal(a, b) for a, b in zip(param_bits(straight_model), param_bits(restarted)))
+    state = resumed.state_dict()["state"]
+    assert all(torch.equal(state[i][role], expected_state[i][role])
+               for i in state for role in ("exp_avg", "exp_avg_sq"))
