@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from multirank_job import BASE_LR, Net, groups_of, optimizer_params, synthetic_grads  # noqa: E402
@@ -41,6 +42,9 @@ def open_group(config: dict[str, Any]) -> AdamW:
 def main() -> int:
     config = json.loads(sys.argv[1])
     out = Path(config["out"])
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # every rank loads the same state; rank 0 replaces it on the devices
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     optimizer = open_group(config)
     params = optimizer_params(optimizer)
     for step in range(1, TRAINED_STEPS + 1):
@@ -49,7 +53,8 @@ def main() -> int:
         optimizer.step()
     saved = optimizer.state_dict()
     other = other_state(saved)
-    torch.save({"a": saved, "b": other}, out / "states.pt")
+    if rank == 0:
+        torch.save({"a": saved, "b": other}, out / "states.pt")
 
     def hook(stage: str) -> None:
         if stage == config["stage"]:
@@ -57,8 +62,16 @@ def main() -> int:
 
     optimizer.load_hook = hook
     optimizer.load_state_dict(other)
-    (out / "loaded.json").write_text(json.dumps({"committed_step": optimizer.committed_step}))
+    (out / f"loaded{rank}.json").write_text(json.dumps({"committed_step": optimizer.committed_step}))
+    for step in range(LOADED_STEP + 1, LOADED_STEP + 1 + config.get("then", 0)):
+        for param, grad in zip(params, synthetic_grads(step, params)):
+            param.grad = grad  # the same on every rank: their mean is themselves
+        optimizer.step()
+    torch.save({"params": [p.detach().clone() for p in params], "state": optimizer.state_dict()},
+               out / f"rank{rank}.pt")
     optimizer.close()
+    if world > 1:
+        dist.destroy_process_group()
     return 0
 
 

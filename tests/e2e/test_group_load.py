@@ -91,6 +91,29 @@ def test_a_load_over_two_devices_equals_the_same_load_on_one(mounts: list[Mount]
         single.close()
 
 
+def test_two_ranks_load_over_two_devices(mounts: list[Mount], tmp_path: Path) -> None:
+    """Two ranks (gloo) load another state over two devices (rank 0 replaces it on both,
+    each rank reads its params), then take 3 steps: both ranks' params and the devices' state
+    equal one process that loads the same state on one device and takes the same steps."""
+    out = tmp_path / "job"
+    codes = spawn_ranks(JOB, {"mounts": paths(mounts), "namespace": "load-ranks", "stage": "never",
+                              "out": str(out), "then": 3}, 2, out, 240)
+    assert codes == [0, 0], (out / "logs.txt").read_text()[-4000:]
+    ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    other = torch.load(out / "states.pt")["b"]
+    single = load_job.open_group({"mounts": str(mounts[0].mountpoint), "namespace": "load-ranks-ref"})
+    try:
+        single.load_state_dict(other)
+        train(single, range(load_job.LOADED_STEP + 1, load_job.LOADED_STEP + 4))
+        params, theirs = [p.detach().clone() for p in job.optimizer_params(single)], single.state_dict()
+    finally:
+        single.close()
+    for saved in ranks:
+        assert bits_equal(saved["params"], params)
+        assert bits_equal(state_of(saved["state"])[0], state_of(theirs)[0])
+    assert leftovers(mounts) == []
+
+
 def killed_at(mounts: list[Mount], tmp_path: Path, stage: str) -> None:
     namespace = f"load-kill-{stage.replace('@', '-')}"
     out = tmp_path / "job"
