@@ -1,7 +1,10 @@
 """cossd.trainer with block-scaled moments (state_dtype fp16, int8) through a real mount: state_dict, loads, transports, parity, restart."""
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,3 +260,32 @@ def test_gpt_parity_with_fp32_moments(mount: Mount, figures: list[str]) -> None:
 def test_gpt_small_parity_with_fp32_moments(mount: Mount, figures: list[str]) -> None:
     """The same on the demo's default GPT (small, ~3.3M params), 50 steps."""
     assert_parity(mount, "small", 50, figures)
+
+
+@pytest.mark.parametrize("state_dtype", SCALED)
+def test_state_dict_over_two_devices(tmp_path, state_dtype: str) -> None:
+    """Over two devices (mount=[a, b]: each device holds its own pieces, each piece's scale
+    blocks its own), state_dict() joins the devices' FP32 moments, and loading them into
+    another namespace on the same two devices goes on bit for bit."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ranks import mounted_device
+
+    with contextlib.ExitStack() as stack:
+        devices = [stack.enter_context(mounted_device(tmp_path / f"device{i}", f"SCALED00{i}", 2 << 30))
+                   for i in range(2)]
+        paths = [str(device.mountpoint) for device in devices]
+        model, copy_model = odd_model(), odd_model(seed=5)
+        optimizer = stack.enter_context(contextlib.closing(
+            AdamW(model.parameters(), mount=paths, namespace="two", lr=3e-3, state_dtype=state_dtype)))
+        assert all(child.entries for child in optimizer._group)  # both devices hold state
+        train(model, optimizer, range(1, 4))
+        exported = optimizer.state_dict()
+        assert all(exported["state"][i][role].dtype == torch.float32 and bool(exported["state"][i][role].any())
+                   for i in exported["state"] for role in ("exp_avg", "exp_avg_sq"))
+        copied = stack.enter_context(contextlib.closing(
+            AdamW(copy_model.parameters(), mount=paths, namespace="two-copy", lr=3e-3, state_dtype=state_dtype)))
+        copied.load_state_dict(exported)
+        assert copied.committed_step == 3
+        train(model, optimizer, range(4, 7))
+        train(copy_model, copied, range(4, 7))
+        assert all(torch.equal(a, b) for a, b in zip(param_bits(model), param_bits(copy_model)))
