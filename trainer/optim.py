@@ -272,6 +272,11 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if config["hyperparameters"]["mode"] != self._mode:
             raise ValueError(f"namespace {self.files.name!r} runs {config['hyperparameters']['mode']}, "
                              f"not {self._mode}")
+        # The moments' format decides how state_dict reads them (bf16 bits, or FP32).
+        kept = config.get("state_dtype", "fp32")
+        if kept != self.state_dtype:
+            raise ValueError(f"namespace {self.files.name!r} keeps {kept} moments, this optimizer "
+                             f"was made with state_dtype={self.state_dtype!r}: pass state_dtype={kept!r}")
 
     def _attach(self) -> None:
         """Reattach to an existing namespace: check it is this model's, then restore params."""

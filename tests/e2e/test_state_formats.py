@@ -289,3 +289,16 @@ def test_state_dict_over_two_devices(tmp_path, state_dtype: str) -> None:
         train(model, optimizer, range(4, 7))
         train(copy_model, copied, range(4, 7))
         assert all(torch.equal(a, b) for a, b in zip(param_bits(model), param_bits(copy_model)))
+
+
+@pytest.mark.parametrize("made, asked", [("int8", "fp32"), ("bf16", "fp32"), ("fp32", "fp16")])
+def test_reattach_with_another_state_dtype_is_refused(opened, mount: Mount, made: str, asked: str) -> None:
+    """A namespace keeps the moments' format it was made with: reattaching with another
+    state_dtype is refused (state_dict would read its moments in the wrong format), and the
+    namespace still resumes with its own."""
+    model = odd_model()
+    train(model, opened(model.parameters(), mount=mount.mountpoint, namespace="kept", state_dtype=made), range(1, 3))
+    with pytest.raises(ValueError, match=f"keeps {made} moments.*state_dtype='{made}'"):
+        AdamW(odd_model().parameters(), mount=mount.mountpoint, namespace="kept", state_dtype=asked)
+    resumed = opened(odd_model().parameters(), mount=mount.mountpoint, namespace="kept", state_dtype=made)
+    assert resumed.committed_step == 2
