@@ -58,22 +58,70 @@ def _rows_of(rows: int, world: int, coordinate: int) -> tuple[int, int]:
     return start, min(start + chunk, rows)
 
 
+HSDP = "(Replicate(), Shard(0))"  # HSDP's placements, as fully_shard makes them on a 2-D mesh
+
+
+def is_hsdp(entries: list[Entry]) -> bool:
+    """Whether these FSDP2 params are HSDP's: replicated over mesh dim 0, Shard(0) over dim 1."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return bool(entries) and all(tuple(entry.param.placements) == (Replicate(), Shard(0)) for entry in entries)
+
+
+def sends_rows(entries: list[Entry]) -> bool:
+    """Whether this rank sends its rows (gradients, masters): always, but under HSDP only the
+    ranks of replica 0, for every replica holds the same averaged rows and each element must
+    reach the device once. Every rank reads its own rows back."""
+    if not is_hsdp(entries):
+        return True
+    return entries[0].param.device_mesh.get_local_rank(0) == 0
+
+
+def _hsdp_rows(entry: Entry, members: list[int]) -> tuple[int, int]:
+    """An HSDP param's mesh checked (2-D, every rank of the optimizer's group once): this
+    rank's coordinate on the shard dim and that dim's size."""
+    mesh = entry.param.device_mesh
+    if mesh.ndim != 2:
+        raise ValueError(f"param {entry.name}: placements {HSDP} on a {mesh.ndim}-D mesh; HSDP's is 2-D")
+    spans = sorted(int(rank) for rank in mesh.mesh.flatten().tolist())
+    if spans != sorted(members):
+        raise ValueError(f"param {entry.name}: its HSDP mesh spans global ranks {spans}, the optimizer's "
+                         f"process group {sorted(members)}; pass process_group= the whole mesh's group")
+    return mesh.get_local_rank(1), mesh.size(1)
+
+
 def local_pieces(entries: list[Entry], ranks: Ranks) -> list[Piece]:
     """This rank's element range of each global tensor (the rows of its local shard, laid
     flat), for params FSDP2 sharded as Shard(0) over a 1-D mesh of the optimizer's process
-    group. Anything else is a ValueError naming the param: the device's namespace holds the
-    global tensors, and a rank's part must be one contiguous element range of each."""
+    group, or HSDP's (Replicate(), Shard(0)) over a 2-D mesh of it (the rows of this rank's
+    coordinate on the shard dim; sends_rows says whether it sends them). Anything else is a
+    ValueError naming the param: the device's namespace holds the global tensors, and a
+    rank's part must be one contiguous element range of each."""
     from torch.distributed.tensor import Shard
 
     group = ranks.group if ranks.group is not None else dist.group.WORLD
     members = dist.get_process_group_ranks(group)
+    hsdp = is_hsdp(entries)
     pieces = []
     for entry in entries:
         param = entry.param
+        if hsdp:
+            if param.dim() == 0:
+                raise ValueError(f"param {entry.name}: a 0-dim DTensor has no dim 0 to shard")
+            coordinate, shards = _hsdp_rows(entry, members)
+            start, stop = _rows_of(param.shape[0], shards, coordinate)
+            expected = (stop - start, *param.shape[1:])
+            if tuple(param.to_local().shape) != expected:
+                raise ValueError(f"param {entry.name}: local shard of shape {tuple(param.to_local().shape)}, where "
+                                 f"HSDP's Shard(0) of {tuple(param.shape)} over {shards} gives {expected}")
+            row = param.numel() // param.shape[0] if param.shape[0] else 0
+            if stop > start:
+                pieces.append(Piece(entry.index, entry.name, start * row, stop * row))
+            continue
         if tuple(param.placements) != (Shard(0),):
             raise ValueError(f"param {entry.name}: FSDP2 placements {tuple(param.placements)}; the cossd "
-                             "optimizer supports Shard(0) over one mesh dimension only (fully_shard's default, "
-                             "without shard_placement_fn or a 2-D mesh)")
+                             "optimizer supports Shard(0) over one mesh dimension (fully_shard's default, "
+                             f"without shard_placement_fn) and HSDP's {HSDP} on a 2-D mesh, on every param")
         mesh = param.device_mesh
         mesh_members = dist.get_process_group_ranks(mesh.get_group())
         if mesh_members != members:

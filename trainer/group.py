@@ -253,7 +253,7 @@ class DeviceGroup:
             local = local.to_local() if fsdp.is_dtensor(local) else local
             return flat(local, entry.name)[offset + row.start : offset + row.stop]
 
-        return {"_fsdp_rows": mine, "_fsdp_views": (param, grad)}
+        return {"_fsdp_rows": mine, "_fsdp_views": (param, grad), "_fsdp_sends": fsdp.sends_rows(self.entries)}
 
     def _piece_tensor(self, entry: Entry, piece: Piece) -> torch.Tensor:
         """The child's param for elements piece.start..stop-1 of `entry`'s param: a 1-D view of

@@ -59,6 +59,10 @@ class ShardedSession:
     # where their local elements are (fsdp.Views), given before opening; None elsewhere.
     _fsdp_rows: list[Piece] | None = None
     _fsdp_views: fsdp.Views | None = None
+    # Whether this rank sends its rows (HSDP: only replica 0's ranks do), and the rows it
+    # reads back (every rank, its own).
+    _fsdp_sends: bool = True
+    _read_rows: list[Piece] | None = None
     # The bytes this rank's last read of the params moved: from the device, and through the
     # all-gather (sent, received); for the bench.
     last_param_bytes: dict[str, int] | None = None
@@ -81,6 +85,7 @@ class ShardedSession:
             else:
                 on_fsdp = fsdp.uses_fsdp(self.entries)
                 rows = fsdp.local_pieces(self.entries, ranks) if on_fsdp else []
+                self._fsdp_sends = fsdp.sends_rows(self.entries) if on_fsdp else True
         except ValueError as exc:
             self._fail_together(exc)
             raise
@@ -148,6 +153,8 @@ class ShardedSession:
         assert ranks is not None
         setup = self._setup_from_rank0(on_fsdp=True)
         self._fsdp = True
+        self._read_rows = rows
+        rows = rows if self._fsdp_sends else []  # HSDP: replica 0 sends, its copies send nothing
         self._shard = rows
         self._job = int(setup["job"])
         self.restored = bool(setup["restored"])
@@ -303,7 +310,7 @@ class ShardedSession:
         param_gather="device", or before the shards are planned) every param from the
         device (session.DeviceSession)."""
         if self._fsdp:
-            fsdp.read_local_params(self.files, self.entries, self._shard, self.dtype, self._fsdp_views)
+            fsdp.read_local_params(self.files, self.entries, self._read_rows or [], self.dtype, self._fsdp_views)
             return
         if self._ranks is None:
             fsdp.refuse_one_rank(self.entries)  # an attach at one rank reads before any load

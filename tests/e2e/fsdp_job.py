@@ -55,11 +55,17 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 def shard(model: Net, config: dict[str, Any]) -> None:
     """fully_shard each layer and the root: FP32 params with BF16 compute and FP32
     reduce-scatter ("mixed"), or a BF16 model as it is ("bf16"); "shard1" places the
-    layers' matrices as Shard(1), which the optimizer refuses."""
+    layers' matrices as Shard(1), which the optimizer refuses; "hsdp": [replicas, shards]
+    shards over a 2-D mesh (HSDP)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
     options: dict[str, Any] = {}
+    if config.get("hsdp"):
+        # HSDP: replicas x shards, a 2-D mesh (Replicate() over dim 0, Shard(0) over dim 1).
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["mesh"] = init_device_mesh("cpu", tuple(config["hsdp"]), mesh_dim_names=("replicate", "shard"))
     if config.get("dtype", "mixed") == "mixed":
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if config.get("placement") == "shard1":

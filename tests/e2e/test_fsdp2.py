@@ -164,6 +164,28 @@ def test_fsdp2_over_several_devices_equals_one_device_bit_for_bit(mount: Mount, 
     assert bits_equal(ranks[0]["masters"], masters)
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_hsdp_equals_one_device_bit_for_bit(mount: Mount, more_devices: list[Mount], tmp_path: Path,
+                                            devices: int) -> None:
+    """HSDP at 4 ranks (2 replicas x 2 shards, a 2-D mesh), on one device and over two
+    (fc1.weight split across them): replica 0's ranks send their rows, replica 1's hold the
+    same rows and send nothing, every rank reads its own rows back; 6 steps equal
+    single-process cossd on the same averaged gradients, params and masters bit for bit."""
+    steps, namespace = 6, f"hsdp{devices}"
+    mounts = [str(device.mountpoint) for device in [mount, *more_devices][:devices]]
+    out = tmp_path / "job"
+    ranks = finished(out, 4, run_job(mount, out, namespace, 4, steps, hsdp=[2, 2],
+                                     **({"mounts": mounts} if devices > 1 else {})))
+    assert all(r["result"]["committed_step"] == steps and r["result"]["steps_skipped"] == 0 for r in ranks)
+    if devices == 1:
+        assert ranks[2]["result"]["shard"] == [] and ranks[3]["result"]["shard"] == []  # replica 1 sends nothing
+        check_rows(ranks[:2], 2)  # replica 0's ranks send Shard(0) rows over the shard dim
+    params, masters, _ = single_process(mount, f"{namespace}-ref", ranks[0]["grads"], steps)
+    for r in ranks:
+        assert bits_equal(r["params"], params)
+    assert bits_equal(ranks[0]["masters"], masters)
+
+
 def test_fsdp2_resumes_at_another_world_size_and_in_one_process(mount: Mount, tmp_path: Path) -> None:
     """An FSDP2 job saved at 2 ranks resumes at 3 (each rank loading nothing, reading only
     its rows), then in one process without torch.distributed: the same namespace of global
