@@ -84,10 +84,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     remote=getattr(args, "remote", False))
 
 
-BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks", "scale", "peers"})
+BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks", "devices", "scale", "peers"})
 # `net` starts storage servers and takes a minute and a half; `oom` makes cgroups (root) and
 # drives workers into their memory caps for a few minutes; `ranks` runs 7 jobs of up to 4 rank
-# processes; `scale` steps namespaces up to 1B elements (30 GB of state on the disk, most of an
+# processes; `devices` starts up to 4 daemons for 3 jobs; `scale` steps namespaces up to 1B elements (30 GB of state on the disk, most of an
 # hour): each asked for by name, not by default.
 DEFAULT_BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer"})
 
@@ -146,7 +146,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "comparison), oom (per-step checkpoints under a cgroup memory cap with a "
                              "throttled sink: DCP async_save, the tiered checkpointer, cossd offload; root), "
                              "ranks (the sharded optimizer at 1, 2 and 4 ranks on one namespace: step time "
-                             "and bytes per rank), scale (one step through the CMB and through the files at "
+                             "and bytes per rank), devices (one optimizer over 1, 2 and 4 devices, each its "
+                             "own daemon, a GPT-shaped model whose embedding is 30%% of its params: step time, "
+                             "each device's share of elements and time, the bytes on each link), scale (one step through the CMB and through the files at "
                              "--scale-sizes on fresh devices backed by the temp dir's disk: step time, bytes "
                              "moved, the daemon's peak RSS, growth exponents, the disk's dd figure, and the "
                              "restore at 16M and 256M against torch.load); default kernel,mount,trainer")
@@ -155,6 +157,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "of 2 (default 1M,16M,256M,1B; e.g. 1M,16M for a quick run)")
     parser.add_argument("--rank-elements", type=_positive_int, default=1 << 22,
                         help="ranks section: the model's parameters, in layers of 1024x1024 (default 4M)")
+    parser.add_argument("--device-width", type=_positive_int, default=512,
+                        help="devices section: the GPT's width (its layers are --device-layers; default 512)")
+    parser.add_argument("--device-layers", type=_positive_int, default=4,
+                        help="devices section: the GPT's layers (default 4: 18M params at width 512)")
     parser.add_argument("--net-elements", type=_positive_int, default=1 << 22,
                         help="net section: elements of the served tensor and parameters of the I/O-path "
                              "comparison's model (default 4M)")

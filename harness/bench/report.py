@@ -97,6 +97,10 @@ def markdown(report: dict[str, Any]) -> str:
         from .ranks import markdown_rows as ranks_rows  # the ranks section's table
 
         lines += ranks_rows(report)
+    if "devices" in report:
+        from .devices import markdown_rows as devices_rows  # the devices section's table
+
+        lines += devices_rows(report)
     if "scale" in report:
         from .scale_report import markdown_rows as scale_rows  # the scale section's tables
 

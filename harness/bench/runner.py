@@ -82,6 +82,15 @@ def run(args: argparse.Namespace) -> int:
             report["ranks"] = ranks_costs(workdir, getattr(args, "rank_elements", 1 << 22), max(args.repeat, 5))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+    if "devices" in sections:
+        from .devices import devices_costs
+
+        workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-devices-"))
+        try:
+            report["devices"] = devices_costs(workdir, getattr(args, "device_width", 512),
+                                              getattr(args, "device_layers", 4), max(args.repeat, 5))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     if "scale" in sections:
         _scale_section(report, args)
     if "peers" in sections:
