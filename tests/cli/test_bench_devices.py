@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cossd.harness.bench.devices import gpt_shapes
-from cossd.trainer.group import PLACEMENT_BLOCK_ELEMS, place_on_devices
+from cossd.trainer.placement import PLACEMENT_BLOCK_ELEMS, place_on_devices
 from helpers import run_cli
 
 

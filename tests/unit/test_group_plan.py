@@ -6,7 +6,8 @@ import random
 import pytest
 
 from cossd.protocol.group_commit import GroupDisagreementError, GroupPlan, common_step
-from cossd.trainer.group import PLACEMENT_BLOCK_ELEMS, mount_list, place_on_devices, recorded_placement
+from cossd.trainer.group import mount_list
+from cossd.trainer.placement import PLACEMENT_BLOCK_ELEMS, place_on_devices, recorded_placement
 
 
 BLOCK = PLACEMENT_BLOCK_ELEMS
