@@ -128,7 +128,8 @@ def more_devices(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Moun
         yield [second, third]
 
 
-@pytest.mark.parametrize("world,devices,dtype", [(2, 2, "mixed"), (3, 3, "bf16"), (1, 2, "mixed")])
+@pytest.mark.parametrize("world,devices,dtype", [(2, 2, "mixed"), pytest.param(3, 3, "bf16", marks=pytest.mark.slow),
+                                                  pytest.param(1, 2, "mixed", marks=pytest.mark.slow)])
 def test_fsdp2_over_several_devices_equals_one_device_bit_for_bit(mount: Mount, more_devices: list[Mount],
                                                                  tmp_path: Path, world: int, devices: int,
                                                                  dtype: str) -> None:
@@ -164,7 +165,7 @@ def test_fsdp2_over_several_devices_equals_one_device_bit_for_bit(mount: Mount, 
     assert bits_equal(ranks[0]["masters"], masters)
 
 
-@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_hsdp_equals_one_device_bit_for_bit(mount: Mount, more_devices: list[Mount], tmp_path: Path,
                                             devices: int) -> None:
     """HSDP at 4 ranks (2 replicas x 2 shards, a 2-D mesh), on one device and over two

@@ -191,7 +191,7 @@ def test_a_device_daemon_killed_mid_step(mounts: list[Mount], tmp_path: Path) ->
         assert bits_equal(saved["masters"], reference["masters"])
 
 
-@pytest.mark.parametrize("device", [1, 2])
+@pytest.mark.parametrize("device", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_daemon_killed_between_two_devices_commits(mounts: list[Mount], tmp_path: Path, device: int) -> None:
     """Three devices, fc1.weight split across devices 0 and 1: kill -9 of device 1's (or 2's)
     daemon once the device before it committed step 4. The job fails with a clear error;
