@@ -24,7 +24,8 @@ def arm(optimizer: Any, kill: dict[str, Any], rank: int, out: Path) -> None:
     device 0 committed the step and before device 1's commit was asked for), or "daemon"
     (the last device's daemon, kill["pid"], once this rank's gradients of the step are
     all sent, before any commit), or "daemon_between" (device kill["device"]'s daemon,
-    kill["pid"], once the device before it committed the step)."""
+    kill["pid"], once the device before it committed the step), or "daemon_after_commit"
+    (device kill["device"]'s daemon once it committed the step itself)."""
     children = optimizer._group
 
     def strike(target: str) -> None:
@@ -41,9 +42,10 @@ def arm(optimizer: Any, kill: dict[str, Any], rank: int, out: Path) -> None:
             return wait(step)
 
         children[1]._wait_for_commit = wait_then_die
-    elif kill["stage"] == "daemon_between":
-        # Device kill["device"]'s daemon, right after the device before it committed the step.
-        before = children[kill["device"] - 1]
+    elif kill["stage"] in ("daemon_between", "daemon_after_commit"):
+        # Device kill["device"]'s daemon, right after the device before it committed the step
+        # ("daemon_between"), or right after it committed the step itself.
+        before = children[kill["device"] - (1 if kill["stage"] == "daemon_between" else 0)]
         wait_before = before._wait_for_commit
 
         def commit_then_strike(step: int) -> Any:
