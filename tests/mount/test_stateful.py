@@ -23,6 +23,7 @@ import cossd.kernels as k
 from conftest import FIGURES, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device, Status
 from cossd.protocol.entries import Opcode
+from cossd.protocol.computational import CpAdminOpcode
 from cossd.fs import daemon
 from cossd.client import AdminClient
 from reference_adam import ref_adam
@@ -293,7 +294,9 @@ class MountMachine(RuleBasedStateMachine):
         else:
             assert completion.status == Status.NO_STEP_OPEN
 
-    @rule(opcode=st.integers(0, 255).filter(lambda op: op not in {int(o) for o in Opcode}))
+    # Unknown: neither a vendor opcode nor one of the Computational Programs admin commands.
+    @rule(opcode=st.integers(0, 255).filter(
+        lambda op: op not in {int(o) for o in Opcode} | {int(o) for o in CpAdminOpcode}))
     def unknown_command(self, opcode: int) -> None:
         assert self.admin.submit(opcode).status == Status.INVALID_OPCODE
 
