@@ -10,6 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...client import AdminClient
+from ...client.computational import CmbProgram
 from ...emulator.cmb import parallel_copy
 from ...emulator.workers import KernelWorkers
 
@@ -93,6 +94,37 @@ def cmb_step(device: BenchDevice, in_place: bool) -> tuple[Callable[[], None], C
     return step, close
 
 
+def execute_program_step(device: BenchDevice) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The in-place CMB step through the standard face instead: one Execute Program of the
+    built-in adamw_step (NVMe Computational Programs, I/O 01h) over the gradients and params
+    left in the CMB, naming the step it opens and commits, as CMB_WRITE's implicit step does.
+    Returns (step, close)."""
+    size = 2 * device.n
+    admin = AdminClient(device.mountpoint)
+    cmb = admin.cmb()
+    if cmb is None:
+        admin.close()
+        raise RuntimeError(f"{device.mountpoint}: the device has no controller memory buffer")
+    nsid = admin.nsid("bench")
+    grads = (np.random.default_rng(1).standard_normal(device.n) * 0.01).astype(np.float16).view(np.uint8)
+    cmb.array[:size] = grads
+    program = CmbProgram(admin)
+    # One tensor over the whole namespace: element 0 on, its grads at 0 and params after them.
+    spans = [(0, device.n, 0, size)]
+    step_file = device.mountpoint / "ns" / "bench" / "step"
+
+    def step() -> None:
+        # The other contenders step the same namespace in between: the next step is read
+        # each time (one small read of the mount, counted in this step's time).
+        program.adamw_step(nsid, spans, step=int(step_file.read_text()) + 1)
+
+    def close() -> None:
+        cmb.close()
+        admin.close()
+
+    return step, close
+
+
 def cmb_rows(device: BenchDevice, workdir: Path, n: int, repeat: int, in_memory: float | None,
              device_update: float | None) -> list[dict[str, Any]]:
     """The O_DIRECT file step and the two CMB steps on the same device, in turns: each CMB
@@ -104,6 +136,9 @@ def cmb_rows(device: BenchDevice, workdir: Path, n: int, repeat: int, in_memory:
         step, close = cmb_step(device, in_place)
         contenders[f"cmb{'_in_place' if in_place else ''}"] = step
         closers.append(close)
+    step, close = execute_program_step(device)
+    contenders["execute_program"] = step
+    closers.append(close)
     try:
         for step in contenders.values():
             step()  # warm-up
@@ -116,11 +151,17 @@ def cmb_rows(device: BenchDevice, workdir: Path, n: int, repeat: int, in_memory:
             close()
     rows = []
     for name, what in (("cmb", "CMB_WRITE, params back in the CMB; the client copying grads in and params out"),
-                       ("cmb_in_place", "CMB_WRITE, params back in the CMB; grads and params left there (as DMA)")):
+                       ("cmb_in_place", "CMB_WRITE, params back in the CMB; grads and params left there (as DMA)"),
+                       ("execute_program", "Execute Program (NVMe Computational Programs, adamw_step) over "
+                                           "grads and params left in the CMB")):
         row = _file_path_row(device, media, True, False, seconds[name], n, in_memory, device_update, what=what)
         row["transport"] = name
         row["vs_file_path"] = statistics.median(f / c for c, f in zip(seconds[name], seconds["file"]))
         say(f"    {row['vs_file_path']:.2f}x the O_DIRECT file step, turn by turn")
+        if name == "execute_program":  # the standard face beside the vendor command, turn by turn
+            row["vs_cmb_in_place"] = statistics.median(
+                c / e for e, c in zip(seconds[name], seconds["cmb_in_place"]))
+            say(f"    {row['vs_cmb_in_place']:.2f}x the in-place CMB_WRITE step's rate, turn by turn")
         rows.append(row)
     return rows
 

@@ -191,7 +191,9 @@ def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     rows = [(row["o_direct"], row["media"].split()[0], row["skipped_steps"], row["front_end"].split(",")[0])
             for row in report["file_path"] if row["transport"] == "files"]
     cmb = [(row["transport"], row["media"].split()[0]) for row in report["file_path"] if row["transport"] != "files"]
-    assert cmb in ([], [("cmb", "tmpfs"), ("cmb_in_place", "tmpfs")])
+    assert cmb in ([], [("cmb", "tmpfs"), ("cmb_in_place", "tmpfs"), ("execute_program", "tmpfs")])
+    # The standard face's step beside the vendor one, turn by turn, where the CMB rows ran.
+    assert all(row["vs_cmb_in_place"] > 0 for row in report["file_path"] if row["transport"] == "execute_program")
     assert all(row["vs_file_path"] > 0 and row["gels"] > 0 for row in report["file_path"] if row["transport"] != "files")
     assert bool(cmb) == (len(rows) > 3) and ("CMB_WRITE" in (tmp_path / "b/bench.md").read_text()) == bool(cmb)
     on_temp = bench.filesystem_of(Path(tempfile.gettempdir())).split()[0]
