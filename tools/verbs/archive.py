@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..arguments import VerbFactory, device_location, parse_size
+from ..arguments import VerbFactory, add_device_argument, parse_size
 from ..output import emit, human_bytes, open_client
 
 
@@ -180,7 +180,7 @@ def register(verb: VerbFactory) -> None:
                "Have the device upload a snapshot to an S3-compatible object store in the "
                "background (a manifest written last makes the version complete); --list the "
                "complete versions under a location.")
-    sub.add_argument("mountpoint", type=device_location, nargs="?")
+    add_device_argument(sub, nargs="?")  # MOUNTPOINT|cossd://HOST:PORT, --token-file, --ca
     sub.add_argument("name", nargs="?", help="namespace")
     sub.add_argument("tag", nargs="?", help="snapshot to archive")
     sub.add_argument("--to", metavar="s3://BUCKET/PREFIX",
