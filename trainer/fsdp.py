@@ -40,14 +40,16 @@ def uses_fsdp(entries: list[Entry]) -> bool:
 
 
 def refuse_one_rank(entries: list[Entry]) -> None:
-    """A ValueError naming the param where FSDP2 DTensors reach an optimizer that is not
-    sharded (torch.distributed with one rank, or a process group of one): its one-process
-    path moves whole plain tensors."""
+    """A ValueError naming the param where FSDP2 DTensors reach a path of the optimizer that
+    moves whole plain tensors (the one-process reads and master loads): FSDP2 params take the
+    sharded path, a mesh of one included (optim._open_namespace), so this is a guard, met by
+    what that path does not cover (master weights taken from the DTensors themselves by a
+    load_state_dict without masters)."""
     for entry in entries:
         if is_dtensor(entry.param):
-            raise ValueError(f"param {entry.name} is an FSDP2 DTensor but the optimizer runs on one rank: "
-                             "the cossd optimizer takes FSDP2 params over two ranks or more; with one "
-                             "process, train the model without fully_shard (the namespace resumes either way)")
+            raise ValueError(f"param {entry.name} is an FSDP2 DTensor, which this path of the optimizer takes "
+                             "only as a plain tensor: FSDP2 params are stepped through its sharded path; pass "
+                             "the master weights (master=, or the state dict's cossd_master)")
 
 
 def _rows_of(rows: int, world: int, coordinate: int) -> tuple[int, int]:
