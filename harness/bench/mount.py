@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...client import AdminClient
+from ...client import AdminClient, CmbMapping
 from ...client.computational import CmbProgram
 from ...emulator.cmb import parallel_copy
 from ...emulator.workers import KernelWorkers
@@ -56,6 +56,18 @@ def file_path_step(device: BenchDevice, o_direct: bool, chunk: int = 4 << 20,
     return step
 
 
+def _bench_cmb(device: BenchDevice) -> tuple[AdminClient, CmbMapping, int, np.ndarray]:
+    """A client of the bench device, its CMB mapping, the bench namespace's nsid, and the
+    step's fp16 gradients as bytes (the same for every CMB contender)."""
+    admin = AdminClient(device.mountpoint)
+    cmb = admin.cmb()
+    if cmb is None:
+        admin.close()
+        raise RuntimeError(f"{device.mountpoint}: the device has no controller memory buffer")
+    grads = (np.random.default_rng(1).standard_normal(device.n) * 0.01).astype(np.float16).view(np.uint8)
+    return admin, cmb, admin.nsid("bench"), grads
+
+
 def cmb_step(device: BenchDevice, in_place: bool) -> tuple[Callable[[], None], Callable[[], None]]:
     """One step through the controller memory buffer: one CMB_WRITE of the fp16 grads, through
     the mount's control file, that also has the device put the new fp16 params in the CMB
@@ -64,13 +76,7 @@ def cmb_step(device: BenchDevice, in_place: bool) -> tuple[Callable[[], None], C
     does); in_place=True leaves them there, as a GPU's DMA straight into and out of the
     buffer would. Returns (step, close)."""
     size = 2 * device.n
-    admin = AdminClient(device.mountpoint)
-    cmb = admin.cmb()
-    if cmb is None:
-        admin.close()
-        raise RuntimeError(f"{device.mountpoint}: the device has no controller memory buffer")
-    nsid = admin.nsid("bench")
-    grads = (np.random.default_rng(1).standard_normal(device.n) * 0.01).astype(np.float16).view(np.uint8)
+    admin, cmb, nsid, grads = _bench_cmb(device)
     params = np.empty(size, dtype=np.uint8)
     grad_window, param_window = cmb.array[:size], cmb.array[size : 2 * size]
     grad_window[:] = grads
@@ -100,13 +106,7 @@ def execute_program_step(device: BenchDevice) -> tuple[Callable[[], None], Calla
     left in the CMB, naming the step it opens and commits, as CMB_WRITE's implicit step does.
     Returns (step, close)."""
     size = 2 * device.n
-    admin = AdminClient(device.mountpoint)
-    cmb = admin.cmb()
-    if cmb is None:
-        admin.close()
-        raise RuntimeError(f"{device.mountpoint}: the device has no controller memory buffer")
-    nsid = admin.nsid("bench")
-    grads = (np.random.default_rng(1).standard_normal(device.n) * 0.01).astype(np.float16).view(np.uint8)
+    admin, cmb, nsid, grads = _bench_cmb(device)
     cmb.array[:size] = grads
     program = CmbProgram(admin)
     # One tensor over the whole namespace: element 0 on, its grads at 0 and params after them.
