@@ -11,7 +11,8 @@ import select
 import socket
 import ssl
 import struct
-from typing import NoReturn, Protocol
+from collections.abc import Sequence
+from typing import NoReturn, Protocol, cast
 
 import numpy as np
 
@@ -437,13 +438,15 @@ class Connection:
             # One pin for the batch: every range is of the same committed step, sent from the
             # committed copy itself (no copy into a reply buffer).
             self.server.io.controller.injector.check_io(IoOpcode.READ, namespace.nsid)
+            # Every file of an optimizer namespace is a tensor's (only NVM data has none).
+            tensor_reads = cast(list[tuple[str, str, int, int]], reads)
             # The parameter cache first: the committed step's params from server memory (all
             # of one step, as the pin gives them); None where off, too small or not params.
-            cached = self.server.param_cache.read(namespace, reads)
+            cached = self.server.param_cache.read(namespace, tensor_reads)
             if cached is not None:
                 self._send_ranges(cid, cached)
             else:
-                with namespace.read_pinned_many(reads) as views:
+                with namespace.read_pinned_many(tensor_reads) as views:
                     self._send_ranges(cid, views)
         else:
             views = []
@@ -452,7 +455,7 @@ class Connection:
             self._send_ranges(cid, views)
         return Completion(cid, Status.SUCCESS, result=total & 0xFFFF_FFFF)
 
-    def _send_ranges(self, cid: int, views: list[bytes | memoryview]) -> None:
+    def _send_ranges(self, cid: int, views: Sequence[bytes | memoryview]) -> None:
         """Each range's bytes in C2HData PDUs of its own (none spans two ranges, so the host
         receives each straight into that range's buffer)."""
         offset = 0
@@ -470,7 +473,7 @@ class Connection:
 
 
 # The link's command names (LinkTiming.by_command) of the wire's own commands.
-_FABRICS_NAMES = {FabricsType.OPEN: "open", FabricsType.CLOSE: "close", FabricsType.WRITE: "write",
+_FABRICS_NAMES: dict[int, str] = {FabricsType.OPEN: "open", FabricsType.CLOSE: "close", FabricsType.WRITE: "write",
                   FabricsType.READ: "read", FabricsType.READ_TEXT: "read_text", FabricsType.CONNECT: "connect"}
 
 

@@ -8,7 +8,7 @@ import logging
 import mmap
 import queue
 import threading
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -130,7 +130,9 @@ class Writes:
             view = bulk[position : position + length]
             position += length
             if isinstance(namespace, Namespace) and opened.role == "grad":
-                pieces.setdefault(opened.nsid, []).append((opened.tensor, int(offset), view, None))
+                # A grad file is a tensor's: resolve_open leaves the tensor None only for NVM data.
+                tensor = cast(str, opened.tensor)
+                pieces.setdefault(opened.nsid, []).append((tensor, int(offset), view, None))
             else:
                 singles.append((opened, namespace, int(offset), view))
         report: dict[str, Any] = {"bytes": total, "transfers": len(lengths)}
@@ -243,9 +245,11 @@ class Writes:
         self.memory.count("streamed_writes")
         slots = [window[slot * slot_bytes : (slot + 1) * slot_bytes] for slot in range(count)]
         free = [threading.Semaphore(1) for _ in range(count)]
-        ranges, position = [], 0
+        ranges: list[tuple[str, int, int, int]] = []
+        position = 0
         for opened, offset, length in zip(files, table["offset"], lengths):
-            ranges.append((opened.tensor, int(offset), position, length))
+            # _streamable let through only grad files of an optimizer namespace: each a tensor's.
+            ranges.append((cast(str, opened.tensor), int(offset), position, length))
             position += length
         pending: queue.SimpleQueue[tuple[list[Piece], int] | None] = queue.SimpleQueue()
         errors: list[BaseException] = []

@@ -60,6 +60,10 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
     distinct blocks run in parallel outside the lock (cffi releases the GIL).
     """
 
+    # Set in __init__ and by the step and shared-step mixins; declared so that each sees the type.
+    changed_ns: int
+    config_changed_ns: int
+
     kind = "optimizer"  # beside emulator/nvm.py's plain NVM namespaces
 
     def __init__(

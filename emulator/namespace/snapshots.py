@@ -1,6 +1,7 @@
 """Snapshots of an optimizer namespace: committed states kept on the media under a tag."""
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import json
@@ -191,7 +192,7 @@ class SnapshotStore:
         damaged = sorted(self._damaged.values(), key=lambda d: d.tag)
         return [s.describe() for s in snapshots] + [d.describe() for d in damaged]
 
-    def tags(self) -> list[str]:
+    def tags(self) -> builtins.list[str]:  # `list` here is the method above
         return [entry["tag"] for entry in self.list() if entry["state"] == "ready"]
 
     def find(self, tag: str, snapshot_id: int | None = None) -> Snapshot | None:
@@ -216,7 +217,7 @@ class SnapshotStore:
     # ------------------------------------------------------------------ checksums
 
     def bad_blocks(self, path: Path, superblock: Superblock,
-                   only: Iterable[int] | None = None) -> list[tuple[str, int]]:
+                   only: Iterable[int] | None = None) -> builtins.list[tuple[str, int]]:
         """Blocks of the state file `path` whose checksum differs from `superblock`'s."""
         wanted = None if only is None else set(only)
         bad = []
