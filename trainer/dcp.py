@@ -5,6 +5,7 @@ import collections
 import json
 import secrets
 import sys
+import types
 import weakref
 from typing import Any
 
@@ -32,7 +33,7 @@ def called_by_dcp(depth: int = 4) -> bool:
     """Whether one of the few callers above is DCP's state_dict module (get_state_dict,
     get_optimizer_state_dict, set_state_dict and the rest): those calls get the reference
     form, every other caller (accelerate, HF, a user's torch.save) torch's full format."""
-    frame = sys._getframe(2)  # the caller of the function that asks
+    frame: types.FrameType | None = sys._getframe(2)  # the caller of the function that asks
     for _ in range(depth):
         if frame is None:
             return False

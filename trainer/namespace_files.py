@@ -274,7 +274,7 @@ class NamespaceFiles:
         if role == "grad":
             self.check_grad(tensor, values)
         array = values.detach().to("cpu").contiguous().view(-1)
-        buffer = memoryview(array.view(torch.uint8).numpy())
+        buffer = array.view(torch.uint8).numpy().data
         fd = self._fd(tensor, role, writing=True)
         offset = 0
         try:
@@ -290,7 +290,7 @@ class NamespaceFiles:
         """Fill a contiguous CPU tensor with the committed bytes of one of a tensor's files."""
         if not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError("read_into needs a contiguous CPU tensor")
-        buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+        buffer = out.view(-1).view(torch.uint8).numpy().data
         fd = self._fd(tensor, role, writing=False)
         offset = 0
         try:
@@ -498,7 +498,7 @@ class NamespaceFiles:
                     {"tensor": items[item][0], "role": role, "offset": starts[item] + offset, "length": length,
                      "cmb_offset": cmb.base + at} for item, offset, length, at in batch])
             return sum(array.numel() for array in arrays)
-        ranges = [(self._fd(tensor, role, writing=True), memoryview(array.numpy()), at)
+        ranges = [(self._fd(tensor, role, writing=True), array.numpy().data, at)
                   for (tensor, _, _), array, at in zip(items, arrays, starts)]
         many = getattr(self.transport, "write_many", None)  # a storage server's WRITE
         try:
@@ -538,7 +538,7 @@ class NamespaceFiles:
         for _, _, _, out in items:
             if out.device.type != "cpu":
                 raise ValueError("read_pieces_into through the files needs CPU tensors")
-        ranges = [(self._fd(tensor, role, writing=False), memoryview(array.numpy()), at)
+        ranges = [(self._fd(tensor, role, writing=False), array.numpy().data, at)
                   for (tensor, role, _, _), array, at in zip(items, arrays, starts)]
         many = getattr(self.transport, "read_many", None)  # a storage server's READ
         try:
@@ -601,7 +601,7 @@ class NamespaceFiles:
         (a storage server's WRITE: a step's gradients in one, from the tensors' own host
         memory to the socket)."""
         arrays = [values.detach().to("cpu").contiguous().view(-1).view(torch.uint8) for _, _, values in items]
-        ranges = [(self._fd(tensor, role, writing=True), memoryview(array.numpy()), 0)
+        ranges = [(self._fd(tensor, role, writing=True), array.numpy().data, 0)
                   for (tensor, role, _), array in zip(items, arrays)]
         try:
             return many(ranges)
@@ -617,7 +617,7 @@ class NamespaceFiles:
         for _, _, out in items:
             if not out.is_contiguous() or out.device.type != "cpu":
                 raise ValueError("read_many_into through the files needs contiguous CPU tensors")
-        ranges = [(self._fd(tensor, role, writing=False), memoryview(out.view(-1).view(torch.uint8).numpy()), 0)
+        ranges = [(self._fd(tensor, role, writing=False), out.view(-1).view(torch.uint8).numpy().data, 0)
                   for tensor, role, out in items]
         try:
             counts = many(ranges)

@@ -48,7 +48,7 @@ def plan(param_groups: list[dict[str, Any]]) -> list[Entry]:
     they are valid tensor names and unique, else g<group>.p<index>."""
     # A sharded optimizer (issue 17) plans the same entries on every rank and then takes
     # its rank's share of them: the names and indices here are the job's, not a rank's.
-    entries = []
+    entries: list[Entry] = []
     names: set[str] = set()
     for group_index, group in enumerate(param_groups):
         given = group.get("param_names") or [None] * len(group["params"])

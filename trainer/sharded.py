@@ -353,7 +353,7 @@ class ShardedSession:
             self.files.read_pieces_into(reads)
         sizes = [total for _, total in layouts]
         parts = distributed.all_gather_bytes(buffer.to(device), sizes, ranks)
-        flats = {}
+        flats: dict[int, torch.Tensor] = {}
         for shard, (shard_offsets, _), part in zip(shards, layouts, parts):
             for piece, at in zip(shard, shard_offsets):
                 entry = self.entries[piece.index]

@@ -236,7 +236,7 @@ def moment_file_dtype(state_dtype: str) -> torch.dtype:
 def _digest(tensor: torch.Tensor) -> bytes:
     """A digest of a CPU tensor's bytes (what load_state_dict compares a handed-out tensor by)."""
     flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
-    return hashlib.blake2b(flat.numpy(), digest_size=16).digest()
+    return hashlib.blake2b(flat.numpy().data, digest_size=16).digest()
 
 
 def _refuse_non_finite(values: torch.Tensor, what: str) -> None:

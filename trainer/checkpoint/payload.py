@@ -139,4 +139,4 @@ def read(buffer: torch.Tensor, copy: bool) -> tuple[int, dict[str, Any]]:
 
 def as_memoryview(buffer: torch.Tensor) -> memoryview:
     """A uint8 CPU tensor's bytes, without a copy."""
-    return memoryview(buffer.numpy()).cast("B")
+    return buffer.numpy().data.cast("B")

@@ -66,7 +66,7 @@ class TieredCheckpointer:
         # copy into it (cossd.model.pools); timed, a save takes at least that long.
         if pool_timed and pool_profile is None:
             raise ValueError("pool_timed needs a pool_profile (e.g. 'cxl-x8')")
-        self.pool = None if pool_profile is None else pools.load_pool(pool_profile)
+        self.pool = None if pool_profile is None else pools.load_pool(os.fspath(pool_profile))
         self.pool_timed = bool(pool_timed)
         window = tier_policy.AimdWindow(initial_concurrency, max_concurrency, part_latency_target_s)
         meter = tier_policy.StoreMeter()
