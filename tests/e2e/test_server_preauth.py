@@ -8,43 +8,21 @@ import argparse
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from cossd.client import AdminClient
-from cossd.emulator import Device
 from cossd.protocol import wire
 from cossd.protocol.entries import encode_submission
-from cossd.protocol.logpages import LogId, decode_server_log
 from cossd.protocol.status import DeviceError, Status
 from cossd.protocol.wire import FabricsType, PduType
 from cossd.server import command
 from helpers import run_cli
 from waiting import wait_until
 from test_server import Served, start_server, token_file  # noqa: F401  (the fixture)
-
-MIB = 1 << 20
-
-
-@pytest.fixture
-def serve(tmp_path: Path, token_file: Path) -> Iterator[Any]:
-    started: list[Served] = []
-
-    def start(*extra: str) -> Served:
-        backing = tmp_path / f"srv{len(started)}"
-        Device.format(backing, capacity_bytes=1 << 30)
-        served = start_server(backing, ["--listen", "127.0.0.1:0", "--token-file", str(token_file), *extra])
-        started.append(served)
-        return served
-
-    yield start
-    for served in started:
-        served.stop()
-
-
-def figures(client: AdminClient) -> dict[str, int]:
-    return decode_server_log(client.get_log_page(LogId.SERVER))
+# The same server fixture and log-page reader as the bounds tests: one copy of each.
+from test_server_bounds import MIB, figures, serve  # noqa: F401  (serve: the fixture)
 
 
 def status_kib(pid: int, key: str) -> int:
