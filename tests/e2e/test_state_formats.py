@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from cossd.trainer import AdamW, DeviceLostError
 
 from conftest import Mount
+from test_trainer import opened  # noqa: F401  (the fixture: optimizers closed before the mount goes)
 
 pytestmark = pytest.mark.mount
 
@@ -61,24 +62,6 @@ def param_bits(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone().view(torch.int16) for p in model.parameters()]
 
 
-@pytest.fixture
-def opened(mount: Mount):
-    """Opens optimizers, closing them before the mount is torn down (even on failure)."""
-    optimizers: list = []
-
-    def open_optimizer(*args, **kwargs):
-        optimizer = AdamW(*args, **kwargs)
-        optimizers.append(optimizer)
-        return optimizer
-
-    yield open_optimizer
-    for optimizer in optimizers:
-        try:
-            optimizer.close()
-        except Exception:
-            pass
-
-
 def test_unknown_state_dtype_is_refused(mount: Mount) -> None:
     with pytest.raises(ValueError, match="fp32, bf16, fp16, int8"):
         AdamW(odd_model().parameters(), mount=mount.mountpoint, namespace="bad", state_dtype="fp8")
@@ -90,7 +73,7 @@ def test_state_dict_reads_fp32_and_loads_into_another_namespace(opened, mount: M
     namespace (every tensor's last scale block partial) re-encodes them to the same codes, so
     both runs go on bit for bit."""
     model = odd_model()
-    optimizer = opened(model.parameters(), mount=mount.mountpoint, namespace="src", lr=3e-3,
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="src", lr=3e-3,
                        state_dtype=state_dtype)
     train(model, optimizer, range(1, 4))
     exported = optimizer.state_dict()
@@ -107,7 +90,7 @@ def test_state_dict_reads_fp32_and_loads_into_another_namespace(opened, mount: M
     assert torch.equal(raw.view(exported["state"][3]["exp_avg"].shape), exported["state"][3]["exp_avg"])
 
     copy_model = odd_model(seed=7)  # its own init: everything comes from the state dict
-    copied = opened(copy_model.parameters(), mount=mount.mountpoint, namespace="dst", lr=3e-3,
+    copied = opened(AdamW, copy_model.parameters(), mount=mount.mountpoint, namespace="dst", lr=3e-3,
                     state_dtype=state_dtype)
     copied.load_state_dict(exported)
     assert copied.committed_step == 3
@@ -133,7 +116,7 @@ def test_stock_state_loads_encoded_within_the_format_error(opened, mount: Mount,
                                                                                          generator=generator)
     stock.step()
     state = stock.state_dict()
-    optimizer = opened(odd_model(seed=1).parameters(), mount=mount.mountpoint, namespace="stock",
+    optimizer = opened(AdamW, odd_model(seed=1).parameters(), mount=mount.mountpoint, namespace="stock",
                        state_dtype=state_dtype)
     optimizer.load_state_dict(state, master=[p.detach() for p in stock.param_groups[0]["params"]])
     loaded = optimizer.state_dict()
@@ -154,7 +137,7 @@ def test_stock_state_loads_encoded_within_the_format_error(opened, mount: Mount,
 def test_bf16_state_dict_still_reads_its_own_bits(opened, mount: Mount) -> None:
     """bf16 moments read as bf16 (exact in FP32): the fp16/int8 reads did not change them."""
     model = odd_model()
-    optimizer = opened(model.parameters(), mount=mount.mountpoint, namespace="bf", state_dtype="bf16")
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="bf", state_dtype="bf16")
     train(model, optimizer, range(1, 3))
     moment = optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(moment, moment.to(torch.bfloat16).float())
@@ -167,8 +150,8 @@ def test_execute_program_transport_steps_like_the_vendor_path(opened, mount: Mou
     the device's moment ranges are their FP32 view (4 bytes an element), and the steps equal
     the vendor CMB_WRITE path's bit for bit, moments included."""
     models = [odd_model(), odd_model()]
-    vendor = opened(models[0].parameters(), mount=mount.mountpoint, namespace="vendor", state_dtype=state_dtype)
-    program = opened(models[1].parameters(), mount=mount.mountpoint, namespace="cp", state_dtype=state_dtype,
+    vendor = opened(AdamW, models[0].parameters(), mount=mount.mountpoint, namespace="vendor", state_dtype=state_dtype)
+    program = opened(AdamW, models[1].parameters(), mount=mount.mountpoint, namespace="cp", state_dtype=state_dtype,
                      transport="cp")
     assert train(models[0], vendor, range(1, 5)) == train(models[1], program, range(1, 5))
     assert all(torch.equal(a, b) for a, b in zip(param_bits(models[0]), param_bits(models[1])))
@@ -182,14 +165,14 @@ def test_kill_9_then_the_trainer_resumes_bit_for_bit(opened, mount: Mount, state
     remount a new job (its own random init) reattaches at the committed step and continues
     bit for bit like a run that was never interrupted: params, and the moments state_dict reads."""
     straight_model = odd_model()
-    straight = opened(straight_model.parameters(), mount=mount.mountpoint, namespace="straight",
+    straight = opened(AdamW, straight_model.parameters(), mount=mount.mountpoint, namespace="straight",
                       state_dtype=state_dtype)
     train(straight_model, straight, range(1, 9))
     expected_state = straight.state_dict()["state"]
     straight.close()
 
     model = odd_model()
-    optimizer = opened(model.parameters(), mount=mount.mountpoint, namespace="crashy", state_dtype=state_dtype)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="crashy", state_dtype=state_dtype)
     train(model, optimizer, range(1, 5))
     optimizer.zero_grad()
     odd_loss(model, 5).backward()
@@ -200,7 +183,7 @@ def test_kill_9_then_the_trainer_resumes_bit_for_bit(opened, mount: Mount, state
     mount.restart()
 
     restarted = odd_model(seed=99)
-    resumed = opened(restarted.parameters(), mount=mount.mountpoint, namespace="crashy", state_dtype=state_dtype)
+    resumed = opened(AdamW, restarted.parameters(), mount=mount.mountpoint, namespace="crashy", state_dtype=state_dtype)
     assert resumed.restored and resumed.committed_step == 4
     train(restarted, resumed, range(5, 9))
     assert all(torch.equal(a, b) for a, b in zip(param_bits(straight_model), param_bits(restarted)))
@@ -297,8 +280,8 @@ def test_reattach_with_another_state_dtype_is_refused(opened, mount: Mount, made
     state_dtype is refused (state_dict would read its moments in the wrong format), and the
     namespace still resumes with its own."""
     model = odd_model()
-    train(model, opened(model.parameters(), mount=mount.mountpoint, namespace="kept", state_dtype=made), range(1, 3))
+    train(model, opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="kept", state_dtype=made), range(1, 3))
     with pytest.raises(ValueError, match=f"keeps {made} moments.*state_dtype='{made}'"):
         AdamW(odd_model().parameters(), mount=mount.mountpoint, namespace="kept", state_dtype=asked)
-    resumed = opened(odd_model().parameters(), mount=mount.mountpoint, namespace="kept", state_dtype=made)
+    resumed = opened(AdamW, odd_model().parameters(), mount=mount.mountpoint, namespace="kept", state_dtype=made)
     assert resumed.committed_step == 2
