@@ -145,15 +145,18 @@ class CmbCommands:
                   for i, t in enumerate(transfers)]
         if any(copy is not None for copy in copies):
             check_param_copies(transfers)
+        # Through the device's one I/O entry; CMB_WRITE met its injections at the controller.
+        io = self.controller.io
         result = None
         if all(grads):
-            result = namespace.write_grads_lent(
-                [(t.tensor, t.offset, region, copy) for t, region, copy in zip(transfers, regions, copies)])
+            result = io.write_grads(
+                namespace, [(t.tensor, t.offset, region, copy) for t, region, copy in zip(transfers, regions, copies)],
+                checked=True)
         else:
             for t in transfers:
                 namespace.check_write(t.tensor, t.role, t.offset, t.length)
             for t, region in zip(transfers, regions):
-                namespace.write_state(t.tensor, t.role, t.offset, region)
+                io.write(namespace, t.tensor, t.role, t.offset, region, checked=True)
         moved = sum(t.length for t in transfers)
         report: dict[str, Any] = {"bytes": moved, "transfers": len(transfers),
                                   "committed_step": namespace.committed_step, "step_open": namespace.step_open}
@@ -176,7 +179,8 @@ class CmbCommands:
         check_disjoint([(t.cmb_offset, t.cmb_offset + t.length, f"transfer {i}") for i, t in enumerate(transfers)],
                        "two transfers into the same bytes would leave them to whichever ran last")
         reads = [(t.tensor, t.role, t.offset, t.length) for t in transfers]
-        with namespace.read_pinned_many(reads) as views:
+        # Through the device's one I/O entry; CMB_READ met its injections at the controller.
+        with self.controller.io.read_many(namespace, reads, checked=True) as views:
             for region, view in zip(regions, views):
                 parallel_copy(region, view, namespace.workers)
             step = namespace.committed_step

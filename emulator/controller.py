@@ -16,8 +16,8 @@ from ..protocol.status import DeviceError, Status
 from .health import CRITICAL_TEMP_KELVIN, WARNING_TEMP_KELVIN
 from ..protocol.injection import Queue
 from .injection import Injector
+from .io import DeviceIO
 from ..protocol.logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
-from .namespace import Namespace
 from ..protocol.entries import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
 from ..protocol.hyperparameters import GROUP_FIELDS, SET_HYPERPARAMETERS_KEYS
 from ..protocol.computational import IO_QUEUE_FLAG
@@ -139,6 +139,9 @@ class Controller:
         self.commands_failed = 0
         # Armed error injections (INJECT_ERROR, emulator/injection.py), checked before dispatch.
         self.injector = Injector(device.health)
+        # The device's one I/O entry (emulator/io.py): the CMB's transfers reach the namespaces
+        # through it, as the mount's and the server's requests do.
+        self.io = DeviceIO(self)
         self._handlers: dict[int, Callable[[Command], Completion]] = {
             Opcode.GET_LOG_PAGE: self._get_log_page,
             Opcode.IDENTIFY: self._identify,
@@ -216,7 +219,7 @@ class Controller:
         self.device.health.log_error(int(status), sqid=0, cmdid=command.cid, nsid=command.nsid,
                                      opcode=command.opcode, parm_error_location=location)
 
-    def _namespace(self, command: Command) -> Namespace:
+    def _namespace(self, command: Command) -> kinds.AnyNamespace:
         return self.device.namespace_by_id(command.nsid)
 
     # ------------------------------------------------------------------ identify
@@ -368,8 +371,8 @@ class Controller:
         """Verify every block checksum of one namespace or all; bad blocks are media errors
         (counted by the namespace) and error log entries."""
         if command.nsid == NSID_ALL:  # every namespace that has checksums: not the nvm ones
-            namespaces = sorted((ns for ns in self.device.namespaces.values() if isinstance(ns, Namespace)),
-                                key=lambda ns: ns.nsid)
+            namespaces = sorted((optimizer for ns in self.device.namespaces.values()
+                                 if (optimizer := ns.as_optimizer()) is not None), key=lambda ns: ns.nsid)
         else:
             namespaces = [self.device.optimizer_namespace(command.nsid, "scrub (block checksums)")]
         report: dict[str, Any] = {}

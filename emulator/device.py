@@ -377,9 +377,10 @@ class Device:
         """Give a namespace the device's parts: optimizer namespaces account their commands on
         the device's timing model and step their blocks on the device's kernel workers; every
         namespace reports damaged media to the device's error log."""
-        if isinstance(namespace, kinds.Namespace):
-            namespace.timing = NamespaceTiming(self.timing_model, timed=self.config.timed)
-            namespace.workers = self.workers
+        optimizer = namespace.as_optimizer()
+        if optimizer is not None:
+            optimizer.timing = NamespaceTiming(self.timing_model, timed=self.config.timed)
+            optimizer.workers = self.workers
         self._attach_error_log(namespace)
 
     def _attach_error_log(self, namespace: kinds.AnyNamespace) -> None:
@@ -447,11 +448,12 @@ class Device:
         it) that only that kind serves: NAMESPACE_KIND_MISMATCH for a namespace of another
         kind, which has no steps, state or snapshots to offer."""
         namespace = self.namespace_by_id(nsid)
-        if not isinstance(namespace, kinds.Namespace):
+        optimizer = namespace.as_optimizer()
+        if optimizer is None:
             raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
                               f"namespace {namespace.name!r} is a plain {namespace.kind} namespace: "
                               f"{needs} needs an optimizer namespace")
-        return namespace
+        return optimizer
 
     def create_namespace(self, spec: kinds.AnySpec) -> kinds.AnyNamespace:
         """Allocate a namespace of either kind; the registry update in the device superblock

@@ -1,25 +1,39 @@
-"""The device's one I/O entry: reads and writes of tensor files and NVM data, and admin
-submissions, for every front-end (the FUSE mount today; a network server beside it).
+"""The device's one I/O entry (DeviceIO): every front-end's reads and writes of tensor files
+and NVM data, its batched gradient writes and its admin submissions.
 
-A front-end resolves what a client names (a file, a path, an nsid) to a namespace and a file
-(tensor and role, or None and "data" for an NVM namespace) and calls these; the kind
-dispatch, the injected data-path failures (INJECT_ERROR, queue "io"), the choice between the
-calls that never block and those that do, and the flush hints live here, once. Errors are
-DeviceError with the status a completion would carry; each front-end maps them (errno for
-FUSE, a completion on the wire).
+The three front-ends hand their decoded requests here: the FUSE mount (fs/operations.py,
+fs/datapath.py) file by file, the network server (server/connection.py, server/writes.py) file
+by file and in batches, and the controller memory buffer (CMB_WRITE, CMB_READ:
+emulator/cmb_commands.py) in batches. A front-end resolves what a client names (a file, a
+path, an nsid) to a namespace and a file (tensor and role, or None and "data" for an NVM
+namespace) and calls these. What every request meets lives here, once:
+
+- the injected data-path failures (INJECT_ERROR, queue "io"), consulted once per request
+  (`checked=True`: this request consulted them already, through admit() or a *_nowait call;
+  a CMB transfer is an admin command, which met its injections at Controller.execute);
+- the dispatch by namespace kind, through the kind itself: each kind (emulator/namespace/core.py's
+  Namespace, emulator/nvm.py's NvmNamespace and the computational kinds built on it) has the
+  same io_* methods, so no front-end tells the kinds apart;
+- the choice between the calls that never block and those that do, and the flush hints.
+
+Errors are DeviceError with the status a completion would carry; each front-end completes the
+request once from what these return or raise (errno for FUSE, a completion on the wire or in
+the CMB command's).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from ..protocol.entries import Completion, IoOpcode
-from .controller import Controller
 from .kinds import AnyNamespace
-from .namespace import Namespace
-from .nvm import NvmNamespace
+from .namespace import CommitResult, Namespace
+from .namespace.writes import GradPieces
 from .transaction import StepTransaction
+
+if TYPE_CHECKING:
+    from .controller import Controller
 
 # The file an NVM namespace has: its data, addressed by byte offset (LBA x 4096).
 DATA_ROLE = "data"
@@ -56,6 +70,16 @@ class DeviceIO:
         """One 64-byte submission (and its payload, as the controller takes it) -> completion."""
         return self.controller.submit(submission)
 
+    # ------------------------------------------------------------------ injections
+
+    def admit(self, opcode: IoOpcode, namespace: AnyNamespace) -> None:
+        """Consult the data path's armed injections for one request (READ or WRITE) of
+        `namespace`: an armed failure raises here, logged, and the request must not run. A
+        front-end calls this itself only where something of its own comes between the
+        request's arrival and the device taking it (the server's lease handover); then it
+        passes checked=True to the call that follows."""
+        self.controller.injector.check_io(opcode, namespace.nsid)
+
     # ------------------------------------------------------------------ reads
 
     def read(self, namespace: AnyNamespace, tensor: str | None, role: str, offset: int, size: int,
@@ -64,35 +88,36 @@ class DeviceIO:
         read_nowait of this same request returned None, having consulted the injections
         already (a request meets an armed failure once)."""
         if not checked:
-            self.controller.injector.check_io(IoOpcode.READ, namespace.nsid)
-        if isinstance(namespace, NvmNamespace):
-            return namespace.read(offset, size)
-        assert tensor is not None
-        return namespace.read(tensor, role, offset, size)
+            self.admit(IoOpcode.READ, namespace)
+        return namespace.io_read(tensor, role, offset, size)
 
     def read_nowait(self, namespace: AnyNamespace, tensor: str | None, role: str, offset: int,
                     size: int) -> memoryview | bytes | None:
         """A read that never blocks (for an event loop): a view valid until the caller yields,
         or None where it would block; then call read(..., checked=True) on a thread. An
         injected failure raises here as in read()."""
-        self.controller.injector.check_io(IoOpcode.READ, namespace.nsid)
-        if isinstance(namespace, NvmNamespace):
-            return None
-        assert tensor is not None
-        return namespace.read_nowait(tensor, role, offset, size)
+        self.admit(IoOpcode.READ, namespace)
+        return namespace.io_read_nowait(tensor, role, offset, size)
 
     @contextlib.contextmanager
     def read_view(self, namespace: AnyNamespace, tensor: str | None, role: str, offset: int,
                   size: int) -> Iterator[bytes | memoryview]:
         """The bytes of a read without a copy where the kind allows: a view of the committed
         copy that no commit or rollback moves until the block exits (blocking)."""
-        self.controller.injector.check_io(IoOpcode.READ, namespace.nsid)
-        if isinstance(namespace, NvmNamespace):
-            yield namespace.read(offset, size)
-            return
-        assert tensor is not None
-        with namespace.read_pinned(tensor, role, offset, size) as view:
+        self.admit(IoOpcode.READ, namespace)
+        with namespace.io_read_view(tensor, role, offset, size) as view:
             yield view
+
+    @contextlib.contextmanager
+    def read_many(self, namespace: AnyNamespace, reads: Sequence[tuple[str | None, str, int, int]],
+                  *, checked: bool = False) -> Iterator[Sequence[bytes | memoryview]]:
+        """Several (tensor, role, offset, size) ranges of one namespace as one request, without
+        a copy where the kind allows: of an optimizer namespace all of one committed step,
+        views that no commit or rollback moves until the block exits (blocking)."""
+        if not checked:
+            self.admit(IoOpcode.READ, namespace)
+        with namespace.io_read_many(reads) as views:
+            yield views
 
     # ------------------------------------------------------------------ writes
 
@@ -103,31 +128,32 @@ class DeviceIO:
         change later: a gradient block may still be read from it after this returns.
         `checked`: as for read()."""
         if not checked:
-            self.controller.injector.check_io(IoOpcode.WRITE, namespace.nsid)
-        if isinstance(namespace, NvmNamespace):
-            return namespace.write(offset, data)
-        assert tensor is not None
-        if role == "grad":
-            return namespace.write_grad(tensor, offset, data)
-        return namespace.write_state(tensor, role, offset, data)
+            self.admit(IoOpcode.WRITE, namespace)
+        return namespace.io_write(tensor, role, offset, data)
 
     def write_nowait(self, namespace: AnyNamespace, tensor: str | None, role: str, offset: int,
                      data: bytes) -> Staged | None:
         """A gradient write that never blocks (for an event loop), or None where it would
         (and for every other write): then call write(..., checked=True) on a thread. An
         injected failure raises here as in write()."""
-        self.controller.injector.check_io(IoOpcode.WRITE, namespace.nsid)
-        if not isinstance(namespace, Namespace) or role != "grad":
-            return None
-        assert tensor is not None
-        staged = namespace.write_grad_nowait(tensor, offset, data)
+        self.admit(IoOpcode.WRITE, namespace)
+        staged = namespace.io_write_nowait(tensor, role, offset, data)
         return None if staged is None else Staged(*staged)
 
     def finish(self, namespace: AnyNamespace, staged: Staged) -> None:
         """Commit (or skip) the implicit step a write_nowait completed (blocking)."""
         if staged.implicit is not None:
-            assert isinstance(namespace, Namespace)
-            namespace.finish_implicit_step(staged.implicit)
+            namespace.io_finish(staged.implicit)
+
+    def write_grads(self, namespace: AnyNamespace, pieces: GradPieces, *,
+                    checked: bool = False) -> CommitResult | None:
+        """Gradients of several ranges as one request, from memory the caller lends until this
+        returns (the CMB, a network receive buffer: no copy by the front-end); the commit's
+        result where they completed an implicit step. NAMESPACE_KIND_MISMATCH for a kind
+        without gradients. `checked`: as for read()."""
+        if not checked:
+            self.admit(IoOpcode.WRITE, namespace)
+        return namespace.io_write_grads(pieces)
 
     # ------------------------------------------------------------------ durability hints
 
@@ -135,4 +161,4 @@ class DeviceIO:
         """Whether the front-end should have `namespace` flushed in the background now: the
         device runs in power-loss-protected mode (commits are not synced inline) and the
         namespace has a committed step that is not durable yet."""
-        return not self.device.config.sync and bool(getattr(namespace, "flush_pending", False))
+        return not self.device.config.sync and bool(namespace.flush_pending)

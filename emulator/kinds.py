@@ -3,7 +3,7 @@ allocates, and how each is created and opened."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from ..protocol.status import DeviceError, Status
 from .media import read_json
@@ -42,20 +42,23 @@ def spec_from_payload(value: Any) -> AnySpec:
 
 def allocation_bytes(spec: AnySpec) -> int:
     """Device capacity a namespace of `spec` takes: both state copies, or every NVM block."""
-    if isinstance(spec, (NvmSpec, ComputeSpec, MemorySpec)):
-        return spec.allocation_bytes
-    _, copy_bytes = spec.layout()
-    return 2 * copy_bytes
+    if isinstance(spec, NamespaceSpec):  # the spec (not a namespace kind) whose size needs its layout
+        _, copy_bytes = spec.layout()
+        return 2 * copy_bytes
+    return spec.allocation_bytes
+
+
+# How each kind's spec creates its namespace, keyed by the spec's class.
+_CREATORS: dict[type, Callable[[Path, int, Any, bool], AnyNamespace]] = {
+    NamespaceSpec: Namespace.create,
+    NvmSpec: NvmNamespace.create,
+    ComputeSpec: lambda directory, nsid, spec, sync: ComputeNamespace.create(directory, nsid, spec),
+    MemorySpec: lambda directory, nsid, spec, sync: MemoryNamespace.create(directory, nsid, spec),
+}
 
 
 def create(directory: Path, nsid: int, spec: AnySpec, sync: bool) -> AnyNamespace:
-    if isinstance(spec, NvmSpec):
-        return NvmNamespace.create(directory, nsid, spec, sync)
-    if isinstance(spec, ComputeSpec):
-        return ComputeNamespace.create(directory, nsid, spec)
-    if isinstance(spec, MemorySpec):
-        return MemoryNamespace.create(directory, nsid, spec)
-    return Namespace.create(directory, nsid, spec, sync)
+    return _CREATORS[type(spec)](directory, nsid, spec, sync)
 
 
 def open_namespace(directory: Path, sync: bool, verify: str = VERIFY_OPEN, *, durable: bool = False) -> AnyNamespace:

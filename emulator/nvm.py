@@ -1,6 +1,7 @@
 """A plain NVM namespace: a raw, LBA-addressed data file with a volatile write cache."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -8,12 +9,17 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from ..protocol.status import DeviceError, Status
 from .lifetime import LifetimeCounters
 from .media import StateFile, atomic_write_json, fsync_dir, read_json
 from .names import check_name
+
+if TYPE_CHECKING:
+    from .namespace import CommitResult, Namespace
+    from .namespace.writes import GradPieces
+    from .transaction import StepTransaction
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +304,44 @@ class NvmNamespace:
                 self.counters.flushes += 1
                 self.counters.flush_ns += time.perf_counter_ns() - started
         return 0
+
+    # ------------------------------------------------------------------ the kind's I/O (emulator/io.py)
+    # DeviceIO dispatches each request through these, the same methods on every kind, so that
+    # no front-end tells the kinds apart: an NVM namespace has one file, its data, addressed
+    # by byte offset; `tensor` and `role` name nothing here.
+
+    def as_optimizer(self) -> Namespace | None:
+        """None: this kind has no tensors, steps, state copies or snapshots."""
+        return None
+
+    def io_read(self, tensor: str | None, role: str, offset: int, size: int) -> bytes:
+        return self.read(offset, size)
+
+    def io_read_nowait(self, tensor: str | None, role: str, offset: int, size: int) -> memoryview | bytes | None:
+        return None  # every read reaches the media file (pread): never without blocking
+
+    @contextlib.contextmanager
+    def io_read_view(self, tensor: str | None, role: str, offset: int, size: int) -> Iterator[bytes | memoryview]:
+        yield self.read(offset, size)
+
+    @contextlib.contextmanager
+    def io_read_many(self, reads: Sequence[tuple[str | None, str, int, int]]) -> Iterator[list[bytes]]:
+        yield [self.read(offset, size) for _tensor, _role, offset, size in reads]
+
+    def io_write(self, tensor: str | None, role: str, offset: int, data: bytes | memoryview) -> int:
+        return self.write(offset, data)
+
+    def io_write_nowait(self, tensor: str | None, role: str, offset: int,
+                        data: bytes) -> tuple[int, StepTransaction | None] | None:
+        return None  # a write reaches the media file (and, written through, its fsync)
+
+    def io_finish(self, implicit: StepTransaction) -> None:
+        """Nothing to finish: io_write_nowait never stages a write here."""
+
+    def io_write_grads(self, pieces: GradPieces) -> CommitResult | None:
+        raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
+                          f"namespace {self.name!r} is a plain {self.kind} namespace: gradients need an "
+                          "optimizer namespace")
 
     def _check_media(self) -> None:
         if self.media_failure is not None:

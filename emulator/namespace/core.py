@@ -8,12 +8,13 @@ reopened copy lazily: params as served, the rest in the background).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from .reads import _Reads
 from .shared import SharedOutcome, _SharedSteps
 from .steps import _Steps
 from .verify import _Verifying
-from .writes import MAX_QUEUED_BLOCKS, _Writes
+from .writes import MAX_QUEUED_BLOCKS, GradPieces, _Writes
 from .snapshots import SnapshotStore
 from ..spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec, TensorSpec
 from ..superblock import Superblock
@@ -306,3 +307,53 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
             "verification": self.verification_state(),
             "model": self.timing.snapshot(),
         }
+
+    # ------------------------------------------------------------------ the kind's I/O (emulator/io.py)
+    # DeviceIO dispatches each request through these, the same methods on every kind (an NVM
+    # namespace's are in emulator/nvm.py), so that no front-end tells the kinds apart: here a
+    # file is a tensor's `role` array, and a write of "grad" is a gradient of the step.
+
+    def as_optimizer(self) -> Namespace:
+        """This namespace, as the kind with tensors, steps, state copies and snapshots."""
+        return self
+
+    def io_read(self, tensor: str | None, role: str, offset: int, size: int) -> bytes:
+        return self.read(_tensor_named(tensor), role, offset, size)
+
+    def io_read_nowait(self, tensor: str | None, role: str, offset: int, size: int) -> memoryview | bytes | None:
+        return self.read_nowait(_tensor_named(tensor), role, offset, size)
+
+    @contextlib.contextmanager
+    def io_read_view(self, tensor: str | None, role: str, offset: int, size: int) -> Iterator[bytes | memoryview]:
+        with self.read_pinned(_tensor_named(tensor), role, offset, size) as view:
+            yield view
+
+    @contextlib.contextmanager
+    def io_read_many(self, reads: Sequence[tuple[str | None, str, int, int]]) -> Iterator[list[bytes | memoryview]]:
+        named = [(_tensor_named(tensor), role, offset, size) for tensor, role, offset, size in reads]
+        with self.read_pinned_many(named) as views:
+            yield views
+
+    def io_write(self, tensor: str | None, role: str, offset: int, data: bytes | memoryview) -> int:
+        if role == "grad":
+            return self.write_grad(_tensor_named(tensor), offset, data)
+        return self.write_state(_tensor_named(tensor), role, offset, data)
+
+    def io_write_nowait(self, tensor: str | None, role: str, offset: int,
+                        data: bytes) -> tuple[int, StepTransaction | None] | None:
+        if role != "grad":
+            return None  # initial state goes through the blocking write
+        return self.write_grad_nowait(_tensor_named(tensor), offset, data)
+
+    def io_finish(self, implicit: StepTransaction) -> None:
+        self.finish_implicit_step(implicit)
+
+    def io_write_grads(self, pieces: GradPieces) -> CommitResult | None:
+        return self.write_grads_lent(pieces)
+
+
+def _tensor_named(tensor: str | None) -> str:
+    """The tensor a file of an optimizer namespace belongs to (every one has one)."""
+    if tensor is None:
+        raise DeviceError(Status.INVALID_FIELD, "a file of an optimizer namespace is a tensor's")
+    return tensor

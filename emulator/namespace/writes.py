@@ -25,6 +25,10 @@ _LENT_STAGE_BYTES = 4 * BLOCK_ELEMS * 2
 # with the step's gradients (docs/benchmarks.md, "Scale"). 64 blocks: 32 MiB.
 MAX_QUEUED_BLOCKS = 64
 
+# Gradients lent to write_grads_lent: (tensor, byte offset in its grad file, the bytes, where
+# the new params go or None).
+GradPieces = Sequence[tuple[str, int, bytes | memoryview | np.ndarray, np.ndarray | None]]
+
 
 def _immutable(data: bytes | memoryview) -> bool:
     """Whether `data` can never change: bytes, or a view of bytes."""
@@ -125,9 +129,7 @@ class _Writes:
         except WouldBlock:
             return None
 
-    def write_grads_lent(
-        self, pieces: Sequence[tuple[str, int, bytes | memoryview | np.ndarray, np.ndarray | None]]
-    ) -> CommitResult | None:
+    def write_grads_lent(self, pieces: GradPieces) -> CommitResult | None:
         """Take gradient pieces (tensor, byte offset in its grad file, bytes, param copy) from
         memory the caller lends until this returns, as a drive's DMA reads a host buffer:
         each gradient element is read from it exactly once (a whole block by its kernel
