@@ -161,6 +161,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="devices section: the GPT's width (its layers are --device-layers; default 512)")
     parser.add_argument("--device-layers", type=_positive_int, default=4,
                         help="devices section: the GPT's layers (default 4: 18M params at width 512)")
+    parser.add_argument("--devices-link", choices=("daemons", "netns"), default="daemons",
+                        help="devices section: each device its own FUSE daemon (daemons, the default), or its own "
+                             "`cossd serve` in a network namespace of its own reached over a veth pair (netns; root)")
+    parser.add_argument("--devices-link-mbit", type=float, default=None,
+                        help="devices section with --devices-link netns: a tc tbf rate on each veth, each way, in "
+                             "Mbit/s (default: none)")
     parser.add_argument("--net-elements", type=_positive_int, default=1 << 22,
                         help="net section: elements of the served tensor and parameters of the I/O-path "
                              "comparison's model (default 4M)")

@@ -50,15 +50,23 @@ def _timed(target: Any, name: str, spent: list[float]) -> None:
     setattr(target, name, timed)
 
 
-def _job(mounts: list[Path], shapes: list[tuple[str, tuple[int, ...]]], warmup: int, steps: int) -> dict[str, Any]:
-    """One process, one optimizer over `mounts`: `warmup` then `steps` timed steps on fixed
-    BF16 gradients; the step times, and per device its elements, seconds and link bytes."""
+# Per device, a reading of counters outside the device's own (a link's bytes), taken before
+# and after the timed steps; the job reports their differences a step.
+Counters = Callable[[], dict[str, int]]
+
+
+def run_job(mounts: list[str], shapes: list[tuple[str, tuple[int, ...]]], warmup: int, steps: int,
+            counters: list[Counters] | None = None, **options: Any) -> dict[str, Any]:
+    """One process, one optimizer over `mounts` (paths or cossd:// URLs; `options` go to the
+    optimizer, a token_file say): `warmup` then `steps` timed steps on fixed BF16 gradients;
+    the step times, and per device its elements, seconds and the bytes it counted, with each
+    of `counters`' differences a step under "link"."""
     from ...trainer import AdamW
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16) * 0.02) for _, shape in shapes]
     optimizer = AdamW([{"params": params, "param_names": [name for name, _ in shapes]}], lr=1e-4,
-                      mount=[str(mount) for mount in mounts], namespace="bench-devices")
+                      mount=mounts, namespace="bench-devices", **options)
     try:
         children = optimizer._group
         assert children is not None
@@ -72,21 +80,27 @@ def _job(mounts: list[Path], shapes: list[tuple[str, tuple[int, ...]]], warmup: 
         for param in params:
             param.grad = (torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel()))
                           * 1e-3).to(torch.bfloat16)
+        readers = counters or [lambda: {} for _ in children]
         step_s: list[float] = []
         before: list[dict[str, Any]] = []
+        links_before: list[dict[str, int]] = []
         for index in range(warmup + steps):
             if index == warmup:
                 before = [child.files.statistics() for child in children]
+                links_before = [read() for read in readers]  # after the statistics: their bytes fall outside
                 for seconds in spent:
                     seconds[0] = 0.0
             started = time.perf_counter()
             optimizer.step()
             if index >= warmup:
                 step_s.append(time.perf_counter() - started)
+        links_after = [read() for read in readers]
         after = [child.files.statistics() for child in children]
         devices = []
-        for child, seconds, old, new in zip(children, spent, before, after):
+        for child, seconds, old, new, link_old, link_new in zip(children, spent, before, after, links_before,
+                                                                 links_after):
             devices.append({
+                "link": {key: (link_new[key] - link_old[key]) / steps for key in link_new},
                 "elements": sum(entry.numel for entry in child.entries),
                 "tensors": [(entry.name, entry.numel) for entry in child.entries],
                 "seconds_per_step": seconds[0] / steps,
@@ -112,7 +126,7 @@ def devices_costs(workdir: Path, width: int, layers: int, steps: int) -> dict[st
                 Device.format(directory / "backing", serial=f"BENCHDEV{count}{index:04d}")
                 pids.append(daemon.start_background(directory / "backing", directory / "mnt"))
                 mounts.append(directory / "mnt")
-            job = _job(mounts, shapes, 2, steps)
+            job = run_job([str(mount) for mount in mounts], shapes, 2, steps)
         finally:
             for mount, pid in zip(mounts, pids):
                 daemon.stop_background(mount, pid)
@@ -131,6 +145,10 @@ def devices_costs(workdir: Path, width: int, layers: int, steps: int) -> dict[st
 
 def markdown_rows(report: dict[str, Any]) -> list[str]:
     section = report["devices"]
+    if section.get("link") == "netns":  # --devices-link netns: each device served in a namespace of its own
+        from .devices_net import markdown_rows as net_rows
+
+        return net_rows(section)
     rows = section["rows"]
     total = rows[0]["elements"]
     lines = ["", f"One optimizer over several devices (mount=[...]), each its own FUSE daemon and backing, one "

@@ -87,8 +87,15 @@ def run(args: argparse.Namespace) -> int:
 
         workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-devices-"))
         try:
-            report["devices"] = devices_costs(workdir, getattr(args, "device_width", 512),
-                                              getattr(args, "device_layers", 4), max(args.repeat, 5))
+            if getattr(args, "devices_link", "daemons") == "netns":  # each device served in a namespace of its own
+                from .devices_net import devices_net_costs
+
+                report["devices"] = devices_net_costs(workdir, getattr(args, "device_width", 512),
+                                                      getattr(args, "device_layers", 4), max(args.repeat, 5),
+                                                      getattr(args, "devices_link_mbit", None))
+            else:
+                report["devices"] = devices_costs(workdir, getattr(args, "device_width", 512),
+                                                  getattr(args, "device_layers", 4), max(args.repeat, 5))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     if "scale" in sections:
