@@ -10,11 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol.computational import (ADAMW_PROGRAM_INDEX, CP_IDENTIFY_NAMESPACE, CSI_COMPUTE,
-                                      IDENTIFY_CNS_CSI_NAMESPACE, IDENTIFY_CSI_SHIFT, IO_QUEUE_FLAG, MAX_RANGES,
-                                      NVM_SOURCE_RANGE, PROGRAM_DESCRIPTOR, PROGRAM_TABLE_AT, ActivationSelect,
-                                      ComputeOpcode, CopyFormat, CpAdminOpcode, MemoryOpcode, RangeSetSelect,
-                                      encode_hyperparameters, encode_ranges)
+from ..protocol.computational import (ADAMW_PROGRAM_INDEX, CP_IDENTIFY_NAMESPACE, CSI_COMPUTE, CSI_MEMORY,
+                                      IDENTIFY_CNS_CSI_NAMESPACE, IDENTIFY_CSI_SHIFT, IO_QUEUE_FLAG,
+                                      MATTR_CMB_WINDOW, MATTR_VOLATILE, MAX_RANGES, MEMORY_SOURCE_RANGE,
+                                      NVM_LBA_BYTES, NVM_SOURCE_RANGE, PROGRAM_DESCRIPTOR, PROGRAM_TABLE_AT,
+                                      SLM_IDENTIFY_NAMESPACE, ActivationSelect, ComputeOpcode, CopyFormat,
+                                      CpAdminOpcode, MemoryOpcode, RangeSetSelect, encode_hyperparameters,
+                                      encode_ranges)
 from ..protocol.entries import SUBMISSION, Completion, Opcode, encode_submission, status_error
 from ..protocol.status import DeviceError, Status
 from .admin import AdminClient
@@ -82,6 +84,18 @@ class ComputationalClient:
                               "activated": bool(int(row["flags"]) >> 2 & 1), "type": int(row["ptype"]),
                               "pid": int(row["pid"])} for index, row in enumerate(table)]}
 
+    def identify_memory(self, nsid: int) -> dict[str, Any]:
+        """The SLM Identify Namespace fields of memory namespace `nsid` (cossd's layout), with
+        the copy formats and attribute bits spelled out."""
+        page = self.admin.call(Opcode.IDENTIFY, nsid=nsid, cdw10=IDENTIFY_CNS_CSI_NAMESPACE,
+                               cdw11=CSI_MEMORY << IDENTIFY_CSI_SHIFT).data
+        row = np.frombuffer(page, dtype=SLM_IDENTIFY_NAMESPACE, count=1)[0]
+        fields = {name: int(row[name]) for name in SLM_IDENTIFY_NAMESPACE.names or ()}
+        return {"fields": fields,
+                "copy_formats": [form for form in range(16) if fields["cfmts"] >> form & 1],
+                "cmb_window": bool(fields["mattr"] & MATTR_CMB_WINDOW),
+                "volatile": bool(fields["mattr"] & MATTR_VOLATILE)}
+
     # ------------------------------------------------------------------ admin
 
     def activate(self, nsid: int, index: int = ADAMW_PROGRAM_INDEX, active: bool = True) -> None:
@@ -122,27 +136,38 @@ class ComputationalClient:
 
     def write(self, nsid: int, offset: int, data: bytes) -> int:
         return self.call(MemoryOpcode.MEMORY_WRITE, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
-                         cdw11=offset >> 32, payload=bytes(data)).result
+                         cdw11=offset >> 32, cdw12=len(data), payload=bytes(data)).result
 
     def fill(self, nsid: int, offset: int, length: int, pattern: int = 0) -> int:
         return self.call(MemoryOpcode.MEMORY_FILL, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
                          cdw11=offset >> 32, cdw12=length, cdw13=pattern).result
 
     def copy_from_memory(self, nsid: int, offset: int, sources: list[Range]) -> int:
-        return self._copy(nsid, offset, CopyFormat.MEMORY, encode_ranges(sources), len(sources))
+        """Memory Copy (format 4h) from (memory nsid, first byte, bytes) ranges, in order, to
+        byte `offset` of memory namespace `nsid`."""
+        table = np.zeros(len(sources), dtype=MEMORY_SOURCE_RANGE)
+        for row, (source, saddr, nbyte) in zip(table, sources):
+            row["snsid"], row["saddr"], row["nbyte"] = source, saddr, nbyte
+        return self._copy(nsid, offset, CopyFormat.MEMORY, table.tobytes(), len(sources),
+                          sum(nbyte for _, _, nbyte in sources))
 
     def copy_from_nvm(self, nsid: int, offset: int, sources: list[tuple[int, int, int]]) -> int:
-        """Memory Copy from LBA ranges (nvm nsid, first LBA, blocks) of NVM namespaces: a restore."""
+        """Memory Copy (format 2h) from LBA ranges (nvm nsid, first LBA, blocks) of NVM
+        namespaces: a restore."""
         table = np.zeros(len(sources), dtype=NVM_SOURCE_RANGE)
         for row, (source, slba, blocks) in zip(table, sources):
-            row["nsid"], row["slba"], row["nlb"] = source, slba, blocks
-        return self._copy(nsid, offset, CopyFormat.NVM_LBAS, table.tobytes(), len(sources))
+            if not 1 <= blocks <= 1 << 16:
+                raise ValueError(f"1..65536 blocks a source range (NLB is 16 bits, 0's based), got {blocks}")
+            row["snsid"], row["slba"], row["nlb"] = source, slba, blocks - 1
+        return self._copy(nsid, offset, CopyFormat.NVM_LBAS, table.tobytes(), len(sources),
+                          NVM_LBA_BYTES * sum(blocks for _, _, blocks in sources))
 
-    def _copy(self, nsid: int, offset: int, form: int, payload: bytes, count: int) -> int:
+    def _copy(self, nsid: int, offset: int, form: int, payload: bytes, count: int, length: int) -> int:
         if not 1 <= count <= MAX_RANGES:
             raise ValueError(f"1..{MAX_RANGES} source ranges, got {count}")
-        return self.call(MemoryOpcode.MEMORY_COPY, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
-                         cdw11=offset >> 32, cdw12=(count - 1) | form << 8, payload=payload).result
+        return self.call(MemoryOpcode.MEMORY_COPY, io=True, nsid=nsid, cdw2=length & 0xFFFFFFFF, cdw3=length >> 32,
+                         cdw10=offset & 0xFFFFFFFF, cdw11=offset >> 32, cdw12=(count - 1) | form << 8,
+                         payload=payload).result
 
 
 # The namespaces a trainer's Execute Program path uses, made on first use: one compute

@@ -2,10 +2,11 @@
 03h) command sets as they travel: opcodes, fields and byte layouts, each declared once.
 
 Where each value comes from is in docs/command-set.md ("The standard face"): the admin
-opcodes are the base specification's (libnvme names the same three); the I/O command
-layouts, descriptors and the CP Identify Namespace fields follow the SPDK prototype's header
-(hsung-yang/spdk include/spdk/nvme_cpcs_spec.h, "Computational Programs Command Set
-Specification, Revision 1.1"); the rest is cossd's own choice, marked so there.
+opcodes are the base specification's (libnvme names the same three), the CSI values and the
+Memory Copy LBA source formats libnvme's; the I/O command layouts, descriptors and the CP
+Identify Namespace fields follow the SPDK prototype (hsung-yang/spdk: include/spdk/
+nvme_cpcs_spec.h, "Computational Programs Command Set Specification, Revision 1.1", and its
+SLM code); the SLM Identify Namespace layout and the rest are cossd's own, marked so there.
 """
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import enum
 
 import numpy as np
 
-# Command set identifiers of the two namespace kinds (Identify CNS 05h takes one in CDW11).
+from .entries import MAX_PAYLOAD_BYTES
+
+# Command set identifiers of the two namespace kinds (Identify CNS 05h takes one in CDW11;
+# libnvme's enum nvme_csi: NVME_CSI_SLM 3, NVME_CSI_CP 4).
 CSI_MEMORY = 0x03  # Subsystem Local Memory (a memory namespace)
 CSI_COMPUTE = 0x04  # Computational Programs (a compute namespace)
 
@@ -67,11 +71,12 @@ class RangeSetSelect(enum.IntEnum):
 
 
 class CopyFormat(enum.IntEnum):
-    """Memory Copy CDW12 bits 11:8: what the source descriptors name."""
+    """Memory Copy CDW12 bits 11:8: what the source descriptors name (the prototype takes
+    2h, 3h and 4h; 2h and 3h are the NVM Command Set's cross-namespace Copy formats)."""
 
-    MEMORY = 0x0  # memory ranges of memory namespaces (MEMORY_RANGE)
-    NVM_LBAS = 0x2  # LBA ranges of an NVM namespace (NVM_SOURCE_RANGE)
-    NVM_LBAS_3 = 0x3  # taken as 2h: the difference in the specification is not known here
+    NVM_LBAS = 0x2  # LBA ranges of NVM namespaces, 16-bit protection tags (NVM_SOURCE_RANGE)
+    NVM_LBAS_64 = 0x3  # the same with 64-bit protection tags (NVM_SOURCE_RANGE_64)
+    MEMORY = 0x4  # byte ranges of memory namespaces (MEMORY_SOURCE_RANGE)
 
 
 # Memory range descriptor: a byte range of a memory namespace (prototype: Figure 34).
@@ -100,10 +105,38 @@ ADAMW_HYPERPARAMETERS = np.dtype([("lr", "<f8"), ("beta1", "<f8"), ("beta2", "<f
 assert ADAMW_HYPERPARAMETERS.itemsize == 48, ADAMW_HYPERPARAMETERS.itemsize
 ALL_GROUPS = 0xFFFFFFFF
 
-# Memory Copy source descriptor, formats 2h/3h (cossd's layout): NLB blocks (a count, not
-# 0's based) of NVM namespace NSID from SLBA.
-NVM_SOURCE_RANGE = np.dtype([("nsid", "<u4"), ("nlb", "<u4"), ("slba", "<u8"), ("reserved", "V16")])
+# Memory Copy source descriptors. Formats 2h and 3h (libnvme's nvme_copy_range_f2 and
+# nvme_copy_range_f3, the NVM Command Set's Copy): NLB + 1 blocks (0's based) of namespace
+# SNSID from SLBA; the protection fields after SOPT are ignored (no protection information
+# here). Format 4h (the prototype's spdk_nvme_slm_copy_desc_format_4): NBYTE bytes of memory
+# namespace SNSID from byte SADDR.
+NVM_SOURCE_RANGE = np.dtype([("snsid", "<u4"), ("reserved4", "V4"), ("slba", "<u8"), ("nlb", "<u2"),
+                             ("cetype", "u1"), ("reserved19", "u1"), ("cev", "<u2"), ("sopt", "<u2"),
+                             ("elbt", "<u4"), ("elbat", "<u2"), ("elbatm", "<u2")])
 assert NVM_SOURCE_RANGE.itemsize == 32, NVM_SOURCE_RANGE.itemsize
+NVM_SOURCE_RANGE_64 = np.dtype([("snsid", "<u4"), ("reserved4", "V4"), ("slba", "<u8"), ("nlb", "<u2"),
+                                ("cetype", "u1"), ("reserved19", "u1"), ("cev", "<u2"), ("sopt", "<u2"),
+                                ("reserved24", "V2"), ("elbt", "V10"), ("elbat", "<u2"), ("elbatm", "<u2")])
+assert NVM_SOURCE_RANGE_64.itemsize == 40, NVM_SOURCE_RANGE_64.itemsize
+MEMORY_SOURCE_RANGE = np.dtype([("snsid", "<u4"), ("reserved4", "V4"), ("saddr", "<u8"), ("nbyte", "<u4"),
+                                ("reserved20", "V2"), ("sopt", "<u2"), ("reserved24", "V8")])
+assert MEMORY_SOURCE_RANGE.itemsize == 32, MEMORY_SOURCE_RANGE.itemsize
+COPY_SOURCE_LAYOUTS = {CopyFormat.NVM_LBAS: NVM_SOURCE_RANGE, CopyFormat.NVM_LBAS_64: NVM_SOURCE_RANGE_64,
+                       CopyFormat.MEMORY: MEMORY_SOURCE_RANGE}
+# SOPT bit 15, Fast Copy Only: honoured, every copy here is one memory copy (the prototype
+# refuses it; cossd's reading).
+SOPT_FAST_COPY_ONLY = 1 << 15
+# An NVM namespace's one LBA format (LBADS 12): what a Memory Copy's NLB counts in.
+NVM_LBA_BYTES = 4096
+
+# SLM Identify Namespace (Identify CNS 05h, CSI 03h). The specification's layout is not public
+# (libnvme says it does not define it; the prototype has none), so this one is cossd's own:
+# the fields a host needs to address the namespace, in the first 21 bytes of a 4096-byte page.
+SLM_IDENTIFY_NAMESPACE = np.dtype([("msz", "<u8"), ("mgran", "<u4"), ("mxfer", "<u4"), ("msrc", "<u2"),
+                                   ("cfmts", "<u2"), ("mattr", "u1")])
+assert SLM_IDENTIFY_NAMESPACE.itemsize == 21, SLM_IDENTIFY_NAMESPACE.itemsize
+MATTR_CMB_WINDOW = 1 << 0  # the namespace is a window on the controller memory buffer
+MATTR_VOLATILE = 1 << 1  # its bytes do not survive a restart (memory, not media)
 
 # The built-in program: index 0, not downloadable, with a fixed program identifier.
 ADAMW_PROGRAM_INDEX = 0
@@ -116,15 +149,19 @@ ADAMW_ROLES = ("grad", "master", "exp_avg", "exp_avg_sq", "param_out")
 # What a compute namespace reports (CP Identify Namespace).
 MAX_ACTIVATED = 1  # maxact: the one program
 MAX_RANGE_SETS = 64  # maxmemrs
-# mrsg: bytes; the unit is cossd's reading. 2, not a dword: a half-precision gradient of an odd
-# number of elements must be nameable as one range.
-RANGE_GRANULARITY = 2
+# mrsg: ranges start and end on multiples of 2^MRSG bytes (the prototype's unit: its
+# granularity is 1 << mrsg). 2 bytes, not a dword: a half-precision gradient of an odd number
+# of elements must be nameable as one range.
+RANGE_GRANULARITY_SHIFT = 1
+RANGE_GRANULARITY = 1 << RANGE_GRANULARITY_SHIFT
 MAX_RANGES = 250  # maxmemr (a u8): fifty groups of five
 MAX_PROGRAM_BYTES = 0  # maxpb: no downloads
 LOAD_GRANULARITY = 0  # lpg
 
 # SLM I/O offsets and lengths are whole dwords.
 SLM_ALIGN = 4
+# The bytes one Memory Read or Write moves at most: a submission's payload (MAX_PAYLOAD_BYTES).
+SLM_MAX_TRANSFER = MAX_PAYLOAD_BYTES
 # A memory namespace's bytes at most (the shared memory that holds them).
 MAX_MEMORY_BYTES = 1 << 40
 

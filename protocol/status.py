@@ -46,6 +46,9 @@ class Status(enum.IntEnum):
     # NVMe-oF Connect's "Connect Invalid Host": the network wire refused the host's credentials
     # (a wrong or missing token), or a command came before the connect
     CONNECT_INVALID_HOST = 0x184
+    # The SLM command set's (and the NVM Command Set Copy's) "Overlapping I/O Range": a Memory
+    # Copy source that overlaps its destination (value: the SPDK prototype; a CSD emulator header agrees)
+    OVERLAPPING_IO_RANGE = 0x187
     # The Computational Programs command set's own (docs/command-set.md, "The standard face":
     # values as a CSD emulator's header lists them, not checked against the specification's text)
     INVALID_MEMORY_NAMESPACE = 0x18B
@@ -129,6 +132,7 @@ STATUS_ERRNO: dict[Status, int] = {
     Status.MAX_MEMORY_RANGE_SET_EXCEEDED: errno.ENOSPC,
     Status.NO_PROGRAM: errno.ENOENT,
     Status.OVERLAPPING_MEMORY_RANGE: errno.EINVAL,
+    Status.OVERLAPPING_IO_RANGE: errno.EINVAL,
     Status.PROGRAM_NOT_ACTIVATED: errno.EINVAL,
     Status.PROGRAM_INDEX_NOT_DOWNLOADABLE: errno.EPERM,
     Status.WRITE_FAULT: errno.EIO,

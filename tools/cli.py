@@ -46,6 +46,7 @@ VERB_FAMILIES = {
     "archive": "archive", "restore": "archive",
     "cp-list-programs": "computational", "cp-activate": "computational",
     "cp-exec": "computational", "slm-read": "computational", "slm-write": "computational",
+    "slm-id-ns": "computational",
 }
 
 
@@ -59,7 +60,7 @@ HELP_ORDER = ("format", "mount", "serve", "umount", "create-ns", "delete-ns", "i
               "abort-step", "revert-step", "smart-log", "error-log", "server-log", "get-log", "id-ns", "admin-passthru", "flush",
               "scrub", "list", "version", "demo", "bench", "top", "get-feature", "set-feature", "inject-error", "model",
               "snapshot", "rollback", "clone", "export", "archive", "restore", "cp-list-programs", "cp-activate",
-              "cp-exec", "slm-read", "slm-write")
+              "cp-exec", "slm-id-ns", "slm-read", "slm-write")
 
 
 class _Verbs:

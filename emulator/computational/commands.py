@@ -10,11 +10,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...protocol.computational import (ADAMW_HYPERPARAMETERS, CP_IDENTIFY_NAMESPACE, CSI_COMPUTE, CSI_MEMORY,
-                                       IDENTIFY_CNS_CSI_NAMESPACE, IDENTIFY_CSI_SHIFT, LOAD_GRANULARITY,
-                                       MAX_ACTIVATED, MAX_PROGRAM_BYTES, MAX_RANGE_SETS, MAX_RANGES,
-                                       MEMORY_RANGE, PROGRAM_TABLE_AT, RANGE_GRANULARITY, ActivationSelect,
-                                       ComputeOpcode, CpAdminOpcode, MemoryOpcode, RangeSetSelect)
+from ...protocol.computational import (ADAMW_HYPERPARAMETERS, COPY_SOURCE_LAYOUTS, CP_IDENTIFY_NAMESPACE,
+                                       CSI_COMPUTE, CSI_MEMORY, IDENTIFY_CNS_CSI_NAMESPACE, IDENTIFY_CSI_SHIFT,
+                                       LOAD_GRANULARITY, MATTR_CMB_WINDOW, MATTR_VOLATILE, MAX_ACTIVATED,
+                                       MAX_PROGRAM_BYTES, MAX_RANGE_SETS, MAX_RANGES, MEMORY_RANGE, PROGRAM_TABLE_AT,
+                                       RANGE_GRANULARITY_SHIFT, SLM_ALIGN, SLM_IDENTIFY_NAMESPACE, SLM_MAX_TRANSFER,
+                                       ActivationSelect, ComputeOpcode, CpAdminOpcode, MemoryOpcode, RangeSetSelect)
 from ...protocol.entries import Command, Completion, Opcode
 from ...protocol.status import DeviceError, Status
 from . import memory_io
@@ -103,20 +104,33 @@ class ComputationalCommands:
         if csi == CSI_COMPUTE:
             _, state = self.compute(command.nsid)
             fields = np.zeros((), dtype=CP_IDENTIFY_NAMESPACE)
-            for name, value in (("maxact", MAX_ACTIVATED), ("maxmemrs", MAX_RANGE_SETS), ("mrsg", RANGE_GRANULARITY),
+            for name, value in (("maxact", MAX_ACTIVATED), ("maxmemrs", MAX_RANGE_SETS), ("mrsg", RANGE_GRANULARITY_SHIFT),
                                 ("maxmemr", MAX_RANGES), ("maxpb", MAX_PROGRAM_BYTES), ("lpg", LOAD_GRANULARITY)):
                 fields[name] = value
             page[: CP_IDENTIFY_NAMESPACE.itemsize] = fields.tobytes()
             table = state.descriptors()
             page[PROGRAM_TABLE_AT : PROGRAM_TABLE_AT + len(table)] = table
         elif csi == CSI_MEMORY:
-            namespace = memory_io.memory_namespace(self.device, command.nsid)
-            size = memory_io.memory_of(namespace, self.controller.cmb)
-            struct.pack_into("<Q", page, 0, size.size if size is not None else 0)  # cossd's: the size in bytes
+            page[: SLM_IDENTIFY_NAMESPACE.itemsize] = self.slm_identify(command.nsid)
         else:
             raise DeviceError(Status.INVALID_FIELD, f"identify CNS 05h: CSI {csi:#04x} is not supported "
                               f"(CSI {CSI_MEMORY:#04x} memory, {CSI_COMPUTE:#04x} compute)", 44)
         return Completion(command.cid, Status.SUCCESS, data=bytes(page))
+
+    def slm_identify(self, nsid: int) -> bytes:
+        """The memory namespace's SLM Identify Namespace fields (cossd's layout): its size, the
+        dword granularity of SLM I/O, the most one Read or Write moves, the most source ranges
+        of a Memory Copy and the formats it takes, and whether it is a CMB window."""
+        namespace = memory_io.memory_namespace(self.device, nsid)
+        memory = memory_io.memory_of(namespace, self.controller.cmb)
+        fields = np.zeros((), dtype=SLM_IDENTIFY_NAMESPACE)
+        fields["msz"] = memory.size if memory is not None else 0  # a CMB window without a CMB: 0
+        fields["mgran"] = SLM_ALIGN
+        fields["mxfer"] = SLM_MAX_TRANSFER
+        fields["msrc"] = MAX_RANGES
+        fields["cfmts"] = sum(1 << int(form) for form in COPY_SOURCE_LAYOUTS)
+        fields["mattr"] = MATTR_VOLATILE | (MATTR_CMB_WINDOW if namespace.on_cmb else 0)
+        return fields.tobytes()
 
     # ------------------------------------------------------------------ I/O
 

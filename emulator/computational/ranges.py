@@ -49,7 +49,7 @@ def decode(data: bytes | memoryview, count: int, at: int = 0) -> np.ndarray:
 def resolve(table: np.ndarray, namespace_by_id: Callable[[int], Any],
             cmb: ControllerMemoryBuffer | None) -> list[MemoryRange]:
     """Each descriptor's namespace and bytes, every check passed: alignment to the range
-    granularity (INVALID_FIELD), a memory or optimizer namespace (INVALID_MEMORY_NAMESPACE),
+    granularity (INVALID_MEMORY_RANGE_SET), a memory or optimizer namespace (INVALID_MEMORY_NAMESPACE),
     inside a memory namespace (INVALID_MEMORY_RANGE_SET), no two memory ranges sharing a byte
     (OVERLAPPING_MEMORY_RANGE)."""
     if len(table) > MAX_RANGES:
@@ -60,9 +60,10 @@ def resolve(table: np.ndarray, namespace_by_id: Callable[[int], Any],
         if bytes(row["reserved"]) != bytes(16):
             raise DeviceError(Status.INVALID_FIELD, f"range {index}: reserved bytes 16-31 are not zero")
         if length == 0 or sb % RANGE_GRANULARITY or length % RANGE_GRANULARITY:
-            raise DeviceError(Status.INVALID_FIELD,
+            # The prototype's status for a range off the granularity (its cpcs_mrs_validate).
+            raise DeviceError(Status.INVALID_MEMORY_RANGE_SET,
                               f"range {index}: start {sb} and length {length} must be non-zero multiples of "
-                              f"{RANGE_GRANULARITY} bytes")
+                              f"{RANGE_GRANULARITY} bytes (mrsg)")
         try:
             namespace = namespace_by_id(mnsid)
         except DeviceError:

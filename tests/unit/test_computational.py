@@ -105,7 +105,8 @@ def test_identify_program_table_and_load_program(rig: tuple[Controller, AdminCli
     compute, _ = cp_setup(cp)
     ident = cp.identify(compute)
     assert ident["fields"]["maxact"] == 1 and ident["fields"]["maxmemr"] == MAX_RANGES
-    assert ident["fields"]["maxpb"] == 0 and ident["fields"]["mrsg"] == 2
+    # mrsg is an exponent (the prototype's unit): 2^1 = 2-byte ranges, which a half-precision tensor needs.
+    assert ident["fields"]["maxpb"] == 0 and ident["fields"]["mrsg"] == 1
     assert ident["programs"] == [{"index": 0, "occupied": 2, "activated": True, "type": 0, "pid": ADAMW_PROGRAM_ID}]
     assert cp.submit(CpAdminOpcode.LOAD_PROGRAM, nsid=compute, cdw10=0).status == Status.PROGRAM_INDEX_NOT_DOWNLOADABLE
     assert cp.submit(CpAdminOpcode.LOAD_PROGRAM, nsid=compute, cdw10=1).status == Status.INVALID_PROGRAM_INDEX
@@ -172,7 +173,7 @@ def test_nonfinite_step_returns_its_count(rig: tuple[Controller, AdminClient, Co
 def _hostile(window: int, opt: int, other: int) -> list[tuple[str, dict, Status]]:
     good = adamw_ranges(window, opt, 0, 1 << 20)
     return [
-        ("misaligned", {"ranges": good[:4] + [(window, (1 << 20) + 1, 2 * NUMEL)]}, Status.INVALID_FIELD),
+        ("misaligned", {"ranges": good[:4] + [(window, (1 << 20) + 1, 2 * NUMEL)]}, Status.INVALID_MEMORY_RANGE_SET),
         ("overlap", {"ranges": good[:4] + [(window, 4, 2 * NUMEL)]}, Status.OVERLAPPING_MEMORY_RANGE),
         ("out of bounds", {"ranges": good[:4] + [(window, CMB_BYTES - 4, 2 * NUMEL)]}, Status.INVALID_MEMORY_RANGE_SET),
         ("past the namespace", {"ranges": adamw_ranges(window, opt, 0, 1 << 20, first=8)}, Status.INVALID_MEMORY_RANGE_SET),
@@ -244,12 +245,13 @@ def test_slm_read_write_fill_copy_and_restore_from_nvm(rig: tuple[Controller, Ad
     snapshot = cp.read(slm, 0, 1 << 20)
     for opcode, fields, status in (
             (MemoryOpcode.MEMORY_READ, {"cdw10": 2, "cdw12": 8}, Status.INVALID_FIELD),
-            (MemoryOpcode.MEMORY_WRITE, {"cdw10": (1 << 20) - 4, "payload": bytes(8)}, Status.LBA_OUT_OF_RANGE),
+            (MemoryOpcode.MEMORY_WRITE, {"cdw10": (1 << 20) - 4, "cdw12": 8, "payload": bytes(8)}, Status.INVALID_FIELD),
             (MemoryOpcode.MEMORY_FILL, {"cdw10": 0, "cdw12": 6}, Status.INVALID_FIELD),
-            (MemoryOpcode.MEMORY_COPY, {"cdw10": 0, "cdw12": 2 << 8,
-                                         "payload": struct.pack("<IIQ16x", nvm, 2, 255)}, Status.LBA_OUT_OF_RANGE),
-            (MemoryOpcode.MEMORY_COPY, {"cdw10": 4096, "payload": encode_ranges([(slm, 4000, 200)])},
-             Status.OVERLAPPING_MEMORY_RANGE)):
+            (MemoryOpcode.MEMORY_COPY, {"cdw2": 2 * 4096, "cdw10": 0, "cdw12": 2 << 8,
+                                         "payload": struct.pack("<I4xQH14x", nvm, 255, 1)}, Status.LBA_OUT_OF_RANGE),
+            (MemoryOpcode.MEMORY_COPY, {"cdw2": 200, "cdw10": 4096, "cdw12": 4 << 8,
+                                         "payload": struct.pack("<I4xQI12x", slm, 4000, 200)},
+             Status.OVERLAPPING_IO_RANGE)):
         assert cp.submit(opcode, io=True, nsid=slm, **fields).status == status, (opcode, fields)
     assert cp.read(slm, 0, 1 << 20) == snapshot
     assert cp.submit(MemoryOpcode.MEMORY_READ, io=True, nsid=nvm, cdw12=4).status == Status.INVALID_OPCODE

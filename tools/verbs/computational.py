@@ -1,6 +1,6 @@
 """CLI verbs of the standard face, in nvme-cli's style with JSON: the compute namespace's
-programs (CNS 05h, 88h), Execute Program, and SLM Read and Write; the calls themselves are
-cossd.client.computational."""
+programs (CNS 05h, 88h), a memory namespace's SLM Identify fields (CNS 05h), Execute Program,
+and SLM Read and Write; the calls themselves are cossd.client.computational."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,29 @@ def cmd_list_programs(args: argparse.Namespace) -> int:
         for program in value["programs"]:
             lines.append(f"program {program['index']}: occupied:{program['occupied']} activated:"
                          f"{int(program['activated'])} type:{program['type']:#x} pid:{program['pid']:#018x}")
+        return "\n".join(lines)
+
+    emit(args, identify, normal)
+    return 0
+
+
+# What each SLM Identify Namespace field is, for the human-readable listing.
+_SLM_FIELD_NAMES = {"msz": "Memory Namespace Size (bytes)", "mgran": "SLM I/O Granularity (bytes)",
+                    "mxfer": "Maximum Read/Write Transfer (bytes)", "msrc": "Maximum Copy Source Ranges",
+                    "cfmts": "Copy Formats Supported (bit n: format nh)", "mattr": "Memory Attributes"}
+
+
+def cmd_slm_id_ns(args: argparse.Namespace) -> int:
+    with open_client(args) as admin:
+        identify = ComputationalClient(admin).identify_memory(admin.nsid(args.name))
+
+    def normal(value: dict[str, Any]) -> str:
+        fields = value["fields"]
+        lines = [f"NVMe SLM Identify Namespace {args.name!r} (CNS 05h, CSI 03h):"]
+        lines += [f"{key:<6}: {fields[key]:<12} {_SLM_FIELD_NAMES[key]}" for key in _SLM_FIELD_NAMES]
+        lines.append("  copy formats: " + ", ".join(f"{form:x}h" for form in value["copy_formats"]))
+        lines.append(f"  [0:0] : {int(value['cmb_window'])}  window on the controller memory buffer")
+        lines.append(f"  [1:1] : {int(value['volatile'])}  volatile (zeroed at every restart)")
         return "\n".join(lines)
 
     emit(args, identify, normal)
@@ -87,6 +110,11 @@ def register(verb: VerbFactory) -> None:
                "program table (Identify CNS 05h, CSI 04h).")
     add_device_argument(sub)
     sub.add_argument("name", help="compute namespace")
+
+    sub = verb("slm-id-ns", cmd_slm_id_ns, "A memory namespace's SLM Identify Namespace fields (Identify CNS "
+               "05h, CSI 03h; cossd's layout: docs/command-set.md).")
+    add_device_argument(sub)
+    sub.add_argument("name", help="memory namespace")
 
     sub = verb("cp-activate", cmd_activate, "Activate (or --deactivate) a program of a compute namespace (88h).")
     add_device_argument(sub)
