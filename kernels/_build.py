@@ -10,6 +10,8 @@ import cffi
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _HEADER = _HERE / "cossd_kernels.h"
+# The block-scaled formats' counters and their counted step (kernels/qstate.c).
+_COUNTS_HEADER = _HERE / "qstate_counts.h"
 # The kernels, one job a file (docs/kernels.md, "Source files"). Listed, not globbed, so a
 # stray file (cffi's own generated _cossd_kernels.c, say) never joins the module.
 _SOURCES = [
@@ -59,17 +61,18 @@ def _compile_args() -> list[str]:
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(_cdef_text())
+ffibuilder.cdef(_cdef_text(_COUNTS_HEADER))
 ffibuilder.cdef(_cdef_text(_GUARD_HEADER))
 ffibuilder.set_source(
     "cossd.kernels._cossd_kernels",
     # The module's own file only declares: the kernels are compiled from their sources.
-    '#include "cossd_kernels.h"\n#include "cossd_guard.h"\n',
+    '#include "cossd_kernels.h"\n#include "qstate_counts.h"\n#include "cossd_guard.h"\n',
     # setuptools wants source paths relative to where it runs (the project root).
     sources=[os.path.relpath(p) for p in (*_SOURCES, _GUARD_SOURCE)],
     include_dirs=[str(_HERE)],
     extra_compile_args=_compile_args(),
     libraries=[] if sys.platform == "win32" else ["m"],
-    depends=[str(p) for p in (_HEADER, *_SOURCES, *_INTERNAL_HEADERS, _GUARD_HEADER, _GUARD_SOURCE)],
+    depends=[str(p) for p in (_HEADER, _COUNTS_HEADER, *_SOURCES, *_INTERNAL_HEADERS, _GUARD_HEADER, _GUARD_SOURCE)],
 )
 
 if __name__ == "__main__":

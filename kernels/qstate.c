@@ -70,7 +70,8 @@ void cossd_qmap_init(void)
 
 void adamq_kernel_scalar(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
                          const void *vi, const float *vs_in, float *mo, void *ao, float *as_out, void *vo,
-                         float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k)
+                         float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k,
+                         cossd_qstate_counts *counts)
 {
     float mbuf[COSSD_STATE_BLOCK], vbuf[COSSD_STATE_BLOCK];
     for (size_t b0 = 0; b0 < n; b0 += QBLOCK) {
@@ -79,8 +80,8 @@ void adamq_kernel_scalar(const uint16_t *grad, int gfmt, const float *mi, const 
         float a_scale = as_in[blk], v_scale = vs_in[blk];
         for (size_t j = 0; j < cnt; j++)
             adamq_elem(grad, gfmt, mi, ai, a_scale, vi, v_scale, mo, sfmt, po, pfmt, b0 + j, k, &mbuf[j], &vbuf[j]);
-        q_encode_block_scalar(mbuf, cnt, sfmt, COSSD_MOMENT_EXP_AVG, ao, b0, &as_out[blk]);
-        q_encode_block_scalar(vbuf, cnt, sfmt, COSSD_MOMENT_EXP_AVG_SQ, vo, b0, &vs_out[blk]);
+        q_encode_block_scalar(mbuf, cnt, sfmt, COSSD_MOMENT_EXP_AVG, ao, b0, &as_out[blk], counts);
+        q_encode_block_scalar(vbuf, cnt, sfmt, COSSD_MOMENT_EXP_AVG_SQ, vo, b0, &vs_out[blk], counts);
     }
 }
 
@@ -95,8 +96,13 @@ static adamq_kernel_fn *const adamq_kernels[COSSD_SIMD_AVX512 + 1] = {
 static int adam_step_q_at(int level, const uint16_t *grad, int grad_fmt, const float *master_in,
                           const void *exp_avg_in, const float *as_in, const void *exp_avg_sq_in, const float *vs_in,
                           float *master_out, void *exp_avg_out, float *as_out, void *exp_avg_sq_out, float *vs_out,
-                          int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s)
+                          int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,
+                          cossd_qstate_counts *counts)
 {
+    cossd_qstate_counts scratch; /* where the counts go when the caller wants none */
+    memset(&scratch, 0, sizeof scratch);
+    if (counts)
+        *counts = scratch;
     if (state_fmt_ok(state_fmt)) { /* elementwise moments: no scales; the level's own entry checks the rest */
         switch (level) {
         case COSSD_SIMD_AVX2:
@@ -120,7 +126,8 @@ static int adam_step_q_at(int level, const uint16_t *grad, int grad_fmt, const f
     if (n > 0) {
         adam_k k = adam_load_scalars(s);
         adamq_kernels[level](grad, grad_fmt, master_in, exp_avg_in, as_in, exp_avg_sq_in, vs_in, master_out,
-                             exp_avg_out, as_out, exp_avg_sq_out, vs_out, state_fmt, param_out, param_fmt, n, &k);
+                             exp_avg_out, as_out, exp_avg_sq_out, vs_out, state_fmt, param_out, param_fmt, n, &k,
+                             counts ? counts : &scratch);
     }
     return COSSD_OK;
 }
@@ -133,13 +140,24 @@ static int adam_step_q_at(int level, const uint16_t *grad, int grad_fmt, const f
     {                                                                                                        \
         return adam_step_q_at(level, grad, grad_fmt, master_in, exp_avg_in, as_in, exp_avg_sq_in, vs_in,     \
                               master_out, exp_avg_out, as_out, exp_avg_sq_out, vs_out, state_fmt, param_out, \
-                              param_fmt, n, s);                                                              \
+                              param_fmt, n, s, NULL);                                                        \
     }
 
 ADAM_STEP_Q_ENTRY(cossd_adam_step_q_scalar, COSSD_SIMD_SCALAR)
 ADAM_STEP_Q_ENTRY(cossd_adam_step_q_avx2, COSSD_SIMD_AVX2)
 ADAM_STEP_Q_ENTRY(cossd_adam_step_q_avx512, COSSD_SIMD_AVX512)
 ADAM_STEP_Q_ENTRY(cossd_adam_step_q, simd_level_now())
+
+int cossd_adam_step_q_counted(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                              const float *as_in, const void *exp_avg_sq_in, const float *vs_in, float *master_out,
+                              void *exp_avg_out, float *as_out, void *exp_avg_sq_out, float *vs_out, int state_fmt,
+                              uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,
+                              cossd_qstate_counts *counts)
+{
+    return adam_step_q_at(simd_level_now(), grad, grad_fmt, master_in, exp_avg_in, as_in, exp_avg_sq_in, vs_in,
+                          master_out, exp_avg_out, as_out, exp_avg_sq_out, vs_out, state_fmt, param_out, param_fmt, n,
+                          s, counts);
+}
 
 /* ---- Encode and decode, for the state's readers and writers ------------- */
 
@@ -151,6 +169,8 @@ int cossd_state_encode(const float *x, size_t n, int state_fmt, int moment, void
         return COSSD_ERR_FORMAT;
     if (n > 0 && (!x || !codes_out || (qstate_fmt(state_fmt) && !scales_out)))
         return COSSD_ERR_NULL;
+    cossd_qstate_counts unused; /* a writer's encode reports nothing */
+    memset(&unused, 0, sizeof unused);
     for (size_t b0 = 0; b0 < n; b0 += QBLOCK) {
         size_t cnt = n - b0 < QBLOCK ? n - b0 : QBLOCK;
         if (state_fmt == COSSD_STATE_FP32)
@@ -159,7 +179,7 @@ int cossd_state_encode(const float *x, size_t n, int state_fmt, int moment, void
             for (size_t j = b0; j < b0 + cnt; j++)
                 ((uint16_t *)codes_out)[j] = f32_to_bf16(canon_nan(x[j]));
         else
-            q_encode_block_scalar(x + b0, cnt, state_fmt, moment, codes_out, b0, &scales_out[b0 / QBLOCK]);
+            q_encode_block_scalar(x + b0, cnt, state_fmt, moment, codes_out, b0, &scales_out[b0 / QBLOCK], &unused);
     }
     return COSSD_OK;
 }

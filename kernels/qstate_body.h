@@ -48,6 +48,20 @@ SIMD_FN int simd_amax(simd_f *amax, simd_f x)
 
 SIMD_FN float simd_hmax(simd_f x) { return _mm512_reduce_max_ps(x); }
 
+/* Lane bitmasks for the counters: x != 0 (true for NaN, as the scalar test), a code of +-0,
+ * an inf/NaN code, an index equal to v. */
+SIMD_FN unsigned simd_nonzero_bits(simd_f x) { return _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NEQ_UQ); }
+SIMD_FN unsigned simd_h_zero_bits(simd_h h) { return _mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7FFF)); }
+SIMD_FN unsigned simd_h_nonfinite_bits(simd_h h)
+{
+    const __m256i exponent = _mm256_set1_epi16(0x7C00);
+    return _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, exponent), exponent);
+}
+SIMD_FN unsigned simd_idx_eq_bits(simd_i idx, unsigned v)
+{
+    return _mm512_cmpeq_epi32_mask(idx, _mm512_set1_epi32((int)v));
+}
+
 SIMD_FN simd_i simd_xor_0x80(simd_i idx) { return _mm512_xor_si512(idx, _mm512_set1_epi32(0x80)); }
 
 /* Every level from registers: table[j] for j < entries (a constant once unrolled), by
@@ -144,6 +158,26 @@ SIMD_FN float simd_hmax(simd_f x)
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
 }
+
+SIMD_FN unsigned simd_nonzero_bits(simd_f x)
+{
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NEQ_UQ));
+}
+/* One bit per 16-bit lane of an all-ones/all-zeros compare (the signed pack keeps -1 and 0). */
+SIMD_FN unsigned simd_h_lane_bits(__m128i m16) { return (unsigned)_mm_movemask_epi8(_mm_packs_epi16(m16, m16)) & 0xFFu; }
+SIMD_FN unsigned simd_h_zero_bits(simd_h h)
+{
+    return simd_h_lane_bits(_mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7FFF)), _mm_setzero_si128()));
+}
+SIMD_FN unsigned simd_h_nonfinite_bits(simd_h h)
+{
+    const __m128i exponent = _mm_set1_epi16(0x7C00);
+    return simd_h_lane_bits(_mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent));
+}
+SIMD_FN unsigned simd_idx_eq_bits(simd_i idx, unsigned v)
+{
+    return (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(idx, _mm256_set1_epi32((int)v))));
+}
 #endif
 
 /* Elements i..i+LANES-1 of a moment, decoded with their block's scale. */
@@ -157,10 +191,14 @@ SIMD_FN simd_f simd_q_decode(const void *codes, size_t i, simd_f scale, int fmt,
     return SIMD_MUL(SIMD_DECODE_LOOKUP(g_qmap[moment], idx), scale);
 }
 
-SIMD_FN void simd_q_encode(void *codes, size_t i, simd_f x, const qblock_params *q, int fmt, int moment)
+/* Encodes x as q_encode does, lane by lane, adding its lanes' underflows and overflows to c. */
+SIMD_FN void simd_q_encode(void *codes, size_t i, simd_f x, const qblock_params *q, int fmt, int moment,
+                           cossd_qstate_counts *c)
 {
     if (fmt == COSSD_STATE_FP16) {
         simd_h h = simd_f32_to_fp16(SIMD_MUL(simd_canon_nan(x), SIMD_SET1(q->factor)));
+        c->underflow[moment] += (uint64_t)__builtin_popcount(simd_h_zero_bits(h) & simd_nonzero_bits(x));
+        c->overflow[moment] += (uint64_t)__builtin_popcount(simd_h_nonfinite_bits(h));
         if (moment == COSSD_MOMENT_EXP_AVG_SQ)
             h = simd_h_at_least_one_if_positive(h, x);
         SIMD_STOREH((uint16_t *)codes + i, h);
@@ -182,6 +220,8 @@ SIMD_FN void simd_q_encode(void *codes, size_t i, simd_f x, const qblock_params 
     }
     for (; step; step >>= 1)
         idx = simd_add_if_lt(idx, simd_gather(mid + step - 1, idx), y, step);
+    c->underflow[moment] +=
+        (uint64_t)__builtin_popcount(simd_idx_eq_bits(idx, q8_zero_index(moment)) & simd_nonzero_bits(x));
     if (moment == COSSD_MOMENT_EXP_AVG_SQ)
         idx = simd_at_least_one_if_positive(idx, y);
     else
@@ -192,7 +232,7 @@ SIMD_FN void simd_q_encode(void *codes, size_t i, simd_f x, const qblock_params 
 /* Encode one block's new values buf[0..cnt) into codes[b0..) and its scale: the vectors
  * here, the last cnt % LANES elements by the scalar functions. */
 SIMD_FN void simd_q_encode_block(const float *buf, size_t cnt, int fmt, int moment, void *codes, size_t b0,
-                                 float *scale_out)
+                                 float *scale_out, cossd_qstate_counts *counts)
 {
     size_t vec_end = cnt / SIMD_LANES * SIMD_LANES;
     simd_f amax_v = SIMD_SET1(0.0f);
@@ -202,13 +242,14 @@ SIMD_FN void simd_q_encode_block(const float *buf, size_t cnt, int fmt, int mome
     float amax = simd_hmax(amax_v);
     nonfinite |= q_amax(buf, vec_end, cnt, &amax);
     qblock_params q = qblock_params_of(amax, nonfinite, fmt);
+    qcount_block(counts, moment, &q, amax, cnt);
     if (q.poisoned) {
         memset((uint8_t *)codes + b0, 0, cnt);
     } else {
         for (size_t j = 0; j < vec_end; j += SIMD_LANES)
-            simd_q_encode(codes, b0 + j, SIMD_LOADF(buf + j), &q, fmt, moment);
+            simd_q_encode(codes, b0 + j, SIMD_LOADF(buf + j), &q, fmt, moment, counts);
         for (size_t j = vec_end; j < cnt; j++)
-            q_encode(codes, b0 + j, buf[j], &q, fmt, moment);
+            qcount_flags(counts, moment, q_encode(codes, b0 + j, buf[j], &q, fmt, moment));
     }
     *scale_out = q.stored;
 }
@@ -216,7 +257,8 @@ SIMD_FN void simd_q_encode_block(const float *buf, size_t cnt, int fmt, int mome
 /* Always inlined with constant formats and mode (ADAMQ_SPECIALISE). */
 SIMD_FN void adamq_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
                         const void *vi, const float *vs_in, float *mo, void *ao, float *as_out, void *vo,
-                        float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k, int decoupled)
+                        float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k, int decoupled,
+                        cossd_qstate_counts *counts)
 {
     const adam_vk c = adam_vk_make(k);
     float mbuf[COSSD_STATE_BLOCK] __attribute__((aligned(64)));
@@ -240,17 +282,18 @@ SIMD_FN void adamq_body(const uint16_t *grad, int gfmt, const float *mi, const v
         }
         for (size_t j = vec_end; j < cnt; j++)
             adamq_elem(grad, gfmt, mi, ai, a_scale, vi, v_scale, mo, sfmt, po, pfmt, b0 + j, k, &mbuf[j], &vbuf[j]);
-        simd_q_encode_block(mbuf, cnt, sfmt, COSSD_MOMENT_EXP_AVG, ao, b0, &as_out[blk]);
-        simd_q_encode_block(vbuf, cnt, sfmt, COSSD_MOMENT_EXP_AVG_SQ, vo, b0, &vs_out[blk]);
+        simd_q_encode_block(mbuf, cnt, sfmt, COSSD_MOMENT_EXP_AVG, ao, b0, &as_out[blk], counts);
+        simd_q_encode_block(vbuf, cnt, sfmt, COSSD_MOMENT_EXP_AVG_SQ, vo, b0, &vs_out[blk], counts);
     }
 }
 
 void SIMD_KERNEL(adamq_kernel)(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
                                const void *vi, const float *vs_in, float *mo, void *ao, float *as_out, void *vo,
-                               float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k)
+                               float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k,
+                               cossd_qstate_counts *counts)
 {
 #define ADAMQ_CALL(GF, SF, PF, DC) \
-    adamq_body(grad, GF, mi, ai, as_in, vi, vs_in, mo, ao, as_out, vo, vs_out, SF, po, PF, n, k, DC)
+    adamq_body(grad, GF, mi, ai, as_in, vi, vs_in, mo, ao, as_out, vo, vs_out, SF, po, PF, n, k, DC, counts)
     ADAMQ_SPECIALISE(ADAMQ_CALL);
 #undef ADAMQ_CALL
 }

@@ -23,6 +23,8 @@
  * gradient; this only has to be the same in every path.)
  */
 
+#include "qstate_counts.h"
+
 #define QBLOCK ((size_t)COSSD_STATE_BLOCK)
 #define FP16_MAX 65504.0f
 
@@ -98,10 +100,15 @@ COSSD_INLINE unsigned q8_search(float y, int moment)
     unsigned idx = 0;
     for (unsigned step = 128; step; step >>= 1)
         idx += (unsigned)(mid[idx + step - 1] < y) * step; /* no branch: the outcome is a coin flip */
-    if (moment == COSSD_MOMENT_EXP_AVG_SQ && idx == 0 && y > 0.0f)
-        idx = 1; /* a positive second moment never decodes to 0 */
     return idx;
 }
+
+/* The map index of 0: the signed map's zero sits at 128, the unsigned map's at 0. */
+COSSD_INLINE unsigned q8_zero_index(int moment) { return moment == COSSD_MOMENT_EXP_AVG ? 128u : 0u; }
+
+/* What q_encode reports per element, for the counters (qstate_counts.h). */
+#define QFLAG_UNDERFLOW 1u
+#define QFLAG_OVERFLOW 2u
 
 COSSD_INLINE float q_decode(const void *codes, size_t i, float scale, int fmt, int moment)
 {
@@ -110,16 +117,56 @@ COSSD_INLINE float q_decode(const void *codes, size_t i, float scale, int fmt, i
     return g_qmap[moment][((const uint8_t *)codes)[i] ^ q8_xor(moment)] * scale;
 }
 
-COSSD_INLINE void q_encode(void *codes, size_t i, float x, const qblock_params *q, int fmt, int moment)
+/* Encodes x; returns QFLAG_* for it: underflow where x is nonzero and its code (before the
+ * second moment's raise) is zero, overflow where the code decodes to inf or NaN. A poisoned
+ * block's elements are counted by the caller (qcount_block). */
+COSSD_INLINE unsigned q_encode(void *codes, size_t i, float x, const qblock_params *q, int fmt, int moment)
 {
+    unsigned flags = 0;
     if (fmt == COSSD_STATE_FP16) {
         uint16_t h = f32_to_fp16(canon_nan(x) * q->factor);
+        if ((h & 0x7FFFu) == 0 && x != 0.0f)
+            flags |= QFLAG_UNDERFLOW;
+        if ((h & 0x7C00u) == 0x7C00u)
+            flags |= QFLAG_OVERFLOW;
         if (moment == COSSD_MOMENT_EXP_AVG_SQ && h == 0 && x > 0.0f)
             h = 1; /* the smallest subnormal: a positive second moment never decodes to 0 */
         ((uint16_t *)codes)[i] = h;
+    } else if (q->poisoned) {
+        ((uint8_t *)codes)[i] = 0;
     } else {
-        ((uint8_t *)codes)[i] = (uint8_t)(q->poisoned ? 0u : q8_search(x / q->factor, moment) ^ q8_xor(moment));
+        float y = x / q->factor;
+        unsigned idx = q8_search(y, moment);
+        if (idx == q8_zero_index(moment) && x != 0.0f)
+            flags |= QFLAG_UNDERFLOW;
+        if (moment == COSSD_MOMENT_EXP_AVG_SQ && idx == 0 && y > 0.0f)
+            idx = 1; /* a positive second moment never decodes to 0 */
+        ((uint8_t *)codes)[i] = (uint8_t)(idx ^ q8_xor(moment));
     }
+    return flags;
+}
+
+/* A block's share of the counters, once its scale is chosen: a poisoned block's every element
+ * overflows; a block with a nonzero finite largest value joins the scales' range. */
+COSSD_INLINE void qcount_block(cossd_qstate_counts *c, int moment, const qblock_params *q, float amax, size_t cnt)
+{
+    if (q->poisoned) {
+        c->overflow[moment] += cnt;
+        return;
+    }
+    if (!(amax > 0.0f))
+        return;
+    if (c->scaled_blocks[moment] == 0 || q->stored < c->scale_min[moment])
+        c->scale_min[moment] = q->stored;
+    if (c->scaled_blocks[moment] == 0 || q->stored > c->scale_max[moment])
+        c->scale_max[moment] = q->stored;
+    c->scaled_blocks[moment]++;
+}
+
+COSSD_INLINE void qcount_flags(cossd_qstate_counts *c, int moment, unsigned flags)
+{
+    c->underflow[moment] += flags & QFLAG_UNDERFLOW;
+    c->overflow[moment] += (flags & QFLAG_OVERFLOW) >> 1;
 }
 
 /* The largest finite |x| of buf[from..to) folded into *amax; returns 1 if any is non-finite. */
@@ -165,13 +212,14 @@ COSSD_INLINE void adamq_elem(const uint16_t *grad, int gfmt, const float *mi, co
 
 /* Encode buf[0..cnt) (one block's new values) into codes[b0..b0+cnt) and its scale. */
 COSSD_INLINE void q_encode_block_scalar(const float *buf, size_t cnt, int fmt, int moment, void *codes, size_t b0,
-                                        float *scale_out)
+                                        float *scale_out, cossd_qstate_counts *counts)
 {
     float amax = 0.0f;
     int nonfinite = q_amax(buf, 0, cnt, &amax);
     qblock_params q = qblock_params_of(amax, nonfinite, fmt);
+    qcount_block(counts, moment, &q, amax, cnt);
     for (size_t j = 0; j < cnt; j++)
-        q_encode(codes, b0 + j, buf[j], &q, fmt, moment);
+        qcount_flags(counts, moment, q_encode(codes, b0 + j, buf[j], &q, fmt, moment));
     *scale_out = q.stored;
 }
 
@@ -194,7 +242,8 @@ COSSD_INLINE void q_encode_block_scalar(const float *buf, size_t cnt, int fmt, i
 
 typedef void adamq_kernel_fn(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
                              const void *vi, const float *vs_in, float *mo, void *ao, float *as_out, void *vo,
-                             float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k);
+                             float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k,
+                             cossd_qstate_counts *counts);
 COSSD_HIDDEN adamq_kernel_fn adamq_kernel_scalar;
 #if COSSD_X86
 COSSD_HIDDEN adamq_kernel_fn adamq_kernel_avx2, adamq_kernel_avx512;

@@ -7,6 +7,7 @@ scales (float32, one per STATE_BLOCK elements, ceil(n / STATE_BLOCK)). docs/kern
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,57 @@ def state_bytes_per_element(state_format: StateFormat) -> float:
     return itemsize + (4 / STATE_BLOCK if sfmt in BLOCK_SCALED_FORMATS else 0.0)
 
 
+@dataclass
+class MomentCounts:
+    """What the encoder of one moment saw over the elements of a step (or a sum of steps).
+
+    underflow: nonzero new values whose code is zero (exp_avg_sq: whose code would be zero and
+    was raised to the smallest positive one, keeping the sign but not the value). overflow:
+    elements whose code decodes to inf or NaN (FP16: per element; INT8: every element of a block
+    holding a non-finite value). scale_min/scale_max: the least and greatest block scale stored
+    (FP16 the decode factor 2^-k, INT8 the absmax) over scaled_blocks blocks whose largest value
+    is nonzero and finite (0 and 0 where there are none)."""
+
+    underflow: int = 0
+    overflow: int = 0
+    scaled_blocks: int = 0
+    scale_min: float = 0.0
+    scale_max: float = 0.0
+
+    def merge(self, other: "MomentCounts") -> None:
+        """Adds other's counts and widens the scale range by other's (a range of no blocks is none)."""
+        if other.scaled_blocks:
+            if self.scaled_blocks:
+                self.scale_min = min(self.scale_min, other.scale_min)
+                self.scale_max = max(self.scale_max, other.scale_max)
+            else:
+                self.scale_min, self.scale_max = other.scale_min, other.scale_max
+        self.underflow += other.underflow
+        self.overflow += other.overflow
+        self.scaled_blocks += other.scaled_blocks
+
+
+@dataclass
+class StateCounts:
+    """The counters of both moments of a block-scaled step (kernels/qstate_counts.h)."""
+
+    exp_avg: MomentCounts = field(default_factory=MomentCounts)
+    exp_avg_sq: MomentCounts = field(default_factory=MomentCounts)
+
+    def merge(self, other: "StateCounts") -> None:
+        self.exp_avg.merge(other.exp_avg)
+        self.exp_avg_sq.merge(other.exp_avg_sq)
+
+    def _load(self, c: Any) -> None:
+        """Overwrite from a filled cossd_qstate_counts."""
+        for index, moment in enumerate((self.exp_avg, self.exp_avg_sq)):
+            moment.underflow = int(c.underflow[index])
+            moment.overflow = int(c.overflow[index])
+            moment.scaled_blocks = int(c.scaled_blocks[index])
+            moment.scale_min = float(c.scale_min[index])
+            moment.scale_max = float(c.scale_max[index])
+
+
 _SCALE_NAMES = ("exp_avg_scale_in", "exp_avg_sq_scale_in", "exp_avg_scale_out", "exp_avg_sq_scale_out")
 
 
@@ -85,11 +137,15 @@ def adam_step_q(
     param_format: HalfFormat,
     state_format: StateFormat,
     scalars: AdamScalars,
+    counts: StateCounts | None = None,
 ) -> None:
     """One Adam/AdamW step over moments in any state format. For FP16 and INT8 the four scale
     arrays are required; each block's new scale is chosen from its new values. Outputs may be
     the very same buffers as their inputs (scales included); no other overlap is allowed.
-    FP32 and BF16 ignore the scales and run adam_step's kernel."""
+    FP32 and BF16 ignore the scales and run adam_step's kernel. `counts`, where given, is
+    overwritten with the encoders' counters of this call (all zero for FP32 and BF16)."""
+    if counts is not None and not isinstance(counts, StateCounts):
+        raise KernelArgumentError(f"counts must be a StateCounts, got {type(counts).__name__}")
     gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
     pfmt = _enum_arg("param_format", param_format, HalfFormat)
     sfmt = _enum_arg("state_format", state_format, StateFormat)
@@ -109,12 +165,14 @@ def adam_step_q(
                        ("exp_avg_sq_in", "exp_avg_sq_out"), ("exp_avg_scale_in", "exp_avg_scale_out"),
                        ("exp_avg_sq_scale_in", "exp_avg_sq_scale_out")})
     _check_overlap([g, *state, *sbufs], pairs)
-    if n == 0:
-        return
-    mi, ai, vi, mo, ao, vo, po = (b.ptr for b in state)
-    asi, vsi, aso, vso = scale_ptrs
-    _check_rc(_lib.cossd_adam_step_q(g.ptr, gfmt, mi, ai, asi, vi, vsi, mo, ao, aso, vo, vso, sfmt, po, pfmt, n,
-                                     scalars._c), "adam_step_q")
+    c_counts = _ffi.new("cossd_qstate_counts *")  # zero-filled: what an empty call reports
+    if n:
+        mi, ai, vi, mo, ao, vo, po = (b.ptr for b in state)
+        asi, vsi, aso, vso = scale_ptrs
+        _check_rc(_lib.cossd_adam_step_q_counted(g.ptr, gfmt, mi, ai, asi, vi, vsi, mo, ao, aso, vo, vso, sfmt, po,
+                                                 pfmt, n, scalars._c, c_counts), "adam_step_q")
+    if counts is not None:
+        counts._load(c_counts)
 
 
 def adam_step_q_crcs(
@@ -136,6 +194,7 @@ def adam_step_q_crcs(
     state_format: StateFormat,
     scalars: AdamScalars,
     param_copy: Any = None,
+    counts: StateCounts | None = None,
 ) -> tuple[int, int]:
     """The device's block update for a block-scaled state format: adam_step_q out of place
     (the committed copy in, the shadow out), then (the block CRC32C, the params' CRC32C).
@@ -143,7 +202,8 @@ def adam_step_q_crcs(
     The block CRC chains the six output arrays in media order: master, exp_avg codes, their
     scales, exp_avg_sq codes, their scales, param; so a torn scale fails the block as a torn
     moment does. `param_copy` (as many 16-bit elements) receives the new params too. The
-    outputs may not overlap the inputs: the shadow copy is never the committed one.
+    outputs may not overlap the inputs: the shadow copy is never the committed one. `counts`,
+    where given, receives the encoders' counters (adam_step_q).
     """
     sfmt = _enum_arg("state_format", state_format, StateFormat)
     if sfmt not in BLOCK_SCALED_FORMATS:
@@ -157,7 +217,8 @@ def adam_step_q_crcs(
     adam_step_q(grad, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out, param_out,
                 exp_avg_scale_in=exp_avg_scale_in, exp_avg_sq_scale_in=exp_avg_sq_scale_in,
                 exp_avg_scale_out=exp_avg_scale_out, exp_avg_sq_scale_out=exp_avg_sq_scale_out,
-                grad_format=grad_format, param_format=param_format, state_format=StateFormat(sfmt), scalars=scalars)
+                grad_format=grad_format, param_format=param_format, state_format=StateFormat(sfmt), scalars=scalars,
+                counts=counts)
     if param_copy is not None:
         copy = np.asarray(param_copy)
         if copy.size != np.asarray(param_out).size or copy.dtype.itemsize != 2:
