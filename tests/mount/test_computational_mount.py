@@ -171,6 +171,19 @@ def test_cli_verbs(mounted: Mount, capsys: pytest.CaptureFixture[str], tmp_path:
     code, out, _ = run_cli(capsys, "slm-write", mounted.mountpoint, "slm", "--offset", "0x100", "--input-file", source)
     assert code == 0 and json.loads(run_cli(capsys, "slm-read", mounted.mountpoint, "slm", "--offset", "0x100",
                                             "--length", 32, "-o", "json")[1])["data"] == (b"cossd-cp" * 4).hex()
+    # The memory namespace's SLM Identify (CNS 05h, CSI 03h): JSON and nvme-cli style lines.
+    code, out, _ = run_cli(capsys, "slm-id-ns", mounted.mountpoint, "slm", "-o", "json")
+    ident = json.loads(out)
+    assert code == 0 and ident["fields"]["msz"] == 8192 and ident["copy_formats"] == [2, 3, 4]
+    assert ident["volatile"] is True and ident["cmb_window"] is False
+    code, out, _ = run_cli(capsys, "slm-id-ns", mounted.mountpoint, "slm")
+    assert code == 0 and "msz   : 8192" in out and "mgran : 4" in out and "copy formats: 2h, 3h, 4h" in out
+    code, _, err = run_cli(capsys, "slm-id-ns", mounted.mountpoint, "c")
+    assert code == 1 and "NAMESPACE_KIND_MISMATCH" in err
+    # Every verb of the face has its --help.
+    for verb in ("cp-list-programs", "cp-activate", "cp-exec", "slm-id-ns", "slm-read", "slm-write"):
+        code, out, _ = run_cli(capsys, verb, "--help")
+        assert code == 0 and f"cossd {verb}" in out and "--output-format" in out, verb
     # A refusal: one line naming the status, exit 1, as every verb.
     code, _, err = run_cli(capsys, "slm-read", mounted.mountpoint, "slm", "--offset", 2, "--length", 4)
     assert code == 1 and "INVALID_FIELD" in err
