@@ -4,13 +4,14 @@ DeepSpeed wraps the optimizer a script passes to `deepspeed.initialize`: for FP1
 keeps FP32 master copies of the params (FP16_UnfusedOptimizer), for ZeRO 1/2 one flat FP32
 partition per param group (DeepSpeedZeroOptimizer, BF16_Optimizer), and puts those in the
 optimizer's param groups in place of the model's params. cossd's optimizer follows them
-(rebind.Rebind._rebind); this module refuses, with the reason, the wrappers whose
-tensors cannot be a fixed namespace: ZeRO-3 (a different flat sub-group at each step call)
-and DeepSpeed's own optimizer offload (cossd's state already lives on the device).
+(rebind.Rebind._rebind); this module refuses, with the reason, the wrappers and configs it
+cannot follow: ZeRO-3 that deepspeed.initialize did not bind, ZeRO-3's hpZ (partitions other
+than one per data-parallel rank), and DeepSpeed's own optimizer offload (cossd's
+state already lives on the device).
 Nothing here imports deepspeed or the trainer: it only reads DeepSpeed's objects (the
 engine's config, the calling wrapper), and is consulted where deepspeed is imported already.
-The hooks that open a cossd optimizer's namespace at deepspeed.initialize, and the ZeRO 1/2
-binding, are the trainer's (cossd.trainer.deepspeed_zero).
+The hooks that open a cossd optimizer's namespace at deepspeed.initialize, and the ZeRO 1/2/3
+bindings, are the trainer's (cossd.trainer.deepspeed_zero, deepspeed_zero3).
 """
 from __future__ import annotations
 
@@ -46,10 +47,9 @@ def check_rebind(optimizer: torch.optim.Optimizer, old: list[torch.Tensor], new:
     zero3 = module.startswith(_STAGE3_MODULES) or any(hasattr(p, "ds_id") for p in old + new)
     if zero3:
         raise NotImplementedError(
-            "cossd optimizers do not run under DeepSpeed ZeRO stage 3: it hands the optimizer a "
-            "different flat sub-group at each call, where a cossd namespace holds a fixed set of "
-            "tensors. Use zero_optimization.stage 0, 1 or 2 (the optimizer state is on the "
-            "cossd device either way)")
+            "DeepSpeed ZeRO stage 3 put its flat sub-groups in this cossd optimizer's param groups "
+            "without deepspeed.initialize binding it (a wrapper cossd does not know): a cossd namespace "
+            "follows ZeRO-3 only where deepspeed.initialize is given the cossd optimizer itself")
     if wrapper is None:
         return
     if getattr(wrapper, "cpu_offload", False) or getattr(wrapper, "offload_optimizer", False):
@@ -98,11 +98,12 @@ def refuse_config(engine: Any) -> None:
     world = world_size()
     precision = "BF16" if engine.bfloat16_enabled() else "FP16" if engine.fp16_enabled() else "FP32"
     combination = f"DeepSpeed ZeRO stage {stage}, {precision}, {world} rank{'s' if world > 1 else ''}"
-    if stage == 3:
+    zero = engine._config.zero_config if hasattr(engine, "_config") else None
+    if stage == 3 and zero is not None and int(getattr(zero, "zero_hpz_partition_size", 1) or 1) > 1:
         raise NotImplementedError(
-            f"{combination}: cossd optimizers do not run under DeepSpeed ZeRO stage 3 yet (it hands "
-            "the optimizer a different flat sub-group at each call). Use zero_optimization.stage 1 "
-            "or 2: the optimizer state is on the cossd device either way")
+            f"{combination} with zero_hpz_partition_size {zero.zero_hpz_partition_size} (hpZ): its secondary "
+            "partitions of the params are DeepSpeed's own; cossd runs ZeRO-3 with one partition per "
+            "data-parallel rank. Remove zero_hpz_partition_size")
     if engine.zero_cpu_offload() or getattr(engine, "zenflow", False):
         raise NotImplementedError(
             f"{combination} with optimizer offload: DeepSpeed's optimizer offload "
@@ -111,10 +112,9 @@ def refuse_config(engine: Any) -> None:
             "offload_optimizer from the DeepSpeed config")
     if stage == 0 and world > 1:
         raise NotImplementedError(
-            f"{combination}: with several ranks a cossd optimizer runs under ZeRO stage 1 or 2 "
+            f"{combination}: with several ranks a cossd optimizer runs under ZeRO stage 1, 2 or 3 "
             "(each rank's partition goes to one namespace, one step for all ranks); set "
-            "zero_optimization.stage to 1 or 2")
-    zero = engine._config.zero_config if hasattr(engine, "_config") else None
+            "zero_optimization.stage to 1, 2 or 3")
     if stage in (1, 2) and zero is not None and getattr(zero, "round_robin_gradients", False):
         raise NotImplementedError(
             f"{combination} with round_robin_gradients: its flat groups' order depends on the "

@@ -1,4 +1,4 @@
-"""A cossd optimizer under DeepSpeed ZeRO 1/2: every rank's flat FP32 partitions of every param group on one namespace, one shared step per engine.step().
+"""A cossd optimizer under DeepSpeed ZeRO 1/2 (ZeRO-3: deepspeed_zero3.py): every rank's flat FP32 partitions of every param group on one namespace, one shared step per engine.step().
 
 DeepSpeedZeroOptimizer puts one flat FP32 partition per param group in the optimizer's
 param groups (this rank's slice of the group's params laid end to end) and calls step() once
@@ -112,12 +112,18 @@ def bind(optimizer: Any, wrapper: Any) -> None:
     model's params and never stepped is converted at one rank). Any other wrapper at one
     rank: the namespace of the model's params as before, which the first step moves to the
     wrapper's tensors."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if isinstance(wrapper, DeepSpeedZeroOptimizer) and getattr(wrapper, "optimizer", None) is optimizer:
+    zero = isinstance(wrapper, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3))
+    if zero and getattr(wrapper, "optimizer", None) is optimizer:
         if not optimizer._ds_deferred:
             _convert_for_zero(optimizer)
-        binding = ZeroBinding(optimizer, wrapper)
+        if isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
+            from .deepspeed_zero3 import Zero3Binding
+            binding: ZeroBinding = Zero3Binding(optimizer, wrapper)
+        else:
+            binding = ZeroBinding(optimizer, wrapper)
         optimizer._ds_deferred = False
         try:
             binding.open()
@@ -130,7 +136,7 @@ def bind(optimizer: Any, wrapper: Any) -> None:
     if world > 1:
         raise NotImplementedError(
             f"DeepSpeed's {type(wrapper).__name__} with {world} ranks: a cossd optimizer runs "
-            "under it in one process only; with several ranks use zero_optimization.stage 1 or 2 "
+            "under it in one process only; with several ranks use zero_optimization.stage 1, 2 or 3 "
             "(without data_types.grad_accum_dtype fp32 under BF16)")
     open_deferred(optimizer, f"DeepSpeed without ZeRO 1/2 (its {type(wrapper).__name__}) cannot step it")
 
@@ -217,7 +223,7 @@ def zero_layout_message(optimizer: Any, clause: str) -> str:
     """Why a deferring optimizer whose namespace holds ZeRO's flat groups refuses a use (`clause`)."""
     name = optimizer.files.name
     return (f"namespace {name!r} holds DeepSpeed ZeRO's flat param groups (zero.g0, ...), from an earlier ZeRO "
-            f"job: only deepspeed.initialize with ZeRO stage 1 or 2 opens it (and reads the model's params back "
+            f"job: only deepspeed.initialize with ZeRO stage 1, 2 or 3 opens it (and reads the model's params back "
             f"from it); {clause}. Without DeepSpeed ZeRO this optimizer needs a namespace of the model's own "
             f"params: use another name, or delete it with `cossd delete-ns {name}`")
 
@@ -286,6 +292,18 @@ class ZeroBinding:
         sharded optimizer's opening); a new namespace gets every rank's masters before any
         rank goes on; a namespace that has trained (the quick restore) gives every rank its
         partitions' masters, and DeepSpeed's all-gather gives the model its params."""
+        masters = [(piece.name, piece.start, self.partitions[piece.index][: piece.numel].detach()
+                    .to("cpu", torch.float32)) for piece in self.pieces]
+
+        def restore() -> None:
+            self._read_masters()
+            self.wrapper.update_lp_params()  # each rank's bit16 partition, then the all-gather
+
+        self._open_namespace(masters, restore)
+
+    def _open_namespace(self, masters: list[tuple[str, int, torch.Tensor]], restore: Any) -> None:
+        """The opening of every stage: this rank's `masters` loaded where the namespace is
+        new (no rank goes on before every rank's are in), else `restore()` (collective)."""
         opt, ranks = self.optimizer, self.ranks
         opt.entries = self.entries
         opt._entry_of = {}
@@ -303,8 +321,6 @@ class ZeroBinding:
         if setup["loading"]:
             outcome: dict[str, str] = {}
             try:
-                masters = [(piece.name, piece.start, self.partitions[piece.index][: piece.numel].detach()
-                            .to("cpu", torch.float32)) for piece in self.pieces]
                 if masters:
                     opt.files.write_pieces(masters, role="master")
             except BaseException as exc:
@@ -316,8 +332,7 @@ class ZeroBinding:
                 raise RuntimeError("; ".join(f"rank {rank} could not load its master weights: {why}"
                                              for rank, why in failed))
         else:
-            self._read_masters()
-            self.wrapper.update_lp_params()  # each rank's bit16 partition, then the all-gather
+            restore()
 
     def _read_masters(self) -> None:
         """The committed masters into this rank's flat FP32 partitions, and their bit16 copies."""
@@ -393,8 +408,7 @@ class ZeroBinding:
             # DeepSpeed copied each earlier group's partition into its bit16 copy right after
             # that group's call, before the commit brought the new masters: copied again here
             # (the current group's copy DeepSpeed makes after this returns).
-            for index, bit16 in enumerate(self.wrapper.parallel_partitioned_bit16_groups):
-                bit16[self.ranks.rank].data.copy_(self.partitions[index].data)
+            self._masters_to_params()
             opt.last_timing["params_s"] = clock() - reading
         opt.committed_step = int(result["committed_step"])
 
@@ -450,6 +464,10 @@ class ZeroBinding:
         # then loads its own copy of the FP32 partitions and the model, the same values: both
         # were taken from the device at that step.)
         self._read_masters()
+        self._masters_to_params()
+
+    def _masters_to_params(self) -> None:
+        """This rank's FP32 partitions into their bit16 copies."""
         for index, bit16 in enumerate(self.wrapper.parallel_partitioned_bit16_groups):
             bit16[self.ranks.rank].data.copy_(self.partitions[index].data)
 

@@ -1,4 +1,4 @@
-"""One rank of a DeepSpeed job (deepspeed.initialize with a cossd AdamW) on a cossd mount, started as torchrun would start it; tests/e2e/test_deepspeed_zero.py runs it."""
+"""One rank of a DeepSpeed job (deepspeed.initialize with a cossd AdamW) on a cossd mount, started as torchrun or the deepspeed launcher would start it; tests/e2e/test_deepspeed_zero.py runs it."""
 from __future__ import annotations
 
 import json
@@ -48,7 +48,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ds_config(config: dict) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-           "gradient_clipping": 1.0, "zero_optimization": {"stage": config["stage"]},
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": config["stage"]} | config.get("zero", {}),
            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     if config["precision"] == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -142,7 +142,13 @@ def main() -> int:
     except StepAbortedError as exc:
         (out / f"error{rank}.txt").write_text(f"{exc}\ncommitted_step={optimizer.committed_step}")
         return 3
-    params = [p.detach().clone() for p in engine.module.parameters()]
+    if config["stage"] == 3:
+        # ZeRO-3 keeps each rank's slice only (the module's params are empty between
+        # forwards): gathered whole on every rank to be compared.
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            params = [p.detach().clone() for p in engine.module.parameters()]
+    else:
+        params = [p.detach().clone() for p in engine.module.parameters()]
     if config.get("torch"):
         torch.save({"result": {"losses": losses, "first": first, "timings": timings}, "params": params},
                    out / f"rank{rank}.pt")

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 1/2 jobs of several ranks with a cossd AdamW: one namespace, one atomic step across ranks, a rank killed before the commit, the quick restore."""
+"""DeepSpeed ZeRO 1/2/3 jobs of several ranks with a cossd AdamW: one namespace, one atomic step across ranks, a rank killed before the commit, the quick restore, DeepSpeed's checkpoints as device snapshots."""
 from __future__ import annotations
 
 import json
@@ -34,24 +34,29 @@ def run(device: Any, out: Path, world: int, **config: Any) -> list[int]:
     return spawn_ranks(JOB, config, world, out, timeout_s=300)
 
 
-def test_zero2_two_ranks_rank_killed_before_commit(device: Any, tmp_path: Path) -> None:
-    """BF16 ZeRO-2 at 2 ranks with two param groups: both ranks' partitions of both groups on
-    one namespace. Rank 1 killed (SIGKILL) in step 4 once its partition of group 0 is on the
-    device, before its partition of group 1 and the commit: nothing of step 4 is committed (rank 0 is told, the device stays at step 3),
-    and the restarted job resumes at step 4 and ends bit for bit as the uninterrupted one."""
-    reference = finished(tmp_path / "ref", 2, run(device, tmp_path / "ref", 2, namespace="ds-z2-ref"))
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_two_ranks_rank_killed_before_commit(device: Any, tmp_path: Path, stage: int) -> None:
+    """BF16 ZeRO-2 and ZeRO-3 at 2 ranks with two param groups: both ranks' partitions of
+    both groups on one namespace. Rank 1 killed (SIGKILL) in step 4 once its partition of
+    group 0 is on the device, before its partition of group 1 and the commit: nothing of
+    step 4 is committed (rank 0 is told, the device stays at step 3), and the restarted job
+    resumes at step 4 and ends bit for bit as the uninterrupted one."""
+    reference = finished(tmp_path / "ref", 2, run(device, tmp_path / "ref", 2, namespace=f"ds-z{stage}-ref",
+                                                  stage=stage))
     assert reference[0]["result"]["names"] == [("zero.g0", 2048), ("zero.g1", 80)]
     assert [r["result"]["committed_step"] for r in reference] == [STEPS, STEPS]
     assert bits_equal(reference[0]["params"], reference[1]["params"])
 
     killed = tmp_path / "killed"
-    codes = run(device, killed, 2, namespace="ds-z2-kill", kill={"rank": 1, "step": 4}, step_timeout_s=3.0)
+    codes = run(device, killed, 2, namespace=f"ds-z{stage}-kill", kill={"rank": 1, "step": 4}, step_timeout_s=3.0,
+                stage=stage)
     assert codes[1] == -9 and codes[0] == 3, (codes, (killed / "logs.txt").read_text()[-3000:])
     assert json.loads((killed / "kill1.json").read_text())["committed_step"] == 3
     error = (killed / "error0.txt").read_text()
     assert "step 4" in error and "was not committed" in error and "committed_step=3" in error
 
-    again = finished(tmp_path / "again", 2, run(device, tmp_path / "again", 2, namespace="ds-z2-kill"))
+    again = finished(tmp_path / "again", 2, run(device, tmp_path / "again", 2, namespace=f"ds-z{stage}-kill",
+                                                stage=stage))
     for rank in range(2):
         result = again[rank]["result"]
         assert result["first"] == 4 and result["restored"] and result["committed_step"] == STEPS
