@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ._cossd_kernels import ffi as _ffi
 from ._cossd_kernels import lib as _lib
 from .validation import (
@@ -110,7 +110,7 @@ def stream_plan(
 
 
 def _apply_env() -> None:
-    choice = os.environ.get("COSSD_KERNEL", "").strip().lower()
+    choice = settings.KERNEL.read()
     if choice in ("", "auto", "simd"):
         return
     if choice not in _LEVELS:
