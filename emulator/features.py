@@ -4,10 +4,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import kernels
+from .. import kernels, settings
 
 from ..protocol.status import DeviceError, Status
 from .health import WARNING_TEMP_KELVIN
@@ -94,7 +93,7 @@ def _checked_settings(value: Any) -> dict[str, str]:
 
 def _kernel_from_environment() -> str:
     """The kernel cap COSSD_KERNEL chose at import (cossd.kernels applies it), as a setting."""
-    choice = os.environ.get("COSSD_KERNEL", "").strip().lower()
+    choice = settings.KERNEL.read()
     return choice if choice in KERNEL_CHOICES else "auto"
 
 
