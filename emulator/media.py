@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..kernels import guard
 
 from ..protocol.status import DeviceError, Status
@@ -76,7 +77,7 @@ def write_mode_for(fd: int) -> str:
     "pwrite": the kernel writes a per-thread buffer that pwrite copies into the file.
     COSSD_STATE_WRITES=mapped|pwrite overrides the choice (tests and benchmarks).
     """
-    forced = os.environ.get("COSSD_STATE_WRITES", "auto").strip().lower()
+    forced = settings.STATE_WRITES.read()
     if forced not in WRITE_MODES:
         raise ValueError(f"COSSD_STATE_WRITES must be one of {', '.join(WRITE_MODES)}, not {forced!r}")
     if forced != "auto":
