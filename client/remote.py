@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import parse_qs, urlsplit
 
+from .. import settings
 from ..protocol import wire
 from ..protocol.entries import MAX_PAYLOAD_BYTES, SUBMISSION, Completion, decode_completion, encode_submission
 from ..protocol.status import Status
@@ -27,10 +28,6 @@ SCHEME = "cossd"
 # What a Path makes of "cossd://h:p" (it folds the double slash): accepted as the same URL.
 _PREFIXES = (f"{SCHEME}://", f"{SCHEME}:/")
 DEFAULT_PORT = 4420  # NVMe/TCP's registered port
-TOKEN_ENV = "COSSD_TOKEN_FILE"
-CA_ENV = "COSSD_CA"
-CERT_ENV = "COSSD_CLIENT_CERT"
-KEY_ENV = "COSSD_CLIENT_KEY"
 # Bytes of gradients or params per H2CData PDU the client sends (the server states its own
 # bound, MAXH2CDATA, which is larger).
 SEND_CHUNK = 8 << 20
@@ -76,7 +73,7 @@ def parse_url(where: str | os.PathLike[str]) -> ServerUrl:
 
 def read_token(token_file: str | os.PathLike[str] | None) -> bytes:
     """The token from `token_file`, else from $COSSD_TOKEN_FILE's file; b"" where neither."""
-    path = token_file if token_file is not None else os.environ.get(TOKEN_ENV)
+    path = token_file if token_file is not None else settings.TOKEN_FILE.read()
     if not path:
         return b""
     return Path(path).read_bytes().strip()
@@ -86,14 +83,14 @@ def client_tls_context(ca: str | os.PathLike[str] | None, cert: str | os.PathLik
                        key: str | os.PathLike[str] | None = None) -> ssl.SSLContext | None:
     """TLS trusting `ca` (else $COSSD_CA), presenting `cert`/`key` (else $COSSD_CLIENT_CERT/
     KEY) where given; None (plain TCP) where no CA is named."""
-    ca = ca if ca is not None else os.environ.get(CA_ENV)
+    ca = ca if ca is not None else settings.CA.read()
     if not ca:
         return None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_verify_locations(cafile=os.fspath(ca))
-    cert = cert if cert is not None else os.environ.get(CERT_ENV)
-    key = key if key is not None else os.environ.get(KEY_ENV)
+    cert = cert if cert is not None else settings.CLIENT_CERT.read()
+    key = key if key is not None else settings.CLIENT_KEY.read()
     if cert:
         context.load_cert_chain(os.fspath(cert), os.fspath(key) if key else None)
     return context
@@ -153,7 +150,7 @@ class RemoteTransport:
             raise ConnectionRefusedError(exc.errno or errno.ECONNREFUSED,
                                          f"{self.location}: cannot connect ({exc.strerror or exc})") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        presented = bool(cert if cert is not None else os.environ.get(CERT_ENV))
+        presented = bool(cert if cert is not None else settings.CLIENT_CERT.read())
         try:
             if tls is not None:
                 try:
