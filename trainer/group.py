@@ -14,10 +14,10 @@ from . import fsdp, namespace_swap
 from . import grads as grad_rules
 from .distributed import Ranks
 from .namespace_files import NamespaceFiles
-from .plan import Entry, group_hyper
+from .plan import Entry
 from .placement import PLACEMENT_BLOCK_ELEMS, place_on_devices, recorded_placement
 from .shard import Piece
-from .sharded import StepAbortedError
+from .sharded import StepAbortedError, follow_rank0_load
 
 
 class SoloRanks(Ranks):
@@ -465,8 +465,6 @@ class DeviceGroup:
         every device or the new one on every device); every rank then reads the params."""
         children, ranks = self._group, self._group_ranks
         assert children is not None and ranks is not None
-        if self._group_fsdp:
-            raise self._group_refusal("load_state_dict of another state under FSDP2")
         self._sync_group_options()  # the loaded groups' options go into each device's namespace
         entries = {entry.name: entry for entry in self.entries}
         position = {id(child): index for index, child in enumerate(children)}
@@ -484,18 +482,7 @@ class DeviceGroup:
                 [lambda child=child, mine=mine: child.files.write_many(mine) for child, mine in zip(children, per_child)],
                 hook)
 
-        error = self._on_rank0(replace)
-        for child in children:
-            if ranks.rank != 0:  # rank 0's files follow the switch; the others look the new nsid up
-                child.files.retarget(child.files.name, None)
-                if not child.files.exists():
-                    raise RuntimeError(f"namespace {child.files.name!r} is gone from {child.files.mountpoint} "
-                                       f"after rank 0's load ({error})")
-            child._sent_hypers = [group_hyper(group) for group in child.param_groups]
-        if error is not None:
-            if ranks.rank == 0 or error.startswith("RuntimeError: the new state"):
-                raise RuntimeError(error.removeprefix("RuntimeError: "))
-            raise RuntimeError(f"rank 0 could not load the state: {error}")
+        follow_rank0_load(children, ranks, replace)
         for child in children:
             child.committed_step, child.steps_skipped = step, 0
         self.committed_step, self.steps_skipped, self.last_step_skipped = step, 0, False  # type: ignore[attr-defined]

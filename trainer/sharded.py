@@ -456,3 +456,48 @@ class ShardedSession:
                                reason=why, **self._shared())
         except (DeviceError, DeviceLostError, OSError):
             pass
+
+    # ------------------------------------------------------------------ load_state_dict
+
+    def _load_sharded_state(self, step: int, loads: list[tuple[str, str, torch.Tensor]]) -> None:
+        """load_state_dict of another state on the one namespace of a sharded job (state_dict.py
+        has checked it all; every rank holds the same whole state): rank 0 replaces the
+        namespace atomically (namespace_swap.replace: a kill at any instant leaves the old run
+        or the new one), every rank then follows it and reads its params back."""
+        ranks = self._ranks
+        assert ranks is not None
+        hook = self.load_hook or (lambda stage: None)  # type: ignore[attr-defined]
+
+        def replace() -> None:
+            namespace_swap.replace(self.files, self._description(step),  # type: ignore[attr-defined]
+                                   lambda: self.files.write_many(loads), hook)
+
+        follow_rank0_load([self], ranks, replace)
+        self.committed_step, self.steps_skipped, self.last_step_skipped = step, 0, False  # type: ignore[attr-defined]
+        # The device rounds the masters to the wire dtype; every rank continues from that.
+        self._read_params()
+
+
+def follow_rank0_load(members: list[Any], ranks: Ranks, replace: Callable[[], None]) -> None:
+    """Rank 0 runs `replace` (a load that switches each member's namespace to a new one);
+    every rank learns its outcome, the others' files follow the switch (the new nsid looked
+    up), and every member's groups count as sent (the loaded namespace holds them). Rank 0's
+    failure is raised on every rank, naming rank 0 on the others."""
+    error = None
+    if ranks.rank == 0:
+        try:
+            replace()
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    error = ranks.from_rank0(error)
+    for member in members:
+        if ranks.rank != 0:  # rank 0's files followed the switch; the others look the new nsid up
+            member.files.retarget(member.files.name, None)
+            if not member.files.exists():
+                raise RuntimeError(f"namespace {member.files.name!r} is gone from {member.files.mountpoint} "
+                                   f"after rank 0's load ({error})")
+        member._sent_hypers = [group_hyper(group) for group in member.param_groups]
+    if error is not None:
+        if ranks.rank == 0 or error.startswith("RuntimeError: the new state"):
+            raise RuntimeError(error.removeprefix("RuntimeError: "))
+        raise RuntimeError(f"rank 0 could not load the state: {error}")

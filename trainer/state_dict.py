@@ -203,12 +203,13 @@ class StateDict:
                 raise
             return
         if getattr(self, "_ranks", None) is not None:
-            for group, options in zip(self.param_groups, before):
-                group.update(options)
-            raise NotImplementedError(
-                "load_state_dict of another state in a sharded job (torch.distributed) is not "
-                "supported yet: load it in one process (world size 1), then resume the job at any "
-                "world size on the namespace")
+            try:  # rank 0 replaces the one namespace atomically, every rank reads its params (sharded.py)
+                self._load_sharded_state(step, loads)  # type: ignore[attr-defined]
+            except BaseException:
+                for group, options in zip(self.param_groups, before):  # the old run goes on as it was
+                    group.update(options)
+                raise
+            return
         self._abort()
         hook = self.load_hook or (lambda stage: None)
         try:
