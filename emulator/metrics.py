@@ -9,6 +9,7 @@ from prometheus_client.registry import Collector
 
 from .kinds import OPTIMIZER_KIND, AnyNamespace
 from .archive.metrics import archive_metrics
+from . import state_counters
 
 if TYPE_CHECKING:
     from .device import Device
@@ -64,6 +65,7 @@ class DeviceFigures(Collector):
         namespaces = list(self.device.namespaces.values())
         yield from self.device_metrics(namespaces)
         yield from self.namespace_metrics(namespaces)
+        yield from self.state_counter_metrics()
         archive = self.controller_figures.get("archive")
         if archive is not None:
             yield from archive_metrics(archive())
@@ -181,3 +183,29 @@ class DeviceFigures(Collector):
                 gauges[name].add_metric(label, value)
         yield from gauges.values()
         yield from counters.values()
+
+    def state_counter_metrics(self) -> Iterator[Metric]:
+        """The fp16/int8 moments' counters per tensor and moment (log page C6h,
+        emulator/state_counters.py): totals since the namespace opened, the last step's scales."""
+        labels = ("namespace", "tensor", "moment")
+        underflow = CounterMetricFamily(
+            "cossd_state_underflow", "Nonzero moment values whose fp16/int8 code is zero (exp_avg_sq: raised to "
+            "the smallest code), over committed steps since the namespace was opened.", labels=labels)
+        overflow = CounterMetricFamily(
+            "cossd_state_overflow", "Moment elements whose fp16/int8 code decodes to inf or NaN, over committed "
+            "steps since the namespace was opened.", labels=labels)
+        scale_min = GaugeMetricFamily(
+            "cossd_state_scale_min", "Least block scale of the last committed step (fp16: 2^-k, int8: absmax), "
+            "over blocks with a nonzero largest value.", labels=labels)
+        scale_max = GaugeMetricFamily(
+            "cossd_state_scale_max", "Greatest block scale of the last committed step (fp16: 2^-k, int8: absmax).",
+            labels=labels)
+        for name, figures in state_counters.page(self.device, None).items():
+            for tensor, moments in figures["tensors"].items():
+                for moment, values in moments.items():
+                    label = (name, tensor, moment)
+                    underflow.add_metric(label, values["underflow_total"])
+                    overflow.add_metric(label, values["overflow_total"])
+                    scale_min.add_metric(label, values["scale_min"])
+                    scale_max.add_metric(label, values["scale_max"])
+        yield from (underflow, overflow, scale_min, scale_max)

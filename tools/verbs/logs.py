@@ -220,7 +220,8 @@ def cmd_get_log(args: argparse.Namespace) -> int:
             print(f"Device:{args.mountpoint} log-id:{args.log_id:#04x} namespace-id:{nsid:#x} "
                   f"offset:{args.lpo} length:{len(data)}\n{hexdump(data, args.lpo)}")
         return 0
-    json_page = args.log_id in (LogId.OPTIMIZER_STATISTICS, LogId.SNAPSHOTS, LogId.JOBS)  # vendor JSON pages
+    json_page = args.log_id in (LogId.OPTIMIZER_STATISTICS, LogId.SNAPSHOTS, LogId.JOBS,
+                                LogId.STATE_COUNTERS)  # vendor JSON pages
     if args.output_format == "json":
         decoders: dict[int, Callable[[bytes], Any]] = {
             LogId.SMART: logpages.decode_smart,
