@@ -9,6 +9,8 @@ from typing import Sequence
 import numpy as np
 
 from ... import kernels
+from ...kernels.state_formats import StateCounts
+from .. import state_counters
 from ...protocol.status import DeviceError, Status
 from ..accounting import modeled_command
 from ..layout import BLOCK_ELEMS, Copy, TensorLayout
@@ -319,9 +321,11 @@ class _Writes:
             outputs = [self._view(shadow, tensor, role)[block_slice(role, start, stop)] for role in roles]
         else:
             outputs = [buffers[role] for role in roles]
+        counts = StateCounts()  # the encoders' underflows, overflows and scales (emulator/state_counters.py)
         crc, param_crc = kernels.adam_step_q_crcs(
             grad, *inputs, *outputs, grad_format=self._grad_format, param_format=self._param_format,
-            state_format=self._state_format, scalars=scalars, param_copy=param_copy)
+            state_format=self._state_format, scalars=scalars, param_copy=param_copy, counts=counts)
+        state_counters.record_block(self, tensor.name, start, counts)
         if buffers is not None:
             for role, out in zip(roles, outputs):
                 region = self._region_offset(tensor, role) + block_slice(role, start, stop).start * out.itemsize
