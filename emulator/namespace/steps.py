@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ... import kernels
+from .. import state_counters
 from ...protocol.status import DeviceError, Status
 from ..accounting import modeled_command
 from ..layout import SuperblockFlags
@@ -173,6 +174,7 @@ class _Steps:
             )
             self._write_superblock(committed, sync=self.sync_commits)
             self.counters.steps_committed += 1
+            state_counters.step_committed(self, tx.step)  # fold fp16/int8 blocks' counts
             ended = True
             return CommitResult(tx.step, tx.step, False)
         except DeviceError:
