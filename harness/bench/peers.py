@@ -11,6 +11,7 @@ computational SSD runs on its own controller cores; unpinned: everyone on every 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,9 +20,10 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ...client import AdminClient
 from ...emulator import Device
@@ -152,6 +154,19 @@ def _result_in(log: Path, job: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT ignored inside (main thread only; elsewhere Python delivers none), then restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _tail(log: Path) -> str:
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     return " | ".join(lines[-3:])[-400:]
@@ -172,8 +187,12 @@ class PeersRun:
         Device.format(self.backing)
         self.daemon_pid = daemon.start_background(self.backing, self.mountpoint)
         self.volume: NvmVolume | None = None
-        self.disk = disk_name(workdir)
         self.jobs = 0
+        try:
+            self.disk = disk_name(workdir)
+        except BaseException:
+            self.close()
+            raise
 
     def open_volume(self) -> NvmVolume:
         self.volume = NvmVolume(self.mountpoint, VOLUME_NAME, volume_bytes(self.settings.sizes),
@@ -181,11 +200,29 @@ class PeersRun:
         return self.volume
 
     def close(self) -> None:
-        try:
-            if self.volume is not None:
-                self.volume.close()
-        finally:
-            daemon.stop_background(self.mountpoint, self.daemon_pid)
+        """Unmount the volume and the device and stop the daemon, on every exit path. Ctrl-C is
+        held off meanwhile: one interrupting this would leave the device mounted on a folder
+        the runner then deletes (the run itself was already interrupted)."""
+        with _interrupts_held():
+            try:
+                if self.volume is not None:
+                    self.volume.close()
+            finally:
+                self._stop_daemon()
+
+    def _stop_daemon(self) -> None:
+        # The plain unmount fails while the kernel still holds a file of the mount (a loop
+        # device being detached, a killed worker's mapping): then detach lazily, and as a last
+        # resort kill the daemon, saying so rather than leaving a mount behind silently.
+        if daemon.stop_background(self.mountpoint, self.daemon_pid, timeout_s=20):
+            return
+        say(f"  peers: the device at {self.mountpoint} did not unmount; detaching it lazily")
+        if daemon.stop_background(self.mountpoint, self.daemon_pid, lazy=True, timeout_s=20):
+            return
+        say(f"  peers: the device daemon (pid {self.daemon_pid}) did not exit; killing it")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.daemon_pid, signal.SIGKILL)
+        daemon.wait_for_exit(self.daemon_pid, 10)
 
     def job(self, peer: str, size: int, threads: int, namespace: str) -> dict[str, Any]:
         """The worker's job for `peer`: where it swaps, checkpoints, and what counts its bytes."""
