@@ -58,7 +58,8 @@ def ds_config(config: dict) -> dict:
 
 
 def main() -> int:
-    config = json.loads(sys.argv[1])
+    # The last argument: the deepspeed launcher puts --local_rank=N before it (torchrun does not).
+    config = json.loads(sys.argv[-1])
     rank = int(os.environ["RANK"])
     os.environ.setdefault("LOCAL_RANK", str(rank))
     out = Path(config["out"])
