@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -21,9 +22,9 @@ class Transport(Protocol):
     RemoteTransport (client/remote.py, a storage server at cossd://HOST:PORT); the clients
     above (AdminClient, the trainer's NamespaceFiles) never see how the bytes travel.
 
-    Optional, where a transport moves several ranges in one command (RemoteTransport):
-    `write_many(items) -> int` and `read_many(items) -> list[int]`, items being (handle,
-    buffer, offset); NamespaceFiles uses them when present (getattr), else one call a range.
+    `write_many` and `read_many` move several ranges: RemoteTransport in as few commands as
+    its wire takes, LocalMount one system call at a time. Which ranges a step moves, and
+    whether through the files or the CMB, is the step transport's choice (step_transport.py).
     """
 
     @property
@@ -48,6 +49,14 @@ class Transport(Protocol):
     def read_at(self, handle: int, buffer: memoryview, offset: int) -> int: ...
 
     def close_file(self, handle: int) -> None: ...
+
+    def write_many(self, items: Sequence[tuple[int, memoryview, int]]) -> int:
+        """Write every (handle, data, offset) range whole; the bytes written."""
+        ...
+
+    def read_many(self, items: Sequence[tuple[int, memoryview, int]]) -> list[int]:
+        """Fill every (handle, buffer, offset) range; each one's byte count (short past the file's end)."""
+        ...
 
     def read_text(self, path: str) -> str: ...
 
@@ -122,6 +131,29 @@ class LocalMount:
 
     def read_at(self, handle: int, buffer: memoryview, offset: int) -> int:
         return self.watchdog.call(lambda: os.preadv(handle, [buffer], offset))
+
+    def write_many(self, items: Sequence[tuple[int, memoryview, int]]) -> int:
+        written = 0
+        for handle, data, offset in items:
+            view = memoryview(data).cast("B")
+            done = 0
+            while done < len(view):  # a write may take less than it was given
+                done += self.write_at(handle, view[done:], offset + done)
+            written += done
+        return written
+
+    def read_many(self, items: Sequence[tuple[int, memoryview, int]]) -> list[int]:
+        counts = []
+        for handle, buffer, offset in items:
+            view = memoryview(buffer).cast("B")
+            done = 0
+            while done < len(view):
+                count = self.read_at(handle, view[done:], offset + done)
+                if count == 0:
+                    break  # the file's end
+                done += count
+            counts.append(done)
+        return counts
 
     def close_file(self, handle: int) -> None:
         if self.watchdog.stuck:

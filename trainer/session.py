@@ -86,7 +86,7 @@ class DeviceSession:
                 future.result()
             return 0.0
         # Through the memory buffer a GPU's gradients go there directly (one copy).
-        on_host = self.files.cmb() is None
+        on_host = not self.files.step_transport().reaches_device_memory
         grads = [self._wire_grad(entry, on_host) for entry in self.entries]
         coefficient = 1.0
         if self.max_grad_norm is not None:
@@ -125,7 +125,7 @@ class DeviceSession:
         reads, staged = [], []
         # Through the memory buffer the params go straight to their device (a GPU's
         # included); through the files they go to the host first.
-        any_device = self.files.cmb() is not None
+        any_device = self.files.step_transport().reaches_device_memory
         for entry in self.entries:
             param = entry.param.detach()
             # An FP32 param (an FP32 model, DeepSpeed's FP32 master partitions) gets the FP32
