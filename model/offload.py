@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from .profiles import NS_PER_S, DeviceProfile
-from .timing import TimingModel, Traffic, transfer_ns
+from .timing import TimingModel, Traffic, state_media_bytes, transfer_ns
 
 ZERO_GRAD_BYTES = 4  # DeepSpeed's CPU Adam steps FP32 gradients, swapped out during backward
 
@@ -57,7 +57,7 @@ class SerialOffloadStep:
 
 def zero_infinity_serial(params: int, compute_ns: int, profile: DeviceProfile, *, drives: int = 1,
                          uplink_bytes_per_s: int = 0, host_adam_elements_per_s: int,
-                         moment_bytes: int = 4) -> SerialOffloadStep:
+                         moment_bytes: float = 4) -> SerialOffloadStep:
     """DeepSpeed's optimizer swapper with its defaults (offload_optimizer pipeline_read and
     pipeline_write false) reads a sub-group's state and gradients, steps it, then writes it:
     nothing of the three overlaps. Each transfer is striped over `drives` of `profile` and,
@@ -65,7 +65,7 @@ def zero_infinity_serial(params: int, compute_ns: int, profile: DeviceProfile, *
     if params < 1 or drives < 1 or host_adam_elements_per_s <= 0 or compute_ns < 0:
         raise ValueError("params and drives must be >= 1, the Adam rate > 0, compute >= 0")
     model = TimingModel(profile)
-    state = params * (4 + 2 * moment_bytes)
+    state = state_media_bytes(params, moment_bytes)
     grads = params * ZERO_GRAD_BYTES
 
     def striped(traffic_of_total: Traffic) -> int:

@@ -7,16 +7,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..kernels.state_formats import state_bytes_per_element
+from ..kernels.validation import StateFormat
 from .profiles import NS_PER_S, DeviceProfile
 from .timing import (
     Timing,
     TimingModel,
     Traffic,
+    state_media_bytes,
     step_traffic,
     transfer_ns,
 )
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+# Bytes per element of one moment on the media, from the kernels' own layouts: fp32 4, bf16 2,
+# fp16 2 + 4/256 (a binary16 code, a 4-byte scale per 256-element block), int8 1 + 4/256
+# (a code, a 4-byte absmax per block). docs/kernels.md, "Block-scaled moments".
+STATE_DTYPE_BYTES: dict[str, float] = {name: state_bytes_per_element(StateFormat[name.upper()])
+                                       for name in ("fp32", "bf16", "fp16", "int8")}
 MASTER_BYTES = 4  # master weights are FP32 in every scheme
 # ZeRO-Infinity's CPU Adam works on FP32 gradients, which it swaps to NVMe during backward.
 ZERO_GRAD_BYTES = 4
@@ -35,7 +43,7 @@ class StepSetup:
     profile: DeviceProfile
     grad_bytes: int = 2
     param_bytes: int = 2
-    moment_bytes: int = 4
+    moment_bytes: float = 4  # per element, block scales included (STATE_DTYPE_BYTES)
     drives: int = 1  # the work is striped evenly over this many drives of the profile
     uplink_bytes_per_s: int = 0  # a host uplink all drives share (a PCIe switch); 0: none
     host_adam_elements_per_s: int = HOST_ADAM_ELEMENTS_PER_S
@@ -61,8 +69,8 @@ class StepSetup:
         return round(self.compute_s * NS_PER_S)
 
     @property
-    def state_bytes(self) -> int:
-        """FP32 master plus both moments, per parameter."""
+    def state_bytes(self) -> float:
+        """FP32 master plus both moments, per parameter (block scales included)."""
         return MASTER_BYTES + 2 * self.moment_bytes
 
 
@@ -131,16 +139,14 @@ def predict_zero_infinity(setup: StepSetup) -> Prediction:
     """ZeRO-Infinity-style: FP32 gradients swapped out to the drive during backward (hidden
     behind compute as far as it lasts), then the update reads gradients and optimizer state
     over the host link, runs Adam on the host CPU and writes the state back."""
-    state = setup.state_bytes
-
     def backward(elements: int) -> Traffic:
         grads = elements * ZERO_GRAD_BYTES
         return Traffic(host_in=grads, media_write=grads)
 
     def update(elements: int) -> Traffic:
         grads = elements * ZERO_GRAD_BYTES
-        return Traffic(host_in=elements * state, host_out=elements * state + grads,
-                       media_read=elements * state + grads, media_write=elements * state,
+        state = state_media_bytes(elements, setup.moment_bytes)
+        return Traffic(host_in=state, host_out=state + grads, media_read=state + grads, media_write=state,
                        elements=elements)
 
     host_model = TimingModel(setup.profile, adam_elements_per_s=setup.host_adam_elements_per_s)
@@ -155,10 +161,9 @@ def predict_zero_infinity(setup: StepSetup) -> Prediction:
 def predict_checkpoint(setup: StepSetup) -> Prediction:
     """Adam on the GPU, then params, master and moments written to the drive every step,
     synchronously (an async checkpoint hides this only while host memory holds a copy)."""
-    per_param = setup.param_bytes + setup.state_bytes
-
     def checkpoint(elements: int) -> Traffic:
-        return Traffic(host_in=elements * per_param, media_write=elements * per_param)
+        written = elements * setup.param_bytes + state_media_bytes(elements, setup.moment_bytes)
+        return Traffic(host_in=written, media_write=written)
 
     write_ns, bottleneck = _striped(setup, TimingModel(setup.profile), checkpoint)
     gpu_ns = transfer_ns(setup.params, setup.gpu_adam_elements_per_s)

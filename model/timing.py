@@ -19,6 +19,7 @@ docs/timing-model.md derives each term.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .profiles import NS_PER_S, DeviceProfile, load_profile
 
@@ -148,8 +149,15 @@ class TimingModel:
         return Timing(host_in, host_out, media, compute, fixed, chunks, fixed + pipeline_ns(stages, chunks))
 
 
+def state_media_bytes(elements: int, moment_bytes: float = 4) -> int:
+    """Bytes of an FP32 master and both moments of `elements` parameters on the media; a
+    block-scaled moment's bytes per element include its share of the block scales (fp16
+    2.015625, int8 1.015625: model/step_model.py STATE_DTYPE_BYTES), rounded up per moment."""
+    return elements * 4 + 2 * math.ceil(elements * moment_bytes)
+
+
 def step_traffic(elements: int, *, grad_bytes: int = 2, param_bytes: int = 2,
-                 moment_bytes: int = 4) -> Traffic:
+                 moment_bytes: float = 4) -> Traffic:
     """What one optimizer step of `elements` parameters moves on a cossd device, as the
     emulator does it: gradients in and params out over the host link; master (FP32) and both
     moments read from the committed copy and written, with the param, to the shadow copy;
@@ -157,7 +165,7 @@ def step_traffic(elements: int, *, grad_bytes: int = 2, param_bytes: int = 2,
     (it is a superblock: a few bytes per 256K-element block). An FP32 param (which the
     emulator does not offer; `cossd model` does, for Smart-Infinity's setting) is the master
     itself, so no separate param copy is written."""
-    state = elements * (4 + 2 * moment_bytes)
+    state = state_media_bytes(elements, moment_bytes)
     param_copy = elements * param_bytes if param_bytes < 4 else 0
     return Traffic(
         host_in=elements * grad_bytes,

@@ -35,7 +35,7 @@ class TopologySetup:
     server_nics: int = 1  # the server's NICs of the link profile; the nodes spread over them
     grad_bytes: int = 2
     param_bytes: int = 2
-    moment_bytes: int = 4
+    moment_bytes: float = 4  # per element, block scales included (step_model.STATE_DTYPE_BYTES)
     # "all": every node reads every param each step (data parallel), served from the server's
     # param cache; "shard": each reads its 1/nodes and the nodes all-gather among themselves
     # over their own network (not modeled).

@@ -24,6 +24,7 @@ from ...model.step_model import (
     DTYPE_BYTES,
     GPU_ADAM_ELEMENTS_PER_S,
     HOST_ADAM_ELEMENTS_PER_S,
+    STATE_DTYPE_BYTES,
     StepSetup,
     predict_all,
     smart_infinity_table,
@@ -214,7 +215,7 @@ def cmd_model(args: argparse.Namespace) -> int:
         profile=profile,
         grad_bytes=DTYPE_BYTES[args.grad_dtype],
         param_bytes=DTYPE_BYTES[args.param_dtype],
-        moment_bytes=DTYPE_BYTES[args.state_dtype],
+        moment_bytes=STATE_DTYPE_BYTES[args.state_dtype],
         drives=drives,
         uplink_bytes_per_s=round(uplink_gbs * 1e9),
         host_adam_elements_per_s=round(parse_number(args.host_adam_rate, "--host-adam-rate", positive=True)),
@@ -264,7 +265,7 @@ def _cmd_topology(args: argparse.Namespace) -> int:
         nodes=parse_count(args.nodes or "1", "--nodes"),
         server_nics=parse_count(args.server_nics or "1", "--server-nics"),
         grad_bytes=DTYPE_BYTES[args.grad_dtype], param_bytes=DTYPE_BYTES[args.param_dtype],
-        moment_bytes=DTYPE_BYTES[args.state_dtype],
+        moment_bytes=STATE_DTYPE_BYTES[args.state_dtype],
         param_reads=args.param_reads or "all",
         uplink_bytes_per_s=round(uplink_gbs * 1e9),
     )
@@ -302,8 +303,9 @@ def register(verb: VerbFactory) -> None:
                      help="gradient dtype sent to the drive (default: fp16)")
     sub.add_argument("--param-dtype", choices=tuple(DTYPE_BYTES), default="fp16",
                      help="param dtype read back (default: fp16)")
-    sub.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
-                     help="dtype of the Adam moments (master weights are fp32; default: fp32)")
+    sub.add_argument("--state-dtype", choices=tuple(STATE_DTYPE_BYTES), default="fp32",
+                     help="dtype of the Adam moments on the media (master weights are fp32): fp32 4 B, bf16 2 B, "
+                          "fp16 2.016 B and int8 1.016 B per element with their block scales (default: fp32)")
     sub.add_argument("--drives", default="1", metavar="N", help="drives the state is striped over (default: 1)")
     sub.add_argument("--uplink-gbs", default="0", metavar="GB/s",
                      help="a host uplink all drives share, e.g. 15.75 for PCIe Gen3 x16 (default: none)")
