@@ -33,7 +33,8 @@ IDENTIFY_BYTES = 4096
 COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection_commands", "cossd.emulator.features",
                                     "cossd.emulator.snapshots.commands", "cossd.emulator.cmb_commands",
                                     "cossd.emulator.archive.commands",
-                                    "cossd.emulator.computational.commands")
+                                    "cossd.emulator.computational.commands",
+                                    "cossd.emulator.state_counters")
 
 # Effects beyond CSUPP that the Commands Supported and Effects page (LID 05h) announces.
 COMMAND_EFFECTS: dict[int, int] = {
@@ -141,7 +142,7 @@ class Controller:
         self.injector = Injector(device.health)
         # The device's one I/O entry (emulator/io.py): the CMB's transfers reach the namespaces
         # through it, as the mount's and the server's requests do.
-        self.io = DeviceIO(self)
+        self.io = DeviceIO(device, self.injector, self.submit)
         self._handlers: dict[int, Callable[[Command], Completion]] = {
             Opcode.GET_LOG_PAGE: self._get_log_page,
             Opcode.IDENTIFY: self._identify,

@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..protocol.entries import Completion, IoOpcode
+from .device import Device
+from .injection import Injector
 from .kinds import AnyNamespace
 from .namespace import CommitResult, Namespace
 from .namespace.writes import GradPieces
 from .transaction import StepTransaction
-
-if TYPE_CHECKING:
-    from .controller import Controller
 
 # The file an NVM namespace has: its data, addressed by byte offset (LBA x 4096).
 DATA_ROLE = "data"
@@ -58,17 +57,23 @@ class Staged:
 
 
 class DeviceIO:
-    """Tensor and NVM data I/O and admin commands of one device, through its controller."""
+    """Tensor and NVM data I/O and admin commands of one device, through its controller.
 
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
-        self.device = controller.device
+    The controller holds it (Controller.io) and hands it its parts: the device, the armed
+    injections and its own submit (this module does not import the controller, which imports
+    it)."""
+
+    def __init__(self, device: Device, injector: Injector,
+                 submit: Callable[[bytes], Completion]) -> None:
+        self.device = device
+        self._injector = injector
+        self._submit = submit
 
     # ------------------------------------------------------------------ commands
 
-    def submit(self, submission: bytes | memoryview) -> Completion:
+    def submit(self, submission: bytes) -> Completion:
         """One 64-byte submission (and its payload, as the controller takes it) -> completion."""
-        return self.controller.submit(submission)
+        return self._submit(submission)
 
     # ------------------------------------------------------------------ injections
 
@@ -78,7 +83,7 @@ class DeviceIO:
         front-end calls this itself only where something of its own comes between the
         request's arrival and the device taking it (the server's lease handover); then it
         passes checked=True to the call that follows."""
-        self.controller.injector.check_io(opcode, namespace.nsid)
+        self._injector.check_io(opcode, namespace.nsid)
 
     # ------------------------------------------------------------------ reads
 

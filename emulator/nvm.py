@@ -314,6 +314,10 @@ class NvmNamespace:
         """None: this kind has no tensors, steps, state copies or snapshots."""
         return None
 
+    def as_nvm(self) -> NvmNamespace:
+        """This namespace, as the kind whose one file is its data (the computational kinds too)."""
+        return self
+
     def io_read(self, tensor: str | None, role: str, offset: int, size: int) -> bytes:
         return self.read(offset, size)
 

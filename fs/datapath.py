@@ -47,7 +47,7 @@ from .handles import FileHandle
 from .nodes import Kind
 
 if TYPE_CHECKING:
-    from ..emulator.namespace import Namespace
+    from ..emulator.face import Namespace
 
     from .handles import Stat
     from .nodes import Node

@@ -15,10 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 import pyfuse3
 import trio
 
-from ..emulator import Device, DeviceError
-from ..emulator.controller import Controller
-from ..emulator.io import DATA_ROLE, DeviceIO
-from ..emulator.namespace import LOADABLE_ROLES, Namespace
+from ..emulator.face import DATA_ROLE, LOADABLE_ROLES, Controller, Device, DeviceError, Namespace
 
 from .admin_queue import AdminHandle
 from .handles import FileHandle, Stat
@@ -74,7 +71,7 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.device = device
         self.controller = Controller(device, cmb_bytes)
-        self.io = DeviceIO(self.controller)  # tensor and NVM data I/O: the device's one entry
+        self.io = self.controller.io  # tensor and NVM data I/O: the device's one entry (emulator/io.py)
         self.tree = Tree(device)
         self.limiter = trio.CapacityLimiter(worker_threads or max(2, os.cpu_count() or 2))
         self.nursery: trio.Nursery | None = None

@@ -5,8 +5,7 @@ import errno
 import stat
 from typing import Callable
 
-from ..emulator.namespace import Namespace
-from ..emulator.namespace.snapshots import Snapshot
+from ..emulator.face import Namespace, Snapshot
 
 from .nodes import SNAPSHOT_DIR_KINDS, Kind, Node, fuse_error
 
@@ -29,8 +28,8 @@ class SnapshotTree:
         self.namespace_of = namespace_of
 
     def _namespace(self, node: Node) -> Namespace:
-        namespace = self.namespace_of(node)
-        if not isinstance(namespace, Namespace):
+        namespace = self.namespace_of(node).as_optimizer()
+        if namespace is None:
             raise fuse_error(errno.ENOENT)
         return namespace
 

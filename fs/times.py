@@ -5,8 +5,7 @@ import os
 import time
 from pathlib import Path
 
-from ..emulator import Device
-from ..emulator.namespace import Namespace
+from ..emulator.face import Device, Namespace
 
 from .nodes import Kind, Node
 from .tree import Tree
@@ -45,10 +44,11 @@ class NodeTimes:
         if kind in (Kind.ROOT, Kind.NS_ROOT):
             return _mtime_ns(self.device.path / _REGISTRY_FILE, self.started_ns)
         namespace = self.tree.namespace(node)
-        if not isinstance(namespace, Namespace):  # a plain NVM namespace
+        nvm = namespace.as_nvm()
+        if nvm is not None:  # a plain NVM namespace
             if kind == Kind.DATA or (kind == Kind.TEXT and node.name == "stats.json"):
-                return _mtime_ns(namespace.path, self.started_ns)
-            return _mtime_ns(namespace.directory / "meta.json", self.started_ns)
+                return _mtime_ns(nvm.path, self.started_ns)
+            return _mtime_ns(nvm.directory / "meta.json", self.started_ns)
         if kind == Kind.TEXT:
             if node.name == "stats.json":
                 return time.time_ns()

@@ -6,9 +6,7 @@ import stat
 
 import pyfuse3
 
-from ..emulator import Device, DeviceError
-from ..emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
-from ..emulator.nvm import NvmNamespace
+from ..emulator.face import LOADABLE_ROLES, ROLES, Device, DeviceError, Namespace
 
 from .nodes import SNAPSHOT_KINDS, Kind, Node, fuse_error
 from .snapshot_tree import SnapshotTree
@@ -74,7 +72,7 @@ class Tree:
                 (ns.name, Node(Kind.NAMESPACE, ns.nsid))
                 for ns in sorted(self.device.namespaces.values(), key=lambda n: n.nsid)
             ]
-        if node.kind == Kind.NAMESPACE and isinstance(self.namespace(node), NvmNamespace):
+        if node.kind == Kind.NAMESPACE and self.namespace(node).as_nvm() is not None:
             return [(name, Node(Kind.TEXT, node.nsid, name)) for name in NVM_TEXT_FILES] + [
                 (NVM_DATA_NAME, Node(Kind.DATA, node.nsid))]
         if node.kind == Kind.NAMESPACE:

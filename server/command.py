@@ -16,9 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..emulator import Device, DeviceConfig, DeviceError, Status
-from ..emulator.backing import BackingDirectory
-from ..emulator.device import SUPERBLOCK_FILE
+from ..emulator.face import SUPERBLOCK_FILE, BackingDirectory, Device, DeviceConfig, DeviceError, Status
 from ..emulator.metrics_http import DEFAULT_METRICS_ADDR, MetricsEndpoint, MetricsPortError, load_token
 from ..kernels import guard
 from ..model.links import DEFAULT_LINK, LINKS, load_link

@@ -16,11 +16,7 @@ from typing import NoReturn, Protocol, cast
 
 import numpy as np
 
-from ..emulator import Device, DeviceError, Status
-from ..emulator.accounting import LinkTiming
-from ..emulator.io import DeviceIO
-from ..emulator.kinds import AnyNamespace
-from ..emulator.namespace import Namespace
+from ..emulator.face import AnyNamespace, Device, DeviceError, DeviceIO, LinkTiming, Status
 from ..protocol import wire
 from ..protocol.entries import Completion, IoOpcode, Opcode, SubmissionError
 from ..protocol.wire import Digest, FabricsType, FatalError, PduType, WireError
@@ -117,6 +113,7 @@ class Connection:
 
     def __init__(self, server: Host, sock: socket.socket, peer: str, preauth: PreAuth) -> None:
         self.server = server
+        self.io = server.io  # the device's one I/O entry (emulator/io.py)
         self.sock = sock
         self.peer = peer
         self.preauth = preauth
@@ -339,7 +336,7 @@ class Connection:
         raw = bytes(submission) + bytes(data)
         nsid = struct.unpack_from("<I", submission, 4)[0]
         try:
-            completion = self.server.io.submit(raw)
+            completion = self.io.submit(raw)
         except SubmissionError as exc:  # a local mount's EINVAL on the write: nothing ran
             return Completion(cid, Status.INVALID_FIELD, data=f"malformed submission: {exc}".encode())
         if completion.status == Status.SUCCESS and opcode_of(submission) == Opcode.BEGIN_STEP:
@@ -358,7 +355,7 @@ class Connection:
 
     def forget_step(self, nsid: int) -> None:
         namespace = self.server.device_namespace(nsid)
-        if not isinstance(namespace, Namespace) or namespace.step_open != self.steps.get(nsid):
+        if namespace is None or namespace.as_optimizer() is None or namespace.step_open != self.steps.get(nsid):
             self.steps.pop(nsid, None)
 
     def _fabrics(self, submission: memoryview, cid: int, data: memoryview) -> Completion:
@@ -413,12 +410,13 @@ class Connection:
 
     def write_one(self, opened: OpenFile, namespace: AnyNamespace, offset: int, view: memoryview) -> None:
         """A range that is not gradients (state while loading, NVM data): the I/O entry's write."""
-        self.server.io.write(namespace, opened.tensor, opened.role, offset, view)
+        self.io.write(namespace, opened.tensor, opened.role, offset, view)
 
-    def adopt(self, namespace: Namespace) -> None:
+    def adopt(self, namespace: AnyNamespace) -> None:
         """Gradients for `namespace` arrive: the data path's injections first (INJECT_ERROR
-        fails the WRITE here), then a lease held on its step ends (the step goes on)."""
-        self.server.io.controller.injector.check_io(IoOpcode.WRITE, namespace.nsid)
+        fails the WRITE here; the device's calls that follow pass checked=True), then a lease
+        held on its step ends (the step goes on)."""
+        self.io.admit(IoOpcode.WRITE, namespace)
         self.server.adopt(namespace.nsid)
 
     # ------------------------------------------------------------------ READ
@@ -431,27 +429,27 @@ class Connection:
         if total > wire.MAX_BATCH_BYTES:
             raise DeviceError(Status.LIMIT_EXCEEDED, f"a READ of {total} bytes; at most {wire.MAX_BATCH_BYTES}")
         namespaces = {opened.nsid for opened, _ in files}
-        namespace = files[0][1]
+        optimizer = files[0][1].as_optimizer() if len(namespaces) == 1 else None
         reads = [(opened.tensor, opened.role, int(offset), length)
                  for (opened, _), offset, length in zip(files, table["offset"], lengths)]
-        if len(namespaces) == 1 and isinstance(namespace, Namespace):
+        if optimizer is not None:
             # One pin for the batch: every range is of the same committed step, sent from the
             # committed copy itself (no copy into a reply buffer).
-            self.server.io.controller.injector.check_io(IoOpcode.READ, namespace.nsid)
+            self.io.admit(IoOpcode.READ, optimizer)
             # Every file of an optimizer namespace is a tensor's (only NVM data has none).
             tensor_reads = cast(list[tuple[str, str, int, int]], reads)
             # The parameter cache first: the committed step's params from server memory (all
             # of one step, as the pin gives them); None where off, too small or not params.
-            cached = self.server.param_cache.read(namespace, tensor_reads)
+            cached = self.server.param_cache.read(optimizer, tensor_reads)
             if cached is not None:
                 self._send_ranges(cid, cached)
             else:
-                with namespace.read_pinned_many(tensor_reads) as views:
+                with self.io.read_many(optimizer, reads, checked=True) as views:
                     self._send_ranges(cid, views)
         else:
             views = []
             for (_opened, namespace), (tensor, role, offset, length) in zip(files, reads):
-                views.append(self.server.io.read(namespace, tensor, role, offset, length) if length else b"")
+                views.append(self.io.read(namespace, tensor, role, offset, length) if length else b"")
             self._send_ranges(cid, views)
         return Completion(cid, Status.SUCCESS, result=total & 0xFFFF_FFFF)
 

@@ -9,8 +9,7 @@ import threading
 import weakref
 from typing import Sequence
 
-from ..emulator.io import committed_version
-from ..emulator.namespace import Namespace
+from ..emulator.face import Namespace, committed_version
 
 
 @dataclasses.dataclass(frozen=True)

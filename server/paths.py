@@ -6,11 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ..emulator import Device, DeviceError, Status
-from ..emulator.io import DATA_ROLE
-from ..emulator.kinds import AnyNamespace
-from ..emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
-from ..emulator.nvm import NvmNamespace
+from ..emulator.face import DATA_ROLE, LOADABLE_ROLES, ROLES, AnyNamespace, Device, DeviceError, Status
 
 TEXT_FILES = ("config.json", "stats.json", "step")
 
@@ -49,14 +45,14 @@ def resolve_open(device: Device, path: str, writing: bool) -> OpenFile:
     writing after the first step STATE_SEALED (EROFS)."""
     parts = _parts(path)
     if len(parts) == 3 and parts[2] == DATA_ROLE:
-        namespace = _namespace(device, parts[1], path)
-        if not isinstance(namespace, NvmNamespace):
+        nvm = _namespace(device, parts[1], path).as_nvm()
+        if nvm is None:
             raise DeviceError(Status.INVALID_NAMESPACE, f"{path}: namespace {parts[1]!r} has no data file")
-        return OpenFile(namespace.nsid, None, DATA_ROLE, writing, namespace.capacity_bytes, path)
+        return OpenFile(nvm.nsid, None, DATA_ROLE, writing, nvm.capacity_bytes, path)
     if len(parts) != 5 or parts[2] != "tensors" or parts[4] not in ROLES:
         raise DeviceError(Status.INVALID_NAMESPACE, f"no file {path!r} on this device")
-    namespace = _namespace(device, parts[1], path)
-    if not isinstance(namespace, Namespace):
+    namespace = _namespace(device, parts[1], path).as_optimizer()
+    if namespace is None:
         raise DeviceError(Status.INVALID_NAMESPACE, f"{path}: namespace {parts[1]!r} has no tensors")
     tensor, role = parts[3], parts[4]
     if tensor not in namespace.tensors:
@@ -78,9 +74,10 @@ def read_text(device: Device, path: str) -> bytes:
         raise DeviceError(Status.INVALID_NAMESPACE, f"no text file {path!r} on this device")
     namespace = _namespace(device, parts[1], path)
     if parts[2] == "step":
-        if not isinstance(namespace, Namespace):
+        optimizer = namespace.as_optimizer()
+        if optimizer is None:
             raise DeviceError(Status.INVALID_NAMESPACE, f"{path}: an NVM namespace has no step file")
-        return f"{namespace.committed_step}\n".encode()
+        return f"{optimizer.committed_step}\n".encode()
     if parts[2] == "config.json":
         return (json.dumps(namespace.config(), indent=2) + "\n").encode()
     return (json.dumps(namespace.statistics(), indent=2, sort_keys=True) + "\n").encode()

@@ -10,12 +10,7 @@ import threading
 import time
 from typing import Any
 
-from ..emulator import Device, DeviceError
-from ..emulator.accounting import LinkTiming
-from ..emulator.controller import Controller
-from ..emulator.io import DeviceIO
-from ..emulator.kinds import AnyNamespace
-from ..emulator.namespace import Namespace
+from ..emulator.face import AnyNamespace, Controller, Device, DeviceError, LinkTiming, Namespace
 from ..model.links import DEFAULT_LINK, LinkModel
 from ..protocol import logpages
 from ..protocol.logpages import SERVER_REFUSALS, LogId
@@ -107,7 +102,7 @@ class Server:
         self.handshake_deadline_s = handshake_deadline_s
         self.recv_memory = RecvMemory(recv_memory, recv_wait_s)
         self.started_ns = time.time_ns()
-        self.io = DeviceIO(self.controller)
+        self.io = self.controller.io  # the device's one I/O entry (emulator/io.py)
         # Committed params in server memory (server/param_cache.py); 0 bytes: off.
         self.param_cache = ParamCache(param_cache_size)
         self.token = token
@@ -318,13 +313,18 @@ class Server:
         except DeviceError:
             return None
 
+    def _optimizer_namespace(self, nsid: int) -> Namespace | None:
+        """Namespace `nsid` where it is an optimizer one (the kind that has steps), else None."""
+        namespace = self.device_namespace(nsid)
+        return None if namespace is None else namespace.as_optimizer()
+
     def adopt(self, nsid: int) -> None:
         """A client sends gradients to a namespace: a lease held on its open step ends, and the
         step goes on with this client."""
         with self._lock:
             lease = self._leases.pop(nsid, None)
-        namespace = self.device_namespace(nsid)
-        if lease is not None and isinstance(namespace, Namespace) and namespace.step_open == lease[0]:
+        namespace = self._optimizer_namespace(nsid)
+        if lease is not None and namespace is not None and namespace.step_open == lease[0]:
             log.info("namespace %s: step %d, left open by a client that went away, goes on with a new "
                      "connection's gradients (not aborted)", namespace.name, lease[0])
 
@@ -347,8 +347,8 @@ class Server:
         with self._lock:
             self._connections.pop(connection, None)
             for nsid, step in connection.steps.items():
-                namespace = self.device_namespace(nsid)
-                if isinstance(namespace, Namespace) and namespace.step_open == step:
+                namespace = self._optimizer_namespace(nsid)
+                if namespace is not None and namespace.step_open == step:
                     self._leases[nsid] = (step, time.monotonic() + self.lease_s)
                     log.info("%s went away with step %d of namespace %s open: aborted in %g s unless "
                              "a client takes it over", connection.peer, step, namespace.name, self.lease_s)
@@ -368,8 +368,8 @@ class Server:
                     self._lock.wait(timeout=max(0.01, min(wait, 1.0)))
                     continue
             for nsid, step in due:
-                namespace = self.device_namespace(nsid)
-                if not isinstance(namespace, Namespace) or namespace.step_open != step:
+                namespace = self._optimizer_namespace(nsid)
+                if namespace is None or namespace.step_open != step:
                     continue  # committed or aborted meanwhile
                 try:
                     namespace.abort_step()

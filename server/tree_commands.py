@@ -18,11 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..emulator import Device, DeviceError, Status
-from ..emulator.kinds import AnyNamespace
-from ..emulator.namespace import LOADABLE_ROLES, ROLES, Namespace
-from ..emulator.nvm import NvmNamespace
-from ..emulator.namespace.snapshots import Snapshot
+from ..emulator.face import LOADABLE_ROLES, ROLES, AnyNamespace, Device, DeviceError, Namespace, Snapshot, Status
 from ..protocol.entries import Completion
 from ..protocol.wire import STAT_ENTRIES, FabricsType
 
@@ -68,11 +64,17 @@ def _resolve(device: Device, path: str) -> _Node:
         raise _missing(path)
     rest = parts[2:]
     node = _Node(parts, namespace)
-    if isinstance(namespace, NvmNamespace):
+    optimizer = namespace.as_optimizer()
+    if optimizer is None:  # a namespace of one data file (NVM, and the computational kinds)
         if len(rest) <= 1 and (not rest or rest[0] in ("config.json", "stats.json", "data")):
             return node
         raise _missing(path)
-    assert isinstance(namespace, Namespace)
+    return _resolve_optimizer(path, parts, rest, optimizer)
+
+
+def _resolve_optimizer(path: str, parts: tuple[str, ...], rest: tuple[str, ...], namespace: Namespace) -> _Node:
+    """The node at `path` under an optimizer namespace's directory (`rest`: the parts below it)."""
+    node = _Node(parts, namespace)
     if not rest or (len(rest) == 1 and rest[0] in ("config.json", "step", "stats.json", "tensors", "snapshots")):
         return node
     if rest[0] == "tensors" and rest[1] in namespace.tensors and (
@@ -117,16 +119,24 @@ def _attributes(device: Device, node: _Node) -> dict[str, Any]:
     key = [namespace.nsid, snapshot.snapshot_id if snapshot is not None else 0]
     created = _mtime_ns(namespace.directory / "meta.json", now)
     rest = parts[2:]
-    if isinstance(namespace, NvmNamespace):
+    nvm = namespace.as_nvm()
+    if nvm is not None:
         if not rest:
             return {"mode": _DIR, "size": 0, "time_ns": created, "key": key}
         if rest[0] == "data":
-            return {"mode": stat.S_IFREG | 0o644, "size": namespace.capacity_bytes,
-                    "time_ns": _mtime_ns(namespace.path, now), "key": key}
+            return {"mode": stat.S_IFREG | 0o644, "size": nvm.capacity_bytes,
+                    "time_ns": _mtime_ns(nvm.path, now), "key": key}
         text = read_text(device, "/".join(parts))
-        time_ns = _mtime_ns(namespace.path, now) if rest[0] == "stats.json" else created
+        time_ns = _mtime_ns(nvm.path, now) if rest[0] == "stats.json" else created
         return {"mode": _READ_ONLY, "size": len(text), "time_ns": time_ns, "key": key}
-    assert isinstance(namespace, Namespace)
+    return _optimizer_attributes(device, parts, namespace.as_optimizer(), snapshot, key, created, now)
+
+
+def _optimizer_attributes(device: Device, parts: tuple[str, ...], namespace: Namespace | None,
+                          snapshot: Snapshot | None, key: list[int], created: int, now: int) -> dict[str, Any]:
+    """_attributes of a node under an optimizer namespace's directory."""
+    assert namespace is not None  # every kind is an optimizer one or has one data file (as_nvm)
+    rest = parts[2:]
     if snapshot is not None:
         inner = rest[2:]
         when = _snapshot_time(snapshot, now)
@@ -163,9 +173,10 @@ def _children(device: Device, node: _Node) -> list[str]:
     if namespace is None:
         return [ns.name for ns in sorted(device.namespaces.values(), key=lambda ns: ns.nsid)]
     rest = parts[2:]
-    if isinstance(namespace, NvmNamespace):
+    optimizer = namespace.as_optimizer()
+    if optimizer is None:  # one data file (NVM, and the computational kinds)
         return ["config.json", "stats.json", "data"]
-    assert isinstance(namespace, Namespace)
+    namespace = optimizer
     if snapshot is not None:
         inner = rest[2:]
         if not inner:
@@ -204,7 +215,8 @@ def read_path(device: Device, path: str, offset: int, length: int, snapshot_id: 
     deleted since, or its tag taken again, is SNAPSHOT_NOT_FOUND), `length` at `offset`."""
     node = _resolve(device, path)
     inner = node.parts[4:]
-    if node.snapshot is None or not isinstance(node.namespace, Namespace) or (inner != ("step",) and len(inner) != 3):
+    optimizer = None if node.namespace is None else node.namespace.as_optimizer()
+    if node.snapshot is None or optimizer is None or (inner != ("step",) and len(inner) != 3):
         raise DeviceError(Status.INVALID_FIELD, f"{path}: READ_PATH reads a snapshot's files; "
                                                 "open other files with OPEN")
     if node.snapshot.snapshot_id != snapshot_id:
@@ -215,7 +227,7 @@ def read_path(device: Device, path: str, offset: int, length: int, snapshot_id: 
         return f"{node.snapshot.step}\n".encode()[offset : offset + length]
     if length == 0:
         return b""
-    return node.namespace.snapshots.read(node.snapshot.tag, snapshot_id, inner[1], inner[2], offset, length)
+    return optimizer.snapshots.read(node.snapshot.tag, snapshot_id, inner[1], inner[2], offset, length)
 
 
 def serve(device: Device, fctype: int, cid: int, submission: memoryview, data: memoryview) -> Completion:

@@ -1,6 +1,8 @@
 """The wire's WRITE command on one connection: its bulk data received under the server's shared
 receive memory (server/recv_memory.py), whole then taken (the atomic way), or gradients staged
-in bounded pieces as they arrive; the buffer given back when the connection goes idle."""
+in bounded pieces as they arrive; the buffer given back when the connection goes idle. Every
+range goes to the device through its one I/O entry (DeviceIO, emulator/io.py): gradients of an
+optimizer namespace as one lent batch (write_grads), the rest range by range (write)."""
 from __future__ import annotations
 
 import json
@@ -12,9 +14,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from ..emulator import DeviceError, Status
-from ..emulator.kinds import AnyNamespace
-from ..emulator.namespace import CommitResult, Namespace
+from ..emulator.face import AnyNamespace, CommitResult, DeviceError, DeviceIO, Namespace, Status
 from ..protocol import wire
 from ..protocol.entries import Completion
 from ..protocol.wire import FatalError, PduType, WireError
@@ -43,6 +43,7 @@ class Writer(Protocol):
     here so that this module does not import that one."""
 
     peer: str
+    io: DeviceIO
     reader: wire.PduReader
     digests: wire.Digest
     steps: dict[int, int]
@@ -124,15 +125,18 @@ class Writes:
             raise failed
         files = self.connection.files(table, writing=True)
         pieces: dict[int, list[Piece]] = {}
+        optimizers: dict[int, Namespace] = {}  # the namespace of each nsid that has pieces
         position = 0
         singles = []
         for (opened, namespace), offset, length in zip(files, table["offset"], lengths):
             view = bulk[position : position + length]
             position += length
-            if isinstance(namespace, Namespace) and opened.role == "grad":
+            optimizer = namespace.as_optimizer()
+            if optimizer is not None and opened.role == "grad":
                 # A grad file is a tensor's: resolve_open leaves the tensor None only for NVM data.
                 tensor = cast(str, opened.tensor)
                 pieces.setdefault(opened.nsid, []).append((tensor, int(offset), view, None))
+                optimizers[opened.nsid] = optimizer
             else:
                 singles.append((opened, namespace, int(offset), view))
         report: dict[str, Any] = {"bytes": total, "transfers": len(lengths)}
@@ -140,13 +144,13 @@ class Writes:
         for opened, namespace, offset, view in singles:
             self.connection.write_one(opened, namespace, offset, view)
         for nsid, batch in pieces.items():
-            namespace = next(ns for (o, ns) in files if o.nsid == nsid)
-            assert isinstance(namespace, Namespace)
+            optimizer = optimizers[nsid]
             # The device's gradient path for memory lent until the call returns (as CMB_WRITE
-            # lends the CMB): the receive buffer itself, no copy by this front-end.
-            self.connection.adopt(namespace)
-            result = namespace.write_grads_lent(batch)
-            status = self._after(namespace, result, report, status)
+            # lends the CMB): the receive buffer itself, no copy by this front-end. adopt
+            # consulted the injections (DeviceIO.admit) before the lease handover.
+            self.connection.adopt(optimizer)
+            result = self.connection.io.write_grads(optimizer, batch, checked=True)
+            status = self._after(optimizer, result, report, status)
         return Completion(cid, status, result=total & 0xFFFF_FFFF, data=json.dumps(report).encode())
 
     def _after(self, namespace: Namespace, result: CommitResult | None, report: dict[str, Any],
@@ -208,8 +212,8 @@ class Writes:
             files = self.connection.files(table, writing=True)
         except DeviceError:
             return None
-        namespace = files[0][1]
-        if not isinstance(namespace, Namespace) or any(
+        namespace = files[0][1].as_optimizer()
+        if namespace is None or any(
                 opened.role != "grad" or opened.nsid != namespace.nsid for opened, _ in files):
             return None
         spans: dict[str | None, list[tuple[int, int]]] = {}
@@ -260,7 +264,8 @@ class Writes:
                 batch, slot = item
                 try:
                     if not errors:  # refused already: the rest is received and dropped
-                        result = namespace.write_grads_lent(batch)
+                        # adopt consulted the injections once for the whole WRITE.
+                        result = self.connection.io.write_grads(namespace, batch, checked=True)
                         if result is not None:
                             results.append(result)
                 except BaseException as exc:  # noqa: BLE001 - reported in the completion

@@ -317,6 +317,10 @@ class Namespace(_Opening, _Reads, _Writes, _Steps, _SharedSteps, _Media, _Verify
         """This namespace, as the kind with tensors, steps, state copies and snapshots."""
         return self
 
+    def as_nvm(self) -> None:
+        """None: this kind's files are its tensors' arrays, not one data file."""
+        return None
+
     def io_read(self, tensor: str | None, role: str, offset: int, size: int) -> bytes:
         return self.read(_tensor_named(tensor), role, offset, size)
 
