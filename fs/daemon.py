@@ -7,31 +7,26 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable
 
 import pyfuse3
 import trio
 
+from .. import settings
 from ..emulator import Device
-from ..emulator.namespace.verify import VERIFY_BACKGROUND
-from ..emulator.cmb import DEFAULT_CMB_BYTES
 from ..emulator.media import libc_function
-from ..model.profiles import DEFAULT_PROFILE
 
 from .datapath import DEFAULT_THREADS, DataPath, fuse_device_fds
 from .device_start import open_device
+from .fault_hooks import FaultHooks
 from .fuse_limits import raised_max_pages_limit
 from .fuse_signals import stop_on_signal
 # The daemon's process lifecycle, in a light module of its own (the command line imports it
 # alone); named here too, where its callers have always found it.
 from .launch import READY_MESSAGE, start_background, stop_background, wait_for_exit  # noqa: F401
+from .mount_options import MountOptions
 from .operations import Operations
 
 log = logging.getLogger(__name__)
-
-# The largest FUSE request the data path asks for, in pages (see fs/fuse_limits.py).
-DEFAULT_REQUEST_PAGES = 512
-
 
 # glibc mallopt parameters.
 _M_TRIM_THRESHOLD = -1
@@ -70,17 +65,10 @@ def mount_options(backing: Path, allow_other: bool, debug: bool) -> set[str]:
 
 
 def io_threads_from_env() -> int:
-    """COSSD_IO_THREADS: the data path's threads (fs/datapath.py); 0 leaves every request
-    to pyfuse3 alone."""
-    value = os.environ.get("COSSD_IO_THREADS", "")
-    return int(value) if value.strip() else DEFAULT_THREADS
-
-
-def request_pages_from_env() -> int:
-    """COSSD_FUSE_REQUEST_PAGES: the largest FUSE request the data path asks for, in pages
-    (the kernel grants up to fs.fuse.max_pages_limit; 256, 1 MiB, is libfuse's own)."""
-    value = os.environ.get("COSSD_FUSE_REQUEST_PAGES", "")
-    return int(value) if value.strip() else DEFAULT_REQUEST_PAGES
+    """The data path's threads (fs/datapath.py) where the mount names none: $COSSD_IO_THREADS,
+    else one per core and at least 2; 0 leaves every request to pyfuse3 alone."""
+    threads = settings.IO_THREADS.read()
+    return DEFAULT_THREADS if threads is None else threads
 
 
 def _log_startup(startup: dict[str, float]) -> None:
@@ -99,7 +87,7 @@ def _log_startup(startup: dict[str, float]) -> None:
 
 async def _serve(operations: Operations, ready_fd: int | None, session_fd: int | None,
                  io_threads: int, request_pages: int, data_paths: list[DataPath],
-                 startup: dict[str, float]) -> None:
+                 startup: dict[str, float], hooks: FaultHooks) -> None:
     async with trio.open_nursery() as nursery:
         operations.nursery = nursery
         nursery.start_soon(stop_on_signal)
@@ -109,7 +97,7 @@ async def _serve(operations: Operations, ready_fd: int | None, session_fd: int |
         if data_path is not None:
             data_paths.append(data_path)
             operations.data_path = data_path
-        if os.environ.get("COSSD_INJECT_HANG_BEFORE_READY"):  # tests only: a daemon hung once mounted
+        if hooks.hang_before_ready:  # tests only (fs/fault_hooks.py): a daemon hung once mounted
             log.warning("fault injection: hanging before saying ready")
             time.sleep(3600)
         if ready_fd is not None:
@@ -120,50 +108,17 @@ async def _serve(operations: Operations, ready_fd: int | None, session_fd: int |
         nursery.cancel_scope.cancel()
 
 
-class InjectedFault(RuntimeError):
-    """Raised by the test hook to prove a handler failure cannot take the mount down."""
-
-
-def fault_hook_from_env() -> Callable[[str], None] | None:
-    """COSSD_INJECT_HANDLER_FAULT=OP:N makes the Nth call of handler OP raise (tests only)."""
-    spec = os.environ.get("COSSD_INJECT_HANDLER_FAULT")
-    if not spec:
-        return None
-    op, _, nth = spec.partition(":")
-    target = int(nth or 1)
-    calls = {"count": 0}
-
-    def hook(name: str) -> None:
-        if name == op:
-            calls["count"] += 1
-            if calls["count"] == target:
-                raise InjectedFault(f"injected failure in {op} (call {target})")
-
-    log.warning("fault injection armed: %s call %d will fail", op, target)
-    return hook
-
-
 def serve(
-    backing: str | os.PathLike[str],
-    mountpoint: str | os.PathLike[str],
+    options: MountOptions,
     *,
-    sync: bool = False,
-    allow_other: bool = False,
-    debug: bool = False,
     ready_fd: int | None = None,
-    metrics_port: int | None = None,
-    metrics_addr: str | None = None,  # None: fs/metrics.py's default (loopback)
-    metrics_token_file: str | os.PathLike[str] | None = None,
-    profile: str = DEFAULT_PROFILE,
-    timed: bool = False,
-    io_threads: int | None = None,
-    cmb_bytes: int = DEFAULT_CMB_BYTES,
-    verify: str = VERIFY_BACKGROUND,
     entered: float | None = None,
     device: Device | None = None,
     open_seconds: float | None = None,
 ) -> None:
-    """Serve the device at `mountpoint` until unmounted or signalled (foreground).
+    """Serve the device at `options.mountpoint` until unmounted or signalled (foreground).
+
+    `ready_fd`: a pipe to write READY_MESSAGE to once the mount serves (the launcher's).
 
     `entered`: time.monotonic() when the daemon's process entered its own code (before its
     imports); the log's ready line then says where the start-up went.
@@ -172,42 +127,49 @@ def serve(
     it imports this module; `open_seconds` it took), never with a metrics port; this then
     serves it and closes it at the end. None: this opens it.
 
-    `verify` (DeviceConfig.verify): "background" serves params at once after a restart and
-    verifies the rest in a thread; "open" verifies every block before the mount is ready.
-
-    `io_threads` (default COSSD_IO_THREADS, else one per core, at least 2) serve tensor
-    reads and writes in front of pyfuse3 (fs/datapath.py); 0 leaves them to pyfuse3.
+    Of the options: `verify` (DeviceConfig.verify): "background" serves params at once after
+    a restart and verifies the rest in a thread; "open" verifies every block before the mount
+    is ready. `io_threads` (None: COSSD_IO_THREADS, else one per core, at least 2) serve
+    tensor reads and writes in front of pyfuse3 (fs/datapath.py); 0 leaves them to pyfuse3.
     `cmb_bytes` sizes the controller memory buffer (emulator/cmb.py; 0: none).
     """
     startup = {"entered": time.monotonic() if entered is None else entered, "open_seconds": open_seconds or 0.0}
-    io_threads = io_threads_from_env() if io_threads is None else io_threads
-    backing_path = Path(backing).resolve()
+    try:  # the knobs first: one set to nonsense (SettingError) fails the mount before it starts
+        io_threads = io_threads_from_env() if options.io_threads is None else options.io_threads
+        wanted_pages = settings.FUSE_REQUEST_PAGES.read() if io_threads > 0 else 0
+        hooks = FaultHooks.from_environment()
+    except BaseException:
+        if device is not None:
+            device.close()
+        raise
+    backing_path = Path(options.backing).resolve()
     metrics = None
     if device is None:
         # Bound before the device opens: a busy port fails the mount before anything has
         # started (no power cycle counted, nothing mounted).
-        if metrics_port is not None:
+        if options.metrics_port is not None:
             # Imported only when asked for: prometheus_client is a restart's cost otherwise.
             from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
 
-            metrics = MetricsServer.bind(metrics_port, metrics_addr or DEFAULT_METRICS_ADDR, metrics_token_file)
+            metrics = MetricsServer.bind(options.metrics_port, options.metrics_addr or DEFAULT_METRICS_ADDR,
+                                         options.metrics_token_file)
         try:
             opening = time.monotonic()
-            device = open_device(backing_path, sync=sync, profile=profile, timed=timed, verify=verify)
+            device = open_device(options)
             startup["open_seconds"] = time.monotonic() - opening
         except BaseException:
             if metrics is not None:
                 metrics.close()
             raise
-    elif metrics_port is not None:
+    elif options.metrics_port is not None:
         device.close()
         raise ValueError("a device opened before serve() cannot have a metrics port (it must be bound first)")
     startup["mount_from"] = time.monotonic()
     operations = None
     try:
         keep_request_buffers_on_heap()
-        operations = Operations(device, cmb_bytes=cmb_bytes)
-        operations.fault_hook = fault_hook_from_env()
+        operations = Operations(device, cmb_bytes=options.cmb_bytes)
+        operations.fault_hook = hooks.handler_fault()
         if metrics is not None:
             metrics.attach(operations)
         # Opened by the entry without the in-use mark: made now, before anything is served,
@@ -217,15 +179,14 @@ def serve(
         before = fuse_device_fds()
         # Larger requests only where the data path reads the device (libfuse's buffer holds
         # 1 MiB); the kernel takes the limit once, in the mount call.
-        wanted = request_pages_from_env() if io_threads > 0 else 0
-        with raised_max_pages_limit(wanted) as limit:
-            pyfuse3.init(operations, str(mountpoint), mount_options(backing_path, allow_other, debug))
-        request_pages = min(wanted, limit)
+        with raised_max_pages_limit(wanted_pages) as limit:
+            pyfuse3.init(operations, options.mountpoint, mount_options(backing_path, options.allow_other, options.debug))
+        request_pages = min(wanted_pages, limit)
         opened = fuse_device_fds() - before
         session_fd = opened.pop() if len(opened) == 1 else None
         data_paths: list[DataPath] = []
         try:
-            trio.run(_serve, operations, ready_fd, session_fd, io_threads, request_pages, data_paths, startup)
+            trio.run(_serve, operations, ready_fd, session_fd, io_threads, request_pages, data_paths, startup, hooks)
         finally:
             for data_path in data_paths:
                 data_path.stop()  # gives pyfuse3 its descriptor back for the unmount

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import resource
 from pathlib import Path
 
 from ..emulator import Device, DeviceConfig
-from ..emulator.namespace.verify import VERIFY_BACKGROUND
 from ..kernels import guard
-from ..model.profiles import DEFAULT_PROFILE
+from .mount_options import MountOptions
 
 log = logging.getLogger("cossd.fs.daemon")
 
@@ -37,8 +35,7 @@ def raise_descriptor_limit() -> tuple[int, int]:
     return soft, hard
 
 
-def open_device(backing: str | os.PathLike[str], *, sync: bool = False, profile: str = DEFAULT_PROFILE,
-                timed: bool = False, verify: str = VERIFY_BACKGROUND, mark_in_use: bool = True) -> Device:
+def open_device(options: MountOptions, *, mark_in_use: bool = True) -> Device:
     """What the daemon does before it serves: the descriptor limit raised (two per
     namespace), the guard that turns a state copy cut short under its mapping into an error
     rather than a crash installed (before anything maps a copy: the background pass reads
@@ -47,5 +44,5 @@ def open_device(backing: str | os.PathLike[str], *, sync: bool = False, profile:
     soft, hard = raise_descriptor_limit()
     log.info("descriptor limit %d (hard %d): two per namespace", soft, hard)
     guard.install()
-    return Device.open(Path(backing).resolve(), DeviceConfig(sync=sync, profile=profile, timed=timed, verify=verify),
-                       mark_in_use=mark_in_use)
+    config = DeviceConfig(sync=options.sync, profile=options.profile, timed=options.timed, verify=options.verify)
+    return Device.open(Path(options.backing).resolve(), config, mark_in_use=mark_in_use)

@@ -16,11 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ..client.mounts import MOUNT_FSTYPE, mount_type_at
 from ..emulator.backing import SUPERBLOCK_FILE, BackingDirectory
-from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile
+from ..model.profiles import load_profile
 from ..protocol.status import DeviceError, Status
+from .mount_options import MountOptions
 
 READY_MESSAGE = b"ready\n"  # what the daemon writes to --ready-fd once its mount serves
 
@@ -57,29 +59,25 @@ def check_mountpoint(mountpoint: str | os.PathLike[str]) -> None:
         raise DeviceError(Status.INVALID_FIELD, f"mountpoint {mountpoint} is not a directory")
 
 
-def start_background(
-    backing: str | os.PathLike[str],
-    mountpoint: str | os.PathLike[str],
-    *,
-    sync: bool = False,
-    allow_other: bool = False,
-    log_file: str | os.PathLike[str] | None = None,
-    timeout_s: float = 60.0,
-    metrics_port: int | None = None,
-    metrics_addr: str | None = None,  # None: fs/metrics.py's default (loopback)
-    metrics_token_file: str | os.PathLike[str] | None = None,
-    profile: str = DEFAULT_PROFILE,
-    timed: bool = False,
-    io_threads: int | None = None,
-    cmb_bytes: int | None = None,
-    verify: str | None = None,  # None: the daemon's default (background verification)
-) -> int:
-    """Start a daemon process and return its pid once the mount is ready."""
+def start_background(backing: str | os.PathLike[str], mountpoint: str | os.PathLike[str], *,
+                     log_file: str | os.PathLike[str] | None = None, timeout_s: float = 60.0,
+                     **options: Any) -> int:
+    """Start a daemon process and return its pid once the mount is ready; `options` are
+    MountOptions' fields by name (an unknown one is a TypeError; one given as None keeps its
+    default, as a flag left out does), for scripts and tests."""
+    given = {name: value for name, value in options.items() if value is not None}
+    return start(MountOptions(os.fspath(backing), os.fspath(mountpoint), **given), log_file=log_file,
+                 timeout_s=timeout_s)
+
+
+def start(options: MountOptions, *, log_file: str | os.PathLike[str] | None = None, timeout_s: float = 60.0) -> int:
+    """Start a daemon process serving `options` and return its pid once the mount is ready."""
+    backing, mountpoint = options.backing, Path(options.mountpoint)
     # Check what can be checked here, so the common mistakes get a clear one-line error.
     if not (Path(backing) / SUPERBLOCK_FILE).is_file():
         raise DeviceError(Status.INVALID_FIELD, f"{backing} is not a cossd device (run `cossd format {backing}`)")
     check_mountpoint(mountpoint)
-    load_profile(profile)  # an unknown profile, likewise
+    load_profile(options.profile)  # an unknown profile, likewise
     # A link or foreign file where the device writes, likewise (the daemon checks again
     # under its lock before it writes anything).
     BackingDirectory.inspect(Path(backing))
@@ -88,30 +86,10 @@ def start_background(
     BackingDirectory.lock(Path(backing)).close()
     read_fd, write_fd = os.pipe()
     # The daemon's own entry, which imports the daemon and not the whole command line
-    # (fs/mount_main.py): part of what a restart waits for.
-    command = [
-        sys.executable, "-m", "cossd.fs.mount_main",
-        "--ready-fd", str(write_fd), str(backing), str(mountpoint),
-    ]
-    if sync:
-        command.append("--sync")
-    if allow_other:
-        command.append("--allow-other")
-    if metrics_port is not None:
-        command += ["--metrics-port", str(metrics_port)]
-        if metrics_addr is not None:
-            command += ["--metrics-addr", metrics_addr]
-        if metrics_token_file is not None:
-            command += ["--metrics-token-file", str(Path(metrics_token_file).resolve())]
-    command += ["--profile", profile if profile in PROFILES else str(Path(profile).resolve())]
-    if timed:
-        command.append("--timed")
-    if io_threads is not None:
-        command += ["--io-threads", str(io_threads)]
-    if cmb_bytes is not None:
-        command += ["--cmb-size", str(cmb_bytes)]
-    if verify is not None:
-        command += ["--verify", verify]
+    # (fs/mount_main.py): part of what a restart waits for. The options travel as one JSON
+    # argument, every field as it is.
+    command = [sys.executable, "-m", "cossd.fs.mount_main", "--ready-fd", str(write_fd),
+               "--options", options.for_daemon().to_json()]
     log_path = Path(log_file) if log_file else Path(backing) / "daemon.log"
     try:
         log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666) if log_file \

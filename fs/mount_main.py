@@ -1,4 +1,4 @@
-"""The background mount daemon's entry point (`python -m cossd.fs.mount_main`): the options start_background passes, then serve.
+"""The background mount daemon's entry point (`python -m cossd.fs.mount_main`): the MountOptions start_background passes as JSON, then serve.
 
 Why not `cossd mount --foreground`: the command line imports every verb family (clients,
 the wire protocol, the model tools) to build its parser, and a restart pays for each import
@@ -26,58 +26,53 @@ import sys  # noqa: E402
 from typing import Sequence  # noqa: E402
 
 # Standard library alone, so that the params are being read before numpy and trio import.
+from .. import settings  # noqa: E402
 from ..emulator import prefetch  # noqa: E402
+from .mount_options import MountOptions  # noqa: E402
+
+
+def _options(text: str) -> MountOptions:
+    try:
+        return MountOptions.from_json(text)
+    except ValueError as exc:  # argparse would say only "invalid value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cossd mount", description="the mount daemon (started by `cossd mount`)")
-    parser.add_argument("backing")
-    parser.add_argument("mountpoint")
-    parser.add_argument("--ready-fd", type=int)
-    parser.add_argument("--sync", action="store_true")
-    parser.add_argument("--allow-other", action="store_true")
-    parser.add_argument("--debug", action="store_true")
-    parser.add_argument("--metrics-port", type=int)
-    parser.add_argument("--metrics-addr")
-    parser.add_argument("--metrics-token-file")
-    parser.add_argument("--profile")
-    parser.add_argument("--timed", action="store_true")
-    parser.add_argument("--io-threads", type=int)
-    parser.add_argument("--cmb-size", type=int)
-    parser.add_argument("--verify")
+    parser.add_argument("--ready-fd", type=int, help="the pipe to write 'ready' to once the mount serves")
+    parser.add_argument("--options", type=_options, required=True,
+                        help="the mount's options, as MountOptions.to_json writes them")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    options: MountOptions = args.options
     logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO,
+        level=logging.DEBUG if options.debug else logging.INFO,
         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
     )
     # Before anything heavy: the disk reads the committed params while the imports below
     # run (prefetch.py). COSSD_PREFETCH=0 turns it off, for an A/B of what it is worth.
-    if os.environ.get("COSSD_PREFETCH", "1") != "0":
-        prefetch.start(args.backing)
+    if settings.PREFETCH.read():
+        prefetch.start(options.backing)
     # numpy's OpenBLAS would start a thread per core that spins for work the daemon never
     # gives it (no BLAS call in the device), taking CPU from the start-up and the data path.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from ..protocol.status import DeviceError
 
-    given = {name: value for name, value in (
-        ("metrics_addr", args.metrics_addr), ("profile", args.profile), ("cmb_bytes", args.cmb_size),
-        ("verify", args.verify)) if value is not None}
     try:
         # The device opens before trio, pyfuse3 and the fs layer import, so that the
         # background verification checks the params (read ahead meanwhile) beside those
         # imports, on the other core. Not with a metrics port: serve() binds it first, so
         # that a busy port fails the mount before the device has counted a power cycle.
         device, open_seconds = None, None
-        if args.metrics_port is None:
+        if options.metrics_port is None:
             from .device_start import open_device
 
             opening = time.monotonic()
-            device = open_device(args.backing, sync=args.sync, timed=args.timed, mark_in_use=False,
-                                 **{key: given[key] for key in ("profile", "verify") if key in given})
+            device = open_device(options, mark_in_use=False)
             open_seconds = time.monotonic() - opening
         try:
             from . import daemon  # after the logging is set, as the command line does
@@ -85,17 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if device is not None:
                 device.close()
             raise
-        daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
-                     debug=args.debug, ready_fd=args.ready_fd, metrics_port=args.metrics_port,
-                     metrics_token_file=args.metrics_token_file, timed=args.timed,
-                     io_threads=args.io_threads, entered=ENTERED, device=device, open_seconds=open_seconds,
-                     **given)
+        daemon.serve(options, ready_fd=args.ready_fd, entered=ENTERED, device=device, open_seconds=open_seconds)
     except DeviceError as exc:
         # The line start_background quotes from the log when the mount fails, as the
         # command line words it.
         print(f"cossd mount: {exc.message} [{exc.status.name}]", file=sys.stderr)
         return 1
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, settings.SettingError) as exc:
         print(f"cossd mount: {exc}", file=sys.stderr)
         return 1
     return 0

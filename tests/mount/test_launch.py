@@ -18,7 +18,7 @@ def test_a_daemon_hung_after_its_mount_is_killed_reaped_and_unmounted(
         backing: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    monkeypatch.setenv("COSSD_INJECT_HANG_BEFORE_READY", "1")
+    monkeypatch.setenv("COSSD_FAULT_HOOKS", "hang-before-ready")  # fs/fault_hooks.py
     children_before = _children()
     with pytest.raises(RuntimeError, match=r"mount daemon failed to start \(exit -9\).*log: ") as raised:
         launch.start_background(backing, mountpoint, timeout_s=15)  # room for a slow start on a loaded machine

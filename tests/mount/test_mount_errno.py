@@ -167,7 +167,7 @@ def test_handler_exception_is_eio_and_mount_keeps_serving(backing: Path, tmp_pat
         device.create_namespace(NamespaceSpec("n", (TensorSpec("t", 4),)))
     # The first such request the daemon serves fails with an unexpected exception (reading
     # a file makes a LOOKUP per path component, then a READ).
-    monkeypatch.setenv("COSSD_INJECT_HANDLER_FAULT", f"{handler}:1")
+    monkeypatch.setenv("COSSD_FAULT_HOOKS", f"fail-handler={handler}:1")  # fs/fault_hooks.py
     mounted = start_mount(backing, tmp_path / "mnt")
     try:
         step_file = mounted.mountpoint / "ns/n/step"

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ... import settings
 from ...protocol.status import DeviceError, Status
 from ..arguments import VerbFactory, device_location, parse_port, parse_size, parse_threads
 from ..output import emit
@@ -55,47 +56,45 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if given is not None:
             raise SystemExit(f"cossd mount: {option} is for a server's device (cossd://HOST:PORT), "
                              f"not a backing directory")
+    from ...fs.mount_options import MountOptions
+
+    options = MountOptions.from_args(args)
     if args.foreground:
         from ...fs import daemon
         from ...fs.launch import check_mountpoint
 
-        check_mountpoint(args.mountpoint)
+        check_mountpoint(options.mountpoint)
         logging.basicConfig(
-            level=logging.DEBUG if args.debug else logging.INFO,
+            level=logging.DEBUG if options.debug else logging.INFO,
             format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
         )
-        daemon.serve(args.backing, args.mountpoint, sync=args.sync, allow_other=args.allow_other,
-                     debug=args.debug, ready_fd=args.ready_fd,
-                     metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                     metrics_token_file=args.metrics_token_file, profile=args.profile, timed=args.timed,
-                     io_threads=args.io_threads, cmb_bytes=args.cmb_size, verify=args.verify)
+        daemon.serve(options, ready_fd=args.ready_fd)
         return 0
     # The daemon's launcher alone: the daemon's own imports (trio, pyfuse3, numpy) are its
     # process's to pay, not this one's before it starts it.
     from ...fs import launch
 
-    if args.metrics_token_file is not None:  # a one-line error before anything starts
+    if options.metrics_token_file is not None:  # a one-line error before anything starts
         from ...fs.metrics import MetricsPortError, load_token
 
-        if args.metrics_port is None:
+        if options.metrics_port is None:
             raise MetricsPortError("--metrics-token-file goes with --metrics-port")
-        load_token(args.metrics_token_file)
+        load_token(options.metrics_token_file)
     try:
-        pid = launch.start_background(args.backing, args.mountpoint, sync=args.sync,
-                                      allow_other=args.allow_other, log_file=args.log_file,
-                                      metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                                      metrics_token_file=args.metrics_token_file,
-                                      profile=args.profile, timed=args.timed,
-                                      io_threads=args.io_threads, cmb_bytes=args.cmb_size,
-                                      verify=args.verify)
+        pid = launch.start(options, log_file=args.log_file)
     except DeviceError as exc:
         where = _mounted_at(args.backing) if exc.status == Status.NAMESPACE_NOT_READY else []
         if where:
             raise DeviceError(exc.status, f"{args.backing} is already mounted at "
                                           f"{', '.join(map(str, where))}") from None
         raise
-    host = f"[{args.metrics_addr}]" if ":" in args.metrics_addr else args.metrics_addr  # IPv6
-    metrics = f"http://{host}:{args.metrics_port}/metrics" if args.metrics_port else None
+    metrics = None
+    if options.metrics_port is not None:
+        from ...fs.metrics import DEFAULT_METRICS_ADDR  # the daemon's imports: paid only with metrics
+
+        addr = options.metrics_addr or DEFAULT_METRICS_ADDR
+        host = f"[{addr}]" if ":" in addr else addr  # IPv6
+        metrics = f"http://{host}:{options.metrics_port}/metrics"
     emit(args, {"mountpoint": str(args.mountpoint), "pid": pid} | ({"metrics": metrics} if metrics else {}),
          lambda v: f"mounted {args.backing} at {v['mountpoint']} (daemon pid {v['pid']})"
          + (f", metrics at {metrics}" if metrics else ""))
@@ -105,17 +104,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def _mount_remote(args: argparse.Namespace) -> int:
     """`cossd mount cossd://HOST:PORT MNT`: the server's tree as a FUSE mount on this node
     (fs/remote_daemon.py); the device's own options are the server's (`cossd serve`)."""
-    from ...emulator.geometry import DEFAULT_CMB_BYTES
     from ...fs import remote_daemon
+    from ...fs.mount_options import MountOptions
     from ...fs.remote_lanes import DEFAULT_LANES, Credentials
-    from ...model.profiles import DEFAULT_PROFILE
 
-    local_only = {"--sync": args.sync, "--metrics-port": args.metrics_port is not None,
-                  "--metrics-token-file": args.metrics_token_file is not None,
-                  "--profile": args.profile != DEFAULT_PROFILE, "--timed": args.timed,
-                  "--io-threads": args.io_threads is not None, "--cmb-size": args.cmb_size != DEFAULT_CMB_BYTES,
-                  "--verify": args.verify != "background"}
-    given = [option for option, used in local_only.items() if used]
+    given = MountOptions.from_args(args).device_options_given()
     if given:
         raise SystemExit(f"cossd mount: {', '.join(given)} set the device's own behaviour, which is the "
                          f"server's (`cossd serve`); not for a remote mount of {args.backing}")
@@ -304,7 +297,7 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("-v", "--verbose", action="store_true",
                      help="nvme-cli 2.11's JSON layout (Subsystems/Controllers/Namespaces)")
     # Which mounts to list; $COSSD_MOUNTINFO lets a test show a script only its own mount.
-    sub.add_argument("--mountinfo", default=os.environ.get("COSSD_MOUNTINFO", "/proc/self/mountinfo"),
+    sub.add_argument("--mountinfo", default=settings.MOUNTINFO.read(),
                      help=argparse.SUPPRESS)
     sub.add_argument("--timeout", type=float, default=5.0,
                      help="seconds to wait for each daemon (default: 5)")
@@ -318,9 +311,11 @@ def _register_serve(verb: VerbFactory) -> None:
 
 
 def _register_mount(verb: VerbFactory) -> None:
-    from ...emulator.geometry import DEFAULT_CMB_BYTES
-    from ...model.profiles import DEFAULT_PROFILE, PROFILES
+    from ...fs.mount_options import VERIFY_CHOICES, MountOptions
+    from ...model.profiles import PROFILES
 
+    # The options' defaults are MountOptions' (a flag left out is None, and from_args then
+    # keeps the field's default); the help quotes them from there.
     sub = verb("mount", cmd_mount, "Mount a device; returns once the mount is ready. BACKING is a device's "
                "backing directory on this node, or a storage server's cossd://HOST[:PORT][?digest=...] "
                "(`cossd serve`, docs/server.md): the server's tree mounted here, every file operation and "
@@ -353,26 +348,26 @@ def _register_mount(verb: VerbFactory) -> None:
                      help="serve Prometheus metrics on this TCP port (docs/metrics.md). Unauthenticated "
                           "unless --metrics-token-file is given: any local user (and anyone who can reach "
                           "ADDR) can read them, namespace names included, even without --allow-other")
-    sub.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+    sub.add_argument("--metrics-addr", metavar="ADDR",
                      help="address the metrics endpoint listens on (default: 127.0.0.1, loopback only)")
     sub.add_argument("--metrics-token-file", metavar="FILE",
                      help="require 'Authorization: Bearer TOKEN' on every metrics request, TOKEN being "
                           "FILE's content (one word; the file must not be readable by every user); others "
                           "get 401. Prometheus: authorization: {credentials_file: FILE}")
-    sub.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE.json",
+    sub.add_argument("--profile", metavar="NAME|FILE.json",
                      help=f"device profile of the timing model: {', '.join(PROFILES)}, or a JSON file "
-                          f"of profile fields (default: {DEFAULT_PROFILE}; `cossd model --list-profiles`)")
+                          f"of profile fields (default: {MountOptions.profile}; `cossd model --list-profiles`)")
     sub.add_argument("--timed", action="store_true",
                      help="complete file I/O and step commands no earlier than their modeled device time")
     sub.add_argument("--io-threads", type=parse_threads, metavar="N",
                      help="threads that serve tensor reads and writes in front of pyfuse3; 0 leaves "
                           "them to pyfuse3's single event loop (default: $COSSD_IO_THREADS, else one "
                           "per core and at least 2; docs/architecture.md, the data path)")
-    sub.add_argument("--cmb-size", type=parse_cmb_size, default=DEFAULT_CMB_BYTES, metavar="SIZE",
+    sub.add_argument("--cmb-size", type=parse_cmb_size, dest="cmb_bytes", metavar="SIZE",
                      help="controller memory buffer: shared memory that CMB_WRITE/CMB_READ move tensor "
                           "bytes through without FUSE copies; memory is used only as clients touch it; "
-                          "0 turns it off (default: 1G; docs/command-set.md)")
-    sub.add_argument("--verify", choices=("background", "open"), default="background",
+                          f"0 turns it off (default: {MountOptions.cmb_bytes >> 30}G; docs/command-set.md)")
+    sub.add_argument("--verify", choices=VERIFY_CHOICES,
                      help="when a restart verifies each namespace's committed step: 'background' (default) "
                           "serves params at once, checking each param block against its own checksum as "
                           "it is first read, and verifies master and moments in a thread before any step, "
