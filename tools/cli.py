@@ -18,49 +18,41 @@ from types import ModuleType
 from ..protocol.status import DeviceError
 from .arguments import NVME_PROG
 
-# The verb families (tools/verbs/*.py), in the order they register; each registers its verbs
-# with register(verb).
-FAMILIES = ("device", "namespace", "admin", "logs", "harness", "top",
-            "features", "inject", "model", "snapshots", "archive",
-            "computational")
+# Every verb once: its name and its family (the module tools/verbs/FAMILY.py that registers it
+# with register(verb)), in the order `cossd --help` lists them: a device's life first (format,
+# mount, its namespaces and steps), then the nvme-cli verbs, then the rest.
+VERBS: tuple[tuple[str, str], ...] = (
+    ("format", "device"), ("mount", "device"), ("serve", "device"), ("umount", "device"),
+    ("create-ns", "namespace"), ("delete-ns", "namespace"),
+    ("id-ctrl", "admin"), ("begin-step", "admin"), ("commit-step", "admin"), ("abort-step", "admin"),
+    ("revert-step", "admin"),
+    ("smart-log", "logs"), ("error-log", "logs"), ("server-log", "logs"), ("get-log", "logs"),
+    ("id-ns", "namespace"), ("admin-passthru", "admin"), ("flush", "admin"), ("scrub", "admin"),
+    ("list", "device"), ("version", "admin"),
+    ("demo", "harness"), ("bench", "harness"),
+    ("top", "top"),
+    ("get-feature", "features"), ("set-feature", "features"),
+    ("inject-error", "inject"),
+    ("model", "model"),
+    ("snapshot", "snapshots"), ("rollback", "snapshots"), ("clone", "snapshots"), ("export", "snapshots"),
+    ("archive", "archive"), ("restore", "archive"),
+    ("cp-list-programs", "computational"), ("cp-activate", "computational"), ("cp-exec", "computational"),
+    ("slm-id-ns", "computational"),
+    ("slm-read", "computational"), ("slm-write", "computational"),
+)
 
-# The family of each verb: `cossd VERB` imports that family alone and builds a parser of that
-# verb alone. The families import what their verbs need (numpy, the clients, the server), and
-# `cossd mount` at a restart would otherwise pay for all of it before it starts the daemon.
-# tests/cli/test_cli.py checks it against what the families register.
-VERB_FAMILIES = {
-    "format": "device", "mount": "device", "serve": "device", "umount": "device",
-    "list": "device",
-    "create-ns": "namespace", "delete-ns": "namespace", "id-ns": "namespace",
-    "id-ctrl": "admin", "begin-step": "admin", "commit-step": "admin", "abort-step": "admin",
-    "revert-step": "admin", "admin-passthru": "admin", "flush": "admin", "scrub": "admin",
-    "version": "admin",
-    "smart-log": "logs", "error-log": "logs", "server-log": "logs", "get-log": "logs",
-    "demo": "harness", "bench": "harness",
-    "top": "top",
-    "get-feature": "features", "set-feature": "features",
-    "inject-error": "inject",
-    "model": "model",
-    "snapshot": "snapshots", "rollback": "snapshots", "clone": "snapshots",
-    "export": "snapshots",
-    "archive": "archive", "restore": "archive",
-    "cp-list-programs": "computational", "cp-activate": "computational",
-    "cp-exec": "computational", "slm-read": "computational", "slm-write": "computational",
-    "slm-id-ns": "computational",
-}
+# Derived from VERBS. The family of each verb: `cossd VERB` imports that family alone and builds
+# a parser of that verb alone. The families import what their verbs need (numpy, the clients,
+# the server), and `cossd mount` at a restart would otherwise pay for all of it before it starts
+# the daemon. tests/cli/test_tools_compat.py checks it against what the families register.
+VERB_FAMILIES = dict(VERBS)
+# The families, in the order they register (the first verb of each, in the help's order).
+FAMILIES = tuple(dict.fromkeys(VERB_FAMILIES.values()))
+HELP_ORDER = tuple(VERB_FAMILIES)
 
 
 def family(name: str) -> ModuleType:
     return importlib.import_module(f".verbs.{name}", __package__)
-
-
-# The order `cossd --help` lists the verbs in: a device's life first (format, mount, its
-# namespaces and steps), then the nvme-cli verbs, then the rest. Every verb is named here once.
-HELP_ORDER = ("format", "mount", "serve", "umount", "create-ns", "delete-ns", "id-ctrl", "begin-step", "commit-step",
-              "abort-step", "revert-step", "smart-log", "error-log", "server-log", "get-log", "id-ns", "admin-passthru", "flush",
-              "scrub", "list", "version", "demo", "bench", "top", "get-feature", "set-feature", "inject-error", "model",
-              "snapshot", "rollback", "clone", "export", "archive", "restore", "cp-list-programs", "cp-activate",
-              "cp-exec", "slm-id-ns", "slm-read", "slm-write")
 
 
 class _Verbs:
