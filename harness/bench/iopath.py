@@ -166,15 +166,7 @@ def offloaded(server: BenchServer, n: int, cycles: int) -> dict[str, Any]:
     from ...trainer import AdamW
 
     params = _model(n, torch.bfloat16, 6)
-    previous = os.environ.get("COSSD_TOKEN_FILE")
-    os.environ["COSSD_TOKEN_FILE"] = str(server.token_file)  # the optimizer's token comes from there
-    try:
-        optimizer = AdamW(params, mount=server.url, namespace=OFFLOAD_NAMESPACE, lr=LR)
-    finally:
-        if previous is None:
-            os.environ.pop("COSSD_TOKEN_FILE", None)
-        else:
-            os.environ["COSSD_TOKEN_FILE"] = previous
+    optimizer = AdamW(params, mount=server.url, namespace=OFFLOAD_NAMESPACE, lr=LR, token_file=server.token_file)
     try:
         optimizer.step()  # the first step seals the initial state: setup, not a cycle
         with AdminClient(server.url, token_file=server.token_file) as admin:
