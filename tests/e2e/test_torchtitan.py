@@ -1,9 +1,12 @@
-"""torchtitan 0.3.0 with cossd's AdamW through its OptimizersContainer: the llama3 debug model trained by torchrun on gloo, checkpointed by torchtitan's CheckpointManager, the job killed (kill -9) between two checkpoints and resumed, bit-identical to the run that never stopped. Runs in the .venv-titan interpreter (`make torchtitan`)."""
+"""torchtitan 0.3.0 with cossd's AdamW through its OptimizersContainer: the llama3 debug model trained by torchrun on gloo, checkpointed by torchtitan's CheckpointManager, the job (or the device daemon) killed (kill -9) between two checkpoints and resumed, bit-identical to the run that never stopped. Runs in the .venv-titan interpreter (`make torchtitan`)."""
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -46,18 +49,28 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def torchrun(device: Mount, assets: Path, dump: Path, namespace: str, world: int,
-             kill_after: int | None = None) -> subprocess.CompletedProcess[str]:
-    """torchtitan's trainer under torchrun, as a user starts it (through the CPU launcher)."""
-    env = os.environ | {"PYTHONPATH": str(CONFIG.parent), "TITAN_ASSETS": str(assets), "TITAN_STEPS": str(STEPS),
+def _command(device: Mount, assets: Path, dump: Path, namespace: str, world: int,
+             **variables: str) -> tuple[list[str], dict[str, str]]:
+    """torchtitan's trainer under torchrun, as a user starts it (through the CPU launcher),
+    and its environment with `variables` (TITAN_KILL_AFTER, TITAN_STALL_AFTER, ...)."""
+    env = os.environ | {"PYTHONPATH": str(CONFIG.parent), "TITAN_ASSETS": str(assets),
                         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("TITAN_KILL_AFTER", None)
-    if kill_after is not None:
-        env["TITAN_KILL_AFTER"] = str(kill_after)
+    for variable in ("TITAN_KILL_AFTER", "TITAN_STALL_AFTER", "TITAN_STALL_DIR", "TITAN_OPTIMIZER", "TITAN_STEPS"):
+        env.pop(variable, None)
+    env |= {"TITAN_STEPS": str(STEPS)} | variables
     command = [str(TITAN_PY), "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--standalone",
                "-m", "cossd.integrations.torchtitan_cpu", "--module", "titan_config", "--config", "tiny_llama",
                "--optimizer.mount", str(device.mountpoint), "--optimizer.namespace", namespace,
                "--dump_folder", str(dump)]
+    return command, env
+
+
+def torchrun(device: Mount, assets: Path, dump: Path, namespace: str, world: int,
+             kill_after: int | None = None, **variables: str) -> subprocess.CompletedProcess[str]:
+    """torchtitan's trainer under torchrun, run to its end (or its kill -9 after `kill_after` steps)."""
+    if kill_after is not None:
+        variables["TITAN_KILL_AFTER"] = str(kill_after)
+    command, env = _command(device, assets, dump, namespace, world, **variables)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     dump.mkdir(parents=True, exist_ok=True)
     with open(dump / "logs.txt", "a") as log:
@@ -139,6 +152,48 @@ def test_two_ranks_killed_between_two_checkpoints_resume_bit_identical(device: M
     assert params * 4 < written < params * 4 * 1.1, (params, written)
 
 
+@pytest.mark.slow  # three torchrun jobs of 2 ranks and a daemon restart: about 2 minutes on 2 cores
+def test_daemon_killed_between_two_checkpoints_resume_bit_identical(device: Mount, assets: Path,
+                                                                    tmp_path: Path) -> None:
+    """The device daemon killed (kill -9) while torchtitan's 2 ranks stand after step 5,
+    between the CheckpointManager's checkpoints of steps 3 and 6, then the job; the daemon
+    restarted (the device at step 5, the step-3 snapshot kept) and the same command run
+    again: torchtitan loads step 3, the device rolls back to it, and every loss, the last
+    checkpoint's params and the device's masters and moments are the uninterrupted run's."""
+    whole, broken, marks = tmp_path / "whole", tmp_path / "broken", tmp_path / "marks"
+    marks.mkdir()
+    done = torchrun(device, assets, whole, "titan-d-whole", 2)
+    assert done.returncode == 0, (whole / "logs.txt").read_text()[-6000:]
+
+    command, env = _command(device, assets, broken, "titan-d-broken", 2, TITAN_STALL_AFTER=str(KILL_AFTER),
+                            TITAN_STALL_DIR=str(marks))
+    broken.mkdir()
+    with open(broken / "logs.txt", "w") as log:
+        job = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + JOB_TIMEOUT_S
+            while not all((marks / f"stalled{rank}").exists() for rank in range(2)):
+                assert job.poll() is None and time.monotonic() < deadline, \
+                    (broken / "logs.txt").read_text()[-6000:]
+                time.sleep(0.2)
+            device.kill()  # kill -9 of the daemon, the job standing after step 5
+        finally:
+            os.killpg(job.pid, signal.SIGKILL)  # torchrun and its ranks (its session, started for it)
+            job.wait()
+    checkpoints = broken / "checkpoint"
+    assert (checkpoints / "step-3").is_dir() and not (checkpoints / "step-6").exists()
+    device.restart()
+
+    resumed = torchrun(device, assets, broken, "titan-d-broken", 2)
+    assert resumed.returncode == 0, (broken / "logs.txt").read_text()[-6000:]
+    assert "Training starts at step 4" in resumed.stdout + resumed.stderr
+    assert losses(broken) == losses(whole)  # float32 values, compared exactly
+    assert same_tensors(model_of(checkpoints / f"step-{STEPS}", tmp_path / "a.pt"),
+                        model_of(whole / "checkpoint" / f"step-{STEPS}", tmp_path / "b.pt"))
+    assert same_tensors(device_state(device, "titan-d-broken", tmp_path / "a.safetensors"),
+                        device_state(device, "titan-d-whole", tmp_path / "b.safetensors"))
+
+
 @pytest.mark.slow  # a 7-step torchrun job: 30-60 s on 2 cores (test_fsdp2.py covers one member fast)
 def test_one_rank_trains(device: Mount, assets: Path, tmp_path: Path) -> None:
     """torchtitan applies fully_shard at one rank too (a mesh of one, for its mixed
@@ -163,3 +218,32 @@ def test_one_rank_trains(device: Mount, assets: Path, tmp_path: Path) -> None:
     assert "tok_embeddings.weight" in masters and len(masters) >= len(params) // 2, \
         (sorted(masters), sorted(params))
     assert all(bits_equal([masters[name].reshape(-1)], [params[name].reshape(-1)]) for name in masters)
+
+
+@pytest.mark.slow  # four torchrun jobs of 2 ranks: about 2 minutes on 2 cores
+def test_checkpoint_bytes_stall_and_restore_against_torch_adamw(device: Mount, assets: Path, tmp_path: Path,
+                                                                figures: list[str]) -> None:
+    """What torchtitan's CheckpointManager writes at step 3 (2 ranks) with torchtitan's own
+    AdamW and with cossd's, the save's time and a restarted job's load as torchtitan logs
+    them (rank 0; cossd's load includes the device rollback)."""
+    measured = {}
+    for kind in ("torch", "cossd"):
+        dump = tmp_path / kind
+        first = torchrun(device, assets, dump, f"titan-fig-{kind}", 2, TITAN_OPTIMIZER=kind, TITAN_STEPS="3")
+        assert first.returncode == 0, (dump / "logs.txt").read_text()[-6000:]
+        again = torchrun(device, assets, dump, f"titan-fig-{kind}", 2, TITAN_OPTIMIZER=kind, TITAN_STEPS="4")
+        assert again.returncode == 0, (dump / "logs.txt").read_text()[-6000:]
+        saved = re.findall(r"Finished saving the checkpoint in ([0-9.]+) seconds", first.stdout + first.stderr)
+        loaded = re.findall(r"Finished loading the checkpoint in ([0-9.]+) seconds", again.stdout + again.stderr)
+        assert saved and loaded, (dump / "logs.txt").read_text()[-6000:]
+        step3 = dump / "checkpoint" / "step-3"
+        written = sum(p.stat().st_size for p in step3.rglob("*") if p.is_file())
+        params = sum(v.numel() for v in checkpoint_of(step3, tmp_path / f"{kind}.pt").values()
+                     if isinstance(v, torch.Tensor))
+        measured[kind] = (written, params, float(saved[0]), float(loaded[0]))
+    torch_written, params = measured["torch"][0], measured["torch"][1]
+    # torch: the FP32 params and both moments; cossd: the params and a reference.
+    assert torch_written > 12 * params > 4 * params > measured["cossd"][0] * 0.9
+    for kind, (written, params, save_s, restore_s) in measured.items():
+        figures.append(f"torchtitan llama3 debug 2 ranks {params} params, {kind}: checkpoint {written} B, "
+                       f"save {save_s:.2f} s, restore {restore_s:.2f} s")

@@ -3,7 +3,8 @@
 As a torchtitan config module: `--module titan_config --config tiny_llama` (this folder on
 PYTHONPATH), reading TITAN_ASSETS (what `assets` wrote), TITAN_STEPS and, for the kill
 tests, TITAN_KILL_AFTER (every rank SIGKILLs itself after that many optimizer steps of its
-process). As a script: `python titan_config.py assets DIR` writes a byte-level BPE
+process) or TITAN_STALL_AFTER with TITAN_STALL_DIR (every rank stops there, for the test to
+kill the device daemon); TITAN_OPTIMIZER=torch steps torchtitan's own AdamW instead. As a script: `python titan_config.py assets DIR` writes a byte-level BPE
 tokenizer and a synthetic text data set (nothing is downloaded); `python titan_config.py
 losses DUMP_FOLDER` prints, as JSON, each step's loss from torchtitan's TensorBoard events.
 """
@@ -39,10 +40,40 @@ def tiny_llama() -> Any:
     config.checkpoint.interval = 3
     config.metrics.enable_tensorboard = True
     config.debug.seed = 0
+    if os.environ.get("TITAN_OPTIMIZER") == "torch":
+        # The same group stepped by torchtitan's own AdamW (the container steps any other
+        # optimizer_name as torchtitan does): the stock run of the checkpoint figures.
+        for group in config.optimizer.param_groups:
+            group.optimizer_name = "AdamW"
     kill_after = os.environ.get("TITAN_KILL_AFTER")
     if kill_after:
         config.model_spec.post_optimizer_build_fn = _killer(int(kill_after), config.model_spec.post_optimizer_build_fn)
+    stall_after = os.environ.get("TITAN_STALL_AFTER")
+    if stall_after:
+        config.model_spec.post_optimizer_build_fn = _staller(int(stall_after), Path(os.environ["TITAN_STALL_DIR"]),
+                                                             config.model_spec.post_optimizer_build_fn)
     return config
+
+
+def _staller(steps: int, marks: Path, then: Any) -> Any:
+    """After `steps` optimizer steps each rank writes marks/stalled<RANK> and sleeps: the
+    test kills the device daemon, then the job (the daemon-kill test)."""
+    def register(optimizers: Any, model_parts: Any, parallel_dims: Any) -> None:
+        if then is not None:
+            then(optimizers, model_parts, parallel_dims)
+        taken = [0]
+
+        def after_step(*_: Any) -> None:
+            taken[0] += 1
+            if taken[0] == steps:
+                import time
+
+                (marks / f"stalled{os.environ.get('RANK', '0')}").write_text(str(steps))
+                time.sleep(3600)
+
+        optimizers.register_step_post_hook(after_step)
+
+    return register
 
 
 def _killer(steps: int, then: Any) -> Any:
