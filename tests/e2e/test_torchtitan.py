@@ -178,8 +178,14 @@ def test_daemon_killed_between_two_checkpoints_resume_bit_identical(device: Moun
                 time.sleep(0.2)
             device.kill()  # kill -9 of the daemon, the job standing after step 5
         finally:
-            os.killpg(job.pid, signal.SIGKILL)  # torchrun and its ranks (its session, started for it)
+            # torchrun, then its ranks: each runs in a session of its own, killed by the pid it wrote.
+            os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+            for mark in marks.glob("stalled*"):
+                try:
+                    os.kill(int(mark.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     checkpoints = broken / "checkpoint"
     assert (checkpoints / "step-3").is_dir() and not (checkpoints / "step-6").exists()
     device.restart()

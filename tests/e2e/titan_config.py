@@ -68,7 +68,8 @@ def _staller(steps: int, marks: Path, then: Any) -> Any:
             if taken[0] == steps:
                 import time
 
-                (marks / f"stalled{os.environ.get('RANK', '0')}").write_text(str(steps))
+                # The pid: torchrun starts each rank in a session of its own, so the test kills them by it.
+                (marks / f"stalled{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
                 time.sleep(3600)
 
         optimizers.register_step_post_hook(after_step)
