@@ -13,6 +13,7 @@ import torch
 
 from ..client import snapshots as snapshot_calls
 from ..protocol.status import DeviceError, Status
+from . import dcp_group
 from .plan import HYPER_FIELDS
 
 # The optimizer these functions take is optim._DeviceAdam, not imported here (not even for
@@ -111,11 +112,16 @@ def is_reference(state_dict: Any) -> bool:
 
 
 def _refuse_group(optimizer: _DeviceAdam) -> None:
-    if getattr(optimizer, "_group", None) is not None or getattr(optimizer, "_bound", None):
+    if getattr(optimizer, "_bound", None):
         raise NotImplementedError(
-            "DCP checkpoints by reference are not supported over several devices (mount=[...]) or with "
-            "a wrapper that moves the params (DeepSpeed) yet: set optimizer.dcp_form = 'full' to save the "
-            "moments themselves")
+            "DCP checkpoints by reference are not supported with a wrapper that moves the params "
+            "(DeepSpeed) yet: set optimizer.dcp_form = 'full' to save the moments themselves")
+
+
+def _group_members(optimizer: _DeviceAdam) -> list[Any] | None:
+    """Each device's files where the optimizer spans several devices (mount=[...]), else None."""
+    children = getattr(optimizer, "_group", None)
+    return None if children is None else [child.files for child in children]
 
 
 def _on_rank0(optimizer: _DeviceAdam, work: Any) -> Any:
@@ -170,13 +176,34 @@ def _take_snapshot(optimizer: _DeviceAdam, prefix: str = SNAPSHOT_PREFIX) -> dic
     return reference
 
 
+def _take_group_snapshot(optimizer: _DeviceAdam, members: list[Any]) -> dict[str, Any]:
+    """Rank 0's part of a save over several devices: as _take_snapshot, one tag on every device."""
+    identity = optimizer._identity()
+    last = getattr(optimizer, "_dcp_last", None)
+    if (last is not None and last[0] == identity
+            and all(last[1]["snapshot"] in _listed_tags(files) for files in members)):
+        return last[1]
+    reference = dcp_group.take(members, optimizer.committed_step, SNAPSHOT_PREFIX, getattr(optimizer, "dcp_keep", None))
+    optimizer._dcp_last = (optimizer._identity(), reference)
+    return reference
+
+
+def _listed_tags(files: Any) -> set[str]:
+    listed = files.command(snapshot_calls.snapshots, files.admin, files.nsid)
+    return {snapshot["tag"] for snapshot in listed.get(files.name, [])}
+
+
 def reference_state_dict(optimizer: _DeviceAdam) -> dict[str, Any]:
     """The reference form of state_dict() (for DCP): torch's layout with, per param, only its
     `step`, and on the first param a fixed-size uint8 tensor naming the device snapshot that
     holds the masters and moments of that step (taken by rank 0; a few hundred bytes in all,
     where the moments and masters are 12 bytes a param)."""
     _refuse_group(optimizer)
-    reference = _on_rank0(optimizer, lambda: _take_snapshot(optimizer))
+    members = _group_members(optimizer)
+    if members is not None:  # one tag on every device of the group (dcp_group.py)
+        reference = _on_rank0(optimizer, lambda: _take_group_snapshot(optimizer, members))
+    else:
+        reference = _on_rank0(optimizer, lambda: _take_snapshot(optimizer))
     first = optimizer.entries[0].index
     state: dict[int, dict[str, torch.Tensor]] = {}
     for entry in optimizer.entries:
@@ -241,6 +268,10 @@ def load_reference(optimizer: _DeviceAdam, state_dict: dict[str, Any]) -> None:
         if isinstance(entry_state, dict) and "step" in entry_state and float(entry_state["step"]) != reference["step"]:
             raise ValueError(f"state for param {index} is at step {float(entry_state['step'])}, the snapshot "
                              f"{reference['snapshot']!r} at step {reference['step']}")
+    members = _group_members(optimizer)
+    if members is not None or "devices" in reference:
+        _load_group_reference(optimizer, members, reference, saved_groups)
+        return
     outcome = _on_rank0(optimizer, lambda: _roll_back(optimizer, reference))
     for saved, group in zip(saved_groups, optimizer.param_groups):
         for key, value in saved.items():
@@ -256,3 +287,42 @@ def load_reference(optimizer: _DeviceAdam, state_dict: dict[str, Any]) -> None:
     config = optimizer.files.config()
     optimizer._sent_hypers = [{field: float(group[field]) for field in HYPER_FIELDS} for group in config["groups"]]
     optimizer._read_params()
+
+
+def _load_group_reference(optimizer: _DeviceAdam, members: list[Any] | None, reference: dict[str, Any],
+                          saved_groups: list[dict[str, Any]]) -> None:
+    """load_reference over several devices: rank 0 checks the snapshot on every device, then
+    rolls every device back to it atomically for the group (dcp_group.roll_back); every rank
+    then takes the devices' step and hyperparameters and reads its params back."""
+    if members is None or "devices" not in reference:
+        where = "several devices" if members is None else "one device"
+        raise ValueError(f"the DCP checkpoint's optimizer state is a snapshot on {where}, and this optimizer's "
+                         f"namespace is {'on one device' if members is None else 'spread over several'}: "
+                         "load it into an optimizer over the devices it was saved on")
+    hook = getattr(optimizer, "load_hook", None) or (lambda stage: None)
+
+    def roll_back() -> None:
+        dcp_group.check(members, reference, "the DCP checkpoint")
+        last = getattr(optimizer, "_dcp_last", None)
+        if last is not None and last[1] == reference and last[0] == optimizer._identity():
+            return  # the devices hold the snapshot's state already (saved and not stepped since)
+        dcp_group.roll_back(members, reference["snapshot"], hook)
+        optimizer._dcp_last = (optimizer._identity(), reference)
+
+    _on_rank0(optimizer, roll_back)
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        for key, value in saved.items():
+            if key not in ("params", "param_names"):
+                group[key] = value
+    children = optimizer._group
+    for child in children:
+        stats = child.files.statistics()
+        child.committed_step, child.steps_skipped = int(stats["committed_step"]), int(stats["steps_skipped"])
+        config = child.files.config()
+        child._sent_hypers = [{field: float(group[field]) for field in HYPER_FIELDS} for group in config["groups"]]
+    optimizer.committed_step = children[0].committed_step
+    optimizer.steps_skipped = sum(child.steps_skipped for child in children)
+    optimizer.last_step_skipped = False
+    optimizer.restored = True
+    optimizer._handed_out = {}
+    optimizer._read_group_params()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..protocol.group_commit import GroupDisagreementError, common_step
-from . import fsdp, namespace_swap
+from . import dcp_group, fsdp, namespace_swap
 from . import grads as grad_rules
 from .distributed import Ranks
 from .namespace_files import NamespaceFiles
@@ -251,6 +251,12 @@ class DeviceGroup:
                 done = namespace_swap.resolve_group(probes)
                 if done is not None:
                     warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=6)
+                # A DCP load (a rollback to a snapshot on every device) that a killed job left
+                # half done: finished or undone on every device alike (dcp_group.py).
+                if all(probe.exists() for probe in probes):
+                    done = dcp_group.resolve(probes)
+                    if done is not None:
+                        warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=6)
             except BaseException:
                 for probe in probes:
                     probe.close()

@@ -1,0 +1,115 @@
+"""DCP checkpoints by reference over several devices (mount=[...]): one snapshot tag on every device, and a rollback to it that is atomic for the group."""
+from __future__ import annotations
+
+import secrets
+from typing import Any, Callable
+
+from ..client import snapshots as snapshot_calls
+
+# A group rollback to snapshot T first marks every device with a snapshot named MARK + T of
+# its current state, device 0 first; once every device holds the mark, the rollback is
+# decided: each device is rolled back to T, then the marks are deleted, device 0 first. So a
+# kill at any instant leaves the marks on a prefix of the devices (the rollback not decided:
+# no device rolled back) or on a suffix (every device rolled back already), where deleting
+# them finishes either, or on every device, where rolling every device back to T (again, for
+# some: a rollback to a snapshot is idempotent while no step is taken) finishes it. The next
+# open of the group does this (resolve) before any step.
+MARK = "cossd-group-rollback."
+STAGES = ("marked", "rolled_back", "unmarked")  # each "<stage>@<device index>", then "done"
+
+
+def _listed(files: Any) -> dict[str, dict[str, Any]]:
+    listed = files.command(snapshot_calls.snapshots, files.admin, files.nsid)
+    return {snapshot["tag"]: snapshot for snapshot in listed.get(files.name, [])}
+
+
+def _serial(files: Any) -> str:
+    return str(files.command(files.admin.describe)["identity"]["serial"])
+
+
+def take(members: list[Any], step: int, prefix: str, keep: int | None) -> dict[str, Any]:
+    """Rank 0's part of a save: a snapshot of the committed step `step` under one tag on
+    every device (members: each device's files), then each device's oldest snapshots of
+    `prefix` beyond `keep` dropped. Returns the reference (a few hundred bytes at most)."""
+    tag = f"{prefix}{step}-{secrets.token_hex(4)}"
+    for files in members:
+        files.command(snapshot_calls.create_snapshot, files.admin, files.nsid, tag)
+    if keep is not None:
+        for files in members:
+            ours = sorted((s for s in _listed(files).values() if s["tag"].startswith(prefix)),
+                          key=lambda s: (s.get("step", 0), s.get("created", "")))
+            for old in ours[: max(0, len(ours) - keep)]:
+                if old["tag"] != tag:
+                    files.command(snapshot_calls.delete_snapshot, files.admin, files.nsid, old["tag"])
+    return {"cossd": 1, "namespace": members[0].name, "snapshot": tag, "step": step,
+            "devices": [_serial(files) for files in members]}
+
+
+def check(members: list[Any], reference: dict[str, Any], checkpoint: str) -> None:
+    """That `reference` names these devices, in this order, and this namespace, and that its
+    snapshot is whole on every one of them: a ValueError or RuntimeError naming what is not,
+    before anything changes."""
+    serials = [_serial(files) for files in members]
+    if reference.get("devices") != serials or reference.get("namespace") != members[0].name:
+        raise ValueError(
+            f"{checkpoint}: its optimizer state is namespace {reference.get('namespace')!r} on the devices with "
+            f"serials {reference.get('devices')}, not this optimizer's ({members[0].name!r} on {serials}); name "
+            "the same devices in the same order")
+    for files, serial in zip(members, serials):
+        snapshot = _listed(files).get(reference["snapshot"])
+        if snapshot is None or snapshot.get("state") != "ready":
+            why = "is gone" if snapshot is None else f"is {snapshot.get('state')} ({snapshot.get('error')})"
+            raise RuntimeError(
+                f"{checkpoint}: its optimizer state, snapshot {reference['snapshot']!r} of namespace "
+                f"{files.name!r} (step {reference['step']}), {why} on the device {serial} ({files.mountpoint}): "
+                "this checkpoint cannot be resumed with its masters and moments. Resume from a later checkpoint, "
+                "or from the devices' committed step without loading the optimizer's state")
+
+
+def _roll_back_one(files: Any, tag: str) -> None:
+    if files.statistics().get("step_open") is not None:  # a step a failed step() left open
+        files.command(files.admin.abort_step, files.nsid)
+    files.command(snapshot_calls.rollback, files.admin, files.nsid, tag)
+
+
+def roll_back(members: list[Any], tag: str, hook: Callable[[str], None] = lambda stage: None) -> None:
+    """Rank 0's part of a load (check() passed): every device back at snapshot `tag`,
+    atomically for the group (see MARK)."""
+    mark = MARK + tag
+    for index, files in enumerate(members):
+        if mark not in _listed(files):  # a killed earlier try may have left it
+            files.command(snapshot_calls.create_snapshot, files.admin, files.nsid, mark)
+        hook(f"marked@{index}")
+    for index, files in enumerate(members):
+        _roll_back_one(files, tag)
+        hook(f"rolled_back@{index}")
+    for index, files in enumerate(members):
+        files.command(snapshot_calls.delete_snapshot, files.admin, files.nsid, mark)
+        hook(f"unmarked@{index}")
+    hook("done")
+
+
+def resolve(members: list[Any]) -> str | None:
+    """Finish or undo a group rollback that a killed job left half done (see MARK), before
+    the group's devices are looked at alone. Members: each device's files, the namespace
+    looked up (those where it does not exist are left out). What was done, or None."""
+    marks = []
+    for files in members:
+        marks.append({tag[len(MARK):] for tag in _listed(files) if tag.startswith(MARK)})
+    if not any(marks):
+        return None
+    name = members[0].name
+    everywhere = set.intersection(*marks)
+    if len(everywhere) == 1 and all(found == everywhere for found in marks):
+        [tag] = everywhere
+        for files in members:
+            _roll_back_one(files, tag)
+        for files in members:
+            files.command(snapshot_calls.delete_snapshot, files.admin, files.nsid, MARK + tag)
+        return (f"finished a rollback of {name!r} to snapshot {tag!r} on every device that a killed job had "
+                "decided (every device holds the snapshot's state)")
+    for files, found in zip(members, marks):
+        for tag in found:
+            files.command(snapshot_calls.delete_snapshot, files.admin, files.nsid, MARK + tag)
+    return (f"deleted the marks of a rollback of {name!r} that a killed job left on some devices (each device "
+            "holds the state the marks say: every one the old, or every one the snapshot's)")
