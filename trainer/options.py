@@ -84,7 +84,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     remote=getattr(args, "remote", False))
 
 
-BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks", "devices", "scale", "peers"})
+BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks", "devices", "scale", "peers",
+                            "formats"})
 # `net` starts storage servers and takes a minute and a half; `oom` makes cgroups (root) and
 # drives workers into their memory caps for a few minutes; `ranks` runs 7 jobs of up to 4 rank
 # processes; `devices` starts up to 4 daemons for 3 jobs; `scale` steps namespaces up to 1B elements (30 GB of state on the disk, most of an
@@ -151,7 +152,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "each device's share of elements and time, the bytes on each link), scale (one step through the CMB and through the files at "
                              "--scale-sizes on fresh devices backed by the temp dir's disk: step time, bytes "
                              "moved, the daemon's peak RSS, growth exponents, the disk's dd figure, and the "
-                             "restore at 16M and 256M against torch.load); default kernel,mount,trainer")
+                             "restore at 16M and 256M against torch.load), formats (the CMB step with fp32, "
+                             "bf16, fp16 and int8 moments at --file-elements: G el/s and the media bytes the "
+                             "device counted per step; the kernel per format at --elements beside torchao's "
+                             "and bitsandbytes' 8-bit AdamW on the CPU where they import); "
+                             "default kernel,mount,trainer")
     parser.add_argument("--scale-sizes", type=_element_sizes, default=[1 << 20, 1 << 24, 1 << 28, 1 << 30],
                         help="scale section: namespace sizes in elements, comma separated, K/M/G(B) as powers "
                              "of 2 (default 1M,16M,256M,1B; e.g. 1M,16M for a quick run)")

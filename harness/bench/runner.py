@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         _scale_section(report, args)
     if "peers" in sections:
         _peers_section(report, args)
+    if "formats" in sections:
+        _formats_section(report, args)
     if not sections & {"mount", "trainer"}:
         write_report(report, args.output)
         return 0
@@ -185,6 +187,21 @@ def _scale_section(report: dict[str, Any], args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-scale-"))
     try:
         report["scale"] = scale_costs(workdir, sizes, restore)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _formats_section(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """The four moment formats through the CMB on one device (tmpfs where there is one), at
+    --file-elements, and the kernel per format beside the CPU 8-bit AdamWs at --elements
+    (`args.formats_peers`, where set, names which of formats.PEERS run: the tests)."""
+    from .formats import PEERS, formats_costs
+
+    ram = ram_workdir()
+    workdir = ram if ram is not None else Path(tempfile.mkdtemp(prefix="cossd-bench-formats-"))
+    try:
+        peers = tuple(p for p in PEERS if p[0] in getattr(args, "formats_peers", [name for name, _, _ in PEERS]))
+        report["formats"] = formats_costs(workdir, args.file_elements, args.elements, args.repeat, peers)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
