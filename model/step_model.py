@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..kernels.state_formats import state_bytes_per_element
-from ..kernels.validation import StateFormat
+from ..protocol.state_layout import MOMENT_CODE_BYTES, moment_bytes_per_element
 from .profiles import NS_PER_S, DeviceProfile
 from .timing import (
     Timing,
@@ -23,8 +22,7 @@ DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 # Bytes per element of one moment on the media, from the kernels' own layouts: fp32 4, bf16 2,
 # fp16 2 + 4/256 (a binary16 code, a 4-byte scale per 256-element block), int8 1 + 4/256
 # (a code, a 4-byte absmax per block). docs/kernels.md, "Block-scaled moments".
-STATE_DTYPE_BYTES: dict[str, float] = {name: state_bytes_per_element(StateFormat[name.upper()])
-                                       for name in ("fp32", "bf16", "fp16", "int8")}
+STATE_DTYPE_BYTES: dict[str, float] = {name: moment_bytes_per_element(name) for name in MOMENT_CODE_BYTES}
 MASTER_BYTES = 4  # master weights are FP32 in every scheme
 # ZeRO-Infinity's CPU Adam works on FP32 gradients, which it swaps to NVMe during backward.
 ZERO_GRAD_BYTES = 4
