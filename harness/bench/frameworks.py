@@ -1,11 +1,10 @@
-"""The frameworks' checkpoint figures (docs/trainer.md): runs the slow-tier figure tests of DeepSpeed ZeRO-1/2/3, FSDP2 + DCP and torchtitan, and prints one markdown table of their bytes, save stalls and restore times.
+"""The frameworks' checkpoint figures (docs/trainer.md): runs the slow-tier figure tests of DeepSpeed ZeRO-1/2/3 and FSDP2 + DCP, and prints one markdown table of their bytes, save stalls and restore times.
 
 Each framework's own test measures its checkpoint with torch.optim.AdamW and with cossd's
-AdamW on a real mount (tests/e2e: test_deepspeed_zero.py, test_dcp.py, test_torchtitan.py,
-each `test_checkpoint_bytes_stall_and_restore_against_torch_adamw`) and reports a figure
-line; this runs them as the test suite does (as root, real FUSE mounts; torchtitan's needs
-`make torchtitan`, else pytest skips it and its rows are missing) and turns the lines into
-rows. Usage, from the repository root:
+AdamW on a real mount (tests/e2e: test_deepspeed_zero.py, test_dcp.py, each
+`test_checkpoint_bytes_stall_and_restore_against_torch_adamw`) and reports a figure line;
+this runs them as the test suite does (as root, real FUSE mounts; DeepSpeed's need `make
+frameworks`) and turns the lines into rows. Usage, from the repository root:
 
     .venv/bin/python -m cossd.harness.bench.frameworks [--out table.md]
 """
@@ -20,7 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TEST = "test_checkpoint_bytes_stall_and_restore_against_torch_adamw"
-FILES = ("tests/e2e/test_deepspeed_zero.py", "tests/e2e/test_dcp.py", "tests/e2e/test_torchtitan.py")
+# torchtitan has no such test yet (its CheckpointManager's save and load times were not found in
+# its log the one time it was tried): its checkpoint bytes are in test_torchtitan.py's kill test.
+FILES = ("tests/e2e/test_deepspeed_zero.py", "tests/e2e/test_dcp.py")
 # A figure line: "<what> <N> params, <torch|cossd>: checkpoint <B> B[ (optimizer files <B> B)],
 # save <s> s, restore <s> s".
 FIGURE = re.compile(r"^(?P<what>.+?) (?P<params>\d+) params, (?P<kind>torch|cossd): checkpoint (?P<bytes>\d+) B"
