@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .deepspeed_zero import ZeroBinding, tensor_name
+from .deepspeed_binding import ZeroBinding, tensor_name
 from .distributed import Ranks
 from .plan import Entry
 from .shard import Piece
