@@ -144,11 +144,8 @@ def devices_costs(workdir: Path, width: int, layers: int, steps: int) -> dict[st
 
 
 def markdown_rows(report: dict[str, Any]) -> list[str]:
+    """The table of the daemons' run (report.py sends the --devices-link netns run to devices_net.py)."""
     section = report["devices"]
-    if section.get("link") == "netns":  # --devices-link netns: each device served in a namespace of its own
-        from .devices_net import markdown_rows as net_rows
-
-        return net_rows(section)
     rows = section["rows"]
     total = rows[0]["elements"]
     lines = ["", f"One optimizer over several devices (mount=[...]), each its own FUSE daemon and backing, one "

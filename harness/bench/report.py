@@ -98,9 +98,14 @@ def markdown(report: dict[str, Any]) -> str:
 
         lines += ranks_rows(report)
     if "devices" in report:
-        from .devices import markdown_rows as devices_rows  # the devices section's table
+        if report["devices"].get("link") == "netns":  # each device served in a network namespace of its own
+            from .devices_net import markdown_rows as devices_net_rows
 
-        lines += devices_rows(report)
+            lines += devices_net_rows(report["devices"])
+        else:
+            from .devices import markdown_rows as devices_rows  # the devices section's table
+
+            lines += devices_rows(report)
     if "scale" in report:
         from .scale_report import markdown_rows as scale_rows  # the scale section's tables
 
