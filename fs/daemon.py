@@ -149,10 +149,10 @@ def serve(
         # started (no power cycle counted, nothing mounted).
         if options.metrics_port is not None:
             # Imported only when asked for: prometheus_client is a restart's cost otherwise.
-            from .metrics import DEFAULT_METRICS_ADDR, MetricsServer
+            from .metrics import DEFAULT_METRICS_ADDR, MetricsEndpoint
 
-            metrics = MetricsServer.bind(options.metrics_port, options.metrics_addr or DEFAULT_METRICS_ADDR,
-                                         options.metrics_token_file)
+            metrics = MetricsEndpoint.bind(options.metrics_port, options.metrics_addr or DEFAULT_METRICS_ADDR,
+                                           options.metrics_token_file)
         try:
             opening = time.monotonic()
             device = open_device(options)
@@ -171,7 +171,9 @@ def serve(
         operations = Operations(device, cmb_bytes=options.cmb_bytes)
         operations.fault_hook = hooks.handler_fault()
         if metrics is not None:
-            metrics.attach(operations)
+            from .metrics import DeviceCollector
+
+            metrics.attach(DeviceCollector(operations))
         # Opened by the entry without the in-use mark: made now, before anything is served,
         # its fsyncs left to a thread (they would wait behind the params being read ahead and
         # the background verification: Device.mark_in_use says why that is safe).

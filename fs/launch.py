@@ -51,7 +51,7 @@ def check_mountpoint(mountpoint: str | os.PathLike[str]) -> None:
     """A directory with nothing mounted on it. A second device mounted on top of a mount hides
     the first (its files, its `.admin`: every tool would talk to the top one), so it is
     refused; checked before the directory itself, whose stat would hang on a hung mount."""
-    fstype = mount_type_at(mountpoint)
+    fstype = mount_type_at(Path(mountpoint))
     if fstype is not None:
         raise DeviceError(Status.INVALID_FIELD, f"{mountpoint} is already a mount point ({fstype}); unmount it "
                                                 "first or choose another directory")

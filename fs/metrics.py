@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 # The names the mount daemon and the mount verb import from here (the endpoint and its token
 # moved below both front-ends, so the storage server serves them too).
-__all__ = ["DEFAULT_METRICS_ADDR", "NAMESPACE_COUNTERS", "NS", "DeviceCollector", "MetricsPortError",
-           "MetricsServer", "load_token", "require_bearer"]
+__all__ = ["DEFAULT_METRICS_ADDR", "NAMESPACE_COUNTERS", "NS", "DeviceCollector", "MetricsEndpoint",
+           "MetricsPortError", "load_token", "require_bearer"]
 
 
 class DeviceCollector(DeviceFigures):
@@ -51,10 +51,3 @@ class DeviceCollector(DeviceFigures):
             requests.add_metric(("data_path",), data_path.requests_served)
             requests.add_metric(("pyfuse3",), data_path.requests_forwarded)
             yield requests
-
-
-class MetricsServer(MetricsEndpoint):
-    """The mount's endpoint: attach() takes the daemon's Operations."""
-
-    def attach(self, operations: "Operations") -> None:  # type: ignore[override]
-        super().attach(DeviceCollector(operations))

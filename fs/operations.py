@@ -10,12 +10,12 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, Coroutine, Iterator, ParamSpec, TypeVar, cast
 
 import pyfuse3
 import trio
 
-from ..emulator.face import DATA_ROLE, LOADABLE_ROLES, Controller, Device, DeviceError, Namespace
+from ..emulator.face import DATA_ROLE, LOADABLE_ROLES, AnyNamespace, Controller, Device, DeviceError
 
 from .admin_queue import AdminHandle
 from .handles import FileHandle, Stat
@@ -30,20 +30,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
+OperationsT = TypeVar("OperationsT", bound="Operations")
 
 # How often the daemon saves the device's health figures (SMART) to superblock.json. A clean
 # unmount saves them too; a crash loses at most this much counting.
 HEALTH_SAVE_INTERVAL_S = 60.0
 
 
-def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _guarded(handler: Callable[Concatenate[OperationsT, P], Coroutine[Any, Any, T]]
+             ) -> Callable[Concatenate[OperationsT, P], Coroutine[Any, Any, T]]:
     """Turn every failure into an errno: a handler that raises anything else than
-    FUSEError would take the whole mount down."""
+    FUSEError would take the whole mount down. The handler keeps its signature, so mypy
+    checks it against pyfuse3.Operations'."""
 
     @functools.wraps(handler)
-    async def wrapper(self: "Operations", *args: Any) -> T:
+    async def wrapper(self: OperationsT, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return await handler(self, *args)
+            return await handler(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except Exception as exc:
@@ -129,9 +133,12 @@ class Operations(pyfuse3.Operations):
         if node.kind == Kind.TEXT:
             return len(self._text(node))
         if node.kind == Kind.ARRAY:
-            return self.tree.namespace(node).file_size(node.name, node.role)
+            return self.tree.optimizer_namespace(node).file_size(node.name, node.role)
         if node.kind == Kind.DATA:
-            return self.tree.namespace(node).capacity_bytes
+            nvm = self.tree.namespace(node).as_nvm()
+            if nvm is None:  # only an NVM namespace has a data file (nsids are never reused)
+                raise fuse_error(errno.ENOENT)
+            return nvm.capacity_bytes
         return 0
 
     def stat_of(self, node: Node) -> Stat:
@@ -145,8 +152,8 @@ class Operations(pyfuse3.Operations):
     def _attributes(self, node: Node) -> pyfuse3.EntryAttributes:
         stat = self.stat_of(node)
         attrs = pyfuse3.EntryAttributes()
-        attrs.st_ino = stat.ino
-        attrs.st_mode = stat.mode
+        attrs.st_ino = pyfuse3.InodeT(stat.ino)
+        attrs.st_mode = pyfuse3.ModeT(stat.mode)
         attrs.st_nlink = stat.nlink
         attrs.st_uid = stat.uid
         attrs.st_gid = stat.gid
@@ -211,18 +218,18 @@ class Operations(pyfuse3.Operations):
     # ------------------------------------------------------------------ directories
 
     @_guarded
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileHandleT:
         node = self.tree.node(inode)
         if node.kind in FILE_KINDS:
             raise fuse_error(errno.ENOTDIR)
-        return inode
+        return pyfuse3.FileHandleT(inode)  # a directory's handle is its inode: readdir lists it
 
     @_guarded
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         entries = self.tree.children(self.tree.node(fh))
         for index in range(start_id, len(entries)):
             name, child = entries[index]
-            if not pyfuse3.readdir_reply(token, name.encode(), self._attributes(child), index + 1):
+            if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(name.encode()), self._attributes(child), index + 1):
                 break
 
     async def releasedir(self, fh: int) -> None:
@@ -238,7 +245,7 @@ class Operations(pyfuse3.Operations):
     @_guarded
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         fh, direct_io, nonseekable = self.open_handle(inode, flags)
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct_io, nonseekable=nonseekable)
+        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=direct_io, nonseekable=nonseekable)
 
     def open_handle(self, inode: int, flags: int) -> tuple[int, bool, bool]:
         """OPEN (never blocks): a new handle of `inode`, as (fh, direct_io, nonseekable). The
@@ -320,7 +327,8 @@ class Operations(pyfuse3.Operations):
         # with the view before this task yields (see Namespace.read_nowait).
         view = self.io.read_nowait(namespace, tensor, role, off, size)
         if view is not None:
-            return view
+            # pyfuse3 replies with any buffer (its stub says bytes): the view goes as it is.
+            return cast(bytes, view)
         return await self._run(functools.partial(self.io.read, namespace, tensor, role, off, size, checked=True))
 
     @_guarded
@@ -425,14 +433,14 @@ class Operations(pyfuse3.Operations):
             except Exception:
                 log.exception("saving the health figures failed")
 
-    def schedule_flush(self, namespace: Namespace) -> None:
+    def schedule_flush(self, namespace: AnyNamespace) -> None:
         """Make a committed step durable in the background (the power-loss-protected mode)."""
         if self.nursery is None or not self.io.flush_wanted(namespace) or namespace.nsid in self._flushing:
             return
         self._flushing.add(namespace.nsid)
         self.nursery.start_soon(self._flush_in_background, namespace)
 
-    async def _flush_in_background(self, namespace: Namespace) -> None:
+    async def _flush_in_background(self, namespace: AnyNamespace) -> None:
         try:
             await self._run(namespace.flush)
         except Exception:

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Callable, Concatenate, Coroutine, ParamSpec, TypeVar, cast
 
 import pyfuse3
 import trio
@@ -30,17 +30,21 @@ from .remote_tree import (ADMIN_INODE, ADMIN_NAME, ROOT_INODE, InodeTable, Key, 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
+OperationsT = TypeVar("OperationsT", bound="RemoteOperations")
 
 
-def _guarded(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _guarded(handler: Callable[Concatenate[OperationsT, P], Coroutine[Any, Any, T]]
+             ) -> Callable[Concatenate[OperationsT, P], Coroutine[Any, Any, T]]:
     """Every failure becomes an errno (anything else would take the mount down): a device
     refusal its status's errno (the client raises OSError with it), a lost server ENOTCONN,
-    a server that stopped answering ETIMEDOUT, a bug EIO with its traceback in the log."""
+    a server that stopped answering ETIMEDOUT, a bug EIO with its traceback in the log. The
+    handler keeps its signature, so mypy checks it against pyfuse3.Operations'."""
 
     @functools.wraps(handler)
-    async def wrapper(self: "RemoteOperations", *args: Any) -> T:
+    async def wrapper(self: OperationsT, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return await handler(self, *args)
+            return await handler(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except DeviceTimeoutError:  # logged by the lanes
@@ -118,9 +122,9 @@ class RemoteOperations(pyfuse3.Operations):
         with self.lanes.use() as (_, lane):
             return lane.transport.stat(path, entries)
 
-    def _admin(self, opcode: int, **fields: int) -> Completion:
+    def _admin(self, opcode: int, nsid: int = 0) -> Completion:
         with self.lanes.use() as (_, lane):
-            return lane.transport.exchange(encode_submission(opcode, **fields))
+            return lane.transport.exchange(encode_submission(opcode, nsid=nsid))
 
     async def _node(self, inode: int) -> tuple[str, Key, dict[str, Any]]:
         """The path, key and current attributes of `inode`; ENOENT where the node it was
@@ -185,7 +189,7 @@ class RemoteOperations(pyfuse3.Operations):
     # ------------------------------------------------------------------ directories
 
     @_guarded
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileHandleT:
         if inode == ADMIN_INODE:
             raise fuse_error(errno.ENOTDIR)
         path, key = self.inodes.path(inode)
@@ -200,7 +204,7 @@ class RemoteOperations(pyfuse3.Operations):
             listing.insert(0, (ADMIN_NAME, admin_answer(self.started_ns)))
         fh = self._new_fh()
         self._listings[fh] = [(f"{path}/{name}" if path else name, child) for name, child in listing]
-        return fh
+        return pyfuse3.FileHandleT(fh)
 
     @_guarded
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -208,8 +212,8 @@ class RemoteOperations(pyfuse3.Operations):
         for index in range(start_id, len(listing)):
             path, answer = listing[index]
             inode = ADMIN_INODE if path == ADMIN_NAME else self.inodes.inode(path, key_of(answer))
-            if not pyfuse3.readdir_reply(token, path.rpartition("/")[2].encode(), attributes(inode, answer),
-                                         index + 1):
+            name = pyfuse3.FileNameT(path.rpartition("/")[2].encode())
+            if not pyfuse3.readdir_reply(token, name, attributes(inode, answer), index + 1):
                 break
 
     async def releasedir(self, fh: int) -> None:
@@ -224,7 +228,7 @@ class RemoteOperations(pyfuse3.Operations):
         if inode == ADMIN_INODE:  # each open() a queue pair, as on a local mount
             fh = self._new_fh()
             self._handles[fh] = AdminHandle()
-            return pyfuse3.FileInfo(fh=fh, direct_io=True, nonseekable=True)
+            return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=True, nonseekable=True)
         path, key, answer = await self._node(inode)
         kind = kind_of(path, int(answer["mode"]))
         if kind == RemoteKind.DIRECTORY:
@@ -246,7 +250,7 @@ class RemoteOperations(pyfuse3.Operations):
         self._handles[fh] = opened
         # direct_io: every read and write reaches the server; an O_DIRECT open goes without,
         # so the kernel sends a large call's requests at once, as on a local mount.
-        return pyfuse3.FileInfo(fh=fh, direct_io=not flags & os.O_DIRECT)
+        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=not flags & os.O_DIRECT)
 
     def _read_text(self, path: str) -> bytes:
         with self.lanes.use() as (_, lane):
@@ -323,7 +327,7 @@ class RemoteOperations(pyfuse3.Operations):
         return handle
 
     @_guarded
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int) -> bytes:
         handle = self._handle(fh)
         if isinstance(handle, AdminHandle):
             return handle.read(size)  # completions already here: never waits for the server
@@ -333,7 +337,8 @@ class RemoteOperations(pyfuse3.Operations):
             return await self._run(self._read_path, handle.path, off, size, handle.key[1])
         if handle.access == os.O_WRONLY or handle.grad:
             raise fuse_error(errno.EACCES if handle.grad else errno.EBADF)
-        return await self._run(self._read_array, handle, off, size)
+        # pyfuse3 replies with any buffer (its stub says bytes): the view goes as it is.
+        return cast(bytes, await self._run(self._read_array, handle, off, size))
 
     def _read_array(self, handle: RemoteFile, off: int, size: int) -> memoryview:
         buffer = bytearray(size)

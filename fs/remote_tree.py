@@ -85,8 +85,8 @@ def attributes(inode: int, answer: dict[str, Any]) -> pyfuse3.EntryAttributes:
     (entry and attribute timeouts 0): sizes, steps and namespaces change on the server."""
     attrs = pyfuse3.EntryAttributes()
     mode, size = int(answer["mode"]), int(answer["size"])
-    attrs.st_ino = inode
-    attrs.st_mode = mode
+    attrs.st_ino = pyfuse3.InodeT(inode)
+    attrs.st_mode = pyfuse3.ModeT(mode)
     attrs.st_nlink = 2 if stat.S_ISDIR(mode) else 1
     attrs.st_uid = os.getuid()
     attrs.st_gid = os.getgid()

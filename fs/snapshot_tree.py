@@ -5,7 +5,7 @@ import errno
 import stat
 from typing import Callable
 
-from ..emulator.face import Namespace, Snapshot
+from ..emulator.face import AnyNamespace, Namespace, Snapshot
 
 from .nodes import SNAPSHOT_DIR_KINDS, Kind, Node, fuse_error
 
@@ -23,7 +23,7 @@ class SnapshotTree:
     one's bytes.
     """
 
-    def __init__(self, namespace_of: Callable[[Node], Namespace]) -> None:
+    def __init__(self, namespace_of: Callable[[Node], AnyNamespace]) -> None:
         # The Tree's namespace lookup: the live namespace a node belongs to (ENOENT if gone).
         self.namespace_of = namespace_of
 
@@ -57,14 +57,15 @@ class SnapshotTree:
                     entries.append((tag, Node(Kind.SNAPSHOT, node.nsid, tag=tag,
                                               snapshot_id=found.snapshot_id)))
             return entries
-        at = {"tag": node.tag, "snapshot_id": node.snapshot_id}
+        tag, snapshot_id = node.tag, node.snapshot_id
         if node.kind == Kind.SNAPSHOT:
-            return [(STEP_NAME, Node(Kind.SNAP_TEXT, node.nsid, STEP_NAME, **at)),
-                    (TENSORS_NAME, Node(Kind.SNAP_TENSORS, node.nsid, **at))]
+            return [(STEP_NAME, Node(Kind.SNAP_TEXT, node.nsid, STEP_NAME, tag=tag, snapshot_id=snapshot_id)),
+                    (TENSORS_NAME, Node(Kind.SNAP_TENSORS, node.nsid, tag=tag, snapshot_id=snapshot_id))]
         if node.kind == Kind.SNAP_TENSORS:
-            return [(t.name, Node(Kind.SNAP_TENSOR, node.nsid, t.name, **at)) for t in namespace.layouts]
+            return [(t.name, Node(Kind.SNAP_TENSOR, node.nsid, t.name, tag=tag, snapshot_id=snapshot_id))
+                    for t in namespace.layouts]
         if node.kind == Kind.SNAP_TENSOR:
-            return [(role, Node(Kind.SNAP_ARRAY, node.nsid, node.name, role, **at))
+            return [(role, Node(Kind.SNAP_ARRAY, node.nsid, node.name, role, tag=tag, snapshot_id=snapshot_id))
                     for role in SNAPSHOT_ROLES]
         raise fuse_error(errno.ENOTDIR)
 

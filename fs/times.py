@@ -8,7 +8,7 @@ from pathlib import Path
 from ..emulator.face import Device, Namespace
 
 from .nodes import Kind, Node
-from .tree import Tree
+from .tree import Tree, optimizer_of
 
 # The device registry: rewritten whole (atomically) whenever a namespace is created or deleted.
 _REGISTRY_FILE = "superblock.json"
@@ -43,12 +43,13 @@ class NodeTimes:
             return self.started_ns
         if kind in (Kind.ROOT, Kind.NS_ROOT):
             return _mtime_ns(self.device.path / _REGISTRY_FILE, self.started_ns)
-        namespace = self.tree.namespace(node)
-        nvm = namespace.as_nvm()
+        any_kind = self.tree.namespace(node)
+        nvm = any_kind.as_nvm()
         if nvm is not None:  # a plain NVM namespace
             if kind == Kind.DATA or (kind == Kind.TEXT and node.name == "stats.json"):
                 return _mtime_ns(nvm.path, self.started_ns)
             return _mtime_ns(nvm.directory / "meta.json", self.started_ns)
+        namespace = optimizer_of(any_kind)
         if kind == Kind.TEXT:
             if node.name == "stats.json":
                 return time.time_ns()

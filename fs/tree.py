@@ -6,7 +6,7 @@ import stat
 
 import pyfuse3
 
-from ..emulator.face import LOADABLE_ROLES, ROLES, Device, DeviceError, Namespace
+from ..emulator.face import LOADABLE_ROLES, ROLES, AnyNamespace, Device, DeviceError, Namespace
 
 from .nodes import SNAPSHOT_KINDS, Kind, Node, fuse_error
 from .snapshot_tree import SnapshotTree
@@ -15,6 +15,15 @@ ADMIN_NAME = ".admin"
 TEXT_FILES = ("config.json", "step", "stats.json")
 NVM_TEXT_FILES = ("config.json", "stats.json")
 NVM_DATA_NAME = "data"
+
+
+def optimizer_of(namespace: AnyNamespace) -> Namespace:
+    """`namespace` as the optimizer kind. ENOENT for another kind: nsids are never reused, so
+    only a node that was never this namespace's asks."""
+    optimizer = namespace.as_optimizer()
+    if optimizer is None:
+        raise fuse_error(errno.ENOENT)
+    return optimizer
 
 
 class Tree:
@@ -47,21 +56,27 @@ class Tree:
         self.check_exists(node)
         return node
 
-    def namespace(self, node: Node) -> Namespace:
+    def namespace(self, node: Node) -> AnyNamespace:
+        """The live namespace of any kind a node belongs to (ENOENT if it was deleted)."""
         try:
             namespace = self.device.namespace_by_id(node.nsid)
         except DeviceError:
             raise fuse_error(errno.ENOENT) from None
         return namespace
 
+    def optimizer_namespace(self, node: Node) -> Namespace:
+        """The optimizer namespace of a node only that kind has (tensors, arrays, step): ENOENT
+        if its namespace is gone or of another kind."""
+        return optimizer_of(self.namespace(node))
+
     def check_exists(self, node: Node) -> None:
         """ENOENT for nodes of namespaces that were deleted since the inode was handed out."""
         if node.kind in (Kind.ROOT, Kind.ADMIN, Kind.NS_ROOT):
             return
-        namespace = self.namespace(node)
+        self.namespace(node)  # ENOENT if it is gone
         if node.kind in SNAPSHOT_KINDS:
             self.snapshots.check_exists(node)
-        if node.kind in (Kind.TENSOR, Kind.ARRAY) and node.name not in namespace.tensors:
+        if node.kind in (Kind.TENSOR, Kind.ARRAY) and node.name not in self.optimizer_namespace(node).tensors:
             raise fuse_error(errno.ENOENT)
 
     def children(self, node: Node) -> list[tuple[str, Node]]:
@@ -82,7 +97,7 @@ class Tree:
         if node.kind in SNAPSHOT_KINDS:
             return self.snapshots.children(node)
         if node.kind == Kind.TENSORS:
-            namespace = self.namespace(node)
+            namespace = self.optimizer_namespace(node)
             return [(t.name, Node(Kind.TENSOR, node.nsid, t.name)) for t in namespace.layouts]
         if node.kind == Kind.TENSOR:
             return [(role, Node(Kind.ARRAY, node.nsid, node.name, role)) for role in ROLES]
@@ -95,7 +110,7 @@ class Tree:
                 raise fuse_error(errno.ENOENT)
             return Node(Kind.NAMESPACE, namespace.nsid)
         if parent.kind == Kind.TENSORS:
-            if name not in self.namespace(parent).tensors:
+            if name not in self.optimizer_namespace(parent).tensors:
                 raise fuse_error(errno.ENOENT)
             return Node(Kind.TENSOR, parent.nsid, name)
         if parent.kind in SNAPSHOT_KINDS:
