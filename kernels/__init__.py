@@ -51,10 +51,21 @@ from .state_formats import (
     state_map,
     state_scale_count,
 )
-from .validation import BLOCK_SCALED_FORMATS, STATE_BLOCK, HalfFormat, KernelArgumentError, Moment, StateFormat
+from .validation import (
+    BLOCK_SCALED_FORMATS,
+    GRAD_ITEMSIZE,
+    STATE_BLOCK,
+    GradFormat,
+    HalfFormat,
+    KernelArgumentError,
+    Moment,
+    StateFormat,
+)
 
 __all__ = [
     "HalfFormat",
+    "GradFormat",
+    "GRAD_ITEMSIZE",
     "StateFormat",
     "Moment",
     "BLOCK_SCALED_FORMATS",

@@ -2,7 +2,7 @@
 
 #include "cossd_internal.h"
 
-void adam_kernel_scalar(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
+void adam_kernel_scalar(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
                         void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k)
 {
     for (size_t i = 0; i < n; i++)
@@ -21,7 +21,7 @@ static adam_kernel_fn *const adam_kernels[COSSD_SIMD_AVX512 + 1] = {
 
 /* Every entry point of the step: check the arguments, then the CPU (an explicit request for
  * a path must not SIGILL on an old CPU), then run the level's kernel. */
-static int adam_step_at(int level, const uint16_t *grad, int grad_fmt, const float *master_in,
+static int adam_step_at(int level, const void *grad, int grad_fmt, const float *master_in,
                         const void *exp_avg_in, const void *exp_avg_sq_in, float *master_out, void *exp_avg_out,
                         void *exp_avg_sq_out, int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                         const cossd_adam_scalars *s)
@@ -41,7 +41,7 @@ static int adam_step_at(int level, const uint16_t *grad, int grad_fmt, const flo
 }
 
 #define ADAM_STEP_ENTRY(name, level)                                                                         \
-    int name(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,             \
+    int name(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,             \
              const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,          \
              int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s)       \
     {                                                                                                        \

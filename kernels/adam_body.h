@@ -77,12 +77,12 @@ SIMD_FN void adam_vec_core(simd_f g, simd_f p, simd_f m_in, simd_f v_in, const a
 /* The new master (NaN made canonical), exp_avg and exp_avg_sq of elements i..i+LANES-1
  * (only the lanes in km when masked), from gradient bits already loaded: the checksummed
  * block update counts the non-finite ones from the same register the step uses. Lanes
- * outside km compute on zeros and are discarded. */
-SIMD_FN void adam_vec_math(simd_h bits, int gfmt, const float *mi, const void *ai, const void *vi, int sfmt,
+ * outside km compute on zeros and are discarded. graw: the gradient decoded, before grad_scale. */
+SIMD_FN void adam_vec_math(simd_f graw, const float *mi, const void *ai, const void *vi, int sfmt,
                            size_t i, const adam_vk *c, int decoupled, simd_mask km, int masked, simd_f *p_out,
                            simd_f *m_out, simd_f *v_out)
 {
-    simd_f g = SIMD_MUL(simd_h_to_f32(bits, gfmt), c->grad_scale);
+    simd_f g = SIMD_MUL(graw, c->grad_scale);
     simd_f p = simd_loadf(mi + i, km, masked);
     simd_f m_in = simd_load_state(ai, i, sfmt, km, masked);
     simd_f v_in = simd_load_state(vi, i, sfmt, km, masked);
@@ -91,12 +91,12 @@ SIMD_FN void adam_vec_math(simd_h bits, int gfmt, const float *mi, const void *a
 
 /* Elements i..i+LANES-1 (only the lanes in km when masked): computed and stored, the
  * outputs in `nt` (NT_* bits) with streaming stores. */
-SIMD_FN void adam_vec(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
+SIMD_FN void adam_vec(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
                       void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t i, const adam_vk *c,
                       int decoupled, simd_mask km, int masked, unsigned nt)
 {
     simd_f p, m, v;
-    adam_vec_math(simd_loadh(grad + i, km, masked), gfmt, mi, ai, vi, sfmt, i, c, decoupled, km, masked, &p, &m,
+    adam_vec_math(simd_load_grad(grad, i, gfmt, km, masked), mi, ai, vi, sfmt, i, c, decoupled, km, masked, &p, &m,
                   &v);
     if (masked) { /* peel and tail: never streamed (callers pass nt == 0) */
         simd_storef(mo + i, p, km, 1);
@@ -113,7 +113,7 @@ SIMD_FN void adam_vec(const uint16_t *grad, int gfmt, const float *mi, const voi
 
 /* Elements [from, to) before or after the vector loop (fewer than LANES): one masked vector
  * where the ISA has masks, else the scalar element function. */
-SIMD_FN void adam_edge(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
+SIMD_FN void adam_edge(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
                        void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t from, size_t to,
                        const adam_vk *c, const adam_k *k, int decoupled)
 {
@@ -132,7 +132,7 @@ SIMD_FN void adam_edge(const uint16_t *grad, int gfmt, const float *mi, const vo
 }
 
 /* Always inlined with constant formats/mode (see ADAM_SPECIALISE). */
-SIMD_FN void adam_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
+SIMD_FN void adam_body(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
                        void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k,
                        int decoupled)
 {
@@ -161,7 +161,7 @@ SIMD_FN void adam_body(const uint16_t *grad, int gfmt, const float *mi, const vo
 }
 
 /* The 16 specialisations of adam_body, one of them chosen per call. */
-SIMD_FN void adam_simd(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
+SIMD_FN void adam_simd(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
                        void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k)
 {
 #define ADAM_CALL(GF, SF, PF, DC) adam_body(grad, GF, mi, ai, vi, mo, ao, vo, SF, po, PF, n, k, DC)

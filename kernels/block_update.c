@@ -110,11 +110,11 @@ static void copy_out(void *dst, const void *src, size_t bytes)
     memcpy(dst, src, bytes);
 }
 
-static int step_crc_in_registers(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
+static int step_crc_in_registers(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi,
                                  float *mo, void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt,
                                  size_t n, const cossd_adam_scalars *s, uint32_t crc[4], size_t *nonfinite);
 
-int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+int cossd_adam_step_crc(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
                         const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                         int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,
                         uint32_t *crc_out)
@@ -123,7 +123,7 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
                                     exp_avg_sq_out, state_fmt, param_out, NULL, param_fmt, n, s, crc_out, NULL, NULL);
 }
 
-int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+int cossd_adam_step_crc_copy(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
                              const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                              int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt, size_t n,
                              const cossd_adam_scalars *s, uint32_t *crc_out, uint32_t *param_crc_out,
@@ -137,6 +137,7 @@ int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *ma
     if (!crc_out)
         return COSSD_ERR_NULL;
     size_t ssz = state_fmt == COSSD_STATE_BF16 ? 2 : 4;
+    size_t gsz = grad_itemsize(grad_fmt);
     /* One chunk's outputs, in cache: 14 KiB on the stack (a thread-local buffer in a shared
      * library costs a __tls_get_addr call per access). */
     float scratch_master[STEP_CRC_CHUNK] __attribute__((aligned(64)));
@@ -151,8 +152,8 @@ int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *ma
     for (size_t i = 0; i < n; i += STEP_CRC_CHUNK) {
         size_t count = n - i < STEP_CRC_CHUNK ? n - i : STEP_CRC_CHUNK;
         if (nonfinite_out) /* this chunk's gradient, about to be read by the step too */
-            nonfinite += cossd_count_nonfinite(grad + i, grad_fmt, count);
-        rc = cossd_adam_step(grad + i, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
+            nonfinite += cossd_count_nonfinite((const uint8_t *)grad + i * gsz, grad_fmt, count);
+        rc = cossd_adam_step((const uint8_t *)grad + i * gsz, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
                              (const uint8_t *)exp_avg_sq_in + i * ssz, scratch_master, scratch_avg, scratch_avg_sq,
                              state_fmt, scratch_param, param_fmt, count, s);
         if (rc != COSSD_OK)
@@ -240,7 +241,7 @@ static void crc_outputs_from_memory(uint32_t reg[4], const float *mo, const void
             const __m256i bits = _mm256_loadu_si256((const __m256i *)(const void *)(grad + i));             \
             nonfinite += (size_t)_mm_popcnt_u32(                                                             \
                 _mm256_cmpeq_epi16_mask(_mm256_and_si256(bits, exponent), exponent));                        \
-            adam_vec_math(bits, gfmt, mi, ai, vi, sfmt, i, &c, decoupled, 0xFFFF, 0, &p, &m, &v);    \
+            adam_vec_math(simd_h_to_f32(bits, gfmt), mi, ai, vi, sfmt, i, &c, decoupled, 0xFFFF, 0, &p, &m, &v); \
             m = simd_canon_nan(m);                                                                              \
             v = simd_canon_nan(v);                                                                              \
             xh = simd_f32_to_half(p, pfmt);                                                                     \
@@ -336,7 +337,7 @@ adam_avx512_crc_dispatch(const uint16_t *grad, int gfmt, const float *mi, const 
     size_t nonfinite = 0;
 #define ADAM_CRC_CALL(GF, SF, PF, DC) \
     nonfinite = adam_avx512_crc_body(grad, GF, mi, ai, vi, mo, ao, vo, SF, po, po2, PF, n, k, DC, reg)
-    ADAM_SPECIALISE(ADAM_CRC_CALL);
+    ADAM_SPECIALISE_HALF(ADAM_CRC_CALL); /* 16-bit gradients only: step_crc_in_registers */
 #undef ADAM_CRC_CALL
     return nonfinite;
 }
@@ -344,16 +345,19 @@ adam_avx512_crc_dispatch(const uint16_t *grad, int gfmt, const float *mi, const 
 
 /* cossd_adam_step_crc with the checksum folded from the registers, where the CPU and formats
  * allow; returns 0 (nothing done) otherwise. crc[] receives the four stream CRCs. */
-static int step_crc_in_registers(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
+static int step_crc_in_registers(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi,
                                  float *mo, void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt,
                                  size_t n, const cossd_adam_scalars *s, uint32_t crc[4], size_t *nonfinite)
 {
 #if COSSD_X86
-    if (!g_has_vpclmul || sfmt != COSSD_STATE_FP32 || simd_level_now() != COSSD_SIMD_AVX512)
+    /* The register path counts the non-finite elements of 16-bit gradients from the very
+     * register it steps; FP32 and FP8 gradients take the scratch path, which counts each chunk
+     * just before stepping it. */
+    if (!g_has_vpclmul || sfmt != COSSD_STATE_FP32 || simd_level_now() != COSSD_SIMD_AVX512 || !half_fmt_ok(gfmt))
         return 0;
     adam_k k = adam_load_scalars(s);
     uint32_t reg[4] = {~0u, ~0u, ~0u, ~0u}; /* the registers of CRC value 0 */
-    *nonfinite = adam_avx512_crc_dispatch(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, po2, pfmt, n, &k, reg);
+    *nonfinite = adam_avx512_crc_dispatch((const uint16_t *)grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, po2, pfmt, n, &k, reg);
     for (int i = 0; i < 4; i++)
         crc[i] = ~reg[i];
     return 1;

@@ -2,6 +2,16 @@
 
 #include "cossd_internal.h"
 
+float cossd_fp8_lut[2][256];
+
+void cossd_fp8_init(void)
+{
+    for (int code = 0; code < 256; code++) {
+        cossd_fp8_lut[0][code] = fp8_decode((uint8_t)code, COSSD_GRAD_FP8_E4M3);
+        cossd_fp8_lut[1][code] = fp8_decode((uint8_t)code, COSSD_GRAD_FP8_E5M2);
+    }
+}
+
 void m2p_kernel_scalar(const float *master, uint16_t *param_out, int fmt, size_t n)
 {
     for (size_t i = 0; i < n; i++)

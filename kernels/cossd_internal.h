@@ -80,6 +80,9 @@ COSSD_INLINE int simd_level_now(void)
     return cap < g_best_level ? cap : g_best_level;
 }
 
+/* Fills cossd_fp8_lut (cossd_scalar.h) from fp8_decode; called by the module's constructor. */
+COSSD_HIDDEN void cossd_fp8_init(void);
+
 /* 1 where this CPU runs `level` (any COSSD_SIMD_* value; the scalar level always). */
 COSSD_HIDDEN int cossd_level_present(int level);
 
@@ -87,7 +90,7 @@ COSSD_HIDDEN int cossd_level_present(int level);
 
 /* One table entry per level (scalar, avx2, avx512); the public entry points check the
  * arguments and the CPU once, then call the entry of the level asked for. */
-typedef void adam_kernel_fn(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
+typedef void adam_kernel_fn(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi,
                             float *mo, void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n,
                             const adam_k *k);
 typedef void m2p_kernel_fn(const float *master, uint16_t *param_out, int fmt, size_t n);
@@ -174,12 +177,22 @@ COSSD_INLINE size_t adam_peel(const float *mo, size_t n, size_t vec_bytes)
 /* Calls BODY(GF, SF, PF, DC) with compile-time constant formats and mode, one
  * call per combination (16), so that every specialised inner loop is
  * branch-free. Expects gfmt, sfmt, pfmt and k (an adam_k *) in scope. */
-#define ADAM_SPECIALISE(BODY)                                                                                \
+#define ADAM_SPECIALISE_HALF(BODY)                                                                           \
     do {                                                                                                     \
         if (gfmt == COSSD_HALF_BF16)                                                                         \
             ADAM_SPEC_SF(BODY, COSSD_HALF_BF16);                                                             \
         else                                                                                                 \
             ADAM_SPEC_SF(BODY, COSSD_HALF_FP16);                                                             \
+    } while (0)
+/* ADAM_SPECIALISE_HALF over every gradient format (COSSD_GRAD_*): 40 combinations. */
+#define ADAM_SPECIALISE(BODY)                                                                                \
+    do {                                                                                                     \
+        switch (gfmt) {                                                                                      \
+        case COSSD_GRAD_FP32: ADAM_SPEC_SF(BODY, COSSD_GRAD_FP32); break;                                    \
+        case COSSD_GRAD_FP8_E4M3: ADAM_SPEC_SF(BODY, COSSD_GRAD_FP8_E4M3); break;                            \
+        case COSSD_GRAD_FP8_E5M2: ADAM_SPEC_SF(BODY, COSSD_GRAD_FP8_E5M2); break;                            \
+        default: ADAM_SPECIALISE_HALF(BODY); break;                                                          \
+        }                                                                                                    \
     } while (0)
 #define ADAM_SPEC_SF(BODY, GF)                                                                               \
     do {                                                                                                     \

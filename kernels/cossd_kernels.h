@@ -20,6 +20,13 @@ extern "C" {
 #define COSSD_HALF_FP16 0
 #define COSSD_HALF_BF16 1
 
+/* Gradient formats: the two half formats above, FP32 (float, 4 bytes an element) and the
+ * two OCP FP8 formats (one byte an element; decoded exactly, the per-tensor scale being the
+ * caller's grad_scale). A gradient buffer is `const void *` of grad_fmt's element width. */
+#define COSSD_GRAD_FP32 2
+#define COSSD_GRAD_FP8_E4M3 3
+#define COSSD_GRAD_FP8_E5M2 4
+
 /* Moment (exp_avg / exp_avg_sq) storage formats. FP32 and BF16 are elementwise; FP16 (IEEE
  * binary16 codes with a power-of-two scale per block) and INT8 (codes into a dynamic map with
  * an FP32 absmax per block) keep one FP32 scale per COSSD_STATE_BLOCK elements beside the
@@ -60,32 +67,33 @@ typedef struct {
     int decoupled;
 } cossd_adam_scalars;
 
-int cossd_adam_step(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step(const void *grad, int grad_fmt, const float *master_in,
                     const void *exp_avg_in, const void *exp_avg_sq_in,
                     float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                     int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                     const cossd_adam_scalars *s);
-int cossd_adam_step_scalar(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_scalar(const void *grad, int grad_fmt, const float *master_in,
                            const void *exp_avg_in, const void *exp_avg_sq_in,
                            float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                            int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                            const cossd_adam_scalars *s);
-int cossd_adam_step_avx2(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_avx2(const void *grad, int grad_fmt, const float *master_in,
                          const void *exp_avg_in, const void *exp_avg_sq_in,
                          float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                          int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                          const cossd_adam_scalars *s);
-int cossd_adam_step_avx512(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_avx512(const void *grad, int grad_fmt, const float *master_in,
                            const void *exp_avg_in, const void *exp_avg_sq_in,
                            float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                            int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                            const cossd_adam_scalars *s);
 
-/* Returns the count, or (size_t)-1 on bad arguments. */
-size_t cossd_count_nonfinite(const uint16_t *grad, int fmt, size_t n);
-size_t cossd_count_nonfinite_scalar(const uint16_t *grad, int fmt, size_t n);
-size_t cossd_count_nonfinite_avx2(const uint16_t *grad, int fmt, size_t n);
-size_t cossd_count_nonfinite_avx512(const uint16_t *grad, int fmt, size_t n);
+/* Returns the count of inf/NaN elements of a gradient in any COSSD_GRAD_* format (FP8 E4M3
+ * has no inf: its NaNs), or (size_t)-1 on bad arguments. */
+size_t cossd_count_nonfinite(const void *grad, int fmt, size_t n);
+size_t cossd_count_nonfinite_scalar(const void *grad, int fmt, size_t n);
+size_t cossd_count_nonfinite_avx2(const void *grad, int fmt, size_t n);
+size_t cossd_count_nonfinite_avx512(const void *grad, int fmt, size_t n);
 
 int cossd_master_to_param(const float *master, uint16_t *param_out, int param_fmt, size_t n);
 int cossd_master_to_param_scalar(const float *master, uint16_t *param_out, int param_fmt, size_t n);
@@ -112,7 +120,7 @@ void cossd_crc32c_blocks(const void *buf, size_t len, size_t block, uint32_t *ou
  * of its outputs as the device checksums a block: master_out, exp_avg_out, exp_avg_sq_out
  * and param_out, in that order, from 0. One pass: each chunk's outputs are checksummed in
  * cache and then written with streaming stores. */
-int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_crc(const void *grad, int grad_fmt, const float *master_in,
                         const void *exp_avg_in, const void *exp_avg_sq_in,
                         float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                         int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
@@ -126,7 +134,7 @@ int cossd_adam_step_crc(const uint16_t *grad, int grad_fmt, const float *master_
  * change between the count and its use). With param_crc_out (NULL: not wanted) it also returns
  * the CRC32C of param_out alone, the part of the block checksum a restart verifies before it
  * serves the params (the four parts are computed apart and combined anyway). */
-int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_crc_copy(const void *grad, int grad_fmt, const float *master_in,
                              const void *exp_avg_in, const void *exp_avg_sq_in,
                              float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
                              int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt,
@@ -139,28 +147,28 @@ int cossd_adam_step_crc_copy(const uint16_t *grad, int grad_fmt, const float *ma
  * the first for elements 0..255. One pass per block: decode, step, then choose the block's new
  * scale from its new values and encode. Outputs may be their inputs (in place), as in
  * cossd_adam_step. */
-int cossd_adam_step_q(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_q(const void *grad, int grad_fmt, const float *master_in,
                       const void *exp_avg_in, const float *exp_avg_scale_in,
                       const void *exp_avg_sq_in, const float *exp_avg_sq_scale_in,
                       float *master_out, void *exp_avg_out, float *exp_avg_scale_out,
                       void *exp_avg_sq_out, float *exp_avg_sq_scale_out,
                       int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                       const cossd_adam_scalars *s);
-int cossd_adam_step_q_scalar(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_q_scalar(const void *grad, int grad_fmt, const float *master_in,
                              const void *exp_avg_in, const float *exp_avg_scale_in,
                              const void *exp_avg_sq_in, const float *exp_avg_sq_scale_in,
                              float *master_out, void *exp_avg_out, float *exp_avg_scale_out,
                              void *exp_avg_sq_out, float *exp_avg_sq_scale_out,
                              int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                              const cossd_adam_scalars *s);
-int cossd_adam_step_q_avx2(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_q_avx2(const void *grad, int grad_fmt, const float *master_in,
                            const void *exp_avg_in, const float *exp_avg_scale_in,
                            const void *exp_avg_sq_in, const float *exp_avg_sq_scale_in,
                            float *master_out, void *exp_avg_out, float *exp_avg_scale_out,
                            void *exp_avg_sq_out, float *exp_avg_sq_scale_out,
                            int state_fmt, uint16_t *param_out, int param_fmt, size_t n,
                            const cossd_adam_scalars *s);
-int cossd_adam_step_q_avx512(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_q_avx512(const void *grad, int grad_fmt, const float *master_in,
                              const void *exp_avg_in, const float *exp_avg_scale_in,
                              const void *exp_avg_sq_in, const float *exp_avg_sq_scale_in,
                              float *master_out, void *exp_avg_out, float *exp_avg_scale_out,

@@ -35,6 +35,7 @@ __attribute__((constructor)) static void cossd_init(void)
     /* One constructor for the whole module, so the tables are filled in a known order. */
     cossd_crc_init();
     cossd_qmap_init(); /* the INT8 moment maps (qstate.c) */
+    cossd_fp8_init();  /* the FP8 gradient decode tables (convert.c) */
 }
 
 int cossd_level_present(int level)

@@ -1,4 +1,4 @@
-/* nonfinite.c: the count of a 16-bit gradient's inf/NaN elements, per level (scalar, AVX2, AVX-512) and dispatching. */
+/* nonfinite.c: the count of a gradient's inf/NaN elements, per level (scalar, AVX2, AVX-512) and dispatching. */
 
 #include "cossd_internal.h"
 
@@ -81,31 +81,43 @@ static count_kernel_fn *const count_kernels[COSSD_SIMD_AVX512 + 1] = {
 #endif
 };
 
-/* Returns the count, or COSSD_COUNT_ERROR for a bad format, a NULL buffer or a level this
- * CPU lacks (a size_t result has no room for the return codes). */
-static size_t count_nonfinite_at(int level, const uint16_t *grad, int fmt, size_t n)
+/* FP32 and FP8 gradients: one loop, the same at every level (-O3 vectorizes it), since a count
+ * is the same number whichever path counts it. */
+static size_t count_nonfinite_wide_or_byte(const void *grad, int fmt, size_t n)
 {
-    if (!half_fmt_ok(fmt) || (n > 0 && !grad) || !cossd_level_present(level))
-        return COSSD_COUNT_ERROR;
-    return count_kernels[level](grad, exp_mask(fmt), n);
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++)
+        count += (size_t)grad_nonfinite(grad, i, fmt);
+    return count;
 }
 
-size_t cossd_count_nonfinite_scalar(const uint16_t *grad, int fmt, size_t n)
+/* Returns the count, or COSSD_COUNT_ERROR for a bad format, a NULL buffer or a level this
+ * CPU lacks (a size_t result has no room for the return codes). */
+static size_t count_nonfinite_at(int level, const void *grad, int fmt, size_t n)
+{
+    if (!grad_fmt_ok(fmt) || (n > 0 && !grad) || !cossd_level_present(level))
+        return COSSD_COUNT_ERROR;
+    if (!half_fmt_ok(fmt))
+        return count_nonfinite_wide_or_byte(grad, fmt, n);
+    return count_kernels[level]((const uint16_t *)grad, exp_mask(fmt), n);
+}
+
+size_t cossd_count_nonfinite_scalar(const void *grad, int fmt, size_t n)
 {
     return count_nonfinite_at(COSSD_SIMD_SCALAR, grad, fmt, n);
 }
 
-size_t cossd_count_nonfinite_avx2(const uint16_t *grad, int fmt, size_t n)
+size_t cossd_count_nonfinite_avx2(const void *grad, int fmt, size_t n)
 {
     return count_nonfinite_at(COSSD_SIMD_AVX2, grad, fmt, n);
 }
 
-size_t cossd_count_nonfinite_avx512(const uint16_t *grad, int fmt, size_t n)
+size_t cossd_count_nonfinite_avx512(const void *grad, int fmt, size_t n)
 {
     return count_nonfinite_at(COSSD_SIMD_AVX512, grad, fmt, n);
 }
 
-size_t cossd_count_nonfinite(const uint16_t *grad, int fmt, size_t n)
+size_t cossd_count_nonfinite(const void *grad, int fmt, size_t n)
 {
     return count_nonfinite_at(simd_level_now(), grad, fmt, n);
 }

@@ -18,6 +18,7 @@ from .validation import (
     _F32_CTYPE,
     _HALF_CTYPE,
     _U16,
+    GradFormat,
     HalfFormat,
     KernelArgumentError,
     StateFormat,
@@ -26,6 +27,8 @@ from .validation import (
     _check_overlap,
     _elementwise_state,
     _enum_arg,
+    _grad_buf,
+    _grad_format_arg,
     _half_dtypes,
     _state_buffers,
 )
@@ -51,18 +54,18 @@ _ADAM_IN_PLACE = frozenset(
 
 def _adam_buffers(
     grad: Any, master_in: Any, exp_avg_in: Any, exp_avg_sq_in: Any, master_out: Any,
-    exp_avg_out: Any, exp_avg_sq_out: Any, param_out: Any, grad_format: HalfFormat,
+    exp_avg_out: Any, exp_avg_sq_out: Any, param_out: Any, grad_format: GradFormat | HalfFormat,
     param_format: HalfFormat, state_format: StateFormat, scalars: AdamScalars,
     in_place: frozenset[tuple[str, str]],
 ) -> tuple[list[Any], int]:
     """The C arguments of an Adam step after checking them all: (args, element count)."""
-    gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
+    gfmt = _grad_format_arg(grad_format)
     pfmt = _enum_arg("param_format", param_format, HalfFormat)
     sfmt = _enum_arg("state_format", state_format, StateFormat)
     _elementwise_state(sfmt, "adam_step")
     if not isinstance(scalars, AdamScalars):
         raise KernelArgumentError(f"scalars must come from adam_scalars(), got {type(scalars).__name__}")
-    g = _buf("grad", grad, _half_dtypes(gfmt), _HALF_CTYPE)
+    g = _grad_buf(grad, gfmt)
     state = _state_buffers(master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
                            param_out, sfmt, _half_dtypes(pfmt))
     mi, ai, vi, mo, ao, vo, po = state
@@ -162,7 +165,7 @@ class BlockUpdate:
     def __init__(self, master_in: Any, exp_avg_in: Any, exp_avg_sq_in: Any, master_out: Any,
                  exp_avg_out: Any, exp_avg_sq_out: Any, param_out: Any, *, grad_format: HalfFormat,
                  param_format: HalfFormat, state_format: StateFormat) -> None:
-        self._gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
+        self._gfmt = _grad_format_arg(grad_format)
         self._pfmt = _enum_arg("param_format", param_format, HalfFormat)
         self._sfmt = _enum_arg("state_format", state_format, StateFormat)
         _elementwise_state(self._sfmt, "BlockUpdate")
@@ -172,7 +175,6 @@ class BlockUpdate:
         _check_overlap(bufs)  # out of place: no output may be an input
         self._bufs = bufs  # keeps the arrays (and so the pointers) alive
         self._outputs = [(b.start, b.end) for b in bufs[3:]]
-        self._half_dtypes = _half_dtypes(self._gfmt)
 
     def __call__(self, grad: Any, start: int, scalars: AdamScalars,
                  param_copy: Any = None) -> tuple[int, int, int]:
@@ -180,7 +182,7 @@ class BlockUpdate:
         gives it, the gradient's inf/NaN elements, the CRC32C of the new params alone). `param_copy` (as many 16-bit elements) also
         receives the new params, in the same pass. A gradient with non-finite elements still
         steps (into outputs the caller then discards)."""
-        g = _buf("grad", grad, self._half_dtypes, _HALF_CTYPE)
+        g = _grad_buf(grad, self._gfmt)
         n = g.arr.size
         if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + n > self.n:
             raise KernelArgumentError(f"elements {start}..{start + n} are outside the {self.n} of the state arrays")
@@ -209,10 +211,10 @@ class BlockUpdate:
         return int(crc[0]), int(nonfinite[0]), int(param_crc[0])
 
 
-def count_nonfinite(grad: Any, fmt: HalfFormat) -> int:
-    """Number of inf/NaN elements in a 16-bit buffer."""
-    f = _enum_arg("fmt", fmt, HalfFormat)
-    g = _buf("grad", grad, _half_dtypes(f), _HALF_CTYPE)
+def count_nonfinite(grad: Any, fmt: GradFormat | HalfFormat) -> int:
+    """Number of inf/NaN elements in a gradient buffer of any GradFormat."""
+    f = _grad_format_arg(fmt, "fmt")
+    g = _grad_buf(grad, f)
     if g.arr.size == 0:
         return 0
     count = _lib.cossd_count_nonfinite(g.ptr, f, g.arr.size)

@@ -68,7 +68,7 @@ void cossd_qmap_init(void)
 
 /* ---- The step, scalar ----------------------------------------------------- */
 
-void adamq_kernel_scalar(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
+void adamq_kernel_scalar(const void *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
                          const void *vi, const float *vs_in, float *mo, void *ao, float *as_out, void *vo,
                          float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k,
                          cossd_qstate_counts *counts)
@@ -93,7 +93,7 @@ static adamq_kernel_fn *const adamq_kernels[COSSD_SIMD_AVX512 + 1] = {
 #endif
 };
 
-static int adam_step_q_at(int level, const uint16_t *grad, int grad_fmt, const float *master_in,
+static int adam_step_q_at(int level, const void *grad, int grad_fmt, const float *master_in,
                           const void *exp_avg_in, const float *as_in, const void *exp_avg_sq_in, const float *vs_in,
                           float *master_out, void *exp_avg_out, float *as_out, void *exp_avg_sq_out, float *vs_out,
                           int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,
@@ -116,7 +116,7 @@ static int adam_step_q_at(int level, const uint16_t *grad, int grad_fmt, const f
                                           exp_avg_out, exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
         }
     }
-    if (!half_fmt_ok(grad_fmt) || !half_fmt_ok(param_fmt) || !qstate_fmt(state_fmt))
+    if (!grad_fmt_ok(grad_fmt) || !half_fmt_ok(param_fmt) || !qstate_fmt(state_fmt))
         return COSSD_ERR_FORMAT;
     if (n > 0 && (!grad || !master_in || !exp_avg_in || !as_in || !exp_avg_sq_in || !vs_in || !master_out ||
                   !exp_avg_out || !as_out || !exp_avg_sq_out || !vs_out || !param_out || !s))
@@ -133,7 +133,7 @@ static int adam_step_q_at(int level, const uint16_t *grad, int grad_fmt, const f
 }
 
 #define ADAM_STEP_Q_ENTRY(name, level)                                                                       \
-    int name(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,             \
+    int name(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,             \
              const float *as_in, const void *exp_avg_sq_in, const float *vs_in, float *master_out,           \
              void *exp_avg_out, float *as_out, void *exp_avg_sq_out, float *vs_out, int state_fmt,           \
              uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s)                       \
@@ -148,7 +148,7 @@ ADAM_STEP_Q_ENTRY(cossd_adam_step_q_avx2, COSSD_SIMD_AVX2)
 ADAM_STEP_Q_ENTRY(cossd_adam_step_q_avx512, COSSD_SIMD_AVX512)
 ADAM_STEP_Q_ENTRY(cossd_adam_step_q, simd_level_now())
 
-int cossd_adam_step_q_counted(const uint16_t *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+int cossd_adam_step_q_counted(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
                               const float *as_in, const void *exp_avg_sq_in, const float *vs_in, float *master_out,
                               void *exp_avg_out, float *as_out, void *exp_avg_sq_out, float *vs_out, int state_fmt,
                               uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,

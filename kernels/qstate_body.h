@@ -255,7 +255,7 @@ SIMD_FN void simd_q_encode_block(const float *buf, size_t cnt, int fmt, int mome
 }
 
 /* Always inlined with constant formats and mode (ADAMQ_SPECIALISE). */
-SIMD_FN void adamq_body(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
+SIMD_FN void adamq_body(const void *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
                         const void *vi, const float *vs_in, float *mo, void *ao, float *as_out, void *vo,
                         float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k, int decoupled,
                         cossd_qstate_counts *counts)
@@ -271,7 +271,7 @@ SIMD_FN void adamq_body(const uint16_t *grad, int gfmt, const float *mi, const v
         const simd_f sa = SIMD_SET1(a_scale), sv = SIMD_SET1(v_scale);
         for (size_t j = 0; j < vec_end; j += SIMD_LANES) {
             size_t i = b0 + j;
-            simd_f g = SIMD_MUL(simd_h_to_f32(SIMD_LOADH(grad + i), gfmt), c.grad_scale);
+            simd_f g = SIMD_MUL(simd_load_grad(grad, i, gfmt, SIMD_MASK_ALL, 0), c.grad_scale);
             simd_f p, m, v;
             adam_vec_core(g, SIMD_LOADF(mi + i), simd_q_decode(ai, i, sa, sfmt, COSSD_MOMENT_EXP_AVG),
                           simd_q_decode(vi, i, sv, sfmt, COSSD_MOMENT_EXP_AVG_SQ), &c, decoupled, &p, &m, &v);
@@ -287,7 +287,7 @@ SIMD_FN void adamq_body(const uint16_t *grad, int gfmt, const float *mi, const v
     }
 }
 
-void SIMD_KERNEL(adamq_kernel)(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
+void SIMD_KERNEL(adamq_kernel)(const void *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
                                const void *vi, const float *vs_in, float *mo, void *ao, float *as_out, void *vo,
                                float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k,
                                cossd_qstate_counts *counts)

@@ -30,7 +30,7 @@ typedef struct {
 
 /* cossd_adam_step_q, filling *counts (overwritten) from the encoders' own pass: the same bits
  * on every SIMD level, counts included. counts may be NULL. */
-int cossd_adam_step_q_counted(const uint16_t *grad, int grad_fmt, const float *master_in,
+int cossd_adam_step_q_counted(const void *grad, int grad_fmt, const float *master_in,
                               const void *exp_avg_in, const float *exp_avg_scale_in,
                               const void *exp_avg_sq_in, const float *exp_avg_sq_scale_in,
                               float *master_out, void *exp_avg_out, float *exp_avg_scale_out,

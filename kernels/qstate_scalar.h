@@ -187,11 +187,11 @@ COSSD_INLINE int q_amax(const float *buf, size_t from, size_t to, float *amax)
 
 /* One Adam element over decoded moments (the contract's order, as adam_elem): the master
  * and param stored, the new moments returned for the block's encoder. */
-COSSD_INLINE void adamq_elem(const uint16_t *grad, int gfmt, const float *mi, const void *ai, float a_scale,
+COSSD_INLINE void adamq_elem(const void *grad, int gfmt, const float *mi, const void *ai, float a_scale,
                              const void *vi, float v_scale, float *mo, int sfmt, uint16_t *po, int pfmt, size_t i,
                              const adam_k *k, float *m_out, float *v_out)
 {
-    float g = half_to_f32(grad[i], gfmt) * k->grad_scale;
+    float g = grad_to_f32(grad, i, gfmt) * k->grad_scale;
     float p = mi[i];
     float m_in = q_decode(ai, i, a_scale, sfmt, COSSD_MOMENT_EXP_AVG);
     float v_in = q_decode(vi, i, v_scale, sfmt, COSSD_MOMENT_EXP_AVG_SQ);
@@ -227,10 +227,13 @@ COSSD_INLINE void q_encode_block_scalar(const float *buf, size_t cnt, int fmt, i
  * state formats (16 combinations), as ADAM_SPECIALISE does for the elementwise ones. */
 #define ADAMQ_SPECIALISE(BODY)                                                                               \
     do {                                                                                                     \
-        if (gfmt == COSSD_HALF_BF16)                                                                         \
-            ADAMQ_SPEC_SF(BODY, COSSD_HALF_BF16);                                                            \
-        else                                                                                                 \
-            ADAMQ_SPEC_SF(BODY, COSSD_HALF_FP16);                                                            \
+        switch (gfmt) {                                                                                      \
+        case COSSD_HALF_BF16: ADAMQ_SPEC_SF(BODY, COSSD_HALF_BF16); break;                                   \
+        case COSSD_GRAD_FP32: ADAMQ_SPEC_SF(BODY, COSSD_GRAD_FP32); break;                                   \
+        case COSSD_GRAD_FP8_E4M3: ADAMQ_SPEC_SF(BODY, COSSD_GRAD_FP8_E4M3); break;                           \
+        case COSSD_GRAD_FP8_E5M2: ADAMQ_SPEC_SF(BODY, COSSD_GRAD_FP8_E5M2); break;                           \
+        default: ADAMQ_SPEC_SF(BODY, COSSD_HALF_FP16); break;                                                \
+        }                                                                                                    \
     } while (0)
 #define ADAMQ_SPEC_SF(BODY, GF)                                                                              \
     do {                                                                                                     \
@@ -240,7 +243,7 @@ COSSD_INLINE void q_encode_block_scalar(const float *buf, size_t cnt, int fmt, i
             ADAM_SPEC_PF(BODY, GF, COSSD_STATE_FP16);                                                        \
     } while (0)
 
-typedef void adamq_kernel_fn(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
+typedef void adamq_kernel_fn(const void *grad, int gfmt, const float *mi, const void *ai, const float *as_in,
                              const void *vi, const float *vs_in, float *mo, void *ao, float *as_out, void *vo,
                              float *vs_out, int sfmt, uint16_t *po, int pfmt, size_t n, const adam_k *k,
                              cossd_qstate_counts *counts);

@@ -98,6 +98,13 @@ SIMD_FN simd_f simd_canon_nan(simd_f x)
 /* flag ? a : b, lane by lane */
 SIMD_FN simd_f simd_pick(simd_flag flag, simd_f a, simd_f b) { return _mm512_mask_mov_ps(b, flag, a); }
 
+/* 16 FP8 codes through their decode table (lanes outside km: code 0, never read). */
+SIMD_FN simd_f simd_fp8_to_f32(const uint8_t *p, const float *lut, simd_mask km, int masked)
+{
+    __m128i codes = masked ? _mm_maskz_loadu_epi8(km, p) : _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(codes), lut, 4);
+}
+
 #else
 /* ---- AVX2 + F16C + FMA: 8 lanes ---------------------------------------- */
 
@@ -167,6 +174,15 @@ SIMD_FN simd_f simd_canon_nan(simd_f x)
 
 SIMD_FN simd_f simd_pick(simd_flag flag, simd_f a, simd_f b) { return flag ? a : b; }
 
+/* 8 FP8 codes through their decode table (AVX2 has no masked forms: never masked). */
+SIMD_FN simd_f simd_fp8_to_f32(const uint8_t *p, const float *lut, simd_mask km, int masked)
+{
+    (void)km;
+    (void)masked;
+    __m128i codes = _mm_loadl_epi64((const __m128i *)(const void *)p);
+    return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(codes), 4);
+}
+
 #endif
 
 /* ---- Written once on the layer above ----------------------------------- */
@@ -209,6 +225,17 @@ SIMD_FN void simd_storeh(uint16_t *p, simd_h x, simd_mask km, int masked)
         SIMD_STOREH_MASKED(p, x, km);
     else
         SIMD_STOREH(p, x);
+}
+
+/* One vector of gradient elements i.. in any COSSD_GRAD_* format, as FP32 (before grad_scale):
+ * exactly grad_to_f32's values (FP8 from the same table). */
+SIMD_FN simd_f simd_load_grad(const void *grad, size_t i, int fmt, simd_mask km, int masked)
+{
+    if (fmt == COSSD_GRAD_FP32)
+        return simd_loadf((const float *)grad + i, km, masked);
+    if (grad_is_fp8(fmt))
+        return simd_fp8_to_f32((const uint8_t *)grad + i, cossd_fp8_lut[fmt - COSSD_GRAD_FP8_E4M3], km, masked);
+    return simd_h_to_f32(simd_loadh((const uint16_t *)grad + i, km, masked), fmt);
 }
 
 /* Streaming forms of the unmasked stores (the address is aligned: see adam_stream_mask);

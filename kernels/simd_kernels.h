@@ -3,7 +3,7 @@
 #ifndef COSSD_SIMD_KERNELS_H
 #define COSSD_SIMD_KERNELS_H
 
-void SIMD_KERNEL(adam_kernel)(const uint16_t *grad, int gfmt, const float *mi, const void *ai, const void *vi,
+void SIMD_KERNEL(adam_kernel)(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi,
                               float *mo, void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t n,
                               const adam_k *k)
 {

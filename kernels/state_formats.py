@@ -30,6 +30,8 @@ from .validation import (
     _check_lengths,
     _check_overlap,
     _enum_arg,
+    _grad_buf,
+    _grad_format_arg,
     _half_dtypes,
     _state_buffers,
     _state_ctype,
@@ -146,12 +148,12 @@ def adam_step_q(
     overwritten with the encoders' counters of this call (all zero for FP32 and BF16)."""
     if counts is not None and not isinstance(counts, StateCounts):
         raise KernelArgumentError(f"counts must be a StateCounts, got {type(counts).__name__}")
-    gfmt = _enum_arg("grad_format", grad_format, HalfFormat)
+    gfmt = _grad_format_arg(grad_format)
     pfmt = _enum_arg("param_format", param_format, HalfFormat)
     sfmt = _enum_arg("state_format", state_format, StateFormat)
     if not isinstance(scalars, AdamScalars):
         raise KernelArgumentError(f"scalars must come from adam_scalars(), got {type(scalars).__name__}")
-    g = _buf("grad", grad, _half_dtypes(gfmt), _HALF_CTYPE)
+    g = _grad_buf(grad, gfmt)
     state = _state_buffers(master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out, exp_avg_sq_out,
                            param_out, sfmt, _half_dtypes(pfmt))
     n = _check_lengths([g, *state])

@@ -21,6 +21,23 @@ class HalfFormat(enum.IntEnum):
     BF16 = 1
 
 
+class GradFormat(enum.IntEnum):
+    """Format of a gradient buffer; values match the C enum (COSSD_HALF_*, COSSD_GRAD_*). FP16 and
+    BF16 are HalfFormat's values; FP32 takes 4 bytes an element, the OCP FP8 formats one (their
+    per-tensor scale is folded into the step's grad_scale by the caller)."""
+
+    FP16 = 0
+    BF16 = 1
+    FP32 = 2
+    FP8_E4M3 = 3
+    FP8_E5M2 = 4
+
+
+# Bytes of one gradient element per format.
+GRAD_ITEMSIZE = {GradFormat.FP16: 2, GradFormat.BF16: 2, GradFormat.FP32: 4, GradFormat.FP8_E4M3: 1,
+                 GradFormat.FP8_E5M2: 1}
+
+
 class StateFormat(enum.IntEnum):
     """Storage format of the Adam moments; values match the C enum. FP32 and BF16 are
     elementwise; FP16 (scaled) and INT8 (block-wise, dynamic map) keep one FP32 scale per
@@ -99,6 +116,22 @@ def _as_array(name: str, obj: Any, dtypes: tuple[np.dtype, ...], writable: bool)
     if writable and not arr.flags.writeable:
         raise KernelArgumentError(f"{name} is an output and must be writeable")
     return arr
+
+
+def _grad_format_arg(value: Any, name: str = "grad_format") -> int:
+    """A gradient format: a GradFormat, a HalfFormat (the same values) or an int naming one."""
+    if isinstance(value, HalfFormat):
+        return int(value)
+    return _enum_arg(name, value, GradFormat)
+
+
+def _grad_buf(obj: Any, gfmt: int) -> "_Buf":
+    """The gradient buffer of format gfmt: float32 for FP32, uint8 codes for FP8, else 16-bit."""
+    if gfmt == GradFormat.FP32:
+        return _buf("grad", obj, (_F32,), _F32_CTYPE)
+    if gfmt in (GradFormat.FP8_E4M3, GradFormat.FP8_E5M2):
+        return _buf("grad", obj, (_U8,), "uint8_t[]")
+    return _buf("grad", obj, _half_dtypes(gfmt), _HALF_CTYPE)
 
 
 def _half_dtypes(fmt: int) -> tuple[np.dtype, ...]:

@@ -795,7 +795,7 @@ BAD_ADAM_CASES = [
     ("partial overlap in/out", {"master_in": _shared[:64], "master_out": _shared[1:65]}, "master_out"),
     ("two outputs identical", {"exp_avg_out": _shared[:64], "exp_avg_sq_out": _shared[:64]}, "exp_avg_sq_out"),
     ("output overlaps other input", {"exp_avg_in": _shared[:64], "master_out": _shared[32:96]}, "master_out"),
-    ("bad grad enum", {"grad_format": 2}, "grad_format"),
+    ("bad grad enum", {"grad_format": 5}, "grad_format"),
     ("bad state enum", {"state_format": "fp32"}, "state_format"),
     ("wrong enum class", {"param_format": StateFormat.BF16}, "param_format"),
     ("bad scalars", {"scalars": (1.0, 2.0)}, "scalars"),
