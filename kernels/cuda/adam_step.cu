@@ -146,6 +146,13 @@ static const adam_kernel_ptr k_kernels[2][2][4] = {
 
 static bool half_ok(int fmt) { return fmt == COSSD_HALF_FP16 || fmt == COSSD_HALF_BF16; }
 
+extern "C" void cossd_cuda_tables(const float *maps, void *out)
+{
+    cossd_q8_tables *t = (cossd_q8_tables *)out;
+    memcpy(t->map, maps, sizeof t->map);
+    cossd_q8_tables_fill_mid(t);
+}
+
 extern "C" void cossd_cuda_counts_reset(cossd_cuda_counts *c) { cuda_counts_reset(c); }
 
 extern "C" void cossd_cuda_counts_finish(const cossd_cuda_counts *c, cossd_qstate_counts *out)

@@ -51,6 +51,11 @@ static inline void cuda_counts_finish(const cossd_cuda_counts *c, cossd_qstate_c
 void cossd_cuda_counts_reset(cossd_cuda_counts *host_counts);
 void cossd_cuda_counts_finish(const cossd_cuda_counts *host_counts, cossd_qstate_counts *out);
 
+/* Fills a cossd_q8_tables (host memory, 4 KiB: each moment's map, then its midpoints) from
+ * maps[moment][256] (cossd_state_map's), the midpoints by cossd_elem.h's q8_midpoint; the
+ * caller copies it to the device. */
+void cossd_cuda_tables(const float *maps, void *out);
+
 /* cossd_adam_step_q_counted on the GPU. Every buffer pointer is device memory (tables too: a
  * cossd_q8_tables, needed for INT8 only; counts: a cossd_cuda_counts already reset, or NULL);
  * s is host memory. The launch is asynchronous on `stream` (a cudaStream_t; NULL: the default

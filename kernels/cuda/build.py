@@ -61,9 +61,10 @@ def _gencode(archs: tuple[str, ...]) -> list[str]:
 
 def kernel_command(out: pathlib.Path, archs: tuple[str, ...] = ARCHS, exact: bool = True,
                    emit: str = "--shared") -> list[str]:
-    """nvcc's command line for the kernel library (emit="--shared") or its PTX (emit="-ptx",
-    one arch). exact=False drops EXACT_FLAGS, for the test that shows they matter."""
-    arch_flags = [f"-arch={archs[0]}"] if emit == "-ptx" else _gencode(archs)
+    """nvcc's command line for the kernel library (emit="--shared"), or its PTX or cubin
+    (emit="-ptx" or "-cubin", for archs[0]). exact=False drops EXACT_FLAGS, for the test that
+    shows they matter."""
+    arch_flags = [f"-arch={archs[0]}"] if emit in ("-ptx", "-cubin") else _gencode(archs)
     return [_nvcc(), "-std=c++17", "-O3", *(EXACT_FLAGS if exact else ()), *STRICT_FLAGS, *HOST_FLAGS,
             *arch_flags, emit, str(KERNEL_SOURCE), "-o", str(out)]
 
