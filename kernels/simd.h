@@ -98,11 +98,24 @@ SIMD_FN simd_f simd_canon_nan(simd_f x)
 /* flag ? a : b, lane by lane */
 SIMD_FN simd_f simd_pick(simd_flag flag, simd_f a, simd_f b) { return _mm512_mask_mov_ps(b, flag, a); }
 
-/* 16 FP8 codes through their decode table (lanes outside km: code 0, never read). */
-SIMD_FN simd_f simd_fp8_to_f32(const uint8_t *p, const float *lut, simd_mask km, int masked)
+/* 16 FP8 codes as FP32 (lanes outside km: code 0, never read), fp8_decode's bits: E5M2 is the
+ * top byte of a binary16; an E4M3 magnitude shifted into a binary16 (exponent bias 15, not 7)
+ * is its value times 2^-8, so F16C's exact conversion times 256 (exact) gives it; its NaN
+ * (magnitude 0x7F) is blended in as sign | 0x7FC00000. */
+SIMD_FN simd_f simd_fp8_to_f32(const uint8_t *p, int fmt, simd_mask km, int masked)
 {
     __m128i codes = masked ? _mm_maskz_loadu_epi8(km, p) : _mm_loadu_si128((const __m128i *)(const void *)p);
-    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(codes), lut, 4);
+    __m256i c16 = _mm256_cvtepu8_epi16(codes);
+    if (fmt == COSSD_GRAD_FP8_E5M2)
+        return _mm512_cvtph_ps(_mm256_slli_epi16(c16, 8));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c16, _mm256_set1_epi16(0x80)), 8),
+                                _mm256_slli_epi16(_mm256_and_si256(c16, _mm256_set1_epi16(0x7F)), 7));
+    __m512 x = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    __m512i c32 = _mm512_cvtepu8_epi32(codes);
+    __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(c32, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F));
+    __m512i nan_bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c32, _mm512_set1_epi32(0x80)), 24),
+                                       _mm512_set1_epi32((int)F32_CANONICAL_NAN));
+    return _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(nan_bits));
 }
 
 #else
@@ -174,13 +187,23 @@ SIMD_FN simd_f simd_canon_nan(simd_f x)
 
 SIMD_FN simd_f simd_pick(simd_flag flag, simd_f a, simd_f b) { return flag ? a : b; }
 
-/* 8 FP8 codes through their decode table (AVX2 has no masked forms: never masked). */
-SIMD_FN simd_f simd_fp8_to_f32(const uint8_t *p, const float *lut, simd_mask km, int masked)
+/* 8 FP8 codes as FP32, as the AVX-512 form above (AVX2 has no masked forms: never masked). */
+SIMD_FN simd_f simd_fp8_to_f32(const uint8_t *p, int fmt, simd_mask km, int masked)
 {
     (void)km;
     (void)masked;
     __m128i codes = _mm_loadl_epi64((const __m128i *)(const void *)p);
-    return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(codes), 4);
+    __m128i c16 = _mm_cvtepu8_epi16(codes);
+    if (fmt == COSSD_GRAD_FP8_E5M2)
+        return _mm256_cvtph_ps(_mm_slli_epi16(c16, 8));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c16, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(_mm_and_si128(c16, _mm_set1_epi16(0x7F)), 7));
+    __m256 x = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    __m256i c32 = _mm256_cvtepu8_epi32(codes);
+    __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(c32, _mm256_set1_epi32(0x7F)), _mm256_set1_epi32(0x7F));
+    __m256i nan_bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c32, _mm256_set1_epi32(0x80)), 24),
+                                       _mm256_set1_epi32((int)F32_CANONICAL_NAN));
+    return _mm256_blendv_ps(x, _mm256_castsi256_ps(nan_bits), _mm256_castsi256_ps(nan));
 }
 
 #endif
@@ -228,13 +251,13 @@ SIMD_FN void simd_storeh(uint16_t *p, simd_h x, simd_mask km, int masked)
 }
 
 /* One vector of gradient elements i.. in any COSSD_GRAD_* format, as FP32 (before grad_scale):
- * exactly grad_to_f32's values (FP8 from the same table). */
+ * exactly grad_to_f32's values (the tests compare all 256 FP8 codes on every path). */
 SIMD_FN simd_f simd_load_grad(const void *grad, size_t i, int fmt, simd_mask km, int masked)
 {
     if (fmt == COSSD_GRAD_FP32)
         return simd_loadf((const float *)grad + i, km, masked);
     if (grad_is_fp8(fmt))
-        return simd_fp8_to_f32((const uint8_t *)grad + i, cossd_fp8_lut[fmt - COSSD_GRAD_FP8_E4M3], km, masked);
+        return simd_fp8_to_f32((const uint8_t *)grad + i, fmt, km, masked);
     return simd_h_to_f32(simd_loadh((const uint16_t *)grad + i, km, masked), fmt);
 }
 
