@@ -22,7 +22,10 @@ after, converting a namespace the constructor made and never stepped.
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import sys
+import types
 from typing import Any
 
 import torch
@@ -32,6 +35,8 @@ from .deepspeed_binding import REFERENCE, SNAPSHOT_PREFIX, ZeroBinding, tensor_n
 
 
 # ---------------------------------------------------------------------- the hooks
+
+_ENGINE_MODULE = "deepspeed.runtime.engine"  # where DeepSpeedEngine._configure_optimizer lives
 
 def holds_zero_groups(config: dict[str, Any]) -> bool:
     """Whether a namespace's config is DeepSpeed ZeRO's flat groups (`zero.g<N>` only)."""
@@ -60,6 +65,59 @@ def defers(optimizer: torch.optim.Optimizer, streaming: bool, several_devices: b
     return expected_world_size() > 1
 
 
+def defers_before_import(optimizer: torch.optim.Optimizer, streaming: bool, several_devices: bool) -> bool:
+    """`defers` for an optimizer made before `import deepspeed`: the hook is installed when
+    DeepSpeed's engine module is imported (a one-shot import finder), so that a later
+    deepspeed.initialize binds this optimizer as if deepspeed had come first (at one rank),
+    or refuses it, naming the import order (at several ranks, where the constructor opened a
+    namespace of the model's params for every rank). A namespace of ZeRO's flat groups waits
+    for deepspeed.initialize as with deepspeed imported; anything else opens now."""
+    if streaming or several_devices:
+        return False
+    optimizer._ds_before_import = True  # type: ignore[attr-defined]
+    if not any(isinstance(finder, _InstallOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _InstallOnImport())
+    files = optimizer.files  # type: ignore[attr-defined]
+    return files.exists() and holds_zero_groups(files.config())
+
+
+class _InstallOnImport(importlib.abc.MetaPathFinder):
+    """Installs the deepspeed.initialize hook right after deepspeed.runtime.engine is imported."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _ENGINE_MODULE:
+            return None
+        sys.meta_path.remove(self)  # one shot; the real finders find the module
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        run_module = loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run_module(module)
+            install()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _adopt_made_before_import(optimizer: Any) -> None:
+    """At deepspeed.initialize, an optimizer made before `import deepspeed`: bound as one
+    made after it where one process runs the job; refused at several ranks, before DeepSpeed
+    wraps it (nothing was stepped), naming the import order."""
+    world = world_size()
+    if world > 1 and not optimizer._ds_deferred:
+        raise RuntimeError(
+            f"this cossd optimizer was made before `import deepspeed`, and deepspeed.initialize runs ZeRO at "
+            f"{world} ranks: it opened namespace {optimizer.files.name!r} for the model's own params, where every "
+            "rank's partitions must go to one namespace that deepspeed.initialize opens. Import deepspeed before "
+            f"making the optimizer (and delete the never-stepped namespace: `cossd delete-ns {optimizer.files.name}`)")
+    optimizer._ds_bindable = True
+    if not optimizer._ds_deferred and _never_stepped(optimizer):
+        optimizer._ds_fresh = True  # never stepped: a refusal removes it, as for one made after the import
+
+
 def install() -> None:
     """Wrap DeepSpeedEngine._configure_optimizer once: a cossd client optimizer is checked
     against the engine's config before DeepSpeed wraps it and bound after."""
@@ -71,6 +129,9 @@ def install() -> None:
 
     def _configure_optimizer(engine: Any, client_optimizer: Any, model_parameters: Any) -> Any:
         cossd = client_optimizer if getattr(client_optimizer, "_ds_bindable", False) else None
+        if cossd is None and getattr(client_optimizer, "_ds_before_import", False):
+            _adopt_made_before_import(client_optimizer)
+            cossd = client_optimizer
         if cossd is None:
             return original(engine, client_optimizer, model_parameters)
         try:

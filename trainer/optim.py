@@ -162,6 +162,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
             self._open_group(mounts, namespace, self._ranks, self._make_group_child)
             self._initialized = True
             return
+        assert isinstance(mount, (str, os.PathLike))  # mount_list answered None: one path or URL
         try:
             self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials,
                                         command_set=transport)
@@ -177,6 +178,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if process_group is None and "deepspeed" in sys.modules:
             from . import deepspeed_zero
             self._ds_deferred = deepspeed_zero.defers(self, streaming, mounts is not None)
+        elif process_group is None:  # deepspeed may be imported later: its initialize must still bind this
+            from . import deepspeed_zero
+            self._ds_deferred = deepspeed_zero.defers_before_import(self, streaming, mounts is not None)
         if self._ds_deferred:
             self.cmb_pinned = False
             self._initialized = True
@@ -341,7 +345,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step on the device: send gradients, commit, copy params back."""
         loss = None
         if closure is not None:
