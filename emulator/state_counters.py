@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 from ..kernels.state_formats import MomentCounts, StateCounts
@@ -11,7 +10,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class StateCounters:
-    """One namespace's counters. The step's blocks report their counts as the kernel runs them;
+    """One namespace's counters (its core's: emulator/namespace/state.py). The step's blocks report their counts as the kernel runs them;
     a commit folds the step's into the totals, so a skipped or aborted step adds nothing.
 
     A block run again (an aborted step begun anew) replaces its earlier report: pending counts
@@ -75,38 +74,6 @@ def _moment_figures(total: MomentCounts, last: MomentCounts) -> dict[str, Any]:
     }
 
 
-# The namespaces' counters, held no longer than their namespace objects.
-_BY_NAMESPACE: "weakref.WeakKeyDictionary[Any, StateCounters]" = weakref.WeakKeyDictionary()
-_CREATE = threading.Lock()
-
-
-def counters_of(namespace: Any) -> StateCounters:
-    """The counters of a namespace, made at its first block-scaled step."""
-    counters = _BY_NAMESPACE.get(namespace)
-    if counters is None:
-        with _CREATE:
-            counters = _BY_NAMESPACE.setdefault(namespace, StateCounters())
-    return counters
-
-
-def record_block(namespace: Any, tensor: str, start: int, counts: StateCounts) -> None:
-    """The step path's hook: a block-scaled block's kernel counts."""
-    counters_of(namespace).record_block(tensor, start, counts)
-
-
-def step_committed(namespace: Any, step: int) -> None:
-    """The commit's hook: fold the step's counts (a namespace without them has nothing to do)."""
-    counters = _BY_NAMESPACE.get(namespace)
-    if counters is not None:
-        counters.step_committed(step)
-
-
-def figures_of(namespace: Any) -> dict[str, Any]:
-    """What statistics() and so log page C0h report; no tensors before the first committed step."""
-    counters = _BY_NAMESPACE.get(namespace)
-    return counters.figures() if counters is not None else {"last_step": 0, "tensors": {}}
-
-
 # ---------------------------------------------------------------------------- log page C6h
 
 
@@ -117,7 +84,7 @@ def page(device: Any, nsid: int | None) -> dict[str, Any]:
     namespaces = sorted((ns for ns in optimizers
                          if ns is not None and ns.spec.scaled_state and (nsid is None or ns.nsid == nsid)),
                         key=lambda ns: ns.nsid)  # fmt: skip
-    return {ns.name: {"state_dtype": ns.spec.state_dtype, **figures_of(ns)} for ns in namespaces}
+    return {ns.name: {"state_dtype": ns.spec.state_dtype, **ns.state_counter_figures()} for ns in namespaces}
 
 
 def handlers(controller: Any) -> dict[int, Any]:

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..protocol.status import DeviceError, Status
 from .layout import BLOCK_ELEMS, TensorLayout
+
+if TYPE_CHECKING:
+    from ..kernels import AdamScalars
 
 
 class BlockState(enum.IntEnum):
@@ -61,7 +64,7 @@ class StepTransaction:
     """Bookkeeping of a step in flight. Not thread-safe: the namespace lock guards it."""
 
     def __init__(
-        self, step: int, grad_scale: float, scalars: object, explicit: bool, total_blocks: int
+        self, step: int, grad_scale: float, scalars: list[AdamScalars], explicit: bool, total_blocks: int
     ) -> None:
         self.step = step
         self.grad_scale = grad_scale

@@ -7,19 +7,25 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ...protocol.status import DeviceError, Status
-from ..accounting import modeled_command
-from ..layout import SCALE_BLOCK, Copy, TensorLayout
-from ..media import StateFile
+from ..layout import Copy
 from .common import LOADABLE_ROLES, MOMENT_ROLES, ROLES, WouldBlock, decoded_moment_bytes
+from .media import NamespaceMedia
+from .state import NamespaceCore
+from .verify import CopyVerifier
 
 
-class _Reads:
-    """Reads of the committed state (copied, in place, pinned) and the range checks of every transfer.
+class Reads:
+    """Reads of the committed state (copied, in place, pinned) and the range checks of reads and state loads.
 
-    A part of Namespace (emulator/namespace.py), which holds the state these methods share.
+    Owns nothing: a read pins core.pins and counts in core.counters; it waits on the
+    verifier where the copy is not yet verified, and refuses a damaged copy (media part).
     """
 
-    @modeled_command("read")
+    def __init__(self, core: NamespaceCore, media: NamespaceMedia, verifier: CopyVerifier) -> None:
+        self.core = core
+        self.media = media
+        self.verifier = verifier
+
     def read(self, tensor_name: str, role: str, offset: int, size: int) -> bytes:
         """Bytes of a committed state array (param, master or a moment)."""
         return self._read(tensor_name, role, offset, size, wait=True, copy=True)
@@ -32,10 +38,10 @@ class _Reads:
         loop has yet to take. None where it would block (timed mode, or the namespace lock is
         held, perhaps across a flush): call read() in a thread instead.
         """
-        if self.timing.timed:
+        if self.core.timing.timed:
             return None
         try:
-            with self.timing.command("read"):
+            with self.core.timing.command("read"):
                 return self._read(tensor_name, role, offset, size, wait=False, copy=False)
         except WouldBlock:
             return None
@@ -55,18 +61,18 @@ class _Reads:
         if not reads:
             yield []
             return
-        with self.timing.command("read"):
+        with self.core.timing.command("read"):
             pinned = self._read_copy_pinned(*reads[0])
         try:
             views = [pinned[1]]
             # Every other range from the same pinned copy: one step's bytes, whatever commits.
             for tensor_name, role, offset, size in reads[1:]:
-                with self.timing.command("read"):
+                with self.core.timing.command("read"):
                     views.append(self._read(tensor_name, role, offset, size, wait=True, copy=False,
                                             copy_of=pinned[0]))
             yield views
         finally:
-            self._unpin(pinned[0])
+            self.core.unpin(pinned[0])
 
     def _read_copy_pinned(self, tensor_name: str, role: str, offset: int, size: int) -> tuple[Copy, Any]:
         """A view of the committed copy with that copy pinned: (the copy, the view); the
@@ -75,128 +81,85 @@ class _Reads:
         view = self._read(tensor_name, role, offset, size, wait=True, copy=False, pin=holder)
         return holder[0], view
 
-    def _unpin(self, copy: Copy) -> None:
-        """Release one pin of `copy`; a begin waiting to write into it may go on."""
-        with self._cond:
-            self._pins[copy] -= 1
-            self._cond.notify_all()
-
     def _read(self, tensor_name: str, role: str, offset: int, size: int, *, wait: bool, copy: bool,
               pin: list[Copy] | None = None, copy_of: Copy | None = None) -> Any:
         """The bytes (copy=True: copied while no commit can move the committed copy) or a view.
         pin=[] pins the committed copy and appends it (see pinned_committed); the caller
         unpins. copy_of reads a copy this caller has pinned already (committed or not since)."""
-        tensor = self._tensor(tensor_name)
+        tensor = self.core.tensor(tensor_name)
         if role == "grad":
             raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
-        file_size = tensor.numel * self.itemsize(role)
-        if self.verifying and role == "param":
+        file_size = tensor.numel * self.core.itemsize(role)
+        if self.verifier.verifying and role == "param":
             # Reopened and not yet verified whole: each param block is checked the first
             # time it is served (namespace/verify.py).
-            self._check_params_before_serving(tensor, offset, size, wait)
-        if not self._lock.acquire(blocking=wait):
+            self.verifier.check_params_before_serving(tensor, offset, size, wait)
+        if not self.core.lock.acquire(blocking=wait):
             raise WouldBlock
         try:
-            if self.verifying and role != "param":
-                self._await_verified_locked(wait)  # master and moments: once all is verified
-            self._refuse_unservable()
-            source = self._sb.committed_copy if copy_of is None else copy_of
-            state = self._copies[source]
+            if self.verifier.verifying and role != "param":
+                self.verifier.await_verified_locked(wait)  # master and moments: once all is verified
+            self.verifier.refuse_unservable()
+            source = self.core.sb.committed_copy if copy_of is None else copy_of
+            state = self.core.copies[source]
             # A damaged copy (cut short, holes, replaced; a page the guard replaced with
             # zeros) is never served as the state: refused before the pin, so no unpin is owed.
-            self._refuse_damaged(state)
+            self.media.refuse_damaged(state)
             if pin is not None:
-                self._pins[source] += 1  # first: nothing below raises, so the caller's unpin matches
+                self.core.pins[source] += 1  # first: nothing below raises, so the caller's unpin matches
                 pin.append(source)
             # Every read request served counts, an empty one at the end of the file too.
-            self.counters.read_commands += 1
+            self.core.counters.read_commands += 1
             if offset >= file_size or size <= 0:
                 return b""
             end = min(file_size, offset + size)
-            if self._scaled and role in MOMENT_ROLES:
+            if self.core.scaled and role in MOMENT_ROLES:
                 # Block-scaled moments read as FP32: the blocks the range touches, decoded.
-                view = decoded_moment_bytes(self._view(source, tensor, role),
-                                            self._view(source, tensor, role + "_scale"),
-                                            self._state_format, role, offset, end)
+                view = decoded_moment_bytes(self.core.view(source, tensor, role),
+                                            self.core.view(source, tensor, role + "_scale"),
+                                            self.core.state_format, role, offset, end)
             else:
-                view = self._view(source, tensor, role).view(np.uint8)[offset:end]
-            self.counters.bytes_read += len(view)
+                view = self.core.view(source, tensor, role).view(np.uint8)[offset:end]
+            self.core.counters.bytes_read += len(view)
             if role == "param":
-                self.counters.param_bytes_out += len(view)
-            self.timing.add(host_out=len(view), media_read=len(view))
+                self.core.counters.param_bytes_out += len(view)
+            self.core.timing.add(host_out=len(view), media_read=len(view))
             if not copy:
-                return memoryview(view)
+                return view.data  # a memoryview of the copy's bytes
             data = view.tobytes()
             if state.faults():  # the copy itself met a page cut from under the mapping
-                self._refuse_damaged(state)
+                self.media.refuse_damaged(state)
             return data
         finally:
-            self._lock.release()
-
-    def _refuse_damaged(self, state: StateFile) -> None:
-        """UNRECOVERED_READ_ERROR where `state` can no longer be trusted (StateFile.damage:
-        a few system calls, next to a read of up to 1 MiB): what a read would give may be
-        zeros standing in for the state."""
-        reason = state.damage()
-        if reason is not None:
-            self._media_damaged(reason)
-            raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"namespace {self.name!r}: {reason}")
+            self.core.lock.release()
 
     def check_write(self, tensor_name: str, role: str, offset: int, length: int) -> None:
         """Refuse, changing nothing, a write that write_state would refuse for its file,
         range or timing (state is writable only before the first step)."""
-        tensor = self._tensor(tensor_name)
+        tensor = self.core.tensor(tensor_name)
         if role not in LOADABLE_ROLES:
             raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
-        self._check_range(tensor, role, offset, length)
-        self._check_scaled_load(tensor, role, offset, length)
-        if not self.loading:
+        self.core.check_range(tensor, role, offset, length)
+        self.core.check_scaled_load(tensor, role, offset, length)
+        if not self.core.loading:
             raise DeviceError(
                 Status.STATE_SEALED,
                 f"{tensor.name}/{role} can only be written before the first step "
-                f"(namespace is at step {self.committed_step})",
+                f"(namespace is at step {self.core.sb.committed_step})",
             )
 
     def check_read(self, tensor_name: str, role: str, offset: int, length: int) -> None:
         """Refuse, changing nothing, a read of bytes [offset, offset + length) of a tensor file
         that is not wholly inside a readable file (a transfer whose size the reader fixed
         beforehand, as CMB_READ's, cannot end short the way a file read does)."""
-        tensor = self._tensor(tensor_name)
+        tensor = self.core.tensor(tensor_name)
         if role not in ROLES:
             raise DeviceError(Status.INVALID_FIELD, f"{tensor_name}: no file {role!r} (one of {', '.join(ROLES)})")
         if role == "grad":
             raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
-        size = tensor.numel * self.itemsize(role)
+        size = tensor.numel * self.core.itemsize(role)
         if offset < 0 or length < 0 or offset + length > size:
             raise DeviceError(
                 Status.LBA_OUT_OF_RANGE,
                 f"{tensor_name}/{role}: read of {length} bytes at {offset} passes the end ({size} bytes)",
             )
-
-    def _check_range(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
-        itemsize = self.itemsize(role)
-        if offset < 0 or offset % itemsize or length % itemsize:
-            raise DeviceError(
-                Status.MISALIGNED_ACCESS,
-                f"{tensor.name}/{role}: writes must start and end on {itemsize}-byte "
-                f"element boundaries (offset {offset}, length {length})",
-            )
-        if offset + length > tensor.numel * itemsize:
-            raise DeviceError(
-                Status.LBA_OUT_OF_RANGE,
-                f"{tensor.name}/{role}: write of {length} bytes at {offset} passes the end "
-                f"({tensor.numel * itemsize} bytes)",
-            )
-
-    def _check_scaled_load(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
-        """A load of block-scaled moments (FP32 in, encoded per 256-element block) must cover
-        whole scale blocks, or end at the file's end: MISALIGNED_ACCESS otherwise."""
-        if not (self._scaled and role in MOMENT_ROLES) or length == 0:
-            return
-        first, stop = offset // 4, (offset + length) // 4
-        if first % SCALE_BLOCK or (stop % SCALE_BLOCK and stop != tensor.numel):
-            raise DeviceError(
-                Status.MISALIGNED_ACCESS,
-                f"{tensor.name}/{role}: {self.spec.state_dtype} moments keep a scale per {SCALE_BLOCK} "
-                f"elements, so a load must cover whole {SCALE_BLOCK * 4}-byte blocks (or end at the "
-                f"file's end); got elements {first}..{stop}")

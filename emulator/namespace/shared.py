@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...protocol.status import DeviceError, Status
-from ..accounting import modeled_command
 from .common import CommitResult
 from ..spec import Hyperparameters
 from ..transaction import StepTransaction
+from .state import NamespaceCore
+
+if TYPE_CHECKING:  # steps.py imports this module for SharedStepRecord
+    from .steps import StepEngine
 
 
 @dataclasses.dataclass
@@ -45,35 +48,56 @@ class SharedOutcome:
         return self.result
 
 
-class _SharedSteps:
+class SharedStepRecord:
+    """How the last shared step ended (its ranks may still ask), and whether gradient writes
+    may open an implicit step: not while the namespace runs shared steps, where a late write
+    of a rank whose step was aborted would otherwise open one (scale 1.0) that a new job's
+    ranks could then complete. The step engine records every step's end here; the shared
+    steps and the gradient path read it. Guarded by the namespace lock."""
+
+    def __init__(self) -> None:
+        self.last: SharedOutcome | None = None
+        self.fence = False
+
+    def record(self, tx: StepTransaction, result: CommitResult | None = None,
+               error: DeviceError | None = None) -> None:
+        """Keep how shared step `tx` ended (any end: commit, skip, abort of any kind). A step
+        ends once: the first outcome kept is the true one, and a caller that lost a race to
+        end it (its own commit finding the step gone) never replaces it."""
+        if tx.shared is None:
+            return
+        kept = self.last
+        if kept is not None and (kept.job, kept.seq) == (tx.shared.job, tx.shared.seq):
+            return
+        self.last = SharedOutcome(tx.shared.job, tx.shared.seq, tx.step, result, error)
+
+
+class SharedSteps:
     """BEGIN_STEP's join, COMMIT_STEP's bounded-wait poll and ABORT_STEP of a job's step.
 
-    A part of Namespace (emulator/namespace.py). Why it is safe: a shared step commits in
-    one place, `commit_shared_step`, under the namespace lock, only when every rank of the
-    job has joined and every gradient block has arrived, so it commits at most once and
-    never with a shard missing; whoever asks afterwards (another rank's poll) is answered
-    from the recorded outcome. A step that will not complete is aborted by a rank whose wait
-    ran out, and that outcome is what every other rank then reads.
+    Why it is safe: a shared step commits in one place, `commit_shared_step`, under the
+    namespace lock, only when every rank of the job has joined and every gradient block has
+    arrived, so it commits at most once and never with a shard missing; whoever asks
+    afterwards (another rank's poll) is answered from the recorded outcome. A step that will
+    not complete is aborted by a rank whose wait ran out, and that outcome is what every
+    other rank then reads.
     """
 
-    # The last shared step's end (its ranks may still ask for it), and whether gradient
-    # writes may open an implicit step: not while the namespace runs shared steps, where a
-    # late write of a rank whose step was aborted would otherwise open one (scale 1.0) that
-    # a new job's ranks could then complete. Set on the instance by Namespace.__init__.
-    _last_shared: SharedOutcome | None
-    _shared_fence: bool
+    def __init__(self, core: NamespaceCore, steps: StepEngine, record: SharedStepRecord) -> None:
+        self.core = core
+        self.steps = steps
+        self.shared_record = record
 
     def _hypers_from(self, groups: list[dict[str, Any]] | None) -> list[Hyperparameters]:
         """The groups' hyperparameters with `groups` (one dict of changes per group)
         applied, all validated; nothing changes here."""
         if groups is None:
-            return list(self._hypers)
-        if len(groups) != len(self._hypers):
+            return list(self.core.hypers)
+        if len(groups) != len(self.core.hypers):
             raise DeviceError(Status.INVALID_FIELD, f"groups has {len(groups)} entries; namespace "
-                              f"{self.name!r} has {len(self._hypers)} groups")
-        return [hyper.replace(**changes) for hyper, changes in zip(self._hypers, groups)]
+                              f"{self.core.name!r} has {len(self.core.hypers)} groups")
+        return [hyper.replace(**changes) for hyper, changes in zip(self.core.hypers, groups)]
 
-    @modeled_command("begin_step")  # each rank's begin, a host command as a single client's is
     def begin_shared_step(self, step: int, grad_scale: float, job: int, seq: int, ranks: int, rank: int,
                           groups: list[dict[str, Any]] | None) -> dict[str, Any]:
         """Open step `step` of job `job` (its `seq`th shared step) for `ranks` ranks with
@@ -82,24 +106,24 @@ class _SharedSteps:
         "opened", "joined", "ranks"}."""
         if not 0 <= rank < ranks:
             raise DeviceError(Status.INVALID_FIELD, f"rank {rank} outside 0..{ranks - 1}")
-        with self._lock:
-            tx = self._tx
+        with self.core.lock:
+            tx = self.core.tx
             if tx is not None:
                 return self._join_locked(tx, step, grad_scale, job, seq, ranks, rank, groups)
             wanted = self._hypers_from(groups)
-            previous = self._hypers
+            previous = self.core.hypers
             # The step's scalars come from the hyperparameters in force at its begin: the
             # opener's groups go in first, and back out if the begin is refused.
-            self._hypers = wanted
+            self.core.hypers = wanted
             try:
-                tx = self._begin_locked(step, grad_scale, explicit=True)
+                tx = self.steps.begin_locked(step, grad_scale, explicit=True)
             except BaseException:
-                self._hypers = previous
+                self.core.hypers = previous
                 raise
             if wanted != previous:
-                self.config_changed_ns = time.time_ns()
+                self.core.config_changed_ns = time.time_ns()
             tx.shared = SharedStep(job, seq, ranks, {rank}, tuple(wanted), groups is not None)
-            self._shared_fence = True
+            self.shared_record.fence = True
             return {"step": tx.step, "grad_scale": grad_scale, "opened": True, "joined": 1, "ranks": ranks}
 
     def _join_locked(self, tx: StepTransaction, step: int, grad_scale: float, job: int, seq: int,
@@ -109,11 +133,11 @@ class _SharedSteps:
             owner = "a single client (not a shared step)" if shared is None else (
                 f"another job ({shared.job:#x}: ranks {sorted(shared.joined)} of {shared.ranks} joined)")
             raise DeviceError(Status.STEP_ALREADY_OPEN,
-                              f"namespace {self.name!r}: step {tx.step} is open for {owner}; it must "
+                              f"namespace {self.core.name!r}: step {tx.step} is open for {owner}; it must "
                               "be committed or aborted first")
         if step != tx.step or seq != shared.seq:
             raise DeviceError(Status.STEP_NUMBER_MISMATCH,
-                              f"namespace {self.name!r}: the job's step {tx.step} (its shared step "
+                              f"namespace {self.core.name!r}: the job's step {tx.step} (its shared step "
                               f"{shared.seq}) is open, rank {rank} asks for step {step} (shared step {seq})")
         if ranks != shared.ranks:
             raise DeviceError(Status.INVALID_FIELD, f"step {step} was begun for {shared.ranks} ranks, "
@@ -143,21 +167,20 @@ class _SharedSteps:
 
     def _open_shared_locked(self, step: int, job: int, seq: int) -> StepTransaction:
         """The open step, where it is step `step` of job `job`, its `seq`th; else NO_STEP_OPEN."""
-        tx = self._tx
+        tx = self.core.tx
         if tx is None or tx.shared is None or (tx.shared.job, tx.shared.seq, tx.step) != (job, seq, step):
             raise DeviceError(Status.NO_STEP_OPEN,
-                              f"namespace {self.name!r}: step {step} of job {job:#x} is not open "
-                              f"(committed step {self._sb.committed_step})")
+                              f"namespace {self.core.name!r}: step {step} of job {job:#x} is not open "
+                              f"(committed step {self.core.sb.committed_step})")
         return tx
 
-    @modeled_command("commit_step")  # each poll is a host command; the commit's work is in the one that commits
     def commit_shared_step(self, step: int, job: int, seq: int, rank: int) -> CommitResult | str:
         """Commit step `step` of job `job` once every rank has joined and every gradient
         block has arrived; until then, what it still waits for (a str: the rank asks again,
         within its bound). A step that has ended answers with its outcome, the same for
         every rank."""
-        with self._cond:
-            outcome = self._last_shared
+        with self.core.cond:
+            outcome = self.shared_record.last
             if outcome is not None and (outcome.job, outcome.seq) == (job, seq):
                 return outcome.replay()
             tx = self._open_shared_locked(step, job, seq)
@@ -172,46 +195,34 @@ class _SharedSteps:
             try:
                 # Both waits here (kernels in flight, readers of the committed copy) let go of
                 # the lock: another rank's poll may commit the step meanwhile.
-                result = self._commit_locked(self._quiesced_step_locked())
+                result = self.steps.commit_locked(self.steps.quiesced_step_locked())
             except DeviceError as exc:
-                ended = self._last_shared
+                ended = self.shared_record.last
                 if ended is not None and (ended.job, ended.seq) == (job, seq):
                     return ended.replay()  # it ended while this poll waited: its outcome
-                if self._tx is not tx:  # the step ended (aborted): every rank hears the same
-                    self._record_shared(tx, error=exc)
+                if self.core.tx is not tx:  # the step ended (aborted): every rank hears the same
+                    self.shared_record.record(tx, error=exc)
                 raise
-            self._record_shared(tx, result=result)
+            self.shared_record.record(tx, result=result)
             return result
 
     def abort_shared_step(self, step: int, job: int, seq: int, rank: int, reason: str) -> int:
         """Abort step `step` of job `job` (a rank whose wait ran out); every rank then hears
         why. A step that has ended already is left as it ended (its ranks read how)."""
-        with self._cond:
-            outcome = self._last_shared
+        with self.core.cond:
+            outcome = self.shared_record.last
             if outcome is not None and (outcome.job, outcome.seq) == (job, seq):
                 return step
             tx = self._open_shared_locked(step, job, seq)
-            self._quiesced_step_locked()  # may let go of the lock: another rank may end it
-            if self._tx is not tx:
+            self.steps.quiesced_step_locked()  # may let go of the lock: another rank may end it
+            if self.core.tx is not tx:
                 return step  # it ended meanwhile, and stays as it ended
-            self._tx = None
-            self.counters.steps_aborted += 1
-            self._settle_param_copies(tx, committed=False)
-            self._record_shared(tx, error=DeviceError(
+            self.core.tx = None
+            self.core.counters.steps_aborted += 1
+            self.steps.settle_param_copies(tx, committed=False)
+            self.shared_record.record(tx, error=DeviceError(
                 Status.NO_STEP_OPEN, f"step {step} of job {job:#x} was aborted by rank {rank}: {reason}"))
             return step
-
-    def _record_shared(self, tx: StepTransaction, result: CommitResult | None = None,
-                       error: DeviceError | None = None) -> None:
-        """Keep how shared step `tx` ended (any end: commit, skip, abort of any kind). A step
-        ends once: the first outcome kept is the true one, and a caller that lost a race to
-        end it (its own commit finding the step gone) never replaces it."""
-        if tx.shared is None:
-            return
-        kept = self._last_shared
-        if kept is not None and (kept.job, kept.seq) == (tx.shared.job, tx.shared.seq):
-            return
-        self._last_shared = SharedOutcome(tx.shared.job, tx.shared.seq, tx.step, result, error)
 
     def _waiting_for(self, tx: StepTransaction) -> str:
         """What a shared step still waits for, for the rank that asks (and its error)."""
@@ -222,12 +233,12 @@ class _SharedSteps:
         if absent:
             parts.append(f"ranks {absent} of {shared.ranks} have not joined")
         if not tx.all_received:
-            parts.append(f"gradients incomplete for {', '.join(tx.unreceived(self.layouts))}")
+            parts.append(f"gradients incomplete for {', '.join(tx.unreceived(self.core.layouts))}")
         return f"step {tx.step}: " + "; ".join(parts)
 
     def shared_state(self) -> dict[str, Any] | None:
         """The open shared step as statistics() shows it (lock-free, as statistics is)."""
-        tx = self._tx
+        tx = self.core.tx
         shared = None if tx is None else tx.shared
         if shared is None:
             return None

@@ -41,12 +41,15 @@ class SnapshotSource(Protocol):
     total_blocks: int
     sync_commits: bool
 
-    _block_roles: tuple[str, ...]
-    _state_format: Any
+    @property
+    def block_roles(self) -> tuple[str, ...]: ...
+
+    @property
+    def state_format(self) -> Any: ...
 
     def itemsize(self, role: str) -> int: ...
 
-    def _role_dtype(self, role: str) -> Any: ...
+    def role_dtype(self, role: str) -> Any: ...
 
     def pinned_committed(self) -> contextlib.AbstractContextManager[tuple[Superblock, media.StateFile]]: ...
 
@@ -127,8 +130,8 @@ class SnapshotStore:
         self._itemsizes = {role: namespace.itemsize(role) for role in CHECKSUM_ROLES}
         # What a block checksum covers on the media: each role's array and its element size
         # there (block-scaled moments: the codes, then their scales; see common.SCALED_BLOCK_ROLES).
-        self._block_roles: tuple[str, ...] = namespace._block_roles
-        self._media_itemsizes = {role: namespace._role_dtype(role).itemsize for role in self._block_roles}
+        self._block_roles: tuple[str, ...] = namespace.block_roles
+        self._media_itemsizes = {role: namespace.role_dtype(role).itemsize for role in self._block_roles}
         self.lock = threading.Lock()  # one create, delete, rollback or clone at a time
         self._snapshots: dict[str, Snapshot] = {}
         self._damaged: dict[str, Damaged] = {}
@@ -448,7 +451,7 @@ class SnapshotStore:
             raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"snapshot {snapshot.tag!r} ends inside {tensor.name}")
         codes = np.frombuffer(raw, dtype=np.uint8 if code_size == 1 else np.uint16)
         decoded = decoded_moment_bytes(codes, np.frombuffer(scales, dtype=np.float32),
-                                       self.namespace._state_format, role, offset - 4 * first, end - 4 * first)
+                                       self.namespace.state_format, role, offset - 4 * first, end - 4 * first)
         return decoded.tobytes()
 
     # ------------------------------------------------------------------ rollback (clones: emulator/snapshots/clone.py)

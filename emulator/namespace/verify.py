@@ -13,6 +13,8 @@ from ...protocol.status import DeviceError, Status
 from ..layout import BLOCK_ELEMS, SUPERBLOCK_HEADER, Copy, TensorLayout
 from .common import WouldBlock, block_slice
 from ..superblock import Superblock
+from .media import NamespaceMedia
+from .state import NamespaceCore
 
 log = logging.getLogger("cossd.emulator.namespace")
 
@@ -33,8 +35,9 @@ MAX_YIELD_PER_BLOCK_S = 0.1
 PARAM_BATCH_BLOCKS = 256
 
 
-class _Verifying:
-    """Deferred verification of the committed copy after an open (see VERIFY_BACKGROUND).
+class CopyVerifier:
+    """The state copies' block checksums, and deferred verification of the committed copy after
+    an open (see VERIFY_BACKGROUND).
 
     While it runs (`verifying`), nothing may read or step on bytes not yet checked:
     - a param read checks each block it touches against the block's param checksum (the
@@ -47,12 +50,15 @@ class _Verifying:
     would have. The step is never switched under a client that has read part of it, and
     nothing unverified is ever served as good.
 
-    A part of Namespace (emulator/namespace.py), which holds the state these methods share.
+    It also owns the block checksums themselves: a whole copy verified (at open, before a
+    rollback or revert flips to it, by a scrub) and the corruption injected for them to find.
     """
 
-    def _init_verification(self) -> None:
-        self.verifying = False
-        self._param_checked = np.zeros(0, dtype=bool)
+    def __init__(self, core: NamespaceCore, media: NamespaceMedia) -> None:
+        self.core = core
+        self.media = media
+        self.verifying = False  # the committed copy is served before it has been verified whole
+        self._param_checked = np.zeros(0, dtype=bool)  # per block: its params checked
         self._verify_stop = False
         self._unservable: str | None = None  # why nothing may be served any more
         self._verify_thread: threading.Thread | None = None
@@ -63,20 +69,20 @@ class _Verifying:
 
     # ------------------------------------------------------------------ checksums
 
-    def _block_crcs(self, copy: Copy, tensor: TensorLayout, local_block: int) -> tuple[int, int]:
+    def block_crcs(self, copy: Copy, tensor: TensorLayout, local_block: int) -> tuple[int, int]:
         """(block checksum, param checksum) of one block in `copy`: each role's CRC32C on its
         own, combined in the block checksum's order (master, moments, param)."""
         start, stop = tensor.block_range(local_block)
         block = 0
         part = 0
-        for index, role in enumerate(self._block_roles):
-            view = self._view(copy, tensor, role)[block_slice(role, start, stop)]
+        for index, role in enumerate(self.core.block_roles):
+            view = self.core.view(copy, tensor, role)[block_slice(role, start, stop)]
             part = kernels.crc32c(view)
             block = part if index == 0 else kernels.crc32c_combine(block, part, view.nbytes)
         return block, part  # the block roles end with the param
 
     def _block_fails(self, superblock: Superblock, tensor: TensorLayout, local_block: int) -> bool:
-        crc, param_crc = self._block_crcs(superblock.committed_copy, tensor, local_block)
+        crc, param_crc = self.block_crcs(superblock.committed_copy, tensor, local_block)
         index = tensor.first_block + local_block
         return crc != int(superblock.block_crcs[index]) or (
             superblock.param_crcs is not None and param_crc != int(superblock.param_crcs[index]))
@@ -85,20 +91,70 @@ class _Verifying:
         """Whether one block's params in the committed copy match their own checksum."""
         assert superblock.param_crcs is not None  # only such a step is verified lazily
         start, stop = tensor.block_range(local_block)
-        crc = kernels.crc32c(self._view(superblock.committed_copy, tensor, "param")[start:stop])
+        crc = kernels.crc32c(self.core.view(superblock.committed_copy, tensor, "param")[start:stop])
         return crc == int(superblock.param_crcs[tensor.first_block + local_block])
+
+    def verify_copy(self, superblock: Superblock) -> list[tuple[str, int]]:
+        """Blocks of the copy `superblock` names whose checksum (or param checksum, where
+        the superblock has them) does not match. Its wall time adds to
+        counters.copy_verify_ns (the bench's restore takes an open apart)."""
+        started = time.perf_counter_ns()
+        try:
+            return [(tensor.name, block) for tensor in self.core.layouts for block in range(tensor.block_count)
+                    if self._block_fails(superblock, tensor, block)]
+        finally:
+            self.core.counters.copy_verify_ns += time.perf_counter_ns() - started
+
+    def scrub_blocks(self) -> tuple[int, list[tuple[str, int]]]:
+        """(blocks verified, bad blocks) of the committed copy. A namespace still loading has
+        no checksums yet, so nothing is verified."""
+        core = self.core
+        with core.lock:
+            self.await_verified_locked()
+            if core.loading:
+                return 0, []
+            bad = self.verify_copy(core.sb)
+            core.counters.checksum_failures += len(bad)
+            return core.total_blocks, bad
+
+    def corrupt_block(self, tensor_name: str, block: int) -> dict[str, Any]:
+        """Fault injection (INJECT_ERROR): change one byte of `block` of `tensor_name` in the
+        committed copy on the media, as a media error would, so that scrub and recovery find
+        the block's checksum wrong. Returns where the byte was."""
+        core = self.core
+        tensor = core.tensor(tensor_name)
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < tensor.block_count:
+            raise DeviceError(
+                Status.INVALID_FIELD,
+                f"{tensor.name} has blocks 0..{tensor.block_count - 1}, not {block!r}",
+            )
+        with core.lock:
+            self.await_verified_locked()
+            if core.loading:
+                raise DeviceError(
+                    Status.INVALID_FIELD,
+                    f"namespace {core.name!r} is still loading: there are no checksums to fail",
+                )
+            copy = core.sb.committed_copy
+            start, _ = tensor.block_range(block)
+            offset = tensor.master_offset + start * 4  # the block's first master byte
+            state = core.copies[copy]
+            # +1 rather than a bit flip, so that corrupting the same block twice does not undo it.
+            state.write_at(offset, np.array([(int(state.bytes[offset]) + 1) & 0xFF], dtype=np.uint8))
+        return {"tensor": tensor.name, "block": block, "lba": tensor.first_block + block,
+                "copy": copy.name, "offset": offset}
 
     # ------------------------------------------------------------------ starting and ending
 
-    def _defer_verification(self, chosen: Superblock) -> None:
+    def defer(self, chosen: Superblock) -> None:
         """Serve `chosen` now and verify it lazily (chosen.param_crcs must be present)."""
         self.verifying = True
-        self._param_checked = np.zeros(self.total_blocks, dtype=bool)
+        self._param_checked = np.zeros(self.core.total_blocks, dtype=bool)
         self._verify_thread = threading.Thread(target=self._verify_in_background, args=(chosen,),
-                                               name=f"cossd-verify-{self.name}", daemon=True)
+                                               name=f"cossd-verify-{self.core.name}", daemon=True)
         self._verify_thread.start()
 
-    def _stop_verification(self) -> None:
+    def stop(self) -> None:
         """Stop the background pass (the namespace is closing); what it did not check stays
         unchecked, and the next open starts over."""
         self._verify_stop = True
@@ -109,10 +165,10 @@ class _Verifying:
     def wait_verified(self, timeout: float | None = None) -> bool:
         """Block until the background pass is over (passed, or stopped the namespace); False
         on timeout."""
-        with self._cond:
+        with self.core.cond:
             return self._wait_for_pass_locked(timeout)
 
-    def _await_verified_locked(self, wait: bool = True) -> None:
+    def await_verified_locked(self, wait: bool = True) -> None:
         """Wait (the caller holds the lock, which the wait releases) until the committed copy
         is verified whole; WouldBlock instead where the caller must not block."""
         if self.verifying and not wait:
@@ -130,7 +186,7 @@ class _Verifying:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._cond.wait(left)
+                self.core.cond.wait(left)
         finally:
             self._verify_waiters -= 1
         return True
@@ -144,7 +200,7 @@ class _Verifying:
         failure: str | None = None
         try:
             bad = self._verify_params_first(chosen)
-            for tensor in self.layouts if not bad else ():
+            for tensor in self.core.layouts if not bad else ():
                 for block in range(tensor.block_count):
                     if self._verify_stop:
                         return
@@ -153,15 +209,15 @@ class _Verifying:
                         bad.append((tensor.name, block))
         except BaseException as exc:  # a copy cut from under its mapping, an I/O error
             failure = f"verifying step {chosen.committed_step}: {exc}"
-            log.exception("namespace %s: %s", self.name, failure)
-        with self._cond:
+            log.exception("namespace %s: %s", self.core.name, failure)
+        with self.core.cond:
             if self.verifying:
-                if (bad or failure is not None) and self._sb is chosen:
+                if (bad or failure is not None) and self.core.sb is chosen:
                     self._discard_failed_step_locked(chosen, bad, failure)
                 self.verified_in_s = time.perf_counter() - started
                 self._end_verification_locked()
         if not bad and failure is None:
-            log.info("namespace %s: step %d verified in the background in %.2f s", self.name,
+            log.info("namespace %s: step %d verified in the background in %.2f s", self.core.name,
                      chosen.committed_step, self.verified_in_s or 0.0)
 
     def _verify_params_first(self, chosen: Superblock) -> list[tuple[str, int]]:
@@ -171,8 +227,8 @@ class _Verifying:
         this runs beside them. Returns the first block that fails, if any."""
         assert chosen.param_crcs is not None  # only such a step is verified lazily
         checked = self._param_checked
-        for tensor in self.layouts:
-            params = self._view(chosen.committed_copy, tensor, "param")
+        for tensor in self.core.layouts:
+            params = self.core.view(chosen.committed_copy, tensor, "param")
             at = tensor.first_block
             for first in range(0, tensor.block_count, PARAM_BATCH_BLOCKS):
                 if self._verify_stop:
@@ -196,11 +252,11 @@ class _Verifying:
     def _end_verification_locked(self) -> None:
         self.verifying = False
         self._param_checked = np.zeros(0, dtype=bool)
-        self._cond.notify_all()
+        self.core.cond.notify_all()
 
     # ------------------------------------------------------------------ the read path
 
-    def _check_params_before_serving(self, tensor: TensorLayout, offset: int, size: int, wait: bool) -> None:
+    def check_params_before_serving(self, tensor: TensorLayout, offset: int, size: int, wait: bool) -> None:
         """Verify the param blocks that bytes [offset, offset + size) touch, each once, before
         they are served; a failure falls back and refuses this read. Runs without the lock:
         while the namespace verifies, its committed copy cannot change (no begin can run)."""
@@ -209,7 +265,7 @@ class _Verifying:
         if end <= offset:
             return
         first, last = offset // 2 // BLOCK_ELEMS, (end - 1) // 2 // BLOCK_ELEMS
-        superblock = self._sb
+        superblock = self.core.sb
         checked = self._param_checked
         todo = [block for block in range(first, last + 1)
                 if self.verifying and not checked[tensor.first_block + block]]
@@ -221,13 +277,13 @@ class _Verifying:
             if self._param_block_passes(superblock, tensor, block):
                 checked[tensor.first_block + block] = True
                 continue
-            with self._cond:
-                if self.verifying and self._sb is superblock:
+            with self.core.cond:
+                if self.verifying and self.core.sb is superblock:
                     self._discard_failed_step_locked(superblock, [(tensor.name, block)], None)
                     self._end_verification_locked()
-            self._refuse_unservable()
+            self.refuse_unservable()
             raise DeviceError(Status.UNRECOVERED_READ_ERROR,
-                              f"namespace {self.name!r}: {tensor.name} block {block} fails its param checksum")
+                              f"namespace {self.core.name!r}: {tensor.name} block {block} fails its param checksum")
 
     # ------------------------------------------------------------------ a step that fails
 
@@ -238,18 +294,18 @@ class _Verifying:
         step under clients that may have read some of its params already. Where checksums
         failed, its superblock slot is also wiped, durably, so that the next open recovers
         the newest older step whose copy passes, as recovery at open would have chosen."""
-        self.counters.checksum_failures += len(bad)
-        errors = [(name, block, self.tensors[name].first_block + block) for name, block in bad]
-        self.recovery_errors.extend(errors)
-        sink = self.__dict__.get("recovery_error_sink")  # the device's error log
+        self.core.counters.checksum_failures += len(bad)
+        errors = [(name, block, self.core.tensors[name].first_block + block) for name, block in bad]
+        self.core.recovery_errors.extend(errors)
+        sink = self.core.recovery_error_sink  # the device's error log
         if sink is not None:
             for error in errors:
                 sink(error)
         what = failure or f"{len(bad)} block checksum(s) (first: {bad[0][0]} block {bad[0][1]})"
         if bad:
             try:
-                self._slots[failed.slot].write(bytes(SUPERBLOCK_HEADER.itemsize))
-                self._slots[failed.slot].sync()
+                self.core.slots[failed.slot].write(bytes(SUPERBLOCK_HEADER.itemsize))
+                self.core.slots[failed.slot].sync()
                 then = "it is discarded; remount the device to recover the newest older step that passes"
             except DeviceError as exc:
                 then = f"it could not be discarded ({exc.message}); remounting will find it again"
@@ -257,12 +313,12 @@ class _Verifying:
             then = "remount the device to verify it again"
         reason = f"step {failed.committed_step} fails {what} found after the device was opened; {then}"
         self._unservable = reason
-        self._media_damaged(reason)
+        self.media.damaged(reason)
 
-    def _refuse_unservable(self) -> None:
+    def refuse_unservable(self) -> None:
         reason = self._unservable
         if reason is not None:
-            raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"namespace {self.name!r}: {reason}")
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"namespace {self.core.name!r}: {reason}")
 
     def verification_state(self) -> dict[str, Any]:
         """For statistics: whether the committed copy is still being verified."""

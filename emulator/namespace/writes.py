@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from typing import Sequence
 
@@ -10,12 +11,14 @@ import numpy as np
 
 from ... import kernels
 from ...kernels.state_formats import StateCounts
-from .. import state_counters
 from ...protocol.status import DeviceError, Status
-from ..accounting import modeled_command
-from ..layout import BLOCK_ELEMS, Copy, TensorLayout
+from ..layout import BLOCK_ELEMS, Copy, TensorLayout, region_offset
 from .common import BLOCK_ROLES, LOADABLE_ROLES, MOMENT_ROLES, CommitResult, WouldBlock, block_slice
 from ..transaction import ReadyBlock, StepTransaction, first_overlap
+from .media import NamespaceMedia
+from .shared import SharedStepRecord
+from .state import NamespaceCore
+from .steps import StepEngine
 
 log = logging.getLogger("cossd.emulator.namespace")
 
@@ -32,57 +35,85 @@ MAX_QUEUED_BLOCKS = 64
 GradPieces = Sequence[tuple[str, int, bytes | memoryview | np.ndarray, np.ndarray | None]]
 
 
-def _immutable(data: bytes | memoryview) -> bool:
+def _immutable(data: bytes | memoryview | np.ndarray) -> bool:
     """Whether `data` can never change: bytes, or a view of bytes."""
     return isinstance(data, bytes) or (isinstance(data, memoryview) and isinstance(data.obj, bytes))
 
 
-class _Writes:
+class GradientWrites:
     """Initial-state loading and the gradient path: staging, the blocks' kernels on the device's workers.
 
-    A part of Namespace (emulator/namespace.py), which holds the state these methods share.
+    Owns the gradient path's buffers: each worker thread's staging for one block, the kernel
+    calls prepared per (copy, tensor), and the bound on blocks queued for the kernels.
     """
 
-    @modeled_command("write_state")
+    def __init__(self, core: NamespaceCore, media: NamespaceMedia, steps: StepEngine,
+                 shared_record: SharedStepRecord) -> None:
+        self.core = core
+        self.media = media
+        self.steps = steps
+        self.shared_record = shared_record
+        # Blocks of written gradient bytes queued for the kernels at most (MAX_QUEUED_BLOCKS).
+        self.max_queued_blocks = MAX_QUEUED_BLOCKS
+        # Per (source copy, tensor): the kernel call that steps its blocks into the other copy.
+        self._block_updates: dict[tuple[Copy, str], kernels.BlockUpdate] = {}
+        self._thread_local = threading.local()  # each worker's staging buffers (_staging)
+
+    def close(self) -> None:
+        """Drop the kernel calls that hold views of the copies (they are about to close)."""
+        self._block_updates.clear()
+
+    def _staging(self, count: int) -> dict[str, np.ndarray]:
+        """Per-thread buffers for one block, allocated once per worker thread: the outputs
+        (the block roles) and "grad", where a lent gradient is copied before it is counted
+        and stepped."""
+        buffers: dict[str, np.ndarray] | None = getattr(self._thread_local, "buffers", None)
+        if buffers is None:
+            buffers = {role: np.empty(block_slice(role, 0, BLOCK_ELEMS).stop, dtype=self.core.role_dtype(role))
+                       for role in self.core.block_roles}
+            buffers["grad"] = np.empty(BLOCK_ELEMS, dtype=np.uint16)
+            self._thread_local.buffers = buffers
+        return {role: array[block_slice(role, 0, count)] for role, array in buffers.items()}
+
     def write_state(self, tensor_name: str, role: str, offset: int, data: bytes | memoryview) -> int:
         """Load initial master weights or moments (only before the first step)."""
-        tensor = self._tensor(tensor_name)
+        tensor = self.core.tensor(tensor_name)
         if role not in LOADABLE_ROLES:
             raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
         length = len(data)
-        self._check_range(tensor, role, offset, length)
-        self._check_scaled_load(tensor, role, offset, length)
+        self.core.check_range(tensor, role, offset, length)
+        self.core.check_scaled_load(tensor, role, offset, length)
         if length == 0:
             return 0
-        with self._lock:
-            self._check_media()
-            if not self.loading:
+        with self.core.lock:
+            self.media.check()
+            if not self.core.loading:
                 raise DeviceError(
                     Status.STATE_SEALED,
                     f"{tensor.name}/{role} can only be written before the first step "
-                    f"(namespace is at step {self._sb.committed_step})",
+                    f"(namespace is at step {self.core.sb.committed_step})",
                 )
-            itemsize = self.itemsize(role)
+            itemsize = self.core.itemsize(role)
             first = offset // itemsize
-            if self._scaled and role in MOMENT_ROLES:
+            if self.core.scaled and role in MOMENT_ROLES:
                 media_bytes = self._load_scaled_moment(tensor, role, first, data)
             else:
-                view = self._view(self._sb.committed_copy, tensor, role)
+                view = self.core.view(self.core.sb.committed_copy, tensor, role)
                 source = np.frombuffer(data, dtype=view.dtype)
                 view[first : first + len(source)] = source
                 media_bytes = length
             if role == "master":
                 kernels.master_to_param(
                     view[first : first + length // 4],
-                    self._view(self._sb.committed_copy, tensor, "param")[first : first + length // 4],
-                    self._param_format,
+                    self.core.view(self.core.sb.committed_copy, tensor, "param")[first : first + length // 4],
+                    self.core.param_format,
                 )
                 media_bytes += length // 2  # the param bytes derived from the master
-            self.counters.state_bytes_loaded += length
-            self.changed_ns = time.time_ns()
-            self.counters.write_commands += 1
-            self.counters.media_bytes_written += media_bytes
-            self.timing.add(host_in=length, media_write=media_bytes)
+            self.core.counters.state_bytes_loaded += length
+            self.core.changed_ns = time.time_ns()
+            self.core.counters.write_commands += 1
+            self.core.counters.media_bytes_written += media_bytes
+            self.core.timing.add(host_in=length, media_write=media_bytes)
         return length
 
     def _load_scaled_moment(self, tensor: TensorLayout, role: str, first: int, data: bytes | memoryview) -> int:
@@ -92,15 +123,14 @@ class _Writes:
         otherwise, before anything is written. Returns the media bytes written."""
         values = np.frombuffer(data, dtype=np.float32)
         stop = first + len(values)
-        self._check_scaled_load(tensor, role, first * 4, len(data))
-        copy = self._sb.committed_copy
-        codes = self._view(copy, tensor, role)[first:stop]
-        scales = self._view(copy, tensor, role + "_scale")[block_slice(role + "_scale", first, stop)]
-        kernels.encode_state(values, codes, scales, state_format=self._state_format,
+        self.core.check_scaled_load(tensor, role, first * 4, len(data))
+        copy = self.core.sb.committed_copy
+        codes = self.core.view(copy, tensor, role)[first:stop]
+        scales = self.core.view(copy, tensor, role + "_scale")[block_slice(role + "_scale", first, stop)]
+        kernels.encode_state(values, codes, scales, state_format=self.core.state_format,
                              moment=kernels.Moment.EXP_AVG if role == "exp_avg" else kernels.Moment.EXP_AVG_SQ)
         return codes.nbytes + scales.nbytes
 
-    @modeled_command("write_grad")
     def write_grad(self, tensor_name: str, offset: int, data: bytes | memoryview) -> int:
         """Take gradient bytes of the open step (opening an implicit step if none is).
 
@@ -123,10 +153,10 @@ class _Writes:
         completed, and finish_implicit_step (which blocks) must commit it before the write
         is acknowledged.
         """
-        if self.timing.timed:
+        if self.core.timing.timed:
             return None
         try:
-            with self.timing.command("write_grad"):
+            with self.core.timing.command("write_grad"):
                 return self._stage_grad(tensor_name, offset, data, wait=False)
         except WouldBlock:
             return None
@@ -152,7 +182,7 @@ class _Writes:
         """
         spans: dict[str, list[tuple[int, int]]] = {}
         for tensor_name, offset, data, param_copy in pieces:
-            self._check_range(self._tensor(tensor_name), "grad", offset, len(data))
+            self.core.check_range(self.core.tensor(tensor_name), "grad", offset, len(data))
             if param_copy is not None and len(param_copy) != len(data):
                 raise DeviceError(Status.INVALID_FIELD,
                                   f"{tensor_name}: a param copy of {len(param_copy)} bytes for {len(data)} of gradient")
@@ -164,11 +194,11 @@ class _Writes:
                     Status.GRADIENT_DUPLICATE,
                     f"tensor {tensor_name!r}: gradient bytes from {overlap[0]} are sent twice in one batch",
                 )
-        with self._lock:
-            if self._tx is not None:
+        with self.core.lock:
+            if self.core.tx is not None:
                 for tensor_name, ranges in spans.items():
                     for start, end in ranges:
-                        self._tx.check_free(self._tensor(tensor_name), start // 2, end // 2)
+                        self.core.tx.check_free(self.core.tensor(tensor_name), start // 2, end // 2)
         queued: list[concurrent.futures.Future[None]] = []
         implicit = None
         try:
@@ -181,7 +211,7 @@ class _Writes:
                     end = min(len(data), (offset + position) // _LENT_STAGE_BYTES * _LENT_STAGE_BYTES
                               + _LENT_STAGE_BYTES - offset)
                     copy = None if param_copy is None else param_copy[position:end]
-                    with self.timing.command("write_grad"):
+                    with self.core.timing.command("write_grad"):
                         _, completed = self._stage_grad(tensor_name, offset + position, data[position:end],
                                                         wait=True, lent=queued, param_copy=copy)
                     implicit = implicit or completed
@@ -201,9 +231,9 @@ class _Writes:
         With `lent`, `data` is lent memory, read only by the blocks' workers (see _run_block),
         and the futures of the blocks queued are appended to it (write_grads_lent waits for
         them)."""
-        tensor = self._tensor(tensor_name)
+        tensor = self.core.tensor(tensor_name)
         length = len(data)
-        self._check_range(tensor, "grad", offset, length)
+        self.core.check_range(tensor, "grad", offset, length)
         if length == 0:
             return 0, None
         if lent is None and not _immutable(data):
@@ -216,39 +246,39 @@ class _Writes:
         # each of its elements must be read exactly once (see _run_block): nothing here reads
         # it, and the blocks' workers count what they step.
         shared = lent is not None and not _immutable(data)
-        if not self._lock.acquire(blocking=wait):
+        if not self.core.lock.acquire(blocking=wait):
             raise WouldBlock
         try:
-            tx = self._tx
+            tx = self.core.tx
             if lent is None and tx is not None and tx.inflight >= self.max_queued_blocks:
                 # Backpressure: the kernels are behind; the request waits (the event loop's
                 # caller retries on a thread) until they have caught up.
                 if not wait:
                     raise WouldBlock
-                self.counters.grad_writes_waited += 1
-                while self._tx is tx and tx.inflight >= self.max_queued_blocks:
-                    self._cond.wait()
-                tx = self._tx
+                self.core.counters.grad_writes_waited += 1
+                while self.core.tx is tx and tx.inflight >= self.max_queued_blocks:
+                    self.core.cond.wait()
+                tx = self.core.tx
             if tx is None:
                 if not wait:
                     raise WouldBlock
-                if self._shared_fence:
+                if self.shared_record.fence:
                     raise DeviceError(
                         Status.NO_STEP_OPEN,
-                        f"namespace {self.name!r} runs shared steps (a multi-rank job): gradients "
+                        f"namespace {self.core.name!r} runs shared steps (a multi-rank job): gradients "
                         "need their step begun first (BEGIN_STEP); a write opens no implicit step "
                         "until a single client's BEGIN_STEP")
-                tx = self._begin_locked(None, 1.0, explicit=False)
+                tx = self.steps.begin_locked(None, 1.0, explicit=False)
             params = None if param_copy is None else np.frombuffer(param_copy, dtype=np.uint16)
             ready = tx.receive(tensor, offset // 2, grad, shared, params)
             completes_step = tx.all_received and bool(ready) and not tx.explicit
             # Counted before they are queued, so a commit cannot pass blocks not queued yet.
             tx.inflight += len(ready)
-            self.counters.grad_bytes_in += length
-            self.counters.write_commands += 1
-            self.timing.add(host_in=length)
+            self.core.counters.grad_bytes_in += length
+            self.core.counters.write_commands += 1
+            self.core.timing.add(host_in=length)
         finally:
-            self._lock.release()
+            self.core.lock.release()
         # Like an SSD acknowledging a write once it sits in its write buffer, the request
         # returns once its bytes are staged: complete blocks run on the kernel workers, so
         # a single writer's next request overlaps them and both cores update blocks.
@@ -256,40 +286,40 @@ class _Writes:
         queued = 0
         try:
             for block in ready:
-                future = self.workers.submit(self._run_block_in_background, tx, block)
+                future = self.core.workers.submit(self._run_block_in_background, tx, block)
                 queued += 1
                 if lent is not None:
                     lent.append(future)
         finally:
             if queued < len(ready):
-                with self._cond:
+                with self.core.cond:
                     tx.inflight -= len(ready) - queued
                     tx.error = tx.error or RuntimeError("gradient blocks could not be queued")
-                    self._cond.notify_all()
+                    self.core.cond.notify_all()
         return length, (tx if completes_step else None)
 
     def finish_implicit_step(self, tx: StepTransaction) -> CommitResult | None:
         """Commit (or skip) implicit step `tx` once its blocks are done: the end of the write
         that completed its gradients. Its result, or None where another thread got there first."""
-        with self.timing.command("commit_step"), self._cond:
+        with self.core.timing.command("commit_step"), self.core.cond:
             while tx.inflight:
-                self._cond.wait()
-            if self._tx is tx:
-                return self._commit_locked(tx)
+                self.core.cond.wait()
+            if self.core.tx is tx:
+                return self.steps.commit_locked(tx)
             return None
 
     def _run_block_in_background(self, tx: StepTransaction, block: ReadyBlock) -> None:
         try:
             # Modeled as the controller's own work; in timed mode the block (and so the
             # commit that waits for it) finishes no earlier than the model says.
-            with self.timing.command("kernel_block", host_command=False):
+            with self.core.timing.command("kernel_block", host_command=False):
                 self._run_block(tx, block)
         except DeviceError:
             pass  # recorded in tx.error and logged; the commit reports it
         finally:
-            with self._cond:
+            with self.core.cond:
                 tx.inflight -= 1
-                self._cond.notify_all()
+                self.core.cond.notify_all()
 
     def _block_update(self, source: Copy, tensor: TensorLayout) -> kernels.BlockUpdate:
         """The kernel call that steps `tensor`'s blocks from copy `source` into the other one,
@@ -298,10 +328,10 @@ class _Writes:
         update = self._block_updates.get(key)
         if update is None:
             update = kernels.BlockUpdate(
-                *(self._view(source, tensor, role) for role in ("master", "exp_avg", "exp_avg_sq")),
-                *(self._view(source.other, tensor, role) for role in BLOCK_ROLES),
-                grad_format=self._grad_format, param_format=self._param_format,
-                state_format=self._state_format)
+                *(self.core.view(source, tensor, role) for role in ("master", "exp_avg", "exp_avg_sq")),
+                *(self.core.view(source.other, tensor, role) for role in BLOCK_ROLES),
+                grad_format=self.core.grad_format, param_format=self.core.param_format,
+                state_format=self.core.state_format)
             self._block_updates[key] = update
         return update
 
@@ -313,22 +343,22 @@ class _Writes:
         straight into the shadow's mapping (buffers None), or into this thread's buffers that
         are then written with pwrite. Returns (block CRC, param CRC, media bytes written)."""
         shadow = committed.other
-        roles = self._block_roles
-        inputs = [self._view(committed, tensor, role)[block_slice(role, start, stop)] for role in roles[:-1]]
-        state = self._copies[shadow]
+        roles = self.core.block_roles
+        inputs = [self.core.view(committed, tensor, role)[block_slice(role, start, stop)] for role in roles[:-1]]
+        state = self.core.copies[shadow]
         if buffers is None:
             state.before_mapped_write()
-            outputs = [self._view(shadow, tensor, role)[block_slice(role, start, stop)] for role in roles]
+            outputs = [self.core.view(shadow, tensor, role)[block_slice(role, start, stop)] for role in roles]
         else:
             outputs = [buffers[role] for role in roles]
         counts = StateCounts()  # the encoders' underflows, overflows and scales (emulator/state_counters.py)
         crc, param_crc = kernels.adam_step_q_crcs(
-            grad, *inputs, *outputs, grad_format=self._grad_format, param_format=self._param_format,
-            state_format=self._state_format, scalars=scalars, param_copy=param_copy, counts=counts)
-        state_counters.record_block(self, tensor.name, start, counts)
+            grad, *inputs, *outputs, grad_format=self.core.grad_format, param_format=self.core.param_format,
+            state_format=self.core.state_format, scalars=scalars, param_copy=param_copy, counts=counts)
+        self.core.state_counters.record_block(tensor.name, start, counts)
         if buffers is not None:
             for role, out in zip(roles, outputs):
-                region = self._region_offset(tensor, role) + block_slice(role, start, stop).start * out.itemsize
+                region = region_offset(tensor, role) + block_slice(role, start, stop).start * out.itemsize
                 state.write_at(region, out)
                 state.start_writeback(region, out.nbytes)
         return crc, param_crc, sum(out.nbytes for out in outputs)
@@ -337,13 +367,13 @@ class _Writes:
         """Check and update one complete gradient block into the shadow copy."""
         try:
             started = time.perf_counter_ns()
-            committed = self._sb.committed_copy
+            committed = self.core.sb.committed_copy
             shadow = committed.other
             tensor = block.tensor
             start, stop = tensor.block_range(block.local_block)
             crc = param_crc = 0
             written = 0
-            state = self._copies[shadow]
+            state = self.core.copies[shadow]
             mapped = state.write_mode == "mapped"
             buffers = self._staging(stop - start)
             grad = block.grad
@@ -356,19 +386,19 @@ class _Writes:
             # Counted before the step, from memory only the device writes: a block found
             # non-finite never reaches the shadow copy, which still holds the step before
             # the committed one (the fallback; see _commit_locked).
-            nonfinite = kernels.count_nonfinite(grad, self._grad_format)
+            nonfinite = kernels.count_nonfinite(grad, self.core.grad_format)
             # Once the step is known to be skipped there is no point updating the shadow.
             if not nonfinite and tx.nonfinite == 0:
-                if self._scaled:
+                if self.core.scaled:
                     crc, param_crc, written = self._run_scaled_block(
-                        tensor, committed, start, stop, grad, tx.scalars[self._group_of[tensor.name]],
+                        tensor, committed, start, stop, grad, tx.scalars[self.core.group_of[tensor.name]],
                         block.param_copy, None if mapped else buffers)
                 elif mapped:
                     # The kernel stores the new state straight into the shadow copy's mapping.
                     state.before_mapped_write()
                     crc, _, param_crc = self._block_update(committed, tensor)(
-                        grad, start, tx.scalars[self._group_of[tensor.name]], block.param_copy)
-                    written = (stop - start) * sum(self._role_dtype(role).itemsize for role in BLOCK_ROLES)
+                        grad, start, tx.scalars[self.core.group_of[tensor.name]], block.param_copy)
+                    written = (stop - start) * sum(self.core.role_dtype(role).itemsize for role in BLOCK_ROLES)
                 else:
                     # Into this thread's buffers, which pwrite then copies into the shadow
                     # (stores into a disk file's mapping would fault once per page).
@@ -376,34 +406,34 @@ class _Writes:
                     # One pass: the step, and the checksum of its outputs while they are in cache.
                     crc, param_crc = kernels.adam_step_crcs(
                         grad,
-                        self._view(committed, tensor, "master")[start:stop],
-                        self._view(committed, tensor, "exp_avg")[start:stop],
-                        self._view(committed, tensor, "exp_avg_sq")[start:stop],
+                        self.core.view(committed, tensor, "master")[start:stop],
+                        self.core.view(committed, tensor, "exp_avg")[start:stop],
+                        self.core.view(committed, tensor, "exp_avg_sq")[start:stop],
                         out["master"], out["exp_avg"], out["exp_avg_sq"], out["param"],
-                        grad_format=self._grad_format,
-                        param_format=self._param_format,
-                        state_format=self._state_format,
-                        scalars=tx.scalars[self._group_of[tensor.name]],
+                        grad_format=self.core.grad_format,
+                        param_format=self.core.param_format,
+                        state_format=self.core.state_format,
+                        scalars=tx.scalars[self.core.group_of[tensor.name]],
                     )
                     if block.param_copy is not None:
                         block.param_copy[:] = out["param"]  # still in cache
                     for role in BLOCK_ROLES:
-                        region = self._region_offset(tensor, role) + start * out[role].itemsize
+                        region = region_offset(tensor, role) + start * out[role].itemsize
                         state.write_at(region, out[role])
                         state.start_writeback(region, out[role].nbytes)
                         written += out[role].nbytes
             elapsed = time.perf_counter_ns() - started
         except BaseException as exc:
-            with self._lock:
+            with self.core.lock:
                 tx.error = exc
-            log.exception("namespace %s: kernel failed on %s block %d", self.name, block.tensor.name, block.local_block)
+            log.exception("namespace %s: kernel failed on %s block %d", self.core.name, block.tensor.name, block.local_block)
             raise DeviceError(Status.INTERNAL_ERROR, f"kernel failed: {exc}") from exc
-        with self._lock:
+        with self.core.lock:
             tx.finish(block, crc, nonfinite, copied=written > 0 and block.param_copy is not None,
                       param_crc=param_crc)
-            self.counters.kernel_blocks += 1
-            self.counters.kernel_ns += elapsed
-            self.counters.media_bytes_written += written
+            self.core.counters.kernel_blocks += 1
+            self.core.counters.kernel_ns += elapsed
+            self.core.counters.media_bytes_written += written
         if written:  # the kernel ran: master and moments read, the new state written
-            self.timing.add(media_read=(stop - start) * (4 + 2 * self._state_dtype.itemsize),
+            self.core.timing.add(media_read=(stop - start) * (4 + 2 * self.core.state_dtype.itemsize),
                             media_write=written, elements=stop - start)

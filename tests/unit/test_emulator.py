@@ -586,7 +586,7 @@ def test_a_writer_faster_than_the_kernels_waits_instead_of_queuing_without_bound
     ns = device.create_namespace(NamespaceSpec(name="queue", tensors=(TensorSpec("w", blocks * BLOCK_ELEMS),)))
     ns.max_queued_blocks = 4
     held = threading.Event()
-    run = ns._run_block_in_background
+    run = ns.writes._run_block_in_background
     most = [0]
 
     def held_block(tx, block):  # type: ignore[no-untyped-def]
@@ -594,7 +594,7 @@ def test_a_writer_faster_than_the_kernels_waits_instead_of_queuing_without_bound
         held.wait(60)
         run(tx, block)
 
-    ns._run_block_in_background = held_block  # type: ignore[method-assign]
+    ns.writes._run_block_in_background = held_block  # type: ignore[method-assign]
     grads = (np.random.default_rng(9).standard_normal(blocks * BLOCK_ELEMS) * 0.01).astype(np.float16).tobytes()
     begun = ns.begin_step()
     writer = threading.Thread(target=lambda: [ns.write_grad("w", 2 * BLOCK_ELEMS * b, grads[2 * BLOCK_ELEMS * b:

@@ -42,15 +42,15 @@ def device_at_step_5(tmp_path: Path) -> Path:
 def held_verifier(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """The background pass waits, before its first block, until the test sets the event."""
     release = threading.Event()
-    original = namespace_verify._Verifying._verify_params_first
+    original = namespace_verify.CopyVerifier._verify_params_first
 
-    def wait_for_release(self: namespace_verify._Verifying, chosen: Superblock) -> list[tuple[str, int]]:
+    def wait_for_release(self: namespace_verify.CopyVerifier, chosen: Superblock) -> list[tuple[str, int]]:
         while not release.wait(0.01):
             if self._verify_stop:
                 return []
         return original(self, chosen)
 
-    monkeypatch.setattr(namespace_verify._Verifying, "_verify_params_first", wait_for_release)
+    monkeypatch.setattr(namespace_verify.CopyVerifier, "_verify_params_first", wait_for_release)
     yield release
     release.set()
 
@@ -232,7 +232,7 @@ def test_a_pass_that_cannot_read_stops_the_namespace_and_the_remount_verifies_ag
         raise OSError(5, "Input/output error")
 
     with monkeypatch.context() as patched:
-        patched.setattr(namespace_verify._Verifying, "_block_fails", unreadable)
+        patched.setattr(namespace_verify.CopyVerifier, "_block_fails", unreadable)
         with Device.open(device_at_step_5, BACKGROUND) as device:
             ns = device.namespace(NAME)
             with pytest.raises(DeviceError) as refused:
