@@ -41,7 +41,8 @@ assert tuple(DTYPES) == DTYPE_NAMES
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """The usual GPT split: decay matrices, not biases, norms or embeddings' positions."""
-    decay, no_decay = [], []
+    decay: list[tuple[str, torch.nn.Parameter]] = []
+    no_decay: list[tuple[str, torch.nn.Parameter]] = []
     for name, param in model.named_parameters():
         (decay if param.dim() >= 2 and "position" not in name else no_decay).append((name, param))
     return [
@@ -82,7 +83,7 @@ class RunResult:
     bytes_per_step: float = 0.0
     checkpoint_memory: int | None = None
     optimizer_host_bytes: int = 0
-    restore: dict[str, float] = dataclasses.field(default_factory=dict)
+    restore: dict[str, float | str] = dataclasses.field(default_factory=dict)  # seconds, bytes; "through"
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -277,7 +278,7 @@ class Demo:
         result.extra["final_param_bits"] = [p.detach().view(torch.int16).clone() for p in model.parameters()]
         return result
 
-    def _restore_conventional(self, checkpointer: Any, volume: NvmVolume) -> dict[str, float]:
+    def _restore_conventional(self, checkpointer: Any, volume: NvmVolume) -> dict[str, float | str]:
         files = checkpointer.files()
         drop_from_page_cache(files)
         before = volume.statistics()

@@ -54,10 +54,12 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def step(self, grad_scale: float = 1.0, max_grad_norm: float | None = None) -> bool:
         """Unscale, optionally clip, step and refresh the model. False if skipped (inf/NaN)."""
+        unscaled = []
         for master, param in zip(self.masters, self.model_params):
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             master.grad = grad.to(torch.float32) / grad_scale
-        finite = all(bool(torch.isfinite(m.grad).all()) for m in self.masters)
+            unscaled.append(master.grad)
+        finite = all(bool(torch.isfinite(grad).all()) for grad in unscaled)
         self.last_step_skipped = not finite
         if not finite:
             return False

@@ -71,7 +71,8 @@ def run_job(mounts: list[str], shapes: list[tuple[str, tuple[int, ...]]], warmup
         children = optimizer._group
         assert children is not None
         # Each device's part of a step: its gradients sent (begin included), its commit waited
-        # for, its flush, its params read back. What is left of the step is the group's own.
+        # for, its flush, its params read back, each on the device's own thread (the devices
+        # work at once, so their parts overlap within the step).
         spent = [[0.0, 0] for _ in children]
         for child, seconds in zip(children, spent):
             for name in ("_begin_shared", "_wait_for_commit", "_read_params"):
@@ -154,8 +155,8 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
              f"{section['embedding_elements'] / total:.0%} of them, split across devices by the placement rule), "
              f"{section['steps']} timed steps after 2 of warm-up on fixed gradients; the step time is the median; "
              "each device's part of it is the time in its begin and gradients, its commit, its flush and its "
-             "params back (the devices are stepped one after another by one process); bytes as each device "
-             "counted them a step.", "",
+             "params back (each phase of the step runs on every device at once, a thread each, so the devices' "
+             "times overlap); bytes as each device counted them a step.", "",
              "| devices | step | per device: share of the elements, time a step, gradients in + params out a step |",
              "|---|---|---|"]
     for row in rows:

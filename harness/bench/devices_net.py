@@ -262,7 +262,7 @@ def markdown_rows(section: dict[str, Any]) -> list[str]:
              f"{section['embedding_elements']:,} = {section['embedding_elements'] / total:.0%} of them), "
              f"{section['steps']} timed steps after 2 of warm-up; the step time is the median; a device's share of "
              "the step is its mean time in its begin and gradients, its commit, its flush and its params back over "
-             "the mean step (the devices are stepped one after another); bytes a step "
+             "the mean step (the devices work at once, a thread each, so their shares overlap); bytes a step "
              "on each link as the host's veth end counted them (frames, headers included) and as the server "
              "counted its payload.", "",
              "| devices | step | per device: elements, share of the step, veth to + from the device, server in + out |",

@@ -14,6 +14,7 @@ import torch
 
 from ...client import AdminClient
 from ...client.remote import RemoteTransport
+from ...client.transport import Transport
 from ...protocol.logpages import LogId, decode_server_log
 
 from .net import BenchServer
@@ -26,8 +27,10 @@ CHECKPOINT_NAMESPACE = "ckpt"
 OFFLOAD_NAMESPACE = "iopath"
 
 
-def _wire_bytes(transport: RemoteTransport) -> int:
+def _wire_bytes(transport: Transport) -> int:
     """Bytes this client put on and took off the wire (PDU headers, digests and data)."""
+    if not isinstance(transport, RemoteTransport):  # the I/O path bench serves its device: always remote
+        raise TypeError(f"the wire bytes of a {type(transport).__name__}: only a server's transport counts them")
     return transport.writer.bytes_written + transport.reader.bytes_read
 
 
@@ -201,7 +204,7 @@ def iopath_costs(workdir: Path, n: int, cycles: int) -> dict[str, Any]:
     """Both paths on one served device, one after the other, on the same n-parameter model."""
     server = BenchServer(workdir / "iopath")
     try:
-        rows = {"parameters": n, "tensors": TENSORS, "cycles": cycles,
+        rows: dict[str, Any] = {"parameters": n, "tensors": TENSORS, "cycles": cycles,
                 "conventional": conventional(server, n, cycles), "cossd": offloaded(server, n, cycles),
                 "conventional_ext4": conventional_ext4(server, n, cycles, workdir)}
     finally:

@@ -188,7 +188,7 @@ def deepspeed_cpuadam(buffers: KernelBuffers, threads: int) -> Callable[[], None
         _deepspeed_missing = f"not installed ({DEEPSPEED_INSTALL})"
         return None
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         param = _shared_param(buffers)
         optimizer = DeepSpeedCPUAdam([param], lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
@@ -225,9 +225,10 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
         }
         present = {name: step for name, step in contenders.items() if step is not None}
         first = slice(0, n // threads)  # the first thread's call, as split_run makes them
-        state = [array[first] for array in (buffers.master_np, buffers.exp_avg_np, buffers.exp_avg_sq_np)]
-        streamed = kernels.stream_plan(*state, *state, buffers.param16[first],  # in place
-                                       state_format=kernels.StateFormat.FP32)
+        master, exp_avg, exp_avg_sq = (array[first] for array in (buffers.master_np, buffers.exp_avg_np,
+                                                                    buffers.exp_avg_sq_np))
+        streamed = kernels.stream_plan(master, exp_avg, exp_avg_sq, master, exp_avg, exp_avg_sq,  # in place
+                                       buffers.param16[first], state_format=kernels.StateFormat.FP32)
         for step in present.values():
             step()  # warm up: lazy initialisation, code paths
         names = list(present)

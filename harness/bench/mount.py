@@ -204,7 +204,7 @@ def file_path_rows(device: BenchDevice, workdir: Path, n: int, repeat: int,
     media = filesystem_of(workdir)
     disk = None if media.startswith("tmpfs") else disk_throughput(workdir, 1 << 30)
     disk_gels = disk["gels_at_12_bytes"] if disk and disk["measured"] else None
-    if disk_gels:
+    if disk is not None and disk_gels:
         say(f"  the disk under {media}: dd O_DIRECT {disk['bytes_per_second'] / 1e9:.2f} GB/s = "
             f"{disk_gels:.3f} G el/s at 12 B/element")
     rows = []

@@ -119,7 +119,7 @@ class RemoteStep:
         self.transport = transport
         self.grad = transport.open_file("ns/bench/tensors/w/grad", True, False)
         self.param = transport.open_file("ns/bench/tensors/w/param", False, False)
-        self.grads = memoryview((np.random.default_rng(1).standard_normal(n) * 0.01).astype(np.float16).view(np.uint8))
+        self.grads = (np.random.default_rng(1).standard_normal(n) * 0.01).astype(np.float16).view(np.uint8).data
         self.params = memoryview(bytearray(2 * n))
         self.step_number = 0
         self.write_s = self.read_s = 0.0
@@ -179,7 +179,7 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
                                        ("tcp_write", "tcp_read", "server_write", "server_read", "server_step",
                                         "raw_write", "cmb_step", "file_step")}
     closers: list[Callable[[], object]] = []  # in reverse on the way out, whatever failed
-    link = None
+    link: dict[str, Any] | None = None
     try:
         server = BenchServer(workdir / "served")
         closers.append(server.stop)
@@ -204,14 +204,14 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     finally:
         for close in reversed(closers):
             result = close()
-            if close == closers[0]:
+            if close == closers[0] and isinstance(result, dict):
                 link = result  # the server's own counters, logged as it stopped
     median = statistics.median
 
     def ratio(ours: str, theirs: str) -> float:  # > 1: ours is faster; turn by turn
         return median(t / o for o, t in zip(samples[ours], samples[theirs]))
 
-    rows = {
+    rows: dict[str, Any] = {
         "bytes": size,
         "media": "tmpfs" if str(workdir).startswith("/dev/shm") else "temp dir",
         "gradient_write": {"server_gbs": size / median(samples["server_write"]) / 1e9,

@@ -64,8 +64,8 @@ def copy_rate() -> float:
 def _check_one(rows: dict[str, Any], rates: dict[str, float]) -> dict[str, Any] | None:
     """The model's ratio for one size and placement, where cossd, ZeRO-Infinity (disk) and
     ZeRO-Offload (the host Adam rate) all ran."""
-    cossd, zero, offload = (rows.get(p) for p in ("cossd", "zero_infinity_disk", "zero_offload"))
-    if not all(row and row.get("ok") for row in (cossd, zero, offload)):
+    cossd, zero, offload = (rows.get(p) or {} for p in ("cossd", "zero_infinity_disk", "zero_offload"))
+    if not (cossd.get("ok") and zero.get("ok") and offload.get("ok")):
         return None
     params = cossd["parameters"]
     device_s = cossd.get("device_seconds_per_step", {}).get("block_updates") or 0.0

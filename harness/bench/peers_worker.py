@@ -70,6 +70,11 @@ class StorageCounter:
         return int(stats["model"]["host_link_bytes"])
 
 
+def _bytes_between(before: int | None, after: int | None) -> int | None:
+    """What a StorageCounter counted between two readings (None where it counts nothing)."""
+    return None if before is None or after is None else after - before
+
+
 def device_times(job: dict[str, Any]) -> dict[str, int] | None:
     """The cossd namespace's own clocks (block updates, flushes), where the job is cossd's."""
     if job["peer"] != "cossd":
@@ -107,6 +112,8 @@ def peak_rss_bytes() -> int:
 
 class Peer:
     """A model and the way it steps; `save` and `restore` where the peer checkpoints."""
+
+    module: Any  # the torch model each kind builds (or DeepSpeed's engine wraps)
 
     def __init__(self, job: dict[str, Any]) -> None:
         import torch
@@ -273,7 +280,7 @@ class DeepSpeedZero(Peer):
         super().__init__(job)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _single_process_group()
-        import deepspeed  # type: ignore[import-not-found]
+        import deepspeed
 
         offload: dict[str, Any] = {"device": "cpu", "pin_memory": False}
         if nvme:
@@ -348,7 +355,8 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "parameters": peer.parameters(), "shape": gpt_shape(job["params"]), "step_seconds": seconds,
         "phases_seconds": {key: statistics.median(turn[key] for turn in turns) for key in turns[0]},
-        "storage_bytes_per_step": None if bytes_before is None else (bytes_after - bytes_before) / steps,
+        "storage_bytes_per_step": (None if (counted := _bytes_between(bytes_before, bytes_after)) is None
+                                   else counted / steps),
     }
     if times_before is not None and times_after is not None:
         result["device_seconds_per_step"] = {
@@ -359,7 +367,7 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
     before = counter.read()
     result["checkpoint"] = peer.save()
     after = counter.read()
-    result["checkpoint"]["storage_bytes"] = None if before is None else after - before
+    result["checkpoint"]["storage_bytes"] = _bytes_between(before, after)
     result["trainer_peak_rss_bytes"] = peak_rss_bytes()
     return result
 
@@ -377,7 +385,7 @@ def restore(job: dict[str, Any]) -> dict[str, Any]:
     done = time.perf_counter()
     after = counter.read()
     return {"seconds": done - started, "setup_seconds": built - started, "load_seconds": done - built,
-            "storage_bytes": None if before is None else after - before,
+            "storage_bytes": _bytes_between(before, after),
             "trainer_peak_rss_bytes": peak_rss_bytes()}
 
 

@@ -187,9 +187,9 @@ def chart(report: dict[str, Any], path: Path) -> None:
         axes[3].set(title=f"one durable step, trainer on {trainer['device']}", ylabel="seconds")
         axes[3].tick_params(axis="x", labelsize=7)
     if mount_rows:
-        labels = {"files": "files", "cmb": "CMB,\nclient copies", "cmb_in_place": "CMB,\nin place",
-                  "execute_program": "Execute\nProgram"}
-        names = [labels[row.get("transport", "files")] + ("\n(pyfuse3 alone)" if row["front_end"] == "pyfuse3 alone"
+        transport_labels = {"files": "files", "cmb": "CMB,\nclient copies", "cmb_in_place": "CMB,\nin place",
+                            "execute_program": "Execute\nProgram"}
+        names = [transport_labels[row.get("transport", "files")] + ("\n(pyfuse3 alone)" if row["front_end"] == "pyfuse3 alone"
                                                           else "") for row in mount_rows]
         ax = axes[panels - 1]
         ax.bar(names, [row["gels"] for row in mount_rows], color="#e7298a")

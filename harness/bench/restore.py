@@ -82,8 +82,8 @@ def startup_imports() -> dict[str, Any]:
         self_us = parts[0].rsplit(":", 1)[-1].strip() if len(parts) == 3 else ""
         if not self_us.isdigit():
             continue
-        top = parts[2].strip().split(".")[0]
-        heaviest[top] = heaviest.get(top, 0) + int(self_us)
+        package = parts[2].strip().split(".")[0]
+        heaviest[package] = heaviest.get(package, 0) + int(self_us)
     top = sorted(heaviest.items(), key=lambda item: -item[1])[:6]
     say(f"  restore: interpreter start {bare:.3f} s, with the mount's imports {with_imports:.3f} s "
         f"({', '.join(f'{name} {us / 1e6:.2f}' for name, us in top)}); `cossd mount`'s own, before it "

@@ -270,7 +270,7 @@ def _measure(device: ScaleDevice, n: int, turns: int) -> dict[str, Any]:
         for _, close in steps.values():
             close()
         rss = sampler.stop(tuple(steps))
-    row = {"elements": n, "measured": True, "turns": turns, "mount_seconds": device.mount_seconds,
+    row: dict[str, Any] = {"elements": n, "measured": True, "turns": turns, "mount_seconds": device.mount_seconds,
            "create_seconds": device.create_seconds,
            "state_bytes": 2 * STATE_BYTES_PER_ELEMENT * n, "rss": rss,
            **{name: _transport_row(seconds[name], moved[name], n, turns) | {"first_step_seconds": first[name]}
