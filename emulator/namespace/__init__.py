@@ -1,12 +1,14 @@
-"""The optimizer namespace: the Namespace class (core.py), the parts it is made of, and its snapshot store.
+"""The optimizer namespace: the Namespace class (core.py), the parts it is composed of, and its snapshot store.
 
-core.py assembles Namespace from one part per job: open.py (create, open, recover), reads.py
-(reads, pins, range checks), writes.py (initial state, the gradient path), steps.py (begin,
-commit, abort, hyperparameters, snapshot flips), shared.py (a step the ranks of a job share),
-media.py (durability, damage, checksums) and verify.py (a reopened copy verified lazily);
-common.py holds what they share (roles, counters, CommitResult), snapshots.py each
-namespace's snapshot store (SnapshotStore). They import cossd.protocol, cossd.kernels and the
-device's lower modules beside this package (layout, media, spec, superblock, transaction,
+core.py builds Namespace from one NamespaceCore (state.py: the state every part shares) and
+one part per job, each owning its own state: media.py (NamespaceMedia: durability, damaged
+copies), verify.py (CopyVerifier: checksums, lazy verification of a reopened copy, scrub),
+shared.py (SharedSteps: a step the ranks of a job share), steps.py (StepEngine: begin,
+commit, abort, hyperparameters, snapshot flips), reads.py (Reads) and writes.py
+(GradientWrites: initial state, the gradient path); open.py creates, opens and recovers the
+files; common.py holds roles, counters and CommitResult, snapshots.py each namespace's
+snapshot store (SnapshotStore). They import cossd.protocol, cossd.kernels and the device's
+lower modules beside this package (layout, media, spec, superblock, transaction,
 accounting, workers), never the controller, the command modules or the device that hold them.
 
 The names below are imported when first used: the mount daemon's light modules import

@@ -111,7 +111,7 @@ class NamespaceCounters:
     kernel_ns: int = 0
     flushes: int = 0
     flush_ns: int = 0
-    # Wall time spent checking a whole copy's checksums (_verify_copy: at an open that verifies
+    # Wall time spent checking a whole copy's checksums (CopyVerifier.verify_copy: at an open that verifies
     # it, a rollback, a scrub); not device busy time for SMART, which counts kernels and flushes.
     copy_verify_ns: int = 0
     checksum_failures: int = 0

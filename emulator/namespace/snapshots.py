@@ -30,7 +30,7 @@ from ..superblock import Superblock
 
 
 class SnapshotSource(Protocol):
-    """What a snapshot store needs of the namespace it belongs to (emulator/namespace.py)."""
+    """What a snapshot store needs of the namespace it belongs to (Namespace, namespace/core.py)."""
 
     name: str
     nsid: int

@@ -1,4 +1,4 @@
-"""Verifying a reopened namespace's committed step lazily: each param block before it is first served, the whole copy in the background."""
+"""A namespace's block checksums (a copy verified whole, scrub, injected corruption), and its committed step verified lazily after a reopen: each param block before it is first served, the whole copy in the background."""
 from __future__ import annotations
 
 import logging

@@ -385,7 +385,7 @@ class GradientWrites:
                 np.copyto(grad, block.grad)
             # Counted before the step, from memory only the device writes: a block found
             # non-finite never reaches the shadow copy, which still holds the step before
-            # the committed one (the fallback; see _commit_locked).
+            # the committed one (the fallback; see StepEngine.commit_locked).
             nonfinite = kernels.count_nonfinite(grad, self.core.grad_format)
             # Once the step is known to be skipped there is no point updating the shadow.
             if not nonfinite and tx.nonfinite == 0:
