@@ -31,7 +31,7 @@ _SOURCES = [
 _INTERNAL_HEADERS = [
     _HERE / name
     for name in ("cossd_internal.h", "cossd_scalar.h", "simd.h", "adam_body.h", "convert_body.h", "simd_kernels.h",
-                 "crc32c_internal.h", "qstate_scalar.h", "qstate_body.h")
+                 "crc32c_internal.h", "qstate_scalar.h", "qstate_body.h", "cossd_elem.h")
 ]
 # The SIGBUS guard of the state-file mappings: a separate C file in the same module.
 _GUARD_HEADER = _HERE / "cossd_guard.h"

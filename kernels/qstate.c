@@ -56,7 +56,7 @@ void cossd_qmap_init(void)
     for (int m = 0; m < 2; m++) {
         qsort(g_qmap[m], 256, sizeof(float), ascending);
         for (int i = 0; i < 255; i++)
-            g_qmid[m][i] = 0.5f * (g_qmap[m][i] + g_qmap[m][i + 1]);
+            g_qmid[m][i] = q8_midpoint(g_qmap[m][i], g_qmap[m][i + 1]); /* cossd_elem.h, as the CUDA tables */
         g_qmid[m][255] = INFINITY; /* never probed: the search reads entries 0..254 */
         for (int level = 0; level < QPROBE_LEVELS; level++) {
             int step = 128 >> level;

@@ -26,7 +26,6 @@
 #include "qstate_counts.h"
 
 #define QBLOCK ((size_t)COSSD_STATE_BLOCK)
-#define FP16_MAX 65504.0f
 
 /* The INT8 maps (ascending) and the midpoints between neighbours (255 of them; entry 255 is
  * +inf, never compared), per moment; filled once at load (qstate.c, cossd_qmap_init). */
@@ -43,78 +42,19 @@ COSSD_INLINE int qstate_fmt(int fmt) { return fmt == COSSD_STATE_FP16 || fmt == 
 COSSD_INLINE int any_state_fmt(int fmt) { return state_fmt_ok(fmt) || qstate_fmt(fmt); }
 COSSD_INLINE size_t qblocks(size_t n) { return (n + QBLOCK - 1) / QBLOCK; }
 
-/* 2^e as a float, for e in [-126, 127]: built from its bits, exact. */
-COSSD_INLINE float pow2f(int e) { return f32_from_bits((uint32_t)(e + 127) << 23); }
-
-/* The FP16 scale exponent k of a block whose largest finite |x| is amax (0 for an empty or
- * all-zero block). Exact: the exponent from the bits, one product by a power of two. */
-COSSD_INLINE int fp16_scale_exp(float amax)
-{
-    if (!(amax > 0.0f))
-        return 0;
-    int e = (int)((f32_bits(amax) >> 23) & 0xFFu) - 127; /* floor(log2 amax); -127 for subnormals */
-    int k = 15 - e;                                       /* amax * 2^k in [2^15, 2^16) */
-    if (k > 126)
-        k = 126;
-    if (amax * pow2f(k) > FP16_MAX) /* above fp16's largest finite: one octave less */
-        k--;
-    return k;
-}
-
-/* What the encoder of a block needs, from its largest finite |x| and whether it holds a
- * non-finite value: the multiplier (FP16: 2^k) or divisor (INT8: absmax, 1 for a zero block)
- * and the scale stored beside the codes. */
-typedef struct {
-    float factor;
-    float stored;
-    int poisoned; /* INT8 with a non-finite value: 0 codes, NaN absmax */
-} qblock_params;
-
-COSSD_INLINE qblock_params qblock_params_of(float amax, int nonfinite, int fmt)
-{
-    qblock_params q;
-    q.poisoned = 0;
-    if (fmt == COSSD_STATE_FP16) {
-        int k = fp16_scale_exp(amax);
-        q.factor = pow2f(k);
-        q.stored = pow2f(-k);
-    } else if (nonfinite) {
-        q.factor = 1.0f;
-        q.stored = f32_from_bits(F32_CANONICAL_NAN);
-        q.poisoned = 1;
-    } else {
-        q.factor = amax > 0.0f ? amax : 1.0f;
-        q.stored = amax;
-    }
-    return q;
-}
+/* pow2f, fp16_scale_exp, qblock_params and qblock_params_of, q8_xor, q8_zero_index, the
+ * QFLAG_* bits and the per-element encode and decode (q_code_*, q_value_*): cossd_elem.h,
+ * shared with the CUDA kernel. */
 
 /* The INT8 code of y = x / absmax: how many midpoints lie below y (a branch-free lower
  * bound over the 255 midpoints, 8 probes; the SIMD paths probe the same entries). */
-/* What a stored INT8 byte is XORed with to index the map (and back). */
-COSSD_INLINE unsigned q8_xor(int moment) { return moment == COSSD_MOMENT_EXP_AVG ? 0x80u : 0u; }
-
-COSSD_INLINE unsigned q8_search(float y, int moment)
-{
-    const float *mid = g_qmid[moment];
-    unsigned idx = 0;
-    for (unsigned step = 128; step; step >>= 1)
-        idx += (unsigned)(mid[idx + step - 1] < y) * step; /* no branch: the outcome is a coin flip */
-    return idx;
-}
-
-/* The map index of 0: the signed map's zero sits at 128, the unsigned map's at 0. */
-COSSD_INLINE unsigned q8_zero_index(int moment) { return moment == COSSD_MOMENT_EXP_AVG ? 128u : 0u; }
-
-/* What q_encode reports per element, for the counters (qstate_counts.h). */
-#define QFLAG_UNDERFLOW 1u
-#define QFLAG_OVERFLOW 2u
+COSSD_INLINE unsigned q8_search(float y, int moment) { return q8_search_in(g_qmid[moment], y); }
 
 COSSD_INLINE float q_decode(const void *codes, size_t i, float scale, int fmt, int moment)
 {
     if (fmt == COSSD_STATE_FP16)
-        return fp16_to_f32(((const uint16_t *)codes)[i]) * scale;
-    return g_qmap[moment][((const uint8_t *)codes)[i] ^ q8_xor(moment)] * scale;
+        return q_value_fp16(((const uint16_t *)codes)[i], scale);
+    return q_value_int8(((const uint8_t *)codes)[i], scale, g_qmap[moment], moment);
 }
 
 /* Encodes x; returns QFLAG_* for it: underflow where x is nonzero and its code (before the
@@ -123,26 +63,12 @@ COSSD_INLINE float q_decode(const void *codes, size_t i, float scale, int fmt, i
 COSSD_INLINE unsigned q_encode(void *codes, size_t i, float x, const qblock_params *q, int fmt, int moment)
 {
     unsigned flags = 0;
-    if (fmt == COSSD_STATE_FP16) {
-        uint16_t h = f32_to_fp16(canon_nan(x) * q->factor);
-        if ((h & 0x7FFFu) == 0 && x != 0.0f)
-            flags |= QFLAG_UNDERFLOW;
-        if ((h & 0x7C00u) == 0x7C00u)
-            flags |= QFLAG_OVERFLOW;
-        if (moment == COSSD_MOMENT_EXP_AVG_SQ && h == 0 && x > 0.0f)
-            h = 1; /* the smallest subnormal: a positive second moment never decodes to 0 */
-        ((uint16_t *)codes)[i] = h;
-    } else if (q->poisoned) {
+    if (fmt == COSSD_STATE_FP16)
+        ((uint16_t *)codes)[i] = q_code_fp16(x, q, moment, &flags);
+    else if (q->poisoned)
         ((uint8_t *)codes)[i] = 0;
-    } else {
-        float y = x / q->factor;
-        unsigned idx = q8_search(y, moment);
-        if (idx == q8_zero_index(moment) && x != 0.0f)
-            flags |= QFLAG_UNDERFLOW;
-        if (moment == COSSD_MOMENT_EXP_AVG_SQ && idx == 0 && y > 0.0f)
-            idx = 1; /* a positive second moment never decodes to 0 */
-        ((uint8_t *)codes)[i] = (uint8_t)(idx ^ q8_xor(moment));
-    }
+    else
+        ((uint8_t *)codes)[i] = q_code_int8(x, q, moment, g_qmid[moment], &flags);
     return flags;
 }
 
@@ -195,19 +121,9 @@ COSSD_INLINE void adamq_elem(const void *grad, int gfmt, const float *mi, const 
     float p = mi[i];
     float m_in = q_decode(ai, i, a_scale, sfmt, COSSD_MOMENT_EXP_AVG);
     float v_in = q_decode(vi, i, v_scale, sfmt, COSSD_MOMENT_EXP_AVG_SQ);
-    if (k->decoupled)
-        p = p * k->decay;
-    else
-        g = fmaf(k->wd, p, g);
-    float m = fmaf(k->lerp_coeff, g - m_in, k->lerp_from_grad ? g : m_in);
-    float v = fmaf(k->omb2 * g, g, v_in * k->beta2);
-    float denom = sqrtf(v) / k->bc2_sqrt + k->eps;
-    p = p + (-k->step_size * m) / denom;
-    p = canon_nan(p);
+    adam_elem_math(g, p, m_in, v_in, k, &p, m_out, v_out);
     mo[i] = p;
     po[i] = f32_to_half(p, pfmt);
-    *m_out = m;
-    *v_out = v;
 }
 
 /* Encode buf[0..cnt) (one block's new values) into codes[b0..b0+cnt) and its scale. */
