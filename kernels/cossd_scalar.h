@@ -1,4 +1,4 @@
-/* cossd_scalar.h: the scalar, bit-exact element functions every path shares (half <-> FP32 rounding, one Adam element, argument checks). */
+/* cossd_scalar.h: the scalar, bit-exact element functions every path shares (gradient decode, one Adam element with its loads and stores, argument checks); the arithmetic itself is cossd_elem.h's, shared with the CUDA kernel. */
 #ifndef COSSD_SCALAR_H
 #define COSSD_SCALAR_H
 
