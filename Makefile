@@ -122,3 +122,9 @@ gpu-bundle-check: gpu-bundle $(GPU_STANDIN)/.stamp-torch
 	rm -rf build/gpu-node-dry-run
 	PIP_NO_INDEX=1 $(NO_NETWORK) $(GPU_STANDIN)/bin/python tools/gpu_node_run.py $(GPU_BUNDLE) \
 	  --cpu-dry-run --bundled-fuse --out build/gpu-node-dry-run
+
+# The CUDA Adam step without a GPU: nvcc's builds for sm_80/sm_90 and its lane functions run
+# on the host against the C kernel (docs/kernels.md, "CUDA"); skipped where nvcc is missing.
+.PHONY: cuda-check
+cuda-check: $(STAMP) bytecode
+	$(PY) -m pytest -q tests/unit/test_cuda_kernel.py $(PYTEST_ARGS)
