@@ -85,12 +85,25 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer", "net", "oom", "ranks", "devices", "scale", "peers",
-                            "formats"})
+                            "formats", "frameworks"})
 # `net` starts storage servers and takes a minute and a half; `oom` makes cgroups (root) and
 # drives workers into their memory caps for a few minutes; `ranks` runs 7 jobs of up to 4 rank
 # processes; `devices` starts up to 4 daemons for 3 jobs; `scale` steps namespaces up to 1B elements (30 GB of state on the disk, most of an
 # hour): each asked for by name, not by default.
 DEFAULT_BENCH_SECTIONS = frozenset({"kernel", "mount", "trainer"})
+# The frameworks section's figure tests (harness/bench/frameworks.py runs them; all of them
+# take about ten minutes on 2 cores; --frameworks picks some).
+BENCH_FRAMEWORKS = ("plain", "hf", "deepspeed", "dcp", "torchtitan")
+
+
+def parse_bench_frameworks(text: str) -> list[str]:
+    """`--frameworks a,b`: names of BENCH_FRAMEWORKS in its order; an unknown one refused by name."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BENCH_FRAMEWORKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown framework(s) {unknown or [text]}: choose from "
+                                         f"{', '.join(BENCH_FRAMEWORKS)}")
+    return [name for name in BENCH_FRAMEWORKS if name in names]
 
 
 def _positive_int(text: str) -> int:
@@ -155,7 +168,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "restore at 16M and 256M against torch.load), formats (the CMB step with fp32, "
                              "bf16, fp16 and int8 moments at --file-elements: G el/s and the media bytes the "
                              "device counted per step; the kernel per format at --elements beside torchao's "
-                             "and bitsandbytes' 8-bit AdamW on the CPU where they import); "
+                             "and bitsandbytes' 8-bit AdamW on the CPU where they import); frameworks (the checkpoint "
+                             "of the plain loop, HF Trainer, DeepSpeed ZeRO-1/2/3, FSDP2 + DCP and torchtitan "
+                             "with torch.optim.AdamW and with cossd: bytes, save stall, restore; runs their "
+                             "slow figure tests, minutes); "
                              "default kernel,mount,trainer")
     parser.add_argument("--scale-sizes", type=_element_sizes, default=[1 << 20, 1 << 24, 1 << 28, 1 << 30],
                         help="scale section: namespace sizes in elements, comma separated, K/M/G(B) as powers "
@@ -178,6 +194,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers-params", type=_element_sizes, default=None,
                         help="peers section: GPT sizes in parameters, comma separated, K/M as powers of 2 "
                              "(default about 25M and 100M; e.g. 1M for a quick run)")
+    parser.add_argument("--frameworks", type=parse_bench_frameworks, default=list(BENCH_FRAMEWORKS),
+                        help=f"frameworks section: which, comma separated, of {', '.join(BENCH_FRAMEWORKS)} "
+                             "(default all; plain alone takes about a minute)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the trainer section keeps the model's tensors: cpu, or cuda for a "
                              "GPU-resident fused AdamW against offload with device-host copies "
