@@ -1199,4 +1199,4 @@ def test_bench_kernel_section_alone(tmp_path: Any, capsys: pytest.CaptureFixture
         with pytest.raises(SystemExit) as exc:
             main(["bench", *bad, "--output", str(out_dir)])
         assert exc.value.code != 0
-        assert ("sections are devices, formats, kernel, mount" if "--sections" in bad else "must be at least 1") in capsys.readouterr().err
+        assert ("sections are devices, formats, frameworks, kernel, mount" if "--sections" in bad else "must be at least 1") in capsys.readouterr().err
