@@ -13,7 +13,8 @@ from ..protocol.group_commit import GroupDisagreementError, common_step
 from . import dcp_group, fsdp, namespace_swap
 from . import grads as grad_rules
 from .distributed import Ranks
-from .namespace_files import NamespaceFiles
+from .device_fanout import DeviceFanout, Outcome
+from .namespace_files import DeviceLostError, NamespaceFiles
 from .plan import Entry
 from .placement import PLACEMENT_BLOCK_ELEMS, place_on_devices, recorded_placement
 from .shard import Piece
@@ -95,6 +96,7 @@ class DeviceGroup:
     _owner: dict[int, list[tuple[Any, Entry]]]
     # The pieces of split tensors: (the child's 1-D param, the parent's entry, start, stop).
     _pieces: list[tuple[torch.Tensor, Entry, int, int]]
+    _fanout: DeviceFanout  # runs each phase of a step on every device at once
 
     # ------------------------------------------------------------------ opening
 
@@ -153,6 +155,7 @@ class DeviceGroup:
             raise
         self._group = children
         self._owner = owner
+        self._fanout = DeviceFanout(len(children))
         try:
             self._recover_group(mounts)
         except BaseException:
@@ -390,39 +393,73 @@ class DeviceGroup:
         if self.max_grad_norm is not None:
             self.last_grad_norm = math.sqrt(total) / loss_scale
             coefficient = grad_rules.clip_coefficient(self.last_grad_norm, self.max_grad_norm)
-        timing["begin_s"] = 0.0
-        for child, mine in zip(children, pieces):
-            timing["begin_s"] += child._begin_shared(mine, coefficient / loss_scale)
+        # Each phase runs on every device at once (a thread per device), and the next phase
+        # starts only once every device has finished this one: BEGIN and gradients
+        # everywhere, then every commit, then every flush (params back come after, in
+        # step()). So the protocol's order across devices is the one sequential calls gave,
+        # and the step takes about the slowest device's time, not the sum of theirs.
+        fanout = self._fanout
+        began = fanout.run(lambda at: children[at]._begin_shared(pieces[at], coefficient / loss_scale),
+                           range(len(children)))
+        self._raise_first(began, f"step {step} was not committed: sending it failed")
+        timing["begin_s"] = max(outcome.value for outcome in began)  # the longest device's
         committing = clock()
         timing["grads_s"] = committing - started - timing["begin_s"]
-        results: list[dict[str, Any]] = []
-        for child in children:
-            try:
-                results.append(child._wait_for_commit(step))
-            except StepAbortedError as exc:
-                if not results:
-                    raise
-                ahead = [mount for mount, result in zip(self.files.mounts, results) if not result["skipped"]]
-                raise StepAbortedError(
-                    f"{exc}. {', '.join(ahead) or 'No device'} committed step {step} before this; restarting "
-                    f"the job reverts {'them' if len(ahead) > 1 else 'it'} (every device resumes from step "
-                    f"{step - 1})") from None
+
+        def commit(child: Any) -> dict[str, Any]:
+            result: dict[str, Any] = child._wait_for_commit(step)
             child._step_open = False
-        committed = [index for index, result in enumerate(results) if not result["skipped"]]
+            return result
+
+        waited = fanout.run(commit, children)
+        ahead = [self.files.mounts[index] for index, outcome in enumerate(waited)
+                 if outcome.error is None and not outcome.value["skipped"]]
+        if any(outcome.error is not None for outcome in waited):
+            raise self._first_error(waited, (
+                f"{', '.join(ahead)} committed step {step}; restarting the job reverts "
+                f"{'them' if len(ahead) > 1 else 'it'} (every device resumes from step {step - 1})")
+                if ahead else f"no device committed step {step} (every device stays at step {step - 1})")
+        committed = [index for index, outcome in enumerate(waited) if not outcome.value["skipped"]]
         if len(committed) < len(children):
             # A device skipped what the gather found finite (its own check saw an overflow
             # that ours did not): the step is skipped by the group, the others go back.
             self._revert_after_skip(step, committed)
             timing["commit_s"] = clock() - committing
             return {"step": step, "committed_step": self.committed_step, "skipped": True}
-        for child in children:
+
+        def flush(child: Any) -> None:
             # The next begin anywhere must find this step durable on every device (in plp
             # mode a commit is acknowledged before it is on the media); with sync commits
             # this finds nothing to do.
             child.files.command(child.files.admin.flush, child.files.nsid)
             child.committed_step = step
+
+        self._raise_first(fanout.run(flush, children),
+                          f"every device committed step {step}; making it durable failed")
         timing["commit_s"] = clock() - committing
         return {"step": step, "committed_step": step, "skipped": False}
+
+    def _first_error(self, outcomes: list[Outcome], context: str) -> BaseException:
+        """The one error a phase of the step raises where devices failed: the first failed
+        device's (its type kept, so a caller's `except DeviceLostError` still holds), naming
+        that device, every other failed device and what `context` says of the group."""
+        mounts = self.files.mounts
+        failed = [(mounts[index], outcome.error) for index, outcome in enumerate(outcomes)
+                  if outcome.error is not None]
+        where, first = failed[0]
+        others = "".join(f" Also on {mount}: {type(error).__name__}: {error}." for mount, error in failed[1:])
+        text = f"on {where}: {str(first).rstrip('.')}.{others} {context}"
+        if isinstance(first, (StepAbortedError, DeviceLostError)):
+            combined = type(first)(text)
+            combined.__cause__ = first.__cause__
+            return combined
+        assert first is not None
+        first.add_note(f"cossd: {text}")  # an error whose type takes more than a message
+        return first
+
+    def _raise_first(self, outcomes: list[Outcome], context: str) -> None:
+        if any(outcome.error is not None for outcome in outcomes):
+            raise self._first_error(outcomes, context)
 
     def _revert_after_skip(self, step: int, committed: list[int]) -> None:
         """Rank 0 reverts the devices that committed `step` while another skipped it; every
@@ -434,10 +471,20 @@ class DeviceGroup:
                 f"failed ({error}); restart the job: it brings every device to one step")
 
     def _read_group_params(self) -> None:
-        assert self._group is not None
+        """Every device's committed params into the model, the devices at once (each writes
+        its own elements: whole params, or its piece's range of a split one), unless a
+        child's read is a collective of the ranks (param_gather="allgather" at several
+        ranks): collectives must run in one order on every rank, so those go one by one."""
+        children, ranks = self._group, self._group_ranks
+        assert children is not None and ranks is not None
         self._refresh_pieces()
-        for child in self._group:
-            child._read_params()
+        if ranks.world > 1 and any(getattr(child, "_param_gather", "device") == "allgather" for child in children):
+            for child in children:
+                child._read_params()
+            return
+        self._raise_first(self._fanout.run(lambda child: child._read_params(), children),
+                          "reading the committed params back failed (the devices hold them: a restart reads "
+                          "them)")
 
     def _abort_group(self, why: str) -> None:
         """Abort the open step on every device (best effort: a step() that failed). Devices
@@ -446,6 +493,9 @@ class DeviceGroup:
             child._abort(why)
 
     def _close_group(self) -> None:
+        fanout = getattr(self, "_fanout", None)
+        if fanout is not None:
+            fanout.close()
         for child in self._group or []:
             child.close()
 

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,39 @@ from cossd.trainer import AdamW, DeviceLostError, StepAbortedError  # noqa: E402
 
 def arm(optimizer: Any, kill: dict[str, Any], rank: int, out: Path) -> None:
     """kill -9 at kill["stage"] of step kill["step"]: "between_devices" (this process, after
-    device 0 committed the step and before device 1's commit was asked for), or "daemon"
-    (the last device's daemon, kill["pid"], once this rank's gradients of the step are
-    all sent, before any commit), or "daemon_between" (device kill["device"]'s daemon,
-    kill["pid"], once the device before it committed the step), or "daemon_after_commit"
-    (device kill["device"]'s daemon once it committed the step itself)."""
+    device 0 committed the step and before any other device's commit was asked for), or
+    "daemon" (the last device's daemon, kill["pid"], once this rank's gradients of the step
+    are all sent, before any commit), or "daemon_between" (device kill["device"]'s daemon,
+    kill["pid"], once the device before it committed the step and before its own commit
+    was asked for; the other devices commit it), or "daemon_after_commit" (device
+    kill["device"]'s daemon once it committed the step itself). The devices' commits run at
+    once (a thread each): a device held back waits for the event of the one it follows."""
     children = optimizer._group
+    followed = threading.Event()  # the device the stage follows has committed the step
+
+    def hold(child: Any, then: str) -> None:
+        """Hold `child`'s commit of the step until `followed`, then strike `then`."""
+        wait = child._wait_for_commit
+
+        def held(step: int) -> Any:
+            if step == kill["step"]:
+                if not followed.wait(120):
+                    raise RuntimeError("the followed device never committed the step")
+                strike(then)
+            return wait(step)
+
+        child._wait_for_commit = held
+
+    def signal_after(child: Any) -> None:
+        wait = child._wait_for_commit
+
+        def waited(step: int) -> Any:
+            answer = wait(step)
+            if step == kill["step"]:
+                followed.set()
+            return answer
+
+        child._wait_for_commit = waited
 
     def strike(target: str) -> None:
         note = {"stage": kill["stage"], "step": kill["step"], "committed_step": optimizer.committed_step}
@@ -34,18 +62,15 @@ def arm(optimizer: Any, kill: dict[str, Any], rank: int, out: Path) -> None:
         os.kill(int(kill["pid"]) if target == "daemon" else os.getpid(), signal.SIGKILL)
 
     if kill["stage"] == "between_devices":
-        wait = children[1]._wait_for_commit
-
-        def wait_then_die(step: int) -> Any:
-            if step == kill["step"]:
-                strike("self")
-            return wait(step)
-
-        children[1]._wait_for_commit = wait_then_die
-    elif kill["stage"] in ("daemon_between", "daemon_after_commit"):
-        # Device kill["device"]'s daemon, right after the device before it committed the step
-        # ("daemon_between"), or right after it committed the step itself.
-        before = children[kill["device"] - (1 if kill["stage"] == "daemon_between" else 0)]
+        signal_after(children[0])
+        for child in children[1:]:
+            hold(child, "self")
+    elif kill["stage"] == "daemon_between":
+        signal_after(children[kill["device"] - 1])
+        hold(children[kill["device"]], "daemon")
+    elif kill["stage"] == "daemon_after_commit":
+        # Device kill["device"]'s daemon right after it committed the step itself.
+        before = children[kill["device"]]
         wait_before = before._wait_for_commit
 
         def commit_then_strike(step: int) -> Any:

@@ -6,6 +6,7 @@ import copy
 import json
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,7 +16,7 @@ import torch
 from cossd.client import AdminClient
 from cossd.client.snapshots import create_snapshot, rollback
 from cossd.protocol.group_commit import GroupDisagreementError
-from cossd.trainer import AdamW
+from cossd.trainer import AdamW, StepAbortedError
 
 from conftest import Mount, force_unmount, start_mount, stop_mount
 
@@ -176,11 +177,11 @@ def test_a_device_daemon_killed_mid_step(mounts: list[Mount], tmp_path: Path) ->
     assert all(errors), errors
     remount(mounts, 1)
     devices = mounts[:2]
-    # The daemon may die before device 1 commits step 4 ([3, 3] or [4, 3]: device 0 first),
-    # or, the kill being asynchronous, just after another rank's poll committed it ([4, 4]);
-    # device 1 never commits before device 0 (every rank polls device 0 first).
+    # The daemon may die before device 1 commits step 4, or, the kill being asynchronous, just
+    # after rank 1's poll committed it; each device commits once both ranks' gradients are in,
+    # the two devices polled at once: any of the four.
     steps = committed_steps(devices, namespace)
-    assert steps in ([3, 3], [4, 3], [4, 4]), steps
+    assert steps in ([3, 3], [4, 3], [3, 4], [4, 4]), steps
     codes = run_job(devices, tmp_path / "b", namespace, 2, 8, synthetic=True)
     resumed = finished(tmp_path / "b", 2, codes)
     assert resumed[0]["result"]["first"] == min(steps) + 1
@@ -197,20 +198,29 @@ def test_a_device_daemon_killed_mid_step(mounts: list[Mount], tmp_path: Path) ->
 def test_a_daemon_killed_between_two_devices_commits(mounts: list[Mount], tmp_path: Path, stage: str,
                                                      device: int) -> None:
     """Three devices, fc1.weight split across devices 0 and 1: kill -9 of device 1's (or 2's)
-    daemon once the device before it committed step 4, or of device 0's once it committed
-    step 4 itself (the others then commit it, and device 0's flush fails). The job fails with
-    a clear error; with the device remounted, the restart brings every device to one step
-    (reverting those one ahead) and finishes bit for bit as an uninterrupted run."""
+    daemon once the device before it committed step 4 and before its own commit was asked
+    for (the devices commit at once: every other device commits step 4), or of device 0's
+    once it committed step 4 itself (the others then commit it, and device 0's flush fails).
+    The job fails with one error naming the device and the devices ahead; with the device
+    remounted, the restart brings every device to one step (reverting those one ahead) and
+    finishes bit for bit as an uninterrupted run."""
     devices = mounts[:3]
     namespace = f"{stage}-{device}"
     codes = run_job(devices, tmp_path / "a", namespace, 1, 8, synthetic=True,
                     kill={"stage": stage, "step": 4, "device": device, "pid": devices[device].pid})
     assert codes == [3], (codes, (tmp_path / "a" / "logs.txt").read_text()[-4000:])
-    assert (tmp_path / "a" / "aborted0.txt").read_text()
+    error = (tmp_path / "a" / "aborted0.txt").read_text()
+    assert error.startswith(f"DeviceLostError: on {devices[device].mountpoint}: "), error
+    others = [str(other.mountpoint) for index, other in enumerate(devices) if index != device]
+    if stage == "daemon_between":
+        assert f"{', '.join(others)} committed step 4; restarting the job reverts them" in error, error
+    else:
+        assert "every device committed step 4; making it durable failed" in error, error
     remount(mounts, device)
     devices = mounts[:3]
     steps = committed_steps(devices, namespace)
-    assert steps == ([4] * device + [3] * (3 - device) if stage == "daemon_between" else [4, 4, 4]), steps
+    assert steps == ([3 if index == device else 4 for index in range(3)] if stage == "daemon_between"
+                     else [4, 4, 4]), steps
     codes = run_job(devices, tmp_path / "b", namespace, 1, 8, synthetic=True)
     resumed = finished(tmp_path / "b", 1, codes)[0]
     assert resumed["result"]["first"] == min(steps) + 1
@@ -220,6 +230,64 @@ def test_a_daemon_killed_between_two_devices_commits(mounts: list[Mount], tmp_pa
     reference = uninterrupted(devices, tmp_path, namespace, 1, 8)
     assert bits_equal(resumed["params"], reference["params"])
     assert bits_equal(resumed["masters"], reference["masters"])
+
+
+def test_the_devices_of_a_step_work_at_once(mounts: list[Mount]) -> None:
+    """Each phase of a group step (begin and gradients, commit, params back) runs on the
+    three devices at once: every device's call waits at a barrier of three before it goes
+    on, which called one device after another would break (BrokenBarrierError after its
+    timeout). The steps then equal one device's, and one device's failure in a phase
+    surfaces once, naming it, after the others' calls of that phase ended."""
+    torch.manual_seed(0)
+    model = job.Net()
+    devices = [str(device.mountpoint) for device in mounts[:3]]
+    optimizer = AdamW(job.groups_of(model), lr=job.BASE_LR, betas=(0.9, 0.95), mount=devices, namespace="atonce")
+    model.to(torch.bfloat16)
+    children = optimizer._group
+    assert children is not None and len(children) == 3
+    together = threading.Barrier(3, timeout=30)
+    for child in children:
+        for name in ("_begin_shared", "_wait_for_commit", "_read_params"):
+            original = getattr(child, name)
+
+            def met(*args: Any, original: Any = original) -> Any:
+                together.wait()
+                return original(*args)
+
+            setattr(child, name, met)
+    params = job.optimizer_params(optimizer)
+    grads: dict[int, list[torch.Tensor]] = {}
+    try:
+        for step in range(1, 4):
+            for group, base in zip(optimizer.param_groups, (job.BASE_LR, 2 * job.BASE_LR)):
+                group["lr"] = base * job.schedule(step)
+            grads[step] = job.synthetic_grads(step, params)
+            for param, grad in zip(params, grads[step]):
+                param.grad = grad
+            optimizer.step()
+        assert [child.committed_step for child in children] == [3, 3, 3]
+        ours = [param.detach().clone() for param in params]
+        # Device 1's commit of step 4 refused before it is asked for: one StepAbortedError
+        # naming it and the two devices that committed step 4 meanwhile (a restart reverts
+        # them), and device 1's step aborted.
+        def refuse(step: int) -> Any:
+            together.wait()
+            raise StepAbortedError("the test refused this commit")
+
+        children[1]._wait_for_commit = refuse
+        for param, grad in zip(params, job.synthetic_grads(4, params)):
+            param.grad = grad
+        with pytest.raises(StepAbortedError) as caught:
+            optimizer.step()
+        text = str(caught.value)
+        assert text.startswith(f"on {devices[1]}: the test refused this commit."), text
+        assert f"{devices[0]}, {devices[2]} committed step 4; restarting the job reverts them" in text, text
+        assert all(torch.equal(param, before) for param, before in zip(params, ours)), "params of a failed step"
+        assert committed_steps(mounts[:3], "atonce") == [4, 3, 4]
+    finally:
+        optimizer.close()
+    reference, _, _ = single_process(mounts[0], "ref-atonce", grads, 3)
+    assert bits_equal(ours, reference)
 
 
 def test_a_job_placed_by_whole_tensors_resumes_on_its_placement(mounts: list[Mount], tmp_path: Path) -> None:
