@@ -1,4 +1,4 @@
-"""One process over several devices (mount=[...], fc1.weight split) that saves a DCP checkpoint by reference, trains on, and is killed (-9) at one stage of loading it back; tests/e2e/test_dcp_group.py runs it."""
+"""One process over several devices (mount=[...], fc1.weight split) that saves a DCP checkpoint by reference, trains on, and is killed (-9) at one stage of loading it back, or has a device's daemon killed there; tests/e2e/test_dcp_group.py runs it."""
 from __future__ import annotations
 
 import json
@@ -41,14 +41,21 @@ def main() -> int:
     train(optimizer, range(SAVED_AT + 1, TRAINED_TO + 1))
 
     def hook(stage: str) -> None:
+        # The job itself killed, or (config["daemon_pid"]) a device's daemon, the job going on
+        # to meet a dead device at its next command there.
         if stage == config["stage"]:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(config.get("daemon_pid") or os.getpid(), signal.SIGKILL)
 
     optimizer.load_hook = hook
     template = get_optimizer_state_dict(model, optimizer)
     dcp.load({"optim": template}, checkpoint_id=config["checkpoint"])
-    set_optimizer_state_dict(model, optimizer, template)
-    optimizer.close()
+    try:
+        set_optimizer_state_dict(model, optimizer, template)
+    except Exception as exc:  # the dead device: the load fails, saying so
+        (Path(config["checkpoint"]).parent / "failed.txt").write_text(f"{type(exc).__name__}: {exc}")
+        return 3
+    finally:
+        optimizer.close()
     return 0
 
 

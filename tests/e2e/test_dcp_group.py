@@ -1,4 +1,4 @@
-"""DCP checkpoints by reference over several devices (mount=[...], fc1.weight split across two): the checkpoint names one snapshot on every device, loading it equals the same on one device bit for bit, and a kill -9 at any stage of the group's rollback leaves every device on the old state or every device on the checkpoint's."""
+"""DCP checkpoints by reference over several devices (mount=[...], fc1.weight split across two): the checkpoint names one snapshot on every device, loading it equals the same on one device bit for bit, and a kill -9 (of the job, or of either device's daemon) at any stage of the group's rollback leaves every device on the old state or every device on the checkpoint's."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from conftest import Mount
+from conftest import Mount, force_unmount, start_mount, stop_mount
 from cossd.trainer.dcp import REF_KEY
 from cossd.trainer.dcp_group import MARK
 
@@ -36,8 +36,12 @@ FAST = ["marked@0", "marked@1"]  # the last stage that keeps the old state, the 
 def devices(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Mount]]:
     root = tmp_path_factory.mktemp("dcpgroup")
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(mounted_device(root / f"device{index}", f"DCPGRP00{index}", 2 << 30))
-               for index in range(3)]
+        mounted = [stack.enter_context(mounted_device(root / f"device{index}", f"DCPGRP00{index}", 2 << 30))
+                   for index in range(3)]
+        yield mounted
+        # A remounted device is a new Mount in the list (the stack stops the one it started).
+        for device in mounted:
+            stop_mount(device)
 
 
 def paths(devices: list[Mount]) -> list[str]:
@@ -60,9 +64,10 @@ def one_device_masters(devices: list[Mount], step: int) -> list[torch.Tensor]:
 
 
 def marks(devices: list[Mount], namespace: str) -> list[str]:
-    return [path.name for device in devices[:2] for path in (device.mountpoint / "ns" / namespace).glob("*")
-            if MARK in path.name] + [path.name for device in devices[:2]
-                                     for path in (device.mountpoint / "snapshots").glob(f"*{MARK}*")]
+    """The rollback marks on the two devices: snapshots of the namespace, each a directory
+    ns/<namespace>/snapshots/<tag> of the mount."""
+    return [f"{index}:{path.name}" for index, device in enumerate(devices[:2])
+            for path in (device.mountpoint / "ns" / namespace / "snapshots").glob(f"{MARK}*")]
 
 
 def test_a_dcp_checkpoint_over_two_devices_resumes_as_one_device(devices: list[Mount], tmp_path: Path) -> None:
@@ -141,6 +146,61 @@ def test_killed_in_the_groups_rollback_leaves_old_or_new_on_every_device(devices
 def test_killed_at_the_other_stages_of_the_groups_rollback(devices: list[Mount], tmp_path: Path, stage: str) -> None:
     """As above at the other stages (rolled back on one or both devices, unmarked on one)."""
     killed_at(devices, tmp_path, stage)
+
+
+def daemon_killed_at(devices: list[Mount], tmp_path: Path, stage: str, device: int) -> None:
+    """Device `device`'s daemon killed (kill -9) at `stage` of the job's DCP load: the job
+    meets the dead device at its next command there and fails saying so; with the device
+    remounted, the group's next open finds every device on the old state (step 4) or every
+    one on the checkpoint's (step 2), with one device's masters of that step, finishes or
+    undoes what the marks say (a warning where marks were left), no mark left, and 5 steps
+    in all end bit for bit as one device's."""
+    namespace = f"dcpg-daemon-{stage.replace('@', '-')}-{device}"
+    config = {"mounts": paths(devices), "namespace": namespace, "stage": stage, "checkpoint": str(tmp_path / "ck"),
+              "daemon_pid": devices[device].pid}
+    done = subprocess.run([sys.executable, str(JOB), json.dumps(config)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 3, (done.returncode, done.stderr[-3000:])
+    failed = (tmp_path / "failed.txt").read_text()
+    assert failed.startswith("DeviceLostError: ") and str(devices[device].mountpoint) in failed, failed
+    dead = devices[device]
+    force_unmount(dead.mountpoint)
+    devices[device] = start_mount(dead.backing, dead.mountpoint)
+    # The rollback is decided once both devices hold the mark: the daemon of device 1 killed
+    # right after device 0's mark is the one case where device 1's never came.
+    decided = not (stage == "marked@0" and device == 1)
+    left = marks(devices, namespace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, optimizer = job.open_optimizer(paths(devices), namespace)
+    try:
+        step = job.SAVED_AT if decided else job.TRAINED_TO
+        assert optimizer.committed_step == step and [child.committed_step for child in optimizer._group] == [step] * 2
+        assert bits_equal(optimizer.master_weights(), one_device_masters(devices, step))
+        resolved = any("rollback" in str(w.message) for w in caught)
+        assert resolved == bool(left), ([str(w.message) for w in caught], left)
+        assert marks(devices, namespace) == []
+        job.train(optimizer, range(step + 1, 6))
+        assert bits_equal(optimizer.master_weights(), one_device_masters(devices, 5))
+    finally:
+        optimizer.close()
+
+
+DAEMON_KILLS = [(stage, device) for stage in STAGES for device in (0, 1)]
+FAST_DAEMON_KILLS = [("marked@1", 0)]  # decided, and nothing rolled back yet: the next open rolls both back
+
+
+@pytest.mark.parametrize("stage, device", FAST_DAEMON_KILLS)
+def test_a_daemon_killed_in_the_groups_rollback_leaves_old_or_new_on_every_device(
+        devices: list[Mount], tmp_path: Path, stage: str, device: int) -> None:
+    daemon_killed_at(devices, tmp_path, stage, device)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, device", [kill for kill in DAEMON_KILLS if kill not in FAST_DAEMON_KILLS])
+def test_a_daemon_killed_at_the_other_stages_of_the_groups_rollback(devices: list[Mount], tmp_path: Path,
+                                                                    stage: str, device: int) -> None:
+    """As above, either device's daemon at each of the 6 stages."""
+    daemon_killed_at(devices, tmp_path, stage, device)
 
 
 @pytest.mark.slow  # two FSDP2 jobs and a resume: about 70 s on 2 cores
