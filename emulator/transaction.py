@@ -86,7 +86,7 @@ class StepTransaction:
         # asked for one, and the blocks whose kernel already stored into them.
         self.param_copies: list[tuple[TensorLayout, int, np.ndarray]] = []
         self.copied: set[tuple[str, int]] = set()
-        # A step the ranks of a job share (namespace.shared.SharedStep), or None.
+        # A step the ranks of a job share (namespace.outcomes.SharedStep), or None.
         self.shared: Any = None
 
     def _states_of(self, tensor: TensorLayout) -> bytearray:

@@ -3,7 +3,7 @@
 core.py builds Namespace from one NamespaceCore (state.py: the state every part shares) and
 one part per job, each owning its own state: media.py (NamespaceMedia: durability, damaged
 copies), verify.py (CopyVerifier: checksums, lazy verification of a reopened copy, scrub),
-shared.py (SharedSteps: a step the ranks of a job share), steps.py (StepEngine: begin,
+shared.py (SharedSteps: a step the ranks of a job share; outcomes.py what it carries and how it ended), steps.py (StepEngine: begin,
 commit, abort, hyperparameters, snapshot flips), reads.py (Reads) and writes.py
 (GradientWrites: initial state, the gradient path); open.py creates, opens and recovers the
 files; common.py holds roles, counters and CommitResult, snapshots.py each namespace's

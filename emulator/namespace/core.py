@@ -31,7 +31,8 @@ from .common import LOADABLE_ROLES, ROLES, CommitResult, NamespaceCounters
 from .media import NamespaceMedia
 from .open import NamespaceFiles, create_files, open_files, recover
 from .reads import Reads
-from .shared import SharedSteps, SharedStepRecord
+from .outcomes import SharedStepRecord
+from .shared import SharedSteps
 from .snapshots import SnapshotStore
 from .state import NamespaceCore
 from .steps import StepEngine

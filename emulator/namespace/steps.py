@@ -19,7 +19,7 @@ from ..spec import Hyperparameters
 from ..superblock import SkipCounts, Superblock
 from ..transaction import StepTransaction, block_range_of
 from .media import NamespaceMedia
-from .shared import SharedStepRecord
+from .outcomes import SharedStepRecord
 from .state import NamespaceCore
 from .verify import CopyVerifier
 

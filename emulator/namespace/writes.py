@@ -16,7 +16,7 @@ from ..layout import BLOCK_ELEMS, Copy, TensorLayout, region_offset
 from .common import BLOCK_ROLES, LOADABLE_ROLES, MOMENT_ROLES, CommitResult, WouldBlock, block_slice
 from ..transaction import ReadyBlock, StepTransaction, first_overlap
 from .media import NamespaceMedia
-from .shared import SharedStepRecord
+from .outcomes import SharedStepRecord
 from .state import NamespaceCore
 from .steps import StepEngine
 
