@@ -19,7 +19,6 @@ from .ops import _check_rc, crc32c, crc32c_combine
 from .validation import (
     _F32,
     _F32_CTYPE,
-    _HALF_CTYPE,
     BLOCK_SCALED_FORMATS,
     STATE_BLOCK,
     HalfFormat,
