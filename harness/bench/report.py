@@ -110,6 +110,10 @@ def markdown(report: dict[str, Any]) -> str:
         from .scale_report import markdown_rows as scale_rows  # the scale section's tables
 
         lines += scale_rows(report)
+    if "frameworks" in report:
+        from .frameworks import markdown_rows as frameworks_rows  # the frameworks' checkpoint table
+
+        lines += frameworks_rows(report)
     if "file_path" not in report:  # no mount section
         return "\n".join(lines)
     lines += ["", f"Through the mount: medians of {report.get('mount_turns', report['repeat'])} steps each; "

@@ -20,7 +20,7 @@ import torch
 
 from ... import kernels
 from ...emulator.layout import BLOCK_ELEMS
-from ...trainer.options import BENCH_SECTIONS, DEFAULT_BENCH_SECTIONS, add_bench_arguments
+from ...trainer.options import BENCH_FRAMEWORKS, BENCH_SECTIONS, DEFAULT_BENCH_SECTIONS, add_bench_arguments
 
 from . import net as bench_net, trainer as bench_trainer
 from .checkpoint import (CHECKPOINT_NAMESPACE, checkpoint_costs, checkpoint_volume, restore_costs,
@@ -104,6 +104,12 @@ def run(args: argparse.Namespace) -> int:
         _peers_section(report, args)
     if "formats" in sections:
         _formats_section(report, args)
+    if "frameworks" in sections:
+        import sys
+
+        from .frameworks import frameworks_costs  # the frameworks' figure tests, under pytest
+
+        report["frameworks"] = frameworks_costs(sys.executable, getattr(args, "frameworks", list(BENCH_FRAMEWORKS)))
     if not sections & {"mount", "trainer"}:
         write_report(report, args.output)
         return 0
