@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -54,7 +55,7 @@ def _command(device: Mount, assets: Path, dump: Path, namespace: str, world: int
     and its environment with `variables` (TITAN_KILL_AFTER, TITAN_STALL_AFTER, ...)."""
     env = os.environ | {"PYTHONPATH": str(CONFIG.parent), "TITAN_ASSETS": str(assets),
                         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    for variable in ("TITAN_KILL_AFTER", "TITAN_STALL_AFTER", "TITAN_STALL_DIR", "TITAN_STEPS"):
+    for variable in ("TITAN_KILL_AFTER", "TITAN_STALL_AFTER", "TITAN_STALL_DIR", "TITAN_OPTIMIZER", "TITAN_STEPS"):
         env.pop(variable, None)
     env |= {"TITAN_STEPS": str(STEPS)} | variables
     command = [str(TITAN_PY), "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--standalone",
@@ -224,3 +225,35 @@ def test_one_rank_trains(device: Mount, assets: Path, tmp_path: Path) -> None:
         (sorted(masters), sorted(params))
     assert all(bits_equal([masters[name].reshape(-1)], [params[name].reshape(-1)]) for name in masters)
 
+
+
+@pytest.mark.slow  # four torchrun jobs of 2 ranks: 2-4 minutes on 2 cores
+def test_checkpoint_bytes_stall_and_restore_against_torch_adamw(device: Mount, assets: Path, tmp_path: Path,
+                                                                figures: list[str]) -> None:
+    """What torchtitan's CheckpointManager writes at step 3 (2 ranks) with torchtitan's own
+    AdamW and with cossd's, its save time and a restarted job's load time as torchtitan
+    logs them ("Finished saving/loading the checkpoint in S seconds", the slowest rank;
+    cossd's load includes the device rollback). Each job is killed after step 4, before
+    its last-step checkpoint (which holds the model only), so the restart loads step 3."""
+    measured = {}
+    for kind in ("torch", "cossd"):
+        dump = tmp_path / kind
+        first = torchrun(device, assets, dump, f"titan-fig-{kind}", 2, kill_after=4, TITAN_OPTIMIZER=kind,
+                         TITAN_STEPS="5")
+        assert first.returncode != 0 and (dump / "checkpoint" / "step-3").is_dir(), \
+            (dump / "logs.txt").read_text()[-6000:]
+        again = torchrun(device, assets, dump, f"titan-fig-{kind}", 2, TITAN_OPTIMIZER=kind, TITAN_STEPS="5")
+        assert again.returncode == 0, (dump / "logs.txt").read_text()[-6000:]
+        saved = re.findall(r"Finished saving the checkpoint in ([0-9.]+) seconds", first.stdout + first.stderr)
+        loaded = re.findall(r"Finished loading the checkpoint in ([0-9.]+) seconds", again.stdout + again.stderr)
+        assert saved and loaded, (dump / "logs.txt").read_text()[-6000:]
+        step3 = dump / "checkpoint" / "step-3"
+        written = sum(p.stat().st_size for p in step3.rglob("*") if p.is_file())
+        params = sum(v.numel() for v in checkpoint_of(step3, tmp_path / f"{kind}.pt").values()
+                     if isinstance(v, torch.Tensor))
+        measured[kind] = (written, params, max(map(float, saved)), max(map(float, loaded)))
+    # torch: the FP32 params and both moments; cossd: the params and a reference.
+    assert measured["torch"][0] > 12 * measured["torch"][1] > 4 * measured["cossd"][1] > measured["cossd"][0] * 0.9
+    for kind, (written, params, save_s, restore_s) in measured.items():
+        figures.append(f"torchtitan llama3 debug FSDP2 2 ranks {params} params, {kind}: checkpoint {written} B, "
+                       f"save {save_s:.2f} s, restore {restore_s:.2f} s")

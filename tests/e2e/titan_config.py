@@ -4,7 +4,8 @@ As a torchtitan config module: `--module titan_config --config tiny_llama` (this
 PYTHONPATH), reading TITAN_ASSETS (what `assets` wrote), TITAN_STEPS and, for the kill
 tests, TITAN_KILL_AFTER (every rank SIGKILLs itself after that many optimizer steps of its
 process) or TITAN_STALL_AFTER with TITAN_STALL_DIR (every rank stops there, for the test to
-kill the device daemon). As a script: `python titan_config.py assets DIR` writes a byte-level BPE
+kill the device daemon); TITAN_OPTIMIZER=torch steps torchtitan's own AdamW instead (the
+checkpoint figures' stock run). As a script: `python titan_config.py assets DIR` writes a byte-level BPE
 tokenizer and a synthetic text data set (nothing is downloaded); `python titan_config.py
 losses DUMP_FOLDER` prints, as JSON, each step's loss from torchtitan's TensorBoard events.
 """
@@ -40,6 +41,11 @@ def tiny_llama() -> Any:
     config.checkpoint.interval = 3
     config.metrics.enable_tensorboard = True
     config.debug.seed = 0
+    if os.environ.get("TITAN_OPTIMIZER") == "torch":
+        # The same group stepped by torchtitan's own AdamW (the container steps any other
+        # optimizer_name as torchtitan does): the stock run of the checkpoint figures.
+        for group in config.optimizer.param_groups:
+            group.optimizer_name = "AdamW"
     kill_after = os.environ.get("TITAN_KILL_AFTER")
     if kill_after:
         config.model_spec.post_optimizer_build_fn = _killer(int(kill_after), config.model_spec.post_optimizer_build_fn)
