@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -45,7 +45,7 @@ class ReadyBlock:
     param_copy: np.ndarray | None = None
 
 
-def first_overlap(ranges: list[tuple[int, int, object]]) -> tuple[int, object, object] | None:
+def first_overlap(ranges: Sequence[tuple[int, int, object]]) -> tuple[int, object, object] | None:
     """The first overlap among ranges [start, end) (each with a label): (where it starts, the
     two labels), or None. Sorted by start, any overlap shows between neighbours."""
     ordered = sorted(ranges, key=lambda span: (span[0], span[1]))
