@@ -189,14 +189,15 @@ class CmbProgram:
         self.client.activate(self.compute)  # controller state: again after every restart
 
     def adamw_step(self, nsid: int, spans: list[tuple[int, int, int, int]], *, step: int = 0,
-                   state_itemsize: int = 4) -> list[ExecuteResult]:
+                   state_itemsize: int = 4, grad_itemsize: int = 2) -> list[ExecuteResult]:
         """Spans (first element in the namespace's table order, elements, gradient CMB offset,
-        params CMB offset), fifty to an Execute; step 0: the open step (the caller commits)."""
+        params CMB offset), fifty to an Execute; step 0: the open step (the caller commits).
+        grad_itemsize: bytes of one gradient element (the namespace's grad_dtype)."""
         results = []
         for at in range(0, len(spans), GROUPS_PER_EXECUTE):
             ranges: list[Range] = []
             for first, count, grad_at, params_at in spans[at : at + GROUPS_PER_EXECUTE]:
-                ranges += [(self.window, grad_at, 2 * count), (nsid, 4 * first, 4 * count),
+                ranges += [(self.window, grad_at, grad_itemsize * count), (nsid, 4 * first, 4 * count),
                            (nsid, state_itemsize * first, state_itemsize * count),
                            (nsid, state_itemsize * first, state_itemsize * count), (self.window, params_at, 2 * count)]
             results.append(self.client.execute(self.compute, ranges=ranges, step=step))

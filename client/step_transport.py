@@ -35,8 +35,11 @@ log = logging.getLogger(__name__)
 
 # One range of a tensor file: (tensor, role, first byte in the file, a 1-D byte array).
 Range = tuple[str, str, int, Any]
-# Where a tensor sits in a CMB part holding a whole step: (gradient offset, param offset, bytes).
-Slot = tuple[int, int, int]
+# Where a tensor sits in a CMB part holding a whole step: (gradient offset, param offset,
+# gradient bytes, param bytes); the two sizes differ where the gradients are not 16-bit.
+Slot = tuple[int, int, int, int]
+# Bytes of one gradient element per grad_dtype (the params come back in 2).
+GRAD_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 class ByteOps(Protocol):
@@ -150,10 +153,11 @@ class CmbTransport(FileTransport):
     reaches_device_memory = True
 
     def __init__(self, admin: AdminClient, open_file: OpenFile, ops: ByteOps, region: CmbRegion,
-                 tensors: Sequence[tuple[str, int]]) -> None:
+                 tensors: Sequence[tuple[str, int]], grad_itemsize: int = 2) -> None:
         super().__init__(admin, open_file, ops)
         self.region = region
-        self._slots = _step_slots(tensors, region.size)
+        self.grad_itemsize = grad_itemsize
+        self._slots = _step_slots(tensors, region.size, grad_itemsize)
         # Params the device is putting in the CMB with this step's gradients (write_step_grads).
         self._params_back: dict[str, tuple[int, int]] = {}
 
@@ -201,11 +205,11 @@ class CmbTransport(FileTransport):
             return super().write_step_grads(nsid, grads)
         window = self.ops.window(self.region.array)
         for tensor, array in grads:
-            grad_at, _, size = slots[tensor]
+            grad_at, _, size, _ = slots[tensor]
             self.ops.copy(window[grad_at : grad_at + size], array)
         with self.guard():
             self._send_step(nsid, slots, [tensor for tensor, _ in grads])
-        self._params_back.update({tensor: slots[tensor][1:] for tensor, _ in grads})
+        self._params_back.update({tensor: (slots[tensor][1], slots[tensor][3]) for tensor, _ in grads})
         return sum(slots[tensor][2] for tensor, _ in grads)
 
     def _send_step(self, nsid: int | None, slots: dict[str, Slot], tensors: list[str]) -> None:
@@ -220,8 +224,8 @@ class ProgramTransport(CmbTransport):
     kind = "cp"
 
     def __init__(self, admin: AdminClient, open_file: OpenFile, ops: ByteOps, region: CmbRegion,
-                 tensors: Sequence[tuple[str, int]], state_itemsize: int) -> None:
-        super().__init__(admin, open_file, ops, region, tensors)
+                 tensors: Sequence[tuple[str, int]], state_itemsize: int, grad_itemsize: int = 2) -> None:
+        super().__init__(admin, open_file, ops, region, tensors, grad_itemsize)
         if self._slots is None:
             region.mapping.close()
             raise RuntimeError(f"{self.location}: transport='cp' sends each step through Execute Program over "
@@ -240,8 +244,9 @@ class ProgramTransport(CmbTransport):
         if self._program is None:
             self._program = CmbProgram(self.admin)
         base = self.region.base
-        spans = [(self._first_element[t], slots[t][2] // 2, base + slots[t][0], base + slots[t][1]) for t in tensors]
-        self._program.adamw_step(_opened(nsid), spans, state_itemsize=self._state_itemsize)
+        spans = [(self._first_element[t], slots[t][3] // 2, base + slots[t][0], base + slots[t][1]) for t in tensors]
+        self._program.adamw_step(_opened(nsid), spans, state_itemsize=self._state_itemsize,
+                                 grad_itemsize=self.grad_itemsize)
 
 
 def _opened(nsid: int | None) -> int:
@@ -255,22 +260,24 @@ def _length(array: Any) -> int:
     return int(array.shape[0])
 
 
-def _step_slots(tensors: Sequence[tuple[str, int]], capacity: int) -> dict[str, Slot] | None:
+def _step_slots(tensors: Sequence[tuple[str, int]], capacity: int, grad_itemsize: int = 2) -> dict[str, Slot] | None:
     """Each tensor's fixed gradient and param places in a CMB part of `capacity` bytes, where
-    every tensor's 2-byte gradients and params fit at once; else None."""
-    sizes = [2 * numel for _, numel in tensors]
-    batches = plan_cmb_batches(sizes + sizes, capacity)
+    every tensor's gradients (grad_itemsize bytes an element) and 2-byte params fit at once;
+    else None."""
+    grad_sizes = [grad_itemsize * numel for _, numel in tensors]
+    param_sizes = [2 * numel for _, numel in tensors]
+    batches = plan_cmb_batches(grad_sizes + param_sizes, capacity)
     if len(batches) != 1:
         return None
     placed = {item: at for item, _, _, at in batches[0]}
-    return {name: (placed[item], placed[len(tensors) + item], size)
-            for item, ((name, _), size) in enumerate(zip(tensors, sizes))}
+    return {name: (placed[item], placed[len(tensors) + item], grad_size, param_size)
+            for item, ((name, _), grad_size, param_size) in enumerate(zip(tensors, grad_sizes, param_sizes))}
 
 
 def open_step_transport(admin: AdminClient, open_file: OpenFile, ops: ByteOps, *, use_cmb: bool,
                         command_set: str, config: Callable[[], dict[str, Any]]) -> FileTransport:
     """The one choice of how a namespace's tensors cross: through a part of the device's CMB
-    (as large as a step's gradients and params, 4 bytes a parameter, where that much is free,
+    (as large as a step's gradients and params, 4 bytes a parameter with 16-bit gradients, where that much is free,
     else the largest part that is), by Execute Program over it where `command_set` is "cp",
     else through the files (use_cmb False, no CMB, every part taken, or a CMB this process may
     not open: the daemon's /proc/PID/fd of another user). `config` reads the namespace's
@@ -284,13 +291,14 @@ def open_step_transport(admin: AdminClient, open_file: OpenFile, ops: ByteOps, *
         mapping.close()
         raise
     tensors = [(str(entry["name"]), int(entry["numel"])) for entry in described["tensors"]]
-    region = _claim(mapping, tensors)
+    grad_itemsize = GRAD_ITEMSIZE.get(str(described.get("grad_dtype", "fp16")), 2)
+    region = _claim(mapping, tensors, grad_itemsize)
     if region is None:
         return FileTransport(admin, open_file, ops)
     if command_set == "cp":
         state_itemsize = 2 if described.get("state_dtype") == "bf16" else 4
-        return ProgramTransport(admin, open_file, ops, region, tensors, state_itemsize)
-    return CmbTransport(admin, open_file, ops, region, tensors)
+        return ProgramTransport(admin, open_file, ops, region, tensors, state_itemsize, grad_itemsize)
+    return CmbTransport(admin, open_file, ops, region, tensors, grad_itemsize)
 
 
 def _map_cmb(admin: AdminClient) -> CmbMapping | None:
@@ -303,9 +311,9 @@ def _map_cmb(admin: AdminClient) -> CmbMapping | None:
             return None
 
 
-def _claim(mapping: CmbMapping, tensors: Sequence[tuple[str, int]]) -> CmbRegion | None:
+def _claim(mapping: CmbMapping, tensors: Sequence[tuple[str, int]], grad_itemsize: int = 2) -> CmbRegion | None:
     # Gradients and params, each tensor's padded to a cache line (plan_cmb_batches).
-    wanted = 2 * sum(-(-2 * numel // CMB_ALIGN) * CMB_ALIGN for _, numel in tensors)
+    wanted = sum(-(-size * numel // CMB_ALIGN) * CMB_ALIGN for _, numel in tensors for size in (grad_itemsize, 2))
     region = mapping.claim(wanted)
     if region is None:
         mapping.close()

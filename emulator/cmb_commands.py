@@ -34,6 +34,11 @@ class Transfer:
     def what(self) -> str:
         return f"{self.tensor}/{self.role}"
 
+    def param_length(self, grad_itemsize: int) -> int:
+        """Bytes of the params that come back for this transfer's gradients: 2 for each of its
+        gradient elements, whatever their format (4-byte FP32, 1-byte FP8)."""
+        return self.length * 2 // grad_itemsize
+
 
 def _integer(entry: dict[str, Any], key: str, default: int | None, index: int) -> int:
     value = entry.get(key, default)
@@ -92,12 +97,12 @@ def check_disjoint(spans: list[tuple[int, int, str]], what: str) -> None:
         raise DeviceError(Status.INVALID_FIELD, f"{first} and {second} overlap in the CMB (from byte {start}): {what}")
 
 
-def check_param_copies(transfers: list[Transfer]) -> None:
+def check_param_copies(transfers: list[Transfer], grad_itemsize: int = 2) -> None:
     """Refuse (INVALID_FIELD) param copies that overlap each other or any of the command's
     gradients: the kernel writes params while other blocks' gradients are still being read.
     (Gradients may overlap each other: they are only read.)"""
     spans = sorted([(t.cmb_offset, t.cmb_offset + t.length, False, i) for i, t in enumerate(transfers)]
-                   + [(t.param_cmb_offset, t.param_cmb_offset + t.length, True, i)
+                   + [(t.param_cmb_offset, t.param_cmb_offset + t.param_length(grad_itemsize), True, i)
                       for i, t in enumerate(transfers) if t.param_cmb_offset is not None])
     any_end = params_end = 0  # the furthest end so far of any span, of a param copy
     for start, end, is_params, index in spans:
@@ -140,11 +145,12 @@ class CmbCommands:
         grads = [t.role == "grad" for t in transfers]
         if any(grads) and not all(grads):
             raise DeviceError(Status.INVALID_FIELD, "one command carries gradients or state, not both")
+        grad_itemsize = namespace.itemsize("grad")
         copies = [None if t.param_cmb_offset is None
-                  else cmb.region(t.param_cmb_offset, t.length, f"transfer {i} ({t.what}) params")
+                  else cmb.region(t.param_cmb_offset, t.param_length(grad_itemsize), f"transfer {i} ({t.what}) params")
                   for i, t in enumerate(transfers)]
         if any(copy is not None for copy in copies):
-            check_param_copies(transfers)
+            check_param_copies(transfers, grad_itemsize)
         # Through the device's one I/O entry; CMB_WRITE met its injections at the controller.
         io = self.controller.io
         result = None
@@ -156,7 +162,7 @@ class CmbCommands:
             for t in transfers:
                 namespace.check_write(t.tensor, t.role, t.offset, t.length)
             for t, region in zip(transfers, regions):
-                io.write(namespace, t.tensor, t.role, t.offset, region, checked=True)
+                io.write(namespace, t.tensor, t.role, t.offset, region.data, checked=True)  # the view's bytes
         moved = sum(t.length for t in transfers)
         report: dict[str, Any] = {"bytes": moved, "transfers": len(transfers),
                                   "committed_step": namespace.committed_step, "step_open": namespace.step_open}

@@ -22,6 +22,7 @@ from ..protocol.entries import NSID_ALL, Command, Completion, IdentifyCns, Opcod
 from ..protocol.hyperparameters import GROUP_FIELDS, SET_HYPERPARAMETERS_KEYS
 from ..protocol.computational import IO_QUEUE_FLAG
 from . import kinds, shared_commands
+from .spec import GRAD_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ class Controller:
             struct.pack_into("<HH", page, 266, WARNING_TEMP_KELVIN, CRITICAL_TEMP_KELVIN)  # wctemp, cctemp
             struct.pack_into("<I", page, 516, 1024)  # nn: namespaces supported
             logpages.fill_identify_controller(page, identity)  # VER, CNTRLTYPE, SQES, CQES, SUBNQN
-            vendor = _json({"kernels": ["adamw", "adam"], "grad_dtypes": ["fp16", "bf16"],
+            vendor = _json({"kernels": ["adamw", "adam"], "grad_dtypes": list(GRAD_FORMATS),
                             "param_dtypes": ["fp16", "bf16"], "state_dtypes": ["fp32", "bf16", "fp16", "int8"],
                             "profile": self.device.timing_model.profile.name,
                             "timed": self.device.config.timed})

@@ -13,6 +13,13 @@ from .geometry import SCALED_STATE_DTYPES, STATE_ITEMSIZE, TensorLayout, plan_sp
 from .names import MAX_GROUPS, MAX_SHAPE_DIMS, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
 
 HALF_FORMATS = {"fp16": kernels.HalfFormat.FP16, "bf16": kernels.HalfFormat.BF16}
+# The gradients a namespace takes: the 16-bit formats, FP32 (exact parity with an FP32 trainer
+# at 6 B/param on the wire), and OCP FP8 codes whose per-tensor scale comes with each step
+# (docs/command-set.md, "FP8 gradients and their scales").
+GRAD_FORMATS = {"fp16": kernels.GradFormat.FP16, "bf16": kernels.GradFormat.BF16,
+                "fp32": kernels.GradFormat.FP32, "fp8_e4m3": kernels.GradFormat.FP8_E4M3,
+                "fp8_e5m2": kernels.GradFormat.FP8_E5M2}
+FP8_GRAD_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 # fp16 and int8 moments are block-scaled: codes plus a float32 scale per 256 elements
 # (docs/kernels.md, "Block-scaled moments"; docs/media-format.md, the regions).
 STATE_FORMATS = {"fp32": kernels.StateFormat.FP32, "bf16": kernels.StateFormat.BF16,
@@ -158,8 +165,8 @@ class NamespaceSpec:
                     f"1..{MAX_TENSOR_ELEMENTS}",
                 )
             tensor.check_shape()
-        if self.grad_dtype not in HALF_FORMATS:
-            raise _invalid(f"grad_dtype must be fp16 or bf16, got {self.grad_dtype!r}")
+        if self.grad_dtype not in GRAD_FORMATS:
+            raise _invalid(f"grad_dtype must be one of {', '.join(GRAD_FORMATS)}, got {self.grad_dtype!r}")
         if self.param_dtype not in HALF_FORMATS:
             raise _invalid(f"param_dtype must be fp16 or bf16, got {self.param_dtype!r}")
         if self.state_dtype not in STATE_FORMATS:
@@ -182,6 +189,11 @@ class NamespaceSpec:
     def state_itemsize(self) -> int:
         """Bytes of one moment code on the media (its block scale aside)."""
         return STATE_ITEMSIZE[self.state_dtype]
+
+    @property
+    def grad_itemsize(self) -> int:
+        """Bytes of one gradient element on the wire."""
+        return kernels.GRAD_ITEMSIZE[GRAD_FORMATS[self.grad_dtype]]
 
     @property
     def scaled_state(self) -> bool:

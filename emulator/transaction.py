@@ -158,7 +158,7 @@ class StepTransaction:
             staged = self.partial.get(key)
             if staged is None:
                 staged = PartialBlock(
-                    grad=np.empty(stop - start, dtype=np.uint16),
+                    grad=np.empty(stop - start, dtype=grad.dtype),
                     mask=np.zeros(stop - start, dtype=bool),
                 )
                 self.partial[key] = staged

@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 # ones are received whole first: nothing to overlap).
 STREAM_MIN_BYTES = 4 << 20
 # A streamed WRITE is received into two slots, each one H2CData PDU's data (at most the
-# MAXH2CDATA the server grants) plus the odd byte of an element cut by the PDU before: the
-# next PDU is received into one slot while the device takes the other's gradients, so a WRITE
-# of any size holds at most 2 x (16 MiB + 1) bytes (one slot where the budget is smaller).
-SLOT_BYTES = wire.MAX_DATA_BYTES + 1
+# MAXH2CDATA the server grants) plus the bytes of an element cut by the PDU before (at most
+# 3: an FP32 gradient's): the next PDU is received into one slot while the device takes the
+# other's gradients, so a WRITE of any size holds at most 2 x (16 MiB + 3) bytes (one slot
+# where the budget is smaller).
+MAX_CARRY = 3
+SLOT_BYTES = wire.MAX_DATA_BYTES + MAX_CARRY
 # Refused bulk data leaves the stream through a scratch buffer this large.
 SKIP_BYTES = 1 << 16
 
@@ -217,9 +219,10 @@ class Writes:
                 opened.role != "grad" or opened.nsid != namespace.nsid for opened, _ in files):
             return None
         spans: dict[str | None, list[tuple[int, int]]] = {}
+        itemsize = namespace.itemsize("grad")
         for (opened, _), offset, length in zip(files, table["offset"], lengths):
             start = int(offset)
-            if start % 2 or length % 2 or start + length > opened.size:
+            if start % itemsize or length % itemsize or start + length > opened.size:
                 return None
             spans.setdefault(opened.tensor, []).append((start, start + length))
         for ranges in spans.values():
@@ -237,7 +240,8 @@ class Writes:
         were checked against each other first; what the open step already has is checked per
         piece, so a duplicate refuses the WRITE from that piece on (GRADIENT_DUPLICATE), the
         pieces before it taken, as file writes are."""
-        slot_bytes = min(total, SLOT_BYTES - 1) + 1
+        slot_bytes = min(total, SLOT_BYTES - MAX_CARRY) + MAX_CARRY
+        itemsize = namespace.itemsize("grad")
         # Two slots where the budget has room for them (receipt overlaps the kernels), else one.
         count = 2 if 2 * slot_bytes <= self.memory.capacity else 1
         try:
@@ -284,7 +288,7 @@ class Writes:
                 slot = index % count
                 free[slot].acquire()  # the device is done with what this slot held
                 handing = failed is None and not errors
-                # The odd byte of an element the previous PDU cut goes first (at most one:
+                # The bytes of an element the previous PDU cut go first (at most MAX_CARRY:
                 # whole elements are handed, ranges are whole elements).
                 carry = received - cursor["handed"] if handing else 0
                 if carry:
@@ -296,7 +300,8 @@ class Writes:
                 except DeviceError as exc:
                     failed = failed or exc
                 received += datal
-                batch = self._hand(ranges, cursor, slots[slot], base, received) if handing and not failed else []
+                batch = (self._hand(ranges, cursor, slots[slot], base, received, itemsize)
+                         if handing and not failed else [])
                 if batch:
                     pending.put((batch, slot))
                 else:
@@ -323,14 +328,14 @@ class Writes:
 
     @staticmethod
     def _hand(ranges: list[tuple[str, int, int, int]], cursor: dict[str, int], window: memoryview,
-              base: int, end: int) -> list[Piece]:
+              base: int, end: int, itemsize: int) -> list[Piece]:
         """The whole elements of bulk bytes [cursor, end) as pieces of their ranges, viewed in
         `window` (which holds bulk bytes from `base` on); advances the cursor past them."""
         batch: list[Piece] = []
         while cursor["range"] < len(ranges):
             tensor, offset, start, length = ranges[cursor["range"]]
             stop = min(start + length, end)
-            stop -= (stop - start) % 2  # whole elements only
+            stop -= (stop - start) % itemsize  # whole elements only
             if stop > cursor["handed"]:
                 batch.append((tensor, offset + cursor["handed"] - start,
                               window[cursor["handed"] - base : stop - base], None))

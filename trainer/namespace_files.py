@@ -24,11 +24,14 @@ log = logging.getLogger(__name__)
 # What the device calls each wire dtype, and the torch dtype it holds.
 WIRE_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # Bytes per gradient element of each grad_dtype a namespace may have.
-GRAD_ITEMSIZE = {"fp16": 2, "bf16": 2}
+GRAD_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# The torch dtype a gradient crosses in, per grad_dtype (FP8 codes go as their uint8 bits).
+GRAD_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+                     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 # DeviceLostError lives in the client (client/lost.py, the one translation); named here too,
 # where the trainer has always exported it from.
-__all__ = ["GRAD_ITEMSIZE", "WIRE_DTYPES", "DeviceLostError", "NamespaceFiles", "pin_for_cuda", "unpin_for_cuda"]
+__all__ = ["GRAD_ITEMSIZE", "GRAD_TORCH_DTYPES", "WIRE_DTYPES", "DeviceLostError", "NamespaceFiles", "pin_for_cuda", "unpin_for_cuda"]
 
 
 def _clear_cuda_error() -> None:
@@ -243,7 +246,7 @@ class NamespaceFiles:
         if tensor not in numels:
             return  # the device names an unknown tensor itself
         itemsize = GRAD_ITEMSIZE.get(dtype, 2)
-        convert = f"convert to {dtype} (.to(torch.{'bfloat16' if dtype == 'bf16' else 'float16'}))"
+        convert = f"convert to {dtype} (.to({GRAD_TORCH_DTYPES.get(dtype, torch.float16)}))"
         given = WIRE_DTYPES.get(values.dtype)
         if given is not None and given != dtype:
             raise ValueError(f"gradient for {tensor} is {given}, the namespace {self.name!r} takes {dtype}: {convert}")
@@ -321,9 +324,9 @@ class NamespaceFiles:
         if self._step is not None:
             self._step.take_params_back()
 
-    def stream_slots(self) -> dict[str, tuple[int, int, int]] | None:
+    def stream_slots(self) -> dict[str, tuple[int, int, int, int]] | None:
         """Each tensor's fixed places in this client's CMB part, {tensor: (gradient offset,
-        param offset, bytes)} (offsets in the part), where the part holds every tensor's
+        param offset, gradient bytes, param bytes)} (offsets in the part), where the part holds every tensor's
         gradients and params at once; else None. A step's gradients go there, streamed one
         tensor at a time (write_streamed) or all at once (write_many); without places,
         streamed gradients go through the files and whole steps through the CMB in batches."""

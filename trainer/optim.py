@@ -16,7 +16,7 @@ from . import distributed, fsdp, namespace_swap
 from ..client import Credentials
 from .distributed import Ranks
 from .namespace_files import WIRE_DTYPES, NamespaceFiles
-from .plan import HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
+from .plan import GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
 from .session import DeviceSession
@@ -50,6 +50,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         namespace: str,
         dtype: torch.dtype | None = None,
         state_dtype: str = "fp32",
+        grad_dtype: str | None = None,
         max_grad_norm: float | None = None,
         streaming: bool = False,
         scaler: torch.amp.GradScaler | None = None,
@@ -113,6 +114,12 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         # fp16 and int8: block-scaled moments on the device (docs/trainer.md#state_dtype).
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {', '.join(STATE_DTYPES)}, got {state_dtype!r}")
+        # The gradients' format on the wire: None, the params' (dtype); "fp32" for exact parity
+        # with an FP32 trainer at 6 B/param (docs/trainer.md#the-gradients-wire-format).
+        if grad_dtype is not None and grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"grad_dtype must be None (the params' dtype) or one of {', '.join(GRAD_DTYPES)}, "
+                             f"got {grad_dtype!r}")
+        self.grad_dtype = grad_dtype
         self._mode = "adamw" if defaults.get("decoupled_weight_decay") else "adam"
         self._initialized = False
         super().__init__(params, defaults)
@@ -123,7 +130,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         # in its environment variable by the client (docs/server.md).
         credentials = Credentials(token_file=token_file, ca=ca, cert=cert, key=key)
         self._credentials = credentials
-        self._state_options = {"state_dtype": state_dtype, "timeout_s": timeout_s, "use_cmb": use_cmb,
+        self._state_options = {"state_dtype": state_dtype, "grad_dtype": grad_dtype, "timeout_s": timeout_s, "use_cmb": use_cmb,
                                "token_file": token_file, "ca": ca, "cert": cert, "key": key}
         self._groups_at_init = list(self.param_groups)
         self._bound: dict[int, _DeviceAdam] = {}
@@ -240,7 +247,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
 
     def _description(self, initial_step: int) -> dict[str, Any]:
         return description(self.files.name, self.entries, self.param_groups, self._mode, self.dtype,
-                           self.state_dtype, initial_step)
+                           self.state_dtype, initial_step, grad_dtype=self.grad_dtype)
 
     def _create(self, initial_step: int, masters: list[torch.Tensor] | None) -> None:
         """Create the namespace and load the FP32 master weights (the params, or `masters`)."""
@@ -273,6 +280,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if config["param_dtype"] != wire:
             raise ValueError(f"namespace {self.files.name!r} holds {config['param_dtype']} params, "
                              f"this optimizer sends {wire}")
+        if config["grad_dtype"] != (self.grad_dtype or wire):
+            raise ValueError(f"namespace {self.files.name!r} takes {config['grad_dtype']} gradients, this "
+                             f"optimizer sends {self.grad_dtype or wire}: pass grad_dtype={config['grad_dtype']!r}")
         if config["hyperparameters"]["mode"] != self._mode:
             raise ValueError(f"namespace {self.files.name!r} runs {config['hyperparameters']['mode']}, "
                              f"not {self._mode}")

@@ -17,6 +17,9 @@ HYPER_FIELDS = GROUP_FIELDS
 # The moments' formats a namespace can keep (emulator/spec.py STATE_FORMATS): fp16 and int8
 # are block-scaled, and read and load as FP32 (docs/media-format.md).
 STATE_DTYPES = ("fp32", "bf16", "fp16", "int8")
+# The gradients' formats a namespace can take (emulator/spec.py GRAD_FORMATS); the params come
+# back in the 16-bit wire dtype whichever it is.
+GRAD_DTYPES = ("fp16", "bf16", "fp32")
 TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
 
@@ -72,8 +75,10 @@ def infer_dtype(entries: list[Entry]) -> torch.dtype:
 
 
 def description(name: str, entries: list[Entry], param_groups: list[dict[str, Any]], mode: str,
-                dtype: torch.dtype, state_dtype: str, initial_step: int) -> dict[str, Any]:
-    """What CREATE_NAMESPACE is given for this plan."""
+                dtype: torch.dtype, state_dtype: str, initial_step: int,
+                grad_dtype: str | None = None) -> dict[str, Any]:
+    """What CREATE_NAMESPACE is given for this plan: params in `dtype`, gradients in
+    `grad_dtype` (None: the same)."""
     hypers = [group_hyper(group) for group in param_groups]
     wire = WIRE_DTYPES[dtype]
     return {
@@ -81,7 +86,7 @@ def description(name: str, entries: list[Entry], param_groups: list[dict[str, An
         "tensors": [[e.name, e.numel, e.group] for e in entries],
         "hyperparameters": hypers[0] | {"mode": mode},
         "groups": hypers,
-        "grad_dtype": wire,
+        "grad_dtype": grad_dtype or wire,
         "param_dtype": wire,
         "state_dtype": state_dtype,
         "initial_step": initial_step,

@@ -13,7 +13,7 @@ from ...protocol.status import DeviceError, Status
 from ..accounting import NamespaceTiming
 from ..layout import SCALE_BLOCK, Copy, SuperblockFlags, TensorLayout, region_offset, scale_count
 from ..media import SlotFile, StateFile
-from ..spec import HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec
+from ..spec import GRAD_FORMATS, HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec
 from ..state_counters import StateCounters
 from ..superblock import SkipCounts, Superblock
 from ..transaction import StepTransaction
@@ -61,9 +61,11 @@ class NamespaceCore:
         self.layouts = layouts
         self.tensors = {t.name: t for t in layouts}
         self.total_blocks = sum(t.block_count for t in layouts)
-        # The wire and media formats (spec.HALF_FORMATS, STATE_FORMATS; role_dtype and
-        # itemsize below give each file's element).
-        self.grad_format = HALF_FORMATS[spec.grad_dtype]
+        # The wire and media formats (spec.GRAD_FORMATS, HALF_FORMATS, STATE_FORMATS; role_dtype
+        # and itemsize below give each file's element).
+        self.grad_format = GRAD_FORMATS[spec.grad_dtype]
+        # The dtype a gradient element is viewed as: 16-bit bits, FP32 itself, FP8 codes.
+        self.grad_dtype = np.dtype({2: np.uint16, 4: np.float32, 1: np.uint8}[spec.grad_itemsize])
         self.param_format = HALF_FORMATS[spec.param_dtype]
         self.state_format = STATE_FORMATS[spec.state_dtype]
         # The dtype of one moment code on the media: FP32 itself, BF16 and FP16 bits, INT8 codes.
@@ -140,7 +142,7 @@ class NamespaceCore:
     def itemsize(self, role: str) -> int:
         """Bytes of one element of a tensor file: block-scaled moments read (and load) as FP32."""
         if role == "grad":
-            return 2
+            return self.grad_dtype.itemsize
         if self.scaled and role in MOMENT_ROLES:
             return 4
         return self.role_dtype(role).itemsize

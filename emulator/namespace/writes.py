@@ -22,8 +22,10 @@ from .steps import StepEngine
 
 log = logging.getLogger("cossd.emulator.namespace")
 
-# write_grads_lent stages lent gradients in pieces of this many bytes (4 blocks).
-_LENT_STAGE_BYTES = 4 * BLOCK_ELEMS * 2
+# write_grads_lent stages lent gradients in pieces of this many elements (4 blocks).
+_LENT_STAGE_ELEMS = 4 * BLOCK_ELEMS
+# Bytes of one param element handed back (FP16/BF16), whatever the gradients' format.
+_PARAM_ITEMSIZE = 2
 # The most blocks of a step queued for the kernel workers at once from written (not lent)
 # gradient bytes, each holding its copy of the request's bytes (512 KiB of FP16/BF16): a writer
 # faster than the kernels (a disk-bound step) waits here instead of the daemon's memory growing
@@ -71,7 +73,7 @@ class GradientWrites:
         if buffers is None:
             buffers = {role: np.empty(block_slice(role, 0, BLOCK_ELEMS).stop, dtype=self.core.role_dtype(role))
                        for role in self.core.block_roles}
-            buffers["grad"] = np.empty(BLOCK_ELEMS, dtype=np.uint16)
+            buffers["grad"] = np.empty(BLOCK_ELEMS, dtype=self.core.grad_dtype)
             self._thread_local.buffers = buffers
         return {role: array[block_slice(role, 0, count)] for role, array in buffers.items()}
 
@@ -170,7 +172,7 @@ class GradientWrites:
         was checked on. Returns once every block the pieces completed has run.
 
         A piece's param copy (None, or as many bytes as its gradient, sharing memory with no
-        piece's gradient or other copy) receives the step's new params for its elements: the
+        piece's gradient or other copy; 2 bytes for each gradient element) receives the step's new params for its elements: the
         kernel stores them as it computes them, and when the step ends the rest is filled
         from the committed copy, so once the step is committed, skipped or aborted the copy
         holds the committed params. Until then it is the device's to write.
@@ -181,11 +183,14 @@ class GradientWrites:
         skipped before this returns), else None.
         """
         spans: dict[str, list[tuple[int, int]]] = {}
+        grad_size = self.core.itemsize("grad")
         for tensor_name, offset, data, param_copy in pieces:
             self.core.check_range(self.core.tensor(tensor_name), "grad", offset, len(data))
-            if param_copy is not None and len(param_copy) != len(data):
+            if param_copy is not None and len(param_copy) != len(data) // grad_size * _PARAM_ITEMSIZE:
                 raise DeviceError(Status.INVALID_FIELD,
-                                  f"{tensor_name}: a param copy of {len(param_copy)} bytes for {len(data)} of gradient")
+                                  f"{tensor_name}: a param copy of {len(param_copy)} bytes for {len(data)} of "
+                                  f"{self.core.spec.grad_dtype} gradient (it takes "
+                                  f"{len(data) // grad_size * _PARAM_ITEMSIZE})")
             spans.setdefault(tensor_name, []).append((offset, offset + len(data)))
         for tensor_name, ranges in spans.items():
             overlap = first_overlap([(start, end, None) for start, end in ranges])
@@ -198,7 +203,7 @@ class GradientWrites:
             if self.core.tx is not None:
                 for tensor_name, ranges in spans.items():
                     for start, end in ranges:
-                        self.core.tx.check_free(self.core.tensor(tensor_name), start // 2, end // 2)
+                        self.core.tx.check_free(self.core.tensor(tensor_name), start // grad_size, end // grad_size)
         queued: list[concurrent.futures.Future[None]] = []
         implicit = None
         try:
@@ -206,11 +211,12 @@ class GradientWrites:
                 # Staged a few blocks at a time, so the kernel workers start on the first
                 # blocks before this thread has staged the whole batch.
                 position = 0
+                stage_bytes = _LENT_STAGE_ELEMS * grad_size
                 while True:
-                    # Up to the next multiple of _LENT_STAGE_BYTES in the file: whole blocks.
-                    end = min(len(data), (offset + position) // _LENT_STAGE_BYTES * _LENT_STAGE_BYTES
-                              + _LENT_STAGE_BYTES - offset)
-                    copy = None if param_copy is None else param_copy[position:end]
+                    # Up to the next multiple of stage_bytes in the file: whole blocks.
+                    end = min(len(data), (offset + position) // stage_bytes * stage_bytes + stage_bytes - offset)
+                    copy = None if param_copy is None else param_copy[
+                        position // grad_size * _PARAM_ITEMSIZE : end // grad_size * _PARAM_ITEMSIZE]
                     with self.core.timing.command("write_grad"):
                         _, completed = self._stage_grad(tensor_name, offset + position, data[position:end],
                                                         wait=True, lent=queued, param_copy=copy)
@@ -241,7 +247,7 @@ class GradientWrites:
             # place, so a buffer the caller could reuse is copied; FUSE hands over bytes
             # (or, on the data path, a view of the request's bytes).
             data = bytes(data)
-        grad = np.frombuffer(data, dtype=np.uint16)
+        grad = np.frombuffer(data, dtype=self.core.grad_dtype)
         # Lent memory other than bytes (the CMB) may change under the device at any time, so
         # each of its elements must be read exactly once (see _run_block): nothing here reads
         # it, and the blocks' workers count what they step.
@@ -270,7 +276,7 @@ class GradientWrites:
                         "until a single client's BEGIN_STEP")
                 tx = self.steps.begin_locked(None, 1.0, explicit=False)
             params = None if param_copy is None else np.frombuffer(param_copy, dtype=np.uint16)
-            ready = tx.receive(tensor, offset // 2, grad, shared, params)
+            ready = tx.receive(tensor, offset // self.core.grad_dtype.itemsize, grad, shared, params)
             completes_step = tx.all_received and bool(ready) and not tx.explicit
             # Counted before they are queued, so a commit cannot pass blocks not queued yet.
             tx.inflight += len(ready)

@@ -83,7 +83,7 @@ def main() -> int:
             optimizer = torch.optim.AdamW(groups(model), lr=LR)
         elif not config.get("optimizer_before_ranks"):
             optimizer = AdamW(groups(model), lr=LR, mount=config["mount"], namespace=config["namespace"],
-                              step_timeout_s=config.get("step_timeout_s", 60.0))
+                              step_timeout_s=config.get("step_timeout_s", 60.0), grad_dtype=config.get("grad_dtype"))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(config))
     except Exception as exc:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")

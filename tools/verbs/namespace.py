@@ -126,8 +126,10 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("--mode", choices=("adamw", "adam"), default="adamw",
                      help="adamw: decoupled weight decay; adam: L2 penalty added to the gradient "
                           "(default: %(default)s)")
-    sub.add_argument("--grad-dtype", choices=("fp16", "bf16"), default="fp16",
-                     help="dtype the trainer writes gradients in (default: %(default)s)")
+    sub.add_argument("--grad-dtype", choices=("fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2"), default="fp16",
+                     help="dtype the trainer writes gradients in: fp32 for exact parity with an FP32 "
+                          "trainer (6 B/param on the wire), fp8 codes with a per-tensor scale sent with "
+                          "each step (default: %(default)s)")
     sub.add_argument("--param-dtype", choices=("fp16", "bf16"), default="fp16",
                      help="dtype the device hands params back in (default: %(default)s)")
     sub.add_argument("--state-dtype", choices=("fp32", "bf16", "fp16", "int8"), default="fp32",
