@@ -10,7 +10,7 @@ import torch
 from ..protocol.status import DeviceError
 
 from . import grads as grad_rules
-from .namespace_files import DeviceLostError, NamespaceFiles
+from .namespace_files import GRAD_TORCH_DTYPES, DeviceLostError, NamespaceFiles
 from .plan import Entry, group_hyper
 
 
@@ -23,6 +23,7 @@ class DeviceSession:
     entries: list[Entry]
     param_groups: list[dict[str, Any]]
     dtype: torch.dtype
+    grad_dtype: str | None  # the gradients' wire format; None: dtype's (plan.GRAD_DTYPES)
     streaming: bool
     scaler: torch.amp.GradScaler | None
     max_grad_norm: float | None
@@ -36,11 +37,20 @@ class DeviceSession:
     _entry_of: dict[int, Entry]
     _pending: list[concurrent.futures.Future[int]]
     _writer: concurrent.futures.ThreadPoolExecutor | None
+    # The group's and the sharded job's aborts (group.py, sharded.py), declared here only: a
+    # class-level annotation makes no attribute, the MRO finds theirs.
+    _abort_group: Callable[[str], None]
+    _abort_shared: Callable[[str], None]
 
     # ------------------------------------------------------------------ gradients out
 
+    @property
+    def grad_wire(self) -> torch.dtype:
+        """The torch dtype the gradients cross in: grad_dtype's, else the params' wire dtype."""
+        return GRAD_TORCH_DTYPES[self.grad_dtype] if self.grad_dtype is not None else self.dtype
+
     def _wire_grad(self, entry: Entry, on_host: bool = True) -> torch.Tensor:
-        return grad_rules.wire_grad(entry, self.dtype, on_host)
+        return grad_rules.wire_grad(entry, self.grad_wire, on_host)
 
     def _write_grad(self, entry: Entry, grad: tuple[torch.Tensor, "torch.cuda.Event | None"]) -> int:
         """One tensor's gradients, streamed (on the writer thread)."""
@@ -80,6 +90,7 @@ class DeviceSession:
                 )
             for entry in self.entries:
                 if entry.index not in self._streamed:
+                    # A streaming optimizer has its writer from construction to close().
                     self._pending.append(self._writer.submit(  # type: ignore[union-attr]
                         self._write_grad, entry, self._streamed_grad(entry)))
             for future in concurrent.futures.as_completed(self._pending):
@@ -181,10 +192,10 @@ class DeviceSession:
         """Drop a step that failed halfway, so the next one can begin (best effort). A
         sharded job's step is aborted for every rank, which then hear `why`."""
         if getattr(self, "_group", None) is not None:
-            self._abort_group(why)  # type: ignore[attr-defined]
+            self._abort_group(why)
             return
         if getattr(self, "_ranks", None) is not None:
-            self._abort_shared(why)  # type: ignore[attr-defined]
+            self._abort_shared(why)
             return
         for future in self._pending:
             future.cancel()
