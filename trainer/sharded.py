@@ -32,6 +32,7 @@ class ShardedSession:
     entries: list[Entry]
     param_groups: list[dict[str, Any]]
     dtype: torch.dtype
+    grad_wire: torch.dtype  # the gradients' wire dtype (session.DeviceSession.grad_wire)
     max_grad_norm: float | None
     last_grad_norm: float | None
     committed_step: int
@@ -41,6 +42,14 @@ class ShardedSession:
     _ranks: Ranks | None
     _sent_hypers: list[dict[str, float]]
     _step_open: bool
+    last_step_skipped: bool
+    load_hook: Callable[[str], None] | None
+    # The optimizer's methods these call (optim.py), declared here only: a class-level
+    # annotation makes no attribute, the MRO finds theirs.
+    _check_config: Callable[[dict[str, Any]], None]
+    _attach: Callable[[], None]
+    _create: Callable[..., None]
+    _description: Callable[[int], dict[str, Any]]
     # The job's id on the device (rank 0 draws it), this rank's pieces, the bound on the
     # wait for the other ranks, and whether the optimizer averages the gradients (None:
     # decided at the first step, when a DDP wrapper made after the optimizer exists).
@@ -269,16 +278,18 @@ class ShardedSession:
         assert ranks is not None
         if self._fsdp:
             # FSDP2's reduce-scatter left each rank its rows of the averaged gradients.
-            return fsdp.local_grads(self.entries, self._shard, self.dtype, self._fsdp_views)
-        full = [entry.param.grad for entry in self.entries]
+            return fsdp.local_grads(self.entries, self._shard, self.grad_wire, self._fsdp_views)
+        full: list[torch.Tensor | None] = [entry.param.grad for entry in self.entries]
         if self._averaging():
-            full = distributed.average(full, ranks)  # type: ignore[arg-type]
+            present = [grad for grad in full if grad is not None]
+            assert len(present) == len(full)  # step() refused a step with missing gradients
+            full = list(distributed.average(present, ranks))
         pieces = []
         for piece in self._shard:
             grad = full[piece.index]
             assert grad is not None  # step() refused a step with missing gradients
             flat = grad.detach().reshape(-1)[piece.start : piece.stop]
-            pieces.append((piece.name, piece.start, flat.to("cpu", self.dtype)))
+            pieces.append((piece.name, piece.start, flat.to("cpu", self.grad_wire)))
         return pieces
 
     def _step_sharded(self, loss_scale: float, timing: dict[str, float]) -> dict[str, Any]:
@@ -317,6 +328,7 @@ class ShardedSession:
         if self._ranks is not None and self._param_gather == "allgather" and self._shards is not None:
             self._read_and_gather()
         else:
+            # DeviceSession's, next in optim._DeviceAdam's order (not a base of this mixin).
             super()._read_params()  # type: ignore[misc]
 
     def _read_and_gather(self) -> None:
@@ -466,14 +478,14 @@ class ShardedSession:
         or the new one), every rank then follows it and reads its params back."""
         ranks = self._ranks
         assert ranks is not None
-        hook = self.load_hook or (lambda stage: None)  # type: ignore[attr-defined]
+        hook = self.load_hook or (lambda stage: None)
 
         def replace() -> None:
-            namespace_swap.replace(self.files, self._description(step),  # type: ignore[attr-defined]
+            namespace_swap.replace(self.files, self._description(step),
                                    lambda: self.files.write_many(loads), hook)
 
         follow_rank0_load([self], ranks, replace)
-        self.committed_step, self.steps_skipped, self.last_step_skipped = step, 0, False  # type: ignore[attr-defined]
+        self.committed_step, self.steps_skipped, self.last_step_skipped = step, 0, False
         # The device rounds the masters to the wire dtype; every rank continues from that.
         self._read_params()
 
