@@ -147,7 +147,7 @@ class ZeroBinding:
             if grad is None:
                 opt._abort_shared(f"param group {piece.index} has no gradient")
                 raise RuntimeError(f"DeepSpeed's flat partition of param group {piece.index} has no gradient")
-            pieces.append((piece.name, piece.start, grad.detach().reshape(-1)[: piece.numel].to("cpu", opt.dtype)))
+            pieces.append((piece.name, piece.start, grad.detach().reshape(-1)[: piece.numel].to("cpu", opt.grad_wire)))
         clock = time.perf_counter
         started = clock()
         try:
