@@ -139,23 +139,24 @@ class Device:
                                   "device formatted here writes a file of that name (remove it)")
             in_use.unlink()
         (root / "ns").mkdir(exist_ok=True)
+        identity: dict[str, Any] = {
+            "vid": VENDOR_ID,
+            "serial": serial or secrets.token_hex(10).upper(),
+            "model": MODEL,
+            "firmware_revision": FIRMWARE_REVISION,
+            "capacity_bytes": int(capacity_bytes),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         superblock = {
             "format_version": FORMAT_VERSION,
-            "identity": {
-                "vid": VENDOR_ID,
-                "serial": serial or secrets.token_hex(10).upper(),
-                "model": MODEL,
-                "firmware_revision": FIRMWARE_REVISION,
-                "capacity_bytes": int(capacity_bytes),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            },
+            "identity": identity,
             "namespaces": {},
             "next_nsid": 1,
             "health": dataclasses.asdict(LifetimeCounters()) | {"clean": True},
         }
         fsync_dir(root)
         atomic_write_json(root / SUPERBLOCK_FILE, superblock)
-        return superblock["identity"]
+        return identity
 
     @staticmethod
     def _read_superblock(root: Path) -> dict[str, Any]:
@@ -395,8 +396,10 @@ class Device:
             # A block the background verification found bad, as recovery's at open.
             self.health.log_error(Status.UNRECOVERED_READ_ERROR, sqid=0xFFFF, lba=error[2], nsid=nsid)
 
-        namespace.media_error_sink = log_media_error
-        namespace.recovery_error_sink = log_block_error
+        optimizer = namespace.as_optimizer()
+        if optimizer is not None:  # only an optimizer namespace keeps checksummed state copies
+            optimizer.media_error_sink = log_media_error
+            optimizer.recovery_error_sink = log_block_error
 
     def describe(self) -> dict[str, Any]:
         """Identity, capacity and namespaces, as the vendor identify command returns them."""

@@ -286,10 +286,10 @@ class Features:
             result = new["under" if thsel == THSEL_UNDER else "over"] | tmpsel << 16 | thsel << 20
             return Completion(command.cid, Status.SUCCESS, result=result)
         changes = _checked_settings(_payload_object(command, tuple(DEFAULT_SETTINGS)))
-        old = self._settings()
-        new = old | changes
-        self._change(feature, old, new, self._apply_settings, save)
-        return Completion(command.cid, Status.SUCCESS, data=_json(new))
+        old_settings = self._settings()
+        new_settings = old_settings | changes
+        self._change(feature, old_settings, new_settings, self._apply_settings, save)
+        return Completion(command.cid, Status.SUCCESS, data=_json(new_settings))
 
     def _change(self, feature: FeatureId, old: dict[str, Any], new: dict[str, Any],
                 apply: Callable[[Any], None], save: bool) -> None:

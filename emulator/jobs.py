@@ -73,6 +73,7 @@ class JobTable:
         return job
 
     def _run(self, job: Job, work: Callable[[Job], None], cleanup: Callable[[], None]) -> None:
+        error: str | None
         state, status, error = "failed", Status.INTERNAL_ERROR.name, "interrupted"
         try:
             work(job)

@@ -319,13 +319,14 @@ class StateFile:
             return f"{name} was replaced by another file while in use"
         return None
 
-    def write_at(self, offset: int, data: np.ndarray) -> None:
+    def write_at(self, offset: int, data: np.ndarray | bytes | bytearray | memoryview) -> None:
         """Write `data` at byte `offset` with pwrite rather than through the mapping.
 
         A page cleaned by the last flush is write-protected in every mapping, so storing
         into it through mmap takes one fault per 4 KiB page; pwrite copies without faulting.
         """
-        view = memoryview(data).cast("B")
+        # An array by its own buffer (numpy's stubs do not declare the buffer protocol).
+        view = memoryview(data if isinstance(data, (bytes, bytearray, memoryview)) else data.data).cast("B")
         try:
             if _hooks is not None:
                 _hooks.before_write(self.path)

@@ -90,7 +90,7 @@ def _serve_http(port: int, addr: str, app: WsgiApp) -> tuple[WSGIServer, threadi
     # The address decides the family (an IPv6 address needs AF_INET6).
     family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     server_class = type("MetricsHTTPServer", (_ThreadingServer,), {"address_family": family})
-    httpd = make_server(sockaddr[0], port, app, server_class, handler_class=_QuietHandler)
+    httpd: WSGIServer = make_server(str(sockaddr[0]), port, app, server_class, handler_class=_QuietHandler)
     thread = threading.Thread(target=httpd.serve_forever, name="cossd-metrics", daemon=True)
     thread.start()
     return httpd, thread

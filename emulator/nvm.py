@@ -263,7 +263,7 @@ class NvmNamespace:
             return 0
         self._check_media()
         started = time.perf_counter_ns()
-        self._data.write_at(offset, data)  # type: ignore[arg-type]  # any buffer: it casts to bytes
+        self._data.write_at(offset, data)  # any buffer: it casts to bytes
         with self._lock:
             # Set once the bytes are in the page cache, before the write is acknowledged: a flush
             # that cleared the flag earlier may have synced without them, so the next one must not

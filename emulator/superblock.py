@@ -146,7 +146,7 @@ class Superblock:
         if "block_crcs" in changes and "param_crcs" not in changes:
             changes["param_crcs"] = None
         fields = dataclasses.asdict(self) | {"seq": self.seq + 1} | changes
-        return Superblock(**fields)  # type: ignore[arg-type]
+        return Superblock(**fields)
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -139,9 +139,9 @@ def copy(device: Any, cmb: ControllerMemoryBuffer | None, namespace: MemoryNames
                 raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{source.name!r}: {len(piece)} of {length} bytes read")
             pieces.append(np.frombuffer(piece, dtype=np.uint8))
     at = 0
-    for piece in pieces:
-        destination[at : at + len(piece)] = piece
-        at += len(piece)
+    for chunk in pieces:
+        destination[at : at + len(chunk)] = chunk
+        at += len(chunk)
     _count(namespace, written=total)
     return _done(command, total, ranges=count)
 

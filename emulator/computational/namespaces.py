@@ -168,6 +168,8 @@ class ComputeNamespace(_VolatileNamespace):
         # Set by the command module on first use: the namespace's programs and range sets.
         self.state: Any = None
 
+    # The kinds table (emulator/kinds.py) hands each kind its own spec class, so the narrower
+    # spec than NvmNamespace.create takes is never met by another.
     @classmethod
     def create(cls, directory: Path, nsid: int, spec: ComputeSpec, sync: bool = False) -> "ComputeNamespace":  # type: ignore[override]
         spec.validate()
@@ -175,7 +177,7 @@ class ComputeNamespace(_VolatileNamespace):
         return cls(directory, nsid, spec)
 
     @classmethod
-    def open(cls, directory: Path, sync: bool = False) -> "ComputeNamespace":  # type: ignore[override]
+    def open(cls, directory: Path, sync: bool = False) -> "ComputeNamespace":
         meta = read_json(directory / META_FILE)
         return cls(directory, int(meta["nsid"]), ComputeSpec.from_json(meta["spec"]))
 
@@ -194,6 +196,8 @@ class MemoryNamespace(_VolatileNamespace):
             self.memory = ControllerMemoryBuffer(spec.capacity_bytes)
             self.capacity_bytes = spec.capacity_bytes  # the data file's size
 
+    # The kinds table (emulator/kinds.py) hands each kind its own spec class, so the narrower
+    # spec than NvmNamespace.create takes is never met by another.
     @classmethod
     def create(cls, directory: Path, nsid: int, spec: MemorySpec, sync: bool = False) -> "MemoryNamespace":  # type: ignore[override]
         spec.validate()
@@ -201,7 +205,7 @@ class MemoryNamespace(_VolatileNamespace):
         return cls(directory, nsid, spec)
 
     @classmethod
-    def open(cls, directory: Path, sync: bool = False) -> "MemoryNamespace":  # type: ignore[override]
+    def open(cls, directory: Path, sync: bool = False) -> "MemoryNamespace":
         meta = read_json(directory / META_FILE)
         return cls(directory, int(meta["nsid"]), MemorySpec.from_json(meta["spec"]))
 

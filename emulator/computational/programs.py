@@ -151,8 +151,9 @@ def hyperparameter_changes(block: bytes) -> tuple[int | None, dict[str, float]]:
     """The optional hyperparameter block: (group or None for all, {field: value})."""
     value = np.frombuffer(block, dtype=ADAMW_HYPERPARAMETERS, count=1)[0]
     group = int(value["group"])
+    fields = ADAMW_HYPERPARAMETERS.names or ()  # a structured dtype: its names are never None
     return (None if group == ALL_GROUPS else group), {name: float(value[name]) for name in GROUP_FIELDS
-                                                       if name in ADAMW_HYPERPARAMETERS.names}
+                                                       if name in fields}
 
 
 def run_adamw(namespace: Namespace, pieces: list[Piece], step: int, grad_scale: float | None,

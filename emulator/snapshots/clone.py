@@ -32,7 +32,9 @@ def clone(store: SnapshotStore, tag: object, new_name: object, device: Device) -
         def build(directory: Path, nsid: int) -> Namespace:
             return _build_clone(store, snapshot, spec, directory, nsid)
 
-        return device.adopt_namespace(new_name, 2 * store.copy_bytes, build)
+        adopted = device.adopt_namespace(new_name, 2 * store.copy_bytes, build).as_optimizer()
+        assert adopted is not None  # build made an optimizer namespace
+        return adopted
 
 def _build_clone(store: SnapshotStore, snapshot: Snapshot, spec: Any, directory: Path, nsid: int) -> Namespace:
     store.verify(snapshot)

@@ -15,7 +15,7 @@ from ..namespace import Namespace
 from ...protocol.entries import NSID_ALL, Command, Completion, Opcode
 
 # What the Commands Supported and Effects page (LID 05h) announces beyond CSUPP.
-EFFECTS = {
+EFFECTS: dict[int, int] = {
     Opcode.SNAPSHOT_ROLLBACK: LBCC,  # the state a namespace serves changes
     Opcode.SNAPSHOT_CLONE: NIC,  # a namespace appears
 }

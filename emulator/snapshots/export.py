@@ -184,6 +184,7 @@ def _decoded_block(plan_: ExportPlan, source_fd: int, tensor: TensorLayout, role
     """One block of a block-scaled moment as FP32, from its codes and its scales (read here
     and chained onto the block's checksum, which covers them right after the codes)."""
     scale_role = role + "_scale"
+    assert plan_.scaled_format is not None  # only a block-scaled moment is decoded here
     first, last = start // kernels.STATE_BLOCK, -(-stop // kernels.STATE_BLOCK)
     scales = media.read_exact(source_fd, (last - first) * 4, region_offset(tensor, scale_role) + first * 4,
                               "the exported state")
