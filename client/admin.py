@@ -88,11 +88,14 @@ class AdminClient:
     def delete_namespace(self, nsid: int) -> None:
         self.call(Opcode.DELETE_NAMESPACE, nsid=nsid)
 
-    def begin_step(self, nsid: int, step: int = 0, grad_scale: float = 1.0) -> int:
+    def begin_step(self, nsid: int, step: int = 0, grad_scale: float = 1.0,
+                   grad_scales: dict[str, float] | None = None) -> int:
+        """BEGIN_STEP; grad_scales: each FP8 tensor's scale, the payload {"grad_scales": {...}}."""
         low, high = f64_to_dwords(grad_scale)
+        payload = json.dumps({"grad_scales": grad_scales}).encode() if grad_scales else b""
         completion = self.call(
             Opcode.BEGIN_STEP, nsid=nsid, cdw10=step & 0xFFFFFFFF, cdw11=step >> 32,
-            cdw12=low, cdw13=high,
+            cdw12=low, cdw13=high, payload=payload,
         )
         return int(json.loads(completion.data)["step"])
 

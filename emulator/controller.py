@@ -321,9 +321,16 @@ class Controller:
         namespace = self.device.optimizer_namespace(command.nsid, "begin step")
         step = command.cdw10_11 or None
         grad_scale = command.cdw12_13_f64 if (command.cdw12 or command.cdw13) else 1.0
-        if command.payload:  # a job's ranks sharing the step
-            return shared_commands.begin(namespace, command, command.cdw10_11, grad_scale)
-        opened = namespace.begin_step(step, grad_scale)
+        grad_scales = None
+        if command.payload:
+            value = command.json  # INVALID_FIELD for anything malformed
+            if not (isinstance(value, dict) and set(value) == {"grad_scales"}):
+                # a job's ranks sharing the step
+                return shared_commands.begin(namespace, command, command.cdw10_11, grad_scale)
+            grad_scales = value["grad_scales"]
+            if not isinstance(grad_scales, dict):
+                raise DeviceError(Status.INVALID_FIELD, "grad_scales must be a JSON object {tensor: scale}")
+        opened = namespace.begin_step(step, grad_scale, grad_scales)
         return Completion(command.cid, Status.SUCCESS, result=opened & 0xFFFFFFFF,
                           data=_json({"step": opened, "grad_scale": grad_scale}))
 

@@ -1,6 +1,7 @@
 """The step's gradients: in the wire dtype, which params lack one, the scale they carry, and global-norm clipping."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,6 +18,33 @@ def wire_grad(entry: Entry, dtype: torch.dtype, on_host: bool = True) -> torch.T
     if grad.is_sparse:
         raise RuntimeError("cossd optimizers do not support sparse gradients")
     return grad.detach().to("cpu" if on_host else grad.device, dtype).reshape(-1)
+
+
+# The largest finite value of each FP8 gradient format (OCP: E4M3 448, E5M2 57344).
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+# The FP8 scale's exponent is kept within +-64: the device's multiplier (grad_scale / scale)
+# then stays a normal float32 for any loss scale and clip coefficient in use.
+FP8_SCALE_EXPONENT = 64
+
+
+def fp8_scale(amax: float, grad_dtype: str) -> float:
+    """The per-tensor scale of current scaling: the power of two 2^floor(log2(fp8_max / amax)),
+    so the largest |gradient| times it lands in [fp8_max / 2, fp8_max]. A power of two because
+    multiplying by it, and the device's multiplying by its inverse, are exact: the only
+    rounding FP8 adds is the encoding's (as MS-AMP's scales). 1.0 where amax is 0 or not finite
+    (a non-finite gradient skips the step on the device anyway)."""
+    if not (amax > 0 and math.isfinite(amax)):
+        return 1.0
+    exponent = math.floor(math.log2(FP8_MAX[grad_dtype] / amax))
+    return math.ldexp(1.0, max(-FP8_SCALE_EXPONENT, min(FP8_SCALE_EXPONENT, exponent)))
+
+
+def fp8_encode(grad: torch.Tensor, grad_dtype: str, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """A flat gradient as FP8 codes (uint8, round to nearest even) times its scale, and the scale."""
+    amax = float(grad.detach().abs().max()) if grad.numel() else 0.0
+    scale = fp8_scale(amax, grad_dtype)
+    codes = (grad.to(torch.float32) * scale).to(fp8_dtype).view(torch.uint8)
+    return codes, scale
 
 
 def missing(entries: list[Entry]) -> list[Entry]:

@@ -16,7 +16,7 @@ from . import distributed, fsdp, namespace_swap
 from ..client import Credentials
 from .distributed import Ranks
 from .namespace_files import WIRE_DTYPES, NamespaceFiles
-from .plan import GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
+from .plan import FP8_GRAD_DTYPES, GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
 from .session import DeviceSession
@@ -120,6 +120,10 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
             raise ValueError(f"grad_dtype must be None (the params' dtype) or one of {', '.join(GRAD_DTYPES)}, "
                              f"got {grad_dtype!r}")
         self.grad_dtype = grad_dtype
+        if grad_dtype in FP8_GRAD_DTYPES and (streaming or mounts is not None or self._ranks is not None):
+            raise ValueError(f"grad_dtype={grad_dtype!r} (FP8 codes with a per-tensor scale) is supported in one "
+                             "process on one device with streaming=False; not with streaming, several devices "
+                             "or a sharded job (torch.distributed with several ranks)")
         self._mode = "adamw" if defaults.get("decoupled_weight_decay") else "adam"
         self._initialized = False
         super().__init__(params, defaults)

@@ -19,7 +19,9 @@ HYPER_FIELDS = GROUP_FIELDS
 STATE_DTYPES = ("fp32", "bf16", "fp16", "int8")
 # The gradients' formats a namespace can take (emulator/spec.py GRAD_FORMATS); the params come
 # back in the 16-bit wire dtype whichever it is.
-GRAD_DTYPES = ("fp16", "bf16", "fp32")
+GRAD_DTYPES = ("fp16", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2")
+# The FP8 ones: their codes carry a per-tensor scale sent with BEGIN_STEP.
+FP8_GRAD_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
 

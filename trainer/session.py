@@ -11,7 +11,7 @@ from ..protocol.status import DeviceError
 
 from . import grads as grad_rules
 from .namespace_files import GRAD_TORCH_DTYPES, DeviceLostError, NamespaceFiles
-from .plan import Entry, group_hyper
+from .plan import FP8_GRAD_DTYPES, Entry, group_hyper
 
 
 class DeviceSession:
@@ -46,7 +46,12 @@ class DeviceSession:
 
     @property
     def grad_wire(self) -> torch.dtype:
-        """The torch dtype the gradients cross in: grad_dtype's, else the params' wire dtype."""
+        """The torch dtype the gradients cross in: grad_dtype's, else the params' wire dtype.
+        FP8 codes need their scale (_send_grads): any other path that asks is refused."""
+        if self.grad_dtype in FP8_GRAD_DTYPES:
+            raise RuntimeError(f"grad_dtype={self.grad_dtype!r}: FP8 gradients carry a per-tensor scale that "
+                               "only a single process's step sends (not streaming, a sharded job, DeepSpeed or "
+                               "several devices)")
         return GRAD_TORCH_DTYPES[self.grad_dtype] if self.grad_dtype is not None else self.dtype
 
     def _wire_grad(self, entry: Entry, on_host: bool = True) -> torch.Tensor:
@@ -98,14 +103,25 @@ class DeviceSession:
             return 0.0
         # Through the memory buffer a GPU's gradients go there directly (one copy).
         on_host = not self.files.step_transport().reaches_device_memory
-        grads = [self._wire_grad(entry, on_host) for entry in self.entries]
+        fp8 = self.grad_dtype in FP8_GRAD_DTYPES
+        # FP8: the gradients in FP32 first (the norm is theirs), then encoded with their scales.
+        grads = [grad_rules.wire_grad(entry, torch.float32, on_host) if fp8 else self._wire_grad(entry, on_host)
+                 for entry in self.entries]
         coefficient = 1.0
         if self.max_grad_norm is not None:
             self.last_grad_norm = grad_rules.global_norm(grads, grad_scale)
             coefficient = grad_rules.clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+        scales: dict[str, float] | None = None
+        if fp8:
+            assert self.grad_dtype is not None
+            encoded = [grad_rules.fp8_encode(grad, self.grad_dtype, GRAD_TORCH_DTYPES[self.grad_dtype])
+                       for grad in grads]
+            grads = [codes for codes, _ in encoded]
+            scales = {entry.name: scale for entry, (_, scale) in zip(self.entries, encoded)}
         began = time.perf_counter()
-        # The device multiplies each gradient by the step's combined scale.
-        self._begin(coefficient / grad_scale)
+        # The device multiplies each gradient by the step's combined scale (and an FP8 tensor's
+        # by the inverse of its own).
+        self._begin(coefficient / grad_scale, scales)
         begin_s = time.perf_counter() - began
         self._write_grads(grads)
         return begin_s
@@ -172,11 +188,11 @@ class DeviceSession:
                 )
                 self._sent_hypers[index] = current
 
-    def _begin(self, grad_scale: float) -> None:
+    def _begin(self, grad_scale: float, grad_scales: dict[str, float] | None = None) -> None:
         self._sync_hyperparameters()
         self.files.step_began()
         self.files.command(
-            self.files.admin.begin_step, self.files.nsid, self.committed_step + 1, grad_scale
+            self.files.admin.begin_step, self.files.nsid, self.committed_step + 1, grad_scale, grad_scales
         )
         self._step_open = True
 

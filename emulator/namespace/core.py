@@ -179,9 +179,11 @@ class Namespace:
     # ------------------------------------------------------------------ steps (steps.py, shared.py)
 
     @modeled_command("begin_step")
-    def begin_step(self, step: int | None = None, grad_scale: float = 1.0) -> int:
-        """Open step `step` (default: the next one) with a combined gradient scale."""
-        return self.steps.begin_step(step, grad_scale)
+    def begin_step(self, step: int | None = None, grad_scale: float = 1.0,
+                   grad_scales: dict[str, float] | None = None) -> int:
+        """Open step `step` (default: the next one) with a combined gradient scale, and for an
+        FP8 namespace each tensor's FP8 scale (its codes are the gradient times it)."""
+        return self.steps.begin_step(step, grad_scale, grad_scales)
 
     @modeled_command("commit_step")
     def commit_step(self) -> CommitResult:

@@ -397,13 +397,13 @@ class GradientWrites:
             if not nonfinite and tx.nonfinite == 0:
                 if self.core.scaled:
                     crc, param_crc, written = self._run_scaled_block(
-                        tensor, committed, start, stop, grad, tx.scalars[self.core.group_of[tensor.name]],
+                        tensor, committed, start, stop, grad, tx.scalars_of(tensor.name, self.core.group_of[tensor.name]),
                         block.param_copy, None if mapped else buffers)
                 elif mapped:
                     # The kernel stores the new state straight into the shadow copy's mapping.
                     state.before_mapped_write()
                     crc, _, param_crc = self._block_update(committed, tensor)(
-                        grad, start, tx.scalars[self.core.group_of[tensor.name]], block.param_copy)
+                        grad, start, tx.scalars_of(tensor.name, self.core.group_of[tensor.name]), block.param_copy)
                     written = (stop - start) * sum(self.core.role_dtype(role).itemsize for role in BLOCK_ROLES)
                 else:
                     # Into this thread's buffers, which pwrite then copies into the shadow
@@ -419,7 +419,7 @@ class GradientWrites:
                         grad_format=self.core.grad_format,
                         param_format=self.core.param_format,
                         state_format=self.core.state_format,
-                        scalars=tx.scalars[self.core.group_of[tensor.name]],
+                        scalars=tx.scalars_of(tensor.name, self.core.group_of[tensor.name]),
                     )
                     if block.param_copy is not None:
                         block.param_copy[:] = out["param"]  # still in cache
