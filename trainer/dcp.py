@@ -44,7 +44,7 @@ def called_by_dcp(depth: int = 4) -> bool:
     return False
 
 
-class DeviceStateView(collections.defaultdict):  # type: ignore[type-arg]
+class DeviceStateView(collections.defaultdict[torch.Tensor, Any]):
     """The optimizer's `state`: torch's defaultdict(dict), left empty (the state is on the
     device). To DCP's functions only, it reads as initialized (so _init_optim_state does not
     take a zero-gradient step on the device) and names each param's keys of the form that

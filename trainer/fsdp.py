@@ -1,7 +1,7 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard) params in a sharded optimizer: each rank's element ranges of the global tensors, its local gradients out, its masters in, its params back in place."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -9,6 +9,9 @@ import torch.distributed as dist
 from .distributed import Ranks
 from .plan import Entry
 from .shard import Piece
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def _dtensor_class() -> type | None:
@@ -19,9 +22,15 @@ def _dtensor_class() -> type | None:
     return DTensor
 
 
-def is_dtensor(tensor: Any) -> bool:
+def is_dtensor(tensor: Any) -> TypeGuard[DTensor]:
     cls = _dtensor_class()
     return cls is not None and isinstance(tensor, cls)
+
+
+def as_dtensor(entry: Entry) -> DTensor:
+    """An FSDP2 entry's param as the DTensor it is (uses_fsdp found every one of them so).
+    Only the type checker's view changes: a tensor that acts as a DTensor passes as one."""
+    return cast("DTensor", entry.param)
 
 
 def uses_fsdp(entries: list[Entry]) -> bool:
@@ -67,7 +76,7 @@ def is_hsdp(entries: list[Entry]) -> bool:
     """Whether these FSDP2 params are HSDP's: replicated over mesh dim 0, Shard(0) over dim 1."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return bool(entries) and all(tuple(entry.param.placements) == (Replicate(), Shard(0)) for entry in entries)
+    return bool(entries) and all(tuple(as_dtensor(entry).placements) == (Replicate(), Shard(0)) for entry in entries)
 
 
 def sends_rows(entries: list[Entry]) -> bool:
@@ -76,13 +85,13 @@ def sends_rows(entries: list[Entry]) -> bool:
     reach the device once. Every rank reads its own rows back."""
     if not is_hsdp(entries):
         return True
-    return entries[0].param.device_mesh.get_local_rank(0) == 0
+    return as_dtensor(entries[0]).device_mesh.get_local_rank(0) == 0
 
 
 def _hsdp_rows(entry: Entry, members: list[int]) -> tuple[int, int]:
     """An HSDP param's mesh checked (2-D, every rank of the optimizer's group once): this
     rank's coordinate on the shard dim and that dim's size."""
-    mesh = entry.param.device_mesh
+    mesh = as_dtensor(entry).device_mesh
     if mesh.ndim != 2:
         raise ValueError(f"param {entry.name}: placements {HSDP} on a {mesh.ndim}-D mesh; HSDP's is 2-D")
     spans = sorted(int(rank) for rank in mesh.mesh.flatten().tolist())
@@ -106,7 +115,7 @@ def local_pieces(entries: list[Entry], ranks: Ranks) -> list[Piece]:
     hsdp = is_hsdp(entries)
     pieces = []
     for entry in entries:
-        param = entry.param
+        param = as_dtensor(entry)
         if hsdp:
             if param.dim() == 0:
                 raise ValueError(f"param {entry.name}: a 0-dim DTensor has no dim 0 to shard")
@@ -157,7 +166,7 @@ Views = tuple[Callable[[Piece], torch.Tensor], Callable[[Piece], "torch.Tensor |
 def shard_views(entries: list[Entry]) -> Views:
     """Each piece is its entry's local shard, whole (the optimizer on one device)."""
     def param(piece: Piece) -> torch.Tensor:
-        return entries[piece.index].param.to_local()
+        return as_dtensor(entries[piece.index]).to_local()
 
     def grad(piece: Piece) -> torch.Tensor | None:
         grad = entries[piece.index].param.grad

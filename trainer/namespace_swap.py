@@ -97,7 +97,7 @@ def resolve_interrupted(files: NamespaceFiles) -> str | None:
     return f"finished a load into {files.name!r} that a killed job had sealed but not switched"
 
 
-def _prepare(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[], None],
+def _prepare(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[], object],
              hook: Callable[[str], None]) -> int:
     """The first half of a replace: the new state loaded (`fill`) into a fresh staging
     namespace, sealed (its loading phase ended, durably) and snapshotted; the old run is
@@ -140,7 +140,7 @@ def _prepare(files: NamespaceFiles, description: dict[str, Any], fill: Callable[
     return staging_nsid
 
 
-def replace(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[], None],
+def replace(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[], object],
             hook: Callable[[str], None] = lambda stage: None) -> None:
     """Make namespace `files.name` hold new state, atomically: a kill -9 (of this process or
     of the daemon) at any instant leaves either the old run or the new one, whole.
@@ -181,7 +181,7 @@ def replace(files: NamespaceFiles, description: dict[str, Any], fill: Callable[[
 
 
 def replace_group(members: list[NamespaceFiles], descriptions: list[dict[str, Any]],
-                  fills: list[Callable[[], None]],
+                  fills: list[Callable[[], object]],
                   hook: Callable[[str], None] = lambda stage: None) -> None:
     """Make the namespace on every device of `members` hold new state, atomically for the
     group: a kill -9 at any instant leaves the old run on every device or the new one on

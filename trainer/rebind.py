@@ -3,19 +3,20 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .namespace_files import WIRE_DTYPES, NamespaceFiles
 from .plan import TENSOR_NAME, Entry
+from .state_dict import StateDict
 
 
 class _SplitIntoGroups:
     """In place of the files of an optimizer whose groups each went to a namespace of their
     own (see Rebind._rebind): what needs the one namespace says why it is gone."""
 
-    def __init__(self, names: list[str], mountpoint: os.PathLike[str]) -> None:
+    def __init__(self, names: list[str], mountpoint: str | os.PathLike[str]) -> None:
         self.names, self.mountpoint, self.name = names, mountpoint, names[0]
 
     def close(self) -> None:
@@ -31,9 +32,11 @@ class _SplitIntoGroups:
             "param group, or ZeRO stage 0, for DeepSpeed checkpoints")
 
 
-class Rebind:
+class Rebind(StateDict):
     """The framework rebinding of optim._DeviceAdam (a mixin: DeepSpeed swaps the tensors
-    in the optimizer's own param_groups, and step()/load_state_dict() look here first)."""
+    in the optimizer's own param_groups, and step()/load_state_dict() look here first). It
+    extends StateDict's state_dict, load_state_dict and master_weights (its super() is that
+    mixin, next in _DeviceAdam's order either way)."""
 
     # Set by the optimizer (optim._DeviceAdam); the methods named here are its own.
     files: NamespaceFiles
@@ -44,6 +47,11 @@ class Rebind:
     _bound: dict[int, Any]
     _groups_at_init: list[dict[str, Any]]
     _state_options: dict[str, Any]
+    # The optimizer's methods this calls (optim.py, session.py), declared here only: a
+    # class-level annotation makes no attribute, the MRO finds theirs.
+    _plan: Callable[[], list[Entry]]
+    _create: Callable[..., None]
+    _pin_cmb_for_gpu: Callable[[], bool]
 
     # What the trainer reads of the device's state (docs/trainer.md, "What the optimizer tells
     # you"). While the namespace waits for deepspeed.initialize (deepspeed_zero.defers) the kept
@@ -98,18 +106,18 @@ class Rebind:
                 f"namespace {self.files.name!r} does not exist yet: deepspeed.initialize makes it for every "
                 "rank of this job (or this optimizer's first step() does, without DeepSpeed), and "
                 "master_weights() reads it after that")
-        return super().master_weights()  # type: ignore[misc]
+        return super().master_weights()
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """Under DeepSpeed ZeRO (deepspeed_zero.py): a reference to the device's
         state, no tensors; else the optimizer's own (state_dict.py)."""
         binding = getattr(self, "_deepspeed", None)
         if binding is not None:
             return binding.state_dict()
         self._open_if_deferred()
-        return super().state_dict()  # type: ignore[misc]
+        return super().state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         """Under DeepSpeed ZeRO, DeepSpeed's load_checkpoint (deepspeed_zero.py);
         else the optimizer's own (state_dict.py)."""
         binding = getattr(self, "_deepspeed", None)
@@ -117,7 +125,7 @@ class Rebind:
             binding.load_state_dict(state_dict)
             return
         self._open_if_deferred()
-        super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
+        super().load_state_dict(state_dict, *args, **kwargs)
 
     def _open_if_deferred(self) -> None:
         """Open the namespace that a construction beside an imported deepspeed left for
@@ -150,6 +158,7 @@ class Rebind:
         new = [param for group in groups for param in group["params"]]
         if "deepspeed" in sys.modules:
             from ..integrations import deepspeed as ds_support
+            assert isinstance(self, torch.optim.Optimizer)  # this mixin is part of optim._DeviceAdam
             ds_support.check_rebind(self, old, new)
         name = self.files.name
         if self.committed_step > 0 or self.restored:
@@ -204,6 +213,7 @@ class Rebind:
         if self.files.exists():
             self.files.delete()
         self.files.close()
+        # A stand-in, not NamespaceFiles: any use of the one namespace raises saying why it is gone.
         self.files = _SplitIntoGroups(names, self.files.mountpoint)  # type: ignore[assignment]
         for group, child_name in zip(groups, names):
             self._bound[id(group)] = self._new_child(group, child_name)

@@ -1,6 +1,7 @@
 """A cossd optimizer's state_dict and load_state_dict: torch's AdamW format, read from and loaded onto the device."""
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import weakref
@@ -28,6 +29,20 @@ class StateDict:
     load_hook: Callable[[str], None] | None
     _bound: dict[int, Any]
     _sent_hypers: list[dict[str, float]]
+    # The optimizer's methods these call (optim.py, session.py, sharded.py, rebind.py),
+    # declared here only: a class-level annotation makes no attribute, the MRO finds theirs.
+    _abort: Callable[..., None]
+    _description: Callable[[int], dict[str, Any]]
+    _read_params: Callable[[], None]
+    _master_loads: Callable[[list[torch.Tensor] | None], list[tuple[str, str, torch.Tensor]]]
+    _params_moved: Callable[[], bool]
+    _rebind: Callable[[], None]
+    _load_sharded_state: Callable[[int, list[tuple[str, str, torch.Tensor]]], None]
+    # A group of devices' (group.py), called where the optimizer has one (`_group`).
+    _group_master_weights: Callable[[], list[torch.Tensor]]
+    _group_read_state: Callable[[Entry, str], torch.Tensor]
+    _group_identity: Callable[[], dict[str, Any]]
+    _load_group_state: Callable[[int, list[tuple[str, str, torch.Tensor]]], None]
 
     # Which form state_dict() gives DCP's get_state_dict family: "reference" (a device
     # snapshot's name, dcp.py) or "full" (the moments and masters, as any other caller gets).
@@ -36,7 +51,7 @@ class StateDict:
     dcp_keep: int | None = None
 
     @property
-    def state(self) -> dcp.DeviceStateView:  # type: ignore[override]
+    def state(self) -> collections.defaultdict[torch.Tensor, Any]:  # torch's type; a dcp.DeviceStateView
         """torch's per-param state: empty, the state is on the device (see dcp.DeviceStateView)."""
         return self.__dict__["_device_state_view"]
 
@@ -47,7 +62,7 @@ class StateDict:
     def master_weights(self) -> list[torch.Tensor]:
         """The FP32 master weights, read from the device, shaped like the params."""
         if getattr(self, "_group", None) is not None:
-            return self._group_master_weights()  # type: ignore[attr-defined]
+            return self._group_master_weights()
         return [
             self.files.read(e.name, "master", torch.float32, e.numel).view(e.param.shape)
             for e in self.entries
@@ -55,7 +70,7 @@ class StateDict:
 
     def _read_state(self, entry: Entry, role: str) -> torch.Tensor:
         if getattr(self, "_group", None) is not None:
-            return self._group_read_state(entry, role)  # type: ignore[attr-defined]
+            return self._group_read_state(entry, role)
         values = self.files.read(entry.name, role, moment_file_dtype(self.state_dtype), entry.numel)
         return values.to(torch.float32).view(entry.param.shape)
 
@@ -64,7 +79,7 @@ class StateDict:
         serial), the namespace (nsids are never reused), its committed step, and the step
         counters its superblock carries over its life (a commit or a skip moves them)."""
         if getattr(self, "_group", None) is not None:
-            return self._group_identity()  # type: ignore[attr-defined]
+            return self._group_identity()
         if getattr(self, "_device_serial", None) is None:
             self._device_serial = str(self.files.command(self.files.admin.describe)["identity"]["serial"])
         stats = self.files.statistics()
@@ -96,7 +111,7 @@ class StateDict:
                 return False
         return all(_digest(tensor) == handed_out[id(tensor)][2] for tensor in tensors)
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format, read from the device; loads into the stock optimizer.
 
         The extra key "cossd_master" holds the FP32 master weights by param index (torch
@@ -107,7 +122,7 @@ class StateDict:
         if self.dcp_form not in ("reference", "full"):
             raise ValueError(f"dcp_form must be 'reference' or 'full', got {self.dcp_form!r}")
         if self.dcp_form == "reference" and dcp.called_by_dcp():
-            return dcp.reference_state_dict(self)  # type: ignore[arg-type]
+            return dcp.reference_state_dict(self)
         identity = self._identity()
         state: dict[int, dict[str, torch.Tensor]] = {}
         if self.committed_step > 0:
@@ -128,7 +143,7 @@ class StateDict:
         return {"state": state, "param_groups": groups, "cossd_master": masters,
                 "cossd_namespace": identity}
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(
         self, state_dict: dict[str, Any], master: list[torch.Tensor] | None = None
     ) -> None:
         """Replace the device's state with a torch Adam(W) state_dict.
@@ -144,7 +159,7 @@ class StateDict:
         if not self._bound and self._params_moved():
             self._rebind()
         if dcp.is_reference(state_dict):
-            dcp.load_reference(self, state_dict)  # type: ignore[arg-type]
+            dcp.load_reference(self, state_dict)
             return
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
                 or not isinstance(state_dict.get("param_groups"), list):
@@ -196,7 +211,7 @@ class StateDict:
             return  # the groups' changed options go to the device with the next step
         if getattr(self, "_group", None) is not None:
             try:  # every device's pieces, replaced atomically for the group (group.py)
-                self._load_group_state(step, loads)  # type: ignore[attr-defined]
+                self._load_group_state(step, loads)
             except BaseException:
                 for group, options in zip(self.param_groups, before):  # the old run goes on as it was
                     group.update(options)
@@ -204,7 +219,7 @@ class StateDict:
             return
         if getattr(self, "_ranks", None) is not None:
             try:  # rank 0 replaces the one namespace atomically, every rank reads its params (sharded.py)
-                self._load_sharded_state(step, loads)  # type: ignore[attr-defined]
+                self._load_sharded_state(step, loads)
             except BaseException:
                 for group, options in zip(self.param_groups, before):  # the old run goes on as it was
                     group.update(options)

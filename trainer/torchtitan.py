@@ -73,7 +73,7 @@ class CossdOptimizersContainer(OptimizersContainer):
         self._cossd_made = 0
         super().__init__(config, model_parts=model_parts)
 
-    def _resolve_optimizer_factory(self, name: str) -> Callable[..., torch.optim.Optimizer]:  # type: ignore[override]
+    def _resolve_optimizer_factory(self, name: str) -> Callable[..., torch.optim.Optimizer]:
         if name != COSSD_ADAMW:
             return OptimizersContainer._resolve_optimizer_factory(name)
         namespace = self._cossd_config.namespace
@@ -89,7 +89,7 @@ class CossdOptimizersContainer(OptimizersContainer):
             if isinstance(optimizer, _DeviceAdam):
                 # torchtitan's flattening reads only state_dict() of what it is given.
                 reference = SimpleNamespace(state_dict=partial(reference_state_dict, optimizer))
-                result.update(get_flat_optim_state_dict(reference))  # type: ignore[arg-type]
+                result.update(get_flat_optim_state_dict(reference))
             else:
                 init_optim_state(optimizer)
                 result.update(get_flat_optim_state_dict(optimizer))

@@ -7,9 +7,17 @@ from pathlib import Path
 
 from helpers import REPO_ROOT, package_tree
 
-# The packages mypy must find clean. The others (trainer, emulator)
+# The packages mypy must find clean. The others (emulator, and two modules of trainer)
 # still have errors: docs/architecture.md ("Static checks") has the count left in each.
-TYPED_PACKAGES = ["protocol", "kernels", "model", "client", "integrations", "tools", "server", "fs", "harness"]
+TYPED_PACKAGES = ["protocol", "kernels", "model", "client", "integrations", "tools", "server", "fs", "harness",
+                  "trainer.checkpoint"]
+# trainer's own modules are gated one by one, every one but these (a new module is gated as it comes).
+UNTYPED_TRAINER_MODULES = {"group", "deepspeed_zero"}
+
+
+def _trainer_modules() -> list[str]:
+    return [f"cossd.trainer.{path.stem}" if path.stem != "__init__" else "cossd.trainer"
+            for path in sorted((REPO_ROOT / "trainer").glob("*.py")) if path.stem not in UNTYPED_TRAINER_MODULES]
 
 
 def _tool(name: str) -> str:
@@ -24,9 +32,11 @@ def test_ruff_finds_nothing() -> None:
 
 
 def test_mypy_finds_the_typed_packages_clean(tmp_path: Path) -> None:
-    """mypy, on the linked tree the package installs as, reports no error in TYPED_PACKAGES."""
+    """mypy, on the linked tree the package installs as, reports no error in TYPED_PACKAGES
+    nor in trainer's modules but UNTYPED_TRAINER_MODULES."""
     tree = package_tree(tmp_path)
     packages = [argument for name in TYPED_PACKAGES for argument in ("-p", f"cossd.{name}")]
+    packages += [argument for module in _trainer_modules() for argument in ("-m", module)]
     result = subprocess.run([_tool("mypy"), "--config-file", str(REPO_ROOT / "pyproject.toml"),
                              "--cache-dir", str(tmp_path / "mypy-cache"), *packages],
                             cwd=tree, capture_output=True, text=True, timeout=300)

@@ -91,7 +91,13 @@ class TieredCheckpointer:
         self._spiller = threading.Thread(target=self._spill_loop, name="cossd-tier-spill", daemon=True)
         self._spiller.start()
         reference = weakref.ref(self)
-        self._exit_hook = lambda: (checkpointer := reference()) is not None and checkpointer._at_exit()
+
+        def exit_hook() -> None:
+            checkpointer = reference()
+            if checkpointer is not None:
+                checkpointer._at_exit()
+
+        self._exit_hook = exit_hook
         atexit.register(self._exit_hook)
 
     @property
