@@ -86,7 +86,7 @@ def adam_step(
     exp_avg_sq_out: Any,
     param_out: Any,
     *,
-    grad_format: HalfFormat,
+    grad_format: GradFormat | HalfFormat,
     param_format: HalfFormat,
     state_format: StateFormat,
     scalars: AdamScalars,
@@ -109,7 +109,7 @@ def adam_step_crc(
     exp_avg_sq_out: Any,
     param_out: Any,
     *,
-    grad_format: HalfFormat,
+    grad_format: GradFormat | HalfFormat,
     param_format: HalfFormat,
     state_format: StateFormat,
     scalars: AdamScalars,
@@ -132,7 +132,7 @@ def adam_step_crcs(
     exp_avg_sq_out: Any,
     param_out: Any,
     *,
-    grad_format: HalfFormat,
+    grad_format: GradFormat | HalfFormat,
     param_format: HalfFormat,
     state_format: StateFormat,
     scalars: AdamScalars,
@@ -163,7 +163,7 @@ class BlockUpdate:
     """
 
     def __init__(self, master_in: Any, exp_avg_in: Any, exp_avg_sq_in: Any, master_out: Any,
-                 exp_avg_out: Any, exp_avg_sq_out: Any, param_out: Any, *, grad_format: HalfFormat,
+                 exp_avg_out: Any, exp_avg_sq_out: Any, param_out: Any, *, grad_format: GradFormat | HalfFormat,
                  param_format: HalfFormat, state_format: StateFormat) -> None:
         self._gfmt = _grad_format_arg(grad_format)
         self._pfmt = _enum_arg("param_format", param_format, HalfFormat)
