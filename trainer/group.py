@@ -5,7 +5,7 @@ import math
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -169,7 +169,7 @@ class DeviceGroup:
         """Under FSDP2 a device's child holds no elements of its pieces itself (each rank's
         rows are in its local shards, reached through the child's views): its param for a
         piece only gives the piece's size, an expanded one-element tensor (no memory)."""
-        local = entry.param.to_local()
+        local = fsdp.as_dtensor(entry).to_local()
         return torch.zeros(1, dtype=local.dtype, device=local.device).expand(piece.numel)
 
     def _fsdp_preset(self, shard: list[Piece], rows: dict[int, Piece]) -> dict[str, Any]:
@@ -194,14 +194,14 @@ class DeviceGroup:
 
         def param(row: Piece) -> torch.Tensor:
             entry, offset = where[row.index]
-            return flat(entry.param.to_local(), entry.name)[offset + row.start : offset + row.stop]
+            return flat(fsdp.as_dtensor(entry).to_local(), entry.name)[offset + row.start : offset + row.stop]
 
         def grad(row: Piece) -> torch.Tensor | None:
             entry, offset = where[row.index]
-            local = entry.param.grad
-            if local is None:
+            gradient = entry.param.grad
+            if gradient is None:
                 return None
-            local = local.to_local() if fsdp.is_dtensor(local) else local
+            local = gradient.to_local() if fsdp.is_dtensor(gradient) else gradient
             return flat(local, entry.name)[offset + row.start : offset + row.stop]
 
         return {"_fsdp_rows": mine, "_fsdp_views": (param, grad), "_fsdp_sends": fsdp.sends_rows(self.entries)}
@@ -532,16 +532,18 @@ class DeviceGroup:
                 at += theirs.numel
         hook = self.load_hook or (lambda stage: None)  # type: ignore[attr-defined]
 
+        def writer(child: Any, mine: list[tuple[str, str, torch.Tensor]]) -> Callable[[], Any]:
+            return lambda: child.files.write_many(mine)
+
         def replace() -> None:
             namespace_swap.replace_group(
                 [child.files for child in children], [child._description(step) for child in children],
-                [lambda child=child, mine=mine: child.files.write_many(mine) for child, mine in zip(children, per_child)],
-                hook)
+                [writer(child, mine) for child, mine in zip(children, per_child)], hook)
 
         follow_rank0_load(children, ranks, replace)
         for child in children:
             child.committed_step, child.steps_skipped = step, 0
-        self.committed_step, self.steps_skipped, self.last_step_skipped = step, 0, False  # type: ignore[attr-defined]
+        self.committed_step, self.steps_skipped, self.last_step_skipped = step, 0, False
         # The device rounds the masters to the wire dtype; the model continues from that.
         self._read_group_params()
 
