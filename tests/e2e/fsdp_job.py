@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cossd.trainer import AdamW
+from cossd.trainer import AdamW, StepAbortedError
 
 sys.path.insert(0, str(Path(__file__).parent))
 # The same schedule and per-rank batches as the ZeRO-1 job's (and its model's sizes).
@@ -75,6 +76,39 @@ def shard(model: Net, config: dict[str, Any]) -> None:
     fully_shard(model, **options)
 
 
+def arm_kill(optimizer: AdamW, kill: dict[str, Any], out: Path, rank: int) -> None:
+    """kill -9 of this rank in step kill["step"]: "mid_partition", once the first piece of its
+    gradients (its rows of fc1.weight) is on the device, the rest of its partition never
+    sent; "before_commit", once all of its gradients are on the device, before its first poll
+    for the commit. A note (kill<rank>.json) says where first, for the test."""
+    def strike() -> None:
+        note = {"stage": kill["stage"], "step": kill["step"], "committed_step": optimizer.committed_step}
+        (out / f"kill{rank}.json").write_text(json.dumps(note))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kill["stage"] == "mid_partition":
+        write = optimizer.files.write_pieces
+
+        def partial(items: list[tuple[str, int, torch.Tensor]], role: str = "grad") -> int:
+            if role == "grad" and optimizer.committed_step + 1 == kill["step"] and len(items) > 1:
+                write(items[:1], role)  # it returns once the device holds the piece
+                strike()
+            return write(items, role)
+
+        optimizer.files.write_pieces = partial  # type: ignore[method-assign]
+    elif kill["stage"] == "before_commit":
+        send = optimizer.files.command
+
+        def command(method: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(method, "__name__", "") == "commit_shared_step" and args[1] == kill["step"]:
+                strike()
+            return send(method, *args, **kwargs)
+
+        optimizer.files.command = command  # type: ignore[method-assign]
+    else:
+        raise ValueError(f"unknown kill stage {kill['stage']!r}: mid_partition | before_commit")
+
+
 def main() -> int:
     config = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -107,7 +141,8 @@ def main() -> int:
     try:
         optimizer = AdamW(groups_of(model), lr=BASE_LR, betas=(0.9, 0.95), mount=config.get("mounts") or config["mount"],
                           namespace=config["namespace"], max_grad_norm=config.get("clip"),
-                          use_cmb=config.get("use_cmb", True), step_timeout_s=60.0,
+                          use_cmb=config.get("use_cmb", True),
+                          step_timeout_s=config.get("step_timeout_s", 60.0),
                           param_gather=config.get("param_gather", "device"))
     except Exception as exc:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
@@ -124,24 +159,43 @@ def main() -> int:
     grads_seen: dict[int, list[torch.Tensor]] = {}
     first = optimizer.committed_step + 1
     norms = []
-    for step in range(first, config["last"] + 1):
-        for group, base in zip(optimizer.param_groups, (BASE_LR, 2 * BASE_LR)):
-            group["lr"] = base * schedule(step)
-        x, y = batch(step, rank)
-        loss = F.cross_entropy(net(x.to(compute)).float(), y)
-        loss.backward()
-        overflow = config.get("overflow") or {}
-        if overflow.get("rank") == rank and overflow.get("step") == step:
-            grad = model.fc1.weight.grad
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            local.view(-1)[5] = float("inf")  # one element of this rank's shard only
-        # What the optimizer steps on: the averaged gradients, whole (every rank gathers them).
-        seen = [full(p.grad).detach().clone() for p in params]
-        if rank == 0:
-            grads_seen[step] = seen
-        optimizer.step()
-        norms.append(optimizer.last_grad_norm)
-        optimizer.zero_grad(set_to_none=True)
+    kill = config.get("kill") or {}
+    if kill.get("rank") == rank:
+        arm_kill(optimizer, kill, out, rank)
+    try:
+        for step in range(first, config["last"] + 1):
+            for group, base in zip(optimizer.param_groups, (BASE_LR, 2 * BASE_LR)):
+                group["lr"] = base * schedule(step)
+            x, y = batch(step, rank)
+            loss = F.cross_entropy(net(x.to(compute)).float(), y)
+            loss.backward()
+            overflow = config.get("overflow") or {}
+            if overflow.get("rank") == rank and overflow.get("step") == step:
+                grad = model.fc1.weight.grad
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                local.view(-1)[5] = float("inf")  # one element of this rank's shard only
+            # What the optimizer steps on: the averaged gradients, whole (every rank gathers them).
+            seen = [full(p.grad).detach().clone() for p in params]
+            if rank == 0:
+                grads_seen[step] = seen
+            optimizer.step()
+            norms.append(optimizer.last_grad_norm)
+            optimizer.zero_grad(set_to_none=True)
+    except StepAbortedError as exc:
+        # The shared step this rank was in did not commit (another rank never sent all of its
+        # gradients): the test checks the message, and that the device kept the step before.
+        (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        optimizer.close()
+        return 3
+    except RuntimeError as exc:
+        if not kill:
+            raise
+        # A collective of the job's own with a rank that was killed (gloo: the peer closed
+        # the connection), after the device committed the step that rank had completed.
+        (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        (out / f"committed{rank}.txt").write_text(str(optimizer.committed_step))
+        optimizer.close()
+        return 6
     final = [full(p).detach().clone() for p in params]
     local = [p.to_local().detach().clone() if hasattr(p, "to_local") else None for p in params]
     result = {"committed_step": optimizer.committed_step, "steps_skipped": optimizer.steps_skipped,
