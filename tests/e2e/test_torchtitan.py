@@ -55,7 +55,8 @@ def _command(device: Mount, assets: Path, dump: Path, namespace: str, world: int
     and its environment with `variables` (TITAN_KILL_AFTER, TITAN_STALL_AFTER, ...)."""
     env = os.environ | {"PYTHONPATH": str(CONFIG.parent), "TITAN_ASSETS": str(assets),
                         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    for variable in ("TITAN_KILL_AFTER", "TITAN_STALL_AFTER", "TITAN_STALL_DIR", "TITAN_OPTIMIZER", "TITAN_STEPS"):
+    for variable in ("TITAN_KILL_AFTER", "TITAN_STALL_AFTER", "TITAN_STALL_DIR", "TITAN_OPTIMIZER", "TITAN_STEPS",
+                     "TITAN_KILL_RANK", "TITAN_KILL_STEP", "TITAN_KILL_NOTE"):
         env.pop(variable, None)
     env |= {"TITAN_STEPS": str(STEPS)} | variables
     command = [str(TITAN_PY), "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--standalone",
@@ -257,3 +258,78 @@ def test_checkpoint_bytes_stall_and_restore_against_torch_adamw(device: Mount, a
     for kind, (written, params, save_s, restore_s) in measured.items():
         figures.append(f"torchtitan llama3 debug FSDP2 2 ranks {params} params, {kind}: checkpoint {written} B, "
                        f"save {save_s:.2f} s, restore {restore_s:.2f} s")
+
+
+def ranks_as_torchrun_starts_them(device: Mount, assets: Path, dump: Path, namespace: str, world: int,
+                                  options: list[str], **variables: str) -> list[int]:
+    """torchtitan's ranks as plain processes with the variables torchrun sets (RANK,
+    LOCAL_RANK, WORLD_SIZE, ...), without torchrun: torchrun tears the other ranks down as soon
+    as one dies, so only this way does a surviving rank show what it does itself. Their exit
+    codes (each rank's output in dump/rank<N>.txt); `options` go to the trainer."""
+    from helpers import free_port
+
+    command, env = _command(device, assets, dump, namespace, world, **variables)
+    start = command.index("cossd.integrations.torchtitan_cpu") - 1  # `-m` of the trainer, past torchrun's
+    trainer = [command[0], *command[start:], *options]
+    env |= {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+    dump.mkdir(parents=True, exist_ok=True)
+    ranks = []
+    for rank in range(world):
+        with open(dump / f"rank{rank}.txt", "w") as log:
+            ranks.append(subprocess.Popen(trainer, env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          stdout=log, stderr=subprocess.STDOUT))
+    try:
+        return [process.wait(timeout=JOB_TIMEOUT_S) for process in ranks]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.mark.slow  # four jobs of 2 ranks: 3-4 minutes on 2 cores
+def test_rank_killed_between_its_partition_and_the_commit(device: Mount, assets: Path, tmp_path: Path) -> None:
+    """Rank 1 of 2 killed (SIGKILL) in device step 5, once the first piece of its FSDP2 shard's
+    gradients is on the device, the rest of its partition never sent and no commit: rank 0
+    fails with StepAbortedError naming step 5 within its 10 s bound (not a hang); the device
+    stays at step 4, every tensor's master, moments and param equal to those of the same job
+    killed after step 4;
+    the job restarted by torchrun loads torchtitan's step-3 checkpoint and ends bit for bit as
+    the run that never stopped (every loss, the last checkpoint's params, the device's state)."""
+    whole, four, broken = tmp_path / "whole", tmp_path / "four", tmp_path / "broken"
+    done = torchrun(device, assets, whole, "titan-k-whole", 2)
+    assert done.returncode == 0, (whole / "logs.txt").read_text()[-6000:]
+    # The same 7-step job killed after step 4 (torchtitan's schedule depends on the step count).
+    done = torchrun(device, assets, four, "titan-k-four", 2, kill_after=4)
+    assert done.returncode != 0 and "Signal 9 (SIGKILL) received" in done.stdout + done.stderr, \
+        (four / "logs.txt").read_text()[-6000:]
+
+    note = tmp_path / "kill1.json"
+    codes = ranks_as_torchrun_starts_them(device, assets, broken, "titan-k-broken", 2,
+                                          ["--optimizer.step_timeout_s", "10"], TITAN_KILL_RANK="1",
+                                          TITAN_KILL_STEP="5", TITAN_KILL_NOTE=str(note))
+    logs = [(broken / f"rank{rank}.txt").read_text() for rank in range(2)]
+    assert codes[1] == -signal.SIGKILL and codes[0] not in (0, -signal.SIGKILL), (codes, logs[0][-6000:])
+    killed = json.loads(note.read_text())
+    assert killed["committed_step"] == 4 and killed["pieces"] > 1, killed
+    assert "StepAbortedError: cossd: step 5 of namespace 'titan-k-broken' was not committed" in logs[0], logs[0][-6000:]
+    assert "waited 10 s for the other ranks" in logs[0] and "stays at step 4" in logs[0], logs[0][-6000:]
+    from cossd.client import AdminClient
+
+    with AdminClient(device.mountpoint) as admin:
+        stats = admin.statistics(admin.nsid("titan-k-broken"))
+    assert stats["committed_step"] == 4 and stats["step_open"] is None, stats
+    assert same_tensors(device_state(device, "titan-k-broken", tmp_path / "a.safetensors"),
+                        device_state(device, "titan-k-four", tmp_path / "b.safetensors"))
+    checkpoints = broken / "checkpoint"
+    assert (checkpoints / "step-3").is_dir() and not (checkpoints / "step-6").exists()
+
+    resumed = torchrun(device, assets, broken, "titan-k-broken", 2)
+    assert resumed.returncode == 0, (broken / "logs.txt").read_text()[-6000:]
+    assert "Training starts at step 4" in resumed.stdout + resumed.stderr
+    assert losses(broken) == losses(whole)  # float32 values, compared exactly
+    assert same_tensors(model_of(checkpoints / f"step-{STEPS}", tmp_path / "c.pt"),
+                        model_of(whole / "checkpoint" / f"step-{STEPS}", tmp_path / "d.pt"))
+    assert same_tensors(device_state(device, "titan-k-broken", tmp_path / "c.safetensors"),
+                        device_state(device, "titan-k-whole", tmp_path / "d.safetensors"))

@@ -3,8 +3,9 @@
 As a torchtitan config module: `--module titan_config --config tiny_llama` (this folder on
 PYTHONPATH), reading TITAN_ASSETS (what `assets` wrote), TITAN_STEPS and, for the kill
 tests, TITAN_KILL_AFTER (every rank SIGKILLs itself after that many optimizer steps of its
-process) or TITAN_STALL_AFTER with TITAN_STALL_DIR (every rank stops there, for the test to
-kill the device daemon); TITAN_OPTIMIZER=torch steps torchtitan's own AdamW instead (the
+process), TITAN_KILL_RANK with TITAN_KILL_STEP and TITAN_KILL_NOTE (that rank SIGKILLs
+itself in that device step, one gradient piece of its partition sent) or TITAN_STALL_AFTER
+with TITAN_STALL_DIR (every rank stops there, for the test to kill the device daemon); TITAN_OPTIMIZER=torch steps torchtitan's own AdamW instead (the
 checkpoint figures' stock run). As a script: `python titan_config.py assets DIR` writes a byte-level BPE
 tokenizer and a synthetic text data set (nothing is downloaded); `python titan_config.py
 losses DUMP_FOLDER` prints, as JSON, each step's loss from torchtitan's TensorBoard events.
@@ -49,6 +50,11 @@ def tiny_llama() -> Any:
     kill_after = os.environ.get("TITAN_KILL_AFTER")
     if kill_after:
         config.model_spec.post_optimizer_build_fn = _killer(int(kill_after), config.model_spec.post_optimizer_build_fn)
+    kill_rank = os.environ.get("TITAN_KILL_RANK")
+    if kill_rank is not None and kill_rank == os.environ.get("RANK", "0"):
+        config.model_spec.post_optimizer_build_fn = _partition_killer(int(os.environ["TITAN_KILL_STEP"]),
+                                                                      Path(os.environ["TITAN_KILL_NOTE"]),
+                                                                      config.model_spec.post_optimizer_build_fn)
     stall_after = os.environ.get("TITAN_STALL_AFTER")
     if stall_after:
         config.model_spec.post_optimizer_build_fn = _staller(int(stall_after), Path(os.environ["TITAN_STALL_DIR"]),
@@ -90,6 +96,33 @@ def _killer(steps: int, then: Any) -> Any:
                 os.kill(os.getpid(), signal.SIGKILL)  # the device has committed that step; no save since
 
         optimizers.register_step_post_hook(after_step)
+
+    return register
+
+
+def _partition_killer(step: int, note: Path, then: Any) -> Any:
+    """This rank SIGKILLs itself in device step `step`, once the first of its gradient pieces
+    is on the device and before the rest of its partition and the commit (the FSDP2 shard
+    it sends; `note` gets the committed step first, for the test)."""
+    def register(optimizers: Any, model_parts: Any, parallel_dims: Any) -> None:
+        from cossd.trainer import AdamW
+
+        if then is not None:
+            then(optimizers, model_parts, parallel_dims)
+        for optimizer in optimizers.optimizers:
+            if not isinstance(optimizer, AdamW):
+                continue
+            write = optimizer.files.write_pieces
+
+            def partial(items: list[Any], role: str = "grad", optimizer: Any = optimizer, write: Any = write) -> int:
+                if role == "grad" and optimizer.committed_step + 1 == step and len(items) > 1:
+                    write(items[:1], role)  # it returns once the device holds the piece
+                    note.write_text(json.dumps({"committed_step": optimizer.committed_step,
+                                                "pieces": len(items), "sent": 1}))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return write(items, role)
+
+            optimizer.files.write_pieces = partial
 
     return register
 
