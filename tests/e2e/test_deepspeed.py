@@ -19,7 +19,6 @@ import torch.nn.functional as F  # noqa: E402
 
 from cossd.emulator import Device  # noqa: E402
 from cossd.trainer import AdamW  # noqa: E402
-from cossd.trainer.namespace_files import NamespaceFiles  # noqa: E402
 
 from conftest import Mount, force_unmount, is_mounted, start_mount, wait_for_exit  # noqa: E402
 from helpers import free_port  # noqa: E402
