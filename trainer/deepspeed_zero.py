@@ -167,7 +167,8 @@ def bind(optimizer: Any, wrapper: Any) -> None:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     zero = isinstance(wrapper, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3))
-    if zero and getattr(wrapper, "optimizer", None) is optimizer:
+    wraps_it = getattr(wrapper, "optimizer", None) is optimizer  # apart: `is` would narrow `optimizer` to Optional
+    if zero and wraps_it:
         if not optimizer._ds_deferred:
             _convert_for_zero(optimizer)
         if isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
