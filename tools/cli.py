@@ -16,6 +16,7 @@ import importlib
 from types import ModuleType
 
 from ..protocol.status import DeviceError
+from ..settings import SettingError
 from .arguments import NVME_PROG
 
 # Every verb once: its name and its family (the module tools/verbs/FAMILY.py that registers it
@@ -170,7 +171,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except DeviceError as exc:
         print(f"{prog} {args.verb}: {exc.message} [{exc.status.name}]", file=sys.stderr)
         return 1
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, SettingError) as exc:  # SettingError: a COSSD_* knob set wrong
         print(f"{prog} {args.verb}: {exc}", file=sys.stderr)
         return 1
 

@@ -1,8 +1,12 @@
 """The COSSD_* environment knobs (cossd/settings.py): read in that module alone, each documented once, bad values refused by name; the daemon's test faults behind COSSD_FAULT_HOOKS."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +99,19 @@ def test_the_product_arms_no_fault_and_a_test_arms_one_call(monkeypatch: pytest.
     with pytest.raises(InjectedFault, match="read"):
         hook("read")
     hook("read")  # the Nth call alone
+
+
+def test_a_bad_knob_under_a_foreground_mount_is_one_line_and_mounts_nothing(tmp_path: Path) -> None:
+    """`cossd mount --foreground` with COSSD_IO_THREADS set to nonsense: exit 1 with one line
+    naming the knob (it was a traceback: SettingError is a ValueError, which the CLI let by)."""
+    from cossd.emulator import Device
+
+    backing, mountpoint = tmp_path / "backing", tmp_path / "mnt"
+    Device.format(backing)
+    mountpoint.mkdir()
+    result = subprocess.run([sys.executable, "-m", "cossd.tools.cli", "mount", "--foreground", str(backing),
+                             str(mountpoint)], env=os.environ | {"COSSD_IO_THREADS": "x"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "COSSD_IO_THREADS" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not os.path.ismount(mountpoint)
