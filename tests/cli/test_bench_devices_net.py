@@ -82,8 +82,12 @@ def test_a_signal_mid_run_leaves_no_namespace_link_or_server(tmp_path: Path, sig
     reason = netns.unavailable()
     if reason is not None:
         pytest.skip(f"network namespaces unavailable: {reason}")
+    # SIGINT as a terminal would deliver it: a run started in the background by a shell (as CI
+    # may start this suite) inherits SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt; the default disposition at exec lets it install its handler.
     process = subprocess.Popen([sys.executable, "-c", _RUN, str(tmp_path)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT)
+                               stderr=subprocess.STDOUT,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not list(tmp_path.glob("net-1-0/server.stderr")):
