@@ -50,6 +50,9 @@ def main() -> int:
             losses[step] = loss.item()
     except Exception as exc:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        # As deepspeed_job.py: a process group left alive at exit can abort the interpreter
+        # ("terminate called without an active exception", exit -6 instead of 4) under load.
+        dist.destroy_process_group()
         return 4
     names = [(e.name, e.numel) for e in optimizer.entries]
     torch.save({"losses": losses, "first": first, "committed_step": optimizer.committed_step, "names": names,
