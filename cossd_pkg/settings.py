@@ -101,7 +101,9 @@ MOUNTINFO = Knob("COSSD_MOUNTINFO", "/proc/self/mountinfo", _text,
 FAULT_HOOKS = Knob("COSSD_FAULT_HOOKS", "", _text,
                    "tests only: faults the mount daemon injects into itself, comma-separated: "
                    "hang-before-ready, fail-handler=OP[:N] (fs/fault_hooks.py)")
+CUDA_CACHE = Knob[str | None]("COSSD_CUDA_CACHE", None, _optional_text,
+                              "where the CUDA kernel's nvcc builds are kept (unset: a folder in the temp dir)")
 
 # Every knob, in the order docs/configuration.md lists them.
 KNOBS: tuple[Knob[Any], ...] = (KERNEL, STATE_WRITES, PREFETCH, IO_THREADS, FUSE_REQUEST_PAGES,
-                                TOKEN_FILE, CA, CLIENT_CERT, CLIENT_KEY, MOUNTINFO, FAULT_HOOKS)
+                                TOKEN_FILE, CA, CLIENT_CERT, CLIENT_KEY, MOUNTINFO, FAULT_HOOKS, CUDA_CACHE)

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import tempfile
 
+from ... import settings
+
 HERE = pathlib.Path(__file__).resolve().parent
 KERNELS = HERE.parent
 KERNEL_SOURCE = HERE / "adam_step.cu"
@@ -77,7 +79,7 @@ def host_harness_command(out: pathlib.Path) -> list[str]:
 
 def cache_dir() -> pathlib.Path:
     """Where builds are kept: $COSSD_CUDA_CACHE, else a folder in the temp dir."""
-    root = os.environ.get("COSSD_CUDA_CACHE") or os.path.join(tempfile.gettempdir(), "cossd-cuda-build")
+    root = settings.CUDA_CACHE.read() or os.path.join(tempfile.gettempdir(), "cossd-cuda-build")
     path = pathlib.Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path
