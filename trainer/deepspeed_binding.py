@@ -5,8 +5,9 @@ that both bindings import it and neither imports the hooks (no import cycle).
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -148,9 +149,8 @@ class ZeroBinding:
                 opt._abort_shared(f"param group {piece.index} has no gradient")
                 raise RuntimeError(f"DeepSpeed's flat partition of param group {piece.index} has no gradient")
             pieces.append((piece.name, piece.start, grad.detach().reshape(-1)[: piece.numel].to("cpu", opt.grad_wire)))
-        clock = time.perf_counter
-        started = clock()
-        try:
+        started = time.perf_counter()
+        with self._aborting():
             if indices[0] == 0:
                 narrowed = opt.param_groups
                 opt.param_groups = self.groups  # every group's hyperparameters ride in the begin
@@ -161,26 +161,38 @@ class ZeroBinding:
                     opt.param_groups = narrowed
             elif pieces:
                 opt.files.write_pieces(pieces)
-            self._next_group = indices[-1] + 1
-            if self._next_group < len(self.groups):
-                return
+        self._next_group = indices[-1] + 1
+        if self._next_group < len(self.groups):
+            return
+        self._commit(started)
+
+    @contextlib.contextmanager
+    def _aborting(self) -> Iterator[None]:
+        """Any error inside aborts the job's shared step on the device, then propagates."""
+        try:
+            yield
+        except BaseException as exc:
+            self.optimizer._abort_shared(f"{type(exc).__name__}: {exc}"[:300])
+            raise
+
+    def _commit(self, started: float) -> None:
+        """The last call of a step: wait for the device's commit, then bring every group's new
+        masters into DeepSpeed's bit16 copies. DeepSpeed copied each earlier group's partition
+        right after that group's call, before the commit brought the new masters: copied again
+        here (the current group's copy DeepSpeed makes after this returns)."""
+        opt, clock = self.optimizer, time.perf_counter
+        with self._aborting():
             committing = clock()
             opt.last_timing["grads_s"] = committing - started
             result = opt._wait_for_commit(opt.committed_step + 1)
             opt._step_open = False
             opt.last_timing["commit_s"] = clock() - committing
-        except BaseException as exc:
-            opt._abort_shared(f"{type(exc).__name__}: {exc}"[:300])
-            raise
         opt.last_step_skipped = bool(result["skipped"])
         if opt.last_step_skipped:
             opt.steps_skipped += 1
         else:
             reading = clock()
             self._read_masters()
-            # DeepSpeed copied each earlier group's partition into its bit16 copy right after
-            # that group's call, before the commit brought the new masters: copied again here
-            # (the current group's copy DeepSpeed makes after this returns).
             self._masters_to_params()
             opt.last_timing["params_s"] = clock() - reading
         opt.committed_step = int(result["committed_step"])

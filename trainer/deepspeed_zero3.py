@@ -142,37 +142,20 @@ class Zero3Binding(ZeroBinding):
             opt._abort_shared(f"sub-group {index} has no gradient")
             raise RuntimeError(f"DeepSpeed's flat partition of sub-group {index} has no gradient")
         flat = grad.detach().reshape(-1)
-        pieces = [(piece.name, piece.start, flat[offset: offset + piece.numel].to("cpu", opt.dtype))
+        # The gradients cross in the optimizer's grad_wire, as ZeRO 1/2's (FP32 unrounded with
+        # grad_dtype="fp32"); the params' dtype here made the namespace's FP32 gradients half-size.
+        pieces = [(piece.name, piece.start, flat[offset: offset + piece.numel].to("cpu", opt.grad_wire))
                   for offset, piece in self.slices[index]]
-        clock = time.perf_counter
-        started = clock()
-        try:
+        started = time.perf_counter()
+        with self._aborting():
             if index == 0:
                 # DeepSpeed unscaled and clipped the gradients already: scale 1. Every group's
                 # hyperparameters ride in the begin (the dicts are the optimizer's own).
                 opt.last_timing = {"begin_s": opt._begin_shared(pieces, 1.0)}
             elif pieces:
                 opt.files.write_pieces(pieces)
-            self._next_group = index + 1
-            if self._next_group < len(self.flats):
-                return
-            committing = clock()
-            opt.last_timing["grads_s"] = committing - started
-            result = opt._wait_for_commit(opt.committed_step + 1)
-            opt._step_open = False
-            opt.last_timing["commit_s"] = clock() - committing
-        except BaseException as exc:
-            opt._abort_shared(f"{type(exc).__name__}: {exc}"[:300])
-            raise
-        opt.last_step_skipped = bool(result["skipped"])
-        if opt.last_step_skipped:
-            opt.steps_skipped += 1
-        else:
-            reading = clock()
-            self._read_masters()
-            # DeepSpeed copied each earlier sub-group's partition to its bit16 slices right
-            # after that sub-group's call, before the commit brought the new masters: copied
-            # again here (the last one's DeepSpeed copies after this returns, then gathers).
-            self._masters_to_params()
-            opt.last_timing["params_s"] = clock() - reading
-        opt.committed_step = int(result["committed_step"])
+        self._next_group = index + 1
+        if self._next_group < len(self.flats):
+            return
+        # The last sub-group's bit16 copy DeepSpeed makes after this returns, then it gathers.
+        self._commit(started)
