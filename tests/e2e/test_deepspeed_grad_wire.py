@@ -47,7 +47,7 @@ def test_zero2_bf16_fp32_gradients_match_torch_adamw(device: Any, tmp_path: Path
 
 def test_zero3_bf16_fp32_gradients_match_torch_adamw(device: Any, tmp_path: Path) -> None:
     """The same at ZeRO-3: its sub-groups' slices cross in FP32 too (they crossed in the params'
-    params' BF16 before, which the namespace refused: "gradient for zero.g0 is bf16"). Losses equal torch's."""
+    BF16 before, which the namespace refused: "gradient for zero.g0 is bf16"). Losses equal torch's."""
     expected = run(device, tmp_path / "torch", namespace="-", torch=True, stage=3)
     exact = run(device, tmp_path / "fp32", namespace="ds-wire-fp32-z3", grad_dtype="fp32", stage=3)
     for rank in range(2):
