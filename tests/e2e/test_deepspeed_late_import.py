@@ -43,6 +43,10 @@ def test_optimizer_made_before_import_deepspeed_binds_at_one_rank(device: Any, t
     assert again[0]["first"] == 4 and again[0]["committed_step"] == 5
 
 
+# Slow tier: under a loaded machine one refused rank has aborted at exit in C++ teardown
+# ("terminate called without an active exception", exit -6 instead of 4) in three full runs,
+# even after its job destroys the process group; alone it passes. Not understood yet.
+@pytest.mark.slow
 def test_optimizer_made_before_import_deepspeed_is_refused_at_two_ranks(device: Any, tmp_path: Path) -> None:
     """At 2 ranks the optimizer made before `import deepspeed` opened a namespace of the
     model's params for both ranks: deepspeed.initialize refuses it on every rank, naming the
