@@ -9,7 +9,7 @@ from pathlib import Path
 # How a mount of the daemon shows in /proc/self/mountinfo (fs/daemon.py sets both).
 MOUNT_FSTYPE = "fuse.cossd"
 FSNAME_PREFIX = "cossd:"
-# A remote mount's (fs/remote_daemon.py: a storage server's tree, mounted on this node); its
+# A remote mount's (fs/remote/daemon.py: a storage server's tree, mounted on this node); its
 # source is the server's URL, cossd://HOST:PORT.
 REMOTE_MOUNT_FSTYPE = "fuse.cossd-remote"
 

@@ -5,7 +5,7 @@ peer-to-peer DMA, reads and writes directly; a command's data may then sit in th
 instead of travelling with the command. cossd's CMB is a memfd: the daemon maps it, a client
 opens the path `describe()` gives (/proc/PID/fd/N) and maps it too, so gradients a trainer
 puts there reach the kernel and params come back with no copy through FUSE. The CMB_WRITE
-and CMB_READ commands (emulator/cmb_commands.py) move a tensor file's bytes between it and
+and CMB_READ commands (emulator/commands/cmb.py) move a tensor file's bytes between it and
 the namespace, with the same checks as a file write or read.
 
 A memfd, not a file in /dev/shm: it goes away with the daemon, however that ends, so a

@@ -21,7 +21,8 @@ from ..protocol.logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
 from ..protocol.entries import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
 from ..protocol.hyperparameters import GROUP_FIELDS, SET_HYPERPARAMETERS_KEYS
 from ..protocol.computational import IO_QUEUE_FLAG
-from . import kinds, shared_commands
+from . import kinds
+from . import shared_steps
 from .spec import GRAD_FORMATS
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,8 @@ IDENTIFY_BYTES = 4096
 # Modules that add command families beside the ones below. Each has `handlers(controller)`
 # returning {opcode: handler}; a handler takes a Command and returns a Completion or raises
 # DeviceError (see Controller.execute).
-COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.injection_commands", "cossd.emulator.features",
-                                    "cossd.emulator.snapshots.commands", "cossd.emulator.cmb_commands",
+COMMAND_MODULES: tuple[str, ...] = ("cossd.emulator.commands.injection", "cossd.emulator.features",
+                                    "cossd.emulator.snapshots.commands", "cossd.emulator.commands.cmb",
                                     "cossd.emulator.archive.commands",
                                     "cossd.emulator.computational.commands",
                                     "cossd.emulator.state_counters")
@@ -111,7 +112,7 @@ JSON_PAYLOADS: dict[int, Callable[[Command], bool]] = {
     Opcode.CMB_READ: _always,
     Opcode.ARCHIVE: _always,
     Opcode.ARCHIVE_LIST: _always,
-    # The shared-step forms (a job's ranks on one namespace: emulator/shared_commands.py).
+    # The shared-step forms (a job's ranks on one namespace: emulator/shared_steps.py).
     Opcode.BEGIN_STEP: _if_given,
     Opcode.COMMIT_STEP: _if_given,
     Opcode.ABORT_STEP: _if_given,
@@ -326,7 +327,7 @@ class Controller:
             value = command.json  # INVALID_FIELD for anything malformed
             if not (isinstance(value, dict) and set(value) == {"grad_scales"}):
                 # a job's ranks sharing the step
-                return shared_commands.begin(namespace, command, command.cdw10_11, grad_scale)
+                return shared_steps.begin(namespace, command, command.cdw10_11, grad_scale)
             grad_scales = value["grad_scales"]
             if not isinstance(grad_scales, dict):
                 raise DeviceError(Status.INVALID_FIELD, "grad_scales must be a JSON object {tensor: scale}")
@@ -337,7 +338,7 @@ class Controller:
     def _commit_step(self, command: Command) -> Completion:
         namespace = self.device.optimizer_namespace(command.nsid, "commit step")
         if command.payload:
-            return shared_commands.commit(namespace, command)
+            return shared_steps.commit(namespace, command)
         result = namespace.commit_step()
         status = Status.STEP_SKIPPED_NONFINITE if result.skipped else Status.SUCCESS
         return Completion(command.cid, status, result=result.committed_step & 0xFFFFFFFF,
@@ -346,7 +347,7 @@ class Controller:
     def _abort_step(self, command: Command) -> Completion:
         namespace = self.device.optimizer_namespace(command.nsid, "abort step")
         if command.payload:
-            return shared_commands.abort(namespace, command)
+            return shared_steps.abort(namespace, command)
         step = namespace.abort_step()
         return Completion(command.cid, Status.SUCCESS, result=step & 0xFFFFFFFF,
                           data=_json({"aborted_step": step}))

@@ -4,7 +4,7 @@ and NVM data, its batched gradient writes and its admin submissions.
 The three front-ends hand their decoded requests here: the FUSE mount (fs/operations.py,
 fs/datapath.py) file by file, the network server (server/connection.py, server/writes.py) file
 by file and in batches, and the controller memory buffer (CMB_WRITE, CMB_READ:
-emulator/cmb_commands.py) in batches. A front-end resolves what a client names (a file, a
+emulator/commands/cmb.py) in batches. A front-end resolves what a client names (a file, a
 path, an nsid) to a namespace and a file (tensor and role, or None and "data" for an NVM
 namespace) and calls these. What every request meets lives here, once:
 

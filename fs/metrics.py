@@ -1,5 +1,5 @@
-"""Prometheus metrics of a mounted device: the device's figures (emulator/metrics.py) and the
-mount's own, read live at scrape time and served over HTTP (emulator/metrics_http.py)."""
+"""Prometheus metrics of a mounted device: the device's figures (emulator/metrics/figures.py) and the
+mount's own, read live at scrape time and served over HTTP (emulator/metrics/http.py)."""
 from __future__ import annotations
 
 import errno
@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from ..emulator.metrics import NAMESPACE_COUNTERS, NS, DeviceFigures
-from ..emulator.metrics_http import (
+from ..emulator.metrics.figures import NAMESPACE_COUNTERS, NS, DeviceFigures
+from ..emulator.metrics.http import (
     DEFAULT_METRICS_ADDR,
     MetricsEndpoint,
     MetricsPortError,

@@ -11,7 +11,7 @@ state already lives on the device).
 Nothing here imports deepspeed or the trainer: it only reads DeepSpeed's objects (the
 engine's config, the calling wrapper), and is consulted where deepspeed is imported already.
 The hooks that open a cossd optimizer's namespace at deepspeed.initialize, and the ZeRO 1/2/3
-bindings, are the trainer's (cossd.trainer.deepspeed_zero, deepspeed_zero3).
+bindings, are the trainer's (cossd.trainer.deepspeed.zero, deepspeed_zero3).
 """
 from __future__ import annotations
 

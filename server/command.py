@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..emulator.face import SUPERBLOCK_FILE, BackingDirectory, Device, DeviceConfig, DeviceError, Status
-from ..emulator.metrics_http import DEFAULT_METRICS_ADDR, MetricsEndpoint, MetricsPortError, load_token
+from ..emulator.metrics.http import DEFAULT_METRICS_ADDR, MetricsEndpoint, MetricsPortError, load_token
 from ..kernels import guard
 from ..model.links import DEFAULT_LINK, LINKS, load_link
 from ..model.profiles import DEFAULT_PROFILE, PROFILES, load_profile

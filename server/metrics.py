@@ -1,4 +1,4 @@
-"""The storage server's Prometheus metrics: the device's figures (emulator/metrics.py) and the
+"""The storage server's Prometheus metrics: the device's figures (emulator/metrics/figures.py) and the
 server's own (connections, refusals, leases, the link, receive memory, the parameter cache),
 read from the same figures as its log page C5h when Prometheus scrapes."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..emulator import Device
-from ..emulator.metrics import DeviceFigures
+from ..emulator.metrics.figures import DeviceFigures
 from ..protocol.logpages import SERVER_REFUSALS
 
 # (metric name, "gauge" or "counter" (its name then without _total), field of

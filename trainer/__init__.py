@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(optim, name)
     if name == "DeviceLostError":
-        from .namespace_files import DeviceLostError
+        from .namespace.files import DeviceLostError
 
         return DeviceLostError
     if name == "StepAbortedError":

@@ -10,11 +10,13 @@ from typing import Any, Callable
 import torch
 
 from ..protocol.group_commit import GroupDisagreementError, common_step
-from . import dcp_group, fsdp, namespace_swap
+from . import fsdp
+from .dcp import group as dcp_group
+from .namespace import swap as namespace_swap
 from . import grads as grad_rules
 from .distributed import Ranks
 from .device_fanout import DeviceFanout, Outcome
-from .namespace_files import DeviceLostError, NamespaceFiles
+from .namespace.files import DeviceLostError, NamespaceFiles
 from .plan import Entry
 from .placement import PLACEMENT_BLOCK_ELEMS, place_on_devices, recorded_placement
 from .shard import Piece
@@ -255,7 +257,7 @@ class DeviceGroup:
                 if done is not None:
                     warnings.warn(f"cossd: {done}", RuntimeWarning, stacklevel=6)
                 # A DCP load (a rollback to a snapshot on every device) that a killed job left
-                # half done: finished or undone on every device alike (dcp_group.py).
+                # half done: finished or undone on every device alike (dcp/group.py).
                 if all(probe.exists() for probe in probes):
                     done = dcp_group.resolve(probes)
                     if done is not None:

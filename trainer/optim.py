@@ -12,10 +12,11 @@ from typing import Any, Callable
 import torch
 
 from . import grads as grad_rules
-from . import distributed, fsdp, namespace_swap
+from . import distributed, fsdp
+from .namespace import swap as namespace_swap
 from ..client import Credentials
 from .distributed import Ranks
-from .namespace_files import WIRE_DTYPES, NamespaceFiles
+from .namespace.files import WIRE_DTYPES, NamespaceFiles
 from .plan import FP8_GRAD_DTYPES, GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
@@ -185,12 +186,12 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         # Where deepspeed is imported, the namespace waits for deepspeed.initialize (or the first
         # step()) only where opening it now could not be right: it holds ZeRO's flat groups, or
         # it is new and the job has several ranks (one namespace for all); meanwhile the reads
-        # ask the device (rebind.py). Else it opens now, as without DeepSpeed: deepspeed_zero.py.
+        # ask the device (rebind.py). Else it opens now, as without DeepSpeed: deepspeed/zero.py.
         if process_group is None and "deepspeed" in sys.modules:
-            from . import deepspeed_zero
+            from .deepspeed import zero as deepspeed_zero
             self._ds_deferred = deepspeed_zero.defers(self, streaming, mounts is not None)
         elif process_group is None:  # deepspeed may be imported later: its initialize must still bind this
-            from . import deepspeed_zero
+            from .deepspeed import zero as deepspeed_zero
             self._ds_deferred = deepspeed_zero.defers_before_import(self, streaming, mounts is not None)
         if self._ds_deferred:
             self.cmb_pinned = False
@@ -369,7 +370,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
             self._deepspeed.step()
             return loss
         if self._ds_deferred:
-            from . import deepspeed_zero
+            from .deepspeed import zero as deepspeed_zero
             deepspeed_zero.open_deferred(self)
         if not self._bound and self._params_moved():
             if self._group is not None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..protocol.hyperparameters import GROUP_FIELDS
-from .namespace_files import WIRE_DTYPES
+from .namespace.files import WIRE_DTYPES
 
 # The constructor options of torch's Adam family that the device's kernel implements
 # only at their default value.

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from .namespace_files import WIRE_DTYPES, NamespaceFiles
+from .namespace.files import WIRE_DTYPES, NamespaceFiles
 from .plan import TENSOR_NAME, Entry
 from .state_dict import StateDict
 
@@ -88,14 +88,14 @@ class Rebind(StateDict):
     def _deferred_read(self, what: str, kept: Any) -> Any:
         if not self.__dict__.get("_ds_deferred", False):
             return kept
-        from . import deepspeed_zero
+        from .deepspeed import zero as deepspeed_zero
         return deepspeed_zero.deferred_value(self, what, kept)
 
     def master_weights(self) -> list[torch.Tensor]:
         """The FP32 master weights, read from the device (state_dict.py); refused, saying
         why, while the namespace waits for deepspeed.initialize."""
         if self.__dict__.get("_ds_deferred", False):
-            from . import deepspeed_zero
+            from .deepspeed import zero as deepspeed_zero
             if self.files.exists():
                 if deepspeed_zero.holds_zero_groups(self.files.config()):
                     raise RuntimeError(deepspeed_zero.zero_layout_message(self, "master_weights() reads it after that"))
@@ -109,7 +109,7 @@ class Rebind(StateDict):
         return super().master_weights()
 
     def state_dict(self) -> dict[str, Any]:
-        """Under DeepSpeed ZeRO (deepspeed_zero.py): a reference to the device's
+        """Under DeepSpeed ZeRO (deepspeed/zero.py): a reference to the device's
         state, no tensors; else the optimizer's own (state_dict.py)."""
         binding = getattr(self, "_deepspeed", None)
         if binding is not None:
@@ -118,7 +118,7 @@ class Rebind(StateDict):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        """Under DeepSpeed ZeRO, DeepSpeed's load_checkpoint (deepspeed_zero.py);
+        """Under DeepSpeed ZeRO, DeepSpeed's load_checkpoint (deepspeed/zero.py);
         else the optimizer's own (state_dict.py)."""
         binding = getattr(self, "_deepspeed", None)
         if binding is not None:
@@ -131,7 +131,7 @@ class Rebind(StateDict):
         """Open the namespace that a construction beside an imported deepspeed left for
         deepspeed.initialize, where the optimizer is used without it."""
         if getattr(self, "_ds_deferred", False):
-            from . import deepspeed_zero
+            from .deepspeed import zero as deepspeed_zero
             deepspeed_zero.open_deferred(self)
 
     def _new_child(self, group: dict[str, Any], namespace: str) -> Any:

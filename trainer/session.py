@@ -10,7 +10,7 @@ import torch
 from ..protocol.status import DeviceError
 
 from . import grads as grad_rules
-from .namespace_files import GRAD_TORCH_DTYPES, DeviceLostError, NamespaceFiles
+from .namespace.files import GRAD_TORCH_DTYPES, DeviceLostError, NamespaceFiles
 from .plan import FP8_GRAD_DTYPES, Entry, group_hyper
 
 

@@ -11,9 +11,9 @@ import torch
 from ..protocol.status import DeviceError, Status
 from . import distributed, fsdp
 from . import grads as grad_rules
-from . import namespace_swap
+from .namespace import swap as namespace_swap
 from .distributed import Ranks
-from .namespace_files import DeviceLostError, NamespaceFiles
+from .namespace.files import DeviceLostError, NamespaceFiles
 from .plan import HYPER_FIELDS, Entry, group_hyper
 from .shard import Piece, plan_shards
 

@@ -9,8 +9,9 @@ from typing import Any, Callable
 
 import torch
 
-from . import dcp, namespace_swap
-from .namespace_files import NamespaceFiles
+from .dcp import reference as dcp
+from .namespace import swap as namespace_swap
+from .namespace.files import NamespaceFiles
 from .plan import Entry, group_hyper
 
 

@@ -10,11 +10,11 @@ function of this module (its `--module` takes a module path):
 
 or use `cossd_adamw(...)` as the `optimizer` of a config of one's own. (Without a GPU, run
 `-m cossd.integrations.torchtitan_cpu` in place of `-m torchtitan.train`.) It is optimizer
-logic beside torchtitan, as deepspeed_zero.py is beside DeepSpeed, so it lives in the
+logic beside torchtitan, as deepspeed/zero.py is beside DeepSpeed, so it lives in the
 trainer layer; importing it needs torchtitan installed.
 
 The container's `state_dict()` gives torchtitan's flat, FQN-keyed form with, for a cossd
-optimizer, only each param's `step` and the 512-byte reference (cossd.trainer.dcp): the
+optimizer, only each param's `step` and the 512-byte reference (cossd.trainer.dcp.reference): the
 masters and moments stay on the device, in the snapshot the reference names. Its
 `load_state_dict()` rolls the namespace back to that snapshot. torchtitan's own helpers
 would take a zero-gradient step on the device to "materialize" the state first
@@ -33,7 +33,7 @@ from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.components.optimizer.utils import get_flat_optim_state_dict, init_optim_state, load_flat_optim_state_dict
 
-from .dcp import REF_KEY, load_reference, reference_state_dict
+from .dcp.reference import REF_KEY, load_reference, reference_state_dict
 from .optim import AdamW, _DeviceAdam
 
 # The name a ParamGroupConfig gives to have its params stepped by cossd's AdamW.
@@ -105,7 +105,7 @@ class CossdOptimizersContainer(OptimizersContainer):
 
 
 def unflatten_reference(optimizer: _DeviceAdam, flat: dict[str, Any]) -> dict[str, Any]:
-    """The integer-keyed reference form (what cossd.trainer.dcp.load_reference takes) of
+    """The integer-keyed reference form (what cossd.trainer.dcp.reference.load_reference takes) of
     `optimizer`'s part of a flat, FQN-keyed dict: `state.<fqn>.step`, `state.<fqn>.cossd_ref`
     and `param_groups.<fqn>.<key>`. A key the optimizer's groups have and the checkpoint
     lacks is a KeyError naming it."""

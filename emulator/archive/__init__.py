@@ -8,5 +8,5 @@ commands.py: ARCHIVE, ARCHIVE_LIST and log page C4h (loaded by the controller by
 COMMAND_MODULES); metrics.py: its Prometheus figures. They import the namespace and its
 snapshot store, the snapshots package (clone's records), the device's lower modules and
 cossd.protocol; nothing in the device imports them but the controller (by name) and
-emulator/metrics.py. boto3 is optional (the `tiers` extra).
+emulator/metrics/figures.py. boto3 is optional (the `tiers` extra).
 """

@@ -1,6 +1,6 @@
 """`cossd bench`'s oom section: per-step checkpoints under a cgroup memory cap and a throttled sink: DCP async_save, the tiered checkpointer, cossd offload.
 
-Each method trains the same model in a worker process of its own (harness/oom_worker.py),
+Each method trains the same model in a worker process of its own (harness/oom/worker.py),
 placed in a fresh cgroup v1 memory group (the cap) and blkio group (the sink's write
 throttle) before it allocates anything. The bench samples the group's memory every ~50 ms
 and reports what happened: the peak, an OOM kill or a failure (never counted as success),
@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 from .. import cgroups
 from ..measure import say
-from ..oom_sink import SinkUnavailable, SyncSink
-from ..oom_targets import BUCKET, Drive, Store
+from ..oom.sink import SinkUnavailable, SyncSink
+from ..oom.targets import BUCKET, Drive, Store
 
 METHODS = ("dcp", "tiered", "cossd")
 LABELS = {"dcp": "PyTorch DCP async_save, no wait", "tiered": "cossd.trainer.TieredCheckpointer",
@@ -184,7 +184,7 @@ def run_worker(method: str, config: dict[str, Any], settings: OomSettings, disk:
     if method == "tiered":
         env |= store.credentials()
     log = tempfile.TemporaryFile()
-    process = subprocess.Popen([sys.executable, "-m", "cossd.harness.oom_worker", json.dumps(config)],
+    process = subprocess.Popen([sys.executable, "-m", "cossd.harness.oom.worker", json.dumps(config)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     events: list[dict[str, Any]] = []
     reader = threading.Thread(target=_read_events, args=(process, events), daemon=True)

@@ -128,7 +128,7 @@ def main() -> int:
     warnings.simplefilter("always")
     if config.get("fail_masters_rank") == rank:
         # This rank's load of its masters' rows fails (as a device error or a lost mount would).
-        from cossd.trainer.namespace_files import NamespaceFiles
+        from cossd.trainer.namespace.files import NamespaceFiles
 
         write = NamespaceFiles.write_pieces
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, s
 from cossd.client import AdminClient
 from cossd.client import snapshots as snapshot_calls
 from cossd.trainer import AdamW
-from cossd.trainer.dcp import REF_KEY
+from cossd.trainer.dcp.reference import REF_KEY
 
 from conftest import Mount
 from helpers import free_port

@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from conftest import Mount, force_unmount, start_mount, stop_mount
-from cossd.trainer.dcp import REF_KEY
-from cossd.trainer.dcp_group import MARK
+from cossd.trainer.dcp.reference import REF_KEY
+from cossd.trainer.dcp.group import MARK
 
 pytestmark = pytest.mark.mount
 

@@ -238,7 +238,7 @@ def test_zero_checkpoint_tags_roll_the_device_back(cossd_adamw, mounted: Mount, 
     loading "a" fails naming the tag, and nothing changes."""
     from cossd.client import AdminClient
     from cossd.client import snapshots as snapshot_calls
-    from cossd.trainer.deepspeed_zero import REFERENCE
+    from cossd.trainer.deepspeed.zero import REFERENCE
 
     engine, optimizer, _ = train(cossd_adamw("ds-tags"), "bf16", 1, steps=2)
     at_a = [m.clone() for m in optimizer.master_weights()]

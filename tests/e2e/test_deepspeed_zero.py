@@ -223,7 +223,7 @@ def test_unsupported_combinations_refused_at_initialize(device: Any, tmp_path: P
                                                         zero: dict[str, Any], match: str) -> None:
     """Refused by deepspeed.initialize on every rank, naming the combination; the namespace
     is never made."""
-    from cossd.trainer.namespace_files import NamespaceFiles
+    from cossd.trainer.namespace.files import NamespaceFiles
 
     namespace = f"ds-refused-{stage}-{precision}"
     codes = run(device, tmp_path, 2, namespace=namespace, stage=stage, precision=precision, zero=zero)

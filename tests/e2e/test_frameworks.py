@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cossd.trainer import AdamW, DeviceLostError
-from cossd.trainer import namespace_swap
+from cossd.trainer.namespace import swap as namespace_swap
 
 from conftest import Mount
 

@@ -313,7 +313,7 @@ def test_refused_credentials_or_no_server_fail_the_mount_and_leave_nothing(
     # The device's own options are the server's: refused, not ignored.
     code, out, err = mount_remote(capsys, served.url, mountpoint, token_file, "--cmb-size", "0")
     assert code == 1 and "--cmb-size" in err and not is_mounted(mountpoint)
-    from cossd.fs.remote_daemon import daemon_pid
+    from cossd.fs.remote.daemon import daemon_pid
 
     assert daemon_pid(mountpoint) is None  # no daemon left behind either
     code, out, _ = run_cli(capsys, "mount", "--help")
@@ -360,7 +360,7 @@ def test_mutual_tls_with_credentials_from_the_environment(serve: Callable[..., S
 def test_a_killed_server_gives_errors_not_a_hang_then_a_restarted_one_is_served(
         served: Served, remote_mount: RemoteMount, capsys: pytest.CaptureFixture[str]) -> None:
     from cossd.trainer import DeviceLostError
-    from cossd.trainer.namespace_files import NamespaceFiles
+    from cossd.trainer.namespace.files import NamespaceFiles
 
     far = remote_mount.mountpoint
     files = NamespaceFiles(far, "k", timeout_s=TIMEOUT_S)

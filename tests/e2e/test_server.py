@@ -656,7 +656,7 @@ def test_serve_refuses_unsafe_configurations(tmp_path: Path, token_file: Path) -
 
 def test_kill_9_gives_device_lost_error_within_the_timeout(served: Served, token_file: Path) -> None:
     from cossd.trainer import DeviceLostError
-    from cossd.trainer.namespace_files import NamespaceFiles
+    from cossd.trainer.namespace.files import NamespaceFiles
 
     os.environ["COSSD_TOKEN_FILE"] = str(token_file)
     try:

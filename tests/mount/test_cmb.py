@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 
 from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device
-from cossd.emulator.cmb_commands import Transfer, check_param_copies
+from cossd.emulator.commands.cmb import Transfer, check_param_copies
 from cossd.protocol.status import DeviceError, Status
 from cossd.protocol.entries import Opcode
 from cossd.fs import daemon
 from cossd.client import AdminClient
 from cossd.trainer import AdamW
 from cossd.client import claim_region, plan_cmb_batches
-from cossd.trainer.namespace_files import NamespaceFiles
+from cossd.trainer.namespace.files import NamespaceFiles
 from helpers import create_namespace, pread_all, pwrite_all, random_half, tensor_dir
 
 TENSORS = [("odd", 300_007), ("big", 600_000)]

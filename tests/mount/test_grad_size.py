@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import Mount
-from cossd.trainer.namespace_files import NamespaceFiles
+from cossd.trainer.namespace.files import NamespaceFiles
 from helpers import create_namespace, tensor_dir
 from cossd.fs.refusals import OversizeWriteLog
 from cossd.protocol.status import DeviceError, Status

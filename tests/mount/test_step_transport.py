@@ -10,7 +10,7 @@ import torch
 
 from conftest import Mount
 from cossd.client.step_transport import CmbTransport, FileTransport, ProgramTransport
-from cossd.trainer.namespace_files import DeviceLostError, NamespaceFiles
+from cossd.trainer.namespace.files import DeviceLostError, NamespaceFiles
 from helpers import create_namespace
 
 TENSORS = [("odd", 300_007), ("big", 60_000)]

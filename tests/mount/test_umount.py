@@ -16,7 +16,7 @@ import pytest
 from conftest import Mount, force_unmount, is_mounted, wait_for_exit
 from cossd.emulator import Device
 from cossd.fs import launch
-from cossd.fs.remote_daemon import daemon_pid
+from cossd.fs.remote.daemon import daemon_pid
 from served import ServedDevice, write_token
 from helpers import run_cli
 from waiting import wait_until

@@ -6,7 +6,7 @@ import pytest
 
 from cossd.client.step_transport import _step_slots
 from cossd.emulator import Device, DeviceError, NamespaceSpec, Status, TensorSpec
-from cossd.emulator.cmb_commands import Transfer, check_param_copies
+from cossd.emulator.commands.cmb import Transfer, check_param_copies
 from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.server.writes import Writes
 

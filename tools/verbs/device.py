@@ -103,10 +103,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _mount_remote(args: argparse.Namespace) -> int:
     """`cossd mount cossd://HOST:PORT MNT`: the server's tree as a FUSE mount on this node
-    (fs/remote_daemon.py); the device's own options are the server's (`cossd serve`)."""
-    from ...fs import remote_daemon
+    (fs/remote/daemon.py); the device's own options are the server's (`cossd serve`)."""
+    from ...fs.remote import daemon as remote_daemon
     from ...fs.mount_options import MountOptions
-    from ...fs.remote_lanes import DEFAULT_LANES, Credentials
+    from ...fs.remote.lanes import DEFAULT_LANES, Credentials
 
     given = MountOptions.from_args(args).device_options_given()
     if given:
@@ -162,7 +162,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
                          f"({MOUNT_FSTYPE} or {REMOTE_MOUNT_FSTYPE}); refusing to unmount it")
     pid = None
     if fstype == REMOTE_MOUNT_FSTYPE:
-        from ...fs.remote_daemon import daemon_pid
+        from ...fs.remote.daemon import daemon_pid
 
         # The server holds the state (nothing to flush here): wait only for this node's daemon
         # to close its connections. VENDOR_IDENTIFY's pid would be the server's.

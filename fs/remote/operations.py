@@ -16,15 +16,15 @@ from typing import Any, Callable, Concatenate, Coroutine, ParamSpec, TypeVar, ca
 import pyfuse3
 import trio
 
-from ..client.remote import RemoteTransport
-from ..client.watchdog import DeviceTimeoutError
-from ..protocol.entries import Completion, Opcode, encode_submission
-from ..protocol.status import Status
+from ...client.remote import RemoteTransport
+from ...client.watchdog import DeviceTimeoutError
+from ...protocol.entries import Completion, Opcode, encode_submission
+from ...protocol.status import Status
 
-from .admin_queue import AdminHandle
-from .nodes import fuse_error
-from .remote_lanes import Lanes
-from .remote_tree import (ADMIN_INODE, ADMIN_NAME, ROOT_INODE, InodeTable, Key, RemoteKind, admin_answer,
+from ..admin_queue import AdminHandle
+from ..nodes import fuse_error
+from .lanes import Lanes
+from .tree import (ADMIN_INODE, ADMIN_NAME, ROOT_INODE, InodeTable, Key, RemoteKind, admin_answer,
                           attributes, child_path, key_of, kind_of)
 
 log = logging.getLogger(__name__)

@@ -6,14 +6,14 @@ import functools
 import json
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..protocol.entries import NSID_ALL, Command, Completion, IoOpcode, Opcode
-from ..protocol.injection import InjectAction, Queue
-from ..protocol.logpages import LogId
-from ..protocol.status import DeviceError, Status
-from .injection import NOT_INJECTABLE
+from ...protocol.entries import NSID_ALL, Command, Completion, IoOpcode, Opcode
+from ...protocol.injection import InjectAction, Queue
+from ...protocol.logpages import LogId
+from ...protocol.status import DeviceError, Status
+from ..injection import NOT_INJECTABLE
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from ..controller import Controller
 
 
 

@@ -10,8 +10,8 @@ import os
 import threading
 from typing import Iterator
 
-from ..client.remote import RemoteTransport
-from ..client.watchdog import DeviceTimeoutError
+from ...client.remote import RemoteTransport
+from ...client.watchdog import DeviceTimeoutError
 
 log = logging.getLogger(__name__)
 

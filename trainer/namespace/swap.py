@@ -5,11 +5,11 @@ import hashlib
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..protocol.status import DeviceError, Status
-from ..client import snapshots as snapshot_calls
+from ...protocol.status import DeviceError, Status
+from ...client import snapshots as snapshot_calls
 
 if TYPE_CHECKING:
-    from .namespace_files import NamespaceFiles
+    from .files import NamespaceFiles
 
 log = logging.getLogger(__name__)
 

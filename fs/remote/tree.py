@@ -10,7 +10,7 @@ from typing import Any
 
 import pyfuse3
 
-from .nodes import fuse_error
+from ..nodes import fuse_error
 
 ADMIN_NAME = ".admin"
 ROOT_INODE = pyfuse3.ROOT_INODE

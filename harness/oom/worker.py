@@ -1,6 +1,6 @@
 """One trainer of the OOM bench (harness/bench/oom.py), checkpointing every step: DCP async_save, the tiered checkpointer, or cossd offload.
 
-Run as `python -m cossd.harness.oom_worker CONFIG_JSON`. It speaks JSON lines on stdout and
+Run as `python -m cossd.harness.oom.worker CONFIG_JSON`. It speaks JSON lines on stdout and
 waits for a line on stdin three times: before anything is allocated (the bench puts it into
 its cgroups then, so every page it touches is charged there), after a first warm-up step (the
 bench resets the group's peak), and after a second one, training alone (the bench takes that
@@ -29,8 +29,8 @@ def main(config: dict[str, Any]) -> int:
     _wait_for_go()  # in its cgroups from here on: torch's own pages are charged there too
     import torch
 
-    from .checkpointing import pin_malloc_to_mmap
-    from .gpt import GPT, GPTConfig, StdlibCorpus, parameter_count
+    from ..checkpointing import pin_malloc_to_mmap
+    from ..gpt import GPT, GPTConfig, StdlibCorpus, parameter_count
 
     # As the project's other host-memory figures: freed large buffers go back to the system,
     # so the group's memory is live data, not glibc's arenas holding what threads freed.
@@ -76,7 +76,7 @@ def _method(method: str, config: dict[str, Any], model: Any) -> tuple[Callable[[
     import torch
 
     if method == "cossd":
-        from ..trainer import AdamW
+        from ...trainer import AdamW
 
         optimizer = AdamW(model.parameters(), lr=1e-4, mount=config["mount"], namespace=config["namespace"],
                           dtype=torch.bfloat16)
@@ -141,7 +141,7 @@ def _dcp(config: dict[str, Any], model: Any, optimizer: Any) -> tuple[Callable[[
 
 def _tiered(config: dict[str, Any], model: Any, optimizer: Any) -> tuple[Callable[[int], float], Any,
                                                                           Callable[[], dict[str, Any]]]:
-    from ..trainer import TieredCheckpointer
+    from ...trainer import TieredCheckpointer
 
     options = config["tiered"]
     checkpointer = TieredCheckpointer(config["store_url"], endpoint_url=config["endpoint"],

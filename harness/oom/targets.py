@@ -14,7 +14,7 @@ class Store:
     why is set where weed is missing or does not start, and the tiered row says so."""
 
     def __init__(self, root: Path) -> None:
-        from . import s3_server
+        from .. import s3_server
 
         self.server: Any = None
         self.why: str | None = None
@@ -59,8 +59,8 @@ class Drive:
     credentials in its environment: it archives from its own side (docs/tiers.md)."""
 
     def __init__(self, root: Path, store: Store) -> None:
-        from ..emulator import Device
-        from ..fs import daemon
+        from ...emulator import Device
+        from ...fs import daemon
 
         root.mkdir(parents=True)
         self.backing, self.mountpoint = root / "backing", root / "mnt"
@@ -77,8 +77,8 @@ class Drive:
             os.environ.update(saved)
 
     def archive_every(self, namespace: str, every: int, url: str) -> None:
-        from ..client import AdminClient
-        from ..client.archive import set_archive_policy
+        from ...client import AdminClient
+        from ...client.archive import set_archive_policy
 
         with AdminClient(self.mountpoint) as admin:
             set_archive_policy(admin, admin.nsid(namespace), {"url": url, "every": every, "keep_local": 2,
@@ -87,8 +87,8 @@ class Drive:
     def archive_report(self, namespace: str, wait_s: float) -> dict[str, Any]:
         """What the drive archived (log page C4h): once nothing waits or uploads, or after
         wait_s; the policy is turned off then."""
-        from ..client import AdminClient
-        from ..client.archive import archive_statistics, set_archive_policy
+        from ...client import AdminClient
+        from ...client.archive import archive_statistics, set_archive_policy
 
         with AdminClient(self.mountpoint) as admin:
             nsid = admin.nsid(namespace)

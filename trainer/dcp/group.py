@@ -4,7 +4,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Callable
 
-from ..client import snapshots as snapshot_calls
+from ...client import snapshots as snapshot_calls
 
 # A group rollback to snapshot T first marks every device with a snapshot named MARK + T of
 # its current state, device 0 first; once every device holds the mark, the rollback is

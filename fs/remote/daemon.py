@@ -16,13 +16,13 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from ..client.mounts import REMOTE_MOUNT_FSTYPE, mount_entries, mount_id_at, mount_type_at
-from ..client.remote import parse_url
-from ..client.watchdog import DEFAULT_TIMEOUT_S
+from ...client.mounts import REMOTE_MOUNT_FSTYPE, mount_entries, mount_id_at, mount_type_at
+from ...client.remote import parse_url
+from ...client.watchdog import DEFAULT_TIMEOUT_S
 
-from .fuse_signals import stop_on_signal
-from .remote_lanes import DEFAULT_LANES, Credentials, Lanes, absolute
-from .remote_operations import RemoteOperations
+from ..fuse_signals import stop_on_signal
+from .lanes import DEFAULT_LANES, Credentials, Lanes, absolute
+from .operations import RemoteOperations
 
 log = logging.getLogger(__name__)
 

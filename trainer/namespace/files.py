@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..client import DEFAULT_TIMEOUT_S, AdminClient, CmbRegion, Credentials, is_remote
-from ..client.lost import DeviceLostError, device_lost
-from ..client.step_transport import FileTransport, Range, open_step_transport
-from ..protocol.status import DeviceError, Status
+from ...client import DEFAULT_TIMEOUT_S, AdminClient, CmbRegion, Credentials, is_remote
+from ...client.lost import DeviceLostError, device_lost
+from ...client.step_transport import FileTransport, Range, open_step_transport
+from ...protocol.status import DeviceError, Status
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class NamespaceFiles:
 
     def retarget(self, name: str, nsid: int | None) -> None:
         """Point these files at another namespace with the same tensors (the staging
-        namespace of an atomic replace, trainer/namespace_swap.py); the CMB part stays."""
+        namespace of an atomic replace, trainer/namespace/swap.py); the CMB part stays."""
         self._close_files()
         self.name, self.root, self.nsid = name, self._root(name), nsid
         self._grad_layout = None

@@ -1,4 +1,4 @@
-"""A cossd optimizer under DeepSpeed ZeRO 1/2 (ZeRO-3: deepspeed_zero3.py): every rank's flat FP32 partitions of every param group on one namespace, one shared step per engine.step().
+"""A cossd optimizer under DeepSpeed ZeRO 1/2 (ZeRO-3: deepspeed/zero3.py): every rank's flat FP32 partitions of every param group on one namespace, one shared step per engine.step().
 
 DeepSpeedZeroOptimizer puts one flat FP32 partition per param group in the optimizer's
 param groups (this rank's slice of the group's params laid end to end) and calls step() once
@@ -11,7 +11,7 @@ which the device makes only once every rank's every partition has arrived. Nothi
 committed otherwise: a rank that dies between its gradients and the commit leaves the device
 at the step before, for every rank.
 
-The binding itself is deepspeed_binding.py's ZeroBinding. The hooks that get the optimizer there live here (the trainer's side of DeepSpeed): where
+The binding itself is deepspeed/binding.py's ZeroBinding. The hooks that get the optimizer there live here (the trainer's side of DeepSpeed): where
 deepspeed is imported when a cossd optimizer is made, it leaves its namespace unopened only
 where opening it then could not be right (`defers`: a namespace of ZeRO's flat groups, or a
 new one in a job of several ranks), and reads nothing but the truth meanwhile
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ..integrations.deepspeed import expected_world_size, refuse_config, world_size
-from .deepspeed_binding import REFERENCE, SNAPSHOT_PREFIX, ZeroBinding, tensor_name  # noqa: F401  (re-exported)
+from ...integrations.deepspeed import expected_world_size, refuse_config, world_size
+from .binding import REFERENCE, SNAPSHOT_PREFIX, ZeroBinding, tensor_name  # noqa: F401  (re-exported)
 
 
 # ---------------------------------------------------------------------- the hooks
@@ -172,7 +172,7 @@ def bind(optimizer: Any, wrapper: Any) -> None:
         if not optimizer._ds_deferred:
             _convert_for_zero(optimizer)
         if isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
-            from .deepspeed_zero3 import Zero3Binding
+            from .zero3 import Zero3Binding
             binding: ZeroBinding = Zero3Binding(optimizer, wrapper)
         else:
             binding = ZeroBinding(optimizer, wrapper)
@@ -241,7 +241,7 @@ def release_unstepped(optimizer: Any) -> None:
 def _reopen_empty(optimizer: Any) -> None:
     """Delete the optimizer's never-stepped namespace; its files point at the name again,
     with no namespace behind it (the binding or the first step makes one)."""
-    from .namespace_files import NamespaceFiles
+    from ..namespace.files import NamespaceFiles
 
     old = optimizer.files
     if old.exists():

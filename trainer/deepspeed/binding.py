@@ -1,6 +1,6 @@
-"""The binding of a cossd optimizer to DeepSpeed's ZeRO 1/2 wrapper (ZeroBinding, which deepspeed_zero3.py's Zero3Binding extends): the namespace of the flat groups, and one shared step over DeepSpeed's per-group step() calls.
+"""The binding of a cossd optimizer to DeepSpeed's ZeRO 1/2 wrapper (ZeroBinding, which deepspeed/zero3.py's Zero3Binding extends): the namespace of the flat groups, and one shared step over DeepSpeed's per-group step() calls.
 
-deepspeed_zero.py holds the hooks that choose and open a binding; this module is apart so
+deepspeed/zero.py holds the hooks that choose and open a binding; this module is apart so
 that both bindings import it and neither imports the hooks (no import cycle).
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from ..integrations.deepspeed import checkpoint_tag
-from . import dcp
-from .distributed import Ranks
-from .plan import Entry
-from .shard import Piece
+from ...integrations.deepspeed import checkpoint_tag
+from ..dcp import reference as dcp
+from ..distributed import Ranks
+from ..plan import Entry
+from ..shard import Piece
 
 
 def tensor_name(group: int) -> str:

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ..client import snapshots as snapshot_calls
-from ..protocol.status import DeviceError, Status
-from . import dcp_group
-from .plan import HYPER_FIELDS
+from ...client import snapshots as snapshot_calls
+from ...protocol.status import DeviceError, Status
+from . import group as dcp_group
+from ..plan import HYPER_FIELDS
 
 # The optimizer these functions take is optim._DeviceAdam, not imported here (not even for
 # type checking): optim imports state_dict, which imports this module.
@@ -152,7 +152,7 @@ def _snapshots(optimizer: _DeviceAdam) -> dict[str, dict[str, Any]]:
 def _take_snapshot(optimizer: _DeviceAdam, prefix: str = SNAPSHOT_PREFIX) -> dict[str, Any]:
     """Rank 0's part of a save: a snapshot of the committed step (or the one the last save
     took, where the namespace has not moved since), then the oldest snapshots of `prefix`
-    (the checkpoints of DCP, or of DeepSpeed: deepspeed_zero.py) beyond `dcp_keep` dropped.
+    (the checkpoints of DCP, or of DeepSpeed: deepspeed/zero.py) beyond `dcp_keep` dropped.
     Returns the reference."""
     files = optimizer.files
     identity = optimizer._identity()
@@ -200,7 +200,7 @@ def reference_state_dict(optimizer: _DeviceAdam) -> dict[str, Any]:
     where the moments and masters are 12 bytes a param)."""
     _refuse_group(optimizer)
     members = _group_members(optimizer)
-    if members is not None:  # one tag on every device of the group (dcp_group.py)
+    if members is not None:  # one tag on every device of the group (dcp/group.py)
         reference = _on_rank0(optimizer, lambda: _take_group_snapshot(optimizer, members))
     else:
         reference = _on_rank0(optimizer, lambda: _take_snapshot(optimizer))

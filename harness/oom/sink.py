@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import cgroups
+from .. import cgroups
 
 
 class SinkUnavailable(RuntimeError):

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .kinds import OPTIMIZER_KIND, AnyNamespace
-from .archive.metrics import archive_metrics
-from . import state_counters
+from ..kinds import OPTIMIZER_KIND, AnyNamespace
+from ..archive.metrics import archive_metrics
+from .. import state_counters
 
 if TYPE_CHECKING:
-    from .device import Device
+    from ..device import Device
 
 NS = ("namespace",)
 

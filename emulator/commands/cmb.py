@@ -5,14 +5,14 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Any, Callable
 
-from .cmb import ControllerMemoryBuffer, parallel_copy
-from ..protocol.status import DeviceError, Status
-from .namespace import ROLES, Namespace
-from ..protocol.entries import Command, Completion, Opcode
-from .transaction import first_overlap
+from ..cmb import ControllerMemoryBuffer, parallel_copy
+from ...protocol.status import DeviceError, Status
+from ..namespace import ROLES, Namespace
+from ...protocol.entries import Command, Completion, Opcode
+from ..transaction import first_overlap
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from ..controller import Controller
 
 # A batch's transfers at most: each is a few dozen bytes of JSON, so a model's every tensor
 # fits the 16 MiB payload many times over.

@@ -7,7 +7,7 @@ tensor (`fp32_partitioned_groups_flat[i]`), and steps the sub-groups one at a ti
 each optimizer.step() it puts that one flat tensor in its param group's params and leaves
 every other group's params empty, and after it copies the tensor to the bit16 slices.
 
-The namespace is the one ZeRO 1/2 use (deepspeed_zero.py): `zero.g<N>` holds param group
+The namespace is the one ZeRO 1/2 use (deepspeed/zero.py): `zero.g<N>` holds param group
 N's params end to end, without padding, so it does not depend on the world size or the
 stage. A rank's part of it is one element range per param (its slice), not one range per
 group as at ZeRO 1/2. The first sub-group's call begins the job's shared step, each call
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .deepspeed_binding import ZeroBinding, tensor_name
-from .distributed import Ranks
-from .plan import Entry
-from .shard import Piece
+from .binding import ZeroBinding, tensor_name
+from ..distributed import Ranks
+from ..plan import Entry
+from ..shard import Piece
 
 
 class Zero3Binding(ZeroBinding):
