@@ -25,6 +25,7 @@ _SOURCES = [
         "simd_avx512.c",  # the same bodies compiled for AVX-512
         "crc32c.c",  # CRC32C: tables, crc32 instruction, carry-less folding, combine
         "block_update.c",  # the device's block update: step plus checksum in one pass
+        "fp8_param.c",  # FP8 params out: absmax and the saturating encode with a per-tensor scale
         "qstate.c",  # block-scaled moments (FP16 + scale, INT8 + absmax): maps, scalar step, encode/decode
     )
 ]

@@ -187,6 +187,13 @@ int cossd_state_decode(const void *codes, const float *scales, size_t n, int sta
  * exp_avg_sq and XORed with 0x80 for exp_avg (whose zero is at index 128). */
 int cossd_state_map(int moment, float *out);
 
+/* FP8 params out (fp8_param.c): the largest |x[i]| (NaNs passed over; 0 for n == 0), and
+ * x[i] * scale as OCP FP8 codes of fmt (COSSD_GRAD_FP8_E4M3 or _E5M2), round to nearest even,
+ * saturating at the largest finite value (inf too; NaN stays NaN). counts_out[0] gets the
+ * overflows (saturated), counts_out[1] the underflows (a nonzero x[i] whose code is zero). */
+float cossd_absmax_f32(const float *x, size_t n);
+int cossd_fp8_encode(const float *x, size_t n, float scale, int fmt, uint8_t *codes_out, uint64_t *counts_out);
+
 int cossd_simd_available(void);
 int cossd_avx512_available(void);
 int cossd_crc_simd_available(void);
