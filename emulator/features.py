@@ -27,7 +27,6 @@ from ..protocol.features import (
     FeatureId,
     Select,
 )
-from .nvm import NvmNamespace
 from ..protocol.hyperparameters import GROUP_FIELDS
 
 if TYPE_CHECKING:
@@ -174,10 +173,13 @@ class Features:
 
     def _set_namespace_durability(self, sync: bool) -> None:
         for namespace in list(self.device.namespaces.values()):
-            if isinstance(namespace, NvmNamespace):
-                namespace.write_through = sync  # an nvm namespace writes through, or caches
-            else:
-                namespace.sync_commits = sync
+            # Each kind is one of the two: an nvm namespace writes through, or caches; an
+            # optimizer namespace fsyncs at every commit, or only at flushes.
+            nvm, optimizer = namespace.as_nvm(), namespace.as_optimizer()
+            if nvm is not None:
+                nvm.write_through = sync
+            if optimizer is not None:
+                optimizer.sync_commits = sync
 
     def _flush_all(self) -> None:
         for namespace in list(self.device.namespaces.values()):

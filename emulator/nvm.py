@@ -318,6 +318,22 @@ class NvmNamespace:
         """This namespace, as the kind whose one file is its data (the computational kinds too)."""
         return self
 
+    def as_plain_nvm(self) -> NvmNamespace | None:
+        """This namespace, as the kind whose data file is LBA-addressed media (None from the
+        computational kinds, NVM namespaces to the rest of the device that hold no media)."""
+        return self
+
+    # The computational kinds (emulator/computational/namespaces.py) answer these two with
+    # themselves. Typed as this class: that module imports this one, and naming its classes
+    # here would make the import cycle the contracts forbid.
+    def as_compute(self) -> NvmNamespace | None:
+        """None: a plain NVM namespace runs no programs."""
+        return None
+
+    def as_memory(self) -> NvmNamespace | None:
+        """None: a plain NVM namespace's bytes are media, not memory (SLM)."""
+        return None
+
     def io_read(self, tensor: str | None, role: str, offset: int, size: int) -> bytes:
         return self.read(offset, size)
 

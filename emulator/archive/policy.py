@@ -218,9 +218,10 @@ class PolicyRunner:
     def _run(self) -> None:
         while not self._stop.wait(TICK_S):
             for name, policy in list(self.policies.items()):
-                namespace = self.device.namespaces.get(name)
-                if not isinstance(namespace, Namespace):
-                    continue  # deleted, or not (yet) there: its policy waits
+                found = self.device.namespaces.get(name)
+                namespace = found.as_optimizer() if found is not None else None
+                if namespace is None:
+                    continue  # deleted, not (yet) there, or not an optimizer namespace: its policy waits
                 try:
                     self.tick(namespace, policy)
                 except DeviceError as exc:

@@ -44,13 +44,14 @@ class ComputationalCommands:
 
     def compute(self, nsid: int) -> tuple[ComputeNamespace, ComputeState]:
         namespace = self.device.namespace_by_id(nsid)
-        if not isinstance(namespace, ComputeNamespace):
+        compute: ComputeNamespace | None = namespace.as_compute()
+        if compute is None:
             raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
                               f"namespace {namespace.name!r} is a {namespace.kind} namespace: this command "
                               "takes a compute namespace")
-        if namespace.state is None:
-            namespace.state = ComputeState()
-        return namespace, namespace.state
+        if compute.state is None:
+            compute.state = ComputeState()
+        return compute, compute.state
 
     # ------------------------------------------------------------------ admin
 
@@ -171,10 +172,11 @@ class ComputationalCommands:
     def io(self, command: Command) -> Completion:
         """An I/O command: the opcode means what the namespace's command set says."""
         namespace = self.device.namespace_by_id(command.nsid)
-        if isinstance(namespace, ComputeNamespace) and command.opcode == ComputeOpcode.EXECUTE_PROGRAM:
+        if namespace.as_compute() is not None and command.opcode == ComputeOpcode.EXECUTE_PROGRAM:
             return self.execute_program(command)
-        if isinstance(namespace, MemoryNamespace) and command.opcode in tuple(MemoryOpcode):
-            return memory_io.run(self.device, self.controller.cmb, namespace, command)
+        memory: MemoryNamespace | None = namespace.as_memory()
+        if memory is not None and command.opcode in tuple(MemoryOpcode):
+            return memory_io.run(self.device, self.controller.cmb, memory, command)
         raise DeviceError(Status.INVALID_OPCODE, f"I/O opcode {command.opcode:#04x} is not supported by "
                           f"namespace {namespace.name!r} ({namespace.kind})", 0)
 

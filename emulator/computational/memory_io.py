@@ -21,10 +21,11 @@ from .namespaces import MemoryNamespace, check_slm_span
 
 def memory_namespace(device: Any, nsid: int) -> MemoryNamespace:
     namespace = device.namespace_by_id(nsid)
-    if not isinstance(namespace, MemoryNamespace):
+    memory: MemoryNamespace | None = namespace.as_memory()
+    if memory is None:
         raise DeviceError(Status.NAMESPACE_KIND_MISMATCH,
                           f"namespace {namespace.name!r} is a {namespace.kind} namespace, not memory")
-    return namespace
+    return memory
 
 
 def memory_of(namespace: MemoryNamespace, cmb: ControllerMemoryBuffer | None) -> ControllerMemoryBuffer | None:
@@ -79,14 +80,16 @@ def _nvm_sources(device: Any, table: np.ndarray, destination_nsid: int) -> list[
         if int(row["snsid"]) == destination_nsid:
             raise DeviceError(Status.INVALID_NAMESPACE, f"source {index}: LBA ranges of the destination itself")
         namespace = device.namespace_by_id(int(row["snsid"]))
-        if type(namespace) is not NvmNamespace:  # not a compute or memory namespace: they are NVM ones to the device
+        # Not a compute or memory namespace either: NVM namespaces to the device, with no LBAs.
+        nvm: NvmNamespace | None = namespace.as_plain_nvm()
+        if nvm is None:
             raise DeviceError(Status.INVALID_NAMESPACE, f"source {index}: namespace {namespace.name!r} is not an "
                               "NVM namespace (formats 2h and 3h name LBAs)")
         start, blocks = int(row["slba"]), int(row["nlb"]) + 1  # NLB is 0's based
-        if (start + blocks) * LBA_BYTES > namespace.capacity_bytes:
+        if (start + blocks) * LBA_BYTES > nvm.capacity_bytes:
             raise DeviceError(Status.LBA_OUT_OF_RANGE, f"source {index}: LBAs {start}..{start + blocks} of "
-                              f"{namespace.name!r} ({namespace.blocks} blocks)")
-        sources.append((namespace, start * LBA_BYTES, blocks * LBA_BYTES))
+                              f"{nvm.name!r} ({nvm.blocks} blocks)")
+        sources.append((nvm, start * LBA_BYTES, blocks * LBA_BYTES))
     return sources
 
 
@@ -100,10 +103,11 @@ def _memory_sources(device: Any, cmb: ControllerMemoryBuffer | None,
                 or bytes(row["reserved24"]) != bytes(8):
             raise DeviceError(Status.INVALID_FIELD, f"source {index}: reserved bytes are not zero")
         namespace = device.namespace_by_id(snsid)
-        if not isinstance(namespace, MemoryNamespace):
+        memory: MemoryNamespace | None = namespace.as_memory()
+        if memory is None:
             raise DeviceError(Status.INVALID_NAMESPACE, f"source {index}: namespace {namespace.name!r} is a "
                               f"{namespace.kind} namespace (format 4h names memory ranges)")
-        sources.append((namespace, saddr, _span(namespace, cmb, saddr, nbyte, f"source {index}")))
+        sources.append((memory, saddr, _span(memory, cmb, saddr, nbyte, f"source {index}")))
     return sources
 
 

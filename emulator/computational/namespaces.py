@@ -130,6 +130,10 @@ class _VolatileNamespace(NvmNamespace):
             shutil.rmtree(directory, ignore_errors=True)
             raise
 
+    def as_plain_nvm(self) -> None:
+        """None: an NVM namespace to the device, with no media (no LBAs) behind it."""
+        return None
+
     @property
     def allocated_bytes(self) -> int:
         return 0
@@ -168,6 +172,10 @@ class ComputeNamespace(_VolatileNamespace):
         # Set by the command module on first use: the namespace's programs and range sets.
         self.state: Any = None
 
+    def as_compute(self) -> ComputeNamespace:
+        """This namespace, as the kind that runs the compute command set's programs."""
+        return self
+
     # The kinds table (emulator/kinds.py) hands each kind its own spec class, so the narrower
     # spec than NvmNamespace.create takes is never met by another.
     @classmethod
@@ -195,6 +203,10 @@ class MemoryNamespace(_VolatileNamespace):
         if not spec.cmb:
             self.memory = ControllerMemoryBuffer(spec.capacity_bytes)
             self.capacity_bytes = spec.capacity_bytes  # the data file's size
+
+    def as_memory(self) -> MemoryNamespace:
+        """This namespace, as the kind whose bytes are memory (SLM)."""
+        return self
 
     # The kinds table (emulator/kinds.py) hands each kind its own spec class, so the narrower
     # spec than NvmNamespace.create takes is never met by another.

@@ -110,10 +110,10 @@ def adamw_pieces(ranges: list[MemoryRange]) -> tuple[Namespace, list[Piece]]:
             if memory.view is None:
                 raise DeviceError(Status.INVALID_MEMORY_NAMESPACE, f"{memory.what} ({role}) must be in a memory namespace")
         for state, role in ((master, "master"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
-            if not isinstance(state.namespace, Namespace):
+            if state.namespace.as_optimizer() is None:
                 raise DeviceError(Status.INVALID_FIELD, f"{state.what} ({role}) must name an optimizer namespace's state")
         if namespace is None:
-            namespace = master.namespace
+            namespace = master.namespace.as_optimizer()
         grad_size = namespace.itemsize("grad")
         if grad.length % grad_size or params.length != grad.length // grad_size * namespace.itemsize("param"):
             raise DeviceError(Status.INVALID_FIELD, f"{grad.what} and {params.what}: gradient and param lengths "

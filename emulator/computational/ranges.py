@@ -68,12 +68,14 @@ def resolve(table: np.ndarray, namespace_by_id: Callable[[int], Any],
             namespace = namespace_by_id(mnsid)
         except DeviceError:
             raise DeviceError(Status.INVALID_MEMORY_NAMESPACE, f"range {index}: no namespace with nsid {mnsid}") from None
-        if isinstance(namespace, MemoryNamespace):
-            memory = cmb if namespace.on_cmb else namespace.memory
-            view = namespace.bytes_of(memory, sb, length, f"range {index}")
-            ranges.append(MemoryRange(index, namespace, sb, length, view))
-        elif isinstance(namespace, Namespace):
-            ranges.append(MemoryRange(index, namespace, sb, length, None))
+        memory_namespace: MemoryNamespace | None = namespace.as_memory()
+        optimizer: Namespace | None = namespace.as_optimizer()
+        if memory_namespace is not None:
+            memory = cmb if memory_namespace.on_cmb else memory_namespace.memory
+            view = memory_namespace.bytes_of(memory, sb, length, f"range {index}")
+            ranges.append(MemoryRange(index, memory_namespace, sb, length, view))
+        elif optimizer is not None:
+            ranges.append(MemoryRange(index, optimizer, sb, length, None))
         else:
             raise DeviceError(Status.INVALID_MEMORY_NAMESPACE,
                               f"range {index}: namespace {namespace.name!r} is a {namespace.kind} namespace, "

@@ -212,9 +212,10 @@ class Namespace:
 
     @modeled_command("begin_step")  # each rank's begin, a host command as a single client's is
     def begin_shared_step(self, step: int, grad_scale: float, job: int, seq: int, ranks: int, rank: int,
-                          groups: list[dict[str, Any]] | None) -> dict[str, Any]:
-        """Open or join step `step` of job `job` (SharedSteps.begin_shared_step)."""
-        return self.shared.begin_shared_step(step, grad_scale, job, seq, ranks, rank, groups)
+                          groups: list[dict[str, Any]] | None, grad_scales: Any = None) -> dict[str, Any]:
+        """Open or join step `step` of job `job` (SharedSteps.begin_shared_step); grad_scales:
+        this rank's FP8 slices' scales."""
+        return self.shared.begin_shared_step(step, grad_scale, job, seq, ranks, rank, groups, grad_scales)
 
     @modeled_command("commit_step")  # each poll is a host command; the commit's work is in the one that commits
     def commit_shared_step(self, step: int, job: int, seq: int, rank: int) -> CommitResult | str:
@@ -518,6 +519,18 @@ class Namespace:
 
     def as_nvm(self) -> None:
         """None: this kind's files are its tensors' arrays, not one data file."""
+        return None
+
+    def as_plain_nvm(self) -> None:
+        """None: this kind has no LBA-addressed data file."""
+        return None
+
+    def as_compute(self) -> None:
+        """None: this kind runs the optimizer's step, not the compute command set's programs."""
+        return None
+
+    def as_memory(self) -> None:
+        """None: this kind's state is media, not memory (SLM)."""
         return None
 
     def io_read(self, tensor: str | None, role: str, offset: int, size: int) -> bytes:

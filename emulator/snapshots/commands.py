@@ -103,8 +103,8 @@ class SnapshotCommands:
     def _scope(self, command: Command) -> list[Namespace]:
         """The optimizer namespaces a page covers: one, or all (nsid 0 or FFFFFFFFh)."""
         if command.nsid in (0, NSID_ALL):
-            return sorted((ns for ns in self.device.namespaces.values() if isinstance(ns, Namespace)),
-                          key=lambda ns: ns.nsid)
+            optimizers = (ns.as_optimizer() for ns in self.device.namespaces.values())
+            return sorted((ns for ns in optimizers if ns is not None), key=lambda ns: ns.nsid)
         return [self._namespace(command)]
 
     def snapshots_page(self, command: Command) -> bytes:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from ...emulator import Device, DeviceConfig
-from ...emulator.namespace import Namespace
 from ...fs import daemon
 
 from .device import BenchDevice
@@ -111,8 +110,9 @@ def _device_open(backing: Path, verify: str) -> dict[str, float]:
     device = Device.open(backing, DeviceConfig(verify=verify))
     seconds = time.perf_counter() - started
     try:
-        verify_seconds = sum(namespace.counters.copy_verify_ns for namespace in device.namespaces.values()
-                             if isinstance(namespace, Namespace)) / 1e9
+        optimizers = (namespace.as_optimizer() for namespace in device.namespaces.values())
+        verify_seconds = sum(optimizer.counters.copy_verify_ns for optimizer in optimizers
+                             if optimizer is not None) / 1e9
     finally:
         device.close()
     return {"open_seconds": seconds, "verify_seconds": verify_seconds,
