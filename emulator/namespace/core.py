@@ -27,7 +27,6 @@ from ..spec import Hyperparameters, NamespaceSpec, TensorSpec
 from ..superblock import Superblock
 from ..transaction import StepTransaction
 from ..workers import KernelWorkers
-from . import param_fp8
 from .common import LOADABLE_ROLES, ROLES, CommitResult, NamespaceCounters
 from .media import NamespaceMedia
 from .open import NamespaceFiles, create_files, open_files, recover
@@ -357,24 +356,7 @@ class Namespace:
         return self.core.state_format
 
     def file_size(self, tensor_name: str, role: str) -> int:
-        return self.core.file_bytes(self.core.tensor(tensor_name), role)
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        """A tensor's files: ROLES, and param_fp8 where the namespace sends FP8 params."""
-        return ROLES + ((param_fp8.ROLE,) if self.core.param_fp8 is not None else ())
-
-    @property
-    def param_wire_dtype(self) -> str | None:
-        """The FP8 format of the param_fp8 files, or None where there are none."""
-        return self.core.spec.param_wire_dtype
-
-    def fill_param_fp8_places(self, places: list[tuple[str, np.ndarray]]) -> None:
-        """After a CMB_WRITE of whole gradients: each tensor's FP8 params (param_fp8 bytes) into
-        its place in the CMB (ParamFp8.fill_step_places says which step's)."""
-        assert self.core.param_fp8 is not None
-        with self.core.lock:
-            self.core.param_fp8.fill_step_places([(self.core.tensor(name), place) for name, place in places])
+        return self.core.tensor(tensor_name).numel * self.itemsize(role)
 
     # ------------------------------------------------------------------ properties
 
@@ -466,11 +448,7 @@ class Namespace:
             "seq": core.sb.seq,
             "verification": self.verification_state(),
             "model": core.timing.snapshot(),
-        } | ({} if core.param_fp8 is None else {
-            # FP8 params out: values beyond the format (saturated) and nonzero masters whose
-            # code is zero, over the steps encoded since the namespace was opened.
-            "param_fp8_overflows": core.param_fp8.overflows,
-            "param_fp8_underflows": core.param_fp8.underflows})
+        }
 
     def state_counter_figures(self) -> dict[str, Any]:
         """The block-scaled moments' counters (emulator/state_counters.py), for log page C6h."""
