@@ -20,6 +20,9 @@ GRAD_FORMATS = {"fp16": kernels.GradFormat.FP16, "bf16": kernels.GradFormat.BF16
                 "fp32": kernels.GradFormat.FP32, "fp8_e4m3": kernels.GradFormat.FP8_E4M3,
                 "fp8_e5m2": kernels.GradFormat.FP8_E5M2}
 FP8_GRAD_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+# FP8 params out (a namespace's param_wire_dtype): each step's params also as FP8 codes with a
+# per-tensor scale, in the read-only param_fp8 files (emulator/namespace/param_fp8.py).
+PARAM_WIRE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 # fp16 and int8 moments are block-scaled: codes plus a float32 scale per 256 elements
 # (docs/kernels.md, "Block-scaled moments"; docs/media-format.md, the regions).
 STATE_FORMATS = {"fp32": kernels.StateFormat.FP32, "bf16": kernels.StateFormat.BF16,
@@ -130,6 +133,8 @@ class NamespaceSpec:
     # The step the loaded state belongs to: a namespace created to import an optimizer's
     # state at step k starts at committed step k, so bias correction continues from there.
     initial_step: int = 0
+    # None: params out in param_dtype only; "fp8_e4m3" or "fp8_e5m2": also as FP8 (param_fp8).
+    param_wire_dtype: str | None = None
 
     @property
     def group_hypers(self) -> tuple[Hyperparameters, ...]:
@@ -171,6 +176,9 @@ class NamespaceSpec:
             raise _invalid(f"param_dtype must be fp16 or bf16, got {self.param_dtype!r}")
         if self.state_dtype not in STATE_FORMATS:
             raise _invalid(f"state_dtype must be one of {', '.join(STATE_FORMATS)}, got {self.state_dtype!r}")
+        if self.param_wire_dtype is not None and self.param_wire_dtype not in PARAM_WIRE_DTYPES:
+            raise _invalid(f"param_wire_dtype must be null or one of {', '.join(PARAM_WIRE_DTYPES)}, "
+                           f"got {self.param_wire_dtype!r}")
         self.hyper.validate()
         if (not isinstance(self.initial_step, int) or isinstance(self.initial_step, bool)
                 or not 0 <= self.initial_step < MAX_INITIAL_STEP):
@@ -220,7 +228,9 @@ class NamespaceSpec:
             "grad_dtype": self.grad_dtype,
             "param_dtype": self.param_dtype,
             "state_dtype": self.state_dtype,
-        } | ({"shapes": shapes} if shapes else {})
+        } | ({"shapes": shapes} if shapes else {}) | (
+            # Only where set: a namespace without it is stored as before (media-format.md).
+            {"param_wire_dtype": self.param_wire_dtype} if self.param_wire_dtype else {})
 
     @classmethod
     def from_json(cls, value: Any) -> "NamespaceSpec":
@@ -229,7 +239,7 @@ class NamespaceSpec:
             raise _invalid("namespace description must be a JSON object")
         known = {
             "name", "tensors", "hyperparameters", "groups", "grad_dtype", "param_dtype",
-            "state_dtype", "initial_step", "shapes",
+            "state_dtype", "initial_step", "shapes", "param_wire_dtype",
         }
         unknown = set(value) - known
         if unknown:
@@ -270,6 +280,7 @@ class NamespaceSpec:
             state_dtype=value.get("state_dtype", "fp32"),
             groups=groups,
             initial_step=value.get("initial_step", 0),
+            param_wire_dtype=value.get("param_wire_dtype"),
         ).validate()
 
 

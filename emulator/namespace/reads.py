@@ -8,6 +8,7 @@ import numpy as np
 
 from ...protocol.status import DeviceError, Status
 from ..layout import Copy
+from . import param_fp8
 from .common import LOADABLE_ROLES, MOMENT_ROLES, ROLES, WouldBlock, decoded_moment_bytes
 from .media import NamespaceMedia
 from .state import NamespaceCore
@@ -89,7 +90,7 @@ class Reads:
         tensor = self.core.tensor(tensor_name)
         if role == "grad":
             raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
-        file_size = tensor.numel * self.core.itemsize(role)
+        file_size = self.core.file_bytes(tensor, role)
         if self.verifier.verifying and role == "param":
             # Reopened and not yet verified whole: each param block is checked the first
             # time it is served (namespace/verify.py).
@@ -118,10 +119,16 @@ class Reads:
                 view = decoded_moment_bytes(self.core.view(source, tensor, role),
                                             self.core.view(source, tensor, role + "_scale"),
                                             self.core.state_format, role, offset, end)
+            elif role == param_fp8.ROLE:
+                # Made from the committed masters on the first read after a step, then kept.
+                assert self.core.param_fp8 is not None  # file_bytes refused it otherwise
+                view = self.core.param_fp8.committed(tensor, source)[offset:end]
+                if state.faults():  # the masters met a page cut from under the mapping
+                    self.media.refuse_damaged(state)
             else:
                 view = self.core.view(source, tensor, role).view(np.uint8)[offset:end]
             self.core.counters.bytes_read += len(view)
-            if role == "param":
+            if role in ("param", param_fp8.ROLE):
                 self.core.counters.param_bytes_out += len(view)
             self.core.timing.add(host_out=len(view), media_read=len(view))
             if not copy:
@@ -153,11 +160,11 @@ class Reads:
         that is not wholly inside a readable file (a transfer whose size the reader fixed
         beforehand, as CMB_READ's, cannot end short the way a file read does)."""
         tensor = self.core.tensor(tensor_name)
-        if role not in ROLES:
+        if role not in ROLES and role != param_fp8.ROLE:
             raise DeviceError(Status.INVALID_FIELD, f"{tensor_name}: no file {role!r} (one of {', '.join(ROLES)})")
         if role == "grad":
             raise DeviceError(Status.ACCESS_DENIED, "grad files are write-only")
-        size = tensor.numel * self.core.itemsize(role)
+        size = self.core.file_bytes(tensor, role)
         if offset < 0 or length < 0 or offset + length > size:
             raise DeviceError(
                 Status.LBA_OUT_OF_RANGE,
