@@ -25,6 +25,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from ..protocol import param_fp8
 from .admin import AdminClient
 from .cmb import CMB_ALIGN, CmbMapping, CmbRegion, plan_cmb_batches
 from .computational import CmbProgram
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 # One range of a tensor file: (tensor, role, first byte in the file, a 1-D byte array).
 Range = tuple[str, str, int, Any]
 # Where a tensor sits in a CMB part holding a whole step: (gradient offset, param offset,
-# gradient bytes, param bytes); the two sizes differ where the gradients are not 16-bit.
+# gradient bytes, param bytes); the two sizes differ where the gradients are not 16-bit, or
+# the params come back as FP8 (a namespace's param_wire_dtype: param_fp8's header and codes).
 Slot = tuple[int, int, int, int]
 # Bytes of one gradient element per grad_dtype (the params come back in 2).
 GRAD_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -153,11 +155,11 @@ class CmbTransport(FileTransport):
     reaches_device_memory = True
 
     def __init__(self, admin: AdminClient, open_file: OpenFile, ops: ByteOps, region: CmbRegion,
-                 tensors: Sequence[tuple[str, int]], grad_itemsize: int = 2) -> None:
+                 tensors: Sequence[tuple[str, int]], grad_itemsize: int = 2, fp8_params: bool = False) -> None:
         super().__init__(admin, open_file, ops)
         self.region = region
         self.grad_itemsize = grad_itemsize
-        self._slots = _step_slots(tensors, region.size, grad_itemsize)
+        self._slots = _step_slots(tensors, region.size, grad_itemsize, fp8_params)
         # Params the device is putting in the CMB with this step's gradients (write_step_grads).
         self._params_back: dict[str, tuple[int, int]] = {}
 
@@ -260,12 +262,18 @@ def _length(array: Any) -> int:
     return int(array.shape[0])
 
 
-def _step_slots(tensors: Sequence[tuple[str, int]], capacity: int, grad_itemsize: int = 2) -> dict[str, Slot] | None:
+def _param_place_bytes(numel: int, fp8_params: bool) -> int:
+    """A tensor's params in a CMB step: 2 bytes an element, or param_fp8's header and codes."""
+    return param_fp8.out_bytes(numel) if fp8_params else 2 * numel
+
+
+def _step_slots(tensors: Sequence[tuple[str, int]], capacity: int, grad_itemsize: int = 2,
+                fp8_params: bool = False) -> dict[str, Slot] | None:
     """Each tensor's fixed gradient and param places in a CMB part of `capacity` bytes, where
-    every tensor's gradients (grad_itemsize bytes an element) and 2-byte params fit at once;
-    else None."""
+    every tensor's gradients (grad_itemsize bytes an element) and params (2-byte, or FP8 with
+    fp8_params) fit at once; else None."""
     grad_sizes = [grad_itemsize * numel for _, numel in tensors]
-    param_sizes = [2 * numel for _, numel in tensors]
+    param_sizes = [_param_place_bytes(numel, fp8_params) for _, numel in tensors]
     batches = plan_cmb_batches(grad_sizes + param_sizes, capacity)
     if len(batches) != 1:
         return None
@@ -292,13 +300,19 @@ def open_step_transport(admin: AdminClient, open_file: OpenFile, ops: ByteOps, *
         raise
     tensors = [(str(entry["name"]), int(entry["numel"])) for entry in described["tensors"]]
     grad_itemsize = GRAD_ITEMSIZE.get(str(described.get("grad_dtype", "fp16")), 2)
-    region = _claim(mapping, tensors, grad_itemsize)
+    fp8_params = described.get("param_wire_dtype") is not None
+    if fp8_params and command_set == "cp":
+        mapping.close()
+        raise RuntimeError(f"{admin.transport.location}: namespace {described.get('name')!r} sends FP8 params "
+                           f"(param_wire_dtype={described.get('param_wire_dtype')!r}), which Execute Program's "
+                           "adamw_step does not: use the vendor transport")
+    region = _claim(mapping, tensors, grad_itemsize, fp8_params)
     if region is None:
         return FileTransport(admin, open_file, ops)
     if command_set == "cp":
         state_itemsize = 2 if described.get("state_dtype") == "bf16" else 4
         return ProgramTransport(admin, open_file, ops, region, tensors, state_itemsize, grad_itemsize)
-    return CmbTransport(admin, open_file, ops, region, tensors, grad_itemsize)
+    return CmbTransport(admin, open_file, ops, region, tensors, grad_itemsize, fp8_params)
 
 
 def _map_cmb(admin: AdminClient) -> CmbMapping | None:
@@ -311,9 +325,11 @@ def _map_cmb(admin: AdminClient) -> CmbMapping | None:
             return None
 
 
-def _claim(mapping: CmbMapping, tensors: Sequence[tuple[str, int]], grad_itemsize: int = 2) -> CmbRegion | None:
+def _claim(mapping: CmbMapping, tensors: Sequence[tuple[str, int]], grad_itemsize: int = 2,
+           fp8_params: bool = False) -> CmbRegion | None:
     # Gradients and params, each tensor's padded to a cache line (plan_cmb_batches).
-    wanted = sum(-(-size * numel // CMB_ALIGN) * CMB_ALIGN for _, numel in tensors for size in (grad_itemsize, 2))
+    wanted = sum(-(-size // CMB_ALIGN) * CMB_ALIGN for _, numel in tensors
+                 for size in (grad_itemsize * numel, _param_place_bytes(numel, fp8_params)))
     region = mapping.claim(wanted)
     if region is None:
         mapping.close()

@@ -8,6 +8,9 @@ from typing import Any
 from .. import kernels
 
 from ..protocol.hyperparameters import BETA_FIELDS, GROUP_FIELDS, MODES
+# FP8 params out (a namespace's param_wire_dtype): each step's params also as FP8 codes with a
+# per-tensor scale, in the read-only param_fp8 files (emulator/namespace/param_fp8.py).
+from ..protocol.param_fp8 import PARAM_WIRE_DTYPES
 from ..protocol.status import DeviceError, Status
 from .geometry import SCALED_STATE_DTYPES, STATE_ITEMSIZE, TensorLayout, plan_spec_layout
 from .names import MAX_GROUPS, MAX_SHAPE_DIMS, MAX_TENSOR_ELEMENTS, MAX_TENSORS_PER_NAMESPACE, check_name
@@ -20,9 +23,6 @@ GRAD_FORMATS = {"fp16": kernels.GradFormat.FP16, "bf16": kernels.GradFormat.BF16
                 "fp32": kernels.GradFormat.FP32, "fp8_e4m3": kernels.GradFormat.FP8_E4M3,
                 "fp8_e5m2": kernels.GradFormat.FP8_E5M2}
 FP8_GRAD_DTYPES = ("fp8_e4m3", "fp8_e5m2")
-# FP8 params out (a namespace's param_wire_dtype): each step's params also as FP8 codes with a
-# per-tensor scale, in the read-only param_fp8 files (emulator/namespace/param_fp8.py).
-PARAM_WIRE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 # fp16 and int8 moments are block-scaled: codes plus a float32 scale per 256 elements
 # (docs/kernels.md, "Block-scaled moments"; docs/media-format.md, the regions).
 STATE_FORMATS = {"fp32": kernels.StateFormat.FP32, "bf16": kernels.StateFormat.BF16,

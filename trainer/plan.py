@@ -78,9 +78,10 @@ def infer_dtype(entries: list[Entry]) -> torch.dtype:
 
 def description(name: str, entries: list[Entry], param_groups: list[dict[str, Any]], mode: str,
                 dtype: torch.dtype, state_dtype: str, initial_step: int,
-                grad_dtype: str | None = None) -> dict[str, Any]:
+                grad_dtype: str | None = None, param_wire_dtype: str | None = None) -> dict[str, Any]:
     """What CREATE_NAMESPACE is given for this plan: params in `dtype`, gradients in
-    `grad_dtype` (None: the same)."""
+    `grad_dtype` (None: the same), and where param_wire_dtype is an FP8 format, the params
+    also out as FP8 (the namespace's param_fp8 files)."""
     hypers = [group_hyper(group) for group in param_groups]
     wire = WIRE_DTYPES[dtype]
     return {
@@ -95,7 +96,7 @@ def description(name: str, entries: list[Entry], param_groups: list[dict[str, An
         # Each param's shape, kept by the device so that `cossd export` writes the tensors as
         # the model holds them (a 0-d param has shape []).
         "shapes": {e.name: list(e.param.shape) for e in entries},
-    }
+    } | ({"param_wire_dtype": param_wire_dtype} if param_wire_dtype else {})
 
 
 def master_loads(entries: list[Entry], masters: list[torch.Tensor] | None) -> list[tuple[str, str, torch.Tensor]]:

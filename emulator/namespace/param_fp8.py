@@ -7,7 +7,7 @@ after a step, each tensor's FP32 masters times the scale of current scaling,
 2^floor(log2(fp8_max / amax)) of their largest magnitude (kernels.fp8_params), encoded by the C
 kernel (saturating; overflows and underflows counted).
 
-Its bytes, the param_fp8 file of a tensor (and the CMB step's param place):
+Its bytes, the param_fp8 file of a tensor (and the CMB step's param place; protocol/param_fp8.py):
     bytes 0-7    the step these params belong to (uint64, little-endian)
     bytes 8-11   the scale (float32): code value = param * scale, so param = code / scale
     bytes 12-15  zero
@@ -17,12 +17,12 @@ one step, or sees from the step which one it got.
 """
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...kernels import fp8_params
+from ...protocol.param_fp8 import HEADER_BYTES, ROLE, header, out_bytes, parse_header
 from ...protocol.status import DeviceError, Status
 from ..geometry import Copy
 from ..layout import TensorLayout
@@ -30,30 +30,13 @@ from ..layout import TensorLayout
 if TYPE_CHECKING:
     from .state import NamespaceCore
 
-ROLE = "param_fp8"
-HEADER_BYTES = 16
-_HEADER = struct.Struct("<QfI")
-
-
-def header(step: int, scale: float) -> bytes:
-    """The 16 bytes before a tensor's codes: its step and scale."""
-    return _HEADER.pack(step, scale, 0)
-
-
-def parse_header(data: bytes | memoryview) -> tuple[int, float]:
-    """(step, scale) from a param_fp8 file's first 16 bytes."""
-    step, scale, _ = _HEADER.unpack(bytes(data[:HEADER_BYTES]))
-    return step, scale
-
-
-def out_bytes(numel: int) -> int:
-    """Bytes of one tensor's param_fp8 file (and of its param place in a CMB step)."""
-    return HEADER_BYTES + numel
+__all__ = ["HEADER_BYTES", "ROLE", "ParamFp8", "header", "out_bytes", "parse_header"]
 
 
 class ParamFp8:
     """The committed step's FP8 params of each tensor, encoded on first use and kept until
-    the committed copy changes (a commit, revert or rollback: the superblock's seq moves).
+    the committed copy changes (a commit, revert or rollback: the superblock's seq moves; while
+    loading, any write of initial state).
 
     Caller holds the namespace lock for every method. The encoded arrays are never written
     after they are made, so a view of one stays valid after the lock is released.
@@ -62,7 +45,7 @@ class ParamFp8:
     def __init__(self, core: NamespaceCore, dtype: str) -> None:
         self.core = core
         self.dtype = dtype
-        self._cached_for: tuple[int, Copy] | None = None  # (superblock seq, committed copy)
+        self._cached_for: tuple[int, Copy, int] | None = None  # (superblock seq, committed copy, loads)
         self._encoded: dict[str, np.ndarray] = {}
         # Each tensor's last step whose overflows and underflows are in the counters: a step
         # encoded twice (for the CMB before its commit, then for a file read) counts once.
@@ -77,10 +60,8 @@ class ParamFp8:
         if source is not None and source != sb.committed_copy:
             raise DeviceError(Status.STEP_NUMBER_MISMATCH,
                               f"{tensor.name}/{ROLE}: a step committed during this read; read it again")
-        if self.core.loading:
-            # The masters may still be written: nothing is kept.
-            return self.encode(sb.committed_copy, tensor, sb.committed_step)
-        key = (sb.seq, sb.committed_copy)
+        # While loading, every write of initial state moves state_bytes_loaded: the masters changed.
+        key = (sb.seq, sb.committed_copy, self.core.counters.state_bytes_loaded if self.core.loading else -1)
         if key != self._cached_for:
             self._cached_for = key
             self._encoded = {}
@@ -104,7 +85,7 @@ class ParamFp8:
 
     def fill_step_places(self, places: list[tuple[TensorLayout, np.ndarray]]) -> None:
         """Put each tensor's FP8 params in its CMB place after a CMB_WRITE of its whole gradient
-        (namespace.Namespace.write_param_fp8_places): the open step's new masters where it has
+        (Namespace.fill_param_fp8_places): the open step's new masters where it has
         run every block of them and met no error and no non-finite gradient, labelled with its
         step; else the committed step's. A step that ends otherwise than its label says (skipped
         later, or aborted) leaves places whose step is not the committed one: the reader checks
@@ -115,3 +96,8 @@ class ParamFp8:
                 place[:] = self.encode(self.core.sb.committed_copy.other, tensor, tx.step)
             else:
                 place[:] = self.committed(tensor)
+        # Param bytes to the host, as a read of the param_fp8 files would count them.
+        moved = sum(len(place) for _, place in places)
+        self.core.counters.bytes_read += moved
+        self.core.counters.param_bytes_out += moved
+        self.core.timing.add(host_out=moved)

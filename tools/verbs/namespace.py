@@ -41,6 +41,8 @@ def cmd_create_ns(args: argparse.Namespace) -> int:
         "param_dtype": args.param_dtype,
         "state_dtype": args.state_dtype,
     }
+    if args.param_wire_dtype:
+        description["param_wire_dtype"] = args.param_wire_dtype
     shapes = {name: shape for name, _, shape in args.tensor if shape is not None}
     if shapes:
         description["shapes"] = shapes
@@ -132,6 +134,10 @@ def register(verb: VerbFactory) -> None:
                           "each step (default: %(default)s)")
     sub.add_argument("--param-dtype", choices=("fp16", "bf16"), default="fp16",
                      help="dtype the device hands params back in (default: %(default)s)")
+    sub.add_argument("--param-wire-dtype", choices=("fp8_e4m3", "fp8_e5m2"), default=None,
+                     help="also hand each step's params out as FP8 codes with a per-tensor scale, 1 B/param, "
+                          "in each tensor's read-only param_fp8 file (a 16-byte header: step, scale); the media "
+                          "keep --param-dtype params (default: none)")
     sub.add_argument("--state-dtype", choices=("fp32", "bf16", "fp16", "int8"), default="fp32",
                      help="format of the Adam moments on the media: fp32, bf16, or block-scaled fp16 or int8 "
                           "(a float32 scale per 256 elements; the moment files read as fp32); master "
