@@ -54,7 +54,7 @@ def read_params(files: NamespaceFiles, entries: list[Entry], param_wire_dtype: s
         placed = {entry.name: window[back[entry.name][0]: back[entry.name][0] + back[entry.name][1]]
                   for entry in entries if entry.name in back and back[entry.name][1] == wire.out_bytes(entry.numel)}
         if len(placed) == len(entries) and all(
-                wire.parse_header(place[: wire.HEADER_BYTES].numpy())[0] == new_step for place in placed.values()):
+                wire.parse_header(place[: wire.HEADER_BYTES].numpy().tobytes())[0] == new_step for place in placed.values()):
             sources = placed
     if not sources:
         buffers = {entry.name: torch.empty(wire.out_bytes(entry.numel), dtype=torch.uint8) for entry in entries}
@@ -67,7 +67,7 @@ def read_params(files: NamespaceFiles, entries: list[Entry], param_wire_dtype: s
     steps = {}
     for entry in entries:
         source = sources[entry.name]
-        step, scale = wire.parse_header(source[: wire.HEADER_BYTES].cpu().numpy())
+        step, scale = wire.parse_header(source[: wire.HEADER_BYTES].cpu().numpy().tobytes())
         steps[entry.name] = step
         values = decode(source[wire.HEADER_BYTES:], scale, param_wire_dtype)
         param = entry.param.detach()

@@ -26,6 +26,9 @@ class Reads:
         self.core = core
         self.media = media
         self.verifier = verifier
+        # FP8 params out (param_wire_dtype): the param_fp8 files, made from the masters.
+        self.param_fp8 = (param_fp8.ParamFp8(core, core.spec.param_wire_dtype) if core.spec.param_wire_dtype
+                          else None)
 
     def read(self, tensor_name: str, role: str, offset: int, size: int) -> bytes:
         """Bytes of a committed state array (param, master or a moment)."""
@@ -121,8 +124,8 @@ class Reads:
                                             self.core.state_format, role, offset, end)
             elif role == param_fp8.ROLE:
                 # Made from the committed masters on the first read after a step, then kept.
-                assert self.core.param_fp8 is not None  # file_bytes refused it otherwise
-                view = self.core.param_fp8.committed(tensor, source)[offset:end]
+                assert self.param_fp8 is not None  # file_bytes refused it otherwise
+                view = self.param_fp8.committed(tensor, source)[offset:end]
                 if state.faults():  # the masters met a page cut from under the mapping
                     self.media.refuse_damaged(state)
             else:

@@ -19,7 +19,7 @@ from ..superblock import SkipCounts, Superblock
 from ..transaction import StepTransaction
 from ..workers import KernelWorkers
 from .common import BLOCK_ROLES, MOMENT_ROLES, SCALE_ROLES, SCALED_BLOCK_ROLES, NamespaceCounters, hypers_of
-from . import param_fp8
+from ...protocol import param_fp8
 
 
 def _backing_mtime_ns(directory: Path) -> int:
@@ -77,9 +77,6 @@ class NamespaceCore:
         # moment files read them decoded to FP32.
         self.scaled = spec.scaled_state
         self.block_roles = SCALED_BLOCK_ROLES if self.scaled else BLOCK_ROLES
-        # FP8 params out (param_wire_dtype): the param_fp8 files, made from the masters.
-        self.param_fp8 = (param_fp8.ParamFp8(self, spec.param_wire_dtype) if spec.param_wire_dtype
-                          else None)
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.tx: StepTransaction | None = None  # the open step
@@ -156,7 +153,7 @@ class NamespaceCore:
         file is its 16-byte header and a byte an element (namespace/param_fp8.py), and exists
         only where the namespace sends FP8 params (INVALID_FIELD elsewhere)."""
         if role == param_fp8.ROLE:
-            if self.param_fp8 is None:
+            if self.spec.param_wire_dtype is None:
                 raise DeviceError(Status.INVALID_FIELD, f"namespace {self.name!r} has no {param_fp8.ROLE} files "
                                   "(create it with param_wire_dtype fp8_e4m3 or fp8_e5m2)")
             return param_fp8.out_bytes(tensor.numel)
