@@ -89,8 +89,9 @@ class AdminClient:
         self.call(Opcode.DELETE_NAMESPACE, nsid=nsid)
 
     def begin_step(self, nsid: int, step: int = 0, grad_scale: float = 1.0,
-                   grad_scales: dict[str, float] | None = None) -> int:
-        """BEGIN_STEP; grad_scales: each FP8 tensor's scale, the payload {"grad_scales": {...}}."""
+                   grad_scales: dict[str, Any] | None = None) -> int:
+        """BEGIN_STEP; grad_scales: each FP8 tensor's scale (or slice object), the payload
+        {"grad_scales": {...}}; naming the open step, it adds them to it."""
         low, high = f64_to_dwords(grad_scale)
         payload = json.dumps({"grad_scales": grad_scales}).encode() if grad_scales else b""
         completion = self.call(
@@ -116,13 +117,16 @@ class AdminClient:
     # ------------------------------------------------------------------ shared steps
 
     def begin_shared_step(self, nsid: int, step: int, grad_scale: float, *, job: int, seq: int, ranks: int,
-                          rank: int, groups: list[dict[str, float]] | None = None) -> dict[str, Any]:
+                          rank: int, groups: list[dict[str, float]] | None = None,
+                          grad_scales: dict[str, Any] | None = None) -> dict[str, Any]:
         """BEGIN_STEP of a job's step that its `ranks` ranks share (the job's `seq`th shared
         step): opens it with `groups`' hyperparameters, or joins it (the same step, seq,
-        scale and hyperparameters)."""
-        payload = {"job": job, "seq": seq, "ranks": ranks, "rank": rank}
+        scale and hyperparameters); grad_scales, the FP8 scales of this rank's slices."""
+        payload: dict[str, Any] = {"job": job, "seq": seq, "ranks": ranks, "rank": rank}
         if groups is not None:
-            payload["groups"] = groups  # type: ignore[assignment]
+            payload["groups"] = groups
+        if grad_scales:
+            payload["grad_scales"] = grad_scales
         low, high = f64_to_dwords(grad_scale)
         completion = self.call(Opcode.BEGIN_STEP, nsid=nsid, cdw10=step & 0xFFFFFFFF, cdw11=step >> 32,
                                cdw12=low, cdw13=high, payload=json.dumps(payload).encode())

@@ -16,7 +16,7 @@ MAX_RANKS = 65536
 MAX_JOB = (1 << 63) - 1
 MAX_REASON = 512
 
-_BEGIN_KEYS = {"job", "seq", "ranks", "rank", "groups"}
+_BEGIN_KEYS = {"job", "seq", "ranks", "rank", "groups", "grad_scales"}
 _COMMIT_KEYS = {"job", "seq", "ranks", "rank", "step"}
 _ABORT_KEYS = {"job", "seq", "ranks", "rank", "step", "reason"}
 _IDENTITY = {"job", "seq", "ranks", "rank"}
@@ -65,12 +65,18 @@ def _groups(value: Any) -> list[dict[str, Any]] | None:
 
 
 def begin(namespace: Namespace, command: Command, step: int, grad_scale: float) -> Completion:
-    """BEGIN_STEP with {"job", "seq", "ranks", "rank", "groups"?}: open the job's step or join it."""
+    """BEGIN_STEP with {"job", "seq", "ranks", "rank", "groups"?, "grad_scales"?}: open the job's
+    step or join it; grad_scales, the FP8 scales of the slices this rank sends (checked by the
+    namespace: emulator/namespace/grad_scales.py)."""
     fields = _fields(command, _BEGIN_KEYS, _IDENTITY)
     if not step:
         raise DeviceError(Status.INVALID_FIELD, "a shared step names its step number (cdw10-11)", 40)
+    scales = fields.get("grad_scales")
+    if scales is not None and not isinstance(scales, dict):
+        raise DeviceError(Status.INVALID_FIELD, "grad_scales must be a JSON object {tensor: scale or slice}")
     opened = namespace.begin_shared_step(step, grad_scale, fields["job"], fields["seq"], fields["ranks"],
-                                         fields["rank"], _groups(fields.get("groups")))
+                                         fields["rank"], _groups(fields.get("groups")),
+                                         **({"grad_scales": scales} if scales else {}))
     return Completion(command.cid, Status.SUCCESS, result=opened["step"] & 0xFFFFFFFF,
                       data=json.dumps(opened, sort_keys=True).encode())
 

@@ -1,10 +1,12 @@
-"""Per-tensor counters of a namespace's block-scaled moments (fp16, int8): underflows, overflows and block scales, from the kernel's counts, folded in at each commit."""
+"""Per-tensor counters of a namespace's block-scaled moments (fp16, int8: underflows, overflows and block scales, from the kernel's counts, folded in at each commit) and of its FP8 gradients (the scales each step brought, the trainer's encoding counts, the non-finite codes the device found)."""
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from ..kernels.state_formats import MomentCounts, StateCounts
+from .spec import FP8_GRAD_DTYPES
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -24,6 +26,7 @@ class StateCounters:
         self._totals: dict[str, StateCounts] = {}
         self._last: dict[str, StateCounts] = {}
         self._last_step = 0
+        self._fp8: dict[str, GradScaleCounts] = {}
 
     def record_block(self, tensor: str, start: int, counts: StateCounts) -> None:
         """A block's counts from the kernel (kernel worker threads call this)."""
@@ -49,6 +52,36 @@ class StateCounters:
             self._last = last
             self._last_step = step
 
+    def fp8_scales_taken(self, step: int, slices: Iterable[Any]) -> None:
+        """A step's FP8 scales as its begin (or a rank's join, or a streamed tensor's) took them
+        (namespace/grad_scales.ScaledSlice: tensor, start, stop, scale, underflow, saturated).
+        Counted whether or not the step then commits: a step skipped for an overflow is the one
+        whose encoding counts matter most."""
+        with self._lock:
+            for piece in slices:
+                counts = self._fp8.setdefault(piece.tensor, GradScaleCounts())
+                if counts.step != step:  # the tensor's first slice of this step: its last step's figures restart
+                    counts.step, counts.scale_min, counts.scale_max, counts.slices = step, piece.scale, piece.scale, 0
+                    counts.last_underflow = counts.last_saturated = 0
+                counts.scale_min = min(counts.scale_min, piece.scale)
+                counts.scale_max = max(counts.scale_max, piece.scale)
+                counts.slices += 1
+                counts.last_underflow += piece.underflow
+                counts.last_saturated += piece.saturated
+                counts.underflow += piece.underflow
+                counts.saturated += piece.saturated
+
+    def grad_nonfinite(self, tensor: str, elements: int) -> None:
+        """A gradient block of `tensor` held `elements` inf or NaN elements (as the device's check
+        before the kernel counts them: FP8 codes that decode to NaN, E5M2's infinities)."""
+        with self._lock:
+            self._fp8.setdefault(tensor, GradScaleCounts()).nonfinite += elements
+
+    def fp8_figures(self) -> dict[str, Any]:
+        """The FP8 gradients' counters as log page C6h carries them, per tensor."""
+        with self._lock:
+            return {tensor: dataclasses.asdict(self._fp8[tensor]) for tensor in sorted(self._fp8)}
+
     def figures(self) -> dict[str, Any]:
         """The counters as log page C0h carries them: per tensor and moment, the totals since the
         namespace opened and the last committed step's own counts and block scales."""
@@ -59,6 +92,23 @@ class StateCounters:
                 tensors[tensor] = {moment: _moment_figures(getattr(self._totals[tensor], moment), getattr(last, moment))
                                    for moment in MOMENTS}
             return {"last_step": self._last_step, "tensors": tensors}
+
+
+@dataclasses.dataclass
+class GradScaleCounts:
+    """One tensor's FP8 gradient figures: the last step that brought its scales, their range
+    over its slices (scale_min is the whole tensor's current-scaling scale: the largest slice
+    amax sets it), and the counts, those of that step and totals since the namespace opened."""
+
+    step: int = 0
+    scale_min: float = 0.0
+    scale_max: float = 0.0
+    slices: int = 0  # the scaled slices of the tensor in that step (one per rank or piece that sent it)
+    last_underflow: int = 0
+    last_saturated: int = 0
+    underflow: int = 0  # nonzero gradient elements the trainer's encoding flushed to zero
+    saturated: int = 0  # finite gradient elements the trainer clamped to the format's largest value
+    nonfinite: int = 0  # inf/NaN gradient elements the device found in this tensor's blocks
 
 
 def _moment_figures(total: MomentCounts, last: MomentCounts) -> dict[str, Any]:
@@ -78,13 +128,25 @@ def _moment_figures(total: MomentCounts, last: MomentCounts) -> dict[str, Any]:
 
 
 def page(device: Any, nsid: int | None) -> dict[str, Any]:
-    """Log page C6h's JSON: per optimizer namespace with block-scaled moments (fp16, int8), its
-    state_dtype and counters; nsid None for every namespace."""
+    """Log page C6h's JSON: per optimizer namespace with block-scaled moments (fp16, int8) or
+    FP8 gradients, its state_dtype and counters (the moments' under "last_step" and "tensors",
+    the FP8 gradients' under "grad_fp8" with the namespace's grad_dtype); nsid None for every
+    namespace."""
     optimizers = (ns.as_optimizer() for ns in list(device.namespaces.values()))  # list: one atomic copy
     namespaces = sorted((ns for ns in optimizers
-                         if ns is not None and ns.spec.scaled_state and (nsid is None or ns.nsid == nsid)),
+                         if ns is not None and (ns.spec.scaled_state or ns.spec.grad_dtype in FP8_GRAD_DTYPES)
+                         and (nsid is None or ns.nsid == nsid)),
                         key=lambda ns: ns.nsid)  # fmt: skip
-    return {ns.name: {"state_dtype": ns.spec.state_dtype, **ns.state_counter_figures()} for ns in namespaces}
+    out: dict[str, Any] = {}
+    for ns in namespaces:
+        figures: dict[str, Any] = {"state_dtype": ns.spec.state_dtype}
+        if ns.spec.scaled_state:
+            figures.update(ns.state_counter_figures())
+        if ns.spec.grad_dtype in FP8_GRAD_DTYPES:
+            figures["grad_dtype"] = ns.spec.grad_dtype
+            figures["grad_fp8"] = ns.core.state_counters.fp8_figures()
+        out[ns.name] = figures
+    return out
 
 
 def handlers(controller: Any) -> dict[int, Any]:

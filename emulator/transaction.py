@@ -86,16 +86,20 @@ class StepTransaction:
         # asked for one, and the blocks whose kernel already stored into them.
         self.param_copies: list[tuple[TensorLayout, int, np.ndarray]] = []
         self.copied: set[tuple[str, int]] = set()
-        # Per tensor of an FP8 namespace whose codes carry a scale: its scalars (the group's
-        # with 1/scale folded into grad_scale; StepEngine.fp8_scalars). Others use `scalars`.
-        self.tensor_scalars: dict[str, AdamScalars] = {}
+        # Per tensor of an FP8 namespace whose codes carry scales: (first block, end block,
+        # scalars) per scaled slice (the group's with 1/scale folded into grad_scale;
+        # namespace/grad_scales.py). Other blocks use `scalars`.
+        self.tensor_scalars: dict[str, list[tuple[int, int, AdamScalars]]] = {}
         # A step the ranks of a job share (namespace.outcomes.SharedStep), or None.
         self.shared: Any = None
 
-    def scalars_of(self, tensor: str, group: int) -> AdamScalars:
-        """The scalars that step `tensor` (of param group `group`): its own where its FP8 codes
-        carry a scale, else its group's."""
-        return self.tensor_scalars.get(tensor) or self.scalars[group]
+    def scalars_of(self, tensor: str, group: int, block: int = 0) -> AdamScalars:
+        """The scalars that step block `block` of `tensor` (of param group `group`): its
+        slice's where its FP8 codes carry a scale, else its group's."""
+        for first, end, scalars in self.tensor_scalars.get(tensor, ()):
+            if first <= block < end:
+                return scalars
+        return self.scalars[group]
 
     def _states_of(self, tensor: TensorLayout) -> bytearray:
         states = self.states.get(tensor.name)

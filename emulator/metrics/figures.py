@@ -200,8 +200,9 @@ class DeviceFigures(Collector):
         scale_max = GaugeMetricFamily(
             "cossd_state_scale_max", "Greatest block scale of the last committed step (fp16: 2^-k, int8: absmax).",
             labels=labels)
-        for name, figures in state_counters.page(self.device, None).items():
-            for tensor, moments in figures["tensors"].items():
+        page = state_counters.page(self.device, None)
+        for name, figures in page.items():
+            for tensor, moments in figures.get("tensors", {}).items():
                 for moment, values in moments.items():
                     label = (name, tensor, moment)
                     underflow.add_metric(label, values["underflow_total"])
@@ -209,3 +210,33 @@ class DeviceFigures(Collector):
                     scale_min.add_metric(label, values["scale_min"])
                     scale_max.add_metric(label, values["scale_max"])
         yield from (underflow, overflow, scale_min, scale_max)
+        yield from _grad_fp8_metrics(page)
+
+
+def _grad_fp8_metrics(page: dict[str, Any]) -> Iterator[Metric]:
+    """The FP8 gradients' figures per namespace and tensor (log page C6h's grad_fp8): the last
+    step's scale, the trainer's encoding counts and the non-finite elements the device found."""
+    labels = ("namespace", "tensor")
+    scale = GaugeMetricFamily(
+        "cossd_grad_fp8_scale", "FP8 gradient scale of the tensor at the last step that brought one (codes are the "
+        "gradient times it; the least over the tensor's slices, which is its whole-tensor current scale).",
+        labels=labels)
+    families = {
+        "underflow": CounterMetricFamily(
+            "cossd_grad_fp8_underflow", "Nonzero gradient elements the trainer's FP8 encoding flushed to zero, as "
+            "it reported them with each step's scales, since the namespace was opened.", labels=labels),
+        "saturated": CounterMetricFamily(
+            "cossd_grad_fp8_saturated", "Finite gradient elements the trainer clamped to the FP8 format's largest "
+            "value, as it reported them, since the namespace was opened.", labels=labels),
+        "nonfinite": CounterMetricFamily(
+            "cossd_grad_fp8_nonfinite", "Gradient elements of the tensor the device found inf or NaN (FP8 codes "
+            "that decode to NaN or E5M2's infinities), since the namespace was opened.", labels=labels),
+    }
+    for name, figures in page.items():
+        for tensor, values in figures.get("grad_fp8", {}).items():
+            if values["step"]:
+                scale.add_metric((name, tensor), values["scale_min"])
+            for key, family in families.items():
+                family.add_metric((name, tensor), values[key])
+    yield scale
+    yield from families.values()

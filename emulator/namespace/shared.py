@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from ...protocol.status import DeviceError, Status
+from . import grad_scales as grad_scales_rules
 from .common import CommitResult
 from ..spec import Hyperparameters
 from ..transaction import StepTransaction
@@ -41,24 +42,25 @@ class SharedSteps:
         return [hyper.replace(**changes) for hyper, changes in zip(self.core.hypers, groups)]
 
     def begin_shared_step(self, step: int, grad_scale: float, job: int, seq: int, ranks: int, rank: int,
-                          groups: list[dict[str, Any]] | None) -> dict[str, Any]:
+                          groups: list[dict[str, Any]] | None, grad_scales: Any = None) -> dict[str, Any]:
         """Open step `step` of job `job` (its `seq`th shared step) for `ranks` ranks with
         `groups`' hyperparameters, or join it where another rank of the job opened it with
-        the same step, seq, scale and hyperparameters. Returns {"step", "grad_scale",
-        "opened", "joined", "ranks"}."""
+        the same step, seq, scale and hyperparameters. `grad_scales`: the FP8 scales of the
+        slices this rank sends (grad_scales.parse), added to the step's (refused where they
+        overlap another rank's). Returns {"step", "grad_scale", "opened", "joined", "ranks"}."""
         if not 0 <= rank < ranks:
             raise DeviceError(Status.INVALID_FIELD, f"rank {rank} outside 0..{ranks - 1}")
         with self.core.lock:
             tx = self.core.tx
             if tx is not None:
-                return self._join_locked(tx, step, grad_scale, job, seq, ranks, rank, groups)
+                return self._join_locked(tx, step, grad_scale, job, seq, ranks, rank, groups, grad_scales)
             wanted = self._hypers_from(groups)
             previous = self.core.hypers
             # The step's scalars come from the hyperparameters in force at its begin: the
             # opener's groups go in first, and back out if the begin is refused.
             self.core.hypers = wanted
             try:
-                tx = self.steps.begin_locked(step, grad_scale, explicit=True)
+                tx = self.steps.begin_locked(step, grad_scale, explicit=True, grad_scales=grad_scales)
             except BaseException:
                 self.core.hypers = previous
                 raise
@@ -69,7 +71,8 @@ class SharedSteps:
             return {"step": tx.step, "grad_scale": grad_scale, "opened": True, "joined": 1, "ranks": ranks}
 
     def _join_locked(self, tx: StepTransaction, step: int, grad_scale: float, job: int, seq: int,
-                     ranks: int, rank: int, groups: list[dict[str, Any]] | None) -> dict[str, Any]:
+                     ranks: int, rank: int, groups: list[dict[str, Any]] | None,
+                     grad_scales: Any = None) -> dict[str, Any]:
         shared = tx.shared
         if shared is None or shared.job != job:
             owner = "a single client (not a shared step)" if shared is None else (
@@ -103,6 +106,11 @@ class SharedSteps:
                                   f"step was begun with ({[dataclasses.asdict(h) for h in shared.hypers]})")
         if rank in shared.joined:
             raise DeviceError(Status.STEP_ALREADY_OPEN, f"step {step}: rank {rank} has joined it already")
+        # This rank's FP8 scales, checked against the step's before the rank counts as joined:
+        # a refused join changes nothing (the rank may not send, and the step waits for it).
+        slices = grad_scales_rules.parse(self.core, tx.step, grad_scale, grad_scales)
+        grad_scales_rules.add(tx, slices, f"rank {rank}")
+        self.core.state_counters.fp8_scales_taken(tx.step, slices)
         shared.joined.add(rank)
         return {"step": tx.step, "grad_scale": grad_scale, "opened": False, "joined": len(shared.joined),
                 "ranks": ranks}

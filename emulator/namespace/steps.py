@@ -14,8 +14,9 @@ from ... import kernels
 from ...protocol.status import DeviceError, Status
 from ..layout import SuperblockFlags
 from ..media import StateFile
+from . import grad_scales as grad_scales_rules
 from .common import CommitResult, hyper_record, hypers_of
-from ..spec import FP8_GRAD_DTYPES, Hyperparameters
+from ..spec import Hyperparameters
 from ..superblock import SkipCounts, Superblock
 from ..transaction import StepTransaction, block_range_of
 from .media import NamespaceMedia
@@ -44,8 +45,22 @@ class StepEngine:
     def begin_step(self, step: int | None = None, grad_scale: float = 1.0,
                    grad_scales: dict[str, float] | None = None) -> int:
         """Open step `step` (default: the next one) with a combined gradient scale, and per
-        tensor of an FP8 namespace the scale its codes carry (see fp8_scalars)."""
+        tensor (or block-aligned slice) of an FP8 namespace the scale its codes carry
+        (namespace/grad_scales.py). Where the step is open already and named again with
+        scales, they are added to it (a streaming client sends each tensor's before its
+        gradients)."""
         with self.core.lock:
+            tx = self.core.tx
+            if grad_scales and tx is not None and tx.explicit and tx.shared is None and step == tx.step:
+                # The open step named again with scales: a streaming trainer's next tensors'
+                # scales, each sent before that tensor's gradients (grad_scales.add).
+                if grad_scale != tx.grad_scale:
+                    raise DeviceError(Status.INVALID_FIELD, f"step {tx.step} is open with grad scale "
+                                      f"{tx.grad_scale!r}; scales added to it come with the same, not {grad_scale!r}")
+                slices = grad_scales_rules.parse(self.core, tx.step, grad_scale, grad_scales)
+                grad_scales_rules.add(tx, slices, "the client")
+                self.core.state_counters.fp8_scales_taken(tx.step, slices)
+                return tx.step
             opened = self.begin_locked(step, grad_scale, explicit=True, grad_scales=grad_scales).step
             # A single client's explicit step: implicit steps may open again after it.
             self.shared_record.fence = False
@@ -78,45 +93,18 @@ class StepEngine:
             )
         try:
             scalars = [kernels.adam_scalars(h.kernel, expected, grad_scale) for h in self.core.hypers]
-            tensor_scalars = self.fp8_scalars(expected, grad_scale, grad_scales)
         except kernels.KernelArgumentError as exc:
             raise DeviceError(Status.INVALID_FIELD, str(exc)) from None
+        slices = grad_scales_rules.parse(self.core, expected, grad_scale, grad_scales)
         if self.core.loading:
             self._seal_locked()
         # The shadow copy still holds the previous step; it may be the only complete
         # copy on the media until the committed step is durable. Never overwrite it first.
         self.media.flush_to(self.core.sb)
         self.core.tx = StepTransaction(expected, grad_scale, scalars, explicit, self.core.total_blocks)
-        self.core.tx.tensor_scalars = tensor_scalars
+        grad_scales_rules.add(self.core.tx, slices, "the client")
+        self.core.state_counters.fp8_scales_taken(expected, slices)
         return self.core.tx
-
-    def fp8_scalars(self, step: int, grad_scale: float,
-                    grad_scales: dict[str, float] | None) -> dict[str, kernels.AdamScalars]:
-        """The step's scalars of each tensor whose FP8 codes carry a scale s (the codes are the
-        gradient times s): 1/s folds into the kernel's one grad_scale multiply, grad_scale / s
-        computed in float64 and rounded to float32 once (exact for a power-of-two s). Refused
-        (INVALID_FIELD), before anything changes: scales for a namespace whose gradients are not
-        FP8, an unknown tensor, a scale that is not a finite number > 0 or whose quotient is not
-        a normal float32. Tensors not named keep the group's scalars (scale 1)."""
-        if not grad_scales:
-            return {}
-        if self.core.spec.grad_dtype not in FP8_GRAD_DTYPES:
-            raise DeviceError(Status.INVALID_FIELD, f"namespace {self.core.name!r} takes "
-                              f"{self.core.spec.grad_dtype} gradients: per-tensor grad_scales go with FP8 ones")
-        out = {}
-        for name, scale in grad_scales.items():
-            tensor = self.core.tensor(name)  # INVALID_NAMESPACE names an unknown tensor
-            if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-                    or not scale > 0):
-                raise DeviceError(Status.INVALID_FIELD,
-                                  f"grad_scales: {name}'s scale must be a finite number > 0, got {scale!r}")
-            hyper = self.core.hypers[self.core.group_of[tensor.name]]
-            combined = grad_scale / float(scale)
-            if not 1.1754943508222875e-38 <= combined <= 3.4028234663852886e+38:
-                raise DeviceError(Status.INVALID_FIELD, f"grad_scales: {name}'s scale {scale!r} makes the "
-                                  f"step's gradient multiplier {combined!r}, outside float32's normal range")
-            out[name] = kernels.adam_scalars(hyper.kernel, step, combined)
-        return out
 
     def _seal_locked(self) -> None:
         """End the loading phase: checksum the initial state and make it durable."""

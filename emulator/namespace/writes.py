@@ -393,17 +393,21 @@ class GradientWrites:
             # non-finite never reaches the shadow copy, which still holds the step before
             # the committed one (the fallback; see StepEngine.commit_locked).
             nonfinite = kernels.count_nonfinite(grad, self.core.grad_format)
+            if nonfinite:  # per tensor, for log page C6h's FP8 gradient figures
+                self.core.state_counters.grad_nonfinite(tensor.name, nonfinite)
             # Once the step is known to be skipped there is no point updating the shadow.
             if not nonfinite and tx.nonfinite == 0:
+                # The block's own: an FP8 slice's scale, where its codes carry one.
+                scalars = tx.scalars_of(tensor.name, self.core.group_of[tensor.name], block.local_block)
                 if self.core.scaled:
                     crc, param_crc, written = self._run_scaled_block(
-                        tensor, committed, start, stop, grad, tx.scalars_of(tensor.name, self.core.group_of[tensor.name]),
+                        tensor, committed, start, stop, grad, scalars,
                         block.param_copy, None if mapped else buffers)
                 elif mapped:
                     # The kernel stores the new state straight into the shadow copy's mapping.
                     state.before_mapped_write()
                     crc, _, param_crc = self._block_update(committed, tensor)(
-                        grad, start, tx.scalars_of(tensor.name, self.core.group_of[tensor.name]), block.param_copy)
+                        grad, start, scalars, block.param_copy)
                     written = (stop - start) * sum(self.core.role_dtype(role).itemsize for role in BLOCK_ROLES)
                 else:
                     # Into this thread's buffers, which pwrite then copies into the shadow
@@ -419,7 +423,7 @@ class GradientWrites:
                         grad_format=self.core.grad_format,
                         param_format=self.core.param_format,
                         state_format=self.core.state_format,
-                        scalars=tx.scalars_of(tensor.name, self.core.group_of[tensor.name]),
+                        scalars=scalars,
                     )
                     if block.param_copy is not None:
                         block.param_copy[:] = out["param"]  # still in cache
