@@ -1,6 +1,7 @@
 """The step's gradients: in the wire dtype, which params lack one, the scale they carry, and global-norm clipping."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -39,12 +40,51 @@ def fp8_scale(amax: float, grad_dtype: str) -> float:
     return math.ldexp(1.0, max(-FP8_SCALE_EXPONENT, min(FP8_SCALE_EXPONENT, exponent)))
 
 
-def fp8_encode(grad: torch.Tensor, grad_dtype: str, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
-    """A flat gradient as FP8 codes (uint8, round to nearest even) times its scale, and the scale."""
+@dataclasses.dataclass(frozen=True)
+class Fp8Codes:
+    """A flat gradient (or a slice of one) as FP8 codes, with the scale they carry and what
+    the encoding lost: nonzero elements that became zero, finite ones clamped to the largest."""
+
+    codes: torch.Tensor  # uint8, one a element
+    scale: float
+    underflow: int
+    saturated: int
+
+    def wire(self, start: int | None = None, stop: int | None = None) -> dict[str, Any]:
+        """Its entry in BEGIN_STEP's grad_scales (docs/command-set.md): the scale, the encoding's
+        counts (log page C6h), and for a slice of a tensor the elements it covers."""
+        entry: dict[str, Any] = {"scale": self.scale, "underflow": self.underflow, "saturated": self.saturated}
+        if start is not None and stop is not None:
+            entry |= {"start": start, "stop": stop}
+        return entry
+
+
+def fp8_encode_counted(grad: torch.Tensor, grad_dtype: str, fp8_dtype: torch.dtype) -> Fp8Codes:
+    """A flat gradient as FP8 codes (uint8, round to nearest even) of the gradient times its
+    scale (current scaling: from the amax of exactly these elements). Finite values beyond the
+    format's range (only where the scale's exponent bound stops it short) saturate to +-max
+    and are counted; inf and NaN become NaN codes, so that the device skips the step as for
+    any format (torch's cast alone turns an inf into E4M3's finite 448)."""
     amax = float(grad.detach().abs().max()) if grad.numel() else 0.0
     scale = fp8_scale(amax, grad_dtype)
-    codes = (grad.to(torch.float32) * scale).to(fp8_dtype).view(torch.uint8)
-    return codes, scale
+    scaled = grad.detach().to(torch.float32) * scale
+    largest = FP8_MAX[grad_dtype]
+    finite = torch.isfinite(scaled)
+    over = finite & (scaled.abs() > largest)
+    saturated = int(over.sum())
+    if saturated:
+        scaled = torch.where(over, scaled.clamp(-largest, largest), scaled)
+    if not bool(finite.all()):
+        scaled = torch.where(finite, scaled, torch.nan)
+    codes = scaled.to(fp8_dtype)
+    underflow = int(((codes.to(torch.float32) == 0) & (scaled != 0) & finite).sum())
+    return Fp8Codes(codes.view(torch.uint8), scale, underflow, saturated)
+
+
+def fp8_encode(grad: torch.Tensor, grad_dtype: str, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """A flat gradient as FP8 codes (uint8) times its scale, and the scale (fp8_encode_counted)."""
+    encoded = fp8_encode_counted(grad, grad_dtype, fp8_dtype)
+    return encoded.codes, encoded.scale
 
 
 def missing(entries: list[Entry]) -> list[Entry]:

@@ -17,7 +17,9 @@ from .namespace import swap as namespace_swap
 from ..client import Credentials
 from .distributed import Ranks
 from .namespace.files import WIRE_DTYPES, NamespaceFiles
-from .plan import FP8_GRAD_DTYPES, GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
+from . import param_fp8
+from ..client.remote import is_remote
+from .plan import GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
 from .session import DeviceSession
@@ -52,6 +54,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         dtype: torch.dtype | None = None,
         state_dtype: str = "fp32",
         grad_dtype: str | None = None,
+        param_wire_dtype: str | None = None,
         max_grad_norm: float | None = None,
         streaming: bool = False,
         scaler: torch.amp.GradScaler | None = None,
@@ -120,11 +123,14 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if grad_dtype is not None and grad_dtype not in GRAD_DTYPES:
             raise ValueError(f"grad_dtype must be None (the params' dtype) or one of {', '.join(GRAD_DTYPES)}, "
                              f"got {grad_dtype!r}")
+        # FP8 (codes with a scale per tensor or per rank's slice) goes wherever the optimizer
+        # sends its own steps; DeepSpeed's and FSDP2's bindings refuse it (grad_wire, sharded.py).
         self.grad_dtype = grad_dtype
-        if grad_dtype in FP8_GRAD_DTYPES and (streaming or mounts is not None or self._ranks is not None):
-            raise ValueError(f"grad_dtype={grad_dtype!r} (FP8 codes with a per-tensor scale) is supported in one "
-                             "process on one device with streaming=False; not with streaming, several devices "
-                             "or a sharded job (torch.distributed with several ranks)")
+        # FP8 params out: 1 B/param from the device, decoded here (trainer/param_fp8.py).
+        param_fp8.check_option(param_wire_dtype, streaming=streaming, several_devices=mounts is not None,
+                               sharded=self._ranks is not None, transport=transport,
+                               remote=mounts is None and is_remote(mount))
+        self.param_wire_dtype = param_wire_dtype
         self._mode = "adamw" if defaults.get("decoupled_weight_decay") else "adam"
         self._initialized = False
         super().__init__(params, defaults)
@@ -252,7 +258,8 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
 
     def _description(self, initial_step: int) -> dict[str, Any]:
         return description(self.files.name, self.entries, self.param_groups, self._mode, self.dtype,
-                           self.state_dtype, initial_step, grad_dtype=self.grad_dtype)
+                           self.state_dtype, initial_step, grad_dtype=self.grad_dtype,
+                           param_wire_dtype=self.param_wire_dtype)
 
     def _create(self, initial_step: int, masters: list[torch.Tensor] | None) -> None:
         """Create the namespace and load the FP32 master weights (the params, or `masters`)."""
@@ -288,6 +295,10 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if config["grad_dtype"] != (self.grad_dtype or wire):
             raise ValueError(f"namespace {self.files.name!r} takes {config['grad_dtype']} gradients, this "
                              f"optimizer sends {self.grad_dtype or wire}: pass grad_dtype={config['grad_dtype']!r}")
+        if config.get("param_wire_dtype") != self.param_wire_dtype:
+            raise ValueError(f"namespace {self.files.name!r} sends params as {config.get('param_wire_dtype') or 'fp16/bf16'}"
+                             f", this optimizer was made with param_wire_dtype={self.param_wire_dtype!r}: pass "
+                             f"param_wire_dtype={config.get('param_wire_dtype')!r}")
         if config["hyperparameters"]["mode"] != self._mode:
             raise ValueError(f"namespace {self.files.name!r} runs {config['hyperparameters']['mode']}, "
                              f"not {self._mode}")

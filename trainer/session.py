@@ -10,6 +10,7 @@ import torch
 from ..protocol.status import DeviceError
 
 from . import grads as grad_rules
+from . import param_fp8
 from .namespace.files import GRAD_TORCH_DTYPES, DeviceLostError, NamespaceFiles
 from .plan import FP8_GRAD_DTYPES, Entry, group_hyper
 
@@ -24,6 +25,7 @@ class DeviceSession:
     param_groups: list[dict[str, Any]]
     dtype: torch.dtype
     grad_dtype: str | None  # the gradients' wire format; None: dtype's (plan.GRAD_DTYPES)
+    param_wire_dtype: str | None  # FP8 params out (param_fp8.py); None: params in dtype
     streaming: bool
     scaler: torch.amp.GradScaler | None
     max_grad_norm: float | None
@@ -50,29 +52,43 @@ class DeviceSession:
         FP8 codes need their scale (_send_grads): any other path that asks is refused."""
         if self.grad_dtype in FP8_GRAD_DTYPES:
             raise RuntimeError(f"grad_dtype={self.grad_dtype!r}: FP8 gradients carry a per-tensor scale that "
-                               "only a single process's step sends (not streaming, a sharded job, DeepSpeed or "
-                               "several devices)")
+                               "the optimizer's own steps send (one process or its ranks, streaming, several "
+                               "devices); DeepSpeed's and FSDP2's bindings do not send it")
         return GRAD_TORCH_DTYPES[self.grad_dtype] if self.grad_dtype is not None else self.dtype
 
     def _wire_grad(self, entry: Entry, on_host: bool = True) -> torch.Tensor:
         return grad_rules.wire_grad(entry, self.grad_wire, on_host)
 
-    def _write_grad(self, entry: Entry, grad: tuple[torch.Tensor, "torch.cuda.Event | None"]) -> int:
-        """One tensor's gradients, streamed (on the writer thread)."""
+    def _write_grad(self, entry: Entry, grad: tuple[torch.Tensor, "torch.cuda.Event | None", dict[str, Any] | None]
+                    ) -> int:
+        """One tensor's gradients, streamed (on the writer thread); FP8 codes after their
+        scale, which joins the open step (BEGIN_STEP of it again with the scale)."""
         if self.before_grad_write is not None:
             self.before_grad_write(entry.index)
-        return self.files.write_streamed(entry.name, *grad)
+        values, ready, scale = grad
+        if scale is not None:
+            self.files.command(self.files.admin.begin_step, self.files.nsid, self.committed_step + 1,
+                               1.0 / self._stream_scale, {entry.name: scale})
+        return self.files.write_streamed(entry.name, values, ready)
 
-    def _streamed_grad(self, entry: Entry) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    def _streamed_grad(self, entry: Entry) -> tuple[torch.Tensor, "torch.cuda.Event | None", dict[str, Any] | None]:
         """The gradient to stream, and for one on a GPU an event the writer thread waits for:
         where it goes through the CMB it stays on its device (the writer copies it straight
-        into the CMB, after backward's stream has made it), else it comes to the host here."""
-        grad = self._wire_grad(entry, on_host=self.files.stream_slots() is None)
+        into the CMB, after backward's stream has made it), else it comes to the host here.
+        FP8: its codes, encoded here from this tensor's amax, and their grad_scales entry."""
+        on_host = self.files.stream_slots() is None
+        scale = None
+        if self.grad_dtype in FP8_GRAD_DTYPES:
+            encoded = grad_rules.fp8_encode_counted(grad_rules.wire_grad(entry, torch.float32, on_host),
+                                                    self.grad_dtype, GRAD_TORCH_DTYPES[self.grad_dtype])
+            grad, scale = encoded.codes, encoded.wire()
+        else:
+            grad = self._wire_grad(entry, on_host=on_host)
         ready = None
         if grad.is_cuda:
             ready = torch.cuda.Event()
             ready.record()  # on this thread's current stream: the one backward made it on
-        return grad, ready
+        return grad, ready, scale
 
     def _write_grads(self, grads: list[torch.Tensor]) -> None:
         """Every gradient of the step at once: through the device's memory buffer when it
@@ -111,13 +127,14 @@ class DeviceSession:
         if self.max_grad_norm is not None:
             self.last_grad_norm = grad_rules.global_norm(grads, grad_scale)
             coefficient = grad_rules.clip_coefficient(self.last_grad_norm, self.max_grad_norm)
-        scales: dict[str, float] | None = None
+        scales: dict[str, Any] | None = None
         if fp8:
             assert self.grad_dtype is not None
-            encoded = [grad_rules.fp8_encode(grad, self.grad_dtype, GRAD_TORCH_DTYPES[self.grad_dtype])
+            encoded = [grad_rules.fp8_encode_counted(grad, self.grad_dtype, GRAD_TORCH_DTYPES[self.grad_dtype])
                        for grad in grads]
-            grads = [codes for codes, _ in encoded]
-            scales = {entry.name: scale for entry, (_, scale) in zip(self.entries, encoded)}
+            grads = [codes.codes for codes in encoded]
+            # Each scale with its encoding's counts (log page C6h).
+            scales = {entry.name: codes.wire() for entry, codes in zip(self.entries, encoded)}
         began = time.perf_counter()
         # The device multiplies each gradient by the step's combined scale (and an FP8 tensor's
         # by the inverse of its own).
@@ -149,6 +166,12 @@ class DeviceSession:
 
     def _read_params(self) -> None:
         """Copy the committed params into the model (in place where the dtype allows)."""
+        wire = getattr(self, "param_wire_dtype", None)  # unset on a wrapper's optimizer made without __init__
+        if wire is not None:
+            # FP8 codes with their step and scale, decoded; from the CMB where the step that
+            # just ended put them there (its number is then committed_step + 1).
+            param_fp8.read_params(self.files, self.entries, wire, self.committed_step + 1)
+            return
         reads, staged = [], []
         # Through the memory buffer the params go straight to their device (a GPU's
         # included); through the files they go to the host first.
@@ -188,7 +211,7 @@ class DeviceSession:
                 )
                 self._sent_hypers[index] = current
 
-    def _begin(self, grad_scale: float, grad_scales: dict[str, float] | None = None) -> None:
+    def _begin(self, grad_scale: float, grad_scales: dict[str, Any] | None = None) -> None:
         self._sync_hyperparameters()
         self.files.step_began()
         self.files.command(

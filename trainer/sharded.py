@@ -13,8 +13,8 @@ from . import distributed, fsdp
 from . import grads as grad_rules
 from .namespace import swap as namespace_swap
 from .distributed import Ranks
-from .namespace.files import DeviceLostError, NamespaceFiles
-from .plan import HYPER_FIELDS, Entry, group_hyper
+from .namespace.files import GRAD_TORCH_DTYPES, DeviceLostError, NamespaceFiles
+from .plan import FP8_GRAD_DTYPES, HYPER_FIELDS, Entry, group_hyper
 from .shard import Piece, plan_shards
 
 
@@ -33,6 +33,7 @@ class ShardedSession:
     param_groups: list[dict[str, Any]]
     dtype: torch.dtype
     grad_wire: torch.dtype  # the gradients' wire dtype (session.DeviceSession.grad_wire)
+    grad_dtype: str | None  # FP8: the pieces go out as codes with their slices' scales (_begin_shared)
     max_grad_norm: float | None
     last_grad_norm: float | None
     committed_step: int
@@ -95,6 +96,12 @@ class ShardedSession:
                 on_fsdp = fsdp.uses_fsdp(self.entries)
                 rows = fsdp.local_pieces(self.entries, ranks) if on_fsdp else []
                 self._fsdp_sends = fsdp.sends_rows(self.entries) if on_fsdp else True
+            if on_fsdp and self.grad_dtype in FP8_GRAD_DTYPES:
+                # A rank's FSDP2 rows start anywhere in a device block; a slice's scale covers
+                # whole blocks (docs/command-set.md, "FP8 gradients and their scales").
+                raise ValueError(f"grad_dtype={self.grad_dtype!r} is not supported where FSDP2 holds the params "
+                                 "(its rows cut device blocks, and an FP8 scale covers whole blocks); use "
+                                 "grad_dtype=None or 'fp32'")
         except ValueError as exc:
             self._fail_together(exc)
             raise
@@ -273,7 +280,8 @@ class ShardedSession:
         return self._average
 
     def _shard_grads(self) -> list[tuple[str, int, torch.Tensor]]:
-        """This rank's pieces of the step's (averaged) gradients, in the wire dtype."""
+        """This rank's pieces of the step's (averaged) gradients, in the wire dtype (FP32 where
+        it is FP8: _begin_shared encodes them after the norm is taken)."""
         ranks = self._ranks
         assert ranks is not None
         if self._fsdp:
@@ -289,8 +297,29 @@ class ShardedSession:
             grad = full[piece.index]
             assert grad is not None  # step() refused a step with missing gradients
             flat = grad.detach().reshape(-1)[piece.start : piece.stop]
-            pieces.append((piece.name, piece.start, flat.to("cpu", self.grad_wire)))
+            pieces.append((piece.name, piece.start, flat.to("cpu", self._piece_dtype)))
         return pieces
+
+    @property
+    def _piece_dtype(self) -> torch.dtype:
+        return torch.float32 if self.grad_dtype in FP8_GRAD_DTYPES else self.grad_wire
+
+    def _fp8_pieces(self, pieces: list[tuple[str, int, torch.Tensor]]
+                    ) -> tuple[list[tuple[str, int, torch.Tensor]], dict[str, Any] | None]:
+        """FP8: each piece as codes of its own amax's scale, and the grad_scales entries of the
+        slices (each piece starts at a device block and stops at one or at its tensor's end:
+        shard.plan_shards). Else the pieces as they are, no scales."""
+        if self.grad_dtype not in FP8_GRAD_DTYPES:
+            return pieces, None
+        fp8_dtype = GRAD_TORCH_DTYPES[self.grad_dtype]
+        numel = {entry.name: entry.numel for entry in self.entries}
+        codes, scales = [], {}
+        for name, start, values in pieces:
+            encoded = grad_rules.fp8_encode_counted(values, self.grad_dtype, fp8_dtype)
+            codes.append((name, start, encoded.codes))
+            whole = start == 0 and values.numel() == numel[name]
+            scales[name] = encoded.wire() if whole else encoded.wire(start, start + values.numel())
+        return codes, scales
 
     def _step_sharded(self, loss_scale: float, timing: dict[str, float]) -> dict[str, Any]:
         """One shared step: this rank's gradient pieces sent under the job's BEGIN_STEP
@@ -392,7 +421,9 @@ class ShardedSession:
 
     def _begin_shared(self, pieces: list[tuple[str, int, torch.Tensor]], grad_scale: float) -> float:
         """BEGIN_STEP of the job's next shared step with `grad_scale` (the clip coefficient
-        over the loss scale), then this rank's gradient pieces. Returns the seconds in begin."""
+        over the loss scale), then this rank's gradient pieces (FP8: their codes, the slices'
+        scales in the begin). Returns the seconds in begin."""
+        pieces, scales = self._fp8_pieces(pieces)
         step = self.committed_step + 1
         groups = [group_hyper(group) for group in self.param_groups]
         began = time.perf_counter()
@@ -402,7 +433,7 @@ class ShardedSession:
         # shard with no race between a SET_HYPERPARAMETERS and another rank's begin.
         self._seq += 1
         self.files.command(self.files.admin.begin_shared_step, self.files.nsid, step, grad_scale,
-                           groups=groups, **self._shared())
+                           groups=groups, grad_scales=scales, **self._shared())
         self._step_open = True
         self._sent_hypers = groups
         begin_s = time.perf_counter() - began

@@ -82,9 +82,13 @@ def test_scales_for_a_namespace_without_fp8_gradients_or_an_unknown_tensor_are_r
 
 
 def test_fp8_where_the_scale_cannot_travel_is_refused(opened, mount: Mount) -> None:
-    with pytest.raises(ValueError, match="FP8 codes with a per-tensor scale"):
-        AdamW(make_model(torch.bfloat16).parameters(), mount=mount.mountpoint, namespace="fp8s",
-              grad_dtype="fp8_e4m3", streaming=True)
+    """The wire dtype that DeepSpeed's binding sends its slices in has no FP8 (no scale goes
+    with them): asking for it says so. (Streaming, ranks and several devices send scales:
+    test_grad_fp8_streaming.py, test_grad_fp8_ranks.py.)"""
+    optimizer = opened(AdamW, make_model(torch.bfloat16).parameters(), mount=mount.mountpoint, namespace="fp8s",
+                       grad_dtype="fp8_e4m3")
+    with pytest.raises(RuntimeError, match="DeepSpeed's and FSDP2's bindings do not send it"):
+        _ = optimizer.grad_wire
 
 
 @pytest.mark.parametrize("grad_dtype", ["fp8_e4m3", "fp8_e5m2"])
