@@ -6,7 +6,7 @@ import stat
 
 import pyfuse3
 
-from ..emulator.face import LOADABLE_ROLES, ROLES, AnyNamespace, Device, DeviceError, Namespace
+from ..emulator.face import LOADABLE_ROLES, AnyNamespace, Device, DeviceError, Namespace
 
 from .nodes import SNAPSHOT_KINDS, Kind, Node, fuse_error
 from .snapshot_tree import SnapshotTree
@@ -100,7 +100,9 @@ class Tree:
             namespace = self.optimizer_namespace(node)
             return [(t.name, Node(Kind.TENSOR, node.nsid, t.name)) for t in namespace.layouts]
         if node.kind == Kind.TENSOR:
-            return [(role, Node(Kind.ARRAY, node.nsid, node.name, role)) for role in ROLES]
+            # ROLES, and param_fp8 where the namespace sends FP8 params (Namespace.roles).
+            roles = self.optimizer_namespace(node).roles
+            return [(role, Node(Kind.ARRAY, node.nsid, node.name, role)) for role in roles]
         raise fuse_error(errno.ENOTDIR)
 
     def lookup(self, parent: Node, name: str) -> Node:

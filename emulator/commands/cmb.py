@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..cmb import ControllerMemoryBuffer, parallel_copy
 from ...protocol.status import DeviceError, Status
 from ..namespace import ROLES, Namespace
+from ..namespace import param_fp8
 from ...protocol.entries import Command, Completion, Opcode
 from ..transaction import first_overlap
 
@@ -71,7 +72,7 @@ def parse_transfers(command: Command, default_role: str, sizes: Callable[[str, s
         tensor, role = entry.get("tensor"), entry.get("role", default_role)
         if not isinstance(tensor, str) or not isinstance(role, str):
             raise DeviceError(Status.INVALID_FIELD, f"transfer {index}: 'tensor' (and 'role') must be strings")
-        if role not in ROLES:
+        if role not in ROLES and role != param_fp8.ROLE:  # param_fp8: the namespace refuses it where it has none
             raise DeviceError(Status.INVALID_FIELD, f"transfer {index}: no file {role!r} (one of {', '.join(ROLES)})")
         offset = _integer(entry, "offset", 0, index)
         cmb_offset = _integer(entry, "cmb_offset", None, index)
@@ -97,12 +98,15 @@ def check_disjoint(spans: list[tuple[int, int, str]], what: str) -> None:
         raise DeviceError(Status.INVALID_FIELD, f"{first} and {second} overlap in the CMB (from byte {start}): {what}")
 
 
-def check_param_copies(transfers: list[Transfer], grad_itemsize: int = 2) -> None:
+def check_param_copies(transfers: list[Transfer], grad_itemsize: int = 2,
+                       param_lengths: list[int] | None = None) -> None:
     """Refuse (INVALID_FIELD) param copies that overlap each other or any of the command's
     gradients: the kernel writes params while other blocks' gradients are still being read.
-    (Gradients may overlap each other: they are only read.)"""
+    (Gradients may overlap each other: they are only read.) param_lengths: each transfer's
+    param place (default Transfer.param_length)."""
+    lengths = param_lengths or [t.param_length(grad_itemsize) for t in transfers]
     spans = sorted([(t.cmb_offset, t.cmb_offset + t.length, False, i) for i, t in enumerate(transfers)]
-                   + [(t.param_cmb_offset, t.param_cmb_offset + t.param_length(grad_itemsize), True, i)
+                   + [(t.param_cmb_offset, t.param_cmb_offset + lengths[i], True, i)
                       for i, t in enumerate(transfers) if t.param_cmb_offset is not None])
     any_end = params_end = 0  # the furthest end so far of any span, of a param copy
     for start, end, is_params, index in spans:
@@ -115,6 +119,19 @@ def check_param_copies(transfers: list[Transfer], grad_itemsize: int = 2) -> Non
         any_end = max(any_end, end)
         if is_params:
             params_end = max(params_end, end)
+
+
+def _param_place_length(namespace: Namespace, transfer: Transfer, grad_itemsize: int, index: int) -> int:
+    """The param place of a transfer to a namespace with FP8 params out: its param_fp8 bytes
+    (header and codes), for the tensor's whole gradient only (INVALID_FIELD otherwise: the scale
+    is the whole tensor's, so its codes cannot be made a block at a time)."""
+    if transfer.param_cmb_offset is None:
+        return 0
+    if transfer.offset != 0 or transfer.length != namespace.file_size(transfer.tensor, "grad"):
+        raise DeviceError(Status.INVALID_FIELD,
+                          f"transfer {index} ({transfer.what}): namespace {namespace.name!r} sends FP8 params, "
+                          "whose scale is the whole tensor's: param_cmb_offset goes with the whole gradient")
+    return param_fp8.out_bytes(transfer.length // grad_itemsize)
 
 
 class CmbCommands:
@@ -146,18 +163,27 @@ class CmbCommands:
         if any(grads) and not all(grads):
             raise DeviceError(Status.INVALID_FIELD, "one command carries gradients or state, not both")
         grad_itemsize = namespace.itemsize("grad")
+        fp8_out = namespace.param_wire_dtype is not None
+        lengths = [_param_place_length(namespace, t, grad_itemsize, i) if fp8_out else t.param_length(grad_itemsize)
+                   for i, t in enumerate(transfers)]
         copies = [None if t.param_cmb_offset is None
-                  else cmb.region(t.param_cmb_offset, t.param_length(grad_itemsize), f"transfer {i} ({t.what}) params")
+                  else cmb.region(t.param_cmb_offset, lengths[i], f"transfer {i} ({t.what}) params")
                   for i, t in enumerate(transfers)]
         if any(copy is not None for copy in copies):
-            check_param_copies(transfers, grad_itemsize)
+            check_param_copies(transfers, grad_itemsize, lengths)
         # Through the device's one I/O entry; CMB_WRITE met its injections at the controller.
         io = self.controller.io
         result = None
         if all(grads):
+            # FP8 params out: the kernel stores no 16-bit params; each place gets the tensor's
+            # FP8 params once all its blocks have run (param_fp8.ParamFp8.fill_step_places).
             result = io.write_grads(
-                namespace, [(t.tensor, t.offset, region, copy) for t, region, copy in zip(transfers, regions, copies)],
+                namespace, [(t.tensor, t.offset, region, None if fp8_out else copy)
+                            for t, region, copy in zip(transfers, regions, copies)],
                 checked=True)
+            places = [(t.tensor, copy) for t, copy in zip(transfers, copies) if copy is not None]
+            if fp8_out and places:
+                namespace.fill_param_fp8_places(places)
         else:
             for t in transfers:
                 namespace.check_write(t.tensor, t.role, t.offset, t.length)

@@ -27,6 +27,7 @@ from ..spec import Hyperparameters, NamespaceSpec, TensorSpec
 from ..superblock import Superblock
 from ..transaction import StepTransaction
 from ..workers import KernelWorkers
+from . import param_fp8
 from .common import LOADABLE_ROLES, ROLES, CommitResult, NamespaceCounters
 from .media import NamespaceMedia
 from .open import NamespaceFiles, create_files, open_files, recover
@@ -212,9 +213,10 @@ class Namespace:
 
     @modeled_command("begin_step")  # each rank's begin, a host command as a single client's is
     def begin_shared_step(self, step: int, grad_scale: float, job: int, seq: int, ranks: int, rank: int,
-                          groups: list[dict[str, Any]] | None) -> dict[str, Any]:
-        """Open or join step `step` of job `job` (SharedSteps.begin_shared_step)."""
-        return self.shared.begin_shared_step(step, grad_scale, job, seq, ranks, rank, groups)
+                          groups: list[dict[str, Any]] | None, grad_scales: Any = None) -> dict[str, Any]:
+        """Open or join step `step` of job `job` (SharedSteps.begin_shared_step); grad_scales:
+        this rank's FP8 slices' scales."""
+        return self.shared.begin_shared_step(step, grad_scale, job, seq, ranks, rank, groups, grad_scales)
 
     @modeled_command("commit_step")  # each poll is a host command; the commit's work is in the one that commits
     def commit_shared_step(self, step: int, job: int, seq: int, rank: int) -> CommitResult | str:
@@ -356,7 +358,24 @@ class Namespace:
         return self.core.state_format
 
     def file_size(self, tensor_name: str, role: str) -> int:
-        return self.core.tensor(tensor_name).numel * self.itemsize(role)
+        return self.core.file_bytes(self.core.tensor(tensor_name), role)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """A tensor's files: ROLES, and param_fp8 where the namespace sends FP8 params."""
+        return ROLES + ((param_fp8.ROLE,) if self.reads.param_fp8 is not None else ())
+
+    @property
+    def param_wire_dtype(self) -> str | None:
+        """The FP8 format of the param_fp8 files, or None where there are none."""
+        return self.core.spec.param_wire_dtype
+
+    def fill_param_fp8_places(self, places: list[tuple[str, np.ndarray]]) -> None:
+        """After a CMB_WRITE of whole gradients: each tensor's FP8 params (param_fp8 bytes) into
+        its place in the CMB (ParamFp8.fill_step_places says which step's)."""
+        assert self.reads.param_fp8 is not None
+        with self.core.lock:
+            self.reads.param_fp8.fill_step_places([(self.core.tensor(name), place) for name, place in places])
 
     # ------------------------------------------------------------------ properties
 
@@ -415,7 +434,7 @@ class Namespace:
                  "shape": _shape_list(core.shape_of[t.name])}
                 for t in core.layouts
             ],
-        }
+        } | ({"param_wire_dtype": core.spec.param_wire_dtype} if core.spec.param_wire_dtype else {})
 
     @property
     def allocated_bytes(self) -> int:
@@ -448,7 +467,11 @@ class Namespace:
             "seq": core.sb.seq,
             "verification": self.verification_state(),
             "model": core.timing.snapshot(),
-        }
+        } | ({} if self.reads.param_fp8 is None else {
+            # FP8 params out: values beyond the format (saturated) and nonzero masters whose
+            # code is zero, over the steps encoded since the namespace was opened.
+            "param_fp8_overflows": self.reads.param_fp8.overflows,
+            "param_fp8_underflows": self.reads.param_fp8.underflows})
 
     def state_counter_figures(self) -> dict[str, Any]:
         """The block-scaled moments' counters (emulator/state_counters.py), for log page C6h."""
