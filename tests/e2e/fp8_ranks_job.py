@@ -27,7 +27,9 @@ def gradients(step: int, params: list[torch.Tensor], inf_step: int) -> list[torc
     generator = torch.Generator().manual_seed(7717 * step)
     grads = []
     for param in params:
-        grad = torch.randn(param.numel(), generator=generator) * 0.01
+        # Falling 64-fold along the tensor: wherever a rank's shard or a device's piece is cut,
+        # the parts have different amaxes, so each slice's own scale differs from the others'.
+        grad = torch.randn(param.numel(), generator=generator) * torch.logspace(-2, -2 - 1.8, param.numel())
         grad[::TINY_STRIDE] *= 1e-7
         if step == inf_step and param.numel() > INF_ELEMENT:
             grad[INF_ELEMENT] = float("inf")

@@ -122,6 +122,8 @@ def test_two_ranks_step_fp8_slices_as_one_process_steps_their_values(devices: li
             slices[piece.index].append((piece.start, piece.stop))
     assert len(slices[0]) == 2  # fc1.weight is split between the ranks
     expected = reference(mount, "fp8two-ref", slices)
+    # Its two slices have scales of their own: a device that stepped both with one would differ.
+    assert len({encoding["scale"] for encoding in expected["last"][0]}) == 2
     assert expected["committed_step"] == STEPS - 1
     for rank in ranks:
         assert all(torch.equal(a, b) for a, b in zip(rank["masters"], expected["masters"]))
@@ -162,6 +164,8 @@ def test_fp8_over_two_devices_steps_each_piece_with_its_own_scale(devices: list[
     assert at == [p.numel() for p in params]
     assert any(len(pieces) > 1 for pieces in slices), slices  # some tensor is split across the devices
     expected = reference(devices[0], "fp8group-ref", slices)
+    split = next(index for index, pieces in enumerate(slices) if len(pieces) > 1)
+    assert len({encoding["scale"] for encoding in expected["last"][split]}) > 1  # its pieces' own scales
     assert all(torch.equal(a, b) for a, b in zip(masters, expected["masters"]))
     # Each device's C6h: its own pieces' last scales. No device saw the inf: the group skips a
     # step whose gradients are not finite before any device is sent one (group.py).
