@@ -12,6 +12,7 @@ import socket
 import ssl
 import struct
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import parse_qs, urlsplit
@@ -33,6 +34,9 @@ DEFAULT_PORT = 4420  # NVMe/TCP's registered port
 SEND_CHUNK = 8 << 20
 _DIGESTS = {"none": Digest.NONE, "header": Digest.HEADER, "data": Digest.DATA,
             "both": Digest.HEADER | Digest.DATA}
+# Every connected transport of this process, for abort_all(): weak, so that a forgotten one
+# still goes; a set of refs (not a WeakSet), as a signal handler copies it in one C call.
+_CONNECTED: set["weakref.ref[RemoteTransport]"] = set()
 
 
 def is_remote(where: object) -> bool:
@@ -161,6 +165,7 @@ class RemoteTransport:
             self.reader = wire.PduReader(sock.recv_into)
             self.writer = wire.PduWriter(sock)
             self._handshake(token, tls is not None, presented)
+            _CONNECTED.add(weakref.ref(self, _CONNECTED.discard))
         except _TlsRefused as refused:
             _shut(sock)
             raise PermissionError(errno.EACCES, f"{self.location}: TLS refused: {refused}") from None
@@ -213,6 +218,9 @@ class RemoteTransport:
         return self._cid
 
     def _lost(self, exc: BaseException) -> OSError:
+        if self._broken is not None:  # aborted (abort()) while waiting: that is the reason
+            _shut(self.sock)
+            return self._broken
         if isinstance(exc, TimeoutError):
             self._broken = DeviceTimeoutError(
                 f"the cossd server at {self.location} did not answer within {self.timeout_s:g} s (stopped, hung, "
@@ -243,6 +251,23 @@ class RemoteTransport:
             if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN):
                 raise self._lost(exc) from None
             raise
+        except BaseException as exc:
+            # Interrupted (KeyboardInterrupt from Ctrl-C or a handler's SIGTERM) mid-command:
+            # part of the command or of its answer may still be on the wire, so a later
+            # command would read the rest of this one's answer as its own, or wait out the
+            # timeout for an answer the server, still reading this one's data, never sends.
+            # The connection is given up instead: later calls fail at once.
+            self.abort(f"a command was cut short ({type(exc).__name__}) before its answer was read whole; "
+                       "the connection's place in the stream is lost")
+            raise
+
+    def abort(self, why: str) -> None:
+        """Give the connection up now: shut it (a thread waiting in its receive or send wakes at
+        once and raises), and every call from here on raises ConnectionAbortedError(`why`).
+        Safe from a signal handler and from any thread (it takes no lock); safe to repeat."""
+        if self._broken is None:
+            self._broken = ConnectionAbortedError(errno.ECONNABORTED, f"{self.location}: {why}")
+        _shut(self.sock)
 
     def _answer(self, cid: int, into: Sequence[memoryview]) -> Completion:
         starts = []
@@ -307,6 +332,7 @@ class RemoteTransport:
         if self._broken is None:
             self._broken = ConnectionAbortedError(errno.ECONNABORTED, f"{self.location}: transport closed")
             _shut(self.sock)
+        _CONNECTED.discard(weakref.ref(self))
 
     def reachable(self) -> bool:
         return self._broken is None
@@ -404,6 +430,19 @@ class RemoteTransport:
             self._errno_channel(completion, "read")
             counts += lengths
         return counts
+
+
+def abort_all(why: str) -> int:
+    """abort(`why`) every connected transport of this process; how many. For a process that
+    is ending on a signal: its threads waiting on servers' answers (a group's devices, each on
+    a thread) raise at once instead of waiting out their timeout, so the cleanup can run."""
+    aborted = 0
+    for ref in _CONNECTED.copy():
+        transport = ref()
+        if transport is not None and transport._broken is None:
+            transport.abort(why)
+            aborted += 1
+    return aborted
 
 
 # What a plain client told "no" at its first PDU most likely met: a server that wants TLS.

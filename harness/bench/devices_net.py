@@ -15,6 +15,7 @@ from types import FrameType
 from typing import Any, Iterator
 
 from ...client import AdminClient
+from ...client.remote import abort_all
 from ...emulator import Device
 from ...protocol.logpages import LogId, decode_server_log
 from ...server.command import READY_PREFIX
@@ -146,6 +147,9 @@ class DeviceNamespace:
         namespace and the host end of the veth. Safe to call twice and after a partial create."""
         if self.server is not None and self.server.poll() is None:
             self.server.terminate()
+            # A stopped server (SIGSTOP, a debugger) gets its SIGTERM only once continued.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.server.pid, signal.SIGCONT)
             try:
                 self.server.wait(20)
             except subprocess.TimeoutExpired:
@@ -158,10 +162,19 @@ class DeviceNamespace:
             _ip("link", "del", self.host_if, check=False)
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """The run was ended by SIGINT or SIGTERM (a KeyboardInterrupt, so that whatever treats
+    Ctrl-C as the user's stop treats both alike)."""
+
+
 @contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt for the block (as Ctrl-C does), so that the cleanup
-    runs on `kill` too; the old handler after. Only the main thread can set handlers."""
+def _signals_end_the_run(ended: list[str]) -> Iterator[None]:
+    """For the block, SIGTERM and SIGINT (unless ignored, as in a job started in the
+    background) end the run: every server connection of this process is given up at once,
+    so a thread waiting on a device's answer (a group's devices, a thread each) raises now
+    instead of at its 120 s timeout, then RunInterrupted is raised in the main thread and the
+    cleanup runs; the signal's name goes into `ended`. The old handlers after. Only the main
+    thread can set handlers."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -169,13 +182,21 @@ def _terminate_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        if ended:  # a second signal: the cleanup the first one started is under way
+            return
+        ended.append(signal.Signals(signum).name)
+        abort_all(f"the run was ended by {ended[0]}")
+        raise RunInterrupted(ended[0])
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @contextlib.contextmanager
@@ -219,35 +240,51 @@ def devices_net_costs(workdir: Path, width: int, layers: int, steps: int,
         return section | {"unavailable": reason}
     shapes = gpt_shapes(width, layers)
     section["embedding_elements"] = shapes[0][1][0] * shapes[0][1][1]
-    rows = []
-    with _terminate_as_interrupt():
-        clean_leftovers()
-        for count in DEVICE_COUNTS:
-            with served_devices(workdir, count, link_mbit) as spaces:
-                admins = [AdminClient(space.url, token_file=workdir / "token") for space in spaces]
-                try:
-                    job = run_job([space.url for space in spaces], shapes, 2, steps,
-                                  counters=[_counters(space, admin) for space, admin in zip(spaces, admins)],
-                                  token_file=str(workdir / "token"))
-                finally:
-                    for admin in admins:
-                        admin.close()
-            if any(device["steps_committed"] != steps for device in job["devices"]):
-                raise RuntimeError(f"{count} devices: not every device committed the {steps} timed steps")
-            step = statistics.median(job["step_s"])
-            # A device's share of the step: its mean seconds over the mean step (the median
-            # step is what the table shows, but shares of it could add past 100%).
-            mean_step = statistics.fmean(job["step_s"])
-            for device in job["devices"]:
-                device["share_of_step"] = device["seconds_per_step"] / mean_step
-            rows.append({"devices": count, "elements": job["elements"], "step_seconds": step,
-                         "per_device": job["devices"], "addresses": [space.address for space in spaces]})
-            shares = "; ".join(
-                f"{d['elements'] / job['elements']:.0%} of the elements, {d['share_of_step']:.0%} of the "
-                f"step, veth {d['link']['veth_to_device'] / 1e6:.1f} MB to + {d['link']['veth_from_device'] / 1e6:.1f} "
-                f"MB from" for d in job["devices"])
-            say(f"  devices {count} over network namespaces: step {step * 1e3:.1f} ms; per device: {shares}")
+    ended: list[str] = []
+    try:
+        with _signals_end_the_run(ended):
+            rows = _measure(workdir, shapes, steps, link_mbit)
+    except BaseException:
+        # Whatever the interrupt became on its way up (code between may wrap it), the run
+        # says why it ended; the teardown (served_devices) has run by now.
+        if ended:
+            say(f"  devices over network namespaces: ended by {ended[0]}; its namespaces, veths and servers are "
+                "removed")
+        raise
     return section | {"rows": rows}
+
+
+def _measure(workdir: Path, shapes: list[tuple[str, tuple[int, ...]]], steps: int,
+             link_mbit: float | None) -> list[dict[str, Any]]:
+    """The section's rows: one job at each of DEVICE_COUNTS, its devices served afresh."""
+    rows = []
+    clean_leftovers()
+    for count in DEVICE_COUNTS:
+        with served_devices(workdir, count, link_mbit) as spaces:
+            admins = [AdminClient(space.url, token_file=workdir / "token") for space in spaces]
+            try:
+                job = run_job([space.url for space in spaces], shapes, 2, steps,
+                              counters=[_counters(space, admin) for space, admin in zip(spaces, admins)],
+                              token_file=str(workdir / "token"))
+            finally:
+                for admin in admins:
+                    admin.close()
+        if any(device["steps_committed"] != steps for device in job["devices"]):
+            raise RuntimeError(f"{count} devices: not every device committed the {steps} timed steps")
+        step = statistics.median(job["step_s"])
+        # A device's share of the step: its mean seconds over the mean step (the median
+        # step is what the table shows, but shares of it could add past 100%).
+        mean_step = statistics.fmean(job["step_s"])
+        for device in job["devices"]:
+            device["share_of_step"] = device["seconds_per_step"] / mean_step
+        rows.append({"devices": count, "elements": job["elements"], "step_seconds": step,
+                     "per_device": job["devices"], "addresses": [space.address for space in spaces]})
+        shares = "; ".join(
+            f"{d['elements'] / job['elements']:.0%} of the elements, {d['share_of_step']:.0%} of the "
+            f"step, veth {d['link']['veth_to_device'] / 1e6:.1f} MB to + {d['link']['veth_from_device'] / 1e6:.1f} "
+            f"MB from" for d in job["devices"])
+        say(f"  devices {count} over network namespaces: step {step * 1e3:.1f} ms; per device: {shares}")
+    return rows
 
 
 def markdown_rows(section: dict[str, Any]) -> list[str]:
