@@ -75,8 +75,7 @@ def begin(namespace: Namespace, command: Command, step: int, grad_scale: float) 
     if scales is not None and not isinstance(scales, dict):
         raise DeviceError(Status.INVALID_FIELD, "grad_scales must be a JSON object {tensor: scale or slice}")
     opened = namespace.begin_shared_step(step, grad_scale, fields["job"], fields["seq"], fields["ranks"],
-                                         fields["rank"], _groups(fields.get("groups")),
-                                         **({"grad_scales": scales} if scales else {}))
+                                         fields["rank"], _groups(fields.get("groups")), scales)
     return Completion(command.cid, Status.SUCCESS, result=opened["step"] & 0xFFFFFFFF,
                       data=json.dumps(opened, sort_keys=True).encode())
 

@@ -181,9 +181,10 @@ class Namespace:
 
     @modeled_command("begin_step")
     def begin_step(self, step: int | None = None, grad_scale: float = 1.0,
-                   grad_scales: dict[str, float] | None = None) -> int:
+                   grad_scales: dict[str, Any] | None = None) -> int:
         """Open step `step` (default: the next one) with a combined gradient scale, and for an
-        FP8 namespace each tensor's FP8 scale (its codes are the gradient times it)."""
+        FP8 namespace each tensor's or slice's FP8 scale (its codes are the gradient times it);
+        naming the open step, add scales to it (StepEngine.begin_step)."""
         return self.steps.begin_step(step, grad_scale, grad_scales)
 
     @modeled_command("commit_step")

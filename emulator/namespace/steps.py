@@ -43,7 +43,7 @@ class StepEngine:
         self.shared_record = shared_record
 
     def begin_step(self, step: int | None = None, grad_scale: float = 1.0,
-                   grad_scales: dict[str, float] | None = None) -> int:
+                   grad_scales: dict[str, Any] | None = None) -> int:
         """Open step `step` (default: the next one) with a combined gradient scale, and per
         tensor (or block-aligned slice) of an FP8 namespace the scale its codes carry
         (namespace/grad_scales.py). Where the step is open already and named again with
@@ -67,7 +67,7 @@ class StepEngine:
             return opened
 
     def begin_locked(self, step: int | None, grad_scale: float, explicit: bool,
-                     grad_scales: dict[str, float] | None = None) -> StepTransaction:
+                     grad_scales: dict[str, Any] | None = None) -> StepTransaction:
         # A step reads the committed master and moments: they must have passed their checksums.
         self.verifier.await_verified_locked()
         # The step writes into the shadow copy: not while a reader (a snapshot's copy, a
