@@ -178,6 +178,41 @@ def test_fp8_over_two_devices_steps_each_piece_with_its_own_scale(devices: list[
             assert mine["nonfinite"] == 0 and mine["underflow"] > 0
 
 
+def test_two_ranks_over_two_devices_send_their_shards_of_each_devices_pieces(devices: list[Mount],
+                                                                            tmp_path: Path) -> None:
+    """Two gloo ranks, mount=[two devices]: each device's namespace is sharded over the ranks,
+    so a slice is a rank's part of a device's piece, scaled by its own amax; the masters equal
+    one process stepping those slices' decoded values as FP32 gradients, bit for bit."""
+    out = tmp_path / "job"
+    codes = spawn_ranks(JOB, {"mounts": [str(d.mountpoint) for d in devices], "namespace": "fp8twotwo",
+                              "last": STEPS, "out": str(out), "inf_step": INF_STEP}, 2, out, 240)
+    ranks = finished(out, 2, codes)
+    assert all(r["result"] == {"committed_step": STEPS - 1, "skipped": [INF_STEP]} for r in ranks)
+    params = params_of_the_job()
+    names = [f"g0.p{index}" for index in range(len(params))]  # the plan's names of one group's params
+    slices: list[list[tuple[int, int]]] = [[] for _ in params]
+    at = [0] * len(params)
+    for device in devices:
+        config = json.loads((Path(device.mountpoint) / "ns" / "fp8twotwo" / "config.json").read_text())
+        pieces = [(names.index(t["name"]), int(t["numel"])) for t in config["tensors"]]
+        starts = []
+        for index, numel in pieces:
+            starts.append(at[index])
+            at[index] += numel
+        # The ranks' shards of this device's tensors, in the piece's own elements.
+        for shard in plan_shards([(str(position), numel) for position, (_, numel) in enumerate(pieces)], 2,
+                                 BLOCK_ELEMS):
+            for part in shard:
+                index, base = pieces[part.index][0], starts[part.index]
+                slices[index].append((base + part.start, base + part.stop))
+    assert at == [p.numel() for p in params]
+    slices = [sorted(parts) for parts in slices]
+    assert max(len(parts) for parts in slices) >= 2
+    expected = reference(devices[0], "fp8twotwo-ref", slices)
+    for rank in ranks:
+        assert all(torch.equal(a, b) for a, b in zip(rank["masters"], expected["masters"]))
+
+
 def test_a_ranks_bad_scale_is_refused_and_changes_nothing(devices: list[Mount]) -> None:
     """A shared step opened by rank 0 with its slice's scale: rank 1's join with a scale for
     rank 0's slice (an overlap), with a slice not at a block boundary, or with a scale that is
