@@ -121,3 +121,21 @@ def test_several_devices_and_a_storage_server_are_refused(mount: Mount) -> None:
     with pytest.raises(ValueError, match=r"param_wire_dtype='fp8_e4m3'.*not with a storage server"):
         AdamW(make_model(torch.bfloat16).parameters(), mount="cossd://127.0.0.1:9", namespace="refused",
               param_wire_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_an_fp32_or_fp16_model_holds_the_decoded_fp8_params(opened, mount: Mount, dtype: torch.dtype) -> None:
+    """Whatever the model's dtype, its params are the device's FP8 params decoded (an FP32
+    model gets them exactly, not the FP32 masters)."""
+    model = make_model(dtype)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace=f"fp8-{str(dtype)[6:]}",
+                       param_wire_dtype="fp8_e4m3")
+    for step in range(1, 4):
+        optimizer.zero_grad()
+        loss_of(model, step, dtype).backward()
+        optimizer.step()
+    for param, device in zip(model.parameters(), _device_params(optimizer)):
+        assert torch.equal(param.detach().reshape(-1), device.to(dtype))
+    masters = [optimizer.files.read(entry.name, "master", torch.float32, entry.numel) for entry in optimizer.entries]
+    assert any(not torch.equal(param.detach().float().reshape(-1), master)
+               for param, master in zip(model.parameters(), masters))
