@@ -9,7 +9,7 @@ import torch
 
 from cossd.harness.gpt import GPTConfig, StdlibCorpus, build_model
 from cossd.protocol import param_fp8 as wire
-from cossd.trainer import AdamW
+from cossd.trainer import AdamW, param_fp8
 
 from conftest import Mount
 from test_trainer import loss_of, make_model, opened  # noqa: F401 - opened is a fixture
@@ -139,3 +139,32 @@ def test_an_fp32_or_fp16_model_holds_the_decoded_fp8_params(opened, mount: Mount
     masters = [optimizer.files.read(entry.name, "master", torch.float32, entry.numel) for entry in optimizer.entries]
     assert any(not torch.equal(param.detach().float().reshape(-1), master)
                for param, master in zip(model.parameters(), masters))
+
+
+def test_cmb_places_of_another_step_are_not_taken(opened, mount: Mount) -> None:
+    """Places whose header names a step other than the one committed (a step skipped or aborted
+    after the device filled them) are passed over: the params are read from param_fp8."""
+    model = make_model(torch.bfloat16)
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="fp8places",
+                       param_wire_dtype="fp8_e4m3")
+    loss_of(model, 1, torch.bfloat16).backward()
+    optimizer.step()
+    transport = optimizer.files.step_transport()
+    slots = transport.slots()
+    assert transport.cmb is not None and slots is not None
+    # The places as the step left them, then one header relabelled and its codes spoilt.
+    window = transport.cmb.array
+    first = optimizer.entries[0]
+    at, size = slots[first.name][1], slots[first.name][3]
+    window[at : at + wire.HEADER_BYTES] = list(wire.header(7, 1.0))
+    window[at + wire.HEADER_BYTES : at + size] = 0x7E
+    transport._params_back = {name: (slot[1], slot[3]) for name, slot in slots.items()}
+    reads_before = optimizer.files.statistics()["read_commands"]
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    step = param_fp8.read_params(optimizer.files, optimizer.entries, "fp8_e4m3", optimizer.committed_step)
+    assert step == optimizer.committed_step == 1
+    assert optimizer.files.statistics()["read_commands"] > reads_before  # read from the device instead
+    for param, device in zip(model.parameters(), _device_params(optimizer)):
+        assert torch.equal(param.detach().float().reshape(-1), device.to(torch.bfloat16).float())
