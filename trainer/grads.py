@@ -65,20 +65,26 @@ def fp8_encode_counted(grad: torch.Tensor, grad_dtype: str, fp8_dtype: torch.dty
     format's range (only where the scale's exponent bound stops it short) saturate to +-max
     and are counted; inf and NaN become NaN codes, so that the device skips the step as for
     any format (torch's cast alone turns an inf into E4M3's finite 448)."""
-    amax = float(grad.detach().abs().max()) if grad.numel() else 0.0
+    amax = 0.0
+    if grad.numel():
+        # One pass and no |grad| copy; NaN where any element is (Python's max would drop it).
+        low, high = (float(value) for value in torch.aminmax(grad.detach()))
+        amax = math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
     scale = fp8_scale(amax, grad_dtype)
     scaled = grad.detach().to(torch.float32) * scale
     largest = FP8_MAX[grad_dtype]
-    finite = torch.isfinite(scaled)
-    over = finite & (scaled.abs() > largest)
-    saturated = int(over.sum())
-    if saturated:
+    saturated = 0
+    if not math.isfinite(amax):  # amax is inf or NaN exactly where some element is
+        scaled = torch.where(torch.isfinite(scaled), scaled, torch.nan)
+    elif amax * scale > largest:  # only where the scale's exponent bound stopped it short
+        over = scaled.abs() > largest
+        saturated = int(over.sum())
         scaled = torch.where(over, scaled.clamp(-largest, largest), scaled)
-    if not bool(finite.all()):
-        scaled = torch.where(finite, scaled, torch.nan)
-    codes = scaled.to(fp8_dtype)
-    underflow = int(((codes.to(torch.float32) == 0) & (scaled != 0) & finite).sum())
-    return Fp8Codes(codes.view(torch.uint8), scale, underflow, saturated)
+    codes = scaled.to(fp8_dtype).view(torch.uint8)
+    # A zero value always makes a zero code (either sign): the other zero codes are underflows.
+    # (count_nonzero: a bool tensor's sum is several times slower.)
+    underflow = int(torch.count_nonzero(scaled)) - int(torch.count_nonzero(codes & 0x7F))
+    return Fp8Codes(codes, scale, underflow, saturated)
 
 
 def fp8_encode(grad: torch.Tensor, grad_dtype: str, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, float]:
