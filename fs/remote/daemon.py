@@ -93,9 +93,17 @@ async def _watch_mount(mount_id: int | None, mountpoint: str, connections: Lanes
     connections.close()  # a command in flight fails at once: its request answers ENOTCONN
 
 
+async def _stop_on_signal(connections: Lanes) -> None:
+    """SIGTERM, SIGINT or SIGHUP: end the loop, and close the connections, since pyfuse3's
+    loop ends only once its requests have: one waiting on a stopped or cut-off server would
+    hold the daemon until the client's timeout (120 s). Closed, it answers ENOTCONN at once."""
+    await stop_on_signal()
+    connections.close()
+
+
 async def _serve(ready_fd: int | None, mount_id: int | None, mountpoint: str, connections: Lanes) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_on_signal)
+        nursery.start_soon(_stop_on_signal, connections)
         nursery.start_soon(_watch_mount, mount_id, mountpoint, connections)
         _tell(ready_fd, READY_MESSAGE)
         await pyfuse3.main()
