@@ -143,7 +143,7 @@ def main() -> int:
                           namespace=config["namespace"], max_grad_norm=config.get("clip"),
                           use_cmb=config.get("use_cmb", True),
                           step_timeout_s=config.get("step_timeout_s", 60.0),
-                          param_gather=config.get("param_gather", "device"))
+                          param_gather=config.get("param_gather", "device"), grad_dtype=config.get("grad_dtype"))
     except Exception as exc:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
         if world > 1:

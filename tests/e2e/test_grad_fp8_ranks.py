@@ -23,6 +23,7 @@ from ranks import finished, mounted_device, spawn_ranks
 pytestmark = pytest.mark.mount
 
 JOB = Path(__file__).with_name("fp8_ranks_job.py")
+FSDP_JOB = Path(__file__).with_name("fsdp_job.py")
 sys.path.insert(0, str(JOB.parent))
 import fp8_ranks_job as job  # noqa: E402  (the gradients, shared with the ranks)
 from multirank_job import Net  # noqa: E402
@@ -243,3 +244,17 @@ def test_a_ranks_bad_scale_is_refused_and_changes_nothing(devices: list[Mount]) 
         admin.abort_shared_step(nsid, 1, rank=0, reason="test", **job_id)
         after = admin.statistics(nsid)
         assert after["committed_step"] == before["committed_step"] == 0 and after.get("step_open") is None
+
+
+def test_fp8_under_fsdp2_is_refused_at_construction(devices: list[Mount], tmp_path: Path) -> None:
+    """FSDP2's rows start anywhere in a device block and an FP8 scale covers whole blocks: every
+    rank fails at construction saying so, and no namespace is made."""
+    out = tmp_path / "job"
+    codes = spawn_ranks(FSDP_JOB, {"mount": str(devices[0].mountpoint), "namespace": "fp8fsdp", "last": 2,
+                                   "out": str(out), "mode": "fsdp", "grad_dtype": "fp8_e4m3"}, 2, out, 240)
+    assert codes == [4, 4], (codes, (out / "logs.txt").read_text()[-4000:])
+    for rank in range(2):
+        message = (out / f"error{rank}.txt").read_text()
+        assert "not supported where FSDP2 holds the params" in message, message
+    with AdminClient(devices[0].mountpoint) as admin:
+        assert "fp8fsdp" not in [entry["name"] for entry in admin.describe()["namespaces"]]
