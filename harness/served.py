@@ -70,6 +70,7 @@ class ServedDevice:
             return self.stopped
         try:
             os.kill(self.pid, signal.SIGTERM)
+            os.kill(self.pid, signal.SIGCONT)  # a stopped server (SIGSTOP) gets the SIGTERM only once continued
         except ProcessLookupError:
             pass
         if not self._wait_gone(timeout_s):
