@@ -1,4 +1,4 @@
-"""Per-tensor counters of a namespace's block-scaled moments (fp16, int8: underflows, overflows and block scales, from the kernel's counts, folded in at each commit) and of its FP8 gradients (the scales each step brought, the trainer's encoding counts, the non-finite codes the device found)."""
+"""Per-tensor counters of a namespace's block-scaled moments (fp16, int8: underflows, overflows and block scales, from the kernel's counts, folded in at each commit), of its FP8 gradients (the scales each step brought, the trainer's encoding counts, the non-finite codes the device found) and of its FP8 params out (each step's scale and encoding counts)."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +27,7 @@ class StateCounters:
         self._last: dict[str, StateCounts] = {}
         self._last_step = 0
         self._fp8: dict[str, GradScaleCounts] = {}
+        self._param_fp8: dict[str, ParamFp8Counts] = {}
 
     def record_block(self, tensor: str, start: int, counts: StateCounts) -> None:
         """A block's counts from the kernel (kernel worker threads call this)."""
@@ -82,6 +83,33 @@ class StateCounters:
         with self._lock:
             return {tensor: dataclasses.asdict(self._fp8[tensor]) for tensor in sorted(self._fp8)}
 
+    def param_fp8_encoded(self, tensor: str, step: int, scale: float, overflow: int, underflow: int) -> None:
+        """The device encoded `tensor`'s params of `step` as FP8 (namespace/param_fp8.py: for a
+        param_fp8 file read or a CMB step's place) with `scale`, counting `overflow` saturated and
+        `underflow` flushed elements. Each step counts once in the totals, by its latest encoding:
+        the same step encoded again (a place made before the commit, then the file; an aborted
+        step run anew; initial masters loaded again) replaces its own counts. An older step
+        encoded again (the committed step's file read after a later step's place) adds nothing."""
+        with self._lock:
+            counts = self._param_fp8.setdefault(tensor, ParamFp8Counts())
+            if counts.encoded and step < counts.step:
+                return
+            if counts.encoded and step == counts.step:
+                counts.overflow -= counts.last_overflow
+                counts.underflow -= counts.last_underflow
+            counts.encoded = True
+            counts.step, counts.scale = step, scale
+            counts.last_overflow, counts.last_underflow = overflow, underflow
+            counts.overflow += overflow
+            counts.underflow += underflow
+
+    def param_fp8_figures(self) -> dict[str, Any]:
+        """The FP8 params' counters as log page C6h carries them, per tensor encoded so far."""
+        with self._lock:
+            return {tensor: {key: value for key, value in dataclasses.asdict(self._param_fp8[tensor]).items()
+                             if key != "encoded"}
+                    for tensor in sorted(self._param_fp8)}
+
     def figures(self) -> dict[str, Any]:
         """The counters as log page C0h carries them: per tensor and moment, the totals since the
         namespace opened and the last committed step's own counts and block scales."""
@@ -111,6 +139,21 @@ class GradScaleCounts:
     nonfinite: int = 0  # inf/NaN gradient elements the device found in this tensor's blocks
 
 
+@dataclasses.dataclass
+class ParamFp8Counts:
+    """One tensor's FP8 params-out figures: the last step whose params the device encoded, the
+    scale it used (code = param * scale) and that encoding's counts, and the totals over steps
+    since the namespace opened."""
+
+    encoded: bool = False  # any step encoded yet (step 0, the initial masters, is one)
+    step: int = 0
+    scale: float = 0.0
+    last_overflow: int = 0
+    last_underflow: int = 0
+    overflow: int = 0  # finite masters beyond the format's largest value times the scale (saturated), and infs
+    underflow: int = 0  # nonzero masters whose code is zero
+
+
 def _moment_figures(total: MomentCounts, last: MomentCounts) -> dict[str, Any]:
     return {
         "underflow_total": total.underflow,
@@ -128,13 +171,14 @@ def _moment_figures(total: MomentCounts, last: MomentCounts) -> dict[str, Any]:
 
 
 def page(device: Any, nsid: int | None) -> dict[str, Any]:
-    """Log page C6h's JSON: per optimizer namespace with block-scaled moments (fp16, int8) or
-    FP8 gradients, its state_dtype and counters (the moments' under "last_step" and "tensors",
-    the FP8 gradients' under "grad_fp8" with the namespace's grad_dtype); nsid None for every
-    namespace."""
+    """Log page C6h's JSON: per optimizer namespace with block-scaled moments (fp16, int8), FP8
+    gradients or FP8 params out, its state_dtype and counters (the moments' under "last_step" and
+    "tensors", the FP8 gradients' under "grad_fp8" with the namespace's grad_dtype, the FP8
+    params' under "param_fp8" with its param_wire_dtype); nsid None for every namespace."""
     optimizers = (ns.as_optimizer() for ns in list(device.namespaces.values()))  # list: one atomic copy
     namespaces = sorted((ns for ns in optimizers
-                         if ns is not None and (ns.spec.scaled_state or ns.spec.grad_dtype in FP8_GRAD_DTYPES)
+                         if ns is not None and (ns.spec.scaled_state or ns.spec.grad_dtype in FP8_GRAD_DTYPES
+                                                or ns.spec.param_wire_dtype)
                          and (nsid is None or ns.nsid == nsid)),
                         key=lambda ns: ns.nsid)  # fmt: skip
     out: dict[str, Any] = {}
@@ -145,6 +189,9 @@ def page(device: Any, nsid: int | None) -> dict[str, Any]:
         if ns.spec.grad_dtype in FP8_GRAD_DTYPES:
             figures["grad_dtype"] = ns.spec.grad_dtype
             figures["grad_fp8"] = ns.core.state_counters.fp8_figures()
+        if ns.spec.param_wire_dtype:
+            figures["param_wire_dtype"] = ns.spec.param_wire_dtype
+            figures["param_fp8"] = ns.core.state_counters.param_fp8_figures()
         out[ns.name] = figures
     return out
 

@@ -148,7 +148,7 @@ class LogId(enum.IntEnum):
     INJECTED_ERRORS = 0xC3  # error injections armed and fired
     ARCHIVE = 0xC4  # the archive tier: network bytes and archives per namespace
     SERVER = 0xC5  # a storage server's own figures (cossd serve; served to its connections only)
-    STATE_COUNTERS = 0xC6  # fp16/int8 moments' and FP8 gradients' underflow, overflow and scales per tensor
+    STATE_COUNTERS = 0xC6  # fp16/int8 moments', FP8 gradients' and params' underflow, overflow, scales per tensor
 
 
 def _u128(value: int) -> tuple[int, int]:

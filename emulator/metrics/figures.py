@@ -211,6 +211,7 @@ class DeviceFigures(Collector):
                     scale_max.add_metric(label, values["scale_max"])
         yield from (underflow, overflow, scale_min, scale_max)
         yield from _grad_fp8_metrics(page)
+        yield from _param_fp8_metrics(page)
 
 
 def _grad_fp8_metrics(page: dict[str, Any]) -> Iterator[Metric]:
@@ -240,3 +241,28 @@ def _grad_fp8_metrics(page: dict[str, Any]) -> Iterator[Metric]:
                 family.add_metric((name, tensor), values[key])
     yield scale
     yield from families.values()
+
+
+def _param_fp8_metrics(page: dict[str, Any]) -> Iterator[Metric]:
+    """The FP8 params-out figures per namespace and tensor (log page C6h's param_fp8): the scale
+    and step of the last encoding, and the saturated and flushed elements over steps."""
+    labels = ("namespace", "tensor")
+    scale = GaugeMetricFamily(
+        "cossd_param_fp8_scale", "FP8 params-out scale of the tensor's last encoded step (codes are the FP32 "
+        "masters times it: 2^floor(log2(fp8_max / amax))).", labels=labels)
+    step = GaugeMetricFamily(
+        "cossd_param_fp8_step", "The step whose params the device last encoded as FP8 for the tensor.",
+        labels=labels)
+    overflow = CounterMetricFamily(
+        "cossd_param_fp8_overflow", "Masters of the tensor beyond the FP8 format's largest value times the scale "
+        "(sent saturated), each encoded step counted once, since the namespace was opened.", labels=labels)
+    underflow = CounterMetricFamily(
+        "cossd_param_fp8_underflow", "Nonzero masters of the tensor sent as an FP8 zero, each encoded step "
+        "counted once, since the namespace was opened.", labels=labels)
+    for name, figures in page.items():
+        for tensor, values in figures.get("param_fp8", {}).items():
+            scale.add_metric((name, tensor), values["scale"])
+            step.add_metric((name, tensor), values["step"])
+            overflow.add_metric((name, tensor), values["overflow"])
+            underflow.add_metric((name, tensor), values["underflow"])
+    yield from (scale, step, overflow, underflow)

@@ -77,6 +77,8 @@ class ParamFp8:
         out = np.empty(out_bytes(tensor.numel), dtype=np.uint8)
         out[:HEADER_BYTES] = np.frombuffer(header(step, scale), dtype=np.uint8)
         overflows, underflows = fp8_params.fp8_encode(master, scale, self.dtype, out[HEADER_BYTES:])
+        # Per tensor, for log page C6h and /metrics (emulator/state_counters.py).
+        self.core.state_counters.param_fp8_encoded(tensor.name, step, scale, overflows, underflows)
         if self._counted_step.get(tensor.name, -1) < step:
             self._counted_step[tensor.name] = step
             self.overflows += overflows
