@@ -163,7 +163,7 @@ def test_metrics_scraped_over_http_equal_what_was_done(metrics_mount: tuple[Moun
     # Names and types exactly as docs/metrics.md lists them (the mount's tables: the storage
     # server's own come after, checked by tests/e2e/test_server_metrics.py).
     mounts = DOCS.read_text().split("### The storage server's metrics", 1)[0]
-    documented = dict(re.findall(r"^\| `(cossd_[a-z_]+)` \| (counter|gauge) \|", mounts, re.M))
+    documented = dict(re.findall(r"^\| `(cossd_[a-z0-9_]+)` \| (counter|gauge) \|", mounts, re.M))
     assert {name: kind for name, (kind, _) in families.items()} == documented
 
 
