@@ -88,6 +88,7 @@ class DeviceGroup:
     committed_step: int
     steps_skipped: int
     restored: bool
+    param_wire_dtype: str | None  # FP8 params out: each device's child reads its pieces' param_fp8
     files: Any
     _group: list[Any] | None
     _group_ranks: Ranks | None
@@ -114,6 +115,10 @@ class DeviceGroup:
         # FSDP2: this rank's rows of each global tensor (ValueError for what FSDP2 layouts
         # fsdp.local_pieces refuses, HSDP's 2-D mesh among them), the same on every rank.
         self._group_fsdp = fsdp.uses_fsdp(self.entries)
+        if self._group_fsdp and self.param_wire_dtype is not None:
+            # FSDP2's children read their rows' 16-bit params (fsdp.read_local_params), not param_fp8.
+            raise ValueError(f"param_wire_dtype={self.param_wire_dtype!r} (FP8 params out) is not supported "
+                             "with FSDP2 params over several devices")
         rows = {piece.index: piece for piece in fsdp.local_pieces(self.entries, group_ranks)} \
             if self._group_fsdp else {}
         layouts = self._look_at_devices(mounts, namespace)

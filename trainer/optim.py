@@ -127,8 +127,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         # sends its own steps; DeepSpeed's and FSDP2's bindings refuse it (grad_wire, sharded.py).
         self.grad_dtype = grad_dtype
         # FP8 params out: 1 B/param from the device, decoded here (trainer/param_fp8.py).
-        param_fp8.check_option(param_wire_dtype, streaming=streaming, several_devices=mounts is not None,
-                               sharded=self._ranks is not None, transport=transport,
+        # A group's device (process_group: the group's ranks) in one process is a job of one rank.
+        param_fp8.check_option(param_wire_dtype, streaming=streaming,
+                               sharded=self._ranks is not None and self._ranks.world > 1, transport=transport,
                                remote=mounts is None and is_remote(mount))
         self.param_wire_dtype = param_wire_dtype
         self._mode = "adamw" if defaults.get("decoupled_weight_decay") else "adam"
@@ -365,7 +366,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         average = False if ranks.world == 1 else self._average
         _DeviceAdam.__init__(child, groups, mount=mount, namespace=self.files.name, dtype=self.dtype,
                              average_grads=average, step_timeout_s=self.step_timeout_s, process_group=ranks,
-                             **self._state_options, **self._torch_options)
+                             param_wire_dtype=self.param_wire_dtype, **self._state_options, **self._torch_options)
         return child
 
     # ------------------------------------------------------------------ the step

@@ -13,22 +13,23 @@ PARAM_WIRE_DTYPES = wire.PARAM_WIRE_DTYPES
 TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def check_option(param_wire_dtype: str | None, *, streaming: bool, several_devices: bool, sharded: bool,
-                 transport: str, remote: bool) -> None:
-    """Refuse (ValueError naming the option) a param_wire_dtype this optimizer cannot use."""
+def check_option(param_wire_dtype: str | None, *, streaming: bool, sharded: bool, transport: str,
+                 remote: bool) -> None:
+    """Refuse (ValueError naming the option) a param_wire_dtype this optimizer cannot use.
+    `sharded`: a job of several ranks. Several devices (mount=[...]) in one process are fine:
+    each device's optimizer (a job of one rank) reads its own pieces' param_fp8 files."""
     if param_wire_dtype is None:
         return
     if param_wire_dtype not in PARAM_WIRE_DTYPES:
         raise ValueError(f"param_wire_dtype must be None (params in the model's 16-bit dtype) or one of "
                          f"{', '.join(PARAM_WIRE_DTYPES)}, got {param_wire_dtype!r}")
     unsupported = [what for what, used in (
-        ("streaming=True", streaming), ("several devices (mount=[...])", several_devices),
-        ("a sharded job (torch.distributed with several ranks)", sharded),
+        ("streaming=True", streaming), ("a sharded job (torch.distributed with several ranks)", sharded),
         ("transport='cp' (Execute Program)", transport == "cp"),
         ("a storage server (cossd://)", remote)) if used]
     if unsupported:
         raise ValueError(f"param_wire_dtype={param_wire_dtype!r} (FP8 params with a per-tensor scale) is supported "
-                         f"in one process on one local device; not with {', '.join(unsupported)}")
+                         f"in one process on local devices; not with {', '.join(unsupported)}")
 
 
 def decode(codes: torch.Tensor, scale: float, param_wire_dtype: str) -> torch.Tensor:

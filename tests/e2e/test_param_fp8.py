@@ -113,11 +113,8 @@ def test_unsupported_combinations_are_refused_and_create_nothing(mount: Mount, o
     assert not os.path.exists(mount.mountpoint / "ns" / "refused")
 
 
-def test_several_devices_and_a_storage_server_are_refused(mount: Mount) -> None:
-    # Refused before any device is opened (the second path is no device at all).
-    with pytest.raises(ValueError, match=r"param_wire_dtype='fp8_e4m3'.*not with several devices"):
-        AdamW(make_model(torch.bfloat16).parameters(), mount=[mount.mountpoint, mount.mountpoint.parent / "other"],
-              namespace="refused", param_wire_dtype="fp8_e4m3")
+def test_a_storage_server_is_refused(mount: Mount) -> None:
+    # Several devices are not refused: tests/e2e/test_param_fp8_devices.py.
     with pytest.raises(ValueError, match=r"param_wire_dtype='fp8_e4m3'.*not with a storage server"):
         AdamW(make_model(torch.bfloat16).parameters(), mount="cossd://127.0.0.1:9", namespace="refused",
               param_wire_dtype="fp8_e4m3")
