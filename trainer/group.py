@@ -294,12 +294,16 @@ class DeviceGroup:
         ranks = self._group_ranks
         assert ranks is not None
         answer: dict[str, Any] = {}
+        interrupted: BaseException | None = None
         if ranks.rank == 0:
             try:
                 answer["layouts"] = look()
             except BaseException as exc:
                 answer["error"] = f"{type(exc).__name__}: {exc}"
+                interrupted = None if isinstance(exc, Exception) else exc
         answer = ranks.from_rank0(answer)
+        if interrupted is not None:
+            raise interrupted  # rank 0's own Ctrl-C or SIGTERM stays what it is; the others get its text
         if "error" in answer:
             raise RuntimeError(answer["error"].removeprefix("RuntimeError: "))
         return [None if layout is None else [(name, numel) for name, numel in layout]
@@ -311,12 +315,17 @@ class DeviceGroup:
         ranks = self._group_ranks
         assert ranks is not None
         error = None
+        interrupted: BaseException | None = None
         if ranks.rank == 0:
             try:
                 action()
             except BaseException as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        return ranks.from_rank0(error)
+                interrupted = None if isinstance(exc, Exception) else exc
+        error = ranks.from_rank0(error)
+        if interrupted is not None:
+            raise interrupted  # as in _look_at_devices: an interrupt is not turned into a text
+        return error
 
     def _revert(self, indices: Any, step: int) -> str | None:
         """REVERT_STEP of `step` on the children at `indices`, by rank 0 (see _on_rank0)."""
