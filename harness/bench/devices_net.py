@@ -11,11 +11,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any, Iterator
 
 from ...client import AdminClient
-from ...client.remote import abort_all
 from ...emulator import Device
 from ...protocol.logpages import LogId, decode_server_log
 from ...server.command import READY_PREFIX
@@ -23,6 +21,7 @@ from .. import netns
 from ..measure import say
 from ..served import write_token
 from .devices import DEVICE_COUNTS, gpt_shapes, run_job
+from .interrupt import signals_end_the_run
 
 # Names carry this process's pid, so two runs never collide and a killed run's leftovers are
 # known by a pid that is gone. The host end of each veth lives in the root namespace, so its
@@ -162,43 +161,6 @@ class DeviceNamespace:
             _ip("link", "del", self.host_if, check=False)
 
 
-class RunInterrupted(KeyboardInterrupt):
-    """The run was ended by SIGINT or SIGTERM (a KeyboardInterrupt, so that whatever treats
-    Ctrl-C as the user's stop treats both alike)."""
-
-
-@contextlib.contextmanager
-def _signals_end_the_run(ended: list[str]) -> Iterator[None]:
-    """For the block, SIGTERM and SIGINT (unless ignored, as in a job started in the
-    background) end the run: every server connection of this process is given up at once,
-    so a thread waiting on a device's answer (a group's devices, a thread each) raises now
-    instead of at its 120 s timeout, then RunInterrupted is raised in the main thread and the
-    cleanup runs; the signal's name goes into `ended`. The old handlers after. Only the main
-    thread can set handlers."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        if ended:  # a second signal: the cleanup the first one started is under way
-            return
-        ended.append(signal.Signals(signum).name)
-        abort_all(f"the run was ended by {ended[0]}")
-        raise RunInterrupted(ended[0])
-
-    previous = {}
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            previous[signum] = signal.signal(signum, interrupt)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
 @contextlib.contextmanager
 def served_devices(workdir: Path, count: int, link_mbit: float | None) -> Iterator[list[DeviceNamespace]]:
     """`count` fresh devices, each served in its own namespace, torn down on every exit."""
@@ -240,17 +202,17 @@ def devices_net_costs(workdir: Path, width: int, layers: int, steps: int,
         return section | {"unavailable": reason}
     shapes = gpt_shapes(width, layers)
     section["embedding_elements"] = shapes[0][1][0] * shapes[0][1][1]
-    ended: list[str] = []
-    try:
-        with _signals_end_the_run(ended):
+    # The run's handler (interrupt.py) where the runner opened one, else one for the section.
+    with signals_end_the_run() as ended:
+        try:
             rows = _measure(workdir, shapes, steps, link_mbit)
-    except BaseException:
-        # Whatever the interrupt became on its way up (code between may wrap it), the run
-        # says why it ended; the teardown (served_devices) has run by now.
-        if ended:
-            say(f"  devices over network namespaces: ended by {ended[0]}; its namespaces, veths and servers are "
-                "removed")
-        raise
+        except BaseException:
+            # Whatever the interrupt became on its way up (code between may wrap it), the run
+            # says why it ended; the teardown (served_devices) has run by now.
+            if ended:
+                say(f"  devices over network namespaces: ended by {ended[0]}; its namespaces, veths and servers "
+                    "are removed")
+            raise
     return section | {"rows": rows}
 
 

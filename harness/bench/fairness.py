@@ -16,6 +16,7 @@ from ...protocol.logpages import LogId, decode_server_log
 from ...protocol.status import DeviceError
 
 from ..served import ServedDevice, write_token
+from .interrupt import held
 
 # Each client's tensors: one large and one small, as a model's weight and bias.
 BIAS_ELEMENTS = 1024
@@ -77,20 +78,24 @@ def measure_fairness(workdir: Path, *, clients: int = 8, elements: int = 1 << 20
     after."""
     workdir.mkdir(parents=True, exist_ok=True)
     served = None
-    if url is None:
-        backing = workdir / "fairness-backing"
-        per_client = (elements + BIAS_ELEMENTS) * 28 + (1 << 20)  # both state copies, fp32 moments
-        Device.format(backing, capacity_bytes=max(1 << 30, 2 * clients * per_client))
-        token_file = write_token(workdir / "fairness.token")
-        served = ServedDevice(backing, token_file, extra=server_options)
-        url = served.url
-    assert token_file is not None, "a server's url goes with its token_file"
-    context = multiprocessing.get_context("spawn")  # no threads or locks of this process copied
-    results = context.Queue()
-    ready = context.Barrier(clients)
-    processes = [context.Process(target=_client, args=(url, str(token_file), index, elements, duration_s, ready,
-                                                       results), daemon=True) for index in range(clients)]
+    processes: list[Any] = []
     try:
+        if url is None:
+            backing = workdir / "fairness-backing"
+            per_client = (elements + BIAS_ELEMENTS) * 28 + (1 << 20)  # both state copies, fp32 moments
+            Device.format(backing, capacity_bytes=max(1 << 30, 2 * clients * per_client))
+            token_file = write_token(workdir / "fairness.token")
+            # A signal ending the run waits until `served` names the server (else the finally
+            # below could not stop it: it runs in a session of its own).
+            with held():
+                served = ServedDevice(backing, token_file, extra=server_options)
+            url = served.url
+        assert token_file is not None, "a server's url goes with its token_file"
+        context = multiprocessing.get_context("spawn")  # no threads or locks of this process copied
+        results = context.Queue()
+        ready = context.Barrier(clients)
+        processes = [context.Process(target=_client, args=(url, str(token_file), index, elements, duration_s, ready,
+                                                           results), daemon=True) for index in range(clients)]
         for process in processes:
             process.start()
         reports = sorted((results.get(timeout=duration_s + 600) for _ in processes),

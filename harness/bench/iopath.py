@@ -17,6 +17,7 @@ from ...client.remote import RemoteTransport
 from ...client.transport import Transport
 from ...protocol.logpages import LogId, decode_server_log
 
+from .interrupt import held
 from .net import BenchServer
 from ..measure import say
 from ..nvm_volume import NvmVolume
@@ -120,11 +121,14 @@ def conventional_ext4(server: BenchServer, n: int, cycles: int, workdir: Path) -
     mountpoint.mkdir(parents=True, exist_ok=True)
     directory.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "cossd.tools.cli"]
-    mounted = subprocess.run([*cli, "mount", server.url, str(mountpoint), "--token-file", str(server.token_file)],
-                             capture_output=True, text=True, timeout=120)
-    if mounted.returncode != 0:
-        raise RuntimeError(f"the remote mount failed: {(mounted.stderr or mounted.stdout).strip()}")
     try:
+        # Inside the try, held: a signal during the mount takes effect once it is up, and
+        # the umount below takes it off (an umount of a mount that failed does nothing).
+        with held():
+            mounted = subprocess.run([*cli, "mount", server.url, str(mountpoint), "--token-file",
+                                      str(server.token_file)], capture_output=True, text=True, timeout=120)
+        if mounted.returncode != 0:
+            raise RuntimeError(f"the remote mount failed: {(mounted.stderr or mounted.stdout).strip()}")
         params = _model(n, torch.float32, 5)
         optimizer = torch.optim.AdamW(params, lr=LR, fused=True)
         optimizer.step()
@@ -202,13 +206,17 @@ def offloaded(server: BenchServer, n: int, cycles: int) -> dict[str, Any]:
 
 def iopath_costs(workdir: Path, n: int, cycles: int) -> dict[str, Any]:
     """Both paths on one served device, one after the other, on the same n-parameter model."""
-    server = BenchServer(workdir / "iopath")
+    servers: list[BenchServer] = []  # the teardown's, the server in it in the held block that starts it
     try:
+        with held():
+            servers.append(BenchServer(workdir / "iopath"))
+        server = servers[0]
         rows: dict[str, Any] = {"parameters": n, "tensors": TENSORS, "cycles": cycles,
                 "conventional": conventional(server, n, cycles), "cossd": offloaded(server, n, cycles),
                 "conventional_ext4": conventional_ext4(server, n, cycles, workdir)}
     finally:
-        server.stop()
+        for started in servers:
+            started.stop()
     ours, theirs = rows["cossd"], rows["conventional"]
     rows["wire_ratio"] = theirs["wire_bytes"] / ours["wire_bytes"] if ours["wire_bytes"] else None
     rows["time_ratio"] = theirs["seconds"] / ours["seconds"] if ours["seconds"] else None

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ...emulator import Device
 
+from .interrupt import held
 from ..netns import Netns
 from ..served import ServedDevice, write_token
 
@@ -181,12 +182,17 @@ def net_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     closers: list[Callable[[], object]] = []  # in reverse on the way out, whatever failed
     link: dict[str, Any] | None = None
     try:
-        server = BenchServer(workdir / "served")
-        closers.append(server.stop)
-        local = BenchDevice(_fresh(workdir / "local"), n)
-        closers.append(local.stop)
-        pair = SocketPair(size)
-        closers.append(pair.close)
+        # Each start and its registration for teardown in one held block: a signal between
+        # the two would leave the server, mount or peer process running (interrupt.py).
+        with held():
+            server = BenchServer(workdir / "served")
+            closers.append(server.stop)
+        with held():
+            local = BenchDevice(_fresh(workdir / "local"), n)
+            closers.append(local.stop)
+        with held():
+            pair = SocketPair(size)
+            closers.append(pair.close)
         remote = RemoteStep(server, n)
         closers.append(remote.close)
         cmb, cmb_close = cmb_step(local, in_place=False)
@@ -263,11 +269,14 @@ def veth_costs(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     with netns.joined_namespaces() as pair:
         # Off loopback the server insists on TLS unless told --insecure: the link is the
         # bench's own, inside two namespaces it made, and a token still guards it.
-        server = pair.a.call(BenchServer, workdir / "veth", ("--insecure",), pair.a.address)
-        closers: list[Callable[[], object]] = [server.stop]
+        closers: list[Callable[[], object]] = []
         try:
-            socket_pair = SocketPair(size, peer_side=pair.a, client_side=pair.b)
-            closers.append(socket_pair.close)
+            with held():  # started and registered for teardown, not cut apart by a signal
+                server = pair.a.call(BenchServer, workdir / "veth", ("--insecure",), pair.a.address)
+                closers.append(server.stop)
+            with held():
+                socket_pair = SocketPair(size, peer_side=pair.a, client_side=pair.b)
+                closers.append(socket_pair.close)
             remote = pair.b.call(RemoteStep, server, n)
             closers.append(remote.close)
             remote()  # warm-up
@@ -318,8 +327,10 @@ def _cache_rows(workdir: Path, n: int, repeat: int) -> dict[str, Any]:
     servers: list[BenchServer] = []
     steps: list[RemoteStep] = []
     try:
-        servers.append(BenchServer(workdir / "cache-on", ("--param-cache-size", str(64 << 20))))
-        servers.append(BenchServer(workdir / "cache-off"))
+        with held():  # each server in `servers` (for the teardown) as soon as it runs
+            servers.append(BenchServer(workdir / "cache-on", ("--param-cache-size", str(64 << 20))))
+        with held():
+            servers.append(BenchServer(workdir / "cache-off"))
         steps = [RemoteStep(server, n) for server in servers]
         for step in steps:
             step()  # a committed step: its params are what a read returns (and, on, what the cache holds)

@@ -11,6 +11,7 @@ import argparse
 import os
 import platform
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from . import net as bench_net, trainer as bench_trainer
 from .checkpoint import (CHECKPOINT_NAMESPACE, checkpoint_costs, checkpoint_volume, restore_costs,
                                trainer_checkpoint_target)
 from .device import BenchDevice, filesystem_of, ram_workdir, ram_workdir_available
+from .interrupt import held, signals_end_the_run
 from .kernel import (BYTES_MOVED, BYTES_PER_ELEMENT, DEEPSPEED_INSTALL, HYPER, SWEEP_BYTES, KernelBuffers,
                            cossd_device_update, cossd_kernel, cossd_ordinary_stores, deepspeed_cpuadam,
                            kernel_row, roofline_probe, torch_adamw)
@@ -46,6 +48,22 @@ _write_report = write_report  # the name the report's writer had here (tests cal
 
 
 def run(args: argparse.Namespace) -> int:
+    """The sections `args` names, then the report; 0. SIGTERM, SIGHUP or Ctrl-C end the run
+    through each section's own teardown (interrupt.py): it says so and returns 128 + the
+    signal's number, as a shell reports a process a signal ended."""
+    with signals_end_the_run() as ended:
+        try:
+            return _run(args)
+        except BaseException:
+            # Whatever the interrupt became on its way up (a teardown's error may replace
+            # it), a run a signal ended reports that; the sections' teardown has run.
+            if not ended:
+                raise
+    say(f"cossd bench: interrupted by {ended[0]}: its servers, mounts and temporary folders are removed")
+    return 128 + signal.Signals[ended[0]].value
+
+
+def _run(args: argparse.Namespace) -> int:
     if "trainer" in getattr(args, "sections", DEFAULT_BENCH_SECTIONS):
         bench_trainer.resolve_device(getattr(args, "device", "cpu"))  # no CUDA: say so before any work
     n, repeat = args.elements, args.repeat
@@ -114,14 +132,21 @@ def run(args: argparse.Namespace) -> int:
         write_report(report, args.output)
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="cossd-bench-"))
-    device = BenchDevice(workdir, args.file_elements)
+    # Each device goes into `started` (the teardown's list) in the held block that mounts it:
+    # a signal between the mount and its registration would leave it mounted (interrupt.py).
+    started: list[BenchDevice] = []
     try:
+        with held():
+            device = BenchDevice(workdir, args.file_elements)
+            started.append(device)
         if "mount" in sections:
             _mount_sections(report, args, device, workdir, kernel_rows)
         if "trainer" in sections:
             ram = ram_workdir()
-            ram_device = BenchDevice(ram, BLOCK_ELEMS) if ram is not None else None
+            ram_device: BenchDevice | None = None
             try:
+                with held():  # `ram_device` names it for the finally below once it is mounted
+                    ram_device = BenchDevice(ram, BLOCK_ELEMS) if ram is not None else None
                 with trainer_checkpoint_target(device, workdir) as volume:
                     report["trainer"] = bench_trainer.trainer_costs(
                         getattr(args, "device", "cpu"), device.mountpoint, volume, args.file_elements, repeat,
@@ -139,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
                 if isinstance(row, dict):
                     say(f"  iteration on {report['trainer']['device']}, {name}: {row['seconds']:.3f} s")
     finally:
-        device.stop()
+        for each in reversed(started):
+            each.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     write_report(report, args.output)
     return 0
@@ -249,8 +275,10 @@ def _mount_sections(report: dict[str, Any], args: argparse.Namespace, device: Be
     devices: list[BenchDevice] = []
     try:
         if ram is not None and alone_ram is not None:
-            devices.append(BenchDevice(ram, args.file_elements))
-            devices.append(BenchDevice(alone_ram, args.file_elements, io_threads=0))
+            with held():
+                devices.append(BenchDevice(ram, args.file_elements))
+            with held():
+                devices.append(BenchDevice(alone_ram, args.file_elements, io_threads=0))
             file_rows += file_path_rows(devices[0], ram, args.file_elements, repeat, in_memory,
                                         device_update, pyfuse3_alone=devices[1])
             file_rows += cmb_rows(devices[0], ram, args.file_elements, repeat, in_memory, device_update)
