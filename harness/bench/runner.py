@@ -8,6 +8,7 @@ report.py; this module runs them in order and offers their names, which the pack
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shutil
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     """The sections `args` names, then the report; 0. SIGTERM, SIGHUP or Ctrl-C end the run
     through each section's own teardown (interrupt.py): it says so and returns 128 + the
     signal's number, as a shell reports a process a signal ended."""
+    already = {pid for pid, _ in _daemon_children()}  # a caller's own (a test's mounts): not the run's
     with signals_end_the_run() as ended:
         try:
             return _run(args)
@@ -59,8 +61,68 @@ def run(args: argparse.Namespace) -> int:
             # it), a run a signal ended reports that; the sections' teardown has run.
             if not ended:
                 raise
+    for leftover in stop_leftover_children(already):
+        say(f"cossd bench: stopped {leftover}, which its section's teardown left running")
     say(f"cossd bench: interrupted by {ended[0]}: its servers, mounts and temporary folders are removed")
     return 128 + signal.Signals[ended[0]].value
+
+
+# What the bench's storage servers and mount daemons run: each its own session, so no
+# signal to the bench reaches them, and a leftover one would run on (and stay mounted).
+_DAEMON_MODULES = ("cossd.server.command", "cossd.fs.mount_main")
+
+
+def stop_leftover_children(spare: set[int], timeout_s: float = 20.0) -> list[str]:
+    """Stop the storage servers and mount daemons this process started (but those in `spare`)
+    that still run once an interrupted run's teardown is done (a signal during a start in a
+    section that does not hold it off, harness/bench/interrupt.py): SIGTERM (a mount daemon
+    unmounts on it), SIGCONT for a stopped one, SIGKILL past `timeout_s`. What each was."""
+    stopped = []
+    for pid, module in _daemon_children():
+        if pid in spare:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + timeout_s
+        while not _reaped(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _reaped(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            while not _reaped(pid):
+                time.sleep(0.05)
+        stopped.append(f"pid {pid} ({module})")
+    return stopped
+
+
+def _daemon_children() -> list[tuple[int, str]]:
+    """This process's children running one of _DAEMON_MODULES: (pid, the module)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # State and parent: the 1st and 2nd fields after the command's name (which may
+            # hold spaces). A zombie (exited, not yet waited for) is not running: left alone.
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # gone while looked at
+        if int(parent) != os.getpid() or state == "Z":
+            continue
+        module = next((m for m in _DAEMON_MODULES if m.encode() in words), None)
+        if module is not None:
+            found.append((int(entry.name), module))
+    return found
+
+
+def _reaped(pid: int) -> bool:
+    """Whether child `pid` has exited (reaping it if so)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:  # already reaped
+        return True
 
 
 def _run(args: argparse.Namespace) -> int:

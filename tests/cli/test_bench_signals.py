@@ -162,3 +162,34 @@ def test_an_ignored_signal_stays_ignored() -> None:
     finally:
         signal.signal(signal.SIGHUP, previous)
 
+
+
+def test_servers_and_mount_daemons_a_teardown_left_are_stopped(tmp_path: Path) -> None:
+    """The runner's last resort after an interrupt: a storage server and a mount daemon this
+    process started and no teardown stopped (as a signal during a start that nothing held
+    off leaves them) are stopped, the mount taken off; children it was told to spare are not."""
+    from cossd.emulator import Device
+    from cossd.fs import daemon
+    from cossd.harness.bench import runner
+    from cossd.harness.served import ServedDevice, write_token
+
+    Device.format(tmp_path / "served")
+    Device.format(tmp_path / "spared")
+    Device.format(tmp_path / "mounted")
+    (tmp_path / "mnt").mkdir()
+    token = write_token(tmp_path / "token")
+    others = {pid for pid, _ in runner._daemon_children()}  # the suite's own, if any
+    server, spared = ServedDevice(tmp_path / "served", token), ServedDevice(tmp_path / "spared", token)
+    mount_pid = daemon.start_background(tmp_path / "mounted", tmp_path / "mnt")
+    try:
+        stopped = runner.stop_leftover_children(others | {spared.pid})
+        assert sorted(stopped) == sorted([f"pid {server.pid} (cossd.server.command)",
+                                          f"pid {mount_pid} (cossd.fs.mount_main)"])
+        assert not Path(f"/proc/{server.pid}").exists() and not Path(f"/proc/{mount_pid}").exists()
+        assert _mounts_under(tmp_path) == []
+        assert Path(f"/proc/{spared.pid}").exists()
+    finally:
+        spared.stop()
+        server.stop(5)
+        if _mounts_under(tmp_path):
+            daemon.stop_background(tmp_path / "mnt", mount_pid)
