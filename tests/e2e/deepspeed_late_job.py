@@ -16,6 +16,19 @@ from cossd.trainer import AdamW
 MICRO_BATCH, LR = 8, 1e-2
 
 
+def groups_held_by_deepspeed() -> list[str]:
+    """DeepSpeed's TorchBackend methods whose default arguments hold a process group: one
+    captured there at `import deepspeed` outlives destroy_process_group and the interpreter,
+    and its gloo threads still run while exit() tears the C++ runtime down."""
+    import inspect
+
+    from deepspeed.comm.torch import TorchBackend
+
+    return [name for name, attribute in vars(TorchBackend).items() if callable(attribute)
+            and any(isinstance(value, dist.ProcessGroup)
+                    for value in getattr(inspect.unwrap(attribute), "__defaults__", None) or ())]
+
+
 def main() -> int:
     config = json.loads(sys.argv[-1])
     rank = int(os.environ["RANK"])
@@ -50,9 +63,10 @@ def main() -> int:
             losses[step] = loss.item()
     except Exception as exc:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
-        # As deepspeed_job.py: a process group left alive at exit can abort the interpreter
-        # ("terminate called without an active exception", exit -6 instead of 4) under load.
+        # A process group whose gloo threads still run when the interpreter exits can abort it
+        # ("terminate called without an active exception", exit -6 instead of 4).
         dist.destroy_process_group()
+        (out / f"held{rank}.txt").write_text("\n".join(groups_held_by_deepspeed()))
         return 4
     names = [(e.name, e.numel) for e in optimizer.entries]
     torch.save({"losses": losses, "first": first, "committed_step": optimizer.committed_step, "names": names,

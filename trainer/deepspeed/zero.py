@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import inspect
 import sys
 import types
 from typing import Any
@@ -108,6 +109,7 @@ def _adopt_made_before_import(optimizer: Any) -> None:
     wraps it (nothing was stepped), naming the import order."""
     world = world_size()
     if world > 1 and not optimizer._ds_deferred:
+        forget_captured_world_group()
         raise RuntimeError(
             f"this cossd optimizer was made before `import deepspeed`, and deepspeed.initialize runs ZeRO at "
             f"{world} ranks: it opened namespace {optimizer.files.name!r} for the model's own params, where every "
@@ -116,6 +118,31 @@ def _adopt_made_before_import(optimizer: Any) -> None:
     optimizer._ds_bindable = True
     if not optimizer._ds_deferred and _never_stepped(optimizer):
         optimizer._ds_fresh = True  # never stepped: a refusal removes it, as for one made after the import
+
+
+def forget_captured_world_group() -> None:
+    """Drop the process group DeepSpeed's TorchBackend holds as a default argument, so that a
+    refused job's destroy_process_group frees it.
+
+    DeepSpeed's TorchBackend.barrier and monitored_barrier take `group=GroupMember.WORLD` as
+    a default, evaluated when deepspeed.comm.torch is imported: a script that creates its
+    process group before `import deepspeed` leaves that group referenced by the class for
+    good. destroy_process_group then cannot free it, Python's shutdown does not either, and
+    its gloo threads (gloo_tcp_loop, pt_gloo_runloop) still run while exit() tears the C++
+    runtime down, where a refused rank was seen to abort ("terminate called without an active
+    exception", exit -6 instead of its own code) under load. Both methods read None as the
+    current WORLD group, so None is the same default without the stale reference."""
+    backend = sys.modules.get("deepspeed.comm.torch")
+    if backend is None:
+        return
+    from torch.distributed import ProcessGroup
+
+    for attribute in vars(backend.TorchBackend).values():
+        function = inspect.unwrap(attribute) if callable(attribute) else None
+        defaults = getattr(function, "__defaults__", None)
+        if defaults and any(isinstance(value, ProcessGroup) for value in defaults):
+            function.__defaults__ = tuple(  # type: ignore[union-attr]
+                None if isinstance(value, ProcessGroup) else value for value in defaults)
 
 
 def install() -> None:
@@ -148,6 +175,7 @@ def install() -> None:
                 release_unstepped(cossd)
             except Exception:  # a never-stepped namespace left behind is reattached or converted later
                 pass
+            forget_captured_world_group()
             raise
         bind(cossd, engine.optimizer)
         return answer
