@@ -8,7 +8,7 @@ import socket
 import sys
 import tomllib
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import pytest
@@ -175,3 +175,18 @@ def package_tree(into: Path) -> Path:
             continue
         (top / sub).symlink_to(folder, target_is_directory=True)
     return into
+
+
+class InProcessTransport:
+    """AdminClient's transport straight into a Controller (no mount, no server): the command path only."""
+
+    location = "in-process"
+
+    def __init__(self, controller: Any) -> None:
+        self.controller = controller
+
+    def exchange(self, raw: bytes) -> Any:
+        return self.controller.submit(raw)
+
+    def close(self) -> None:
+        pass

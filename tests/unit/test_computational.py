@@ -17,33 +17,19 @@ from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.protocol.computational import (ADAMW_HYPERPARAMETERS, ADAMW_PROGRAM_ID, CP_IDENTIFY_NAMESPACE, IO_QUEUE_FLAG,
                                           MAX_RANGES, MEMORY_RANGE, NVM_SOURCE_RANGE, PROGRAM_DESCRIPTOR,
                                           ComputeOpcode, CpAdminOpcode, MemoryOpcode, encode_ranges)
-from cossd.protocol.entries import SUBMISSION, Completion, Opcode, decode_submission
+from cossd.protocol.entries import SUBMISSION, Opcode, decode_submission
 from cossd.protocol.status import DeviceError, Status
+from helpers import InProcessTransport
 
 CMB_BYTES = 16 << 20
 TENSORS = [["w", BLOCK_ELEMS + 77], ["b", 13]]
 NUMEL = sum(numel for _, numel in TENSORS)
 
 
-class InProcess:
-    """The controller's own submit as a transport: the queue pair without the mount."""
-
-    location = "in-process"
-
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
-
-    def exchange(self, raw: bytes) -> Completion:
-        return self.controller.submit(raw)
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 def rig(device: Device) -> Iterator[tuple[Controller, AdminClient, ComputationalClient]]:
     controller = Controller(device, CMB_BYTES)
-    admin = AdminClient(InProcess(controller))  # type: ignore[arg-type]
+    admin = AdminClient(InProcessTransport(controller))  # type: ignore[arg-type]
     try:
         yield controller, admin, ComputationalClient(admin)
     finally:
@@ -127,7 +113,7 @@ def test_execute_is_bit_identical_to_cmb_write(tmp_path: Path) -> None:
         Device.format(backing, capacity_bytes=1 << 30, serial="T" + path_name)
         with Device.open(backing) as device:
             controller = Controller(device, CMB_BYTES)
-            admin = AdminClient(InProcess(controller))  # type: ignore[arg-type]
+            admin = AdminClient(InProcessTransport(controller))  # type: ignore[arg-type]
             cp = ComputationalClient(admin)
             opt = optimizer(admin)
             compute, window = cp_setup(cp)
@@ -262,14 +248,14 @@ def test_slm_read_write_fill_copy_and_restore_from_nvm(rig: tuple[Controller, Ad
 def test_namespaces_survive_a_reopen_memory_does_not(backing: Path) -> None:
     with Device.open(backing) as device:
         controller = Controller(device, CMB_BYTES)
-        cp = ComputationalClient(AdminClient(InProcess(controller)))  # type: ignore[arg-type]
+        cp = ComputationalClient(AdminClient(InProcessTransport(controller)))  # type: ignore[arg-type]
         compute, _ = cp_setup(cp)
         slm = cp.ensure_namespace("slm0", "memory", capacity_bytes=8192)
         cp.write(slm, 0, b"abcd")
         controller.close()
     with Device.open(backing) as device:
         controller = Controller(device, CMB_BYTES)
-        cp = ComputationalClient(AdminClient(InProcess(controller)))  # type: ignore[arg-type]
+        cp = ComputationalClient(AdminClient(InProcessTransport(controller)))  # type: ignore[arg-type]
         kinds = {ns["name"]: ns["kind"] for ns in cp.admin.describe()["namespaces"]}
         assert kinds == {"cp": "compute", "slm": "memory", "slm0": "memory"}
         assert cp.read(slm, 0, 4) == bytes(4)  # memory: zeroed by the restart

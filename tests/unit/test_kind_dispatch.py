@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
 
-from helpers import REPO_ROOT
+from helpers import InProcessTransport, REPO_ROOT
 
 from cossd.client import AdminClient
 from cossd.emulator import Device
@@ -17,7 +17,7 @@ from cossd.emulator.controller import Controller
 from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.emulator.namespace import Namespace
 from cossd.emulator.nvm import NvmNamespace
-from cossd.protocol.entries import Completion, Opcode
+from cossd.protocol.entries import Opcode
 from cossd.protocol.features import FeatureId
 from cossd.protocol.status import Status
 
@@ -185,28 +185,13 @@ def test_the_kinds_answer_their_narrowing() -> None:
             assert getattr(kind, narrowing)(namespace) is expected, (kind.__name__, narrowing)
 
 
-class _InProcess:
-    """The controller's own submit as an admin client's transport: the queue pair without a mount."""
-
-    location = "in-process"
-
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
-
-    def exchange(self, raw: bytes) -> Completion:
-        return self.controller.submit(raw)
-
-    def close(self) -> None:
-        pass
-
-
 def test_durability_reaches_each_kind_through_its_narrowing(device: Device) -> None:
     """The device setting's durability ("sync" or "plp") switches an optimizer namespace's
     fsync at commit and every NVM namespace's write cache (the computational kinds are NVM
     namespaces to the device), each found through as_optimizer() / as_nvm(); and back."""
     controller = Controller(device, 0)
     try:
-        admin = AdminClient(_InProcess(controller))  # type: ignore[arg-type]
+        admin = AdminClient(InProcessTransport(controller))  # type: ignore[arg-type]
         admin.create_namespace({"name": "opt", "tensors": [["w", BLOCK_ELEMS]]})
         admin.create_namespace({"name": "raw", "kind": "nvm", "capacity_bytes": 1 << 20})
         admin.create_namespace({"name": "cp", "kind": "compute"})

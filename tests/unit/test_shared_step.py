@@ -10,32 +10,16 @@ from cossd.client import AdminClient
 from cossd.emulator import Device
 from cossd.emulator.controller import Controller
 from cossd.emulator.layout import BLOCK_ELEMS
-from cossd.protocol.entries import Completion, Opcode
+from cossd.protocol.entries import Opcode
 from cossd.protocol.status import DeviceError, Status
 from cossd.trainer.shard import plan_shards
-
-
-class InProcess:
-    """AdminClient's transport straight into a Controller (no mount): the command path only."""
-
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
-
-    @property
-    def location(self) -> str:
-        return "in-process"
-
-    def exchange(self, submission: bytes) -> Completion:
-        return self.controller.submit(submission)
-
-    def close(self) -> None:
-        pass
+from helpers import InProcessTransport
 
 
 @pytest.fixture
 def setup(device: Device):
     """A namespace of two tensors (one of two blocks) and a client to it; its gradient writes."""
-    admin = AdminClient(InProcess(Controller(device)))  # type: ignore[arg-type]
+    admin = AdminClient(InProcessTransport(Controller(device)))  # type: ignore[arg-type]
     nsid = admin.create_namespace({"name": "net", "tensors": [["w", BLOCK_ELEMS + 64], ["b", 64, 1]],
                                    "groups": [{}, {"weight_decay": 0.0}], "grad_dtype": "bf16",
                                    "param_dtype": "bf16"})
@@ -196,7 +180,7 @@ def test_a_reader_of_the_committed_copy_holds_off_the_next_begin_not_the_commit(
         admin.begin_shared_step(nsid, 1, 1.0, seq=1, rank=rank, **JOB)
     grads("w", 0, BLOCK_ELEMS + 64)
     grads("b", 0, 64)
-    clients = [AdminClient(InProcess(Controller(device))) for _ in range(2)]  # type: ignore[arg-type]
+    clients = [AdminClient(InProcessTransport(Controller(device))) for _ in range(2)]  # type: ignore[arg-type]
     results: list[object] = []
 
     def poll(rank: int) -> None:
