@@ -13,13 +13,13 @@ from cossd.emulator.layout import BLOCK_ELEMS
 from cossd.protocol.entries import Opcode
 from cossd.protocol.status import DeviceError, Status
 
-from test_shared_step import InProcess
+from helpers import InProcessTransport
 
 ROLES = ("master", "exp_avg", "exp_avg_sq", "param")
 
 
 def make(device: Device) -> tuple[AdminClient, int]:
-    admin = AdminClient(InProcess(Controller(device)))  # type: ignore[arg-type]
+    admin = AdminClient(InProcessTransport(Controller(device)))  # type: ignore[arg-type]
     nsid = admin.create_namespace({"name": "net", "tensors": [["w", BLOCK_ELEMS + 64], ["b", 64]],
                                    "grad_dtype": "fp16", "param_dtype": "fp16"})
     ns = device.namespace_by_id(nsid)
