@@ -1,7 +1,6 @@
 """Drop-in torch optimizers (AdamW, Adam) whose FP32 master weights and moments live on a cossd device."""
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import sys
 import time
@@ -22,7 +21,8 @@ from ..client.remote import is_remote
 from .plan import GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
-from .session import DeviceSession
+from .grad_buckets import GradBuckets
+from .session import DeviceSession, StreamedGrad
 from .sharded import ShardedSession
 from .state_dict import StateDict
 
@@ -170,8 +170,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self._streamed: set[int] = set()
         self._stream_scale = 1.0
         self._entry_of = {id(entry.param): entry for entry in self.entries}
-        self._pending: list[concurrent.futures.Future[int]] = []
-        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._buckets: GradBuckets[tuple[Entry, StreamedGrad]] | None = None
         # Called with each tensor's index before its gradient is written (fault injection).
         self.before_grad_write: Callable[[int], None] | None = None
         # Set before any return below: step() asks every optimizer whether DeepSpeed binds it.
@@ -208,7 +207,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self._initialized = True
         if streaming:
             self.files.stream_slots()  # where streamed gradients go, worked out before any backward
-            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cossd-grads")
+            self._buckets = GradBuckets(self._write_grad_bucket)
             for entry in self.entries:
                 entry.param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -342,9 +341,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         for child in self._bound.values():
             child.close()
         self._close_group()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+        if self._buckets is not None:
+            self._buckets.close()
+            self._buckets = None
         self.files.close()
 
     def _new_child(self, group: dict[str, Any], namespace: str) -> _DeviceAdam:

@@ -1,7 +1,6 @@
 """A cossd optimizer's device session: begin, gradients out (at once or streamed), commit, abort, params back."""
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from typing import Any, Callable
 
@@ -12,7 +11,11 @@ from ..protocol.status import DeviceError
 from . import grads as grad_rules
 from . import param_fp8
 from .namespace.files import GRAD_TORCH_DTYPES, DeviceLostError, NamespaceFiles
+from .grad_buckets import GradBuckets
 from .plan import FP8_GRAD_DTYPES, Entry, group_hyper
+
+# A streamed gradient: its values, the CUDA event its copy waits for, and its FP8 scale entry.
+StreamedGrad = tuple[torch.Tensor, "torch.cuda.Event | None", "dict[str, Any] | None"]
 
 
 class DeviceSession:
@@ -37,8 +40,7 @@ class DeviceSession:
     _streamed: set[int]
     _stream_scale: float
     _entry_of: dict[int, Entry]
-    _pending: list[concurrent.futures.Future[int]]
-    _writer: concurrent.futures.ThreadPoolExecutor | None
+    _buckets: GradBuckets[tuple[Entry, StreamedGrad]] | None  # where streaming: the gradients' sender
     # The group's and the sharded job's aborts (group.py, sharded.py), declared here only: a
     # class-level annotation makes no attribute, the MRO finds theirs.
     _abort_group: Callable[[str], None]
@@ -59,19 +61,19 @@ class DeviceSession:
     def _wire_grad(self, entry: Entry, on_host: bool = True) -> torch.Tensor:
         return grad_rules.wire_grad(entry, self.grad_wire, on_host)
 
-    def _write_grad(self, entry: Entry, grad: tuple[torch.Tensor, "torch.cuda.Event | None", dict[str, Any] | None]
-                    ) -> int:
-        """One tensor's gradients, streamed (on the writer thread); FP8 codes after their
-        scale, which joins the open step (BEGIN_STEP of it again with the scale)."""
+    def _write_grad_bucket(self, bucket: list[tuple[Entry, StreamedGrad]]) -> int:
+        """A bucket of streamed gradients in one command (on the writer thread); FP8 codes
+        after their scales, which join the open step (BEGIN_STEP of it again with them)."""
         if self.before_grad_write is not None:
-            self.before_grad_write(entry.index)
-        values, ready, scale = grad
-        if scale is not None:
+            for entry, _ in bucket:
+                self.before_grad_write(entry.index)
+        scales = {entry.name: scale for entry, (_, _, scale) in bucket if scale is not None}
+        if scales:
             self.files.command(self.files.admin.begin_step, self.files.nsid, self.committed_step + 1,
-                               1.0 / self._stream_scale, {entry.name: scale})
-        return self.files.write_streamed(entry.name, values, ready)
+                               1.0 / self._stream_scale, scales)
+        return self.files.write_streamed([(entry.name, values, ready) for entry, (values, ready, _) in bucket])
 
-    def _streamed_grad(self, entry: Entry) -> tuple[torch.Tensor, "torch.cuda.Event | None", dict[str, Any] | None]:
+    def _streamed_grad(self, entry: Entry) -> StreamedGrad:
         """The gradient to stream, and for one on a GPU an event the writer thread waits for:
         where it goes through the CMB it stays on its device (the writer copies it straight
         into the CMB, after backward's stream has made it), else it comes to the host here.
@@ -109,13 +111,12 @@ class DeviceSession:
                     f"gradients were streamed at scale {self._stream_scale} but the step "
                     f"has scale {grad_scale}: pass the GradScaler as scaler="
                 )
+            # A streaming optimizer has its buckets from construction to close().
+            assert self._buckets is not None
             for entry in self.entries:
                 if entry.index not in self._streamed:
-                    # A streaming optimizer has its writer from construction to close().
-                    self._pending.append(self._writer.submit(  # type: ignore[union-attr]
-                        self._write_grad, entry, self._streamed_grad(entry)))
-            for future in concurrent.futures.as_completed(self._pending):
-                future.result()
+                    self._buckets.put((entry, self._streamed_grad(entry)))
+            self._buckets.wait()
             return 0.0
         # Through the memory buffer a GPU's gradients go there directly (one copy).
         on_host = not self.files.step_transport().reaches_device_memory
@@ -159,8 +160,8 @@ class DeviceSession:
             self._begin(1.0 / scale)
         grad = self._streamed_grad(entry)
         self._streamed.add(entry.index)
-        assert self._writer is not None
-        self._pending.append(self._writer.submit(self._write_grad, entry, grad))
+        assert self._buckets is not None
+        self._buckets.put((entry, grad))
 
     # ------------------------------------------------------------------ params back
 
@@ -223,7 +224,6 @@ class DeviceSession:
         """COMMIT_STEP of the open step; the device's result (committed_step, skipped)."""
         result = self.files.command(self.files.admin.commit_step, self.files.nsid)
         self._step_open = False
-        self._pending.clear()
         self._streamed.clear()
         return result
 
@@ -236,10 +236,8 @@ class DeviceSession:
         if getattr(self, "_ranks", None) is not None:
             self._abort_shared(why)
             return
-        for future in self._pending:
-            future.cancel()
-        concurrent.futures.wait(self._pending)
-        self._pending.clear()
+        if self._buckets is not None:
+            self._buckets.cancel()
         self._streamed.clear()
         if self._step_open:
             self._step_open = False

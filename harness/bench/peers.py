@@ -30,13 +30,14 @@ from ...emulator import Device
 from ...fs import daemon
 
 from .peers_model import model_check
-from .peers_worker import RESULT_PREFIX, gpt_shape
+from .peers_worker import COSSD_PEERS, RESULT_PREFIX, gpt_shape
 from ..cgroups import disk_of
 from ..measure import say
 from ..nvm_volume import NvmVolume
 
 PEERS: dict[str, str] = {
     "cossd": "(a) cossd, through the CMB",
+    "cossd_streaming": "(a) cossd, through the CMB, gradients streamed as backward makes them",
     "zero_infinity_disk": "(b) ZeRO-Infinity NVMe offload, ext4 on the backing disk",
     "zero_infinity_device": "(b) ZeRO-Infinity NVMe offload, ext4 on an NVM namespace of the device",
     "zero_offload": "(c) ZeRO-Offload (optimizer on the CPU)",
@@ -233,7 +234,7 @@ class PeersRun:
                                "warmup": self.settings.warmup, "job_id": f"{peer}-{self.jobs}",
                                "mount": str(self.mountpoint), "namespace": namespace, "counter": on_volume,
                                "checkpoint_dir": str(self.volume.path / "checkpoint")}
-        if peer == "cossd":
+        if peer in COSSD_PEERS:
             job["counter"] = {"kind": "namespace", "mount": str(self.mountpoint), "namespace": namespace}
         elif peer == "zero_infinity_disk":
             job |= {"nvme_dir": str(self.workdir / "swap"), "checkpoint_dir": str(self.workdir / "checkpoint"),
@@ -247,7 +248,7 @@ class PeersRun:
         for key in ("nvme_dir", "checkpoint_dir"):
             if job.get(key):
                 shutil.rmtree(job[key], ignore_errors=True)
-        if job["peer"] == "cossd":
+        if job["peer"] in COSSD_PEERS:
             with AdminClient(self.mountpoint) as admin:
                 try:
                     admin.delete_namespace(admin.nsid(job["namespace"]))
@@ -308,7 +309,8 @@ def peers_costs(workdir: Path, settings: PeersSettings | None = None) -> dict[st
                                else f"could not run: {result.get('why')}"))
                 by_placement[placement] = {peer: summarize(peer, runs) for peer, runs in turns.items()}
             report["sizes"][str(size)] = {"shape": gpt_shape(size), "placements": by_placement,
-                                          "breakdown": {p: cossd_breakdown(rows.get("cossd"))
+                                          "breakdown": {p: {peer: cossd_breakdown(rows.get(peer))
+                                                            for peer in COSSD_PEERS if peer in rows}
                                                         for p, rows in by_placement.items()}}
     finally:
         run.close()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 RESULT_PREFIX = "PEERS-RESULT "
+COSSD_PEERS = ("cossd", "cossd_streaming")  # the rows a cossd device serves
 TOKENS_PER_STEP = (1, 128)  # batch, context: small, so the optimizer's part of a step shows
 LR = 1e-4
 SEED = 7
@@ -77,7 +78,7 @@ def _bytes_between(before: int | None, after: int | None) -> int | None:
 
 def device_times(job: dict[str, Any]) -> dict[str, int] | None:
     """The cossd namespace's own clocks (block updates, flushes), where the job is cossd's."""
-    if job["peer"] != "cossd":
+    if job["peer"] not in COSSD_PEERS:
         return None
     from ...client import AdminClient
 
@@ -232,14 +233,16 @@ class Resident(Peer):
 
 class Cossd(Peer):
     """BF16 params, cossd.trainer.AdamW through the drive's memory buffer (the default);
-    every step committed on the drive, so there is no save."""
+    every step committed on the drive, so there is no save. `streaming`: each tensor's
+    gradients go to the drive as backward makes them, so its kernel runs beside backward."""
 
-    def __init__(self, job: dict[str, Any]) -> None:
+    def __init__(self, job: dict[str, Any], streaming: bool = False) -> None:
         super().__init__(job)
         from ...trainer import AdamW
 
         self.module = self.model(self.torch.bfloat16)
-        self.optimizer = AdamW(self.module.parameters(), mount=job["mount"], namespace=job["namespace"], lr=LR)
+        self.optimizer = AdamW(self.module.parameters(), mount=job["mount"], namespace=job["namespace"], lr=LR,
+                               streaming=streaming)
         self.transport = "cmb" if self.optimizer.files.cmb() is not None else "files"
 
     def step(self, index: int) -> dict[str, float]:
@@ -328,8 +331,8 @@ class DeepSpeedZero(Peer):
 
 def make_peer(job: dict[str, Any]) -> Peer:
     peer = job["peer"]
-    if peer == "cossd":
-        return Cossd(job)
+    if peer in COSSD_PEERS:
+        return Cossd(job, streaming=peer == "cossd_streaming")
     if peer in ("zero_infinity_disk", "zero_infinity_device"):
         return DeepSpeedZero(job, nvme=True)
     if peer == "zero_offload":

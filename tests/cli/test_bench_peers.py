@@ -47,26 +47,28 @@ def _check_row(peer: str, row: dict) -> None:
 
 @pytest.mark.slow  # a device, an ext4 volume and four worker processes: over a minute on 2 cores
 def test_cossd_and_floor_rows(tmp_path: Path) -> None:
-    """cossd through the CMB and the resident floor, one pinned turn: the device counted the
-    cossd step's 4 B/param on its link, and the restore after the kill -9 read the params."""
+    """cossd through the CMB (gradients at once and streamed) and the resident floor, one
+    pinned turn: the device counted each cossd step's 4 B/param on its link, and the restore
+    after the kill -9 read the params."""
     settings = PeersSettings(sizes=(TINY,), steps=2, warmup=1, turns=1, placements=("pinned",),
-                             peers=("cossd", "resident"))
+                             peers=("cossd", "cossd_streaming", "resident"))
     report = bench_peers.peers_costs(tmp_path, settings)
     rows = report["sizes"][str(TINY)]["placements"]["pinned"]
     for peer, row in rows.items():
         assert row["ok"], row
         _check_row(peer, row)
-    cossd = rows["cossd"]
-    params = cossd["parameters"]
-    assert cossd["transport"] == "cmb"
-    # BF16 gradients out and BF16 params back: 4 B per parameter over the device's link.
-    assert cossd["storage_bytes_per_step"] == pytest.approx(4 * params, rel=0.01)
-    assert cossd["checkpoint"]["bytes"] == 0 and cossd["checkpoint"]["storage_bytes"] == 0
-    assert cossd["restore"]["storage_bytes"] >= 2 * params  # the params, read back
+    for peer in ("cossd", "cossd_streaming"):
+        cossd = rows[peer]
+        params = cossd["parameters"]
+        assert cossd["transport"] == "cmb", peer
+        # BF16 gradients out and BF16 params back: 4 B per parameter over the device's link.
+        assert cossd["storage_bytes_per_step"] == pytest.approx(4 * params, rel=0.01), peer
+        assert cossd["checkpoint"]["bytes"] == 0 and cossd["checkpoint"]["storage_bytes"] == 0
+        assert cossd["restore"]["storage_bytes"] >= 2 * params  # the params, read back
+        breakdown = report["sizes"][str(TINY)]["breakdown"]["pinned"][peer]
+        assert breakdown["device_block_updates_s"] > 0 and breakdown["params_back_and_copies_s"] > 0
+    assert report["sizes"][str(TINY)]["breakdown"]["pinned"]["cossd"]["grads_out_and_device_step_s"] > 0
     assert rows["resident"]["storage_bytes_per_step"] == 0
-    breakdown = report["sizes"][str(TINY)]["breakdown"]["pinned"]
-    assert breakdown["device_block_updates_s"] > 0 and breakdown["grads_out_and_device_step_s"] > 0
-    assert breakdown["params_back_and_copies_s"] > 0
     # ZeRO-Infinity did not run: the model check says so instead of inventing a ratio.
     assert "why" in report["model_check"]["checks"][f"{TINY} pinned"]
     assert 1.0 < report["model_check"]["projection"][0]["speedup"]

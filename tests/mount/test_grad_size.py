@@ -34,7 +34,7 @@ def test_an_fp32_gradient_is_refused_naming_sizes_and_dtype(mount: Mount, use_cm
         assert (files.cmb() is not None) == use_cmb
         fp32 = torch.ones(NUMEL, dtype=torch.float32)
         for write in (lambda: files.write("w", "grad", fp32), lambda: files.write_many([("w", "grad", fp32)]),
-                      lambda: files.write_streamed("w", fp32)):
+                      lambda: files.write_streamed([("w", fp32, None)])):
             with pytest.raises(ValueError) as refused:
                 write()
             assert str(refused.value) == (

@@ -332,24 +332,28 @@ class NamespaceFiles:
         streamed gradients go through the files and whole steps through the CMB in batches."""
         return self.step_transport().slots()
 
-    def write_streamed(self, tensor: str, values: torch.Tensor,
-                       ready: "torch.cuda.Event | None" = None) -> int:
-        """One tensor's gradients of the open step (from any device, a GPU's included, where
-        stream_slots() has a place for them; else from the host, through its file). Through
-        the CMB the device also puts the tensor's new params there as its kernel computes
-        them, for read_many_into after the step's end. The command returns once the
-        tensor's complete blocks have run. `ready`: an event recorded where a GPU gradient
-        was made (backward's stream), which this thread's copy must wait for."""
-        if ready is not None:
-            ready.synchronize()
-        self.check_grad(tensor, values)
+    def write_streamed(self, grads: list[tuple[str, torch.Tensor, "torch.cuda.Event | None"]]) -> int:
+        """Some tensors' gradients of the open step, (tensor, values, ready), from any device
+        (a GPU's included) where stream_slots() has a place for them, in one command; else
+        from the host, through each one's file. Through the CMB the device also puts each
+        tensor's new params there as its kernel computes them, for read_many_into after the
+        step's end. Returns once the tensors' complete blocks have run. `ready`: an event
+        recorded where a GPU gradient was made (backward's stream), which this thread's copy
+        must wait for."""
+        for tensor, values, ready in grads:
+            if ready is not None:
+                ready.synchronize()
+            self.check_grad(tensor, values)
         slots = self.stream_slots()
         if slots is None:
-            return self.write(tensor, "grad", values)
-        array = _bytes_of(values)
-        if array.numel() != slots[tensor][2]:
-            raise ValueError(f"{tensor}: {array.numel()} bytes of gradients, the tensor takes {slots[tensor][2]}")
-        return self.step_transport().write_step_grads(self.nsid, [(tensor, array)])
+            return sum(self.write(tensor, "grad", values) for tensor, values, _ in grads)
+        arrays = []
+        for tensor, values, _ in grads:
+            array = _bytes_of(values)
+            if array.numel() != slots[tensor][2]:
+                raise ValueError(f"{tensor}: {array.numel()} bytes of gradients, the tensor takes {slots[tensor][2]}")
+            arrays.append((tensor, array))
+        return self.step_transport().write_step_grads(self.nsid, arrays)
 
     def write_many(self, items: list[tuple[str, str, torch.Tensor]], params_back: bool = False) -> int:
         """write() of several (tensor, role, tensor) at offset 0 by the step transport: through
