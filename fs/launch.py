@@ -112,27 +112,37 @@ def start(options: MountOptions, *, log_file: str | os.PathLike[str] | None = No
         os.close(write_fd)
     deadline = time.monotonic() + timeout_s
     message = b""
-    with contextlib.closing(os.fdopen(read_fd, "rb", buffering=0)) as reader:
-        # The child writes "ready" or dies (closing the pipe); a hung child times out.
-        readable, _, _ = select.select([reader], [], [], timeout_s)
-        if readable:
-            message = reader.read(len(READY_MESSAGE))
+    try:
+        with contextlib.closing(os.fdopen(read_fd, "rb", buffering=0)) as reader:
+            # The child writes "ready" or dies (closing the pipe); a hung child times out.
+            readable, _, _ = select.select([reader], [], [], timeout_s)
+            if readable:
+                message = reader.read(len(READY_MESSAGE))
+    except BaseException:
+        # Interrupted while waiting (Ctrl-C, a bench's signal handler): the caller never gets
+        # the pid, so nobody else could stop this daemon or take its mount off.
+        _abandon(process, mountpoint, mounted_before)
+        raise
     if message != READY_MESSAGE:
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            process.kill()  # hung: it never said ready, so nothing was served
-            process.wait()
-            # A daemon killed after its FUSE mount leaves it there, answering nothing: take it
-            # off, but only a cossd mount that was not there before this start.
-            if mounted_before != MOUNT_FSTYPE and mount_type_at(mountpoint) == MOUNT_FSTYPE:
-                _unmount(mountpoint, lazy=True)
+            _abandon(process, mountpoint, mounted_before)  # hung: it never said ready, so nothing was served
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
         raise RuntimeError(
             f"mount daemon failed to start (exit {process.returncode})"
             + (f": {tail[0]}" if tail else "") + f"; log: {log_path}"
         )
     return process.pid
+
+
+def _abandon(process: subprocess.Popen[bytes], mountpoint: Path, mounted_before: str | None) -> None:
+    """Kill a daemon that never said ready, and take off a FUSE mount it left answering
+    nothing, but only a cossd mount that was not there before this start."""
+    process.kill()
+    process.wait()
+    if mounted_before != MOUNT_FSTYPE and mount_type_at(mountpoint) == MOUNT_FSTYPE:
+        _unmount(mountpoint, lazy=True)
 
 
 def wait_for_exit(pid: int, timeout_s: float = 60.0) -> bool:

@@ -42,3 +42,33 @@ def _children() -> set[int]:
             if int(fields[1]) == os.getpid():
                 found.add(int(entry.name))
     return found
+
+
+def test_an_interrupt_while_waiting_for_ready_kills_the_daemon_and_takes_its_mount_off(
+        backing: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or a bench's signal handler) while the caller waits for "ready": the caller
+    never gets the pid, so the start itself must not leave the daemon or its mount behind."""
+    import signal
+    import time
+
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    monkeypatch.setenv("COSSD_FAULT_HOOKS", "hang-before-ready")  # mounted, then waits: the wait is sure
+    children_before = _children()
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 3.0)  # the daemon has mounted by then, on a loaded machine too
+        with pytest.raises(KeyboardInterrupt):
+            launch.start_background(backing, mountpoint, timeout_s=60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    deadline = time.monotonic() + 10
+    while mount_type_at(mountpoint) == MOUNT_FSTYPE and time.monotonic() < deadline:
+        time.sleep(0.05)  # the lazy unmount is asynchronous
+    assert mount_type_at(mountpoint) != MOUNT_FSTYPE and not is_mounted(mountpoint)
+    assert _children() == children_before
