@@ -323,21 +323,29 @@ def start_background(args: argparse.Namespace, timeout_s: float = 60.0) -> tuple
     os.close(write_fd)
     deadline = time.monotonic() + timeout_s
     message = b""
-    with contextlib.closing(os.fdopen(read_fd, "rb", buffering=0)) as reader:
-        # The child writes "ready URL" or dies (closing the pipe); a hung child times out.
-        while time.monotonic() < deadline and not message.endswith(b"\n"):
-            readable, _, _ = select.select([reader], [], [], max(0.0, deadline - time.monotonic()))
-            if not readable:
-                break
-            chunk = reader.read(256)
-            if not chunk:
-                break
-            message += chunk
+    try:
+        with contextlib.closing(os.fdopen(read_fd, "rb", buffering=0)) as reader:
+            # The child writes "ready URL" or dies (closing the pipe); a hung child times out.
+            while time.monotonic() < deadline and not message.endswith(b"\n"):
+                readable, _, _ = select.select([reader], [], [], max(0.0, deadline - time.monotonic()))
+                if not readable:
+                    break
+                chunk = reader.read(256)
+                if not chunk:
+                    break
+                message += chunk
+    except BaseException:
+        # Interrupted while waiting (Ctrl-C, a bench's signal handler): the caller never gets
+        # the pid, so nobody else could stop this server.
+        process.kill()
+        process.wait()
+        raise
     if not message.startswith(READY_PREFIX):
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()  # reaped: no zombie behind the error
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] if log_path.exists() else []
         raise RuntimeError(f"storage server failed to start (exit {process.returncode})"
                            + (f": {tail[0]}" if tail else "") + f"; log: {log_path}")

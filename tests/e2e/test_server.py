@@ -1160,3 +1160,26 @@ def test_serve_param_cache_size_option(serve: Callable[..., Served], token_file:
     command.add_serve_arguments(parser)
     with pytest.raises(SystemExit):
         parser.parse_args([str(served.backing), "--param-cache-size", "lots"])
+
+
+def test_an_interrupt_while_the_server_starts_kills_it(tmp_path: Path, token_file: Path) -> None:
+    """Ctrl-C (or a bench's signal handler) while start_background waits for "ready": the caller
+    never gets the pid, so the start must not leave the server running. It would hold the
+    device's lock: the next start is the check."""
+    backing = tmp_path / "srv"
+    Device.format(backing, capacity_bytes=4 << 30, serial="TESTSERIAL0001")
+    options = ["--listen", "127.0.0.1:0", "--token-file", str(token_file)]
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)  # well before a new interpreter can import the server
+        with pytest.raises(KeyboardInterrupt):
+            start_server(backing, options)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    served = start_server(backing, options)  # the device's lock is free again
+    served.stop()
