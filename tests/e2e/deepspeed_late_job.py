@@ -75,6 +75,7 @@ def main() -> int:
     optimizer.close()
     dist.barrier()
     dist.destroy_process_group()
+    (out / f"held{rank}.txt").write_text("\n".join(groups_held_by_deepspeed()))
     return 0
 
 

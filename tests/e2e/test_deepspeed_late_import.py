@@ -32,13 +32,17 @@ def test_optimizer_made_before_import_deepspeed_binds_at_one_rank(device: Any, t
     """Made before `import deepspeed`, the optimizer is bound by deepspeed.initialize as one
     made after it: the namespace holds ZeRO's flat group (not the model's params, as the
     generic one-rank rebind made it before), the losses and params are the usual order's
-    bit for bit, and the same script restarted on the trained namespace resumes from it."""
+    bit for bit, and the same script restarted on the trained namespace resumes from it.
+    DeepSpeed holds no process group once the job destroyed its own."""
     usual = finished(tmp_path / "usual", 1, run(device, tmp_path / "usual", 1, f"late-usual-{stage}", stage, 3,
                                                  deepspeed_first=True))
     late = finished(tmp_path / "late", 1, run(device, tmp_path / "late", 1, f"late-{stage}", stage, 3))
     assert late[0]["names"] == usual[0]["names"] == [("zero.g0", 2128)]
     assert late[0]["losses"] == usual[0]["losses"] and late[0]["committed_step"] == 3
     assert bits_equal(late[0]["params"], usual[0]["params"])
+    # A job that ran to its end no longer holds the process group it made before `import
+    # deepspeed` either (install() drops DeepSpeed's captured default, as a refusal does).
+    assert (tmp_path / "late" / "held0.txt").read_text() == ""
     again = finished(tmp_path / "again", 1, run(device, tmp_path / "again", 1, f"late-{stage}", stage, 5))
     assert again[0]["first"] == 4 and again[0]["committed_step"] == 5
 

@@ -122,7 +122,7 @@ def _adopt_made_before_import(optimizer: Any) -> None:
 
 def forget_captured_world_group() -> None:
     """Drop the process group DeepSpeed's TorchBackend holds as a default argument, so that a
-    refused job's destroy_process_group frees it.
+    job's destroy_process_group frees it (a refused job's and, from install(), a finished one's).
 
     DeepSpeed's TorchBackend.barrier and monitored_barrier take `group=GroupMember.WORLD` as
     a default, evaluated when deepspeed.comm.torch is imported: a script that creates its
@@ -150,6 +150,9 @@ def install() -> None:
     against the engine's config before DeepSpeed wraps it and bound after."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
+    # A job that made its process group before `import deepspeed` must be able to free it at
+    # its end too, not only when refused (forget_captured_world_group says why).
+    forget_captured_world_group()
     original = DeepSpeedEngine._configure_optimizer
     if getattr(original, "_cossd_hook", False):
         return
