@@ -15,6 +15,7 @@ from . import distributed, fsdp
 from .namespace import swap as namespace_swap
 from ..client import Credentials
 from .distributed import Ranks
+from .captured_groups import release_captured_groups
 from .namespace.files import WIRE_DTYPES, NamespaceFiles
 from . import param_fp8
 from ..client.remote import is_remote
@@ -76,6 +77,10 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         # torch's own class validates every argument and supplies its defaults, so the param
         # groups (and state_dict) look exactly like the stock optimizer's.
         probe = self._torch_class([torch.nn.Parameter(torch.zeros(1))], **torch_options)
+        # The first torch optimizer built imports torch.distributed.nn, whose defaults then
+        # hold the job's process group for good; a rank that fails from here on would risk
+        # aborting at exit instead of raising (captured_groups.py says why).
+        release_captured_groups()
         defaults = dict(probe.defaults)
         for option in UNSUPPORTED:
             if defaults.get(option):

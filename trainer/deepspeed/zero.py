@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import inspect
 import sys
 import types
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from ...integrations.deepspeed import expected_world_size, refuse_config, world_size
+from ..captured_groups import release_captured_groups
 from .binding import REFERENCE, SNAPSHOT_PREFIX, ZeroBinding, tensor_name  # noqa: F401  (re-exported)
 
 
@@ -109,7 +109,7 @@ def _adopt_made_before_import(optimizer: Any) -> None:
     wraps it (nothing was stepped), naming the import order."""
     world = world_size()
     if world > 1 and not optimizer._ds_deferred:
-        forget_captured_world_group()
+        release_captured_groups()
         raise RuntimeError(
             f"this cossd optimizer was made before `import deepspeed`, and deepspeed.initialize runs ZeRO at "
             f"{world} ranks: it opened namespace {optimizer.files.name!r} for the model's own params, where every "
@@ -120,39 +120,14 @@ def _adopt_made_before_import(optimizer: Any) -> None:
         optimizer._ds_fresh = True  # never stepped: a refusal removes it, as for one made after the import
 
 
-def forget_captured_world_group() -> None:
-    """Drop the process group DeepSpeed's TorchBackend holds as a default argument, so that a
-    job's destroy_process_group frees it (a refused job's and, from install(), a finished one's).
-
-    DeepSpeed's TorchBackend.barrier and monitored_barrier take `group=GroupMember.WORLD` as
-    a default, evaluated when deepspeed.comm.torch is imported: a script that creates its
-    process group before `import deepspeed` leaves that group referenced by the class for
-    good. destroy_process_group then cannot free it, Python's shutdown does not either, and
-    its gloo threads (gloo_tcp_loop, pt_gloo_runloop) still run while exit() tears the C++
-    runtime down, where a refused rank was seen to abort ("terminate called without an active
-    exception", exit -6 instead of its own code) under load. Both methods read None as the
-    current WORLD group, so None is the same default without the stale reference."""
-    backend = sys.modules.get("deepspeed.comm.torch")
-    if backend is None:
-        return
-    from torch.distributed import ProcessGroup
-
-    for attribute in vars(backend.TorchBackend).values():
-        function = inspect.unwrap(attribute) if callable(attribute) else None
-        defaults = getattr(function, "__defaults__", None)
-        if defaults and any(isinstance(value, ProcessGroup) for value in defaults):
-            function.__defaults__ = tuple(  # type: ignore[union-attr]
-                None if isinstance(value, ProcessGroup) else value for value in defaults)
-
-
 def install() -> None:
     """Wrap DeepSpeedEngine._configure_optimizer once: a cossd client optimizer is checked
     against the engine's config before DeepSpeed wraps it and bound after."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     # A job that made its process group before `import deepspeed` must be able to free it at
-    # its end too, not only when refused (forget_captured_world_group says why).
-    forget_captured_world_group()
+    # its end too, not only when refused (trainer/captured_groups.py says why).
+    release_captured_groups()
     original = DeepSpeedEngine._configure_optimizer
     if getattr(original, "_cossd_hook", False):
         return
@@ -178,7 +153,7 @@ def install() -> None:
                 release_unstepped(cossd)
             except Exception:  # a never-stepped namespace left behind is reattached or converted later
                 pass
-            forget_captured_world_group()
+            release_captured_groups()
             raise
         bind(cossd, engine.optimizer)
         return answer
