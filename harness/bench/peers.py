@@ -261,6 +261,8 @@ class PeersRun:
         pin_process(self.daemon_pid, device_cores)
         namespace = f"peers-{size}-{placement}-{turn}"
         job = self.job(peer, size, len(trainer_cores), namespace)
+        if peer in COSSD_PEERS:  # the device's CPU time per step, for the model check
+            job |= {"device_pid": self.daemon_pid, "device_cores": len(device_cores)}
         log = self.logs / f"{job['job_id']}.log"
         reset_peak_rss(self.daemon_pid)
         trained = run_worker(job | {"mode": "train", "wait_for_kill": restore}, trainer_cores, log,
@@ -373,6 +375,7 @@ def cossd_breakdown(row: dict[str, Any] | None) -> dict[str, Any] | None:
         "begin_s": phases.get("cossd_begin_s"),
         "grads_out_and_device_step_s": grads,
         "device_block_updates_s": device.get("block_updates"),  # Adam + stores into the media, summed over threads
+        "device_cpu_s": device.get("cpu"),  # the daemon's CPU time, all its threads
         "device_flushes_s": device.get("flushes"),
         "commit_s": phases.get("cossd_commit_s"),
         "params_back_and_copies_s": phases.get("cossd_params_s"),

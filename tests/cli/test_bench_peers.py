@@ -67,6 +67,9 @@ def test_cossd_and_floor_rows(tmp_path: Path) -> None:
         assert cossd["restore"]["storage_bytes"] >= 2 * params  # the params, read back
         breakdown = report["sizes"][str(TINY)]["breakdown"]["pinned"][peer]
         assert breakdown["device_block_updates_s"] > 0 and breakdown["params_back_and_copies_s"] > 0
+        # The daemon's CPU time over the timed steps, and the cores pinned gives it.
+        assert breakdown["device_cpu_s"] > 0
+        assert cossd["device_seconds_per_step"]["cores"] == len(bench_peers.placements("pinned")[1])
     assert report["sizes"][str(TINY)]["breakdown"]["pinned"]["cossd"]["grads_out_and_device_step_s"] > 0
     assert rows["resident"]["storage_bytes_per_step"] == 0
     # ZeRO-Infinity did not run: the model check says so instead of inventing a ratio.
@@ -118,5 +121,6 @@ def test_peers_section_tiny(tmp_path: Path) -> None:
             assert rows["zero_infinity_disk"]["ok"], rows["zero_infinity_disk"]
             check = peers["model_check"]["checks"][f"{TINY} {placement}"]
             assert check["measured_ratio"] > 0 and "error" in check
+            assert check["inputs"]["device_rate_source"].startswith("the daemon's CPU time"), check
         else:
             assert rows["zero_offload"]["why"] == bench_peers.deepspeed_missing()
