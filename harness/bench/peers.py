@@ -20,6 +20,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,6 +39,8 @@ from ..nvm_volume import NvmVolume
 PEERS: dict[str, str] = {
     "cossd": "(a) cossd, through the CMB",
     "cossd_streaming": "(a) cossd, through the CMB, gradients streamed as backward makes them",
+    "cossd_streaming_ram": "(a) cossd, streamed, the device's media in RAM (tmpfs): no page-cache copies "
+                           "or writeback on its cores",
     "zero_infinity_disk": "(b) ZeRO-Infinity NVMe offload, ext4 on the backing disk",
     "zero_infinity_device": "(b) ZeRO-Infinity NVMe offload, ext4 on an NVM namespace of the device",
     "zero_offload": "(c) ZeRO-Offload (optimizer on the CPU)",
@@ -176,24 +179,87 @@ def _tail(log: Path) -> str:
 # ---------------------------------------------------------------------- the section
 
 
+class PeersDevice:
+    """One cossd device the section mounts: its backing folder, its mount point, its daemon."""
+
+    def __init__(self, backing: Path, mountpoint: Path) -> None:
+        self.backing, self.mountpoint = backing, mountpoint
+        self.mountpoint.mkdir()
+        Device.format(self.backing)
+        self.pid = daemon.start_background(self.backing, self.mountpoint)
+
+    def stop(self) -> None:
+        # The plain unmount fails while the kernel still holds a file of the mount (a loop
+        # device being detached, a killed worker's mapping): then detach lazily, and as a last
+        # resort kill the daemon, saying so rather than leaving a mount behind silently.
+        if daemon.stop_background(self.mountpoint, self.pid, timeout_s=20):
+            return
+        say(f"  peers: the device at {self.mountpoint} did not unmount; detaching it lazily")
+        if daemon.stop_background(self.mountpoint, self.pid, lazy=True, timeout_s=20):
+            return
+        say(f"  peers: the device daemon (pid {self.pid}) did not exit; killing it")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        daemon.wait_for_exit(self.pid, 10)
+
+
+def tmpfs_folder(candidates: tuple[Path, ...] = (Path("/dev/shm"),)) -> Path | None:
+    """A writable folder on tmpfs (the media of the RAM row's device), or None."""
+    mounts = [line.split()[1:3] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for folder in candidates:
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            continue
+        resolved = str(folder.resolve())
+        # The filesystem of a folder is that of the longest mount point above it.
+        under = [(point, kind) for point, kind in mounts
+                 if resolved == point or resolved.startswith(point.rstrip("/") + "/")]
+        if under and max(under, key=lambda mount: len(mount[0]))[1] == "tmpfs":
+            return folder
+    return None
+
+
 class PeersRun:
-    """The device, the volume and the directories one run of the section uses."""
+    """The devices, the volume and the directories one run of the section uses.
+
+    The device on the backing disk serves the cossd rows and holds the NVM volume. The RAM
+    row ("cossd_streaming_ram") gets a device of its own whose backing is on tmpfs: its state
+    copies are then mapped memory, so its core does the step (Adam, checksums, commit) but no
+    page-cache copies or writeback, as a drive's flash controller moves the media's bytes
+    with DMA, not with the cores that run the kernel.
+    """
 
     def __init__(self, workdir: Path, settings: PeersSettings) -> None:
         self.workdir, self.settings = workdir, settings
-        self.backing, self.mountpoint = workdir / "backing", workdir / "mnt"
-        self.mountpoint.mkdir()
         self.logs = workdir / "logs"
         self.logs.mkdir()
-        Device.format(self.backing)
-        self.daemon_pid = daemon.start_background(self.backing, self.mountpoint)
+        self.device = PeersDevice(workdir / "backing", workdir / "mnt")
+        self.mountpoint = self.device.mountpoint
+        self.ram_device: PeersDevice | None = None
+        self.ram_folder: Path | None = None
+        self.ram_missing: str | None = None
         self.volume: NvmVolume | None = None
         self.jobs = 0
         try:
             self.disk = disk_name(workdir)
+            if "cossd_streaming_ram" in settings.peers:
+                self._start_ram_device()
         except BaseException:
             self.close()
             raise
+
+    def _start_ram_device(self) -> None:
+        tmpfs = tmpfs_folder()
+        if tmpfs is None:
+            self.ram_missing = "no writable tmpfs folder (/dev/shm) for the device's media in RAM"
+            return
+        self.ram_folder = Path(tempfile.mkdtemp(prefix="cossd-peers-ram-", dir=tmpfs))
+        self.ram_device = PeersDevice(self.ram_folder / "backing", self.workdir / "mnt-ram")
+
+    def device_of(self, peer: str) -> PeersDevice:
+        """The device that serves `peer`'s namespace (cossd rows) or its volume (the rest)."""
+        if peer == "cossd_streaming_ram" and self.ram_device is not None:
+            return self.ram_device
+        return self.device
 
     def open_volume(self) -> NvmVolume:
         self.volume = NvmVolume(self.mountpoint, VOLUME_NAME, volume_bytes(self.settings.sizes),
@@ -201,41 +267,34 @@ class PeersRun:
         return self.volume
 
     def close(self) -> None:
-        """Unmount the volume and the device and stop the daemon, on every exit path. Ctrl-C is
-        held off meanwhile: one interrupting this would leave the device mounted on a folder
-        the runner then deletes (the run itself was already interrupted)."""
+        """Unmount the volume and the devices and stop their daemons, on every exit path.
+        Ctrl-C is held off meanwhile: one interrupting this would leave a device mounted on a
+        folder the runner then deletes (the run itself was already interrupted)."""
         with _interrupts_held():
             try:
                 if self.volume is not None:
                     self.volume.close()
             finally:
-                self._stop_daemon()
-
-    def _stop_daemon(self) -> None:
-        # The plain unmount fails while the kernel still holds a file of the mount (a loop
-        # device being detached, a killed worker's mapping): then detach lazily, and as a last
-        # resort kill the daemon, saying so rather than leaving a mount behind silently.
-        if daemon.stop_background(self.mountpoint, self.daemon_pid, timeout_s=20):
-            return
-        say(f"  peers: the device at {self.mountpoint} did not unmount; detaching it lazily")
-        if daemon.stop_background(self.mountpoint, self.daemon_pid, lazy=True, timeout_s=20):
-            return
-        say(f"  peers: the device daemon (pid {self.daemon_pid}) did not exit; killing it")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.daemon_pid, signal.SIGKILL)
-        daemon.wait_for_exit(self.daemon_pid, 10)
+                try:
+                    if self.ram_device is not None:
+                        self.ram_device.stop()
+                finally:
+                    if self.ram_folder is not None:
+                        shutil.rmtree(self.ram_folder, ignore_errors=True)  # RAM, not disk: never left behind
+                    self.device.stop()
 
     def job(self, peer: str, size: int, threads: int, namespace: str) -> dict[str, Any]:
         """The worker's job for `peer`: where it swaps, checkpoints, and what counts its bytes."""
         assert self.volume is not None
         self.jobs += 1
         on_volume = {"kind": "namespace", "mount": str(self.mountpoint), "namespace": VOLUME_NAME}
+        mount = str(self.device_of(peer).mountpoint)
         job: dict[str, Any] = {"peer": peer, "params": size, "threads": threads, "steps": self.settings.steps,
                                "warmup": self.settings.warmup, "job_id": f"{peer}-{self.jobs}",
-                               "mount": str(self.mountpoint), "namespace": namespace, "counter": on_volume,
+                               "mount": mount, "namespace": namespace, "counter": on_volume,
                                "checkpoint_dir": str(self.volume.path / "checkpoint")}
         if peer in COSSD_PEERS:
-            job["counter"] = {"kind": "namespace", "mount": str(self.mountpoint), "namespace": namespace}
+            job["counter"] = {"kind": "namespace", "mount": mount, "namespace": namespace}
         elif peer == "zero_infinity_disk":
             job |= {"nvme_dir": str(self.workdir / "swap"), "checkpoint_dir": str(self.workdir / "checkpoint"),
                     "counter": {"kind": "diskstats", "disk": self.disk}}
@@ -249,7 +308,7 @@ class PeersRun:
             if job.get(key):
                 shutil.rmtree(job[key], ignore_errors=True)
         if job["peer"] in COSSD_PEERS:
-            with AdminClient(self.mountpoint) as admin:
+            with AdminClient(Path(job["mount"])) as admin:
                 try:
                     admin.delete_namespace(admin.nsid(job["namespace"]))
                 except Exception:  # noqa: BLE001 - a worker that failed early made none
@@ -257,22 +316,25 @@ class PeersRun:
 
     def turn(self, peer: str, size: int, placement: str, turn: int, restore: bool) -> dict[str, Any]:
         """One peer's turn: train (timed steps, a save), kill -9, and (if asked) restore."""
+        if peer == "cossd_streaming_ram" and self.ram_missing:
+            return {"ok": False, "why": self.ram_missing}
         trainer_cores, device_cores = placements(placement)
-        pin_process(self.daemon_pid, device_cores)
+        device = self.device_of(peer)
+        pin_process(device.pid, device_cores)
         namespace = f"peers-{size}-{placement}-{turn}"
         job = self.job(peer, size, len(trainer_cores), namespace)
         if peer in COSSD_PEERS:  # the device's CPU time per step, for the model check
-            job |= {"device_pid": self.daemon_pid, "device_cores": len(device_cores)}
+            job |= {"device_pid": device.pid, "device_cores": len(device_cores)}
         log = self.logs / f"{job['job_id']}.log"
-        reset_peak_rss(self.daemon_pid)
+        reset_peak_rss(device.pid)
         trained = run_worker(job | {"mode": "train", "wait_for_kill": restore}, trainer_cores, log,
                              self.settings.worker_timeout_s)
-        trained["storage_peak_rss_bytes"] = peak_rss(self.daemon_pid)
+        trained["storage_peak_rss_bytes"] = peak_rss(device.pid)
         if restore and trained.get("ok") and peer != "resident":
-            reset_peak_rss(self.daemon_pid)
+            reset_peak_rss(device.pid)
             restored = run_worker(job | {"mode": "restore", "job_id": job["job_id"] + "-restore"}, trainer_cores,
                                   log, self.settings.worker_timeout_s)
-            restored["storage_peak_rss_bytes"] = peak_rss(self.daemon_pid)
+            restored["storage_peak_rss_bytes"] = peak_rss(device.pid)
             trained["restore"] = restored
         self.clean(job)
         return trained
@@ -347,6 +409,7 @@ def summarize(peer: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         row["device_seconds_per_step"] = {key: statistics.median(run["device_seconds_per_step"][key] for run in good)
                                           for key in last["device_seconds_per_step"]}
         row["transport"] = last.get("transport")
+        row["state_writes"] = last.get("state_writes")  # "mapped": the media in RAM (tmpfs)
     restore = last.get("restore")
     if peer == "resident":
         row["restore"] = {"ok": False, "why": "no checkpoint: nothing to restore"}

@@ -1,4 +1,4 @@
-"""The peers section's figure (step time, bytes to storage per step, checkpoint stall, per peer) and its markdown table."""
+"""The peers section's figure (step time, bytes to storage per step, checkpoint stall, per peer), its markdown table and the model check's lines."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -79,4 +79,30 @@ def markdown_rows(section: dict[str, Any]) -> list[str]:
             f"({step['p25']:.3f}-{step['p75']:.3f}) | {_mb(row.get('storage_bytes_per_step'))} | "
             f"{checkpoint['stall_s']:.3f} | {_mb(checkpoint.get('bytes'))} | {restored[0]} | {restored[1]} | "
             f"{_mb(row['trainer_peak_rss_bytes'])} | {_mb(row.get('storage_peak_rss_bytes'))} |")
+    return lines
+
+
+def markdown(section: dict[str, Any]) -> list[str]:
+    """bench.md's peers part: the settings, the table, and the model check beside the measured ratios."""
+    settings = section["settings"]
+    lines = ["", f"Peers: one GPT per size, {settings['steps']} timed steps after {settings['warmup']} warm-up steps, "
+             f"{settings['turns']} alternating turns a row; pinned: trainer on cores "
+             f"{section['placements'].get('pinned', {}).get('trainer_cores')}, device on "
+             f"{section['placements'].get('pinned', {}).get('device_cores')}; disk {section['disk']}.", ""]
+    lines += markdown_rows(section)
+    check = section.get("model_check") or {}
+    for key, one in check.get("checks", {}).items():
+        size, placement = key.split(" ", 1)
+        if "error" not in one:
+            lines.append(f"- model check, {int(size) / 1e6:.0f}M {placement}: {one.get('why')}")
+            continue
+        lines.append(f"- model check, {int(size) / 1e6:.0f}M {placement}: cossd / ZeRO-Infinity predicted "
+                     f"{one['predicted_ratio']:.3f}, measured {one['measured_ratio']:.3f}, error {one['error']:+.1%} "
+                     f"(device rate from {one['inputs']['device_rate_source']})")
+    projection = check.get("projection") or []
+    if projection:
+        low, high = check["smart_infinity_published_speedup"]
+        lines.append("- projection to Smart-Infinity's setup (10 drives, A100): cossd "
+                     + ", ".join(f"{row['speedup']:.2f}x at {row['params'] / 1e9:g}B" for row in projection)
+                     + f" over ZeRO-Infinity; Smart-Infinity published {low}-{high}x")
     return lines

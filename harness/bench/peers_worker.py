@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 RESULT_PREFIX = "PEERS-RESULT "
-COSSD_PEERS = ("cossd", "cossd_streaming")  # the rows a cossd device serves
+COSSD_PEERS = ("cossd", "cossd_streaming", "cossd_streaming_ram")  # the rows a cossd device serves
+# The cossd rows whose gradients leave in buckets while backward runs.
+STREAMING_PEERS = ("cossd_streaming", "cossd_streaming_ram")
 TOKENS_PER_STEP = (1, 128)  # batch, context: small, so the optimizer's part of a step shows
 LR = 1e-4
 SEED = 7
@@ -76,8 +78,9 @@ def _bytes_between(before: int | None, after: int | None) -> int | None:
     return None if before is None or after is None else after - before
 
 
-def device_times(job: dict[str, Any]) -> dict[str, int] | None:
-    """The cossd namespace's own clocks (block updates, flushes), where the job is cossd's."""
+def device_times(job: dict[str, Any]) -> dict[str, Any] | None:
+    """The cossd namespace's own clocks (block updates, flushes), where the job is cossd's, and
+    how its new state reaches the media ("pwrite" on a disk's filesystem, "mapped" on tmpfs)."""
     if job["peer"] not in COSSD_PEERS:
         return None
     from ...client import AdminClient
@@ -85,7 +88,7 @@ def device_times(job: dict[str, Any]) -> dict[str, int] | None:
     with AdminClient(Path(job["mount"])) as admin:
         stats = admin.statistics(admin.nsid(job["namespace"]))
     times = {"kernel_ns": int(stats["kernel_ns"]), "flush_ns": int(stats["flush_ns"]),
-             "kernel_blocks": int(stats["kernel_blocks"])}
+             "kernel_blocks": int(stats["kernel_blocks"]), "state_writes": stats.get("state_writes")}
     if job.get("device_pid"):
         times["cpu_ns"] = process_cpu_ns(int(job["device_pid"]))
     return times
@@ -347,7 +350,7 @@ class DeepSpeedZero(Peer):
 def make_peer(job: dict[str, Any]) -> Peer:
     peer = job["peer"]
     if peer in COSSD_PEERS:
-        return Cossd(job, streaming=peer == "cossd_streaming")
+        return Cossd(job, streaming=peer in STREAMING_PEERS)
     if peer in ("zero_infinity_disk", "zero_infinity_device"):
         return DeepSpeedZero(job, nvme=True)
     if peer == "zero_offload":
@@ -387,6 +390,7 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
             result["device_seconds_per_step"]["cpu"] = (times_after["cpu_ns"] - times_before["cpu_ns"]) / 1e9 / steps
             result["device_seconds_per_step"]["cores"] = job["device_cores"]
         result["transport"] = getattr(peer, "transport", None)
+        result["state_writes"] = times_after["state_writes"]
     before = counter.read()
     result["checkpoint"] = peer.save()
     after = counter.read()

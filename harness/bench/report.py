@@ -114,6 +114,10 @@ def markdown(report: dict[str, Any]) -> str:
         from .frameworks import markdown_rows as frameworks_rows  # the frameworks' checkpoint table
 
         lines += frameworks_rows(report)
+    if "peers" in report:
+        from .peers_report import markdown as peers_markdown  # the peers section's table and model check
+
+        lines += peers_markdown(report["peers"])
     if "file_path" not in report:  # no mount section
         return "\n".join(lines)
     lines += ["", f"Through the mount: medians of {report.get('mount_turns', report['repeat'])} steps each; "

@@ -47,20 +47,22 @@ def _check_row(peer: str, row: dict) -> None:
 
 @pytest.mark.slow  # a device, an ext4 volume and four worker processes: over a minute on 2 cores
 def test_cossd_and_floor_rows(tmp_path: Path) -> None:
-    """cossd through the CMB (gradients at once and streamed) and the resident floor, one
-    pinned turn: the device counted each cossd step's 4 B/param on its link, and the restore
-    after the kill -9 read the params."""
+    """cossd through the CMB (gradients at once, streamed, and streamed into a device whose
+    media is in RAM) and the resident floor, one pinned turn: the device counted each cossd
+    step's 4 B/param on its link, and the restore after the kill -9 read the params."""
     settings = PeersSettings(sizes=(TINY,), steps=2, warmup=1, turns=1, placements=("pinned",),
-                             peers=("cossd", "cossd_streaming", "resident"))
+                             peers=("cossd", "cossd_streaming", "cossd_streaming_ram", "resident"))
     report = bench_peers.peers_costs(tmp_path, settings)
     rows = report["sizes"][str(TINY)]["placements"]["pinned"]
     for peer, row in rows.items():
         assert row["ok"], row
         _check_row(peer, row)
-    for peer in ("cossd", "cossd_streaming"):
+    for peer in ("cossd", "cossd_streaming", "cossd_streaming_ram"):
         cossd = rows[peer]
         params = cossd["parameters"]
         assert cossd["transport"] == "cmb", peer
+        # The RAM row's device keeps its state on tmpfs, mapped; the others on the disk's ext4.
+        assert cossd["state_writes"] == ("mapped" if peer == "cossd_streaming_ram" else "pwrite"), peer
         # BF16 gradients out and BF16 params back: 4 B per parameter over the device's link.
         assert cossd["storage_bytes_per_step"] == pytest.approx(4 * params, rel=0.01), peer
         assert cossd["checkpoint"]["bytes"] == 0 and cossd["checkpoint"]["storage_bytes"] == 0
@@ -90,6 +92,12 @@ def test_a_peer_that_cannot_run_gets_its_reason(tmp_path: Path) -> None:
     assert "did not run: ValueError" in markdown_rows(section)[-1]
 
 
+def test_tmpfs_folder(tmp_path: Path) -> None:
+    """The RAM row's media goes on tmpfs only: /dev/shm here, never a disk's folder."""
+    assert bench_peers.tmpfs_folder() == Path("/dev/shm")
+    assert bench_peers.tmpfs_folder((tmp_path, Path("/no/such/folder"))) is None
+
+
 def test_volume_fits_and_is_whole_mib() -> None:
     """25M params x 48 B is not a multiple of 4 KiB: the namespace would be refused."""
     for sizes in ((TINY,), (25_000_000,), (25_000_000, 100_000_000)):
@@ -111,6 +119,9 @@ def test_peers_section_tiny(tmp_path: Path) -> None:
     assert bench.run(_args(output, settings)) == 0
     peers = json.loads((output / "bench.json").read_text())["peers"]
     assert (output / "peers.png").stat().st_size > 0
+    # bench.md (also printed) carries the table and the model check's lines.
+    markdown = (output / "bench.md").read_text()
+    assert bench_peers.PEERS["resident"] in markdown and "- model check, 1M pinned:" in markdown
     for placement in ("pinned", "unpinned"):
         rows = peers["sizes"][str(TINY)]["placements"][placement]
         assert set(rows) == set(bench_peers.PEERS)
