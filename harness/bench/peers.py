@@ -253,7 +253,12 @@ class PeersRun:
             self.ram_missing = "no writable tmpfs folder (/dev/shm) for the device's media in RAM"
             return
         self.ram_folder = Path(tempfile.mkdtemp(prefix="cossd-peers-ram-", dir=tmpfs))
-        self.ram_device = PeersDevice(self.ram_folder / "backing", self.workdir / "mnt-ram")
+        try:
+            self.ram_device = PeersDevice(self.ram_folder / "backing", self.workdir / "mnt-ram")
+        except Exception as exc:  # noqa: BLE001 - its row says why; the other rows still run
+            self.ram_missing = f"the device with its media in RAM did not start: {type(exc).__name__}: {exc}"[:300]
+            shutil.rmtree(self.ram_folder, ignore_errors=True)
+            self.ram_folder = None
 
     def device_of(self, peer: str) -> PeersDevice:
         """The device that serves `peer`'s namespace (cossd rows) or its volume (the rest)."""

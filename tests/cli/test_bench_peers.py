@@ -98,6 +98,41 @@ def test_tmpfs_folder(tmp_path: Path) -> None:
     assert bench_peers.tmpfs_folder((tmp_path, Path("/no/such/folder"))) is None
 
 
+def test_the_ram_row_says_why_it_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tmpfs, or a RAM device that does not start: its row carries the reason and the run
+    goes on with the device on the disk; nothing is left in /dev/shm."""
+    settings = PeersSettings(sizes=(TINY,), steps=1, warmup=0, turns=1, placements=("pinned",),
+                             peers=("cossd_streaming_ram",))
+    monkeypatch.setattr(bench_peers, "tmpfs_folder", lambda: None)
+    (tmp_path / "a").mkdir()
+    run = bench_peers.PeersRun(tmp_path / "a", settings)
+    try:
+        assert run.ram_missing is not None and "no writable tmpfs folder" in run.ram_missing
+        assert run.turn("cossd_streaming_ram", TINY, "pinned", 0, restore=False) == {"ok": False,
+                                                                                    "why": run.ram_missing}
+    finally:
+        run.close()
+    monkeypatch.undo()
+    made: list[Path] = []
+    real_init = bench_peers.PeersDevice.__init__
+
+    def full_shm(device: bench_peers.PeersDevice, backing: Path, mountpoint: Path) -> None:
+        if backing.parent.parent == Path("/dev/shm"):
+            made.append(backing.parent)
+            raise OSError(28, "No space left on device")
+        real_init(device, backing, mountpoint)
+
+    monkeypatch.setattr(bench_peers.PeersDevice, "__init__", full_shm)
+    (tmp_path / "b").mkdir()
+    run = bench_peers.PeersRun(tmp_path / "b", settings)
+    try:
+        assert run.ram_device is None and run.ram_missing is not None
+        assert "did not start: OSError" in run.ram_missing and "No space left" in run.ram_missing
+        assert made and not made[0].exists()  # its folder in RAM removed at once
+    finally:
+        run.close()
+
+
 def test_volume_fits_and_is_whole_mib() -> None:
     """25M params x 48 B is not a multiple of 4 KiB: the namespace would be refused."""
     for sizes in ((TINY,), (25_000_000,), (25_000_000, 100_000_000)):
