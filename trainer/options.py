@@ -171,7 +171,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "and bitsandbytes' 8-bit AdamW on the CPU where they import); frameworks (the checkpoint "
                              "of the plain loop, HF Trainer, DeepSpeed ZeRO-1/2/3, FSDP2 + DCP and torchtitan "
                              "with torch.optim.AdamW and with cossd: bytes, save stall, restore; runs their "
-                             "slow figure tests, minutes); "
+                             "slow figure tests, minutes); peers (a GPT at --peers-params trained by cossd "
+                             "through the CMB (gradients at step(), streamed, and streamed into a second device "
+                             "whose media is in RAM), DeepSpeed ZeRO-Infinity's NVMe offload on the disk and on "
+                             "the device, ZeRO-Offload, resident AdamW with DCP async_save every step and with "
+                             "no checkpoint (the floor), pinned and unpinned: step time, bytes to storage, save "
+                             "stall, restore after kill -9, peak RSS, the timing model's check; root (an ext4 "
+                             "volume on a loop device), about 25 minutes at the default sizes); "
                              "default kernel,mount,trainer")
     parser.add_argument("--scale-sizes", type=_element_sizes, default=[1 << 20, 1 << 24, 1 << 28, 1 << 30],
                         help="scale section: namespace sizes in elements, comma separated, K/M/G(B) as powers "
