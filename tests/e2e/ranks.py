@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from conftest import Mount, start_mount, stop_mount
-from helpers import free_port
+from helpers import free_port, remove_deepspeed_shm
 
 
 @contextlib.contextmanager
@@ -35,7 +35,8 @@ def spawn_ranks(script: Path, config: dict[str, Any], world: int, out: Path, tim
     torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); waits for them and returns
     their exit codes, every rank's output in out/logs.txt."""
     out.mkdir(parents=True, exist_ok=True)
-    base = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    port = free_port()
+    base = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                          "OMP_NUM_THREADS": "1"}
     ranks = [subprocess.Popen([sys.executable, str(script), json.dumps(config)], env=base | {"RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -51,6 +52,7 @@ def spawn_ranks(script: Path, config: dict[str, Any], world: int, out: Path, tim
             if process.poll() is None:
                 process.kill()
                 process.wait()
+        remove_deepspeed_shm(port)  # what a DeepSpeed rank that did not exit cleanly left in RAM
     (out / "logs.txt").write_text("\n".join(f"--- rank {r} (exit {c})\n{t}" for r, (c, t) in enumerate(zip(codes, logs))))
     return codes
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the optional framework tier: `make frameworks`)")
 
-from helpers import free_port  # noqa: E402
+from helpers import free_port, remove_deepspeed_shm  # noqa: E402
 from ranks import bits_equal, finished, mounted_device, spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.mount
@@ -135,7 +135,8 @@ def test_zero_daemon_killed_between_two_checkpoints_resumes_bit_identical(device
     config = {"mount": str(device.mountpoint), "out": str(out), "stage": stage, "precision": precision,
               "namespace": name, "last": LAST, "save_every": SAVE_EVERY,
               "checkpoints": str(tmp_path / f"{name}-ckpt"), "stall_at": KILL_AT}
-    env = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    port = free_port()
+    env = os.environ | {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                         "OMP_NUM_THREADS": "1"}
     ranks = [subprocess.Popen([sys.executable, str(JOB), json.dumps(config)], env=env | {"RANK": str(r)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(world)]
@@ -149,6 +150,7 @@ def test_zero_daemon_killed_between_two_checkpoints_resumes_bit_identical(device
         for process in ranks:
             process.kill()
             process.wait()
+        remove_deepspeed_shm(port)
     device.restart()
     resumed_like_uninterrupted(device, tmp_path, name, stage, precision, world)
 
@@ -274,8 +276,12 @@ def test_deepspeed_launcher_two_ranks_like_torchrun(device: Any, tmp_path: Path)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env |= {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     launcher = Path(sys.executable).with_name("deepspeed")
-    done = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(JOB),
-                           json.dumps(config)], env=env, capture_output=True, text=True, timeout=300)
+    port = free_port()
+    try:
+        done = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(port), str(JOB),
+                               json.dumps(config)], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        remove_deepspeed_shm(port)
     (out / "logs.txt").write_text(done.stdout + done.stderr)
     assert "--local_rank=1" in done.stdout + done.stderr  # the launcher's own way of starting ranks
     launched = finished(out, 2, [done.returncode] * 2)
