@@ -41,6 +41,7 @@ from .ops import (
     master_to_param,
     param_to_master,
     stream_probe,
+    stream_probe_out_of_place,
 )
 from .state_formats import (
     adam_step_q,
@@ -92,6 +93,7 @@ __all__ = [
     "crc32c_blocks",
     "crc32c_combine",
     "stream_probe",
+    "stream_probe_out_of_place",
     "simd_level",
     "available_kernels",
     "use_kernel",

@@ -111,6 +111,39 @@ SIMD_FN void adam_vec(const void *grad, int gfmt, const float *mi, const void *a
     simd_puth(po + i, simd_f32_to_half(p, pfmt), nt & NT_PARAM);
 }
 
+/* ADAM_GROUP vectors of elements from i on, unmasked: every stream's loads first, then the
+ * arithmetic, then the stores. In place, a store may alias a later load, so neither the
+ * compiler nor the core can move the next vector's loads above this one's stores (and the
+ * arrays, a multiple of 4 KiB apart, alias in the store buffer); grouped, each stream is read
+ * in runs of ADAM_GROUP vectors. On a 2-core AMD EPYC VM that gave a memory-bound loop 4-5%
+ * more elements/s, and the kernel 2-4% at one thread in alternating bench runs (none
+ * measurable at two). Same operations per element, in the same order: the same bits. */
+#define ADAM_GROUP 4
+SIMD_FN void adam_vec_group(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
+                            void *ao, void *vo, int sfmt, uint16_t *po, int pfmt, size_t i, const adam_vk *c,
+                            int decoupled, unsigned nt)
+{
+    simd_f g[ADAM_GROUP], p[ADAM_GROUP], m[ADAM_GROUP], v[ADAM_GROUP];
+    for (int u = 0; u < ADAM_GROUP; u++)
+        g[u] = SIMD_MUL(simd_load_grad(grad, i + (size_t)u * SIMD_LANES, gfmt, SIMD_MASK_ALL, 0), c->grad_scale);
+    for (int u = 0; u < ADAM_GROUP; u++)
+        p[u] = simd_loadf(mi + i + (size_t)u * SIMD_LANES, SIMD_MASK_ALL, 0);
+    for (int u = 0; u < ADAM_GROUP; u++)
+        m[u] = simd_load_state(ai, i + (size_t)u * SIMD_LANES, sfmt, SIMD_MASK_ALL, 0);
+    for (int u = 0; u < ADAM_GROUP; u++)
+        v[u] = simd_load_state(vi, i + (size_t)u * SIMD_LANES, sfmt, SIMD_MASK_ALL, 0);
+    for (int u = 0; u < ADAM_GROUP; u++)
+        adam_vec_core(g[u], p[u], m[u], v[u], c, decoupled, &p[u], &m[u], &v[u]);
+    for (int u = 0; u < ADAM_GROUP; u++)
+        simd_putf(mo + i + (size_t)u * SIMD_LANES, p[u], nt & NT_MASTER);
+    for (int u = 0; u < ADAM_GROUP; u++)
+        simd_put_state(ao, i + (size_t)u * SIMD_LANES, sfmt, simd_canon_nan(m[u]), nt & NT_EXP_AVG);
+    for (int u = 0; u < ADAM_GROUP; u++)
+        simd_put_state(vo, i + (size_t)u * SIMD_LANES, sfmt, simd_canon_nan(v[u]), nt & NT_EXP_AVG_SQ);
+    for (int u = 0; u < ADAM_GROUP; u++)
+        simd_puth(po + i + (size_t)u * SIMD_LANES, simd_f32_to_half(p[u], pfmt), nt & NT_PARAM);
+}
+
 /* Elements [from, to) before or after the vector loop (fewer than LANES): one masked vector
  * where the ISA has masks, else the scalar element function. */
 SIMD_FN void adam_edge(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi, float *mo,
@@ -145,8 +178,13 @@ SIMD_FN void adam_body(const void *grad, int gfmt, const float *mi, const void *
     adam_edge(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, 0, i, &c, k, decoupled);
     /* One loop per streaming mask, each with the mask a constant (see adam_stream_mask). */
 #define ADAM_LOOP(NT)                                                                                        \
-    for (const size_t stop = i + (n - i) / SIMD_LANES * SIMD_LANES; i < stop; i += SIMD_LANES)               \
-    adam_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled, SIMD_MASK_ALL, 0, NT)
+    do {                                                                                                     \
+        for (const size_t stop = i + (n - i) / (ADAM_GROUP * SIMD_LANES) * (ADAM_GROUP * SIMD_LANES); i < stop; \
+             i += ADAM_GROUP * SIMD_LANES)                                                                   \
+            adam_vec_group(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled, NT);        \
+        for (const size_t stop = i + (n - i) / SIMD_LANES * SIMD_LANES; i < stop; i += SIMD_LANES)           \
+            adam_vec(grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, pfmt, i, &c, decoupled, SIMD_MASK_ALL, 0, NT); \
+    } while (0)
     unsigned nt = adam_stream_mask(mi, ai, vi, mo, ao, vo, sfmt, po, n, i, SIMD_LANES);
     if (nt == NT_ALL)
         ADAM_LOOP(NT_ALL);

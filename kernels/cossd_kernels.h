@@ -228,6 +228,12 @@ unsigned cossd_adam_stream_plan(int level, const float *master_in, const void *e
  * system allows for that access pattern. In place like the step. Used by `cossd bench`. */
 void cossd_stream_probe(uint16_t *grad_param, float *master, float *exp_avg, float *exp_avg_sq, size_t n);
 
+/* The same streams out of place, the outputs with streaming stores where aligned, as the
+ * device's block update writes its shadow copy: what memory allows an A/B update. */
+void cossd_stream_probe_out_of_place(const uint16_t *grad, const float *master, const float *exp_avg,
+                                     const float *exp_avg_sq, float *master_out, float *exp_avg_out,
+                                     float *exp_avg_sq_out, uint16_t *param_out, size_t n);
+
 /* END CDEF */
 
 #ifdef __cplusplus

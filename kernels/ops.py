@@ -257,6 +257,26 @@ def stream_probe(grad_param: Any, master: Any, exp_avg: Any, exp_avg_sq: Any) ->
     _lib.cossd_stream_probe(*(b.ptr for b in bufs), n)
 
 
+def stream_probe_out_of_place(grad: Any, master: Any, exp_avg: Any, exp_avg_sq: Any, master_out: Any,
+                              exp_avg_out: Any, exp_avg_sq_out: Any, param_out: Any) -> None:
+    """Move the bytes of the device's out-of-place block update with trivial arithmetic (the
+    A/B update's roofline probe): the outputs get each input plus one, the param the grad's
+    bits with the lowest flipped."""
+    bufs = [
+        _buf("grad", grad, (_U16,), "uint16_t[]"),
+        _buf("master", master, (_F32,), "float[]"),
+        _buf("exp_avg", exp_avg, (_F32,), "float[]"),
+        _buf("exp_avg_sq", exp_avg_sq, (_F32,), "float[]"),
+        _buf("master_out", master_out, (_F32,), "float[]", output=True),
+        _buf("exp_avg_out", exp_avg_out, (_F32,), "float[]", output=True),
+        _buf("exp_avg_sq_out", exp_avg_sq_out, (_F32,), "float[]", output=True),
+        _buf("param_out", param_out, (_U16,), "uint16_t[]", output=True),
+    ]
+    n = _check_lengths(bufs)
+    _check_overlap(bufs)  # out of place: no output may be an input
+    _lib.cossd_stream_probe_out_of_place(*(b.ptr for b in bufs), n)
+
+
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC32C of A followed by B, from crc32c(A), crc32c(B) and B's length in bytes."""
     for name, value, limit in (("crc_a", crc_a, 1 << 32), ("crc_b", crc_b, 1 << 32), ("len_b", len_b, 1 << 64)):

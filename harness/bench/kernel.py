@@ -37,6 +37,8 @@ BYTES_MOVED: dict[str, tuple[int, int]] = {
     "cossd_ordinary_stores": (16, 14),
     # The device's block update: the same streams, out of place (all outputs streamed).
     "cossd_device": (14, 14),
+    # The block update's streams with trivial arithmetic: the roofline of an A/B update.
+    "roofline_out_of_place": (14, 14),
     # FP32 grad, param and moments in; param and moments out (torch's fused step has no FP16
     # param, and it refuses an FP16 grad for an FP32 param).
     "torch_fused": (16, 12),
@@ -47,11 +49,22 @@ BYTES_MOVED: dict[str, tuple[int, int]] = {
     "roofline": (14, 14),
 }
 SWEEP_BYTES = 64 << 20  # twice this machine class's 32 MiB L3
+PAGE = 4096
+OPENMP_CONTENDERS = frozenset({"torch_fused", "torch_foreach", "deepspeed"})  # their threads spin once done
+OPENMP_IDLE_S = 0.05  # longer than an idle OpenMP worker spins before it sleeps
 
 
 def _moderate(count: int, generator: torch.Generator) -> torch.Tensor:
     """count FP32 values of magnitude 0.5 to 2: exact in FP16, far from subnormal and overflow."""
     return torch.rand(count, generator=generator) * 1.5 + 0.5
+
+
+def _page_aligned(count: int, dtype: type) -> np.ndarray:
+    """An array of `count` elements starting on a page boundary, its pages touched."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.zeros(count * itemsize + PAGE, np.uint8)
+    skip = -raw.ctypes.data % PAGE
+    return raw[skip:skip + count * itemsize].view(dtype)
 
 
 class KernelBuffers:
@@ -80,6 +93,11 @@ class KernelBuffers:
         self.grad16, self.param16 = as_u16[:n], as_u16[n:]
         self.master_np = self.master.numpy()
         self.exp_avg_np, self.exp_avg_sq_np = self.exp_avg.numpy(), self.exp_avg_sq.numpy()
+        # The second set the out-of-place contenders write (master, moments, param), as the
+        # device writes its shadow copy: both write the very same pages. Page-aligned like the
+        # device's mapped state regions: numpy's large arrays start 16 bytes into a page, where
+        # the block update cannot use streaming stores and measured a third slower.
+        self.shadow = [_page_aligned(n, np.float32) for _ in range(3)] + [_page_aligned(n, np.uint16)]
 
 
 def roofline_probe(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
@@ -90,6 +108,21 @@ def roofline_probe(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
     def probe(start: int, stop: int) -> None:
         s = slice(start, stop)
         kernels.stream_probe(b.grad16[s], b.master_np[s], b.exp_avg_np[s], b.exp_avg_sq_np[s])
+
+    return lambda: split_run(probe, b.n, threads)
+
+
+def out_of_place_probe(buffers: KernelBuffers, threads: int) -> Callable[[], None]:
+    """What memory allows the device's block update: its streams (the committed copy in, the
+    shadow out with streaming stores) with trivial arithmetic, in C, in one call per thread.
+    An A/B update writes lines it has not read; an in-place step writes back the ones it has,
+    and on some machines memory is markedly slower at the former (docs/benchmarks.md)."""
+    b = buffers
+
+    def probe(start: int, stop: int) -> None:
+        s = slice(start, stop)
+        kernels.stream_probe_out_of_place(b.grad16[s], b.master_np[s], b.exp_avg_np[s], b.exp_avg_sq_np[s],
+                                          *(array[s] for array in b.shadow))
 
     return lambda: split_run(probe, b.n, threads)
 
@@ -117,8 +150,7 @@ def cossd_device_update(buffers: KernelBuffers, threads: int) -> Callable[[], No
     checksum's arithmetic."""
     b = buffers
     scalars = kernels.adam_scalars(HYPER, 1)
-    shadow = [np.empty(b.n, np.float32) for _ in range(3)] + [np.empty(b.n, np.uint16)]
-    block_update = kernels.BlockUpdate(b.master_np, b.exp_avg_np, b.exp_avg_sq_np, *shadow,
+    block_update = kernels.BlockUpdate(b.master_np, b.exp_avg_np, b.exp_avg_sq_np, *b.shadow,
                                        grad_format=kernels.HalfFormat.FP16, param_format=kernels.HalfFormat.FP16,
                                        state_format=kernels.StateFormat.FP32)
 
@@ -219,6 +251,7 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
             "cossd": cossd_kernel(buffers, threads),
             "cossd_ordinary_stores": cossd_ordinary_stores(buffers, threads),
             "cossd_device": cossd_device_update(buffers, threads),
+            "roofline_out_of_place": out_of_place_probe(buffers, threads),
             "torch_fused": torch_adamw(buffers, threads, fused=True),
             "torch_foreach": torch_adamw(buffers, threads, foreach=True),
             "deepspeed": deepspeed_cpuadam(buffers, threads),
@@ -233,9 +266,17 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
             step()  # warm up: lazy initialisation, code paths
         names = list(present)
         times: dict[str, list[float]] = {name: [] for name in names}
+        previous = None
         for turn in range(repeat):
             shift = (round_index + turn) % len(names)
             for name in names[shift:] + names[:shift]:
+                # torch's and DeepSpeed's OpenMP threads spin a while after their step; the
+                # rotation keeps the same contender right behind each of them, and on 2 cores
+                # that one lost up to a fifth of its speed to the spinning (the roofline probe,
+                # behind DeepSpeed). A pause lets them sleep first.
+                if previous in OPENMP_CONTENDERS:
+                    time.sleep(OPENMP_IDLE_S)
+                previous = name
                 _sweep(scratch)
                 started = time.perf_counter()
                 present[name]()
@@ -251,6 +292,11 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
     ratio = {name: statistics.median(theirs / ours for theirs, ours in zip(samples[name], samples["cossd"]))
              for name in samples if name != "cossd"}
     spread = {name: [min(values), max(values)] for name, values in round_ratios.items()}
+
+    def speed_over(name: str, other: str) -> float:
+        """name's speed over other's: the median of their turn-by-turn time ratios."""
+        return statistics.median(theirs / ours for ours, theirs in zip(samples[name], samples[other]))
+
     return {
         "threads": threads,
         "rounds": rounds,
@@ -267,6 +313,11 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
         # The device's block update (out of place, with its checksum) over the plain step.
         "cossd_device_gels": rate["cossd_device"],
         "device_update_vs_kernel": 1 / ratio["cossd_device"],
+        # What memory allows the block update (its streams, trivial arithmetic), over what it
+        # allows a step in place; and the block update over its own roofline.
+        "out_of_place_roofline_gels": rate["roofline_out_of_place"],
+        "out_of_place_vs_in_place_roofline": speed_over("roofline_out_of_place", "roofline"),
+        "device_update_vs_out_of_place_roofline": speed_over("cossd_device", "roofline_out_of_place"),
         "torch_fused_gels": rate["torch_fused"],
         "torch_foreach_gels": rate["torch_foreach"],
         "deepspeed_gels": rate.get("deepspeed"),

@@ -47,6 +47,20 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _device_update_share(row: dict[str, Any]) -> str:
+    """The block update as a share of the kernel, and of its own roofline where measured."""
+    share = f"{row['device_update_vs_kernel']:.0%} of the kernel"
+    if row.get("device_update_vs_out_of_place_roofline") is not None:  # reports before 2026-12-07 lack it
+        share += f", {row['device_update_vs_out_of_place_roofline']:.0%} of its roofline"
+    return share
+
+
+def _out_of_place_roofline(row: dict[str, Any]) -> str:
+    if row.get("out_of_place_roofline_gels") is None:
+        return "not measured"
+    return f"{row['out_of_place_roofline_gels']:.2f} G el/s ({row['out_of_place_vs_in_place_roofline']:.2f}x)"
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, torch "
              f"{report['machine']['torch']}, kernel path {report['machine']['simd']}; "
@@ -56,8 +70,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "Kernel, in memory: every contender steps on the same buffers, in turns; G el/s are medians, "
                   "the ratios are medians of turn-by-turn ratios, with the range of the round medians.", "",
                   "| threads | memory bandwidth | roofline (28 B/el) | cossd kernel | torch fused | torch foreach "
-                  "| DeepSpeed CPUAdam (cossd / it) | cossd / fused | cossd / roofline | device block update |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| DeepSpeed CPUAdam (cossd / it) | cossd / fused | cossd / roofline | device block update "
+                  "| out-of-place roofline (over in place) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report.get("kernel", []):
         deepspeed = (f"{row['deepspeed_gels']:.2f} ({row['cossd_vs_deepspeed']:.2f}x)" if row["deepspeed_gels"]
                      else "not installed" if (row.get("deepspeed_missing") or "").startswith("not installed")
@@ -68,7 +83,8 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {row['cossd_gels']:.2f} | {row['torch_fused_gels']:.2f} | {row['torch_foreach_gels']:.2f} "
                      f"| {deepspeed} | {row['cossd_vs_fused']:.2f}x ({fused_low:.2f}-{fused_high:.2f}) "
                      f"| {row['cossd_vs_roofline']:.0%} ({roof_low:.0%}-{roof_high:.0%}) "
-                     f"| {row['cossd_device_gels']:.2f} ({row['device_update_vs_kernel']:.0%} of the kernel) |")
+                     f"| {row['cossd_device_gels']:.2f} ({_device_update_share(row)}) "
+                     f"| {_out_of_place_roofline(row)} |")
     missing = next((row["deepspeed_missing"] for row in report.get("kernel", []) if row.get("deepspeed_missing")), None)
     if missing:
         lines += ["", f"DeepSpeed CPUAdam: {missing}."]

@@ -146,7 +146,9 @@ def _run(args: argparse.Namespace) -> int:
         low, high = row["cossd_vs_fused_round_range"]
         say(f"  kernel, {threads} thread(s), same buffers for all: cossd {row['cossd_gels']:.2f} G el/s = "
              f"{row['cossd_vs_fused']:.2f}x torch fused ({row['torch_fused_gels']:.2f}; rounds {low:.2f}-{high:.2f}), "
-             f"{row['cossd_vs_roofline']:.0%} of the {row['adam_roofline_gels']:.2f} G el/s roofline")
+             f"{row['cossd_vs_roofline']:.0%} of the {row['adam_roofline_gels']:.2f} G el/s roofline; "
+             f"device block update {row['cossd_device_gels']:.2f} G el/s, "
+             f"{row['device_update_vs_out_of_place_roofline']:.0%} of its out-of-place roofline")
     if kernel_rows:
         report["kernel"] = kernel_rows
         report["rounds"] = rounds

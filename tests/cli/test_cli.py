@@ -204,6 +204,10 @@ def test_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
                              (True, "tmpfs", True, path), (True, "tmpfs", True, alone)])
     assert all(row["data_path_speedup"] > 0 for row in report["file_path"] if row["front_end"] == alone)
     assert kernel["cossd_device_gels"] > 0 and kernel["device_update_vs_kernel"] > 0
+    # The block update's own roofline (its streams out of place, trivial arithmetic).
+    assert kernel["out_of_place_roofline_gels"] > 0 and kernel["out_of_place_vs_in_place_roofline"] > 0
+    assert kernel["device_update_vs_out_of_place_roofline"] > 0
+    assert "of its roofline" in (tmp_path / "b/bench.md").read_text()
     assert all(row["vs_device_update_in_memory"] > 0 for row in report["file_path"])
     assert set(report["checkpoint"]) == {"cossd commit (device flushes in background)",
                                          "torch.save + fsync", "DCP async_save"}

@@ -963,15 +963,46 @@ def test_explicit_avx512_entry_points_refuse_without_cpu_support() -> None:
         assert count == int(k._ffi.cast("size_t", -1))
 
 
-def test_stream_probe_moves_every_stream() -> None:
+@pytest.mark.parametrize("path", ["scalar", *SIMD_PATHS])
+def test_stream_probe_moves_every_stream(path: str) -> None:
     """The roofline probe touches each of the step's streams (so its timing means something)."""
-    n = 1000
+    n = 1000  # 15 runs of 64 elements, then a tail
     grad_param = np.zeros(n, np.uint16)
     master, m, v = np.zeros(n, np.float32), np.ones(n, np.float32), np.full(n, 2, np.float32)
-    k.stream_probe(grad_param, master, m, v)
+    with kernel_path(path):
+        k.stream_probe(grad_param, master, m, v)
     assert (grad_param == 1).all() and (master == 1).all() and (m == 2).all() and (v == 3).all()
     with pytest.raises(KernelArgumentError):
         k.stream_probe(grad_param[:10], master, m, v)
+
+
+@pytest.mark.parametrize("path", ["scalar", *SIMD_PATHS])
+def test_stream_probe_out_of_place_moves_every_stream(path: str) -> None:
+    """The out-of-place probe writes every output from its input, whatever the outputs'
+    alignment (streaming where aligned, one by one where not), and leaves the inputs alone."""
+    n = 1000
+    for start in range(0, 18):  # every alignment of the outputs, in elements
+        grad = np.arange(n, dtype=np.uint16)
+        master, m, v = (np.full(n, value, np.float32) for value in (0, 1, 2))
+        master_out, m_out, v_out = (np.zeros(n + start, np.float32)[start:] for _ in range(3))
+        param_out = np.zeros(n + start, np.uint16)[start:]
+        with kernel_path(path):
+            k.stream_probe_out_of_place(grad, master, m, v, master_out, m_out, v_out, param_out)
+        assert (master_out == 1).all() and (m_out == 2).all() and (v_out == 3).all()
+        assert (param_out == (grad ^ 1)).all() and (master == 0).all() and (m == 1).all()
+    with pytest.raises(KernelArgumentError, match="same memory"):
+        k.stream_probe_out_of_place(grad, master, m, v, master, m_out, v_out, param_out)
+    with pytest.raises(KernelArgumentError):
+        k.stream_probe_out_of_place(grad[:10], master, m, v, master_out, m_out, v_out, param_out)
+
+
+def test_bench_shadow_arrays_start_on_a_page() -> None:
+    """The kernel bench's out-of-place contenders write page-aligned arrays, as the device's
+    mapped state regions are: streaming stores need aligned outputs."""
+    from cossd.harness.bench.kernel import KernelBuffers
+
+    buffers = KernelBuffers(4096 + 3, seed=0)
+    assert all(array.ctypes.data % 4096 == 0 and array.size == 4096 + 3 for array in buffers.shadow)
 
 
 # ---------------------------------------------------------------------------
