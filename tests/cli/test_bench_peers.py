@@ -133,6 +133,27 @@ def test_the_ram_row_says_why_it_cannot_run(tmp_path: Path, monkeypatch: pytest.
         run.close()
 
 
+def test_disk_probe_rewrites_a_written_file_as_deepspeeds_swap_does(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's disk rates: the write is a rewrite of blocks already written, in O_DIRECT
+    1 MiB requests (DeepSpeed never truncates its swap files), the read reads them back; the
+    first write is reported too. Only the requests are checked, not their speed."""
+    from cossd.harness.bench import peers_model
+
+    monkeypatch.setattr(peers_model, "PROBE_BYTES", 4 << 20)
+    calls: list[tuple[str, int]] = []
+    real_write, real_read = peers_model.os.pwritev, peers_model.os.preadv
+    monkeypatch.setattr(peers_model.os, "pwritev",
+                        lambda fd, buffers, offset: calls.append(("w", offset)) or real_write(fd, buffers, offset))
+    monkeypatch.setattr(peers_model.os, "preadv",
+                        lambda fd, buffers, offset: calls.append(("r", offset)) or real_read(fd, buffers, offset))
+    rates = peers_model.disk_rates(tmp_path)
+    blocks = [i << 20 for i in range(4)]
+    assert calls == [("w", o) for o in blocks] * 2 + [("r", o) for o in blocks]
+    assert set(rates) == {"write_bytes_per_s", "read_bytes_per_s", "first_write_bytes_per_s"}
+    assert all(rate > 0 for rate in rates.values()) and not list(tmp_path.iterdir())
+
+
 def test_volume_fits_and_is_whole_mib() -> None:
     """25M params x 48 B is not a multiple of 4 KiB: the namespace would be refused."""
     for sizes in ((TINY,), (25_000_000,), (25_000_000, 100_000_000)):
