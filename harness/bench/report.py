@@ -50,7 +50,7 @@ def cpu_name() -> str:
 def _device_update_share(row: dict[str, Any]) -> str:
     """The block update as a share of the kernel, and of its own roofline where measured."""
     share = f"{row['device_update_vs_kernel']:.0%} of the kernel"
-    if row.get("device_update_vs_out_of_place_roofline") is not None:  # reports before 2026-12-07 lack it
+    if row.get("device_update_vs_out_of_place_roofline") is not None:  # older reports lack it
         share += f", {row['device_update_vs_out_of_place_roofline']:.0%} of its roofline"
     return share
 
