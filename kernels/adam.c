@@ -113,12 +113,8 @@ COSSD_AVX512 static void stream_probe_avx512(uint16_t *grad_param, float *master
         for (int u = 0; u < 4; u++)
             _mm256_storeu_si256((__m256i *)(void *)(grad_param + i + 16 * u), _mm256_xor_si256(h[u], flip));
     }
-    for (; i < n; i++) {
-        master[i] += 1.0f;
-        exp_avg[i] += 1.0f;
-        exp_avg_sq[i] += 1.0f;
-        grad_param[i] = (uint16_t)(grad_param[i] ^ 1u);
-    }
+    grad_param += i, master += i, exp_avg += i, exp_avg_sq += i, n -= i; /* the tail */
+    STREAM_PROBE_LOOP
 }
 #endif
 

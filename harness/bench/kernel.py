@@ -288,15 +288,14 @@ def kernel_row(n: int, repeat: int, threads: int, rounds: int = 3) -> dict[str, 
                 round_ratios.setdefault(name, []).append(statistics.median(ratios))
         del contenders, present, buffers
     rate = {name: n / statistics.median(times) / 1e9 for name, times in samples.items()}
-    # cossd's speed over another's, paired turn by turn (the same moment, the same pages).
-    ratio = {name: statistics.median(theirs / ours for theirs, ours in zip(samples[name], samples["cossd"]))
-             for name in samples if name != "cossd"}
-    spread = {name: [min(values), max(values)] for name, values in round_ratios.items()}
 
     def speed_over(name: str, other: str) -> float:
-        """name's speed over other's: the median of their turn-by-turn time ratios."""
+        """name's speed over other's, paired turn by turn (the same moment, the same pages):
+        the median of their time ratios."""
         return statistics.median(theirs / ours for ours, theirs in zip(samples[name], samples[other]))
 
+    ratio = {name: speed_over("cossd", name) for name in samples if name != "cossd"}  # cossd over each
+    spread = {name: [min(values), max(values)] for name, values in round_ratios.items()}
     return {
         "threads": threads,
         "rounds": rounds,
