@@ -114,28 +114,23 @@ static int step_crc_in_registers(const void *grad, int gfmt, const float *mi, co
                                  float *mo, void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt,
                                  size_t n, const cossd_adam_scalars *s, uint32_t crc[4], size_t *nonfinite);
 
-int cossd_adam_step_crc(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
-                        const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
-                        int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,
-                        uint32_t *crc_out)
+/* Steps n elements (every pointer already at the range's first element), continuing the four
+ * output streams' CRC values crc[] (value semantics: 0 before a stream's first byte), and adds
+ * the range's inf/NaN gradient elements to *nonfinite where it is not NULL. Consecutive ranges
+ * through one crc[] give the CRCs of one call over all of them. */
+static int step_crc_range(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                          const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                          int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt, size_t n,
+                          const cossd_adam_scalars *s, uint32_t crc[4], size_t *nonfinite)
 {
-    return cossd_adam_step_crc_copy(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
-                                    exp_avg_sq_out, state_fmt, param_out, NULL, param_fmt, n, s, crc_out, NULL, NULL);
-}
-
-int cossd_adam_step_crc_copy(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
-                             const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
-                             int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt, size_t n,
-                             const cossd_adam_scalars *s, uint32_t *crc_out, uint32_t *param_crc_out,
-                             size_t *nonfinite_out)
-{
-    size_t nonfinite = 0;
-    int rc = adam_check(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
-                        exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
-    if (rc != COSSD_OK)
-        return rc;
-    if (!crc_out)
-        return COSSD_ERR_NULL;
+    size_t counted = 0;
+    if (n && step_crc_in_registers(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                                   exp_avg_sq_out, state_fmt, param_out, param_copy, param_fmt, n, s, crc,
+                                   &counted)) {
+        if (nonfinite) /* no scratch: the checksum was folded from the registers */
+            *nonfinite += counted;
+        return COSSD_OK;
+    }
     size_t ssz = state_fmt == COSSD_STATE_BF16 ? 2 : 4;
     size_t gsz = grad_itemsize(grad_fmt);
     /* One chunk's outputs, in cache: 14 KiB on the stack (a thread-local buffer in a shared
@@ -144,18 +139,14 @@ int cossd_adam_step_crc_copy(const void *grad, int grad_fmt, const float *master
     float scratch_avg[STEP_CRC_CHUNK] __attribute__((aligned(64)));
     float scratch_avg_sq[STEP_CRC_CHUNK] __attribute__((aligned(64)));
     uint16_t scratch_param[STEP_CRC_CHUNK] __attribute__((aligned(64)));
-    uint32_t crc[4] = {0, 0, 0, 0};
-    if (n && step_crc_in_registers(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
-                                   exp_avg_sq_out, state_fmt, param_out, param_copy, param_fmt, n, s, crc,
-                                   &nonfinite))
-        goto combine; /* no scratch: the checksum was folded from the registers */
     for (size_t i = 0; i < n; i += STEP_CRC_CHUNK) {
         size_t count = n - i < STEP_CRC_CHUNK ? n - i : STEP_CRC_CHUNK;
-        if (nonfinite_out) /* this chunk's gradient, about to be read by the step too */
-            nonfinite += cossd_count_nonfinite((const uint8_t *)grad + i * gsz, grad_fmt, count);
-        rc = cossd_adam_step((const uint8_t *)grad + i * gsz, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
-                             (const uint8_t *)exp_avg_sq_in + i * ssz, scratch_master, scratch_avg, scratch_avg_sq,
-                             state_fmt, scratch_param, param_fmt, count, s);
+        if (nonfinite) /* this chunk's gradient, about to be read by the step too */
+            *nonfinite += cossd_count_nonfinite((const uint8_t *)grad + i * gsz, grad_fmt, count);
+        int rc = cossd_adam_step((const uint8_t *)grad + i * gsz, grad_fmt, master_in + i,
+                                 (const uint8_t *)exp_avg_in + i * ssz, (const uint8_t *)exp_avg_sq_in + i * ssz,
+                                 scratch_master, scratch_avg, scratch_avg_sq, state_fmt, scratch_param, param_fmt,
+                                 count, s);
         if (rc != COSSD_OK)
             return rc;
         const uint8_t *const outputs[4] = {(const uint8_t *)scratch_master, (const uint8_t *)scratch_avg,
@@ -172,14 +163,105 @@ int cossd_adam_step_crc_copy(const void *grad, int grad_fmt, const float *master
 #if COSSD_X86
     _mm_sfence(); /* streaming stores are weakly ordered: visible before the caller goes on */
 #endif
-combine:;
-    if (nonfinite_out)
-        *nonfinite_out = nonfinite;
+    return COSSD_OK;
+}
+
+/* The block's CRC from its four streams' (master, moments, param: their bytes one after the
+ * other), and the params' alone. */
+static void block_crcs(const uint32_t crc[4], size_t n, size_t ssz, uint32_t *crc_out, uint32_t *param_crc_out)
+{
     if (param_crc_out) /* the params alone: what a restart checks before it serves them */
         *param_crc_out = crc[3];
     uint32_t block = cossd_crc32c_combine(crc[0], crc[1], (uint64_t)n * ssz);
     block = cossd_crc32c_combine(block, crc[2], (uint64_t)n * ssz);
     *crc_out = cossd_crc32c_combine(block, crc[3], (uint64_t)n * 2);
+}
+
+int cossd_adam_step_crc(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                        const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                        int state_fmt, uint16_t *param_out, int param_fmt, size_t n, const cossd_adam_scalars *s,
+                        uint32_t *crc_out)
+{
+    return cossd_adam_step_crc_copy(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                                    exp_avg_sq_out, state_fmt, param_out, NULL, param_fmt, n, s, crc_out, NULL, NULL);
+}
+
+int cossd_adam_step_crc_copy(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                             const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                             int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt, size_t n,
+                             const cossd_adam_scalars *s, uint32_t *crc_out, uint32_t *param_crc_out,
+                             size_t *nonfinite_out)
+{
+    int rc = adam_check(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                        exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
+    if (rc != COSSD_OK)
+        return rc;
+    if (!crc_out)
+        return COSSD_ERR_NULL;
+    uint32_t crc[4] = {0, 0, 0, 0};
+    size_t nonfinite = 0;
+    rc = step_crc_range(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                        exp_avg_sq_out, state_fmt, param_out, param_copy, param_fmt, n, s, crc,
+                        nonfinite_out ? &nonfinite : NULL);
+    if (rc != COSSD_OK)
+        return rc;
+    if (nonfinite_out)
+        *nonfinite_out = nonfinite;
+    block_crcs(crc, n, state_fmt == COSSD_STATE_BF16 ? 2 : 4, crc_out, param_crc_out);
+    return COSSD_OK;
+}
+
+/* Gradient elements cossd_adam_step_crc_lent reads from lent memory per round: 16 KiB of
+ * FP32 (8 KiB of FP16), held in L1 from the copy to the step. */
+#define LENT_CHUNK ((size_t)4096)
+
+int cossd_adam_step_crc_lent(const void *grad, int grad_fmt, const float *master_in, const void *exp_avg_in,
+                             const void *exp_avg_sq_in, float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                             int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt, size_t n,
+                             const cossd_adam_scalars *s, uint32_t *crc_out, uint32_t *param_crc_out,
+                             size_t *nonfinite_out, size_t *stepped_out)
+{
+    int rc = adam_check(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                        exp_avg_sq_out, state_fmt, param_out, param_fmt, n, s);
+    if (rc != COSSD_OK)
+        return rc;
+    if (!crc_out || !nonfinite_out || !stepped_out)
+        return COSSD_ERR_NULL;
+    *stepped_out = 0;
+    size_t ssz = state_fmt == COSSD_STATE_BF16 ? 2 : 4;
+    size_t gsz = grad_itemsize(grad_fmt);
+    uint8_t chunk[LENT_CHUNK * 4] __attribute__((aligned(64)));
+    uint32_t crc[4] = {0, 0, 0, 0};
+    size_t nonfinite = 0;
+    for (size_t i = 0; i < n; i += LENT_CHUNK) {
+        size_t count = n - i < LENT_CHUNK ? n - i : LENT_CHUNK;
+        const uint8_t *lent = (const uint8_t *)grad + i * gsz;
+        if (nonfinite) { /* the block is lost: only the count of the rest is still wanted */
+            nonfinite += cossd_count_nonfinite(lent, grad_fmt, count);
+            continue;
+        }
+        /* Read once, into memory only this call writes: what is counted is what is stepped,
+         * whatever the lender does to its buffer meanwhile. */
+        memcpy(chunk, lent, count * gsz);
+        nonfinite = cossd_count_nonfinite(chunk, grad_fmt, count);
+        if (nonfinite)
+            continue;
+        rc = step_crc_range(chunk, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
+                            (const uint8_t *)exp_avg_sq_in + i * ssz, master_out + i,
+                            (uint8_t *)exp_avg_out + i * ssz, (uint8_t *)exp_avg_sq_out + i * ssz, state_fmt,
+                            param_out + i, param_copy ? param_copy + i : NULL, param_fmt, count, s, crc, NULL);
+        if (rc != COSSD_OK)
+            return rc;
+        *stepped_out += count;
+    }
+    *nonfinite_out = nonfinite;
+    if (nonfinite) {
+        *crc_out = 0;
+        if (param_crc_out)
+            *param_crc_out = 0;
+        return COSSD_OK;
+    }
+    block_crcs(crc, n, ssz, crc_out, param_crc_out);
     return COSSD_OK;
 }
 
@@ -343,8 +425,8 @@ adam_avx512_crc_dispatch(const uint16_t *grad, int gfmt, const float *mi, const 
 }
 #endif
 
-/* cossd_adam_step_crc with the checksum folded from the registers, where the CPU and formats
- * allow; returns 0 (nothing done) otherwise. crc[] receives the four stream CRCs. */
+/* step_crc_range with the checksum folded from the registers, where the CPU and formats
+ * allow; returns 0 (nothing done) otherwise. crc[] holds the four streams' running CRC values. */
 static int step_crc_in_registers(const void *grad, int gfmt, const float *mi, const void *ai, const void *vi,
                                  float *mo, void *ao, void *vo, int sfmt, uint16_t *po, uint16_t *po2, int pfmt,
                                  size_t n, const cossd_adam_scalars *s, uint32_t crc[4], size_t *nonfinite)
@@ -356,7 +438,7 @@ static int step_crc_in_registers(const void *grad, int gfmt, const float *mi, co
     if (!g_has_vpclmul || sfmt != COSSD_STATE_FP32 || simd_level_now() != COSSD_SIMD_AVX512 || !half_fmt_ok(gfmt))
         return 0;
     adam_k k = adam_load_scalars(s);
-    uint32_t reg[4] = {~0u, ~0u, ~0u, ~0u}; /* the registers of CRC value 0 */
+    uint32_t reg[4] = {~crc[0], ~crc[1], ~crc[2], ~crc[3]}; /* the running CRC values' registers */
     *nonfinite = adam_avx512_crc_dispatch((const uint16_t *)grad, gfmt, mi, ai, vi, mo, ao, vo, sfmt, po, po2, pfmt, n, &k, reg);
     for (int i = 0; i < 4; i++)
         crc[i] = ~reg[i];

@@ -94,6 +94,9 @@ size_t cossd_count_nonfinite(const void *grad, int fmt, size_t n);
 size_t cossd_count_nonfinite_scalar(const void *grad, int fmt, size_t n);
 size_t cossd_count_nonfinite_avx2(const void *grad, int fmt, size_t n);
 size_t cossd_count_nonfinite_avx512(const void *grad, int fmt, size_t n);
+/* Copies n gradient elements from src (memory that may change meanwhile) into dst and returns
+ * the count of dst's inf/NaN elements, or (size_t)-1 on bad arguments. */
+size_t cossd_copy_count_nonfinite(const void *src, void *dst, int fmt, size_t n);
 
 int cossd_master_to_param(const float *master, uint16_t *param_out, int param_fmt, size_t n);
 int cossd_master_to_param_scalar(const float *master, uint16_t *param_out, int param_fmt, size_t n);
@@ -140,6 +143,20 @@ int cossd_adam_step_crc_copy(const void *grad, int grad_fmt, const float *master
                              int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt,
                              size_t n, const cossd_adam_scalars *s, uint32_t *crc_out,
                              uint32_t *param_crc_out, size_t *nonfinite_out);
+
+/* cossd_adam_step_crc_copy for a gradient in memory its lender may change meanwhile (a
+ * controller memory buffer): each round copies the next 4096 elements into memory of its
+ * own, counts their inf/NaN elements there and steps that copy, so every element is read once
+ * and what is counted is what is stepped. The first non-finite element ends the stepping: the
+ * block is lost (*crc_out and *param_crc_out 0), the rounds before it have written their
+ * outputs (*stepped_out: the elements stepped, n for a finite block), and the rest is only
+ * counted. nonfinite_out and stepped_out are required. */
+int cossd_adam_step_crc_lent(const void *grad, int grad_fmt, const float *master_in,
+                             const void *exp_avg_in, const void *exp_avg_sq_in,
+                             float *master_out, void *exp_avg_out, void *exp_avg_sq_out,
+                             int state_fmt, uint16_t *param_out, uint16_t *param_copy, int param_fmt,
+                             size_t n, const cossd_adam_scalars *s, uint32_t *crc_out,
+                             uint32_t *param_crc_out, size_t *nonfinite_out, size_t *stepped_out);
 
 /* Adam step over block-scaled moments (any state_fmt; FP32 and BF16 ignore the scales and run
  * cossd_adam_step). exp_avg_* and exp_avg_sq_* hold n codes (uint16_t for FP16, uint8_t for

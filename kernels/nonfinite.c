@@ -1,6 +1,12 @@
 /* nonfinite.c: the count of a gradient's inf/NaN elements, per level (scalar, AVX2, AVX-512) and dispatching. */
 
+#include <string.h>
+
 #include "cossd_internal.h"
+
+/* cossd_copy_count_nonfinite copies this many bytes, then counts them in the destination
+ * while they are still in L1 (Zen 4 and recent Intel cores have 32-48 KiB of it). */
+#define COPY_COUNT_CHUNK_BYTES ((size_t)16384)
 
 /* The AVX2 and AVX-512 counters are two algorithms (per-lane counters against opmask
  * popcounts), not one body in two widths, so they are written out here, each with its
@@ -120,4 +126,26 @@ size_t cossd_count_nonfinite_avx512(const void *grad, int fmt, size_t n)
 size_t cossd_count_nonfinite(const void *grad, int fmt, size_t n)
 {
     return count_nonfinite_at(simd_level_now(), grad, fmt, n);
+}
+
+/* Copies a gradient out of memory another party may change (a lent CMB window) into `dst`,
+ * and counts dst's inf/NaN elements: one pass over the source where a copy and a count would
+ * take two over the whole block. Counting the destination, never the source, is what makes
+ * it safe: whatever the source held while it was read, the count is of the values the caller
+ * then steps. src and dst must not overlap. */
+size_t cossd_copy_count_nonfinite(const void *src, void *dst, int fmt, size_t n)
+{
+    if (!grad_fmt_ok(fmt) || (n > 0 && (!src || !dst)))
+        return COSSD_COUNT_ERROR;
+    int level = simd_level_now();
+    size_t itemsize = grad_itemsize(fmt);
+    size_t chunk = COPY_COUNT_CHUNK_BYTES / itemsize;
+    size_t count = 0;
+    for (size_t done = 0; done < n; done += chunk) {
+        size_t part = n - done < chunk ? n - done : chunk;
+        void *out = (char *)dst + done * itemsize;
+        memcpy(out, (const char *)src + done * itemsize, part * itemsize);
+        count += count_nonfinite_at(level, out, fmt, part);
+    }
+    return count;
 }

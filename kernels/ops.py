@@ -182,6 +182,22 @@ class BlockUpdate:
         gives it, the gradient's inf/NaN elements, the CRC32C of the new params alone). `param_copy` (as many 16-bit elements) also
         receives the new params, in the same pass. A gradient with non-finite elements still
         steps (into outputs the caller then discards)."""
+        return self._run(_lib.cossd_adam_step_crc_copy, grad, start, scalars, param_copy)
+
+    def lent(self, grad: Any, start: int, scalars: AdamScalars,
+             param_copy: Any = None) -> tuple[int, int, int, int]:
+        """__call__ for a gradient in memory its lender may change meanwhile (a CMB window):
+        read once, a few thousand elements at a time into memory of the kernel's own, counted
+        there and stepped from there. (CRC, non-finite elements, param CRC, elements stepped).
+        A non-finite element ends the stepping: the elements before its round of 4096 are
+        stepped and written (the caller discards the block), and the CRCs are then 0."""
+        stepped = _ffi.new("size_t *")
+        crc, nonfinite, param_crc = self._run(
+            lambda *args: _lib.cossd_adam_step_crc_lent(*args, stepped), grad, start, scalars, param_copy)
+        return crc, nonfinite, param_crc, int(stepped[0])
+
+    def _run(self, kernel: Any, grad: Any, start: int, scalars: AdamScalars,
+             param_copy: Any) -> tuple[int, int, int]:
         g = _grad_buf(grad, self._gfmt)
         n = g.arr.size
         if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + n > self.n:
@@ -206,8 +222,8 @@ class BlockUpdate:
         crc = _ffi.new("uint32_t *")
         param_crc = _ffi.new("uint32_t *")
         nonfinite = _ffi.new("size_t *")
-        _check_rc(_lib.cossd_adam_step_crc_copy(g.ptr, self._gfmt, mi, ai, vi, mo, ao, vo, self._sfmt, po, copy,
-                                                self._pfmt, n, scalars._c, crc, param_crc, nonfinite), "BlockUpdate")
+        _check_rc(kernel(g.ptr, self._gfmt, mi, ai, vi, mo, ao, vo, self._sfmt, po, copy,
+                         self._pfmt, n, scalars._c, crc, param_crc, nonfinite), "BlockUpdate")
         return int(crc[0]), int(nonfinite[0]), int(param_crc[0])
 
 
@@ -220,6 +236,24 @@ def count_nonfinite(grad: Any, fmt: GradFormat | HalfFormat) -> int:
     count = _lib.cossd_count_nonfinite(g.ptr, f, g.arr.size)
     if count == _COUNT_ERROR:
         raise KernelArgumentError("count_nonfinite: C kernel rejected its arguments")
+    return int(count)
+
+
+def copy_count_nonfinite(source: Any, destination: Any, fmt: GradFormat | HalfFormat) -> int:
+    """Copy a gradient from memory that may change meanwhile (a lent CMB window) into
+    `destination` and return the number of inf/NaN elements the copy holds: one pass over
+    the source, and the count is of exactly the values left in `destination`."""
+    f = _grad_format_arg(fmt, "fmt")
+    src = _grad_buf(source, f, "source")
+    dst = _grad_buf(destination, f, "destination", output=True)
+    _check_lengths([src, dst])
+    if src.start < dst.end and dst.start < src.end:
+        raise KernelArgumentError("source and destination overlap")
+    if src.arr.size == 0:
+        return 0
+    count = _lib.cossd_copy_count_nonfinite(src.ptr, dst.ptr, f, src.arr.size)
+    if count == _COUNT_ERROR:
+        raise KernelArgumentError("copy_count_nonfinite: C kernel rejected its arguments")
     return int(count)
 
 

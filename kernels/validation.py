@@ -125,13 +125,13 @@ def _grad_format_arg(value: Any, name: str = "grad_format") -> int:
     return _enum_arg(name, value, GradFormat)
 
 
-def _grad_buf(obj: Any, gfmt: int) -> "_Buf":
+def _grad_buf(obj: Any, gfmt: int, name: str = "grad", output: bool = False) -> "_Buf":
     """The gradient buffer of format gfmt: float32 for FP32, uint8 codes for FP8, else 16-bit."""
     if gfmt == GradFormat.FP32:
-        return _buf("grad", obj, (_F32,), _F32_CTYPE)
+        return _buf(name, obj, (_F32,), _F32_CTYPE, output)
     if gfmt in (GradFormat.FP8_E4M3, GradFormat.FP8_E5M2):
-        return _buf("grad", obj, (_U8,), "uint8_t[]")
-    return _buf("grad", obj, _half_dtypes(gfmt), _HALF_CTYPE)
+        return _buf(name, obj, (_U8,), "uint8_t[]", output)
+    return _buf(name, obj, _half_dtypes(gfmt), _HALF_CTYPE, output)
 
 
 def _half_dtypes(fmt: int) -> tuple[np.dtype, ...]:

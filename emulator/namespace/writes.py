@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -22,8 +23,9 @@ from .steps import StepEngine
 
 log = logging.getLogger("cossd.emulator.namespace")
 
-# write_grads_lent stages lent gradients in pieces of this many elements (4 blocks).
-_LENT_STAGE_ELEMS = 4 * BLOCK_ELEMS
+# write_grads_lent stages lent gradients in pieces of this many elements (16 blocks, 4 MiB of
+# FP16): each piece is one pass of the lock and of the step's bookkeeping.
+_LENT_STAGE_ELEMS = 16 * BLOCK_ELEMS
 # Bytes of one param element handed back (FP16/BF16), whatever the gradients' format.
 _PARAM_ITEMSIZE = 2
 # The most blocks of a step queued for the kernel workers at once from written (not lent)
@@ -32,9 +34,27 @@ _PARAM_ITEMSIZE = 2
 # with the step's gradients (docs/benchmarks.md, "Scale"). 64 blocks: 32 MiB.
 MAX_QUEUED_BLOCKS = 64
 
+# The most ready blocks of one request a kernel worker takes as one task: a task's Python
+# (the hand-off to the worker, the lock, the step's bookkeeping) is paid once for them. Two:
+# a step's last task then leaves the other worker idle for one block at most, and a 1 MiB
+# write of FP16 gradients (two blocks) is one task.
+_BLOCKS_PER_TASK = 2
+
 # Gradients lent to write_grads_lent: (tensor, byte offset in its grad file, the bytes, where
 # the new params go or None).
 GradPieces = Sequence[tuple[str, int, bytes | memoryview | np.ndarray, np.ndarray | None]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _BlockOutcome:
+    """What a block's update leaves for the step to record (StepTransaction.finish)."""
+
+    block: ReadyBlock
+    crc: int
+    param_crc: int
+    nonfinite: int
+    written: int  # media bytes the update wrote; 0 where it did not run
+    elapsed_ns: int
 
 
 def _immutable(data: bytes | memoryview | np.ndarray) -> bool:
@@ -291,9 +311,10 @@ class GradientWrites:
         # A block that fails marks the step (tx.error), and its commit reports it.
         queued = 0
         try:
-            for block in ready:
-                future = self.core.workers.submit(self._run_block_in_background, tx, block)
-                queued += 1
+            for first in range(0, len(ready), _BLOCKS_PER_TASK):
+                run = ready[first : first + _BLOCKS_PER_TASK]
+                future = self.core.workers.submit(self._run_blocks_in_background, tx, run)
+                queued += len(run)
                 if lent is not None:
                     lent.append(future)
         finally:
@@ -314,17 +335,33 @@ class GradientWrites:
                 return self.steps.commit_locked(tx)
             return None
 
-    def _run_block_in_background(self, tx: StepTransaction, block: ReadyBlock) -> None:
+    def _run_blocks_in_background(self, tx: StepTransaction, blocks: Sequence[ReadyBlock]) -> None:
+        """Update a run of ready blocks, one after the other, then record them all in one
+        pass of the lock. A block that fails marks the step (tx.error) and the others still
+        run, as they would on their own."""
+        finished: list[_BlockOutcome] = []
         try:
-            # Modeled as the controller's own work; in timed mode the block (and so the
-            # commit that waits for it) finishes no earlier than the model says.
-            with self.core.timing.command("kernel_block", host_command=False):
-                self._run_block(tx, block)
-        except DeviceError:
-            pass  # recorded in tx.error and logged; the commit reports it
+            skipped = False  # a block of this run was non-finite: the step will be skipped
+            for block in blocks:
+                try:
+                    # Modeled as the controller's own work; in timed mode the block (and so
+                    # the commit that waits for it) finishes no earlier than the model says.
+                    with self.core.timing.command("kernel_block", host_command=False):
+                        outcome = self._run_block(tx, block, skipped)
+                except DeviceError:
+                    continue  # recorded in tx.error and logged; the commit reports it
+                skipped = skipped or outcome.nonfinite > 0
+                finished.append(outcome)
         finally:
             with self.core.cond:
-                tx.inflight -= 1
+                for outcome in finished:
+                    tx.finish(outcome.block, outcome.crc, outcome.nonfinite,
+                              copied=outcome.written > 0 and outcome.block.param_copy is not None,
+                              param_crc=outcome.param_crc)
+                    self.core.counters.kernel_blocks += 1
+                    self.core.counters.kernel_ns += outcome.elapsed_ns
+                    self.core.counters.media_bytes_written += outcome.written
+                tx.inflight -= len(blocks)
                 self.core.cond.notify_all()
 
     def _block_update(self, source: Copy, tensor: TensorLayout) -> kernels.BlockUpdate:
@@ -369,8 +406,10 @@ class GradientWrites:
                 state.start_writeback(region, out.nbytes)
         return crc, param_crc, sum(out.nbytes for out in outputs)
 
-    def _run_block(self, tx: StepTransaction, block: ReadyBlock) -> None:
-        """Check and update one complete gradient block into the shadow copy."""
+    def _run_block(self, tx: StepTransaction, block: ReadyBlock, skipped: bool) -> "_BlockOutcome":
+        """Check and update one complete gradient block into the shadow copy; what the step
+        records of it (_run_blocks_in_background records it). `skipped`: a block before it
+        was found non-finite, so the step will be skipped and this one need not update."""
         try:
             started = time.perf_counter_ns()
             committed = self.core.sb.committed_copy
@@ -383,20 +422,39 @@ class GradientWrites:
             mapped = state.write_mode == "mapped"
             buffers = self._staging(stop - start)
             grad = block.grad
-            if block.shared:
+            # Once the step is known to be skipped there is no point updating the shadow.
+            stepping = not skipped and tx.nonfinite == 0
+            # A whole lent block (the CMB) stepped into the shadow's mapping: the kernel reads
+            # it once, a few thousand elements at a time into memory of its own, counts them
+            # there and steps them from there, and stops at the first non-finite element
+            # (BlockUpdate.lent): no block-sized copy written and read back.
+            lent_kernel = block.shared and mapped and not self.core.scaled and stepping
+            if lent_kernel:
+                scalars = tx.scalars_of(tensor.name, self.core.group_of[tensor.name], block.local_block)
+                state.before_mapped_write()
+                crc, nonfinite, param_crc, stepped = self._block_update(committed, tensor).lent(
+                    grad, start, scalars, block.param_copy)
+                # A non-finite block's rounds before its first non-finite element were written
+                # too: media bytes written, though the block stays unfinished (written 0).
+                stepped_bytes = stepped * sum(self.core.role_dtype(role).itemsize for role in BLOCK_ROLES)
+                if nonfinite:
+                    with self.core.lock:
+                        self.core.counters.media_bytes_written += stepped_bytes
+                else:
+                    written = stepped_bytes
+            elif block.shared:
                 # Every element of a lent gradient is read from the host's memory exactly once:
-                # copied into this thread's buffer, which alone is counted and stepped, so the
-                # step always uses the values it was checked on.
+                # copied into this thread's buffer, which alone is counted (in the same pass)
+                # and stepped, so the step always uses the values it was checked on.
                 grad = buffers["grad"]
-                np.copyto(grad, block.grad)
-            # Counted before the step, from memory only the device writes: a block found
-            # non-finite never reaches the shadow copy, which still holds the step before
-            # the committed one (the fallback; see StepEngine.commit_locked).
-            nonfinite = kernels.count_nonfinite(grad, self.core.grad_format)
+                nonfinite = kernels.copy_count_nonfinite(block.grad, grad, self.core.grad_format)
+            else:
+                nonfinite = kernels.count_nonfinite(grad, self.core.grad_format)
             if nonfinite:  # per tensor, for log page C6h's FP8 gradient figures
                 self.core.state_counters.grad_nonfinite(tensor.name, nonfinite)
-            # Once the step is known to be skipped there is no point updating the shadow.
-            if not nonfinite and tx.nonfinite == 0:
+            # Counted before the step, from memory only the device writes: such a block found
+            # non-finite never reaches the shadow copy (see StepEngine.commit_locked).
+            if not nonfinite and stepping and not lent_kernel:
                 # The block's own: an FP8 slice's scale, where its codes carry one.
                 scalars = tx.scalars_of(tensor.name, self.core.group_of[tensor.name], block.local_block)
                 if self.core.scaled:
@@ -438,12 +496,7 @@ class GradientWrites:
                 tx.error = exc
             log.exception("namespace %s: kernel failed on %s block %d", self.core.name, block.tensor.name, block.local_block)
             raise DeviceError(Status.INTERNAL_ERROR, f"kernel failed: {exc}") from exc
-        with self.core.lock:
-            tx.finish(block, crc, nonfinite, copied=written > 0 and block.param_copy is not None,
-                      param_crc=param_crc)
-            self.core.counters.kernel_blocks += 1
-            self.core.counters.kernel_ns += elapsed
-            self.core.counters.media_bytes_written += written
         if written:  # the kernel ran: master and moments read, the new state written
             self.core.timing.add(media_read=(stop - start) * (4 + 2 * self.core.state_dtype.itemsize),
-                            media_write=written, elements=stop - start)
+                                 media_write=written, elements=stop - start)
+        return _BlockOutcome(block, crc, param_crc, nonfinite, written, elapsed)

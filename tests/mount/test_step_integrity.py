@@ -267,6 +267,41 @@ def test_a_skip_that_stepped_blocks_before_its_nonfinite_one_leaves_no_false_fal
             assert device.namespace("opt").committed_step == 1 and _state(device.namespace("opt")) == step_1
 
 
+def test_a_lent_block_nonfinite_past_its_first_round_is_skipped_and_refused_as_a_fallback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lent gradient (the CMB's path, state stored into the mapping) whose only non-finite
+    element lies deep in its block: the kernel steps the block's rounds before it into the
+    fallback copy, and stops. The step is skipped, the committed state and the host's param
+    copy are step 2's, the bytes written are counted, and a corrupted step-2 copy is then
+    refused at the remount rather than served from a fallback that is no longer step 1."""
+    monkeypatch.setenv("COSSD_STATE_WRITES", "mapped")
+    root = _tmpfs_dir()
+    try:
+        backing = root / "backing"
+        Device.format(backing)
+        with Device.open(backing) as device:
+            ns = device.create_namespace(NamespaceSpec(name="opt", tensors=(TensorSpec("w", BLOCK_ELEMS),)))
+            _load(ns)
+            assert not _step(ns, 1) and not _step(ns, 2)
+            step_2 = _state(ns)
+            grad = (np.random.default_rng(3).standard_normal(BLOCK_ELEMS) * 0.01).astype(np.float16)
+            grad[3 * 4096 + 5] = np.nan  # in the fourth of the kernel's rounds of 4096
+            params = np.full(2 * BLOCK_ELEMS, 0xAB, dtype=np.uint8)
+            written = ns.counters.media_bytes_written
+            result = ns.write_grads_lent([("w", 0, grad.view(np.uint8), params)])
+            assert result is not None and result.skipped and result.nonfinite_elements == 1
+            assert ns.committed_step == 2 and _state(ns) == step_2
+            assert params.tobytes() == step_2["w/param"]
+            # Three rounds of 4096 elements, 14 bytes each (master, moments, param), and the
+            # skip record: what the kernel stored into the fallback copy is counted.
+            assert ns.counters.media_bytes_written - written >= 3 * 4096 * 14
+            ns.corrupt_block("w", 0)
+        with Device.open(backing) as device:
+            assert "no committed step passes its checksums" in str(device.failed_namespaces["opt"])
+    finally:
+        shutil.rmtree(root)
+
+
 def commit_and_skip_sequences(tmp_path: Path, trials: int, figures: list[str]) -> None:
     """Random sequences of commits and skips: after each, the two slots name the newest two
     committed steps, in the two copies, and the skip counters match; a clean remount keeps

@@ -588,15 +588,15 @@ def test_a_writer_faster_than_the_kernels_waits_instead_of_queuing_without_bound
     ns = device.create_namespace(NamespaceSpec(name="queue", tensors=(TensorSpec("w", blocks * BLOCK_ELEMS),)))
     ns.max_queued_blocks = 4
     held = threading.Event()
-    run = ns.writes._run_block_in_background
+    run = ns.writes._run_blocks_in_background
     most = [0]
 
-    def held_block(tx, block):  # type: ignore[no-untyped-def]
+    def held_blocks(tx, blocks):  # type: ignore[no-untyped-def]
         most[0] = max(most[0], tx.inflight)
         held.wait(60)
-        run(tx, block)
+        run(tx, blocks)
 
-    ns.writes._run_block_in_background = held_block  # type: ignore[method-assign]
+    ns.writes._run_blocks_in_background = held_blocks  # type: ignore[method-assign]
     grads = (np.random.default_rng(9).standard_normal(blocks * BLOCK_ELEMS) * 0.01).astype(np.float16).tobytes()
     begun = ns.begin_step()
     writer = threading.Thread(target=lambda: [ns.write_grad("w", 2 * BLOCK_ELEMS * b, grads[2 * BLOCK_ELEMS * b:

@@ -644,14 +644,15 @@ def test_adam_step_crc_refuses_overlap_and_bad_arguments() -> None:
                            np.empty(0, np.float32), *empty, **kw) == 0
 
 
+@pytest.mark.parametrize("kernel", ["__call__", "lent"])
 @pytest.mark.parametrize("path", path_params())
 @pytest.mark.parametrize(("gfmt", "pfmt", "sfmt", "hyper"), ADAM_COMBOS, ids=ADAM_IDS)
 def test_block_update_equals_adam_step_crc_on_each_range(
-    path: str, gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper
+    path: str, gfmt: HalfFormat, pfmt: HalfFormat, sfmt: StateFormat, hyper: AdamHyper, kernel: str
 ) -> None:
-    """The device's checked-once call: ranges at any start and length (a block, a tail, one
-    element) give adam_step_crc's bits and checksum, and only their own elements change; a
-    param copy, aligned or not, receives exactly the params."""
+    """The device's checked-once call, and its call for lent memory: ranges at any start and
+    length (a block, a tail, one element) give adam_step_crc's bits and checksum, and only
+    their own elements change; a param copy, aligned or not, receives exactly the params."""
     n = 3 * 4096 + 77
     inp = make_inputs(n, gfmt, sfmt, seed=3)
     scalars = k.adam_scalars(hyper, step=4, grad_scale=2.0)
@@ -666,8 +667,11 @@ def test_block_update_equals_adam_step_crc_on_each_range(
             s = slice(start, stop)
             copy = _aligned_empty(stop - start + 2, np.dtype(np.uint16), 3 * shift)
             copy[:] = 0xABCD
-            crc, nonfinite, param_crc = update(inp["grad"][s], start, scalars,
-                                               param_copy=copy[1:-1] if shift % 2 else None)
+            result = getattr(update, kernel)(inp["grad"][s], start, scalars,
+                                             param_copy=copy[1:-1] if shift % 2 else None)
+            crc, nonfinite, param_crc = result[:3]
+            if kernel == "lent" and not nonfinite:  # and how many elements it stepped
+                assert result[3] == stop - start
             assert nonfinite == k.count_nonfinite(inp["grad"][s], gfmt)
             wanted = k.adam_step_crcs(inp["grad"][s], inp["master"][s], inp["m"][s], inp["v"][s],
                                       expected["master"][s], expected["m"][s], expected["v"][s],
@@ -682,9 +686,10 @@ def test_block_update_equals_adam_step_crc_on_each_range(
         assert update(np.empty(0, np.uint16), n, scalars) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("kernel", ["__call__", "lent"])
 @pytest.mark.parametrize("path", path_params())
 @pytest.mark.parametrize("n", [1, 15, 16, 200, 4096, 2**18 + 3])
-def test_block_update_param_copy_at_every_alignment(path: str, n: int) -> None:
+def test_block_update_param_copy_at_every_alignment(path: str, n: int, kernel: str) -> None:
     """Peel, vector body and tail all reach the copy, streamed where it is aligned or not."""
     inp = make_inputs(n, HalfFormat.FP16, StateFormat.FP32, seed=n)
     scalars = k.adam_scalars(HYPER_W, step=2)
@@ -695,7 +700,7 @@ def test_block_update_param_copy_at_every_alignment(path: str, n: int) -> None:
                    _aligned_empty(n, np.dtype(np.uint16), shift)]
             update = k.BlockUpdate(inp["master"], inp["m"], inp["v"], *out, **kw)
             copy = _aligned_empty(n, np.dtype(np.uint16), (shift * 7) % 32)
-            update(inp["grad"], 0, scalars, param_copy=copy)
+            getattr(update, kernel)(inp["grad"], 0, scalars, param_copy=copy)
             assert np.array_equal(copy, out[3]), (shift, n)
 
 
