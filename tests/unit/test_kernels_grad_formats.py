@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -12,24 +10,13 @@ import torch
 
 import cossd.kernels as k
 from cossd.kernels import AdamHyper, GradFormat, HalfFormat, KernelArgumentError, StateFormat
+from kernel_paths import PATHS, kernel_path
 
-PATHS = k.available_kernels()
 FP8 = {GradFormat.FP8_E4M3: torch.float8_e4m3fn, GradFormat.FP8_E5M2: torch.float8_e5m2}
 HYPER_W = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, mode="adamw")
 HYPER_L2 = AdamHyper(lr=2e-3, beta1=0.85, beta2=0.995, eps=1e-6, weight_decay=0.05, mode="adam")
 # beta1 = 0 makes exp_avg = fma(0, g - m, g) = g exactly: the step then reports its decoded gradient.
 HYPER_ECHO = AdamHyper(lr=1e-3, beta1=0.0, beta2=0.999, eps=1e-8, weight_decay=0.0, mode="adamw")
-
-
-@contextlib.contextmanager
-def kernel_path(name: str) -> Iterator[None]:
-    before = k.simd_level()
-    k.use_kernel(name)
-    try:
-        assert k.simd_level() == name
-        yield
-    finally:
-        k.use_kernel(before)
 
 
 def grads_of(gfmt: GradFormat, n: int, seed: int) -> np.ndarray:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import cossd.kernels as k
 from cossd.kernels import AdamHyper, GradFormat, HalfFormat, KernelArgumentError, StateFormat
+from kernel_paths import kernel_path, path_params
 
-ALL_PATHS = ("scalar", "avx2", "avx512")
-PATHS = k.available_kernels()
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, mode="adamw")
 # BlockUpdate.lent's round: elements copied, counted and stepped at a time (kernels/block_update.c).
 LENT_CHUNK = 4096
@@ -21,22 +18,6 @@ GRAD_FORMATS = [HalfFormat.FP16, HalfFormat.BF16, GradFormat.FP32, GradFormat.FP
 # One non-finite pattern per format: all exponent bits set (E4M3 has only its NaN, S.1111.111).
 NONFINITE = {HalfFormat.FP16: 0x7C00, HalfFormat.BF16: 0xFF80, GradFormat.FP32: np.float32(np.nan),
              GradFormat.FP8_E4M3: 0x7F, GradFormat.FP8_E5M2: 0x7C}
-
-
-def path_params() -> list[object]:
-    return [pytest.param(p, id=p, marks=pytest.mark.skipif(p not in PATHS, reason=f"CPU lacks the {p} path"))
-            for p in ALL_PATHS]
-
-
-@contextlib.contextmanager
-def kernel_path(name: str) -> Iterator[None]:
-    before = k.simd_level()
-    k.use_kernel(name)
-    try:
-        assert k.simd_level() == name
-        yield
-    finally:
-        k.use_kernel(before)
 
 
 def finite_grads(gfmt: HalfFormat | GradFormat, n: int, seed: int) -> np.ndarray:

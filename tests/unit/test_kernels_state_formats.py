@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -11,25 +9,14 @@ import pytest
 
 import cossd.kernels as k
 from cossd.kernels import AdamHyper, HalfFormat, KernelArgumentError, Moment, StateFormat
+from kernel_paths import PATHS, kernel_path
 
-PATHS = k.available_kernels()
 SIZES = [1, 15, 17, 2**20 + 3]
 BLOCK_FORMATS = (StateFormat.FP16, StateFormat.INT8)
 CODE_DTYPE = {StateFormat.FP16: np.uint16, StateFormat.INT8: np.uint8}
 HYPER_W = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, mode="adamw")
 HYPER_L2 = AdamHyper(lr=2e-3, beta1=0.85, beta2=0.995, eps=1e-6, weight_decay=0.05, mode="adam")
 HYPER_LOW_BETA1 = AdamHyper(lr=5e-3, beta1=0.3, beta2=0.9, eps=1e-7, weight_decay=0.1, mode="adamw")
-
-
-@contextlib.contextmanager
-def kernel_path(path: str) -> Iterator[None]:
-    before = k.simd_level()
-    k.use_kernel(path)
-    try:
-        assert k.simd_level() == path
-        yield
-    finally:
-        k.use_kernel(before)
 
 
 def fresh_state(n: int, sfmt: StateFormat, seed: int) -> dict[str, np.ndarray]:
