@@ -235,17 +235,15 @@ int cossd_adam_step_crc_lent(const void *grad, int grad_fmt, const float *master
     size_t nonfinite = 0;
     for (size_t i = 0; i < n; i += LENT_CHUNK) {
         size_t count = n - i < LENT_CHUNK ? n - i : LENT_CHUNK;
-        const uint8_t *lent = (const uint8_t *)grad + i * gsz;
-        if (nonfinite) { /* the block is lost: only the count of the rest is still wanted */
-            nonfinite += cossd_count_nonfinite(lent, grad_fmt, count);
+        /* Read once, into memory only this call writes: what is counted is what is stepped,
+         * whatever the lender does to its buffer meanwhile. Only ever through memcpy: the
+         * lent gradient may start at any byte (a network receive buffer's payload). */
+        memcpy(chunk, (const uint8_t *)grad + i * gsz, count * gsz);
+        size_t found = cossd_count_nonfinite(chunk, grad_fmt, count);
+        if (nonfinite || found) { /* the block is lost: only the count of the rest is wanted */
+            nonfinite += found;
             continue;
         }
-        /* Read once, into memory only this call writes: what is counted is what is stepped,
-         * whatever the lender does to its buffer meanwhile. */
-        memcpy(chunk, lent, count * gsz);
-        nonfinite = cossd_count_nonfinite(chunk, grad_fmt, count);
-        if (nonfinite)
-            continue;
         rc = step_crc_range(chunk, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
                             (const uint8_t *)exp_avg_sq_in + i * ssz, master_out + i,
                             (uint8_t *)exp_avg_out + i * ssz, (uint8_t *)exp_avg_sq_out + i * ssz, state_fmt,

@@ -132,7 +132,7 @@ size_t cossd_count_nonfinite(const void *grad, int fmt, size_t n)
  * and counts dst's inf/NaN elements: one pass over the source where a copy and a count would
  * take two over the whole block. Counting the destination, never the source, is what makes
  * it safe: whatever the source held while it was read, the count is of the values the caller
- * then steps. src and dst must not overlap. */
+ * then steps. src and dst must not overlap; src may start at any byte (it is only copied). */
 size_t cossd_copy_count_nonfinite(const void *src, void *dst, int fmt, size_t n)
 {
     if (!grad_fmt_ok(fmt) || (n > 0 && (!src || !dst)))

@@ -182,7 +182,7 @@ class BlockUpdate:
         gives it, the gradient's inf/NaN elements, the CRC32C of the new params alone). `param_copy` (as many 16-bit elements) also
         receives the new params, in the same pass. A gradient with non-finite elements still
         steps (into outputs the caller then discards)."""
-        return self._run(_lib.cossd_adam_step_crc_copy, grad, start, scalars, param_copy)
+        return self._run(_lib.cossd_adam_step_crc_copy, grad, start, scalars, param_copy, aligned=True)
 
     def lent(self, grad: Any, start: int, scalars: AdamScalars,
              param_copy: Any = None) -> tuple[int, int, int, int]:
@@ -192,13 +192,16 @@ class BlockUpdate:
         A non-finite element ends the stepping: the elements before its round of 4096 are
         stepped and written (the caller discards the block), and the CRCs are then 0."""
         stepped = _ffi.new("size_t *")
+        # The gradient may start at any byte (a network receive buffer's payload): the kernel
+        # only copies it, with memcpy.
         crc, nonfinite, param_crc = self._run(
-            lambda *args: _lib.cossd_adam_step_crc_lent(*args, stepped), grad, start, scalars, param_copy)
+            lambda *args: _lib.cossd_adam_step_crc_lent(*args, stepped), grad, start, scalars, param_copy,
+            aligned=False)
         return crc, nonfinite, param_crc, int(stepped[0])
 
     def _run(self, kernel: Any, grad: Any, start: int, scalars: AdamScalars,
-             param_copy: Any) -> tuple[int, int, int]:
-        g = _grad_buf(grad, self._gfmt)
+             param_copy: Any, *, aligned: bool) -> tuple[int, int, int]:
+        g = _grad_buf(grad, self._gfmt, aligned=aligned)
         n = g.arr.size
         if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + n > self.n:
             raise KernelArgumentError(f"elements {start}..{start + n} are outside the {self.n} of the state arrays")
@@ -242,9 +245,10 @@ def count_nonfinite(grad: Any, fmt: GradFormat | HalfFormat) -> int:
 def copy_count_nonfinite(source: Any, destination: Any, fmt: GradFormat | HalfFormat) -> int:
     """Copy a gradient from memory that may change meanwhile (a lent CMB window) into
     `destination` and return the number of inf/NaN elements the copy holds: one pass over
-    the source, and the count is of exactly the values left in `destination`."""
+    the source, and the count is of exactly the values left in `destination`. The source may
+    start at any byte (a network receive buffer's payload): it is only copied."""
     f = _grad_format_arg(fmt, "fmt")
-    src = _grad_buf(source, f, "source")
+    src = _grad_buf(source, f, "source", aligned=False)
     dst = _grad_buf(destination, f, "destination", output=True)
     _check_lengths([src, dst])
     if src.start < dst.end and dst.start < src.end:

@@ -86,8 +86,10 @@ def _enum_arg(name: str, value: Any, kind: type[enum.IntEnum]) -> int:
         ) from None
 
 
-def _as_array(name: str, obj: Any, dtypes: tuple[np.dtype, ...], writable: bool) -> np.ndarray:
-    """View obj as a C-contiguous ndarray of one of `dtypes` without copying, or raise."""
+def _as_array(name: str, obj: Any, dtypes: tuple[np.dtype, ...], writable: bool, aligned: bool = True) -> np.ndarray:
+    """View obj as a C-contiguous ndarray of one of `dtypes` without copying, or raise.
+    aligned=False: it may start at any byte, for a buffer the C side only copies with memcpy
+    (a lent gradient, which a network receive buffer may hold at an odd offset)."""
     if isinstance(obj, np.ndarray):
         arr = obj
     else:
@@ -111,7 +113,7 @@ def _as_array(name: str, obj: Any, dtypes: tuple[np.dtype, ...], writable: bool)
         raise KernelArgumentError(f"{name} must have dtype {expected}, got {arr.dtype}")
     if not arr.flags.c_contiguous:
         raise KernelArgumentError(f"{name} must be C-contiguous (got a strided view); pass a contiguous array")
-    if not arr.flags.aligned:
+    if aligned and not arr.flags.aligned:
         raise KernelArgumentError(f"{name} is not aligned to its item size")
     if writable and not arr.flags.writeable:
         raise KernelArgumentError(f"{name} is an output and must be writeable")
@@ -125,13 +127,14 @@ def _grad_format_arg(value: Any, name: str = "grad_format") -> int:
     return _enum_arg(name, value, GradFormat)
 
 
-def _grad_buf(obj: Any, gfmt: int, name: str = "grad", output: bool = False) -> "_Buf":
-    """The gradient buffer of format gfmt: float32 for FP32, uint8 codes for FP8, else 16-bit."""
+def _grad_buf(obj: Any, gfmt: int, name: str = "grad", output: bool = False, aligned: bool = True) -> "_Buf":
+    """The gradient buffer of format gfmt: float32 for FP32, uint8 codes for FP8, else 16-bit
+    (aligned=False: see _as_array)."""
     if gfmt == GradFormat.FP32:
-        return _buf(name, obj, (_F32,), _F32_CTYPE, output)
+        return _buf(name, obj, (_F32,), _F32_CTYPE, output, aligned)
     if gfmt in (GradFormat.FP8_E4M3, GradFormat.FP8_E5M2):
-        return _buf(name, obj, (_U8,), "uint8_t[]", output)
-    return _buf(name, obj, _half_dtypes(gfmt), _HALF_CTYPE, output)
+        return _buf(name, obj, (_U8,), "uint8_t[]", output, aligned)
+    return _buf(name, obj, _half_dtypes(gfmt), _HALF_CTYPE, output, aligned)
 
 
 def _half_dtypes(fmt: int) -> tuple[np.dtype, ...]:
@@ -174,8 +177,9 @@ class _Buf(NamedTuple):
     output: bool
 
 
-def _buf(name: str, obj: Any, dtypes: tuple[np.dtype, ...], ctype: str, output: bool = False) -> _Buf:
-    arr = _as_array(name, obj, dtypes, output)
+def _buf(name: str, obj: Any, dtypes: tuple[np.dtype, ...], ctype: str, output: bool = False,
+         aligned: bool = True) -> _Buf:
+    arr = _as_array(name, obj, dtypes, output, aligned)
     ptr = _ffi.from_buffer(ctype, arr, require_writable=output)
     # The address comes from the cffi pointer: cheaper than __array_interface__.
     start = int(_ffi.cast("uintptr_t", ptr))

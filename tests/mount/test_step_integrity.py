@@ -302,6 +302,35 @@ def test_a_lent_block_nonfinite_past_its_first_round_is_skipped_and_refused_as_a
         shutil.rmtree(root)
 
 
+@pytest.mark.parametrize("writes", ["mapped", "pwrite"])
+def test_lent_gradients_at_an_odd_byte_step_as_aligned_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writes: str) -> None:
+    """Lent gradients whose payload starts at an odd byte, as a storage server's receive buffer
+    holds them after a header: the step commits the state an aligned write commits."""
+    monkeypatch.setenv("COSSD_STATE_WRITES", writes)
+    root = _tmpfs_dir() if writes == "mapped" else tmp_path
+    try:
+        states = []
+        for name, shift in (("aligned", 0), ("odd", 1)):
+            backing = root / name
+            Device.format(backing)
+            with Device.open(backing) as device:
+                ns = device.create_namespace(NamespaceSpec(name="opt", tensors=TENSORS))
+                _load(ns)
+                for seed in (1, 2):
+                    for tensor in ns.layouts:
+                        values = (np.random.default_rng(seed).standard_normal(tensor.numel) * 0.01).astype(np.float16)
+                        raw = bytearray(values.nbytes + shift)
+                        raw[shift:] = values.tobytes()
+                        ns.write_grads_lent([(tensor.name, 0, np.frombuffer(raw, np.uint8)[shift:], None)])
+                assert ns.committed_step == 2
+                states.append(_state(ns))
+        assert states[0] == states[1]
+    finally:
+        if writes == "mapped":
+            shutil.rmtree(root)
+
+
 def commit_and_skip_sequences(tmp_path: Path, trials: int, figures: list[str]) -> None:
     """Random sequences of commits and skips: after each, the two slots name the newest two
     committed steps, in the two copies, and the skip counters match; a clean remount keeps

@@ -73,6 +73,28 @@ def test_copy_count_nonfinite_copies_and_counts_the_copy(path: str, gfmt: HalfFo
     assert k.copy_count_nonfinite(grad[:0], copy[:0], gfmt) == 0
 
 
+@pytest.mark.parametrize("gfmt", GRAD_FORMATS, ids=lambda f: f.name)
+def test_lent_gradients_may_start_at_any_byte(gfmt: HalfFormat | GradFormat) -> None:
+    """A network receive buffer holds its payload after a header, at any byte: both lent
+    reads take it (they only copy it), with the bits and counts of an aligned copy."""
+    n = LENT_CHUNK + 77
+    grad = finite_grads(gfmt, n, seed=4)
+    grad[[5, n - 1]] = NONFINITE[gfmt]
+    raw = bytearray(grad.nbytes + 1)
+    raw[1:] = grad.tobytes()
+    odd = np.frombuffer(memoryview(raw)[1:], dtype=grad.dtype)
+    assert not odd.flags.aligned or grad.itemsize == 1
+    copy = np.zeros_like(grad)
+    assert k.copy_count_nonfinite(odd, copy, gfmt) == 2 and copy.tobytes() == grad.tobytes()
+    grad[[5, n - 1]] = finite_grads(gfmt, 2, seed=5)
+    raw[1:] = grad.tobytes()
+    inputs, scalars = state(n, seed=8), k.adam_scalars(HYPER, step=3)
+    ordinary, lent = outputs(n), outputs(n)
+    expected = update_of(inputs, ordinary, gfmt)(grad, 0, scalars)
+    assert update_of(inputs, lent, gfmt).lent(odd, 0, scalars) == (*expected, n)
+    assert as_bytes(lent) == as_bytes(ordinary)
+
+
 def test_copy_count_nonfinite_refuses_bad_arguments_and_writes_nothing() -> None:
     grad = finite_grads(HalfFormat.FP16, 64, seed=1)
     copy = np.zeros(64, np.uint16)
