@@ -211,6 +211,20 @@ int cossd_adam_step_crc_copy(const void *grad, int grad_fmt, const float *master
     return COSSD_OK;
 }
 
+/* Whether the register path reads a lent gradient of n elements once, in its main loop only:
+ * it runs here (AVX-512 with VPCLMULQDQ, FP32 moments, a 16-bit gradient) and has neither a
+ * peel nor a masked tail, the two places that read the gradient again for their count. */
+static int lent_in_registers(int grad_fmt, int state_fmt, const float *master_out, size_t n)
+{
+#if COSSD_X86
+    return g_has_vpclmul && state_fmt == COSSD_STATE_FP32 && simd_level_now() == COSSD_SIMD_AVX512 &&
+           half_fmt_ok(grad_fmt) && n % 16 == 0 && adam_peel(master_out, n, 64) == 0;
+#else
+    (void)grad_fmt; (void)state_fmt; (void)master_out; (void)n;
+    return 0;
+#endif
+}
+
 /* Gradient elements cossd_adam_step_crc_lent reads from lent memory per round: 16 KiB of
  * FP32 (8 KiB of FP16), held in L1 from the copy to the step. */
 #define LENT_CHUNK ((size_t)4096)
@@ -230,9 +244,27 @@ int cossd_adam_step_crc_lent(const void *grad, int grad_fmt, const float *master
     *stepped_out = 0;
     size_t ssz = state_fmt == COSSD_STATE_BF16 ? 2 : 4;
     size_t gsz = grad_itemsize(grad_fmt);
-    uint8_t chunk[LENT_CHUNK * 4] __attribute__((aligned(64)));
     uint32_t crc[4] = {0, 0, 0, 0};
     size_t nonfinite = 0;
+    if (lent_in_registers(grad_fmt, state_fmt, master_out, n) &&
+        step_crc_in_registers(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
+                              exp_avg_sq_out, state_fmt, param_out, param_copy, param_fmt, n, s, crc, &nonfinite)) {
+        /* Every element stepped, each read once from the lender's memory into the register
+         * that is both counted and stepped. A non-finite block's outputs are discarded:
+         * the step is skipped, and the host's param copy is refilled from the committed
+         * copy (settle_param_copies). */
+        *stepped_out = n;
+        *nonfinite_out = nonfinite;
+        if (nonfinite) {
+            *crc_out = 0;
+            if (param_crc_out)
+                *param_crc_out = 0;
+            return COSSD_OK;
+        }
+        block_crcs(crc, n, ssz, crc_out, param_crc_out);
+        return COSSD_OK;
+    }
+    uint8_t chunk[LENT_CHUNK * 4] __attribute__((aligned(64)));
     for (size_t i = 0; i < n; i += LENT_CHUNK) {
         size_t count = n - i < LENT_CHUNK ? n - i : LENT_CHUNK;
         /* Read once, into memory only this call writes: what is counted is what is stepped,
@@ -318,7 +350,10 @@ static void crc_outputs_from_memory(uint32_t reg[4], const float *mo, const void
         __m512i xp, xm, xv, ap = _mm512_setzero_si512(), am = ap, av = ap;                                   \
         __m256i xh, ah = _mm256_setzero_si256();                                                             \
         for (size_t j = 0; j < vectors; j++, i += 16) {                                                      \
-            const __m256i bits = _mm256_loadu_si256((const __m256i *)(const void *)(grad + i));             \
+            __m256i bits = _mm256_loadu_si256((const __m256i *)(const void *)(grad + i));                   \
+            /* One load, pinned to its register: the count and the step below both read it, \
+             * never memory again (a lent gradient may change under the kernel). */                           \
+            __asm__ volatile("" : "+x"(bits));                                                               \
             nonfinite += (size_t)_mm_popcnt_u32(                                                             \
                 _mm256_cmpeq_epi16_mask(_mm256_and_si256(bits, exponent), exponent));                        \
             adam_vec_math(simd_h_to_f32(bits, gfmt), mi, ai, vi, sfmt, i, &c, decoupled, 0xFFFF, 0, &p, &m, &v); \

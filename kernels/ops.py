@@ -187,13 +187,21 @@ class BlockUpdate:
     def lent(self, grad: Any, start: int, scalars: AdamScalars,
              param_copy: Any = None) -> tuple[int, int, int, int]:
         """__call__ for a gradient in memory its lender may change meanwhile (a CMB window):
-        read once, a few thousand elements at a time into memory of the kernel's own, counted
-        there and stepped from there. (CRC, non-finite elements, param CRC, elements stepped).
-        A non-finite element ends the stepping: the elements before its round of 4096 are
-        stepped and written (the caller discards the block), and the CRCs are then 0."""
+        each element read once, and counted and stepped from what was read.
+        (CRC, non-finite elements, param CRC, elements stepped); the CRCs are 0 where a
+        non-finite element was found, and the caller then discards the block's outputs.
+
+        Two ways, by what the CPU and the call allow (kernels/block_update.c):
+        - in registers (AVX-512 with VPCLMULQDQ, FP32 moments, 16-bit gradients, a length a
+          multiple of 16, master_out 64-byte aligned: a shadow mapping's whole blocks): each
+          16 elements loaded once into the register that is both counted and stepped; the
+          whole range is stepped, non-finite or not;
+        - otherwise in rounds of 4096 elements copied into a buffer of the kernel's own,
+          counted there and stepped from there; a non-finite element ends the stepping where
+          its round starts."""
         stepped = _ffi.new("size_t *")
         # The gradient may start at any byte (a network receive buffer's payload): the kernel
-        # only copies it, with memcpy.
+        # only copies it with memcpy or loads it with unaligned vector loads.
         crc, nonfinite, param_crc = self._run(
             lambda *args: _lib.cossd_adam_step_crc_lent(*args, stepped), grad, start, scalars, param_copy,
             aligned=False)

@@ -425,17 +425,17 @@ class GradientWrites:
             # Once the step is known to be skipped there is no point updating the shadow.
             stepping = not skipped and tx.nonfinite == 0
             # A whole lent block (the CMB) stepped into the shadow's mapping: the kernel reads
-            # it once, a few thousand elements at a time into memory of its own, counts them
-            # there and steps them from there, and stops at the first non-finite element
-            # (BlockUpdate.lent): no block-sized copy written and read back.
+            # each element once and counts and steps what it read, in registers or in rounds
+            # of a few thousand elements (BlockUpdate.lent): no block-sized copy written and
+            # read back.
             lent_kernel = block.shared and mapped and not self.core.scaled and stepping
             if lent_kernel:
                 scalars = tx.scalars_of(tensor.name, self.core.group_of[tensor.name], block.local_block)
                 state.before_mapped_write()
                 crc, nonfinite, param_crc, stepped = self._block_update(committed, tensor).lent(
                     grad, start, scalars, block.param_copy)
-                # A non-finite block's rounds before its first non-finite element were written
-                # too: media bytes written, though the block stays unfinished (written 0).
+                # A non-finite block was stepped too, in part (rounds) or whole (registers):
+                # media bytes written, though the block stays unfinished (written 0).
                 stepped_bytes = stepped * sum(self.core.role_dtype(role).itemsize for role in BLOCK_ROLES)
                 if nonfinite:
                     with self.core.lock:

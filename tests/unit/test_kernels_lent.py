@@ -39,8 +39,33 @@ def state(n: int, seed: int) -> list[np.ndarray]:
             (np.abs(rng.standard_normal(n)) * 0.01).astype(np.float32)]
 
 
-def outputs(n: int) -> list[np.ndarray]:
-    return [np.zeros(n, np.float32) for _ in range(3)] + [np.zeros(n, np.uint16)]
+def _zeros_at(n: int, dtype: type, offset: int) -> np.ndarray:
+    """n zeros of dtype whose first byte lies `offset` bytes past a 64-byte boundary."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.zeros(n * itemsize + 128, np.uint8)
+    skip = (offset - raw.ctypes.data) % 64
+    return raw[skip : skip + n * itemsize].view(dtype)
+
+
+def outputs(n: int, aligned: bool = False) -> list[np.ndarray]:
+    """The four outputs, 64-byte aligned as a shadow mapping's blocks are, or 4 bytes past
+    that (the kernel then peels, and a lent call takes rounds)."""
+    offset = 0 if aligned else 4
+    return [_zeros_at(n, np.float32, offset) for _ in range(3)] + [_zeros_at(n, np.uint16, offset)]
+
+
+# Whether this CPU has the checksum fold in registers that lets BlockUpdate.lent step a
+# gradient straight from the lender's memory (AVX-512 with VPCLMULQDQ).
+with open("/proc/cpuinfo") as _cpuinfo:
+    _FOLD_IN_REGISTERS = "vpclmulqdq" in _cpuinfo.read().split()
+
+
+def lent_in_registers(path: str, gfmt: HalfFormat | GradFormat, n: int, aligned: bool) -> bool:
+    """Whether BlockUpdate.lent takes its in-register way here: each element loaded once into
+    the register both counted and stepped, the whole range stepped even where non-finite
+    (kernels/block_update.c, lent_in_registers)."""
+    return (path == "avx512" and _FOLD_IN_REGISTERS and gfmt in (HalfFormat.FP16, HalfFormat.BF16)
+            and n % 16 == 0 and aligned)
 
 
 def update_of(inputs: list[np.ndarray], outs: list[np.ndarray], gfmt: HalfFormat | GradFormat) -> k.BlockUpdate:
@@ -93,6 +118,13 @@ def test_lent_gradients_may_start_at_any_byte(gfmt: HalfFormat | GradFormat) -> 
     expected = update_of(inputs, ordinary, gfmt)(grad, 0, scalars)
     assert update_of(inputs, lent, gfmt).lent(odd, 0, scalars) == (*expected, n)
     assert as_bytes(lent) == as_bytes(ordinary)
+    # A whole aligned range: where the registers read the gradient, with unaligned loads.
+    whole = LENT_CHUNK
+    ordinary, lent = outputs(whole, aligned=True), outputs(whole, aligned=True)
+    inputs = [array[:whole] for array in inputs]
+    expected = update_of(inputs, ordinary, gfmt)(grad[:whole], 0, scalars)
+    assert update_of(inputs, lent, gfmt).lent(odd[:whole], 0, scalars) == (*expected, whole)
+    assert as_bytes(lent) == as_bytes(ordinary)
 
 
 def test_copy_count_nonfinite_refuses_bad_arguments_and_writes_nothing() -> None:
@@ -119,18 +151,21 @@ def test_copy_count_nonfinite_refuses_bad_arguments_and_writes_nothing() -> None
 
 @pytest.mark.parametrize("path", path_params())
 @pytest.mark.parametrize("gfmt", GRAD_FORMATS, ids=lambda f: f.name)
-def test_lent_block_update_equals_the_ordinary_one(path: str, gfmt: HalfFormat | GradFormat) -> None:
-    """Ranges at any start and length (whole rounds, a round and a bit, one element, a tail):
-    the same bits, CRCs, count and param copy as BlockUpdate's ordinary call."""
-    n = 3 * LENT_CHUNK + 77
+@pytest.mark.parametrize("aligned", [False, True], ids=["peeled", "aligned"])
+def test_lent_block_update_equals_the_ordinary_one(path: str, gfmt: HalfFormat | GradFormat, aligned: bool) -> None:
+    """Ranges at any start and length (whole rounds, a round and a bit, one element, a tail),
+    in rounds or in registers: the same bits, CRCs, count and param copy as BlockUpdate's
+    ordinary call."""
+    n = 4 * LENT_CHUNK + 77
     grad = finite_grads(gfmt, n, seed=7)
     inputs = state(n, seed=3)
     scalars = k.adam_scalars(HYPER, step=4, grad_scale=2.0)
     with kernel_path(path):
-        ordinary, lent = outputs(n), outputs(n)
+        ordinary, lent = outputs(n, aligned), outputs(n, aligned)
         copies = [np.zeros(n, np.uint16), np.zeros(n, np.uint16)]
         updates = [update_of(inputs, ordinary, gfmt), update_of(inputs, lent, gfmt)]
-        for start, stop in ((0, LENT_CHUNK), (LENT_CHUNK, LENT_CHUNK + 1), (5000, n), (LENT_CHUNK + 1, 5000)):
+        for start, stop in ((0, LENT_CHUNK), (LENT_CHUNK, LENT_CHUNK + 1), (5000, 3 * LENT_CHUNK),
+                            (LENT_CHUNK + 1, 5000), (3 * LENT_CHUNK, n)):
             s = slice(start, stop)
             expected = updates[0](grad[s], start, scalars, param_copy=copies[0][s])
             assert updates[1].lent(grad[s], start, scalars, param_copy=copies[1][s]) == (*expected, stop - start)
@@ -141,31 +176,36 @@ def test_lent_block_update_equals_the_ordinary_one(path: str, gfmt: HalfFormat |
 
 @pytest.mark.parametrize("path", path_params())
 @pytest.mark.parametrize("gfmt", GRAD_FORMATS, ids=lambda f: f.name)
-def test_lent_block_update_stops_at_the_first_nonfinite_round(path: str, gfmt: HalfFormat | GradFormat) -> None:
-    """A non-finite element ends the stepping where its round starts: the rounds before it are
-    written (what the device's caller then discards), nothing from there on, the CRCs are 0,
-    and every non-finite element of the block is counted, the untouched rounds' too."""
-    n = 4 * LENT_CHUNK + 9
+@pytest.mark.parametrize("aligned", [False, True], ids=["peeled", "aligned"])
+def test_lent_block_update_counts_every_nonfinite_element_and_reports_no_crc(
+        path: str, gfmt: HalfFormat | GradFormat, aligned: bool) -> None:
+    """Every non-finite element of the range is counted and the CRCs are 0 (the device's caller
+    then discards the outputs). In rounds, a non-finite element ends the stepping where its
+    round starts: the rounds before it are written, nothing from there on. In registers the
+    whole range is stepped, as an ordinary call steps it."""
+    n = 4 * LENT_CHUNK + (0 if aligned else 9)
     grad = finite_grads(gfmt, n, seed=5)
     spots = [2 * LENT_CHUNK + 17, 3 * LENT_CHUNK, n - 1]
     grad[spots] = NONFINITE[gfmt]
     inputs = state(n, seed=6)
     scalars = k.adam_scalars(HYPER, step=2)
+    stepped = n if lent_in_registers(path, gfmt, n, aligned) else 2 * LENT_CHUNK
     with kernel_path(path):
-        lent, ordinary = outputs(n), outputs(n)
-        assert update_of(inputs, lent, gfmt).lent(grad, 0, scalars) == (0, len(spots), 0, 2 * LENT_CHUNK)
+        lent, ordinary = outputs(n, aligned), outputs(n, aligned)
+        assert update_of(inputs, lent, gfmt).lent(grad, 0, scalars) == (0, len(spots), 0, stepped)
         update_of(inputs, ordinary, gfmt)(grad, 0, scalars)
-    stepped = slice(0, 2 * LENT_CHUNK)
-    assert as_bytes([a[stepped] for a in lent]) == as_bytes([a[stepped] for a in ordinary])
-    assert not any(a[2 * LENT_CHUNK:].any() for a in lent)
+    written = slice(0, stepped)
+    assert as_bytes([a[written] for a in lent]) == as_bytes([a[written] for a in ordinary])
+    assert not any(a[stepped:].any() for a in lent)
 
 
 @pytest.mark.parametrize("path", path_params())
-def test_lent_block_update_is_checked_on_what_it_steps_while_the_lender_changes_it(path: str) -> None:
-    """A lender flipping gradient elements between finite values and inf/NaN during the call:
-    a block counted finite stepped only finite values (no NaN in the new state, and its CRC
-    is that of the outputs), and one counted non-finite reports CRC 0. Never a NaN stepped
-    under a finite count."""
+@pytest.mark.parametrize("aligned", [False, True], ids=["peeled", "aligned"])
+def test_lent_block_update_is_checked_on_what_it_steps_while_the_lender_changes_it(path: str, aligned: bool) -> None:
+    """A lender flipping gradient elements between finite values and inf/NaN during the call,
+    in rounds and in registers: a block counted finite stepped only finite values (no NaN in
+    the new state, and its CRC is that of the outputs), and one counted non-finite reports
+    CRC 0. Never a NaN stepped under a finite count."""
     n = 1 << 18
     grad = finite_grads(HalfFormat.FP16, n, seed=9)
     finite = grad.copy()
@@ -187,10 +227,14 @@ def test_lent_block_update_is_checked_on_what_it_steps_while_the_lender_changes_
         flipper.start()
         try:
             for _ in range(40):
-                outs = outputs(n)
+                outs = outputs(n, aligned)
                 crc, nonfinite, _, stepped = update_of(inputs, outs, HalfFormat.FP16).lent(grad, 0, scalars)
                 if nonfinite:
-                    assert crc == 0 and stepped < n and stepped % LENT_CHUNK == 0
+                    assert crc == 0
+                    if lent_in_registers(path, HalfFormat.FP16, n, aligned):
+                        assert stepped == n
+                    else:
+                        assert stepped < n and stepped % LENT_CHUNK == 0
                     outcomes["nonfinite"] += 1
                     continue
                 outcomes["finite"] += 1
