@@ -145,8 +145,10 @@ class Superblock:
         good params, or worse, pass stale ones)."""
         if "block_crcs" in changes and "param_crcs" not in changes:
             changes["param_crcs"] = None
-        fields = dataclasses.asdict(self) | {"seq": self.seq + 1} | changes
-        return Superblock(**fields)
+        # A shallow copy: a superblock's arrays are never changed in place once it is made,
+        # so the two may share the ones this step leaves as they were (asdict's deep copy of
+        # every array cost some 0.1 ms a commit).
+        return dataclasses.replace(self, seq=self.seq + 1, **changes)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -182,7 +182,9 @@ class BlockUpdate:
         gives it, the gradient's inf/NaN elements, the CRC32C of the new params alone). `param_copy` (as many 16-bit elements) also
         receives the new params, in the same pass. A gradient with non-finite elements still
         steps (into outputs the caller then discards)."""
-        return self._run(_lib.cossd_adam_step_crc_copy, grad, start, scalars, param_copy, aligned=True)
+        crc, nonfinite, param_crc = self._run(_lib.cossd_adam_step_crc_copy, grad, start, scalars, param_copy,
+                                              aligned=True)
+        return crc, nonfinite, param_crc
 
     def lent(self, grad: Any, start: int, scalars: AdamScalars,
              param_copy: Any = None) -> tuple[int, int, int, int]:
@@ -202,13 +204,13 @@ class BlockUpdate:
         stepped = _ffi.new("size_t *")
         # The gradient may start at any byte (a network receive buffer's payload): the kernel
         # only copies it with memcpy or loads it with unaligned vector loads.
-        crc, nonfinite, param_crc = self._run(
-            lambda *args: _lib.cossd_adam_step_crc_lent(*args, stepped), grad, start, scalars, param_copy,
-            aligned=False)
+        crc, nonfinite, param_crc = self._run(_lib.cossd_adam_step_crc_lent, grad, start, scalars, param_copy,
+                                              aligned=False, stepped=stepped)
         return crc, nonfinite, param_crc, int(stepped[0])
 
     def _run(self, kernel: Any, grad: Any, start: int, scalars: AdamScalars,
-             param_copy: Any, *, aligned: bool) -> tuple[int, int, int]:
+             param_copy: Any, *, aligned: bool, stepped: Any = None) -> tuple[int, int, int]:
+        """The checks and the call both ways share; `stepped`: the lent kernel's last argument."""
         g = _grad_buf(grad, self._gfmt, aligned=aligned)
         n = g.arr.size
         if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + n > self.n:
@@ -225,6 +227,8 @@ class BlockUpdate:
                 raise KernelArgumentError("param_copy overlaps the gradient or a state array")
             copy = c.ptr
         if n == 0:
+            if stepped is not None:
+                stepped[0] = 0
             return 0, 0, 0
         for low, high in self._outputs:
             if g.start < high and low < g.end:
@@ -233,8 +237,9 @@ class BlockUpdate:
         crc = _ffi.new("uint32_t *")
         param_crc = _ffi.new("uint32_t *")
         nonfinite = _ffi.new("size_t *")
-        _check_rc(kernel(g.ptr, self._gfmt, mi, ai, vi, mo, ao, vo, self._sfmt, po, copy,
-                         self._pfmt, n, scalars._c, crc, param_crc, nonfinite), "BlockUpdate")
+        args = (g.ptr, self._gfmt, mi, ai, vi, mo, ao, vo, self._sfmt, po, copy, self._pfmt, n, scalars._c, crc,
+                param_crc, nonfinite)
+        _check_rc(kernel(*args) if stepped is None else kernel(*args, stepped), "BlockUpdate")
         return int(crc[0]), int(nonfinite[0]), int(param_crc[0])
 
 

@@ -80,6 +80,8 @@ class GradientWrites:
         # Per (source copy, tensor): the kernel call that steps its blocks into the other copy.
         self._block_updates: dict[tuple[Copy, str], kernels.BlockUpdate] = {}
         self._thread_local = threading.local()  # each worker's staging buffers (_staging)
+        # Media bytes a stepped element writes (master, moments, param), counted per block.
+        self._bytes_per_stepped_elem = sum(core.role_dtype(role).itemsize for role in BLOCK_ROLES)
 
     def close(self) -> None:
         """Drop the kernel calls that hold views of the copies (they are about to close)."""
@@ -227,7 +229,7 @@ class GradientWrites:
         queued: list[concurrent.futures.Future[None]] = []
         implicit = None
         try:
-            for tensor_name, offset, data, param_copy in pieces:
+            for piece_index, (tensor_name, offset, data, param_copy) in enumerate(pieces):
                 # Staged a few blocks at a time, so the kernel workers start on the first
                 # blocks before this thread has staged the whole batch.
                 position = 0
@@ -241,6 +243,11 @@ class GradientWrites:
                         _, completed = self._stage_grad(tensor_name, offset + position, data[position:end],
                                                         wait=True, lent=queued, param_copy=copy)
                     implicit = implicit or completed
+                    if position == 0 and piece_index == 0:
+                        # Let go of the GIL once: a worker woken for the first blocks would
+                        # otherwise wait for it, its core idle, until this thread has staged
+                        # the whole batch (hundreds of µs of Python for 16M elements).
+                        time.sleep(0)
                     position = end
                     if position >= len(data):
                         break
@@ -420,7 +427,6 @@ class GradientWrites:
             written = 0
             state = self.core.copies[shadow]
             mapped = state.write_mode == "mapped"
-            buffers = self._staging(stop - start)
             grad = block.grad
             # Once the step is known to be skipped there is no point updating the shadow.
             stepping = not skipped and tx.nonfinite == 0
@@ -429,6 +435,8 @@ class GradientWrites:
             # of a few thousand elements (BlockUpdate.lent): no block-sized copy written and
             # read back.
             lent_kernel = block.shared and mapped and not self.core.scaled and stepping
+            # This thread's block buffers, which the lent kernel does without.
+            buffers = {} if lent_kernel else self._staging(stop - start)
             if lent_kernel:
                 scalars = tx.scalars_of(tensor.name, self.core.group_of[tensor.name], block.local_block)
                 state.before_mapped_write()
@@ -436,7 +444,7 @@ class GradientWrites:
                     grad, start, scalars, block.param_copy)
                 # A non-finite block was stepped too, in part (rounds) or whole (registers):
                 # media bytes written, though the block stays unfinished (written 0).
-                stepped_bytes = stepped * sum(self.core.role_dtype(role).itemsize for role in BLOCK_ROLES)
+                stepped_bytes = stepped * self._bytes_per_stepped_elem
                 if nonfinite:
                     with self.core.lock:
                         self.core.counters.media_bytes_written += stepped_bytes
@@ -466,7 +474,7 @@ class GradientWrites:
                     state.before_mapped_write()
                     crc, _, param_crc = self._block_update(committed, tensor)(
                         grad, start, scalars, block.param_copy)
-                    written = (stop - start) * sum(self.core.role_dtype(role).itemsize for role in BLOCK_ROLES)
+                    written = (stop - start) * self._bytes_per_stepped_elem
                 else:
                     # Into this thread's buffers, which pwrite then copies into the shadow
                     # (stores into a disk file's mapping would fault once per page).
