@@ -211,18 +211,12 @@ int cossd_adam_step_crc_copy(const void *grad, int grad_fmt, const float *master
     return COSSD_OK;
 }
 
-/* Whether the register path reads a lent gradient of n elements once, in its main loop only:
- * it runs here (AVX-512 with VPCLMULQDQ, FP32 moments, a 16-bit gradient) and has neither a
- * peel nor a masked tail, the two places that read the gradient again for their count. */
-static int lent_in_registers(int grad_fmt, int state_fmt, const float *master_out, size_t n)
+/* Whether the register path (where step_crc_in_registers takes the call) reads a gradient of
+ * n elements once, in its main loop only: no peel and no masked tail, the two places that read
+ * the gradient again for their count. */
+static int whole_vectors_only(const float *master_out, size_t n)
 {
-#if COSSD_X86
-    return g_has_vpclmul && state_fmt == COSSD_STATE_FP32 && simd_level_now() == COSSD_SIMD_AVX512 &&
-           half_fmt_ok(grad_fmt) && n % 16 == 0 && adam_peel(master_out, n, 64) == 0;
-#else
-    (void)grad_fmt; (void)state_fmt; (void)master_out; (void)n;
-    return 0;
-#endif
+    return n % 16 == 0 && adam_peel(master_out, n, 64) == 0;
 }
 
 /* Gradient elements cossd_adam_step_crc_lent reads from lent memory per round: 16 KiB of
@@ -246,7 +240,7 @@ int cossd_adam_step_crc_lent(const void *grad, int grad_fmt, const float *master
     size_t gsz = grad_itemsize(grad_fmt);
     uint32_t crc[4] = {0, 0, 0, 0};
     size_t nonfinite = 0;
-    if (lent_in_registers(grad_fmt, state_fmt, master_out, n) &&
+    if (whole_vectors_only(master_out, n) &&
         step_crc_in_registers(grad, grad_fmt, master_in, exp_avg_in, exp_avg_sq_in, master_out, exp_avg_out,
                               exp_avg_sq_out, state_fmt, param_out, param_copy, param_fmt, n, s, crc, &nonfinite)) {
         /* Every element stepped, each read once from the lender's memory into the register
@@ -254,35 +248,27 @@ int cossd_adam_step_crc_lent(const void *grad, int grad_fmt, const float *master
          * the step is skipped, and the host's param copy is refilled from the committed
          * copy (settle_param_copies). */
         *stepped_out = n;
-        *nonfinite_out = nonfinite;
-        if (nonfinite) {
-            *crc_out = 0;
-            if (param_crc_out)
-                *param_crc_out = 0;
-            return COSSD_OK;
+    } else {
+        uint8_t chunk[LENT_CHUNK * 4] __attribute__((aligned(64)));
+        for (size_t i = 0; i < n; i += LENT_CHUNK) {
+            size_t count = n - i < LENT_CHUNK ? n - i : LENT_CHUNK;
+            /* Read once, into memory only this call writes: what is counted is what is
+             * stepped, whatever the lender does to its buffer meanwhile. Only ever through
+             * memcpy: the lent gradient may start at any byte (a network receive buffer). */
+            memcpy(chunk, (const uint8_t *)grad + i * gsz, count * gsz);
+            size_t found = cossd_count_nonfinite(chunk, grad_fmt, count);
+            if (nonfinite || found) { /* the block is lost: only the count of the rest is wanted */
+                nonfinite += found;
+                continue;
+            }
+            rc = step_crc_range(chunk, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
+                                (const uint8_t *)exp_avg_sq_in + i * ssz, master_out + i,
+                                (uint8_t *)exp_avg_out + i * ssz, (uint8_t *)exp_avg_sq_out + i * ssz, state_fmt,
+                                param_out + i, param_copy ? param_copy + i : NULL, param_fmt, count, s, crc, NULL);
+            if (rc != COSSD_OK)
+                return rc;
+            *stepped_out += count;
         }
-        block_crcs(crc, n, ssz, crc_out, param_crc_out);
-        return COSSD_OK;
-    }
-    uint8_t chunk[LENT_CHUNK * 4] __attribute__((aligned(64)));
-    for (size_t i = 0; i < n; i += LENT_CHUNK) {
-        size_t count = n - i < LENT_CHUNK ? n - i : LENT_CHUNK;
-        /* Read once, into memory only this call writes: what is counted is what is stepped,
-         * whatever the lender does to its buffer meanwhile. Only ever through memcpy: the
-         * lent gradient may start at any byte (a network receive buffer's payload). */
-        memcpy(chunk, (const uint8_t *)grad + i * gsz, count * gsz);
-        size_t found = cossd_count_nonfinite(chunk, grad_fmt, count);
-        if (nonfinite || found) { /* the block is lost: only the count of the rest is wanted */
-            nonfinite += found;
-            continue;
-        }
-        rc = step_crc_range(chunk, grad_fmt, master_in + i, (const uint8_t *)exp_avg_in + i * ssz,
-                            (const uint8_t *)exp_avg_sq_in + i * ssz, master_out + i,
-                            (uint8_t *)exp_avg_out + i * ssz, (uint8_t *)exp_avg_sq_out + i * ssz, state_fmt,
-                            param_out + i, param_copy ? param_copy + i : NULL, param_fmt, count, s, crc, NULL);
-        if (rc != COSSD_OK)
-            return rc;
-        *stepped_out += count;
     }
     *nonfinite_out = nonfinite;
     if (nonfinite) {

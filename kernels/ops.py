@@ -182,9 +182,7 @@ class BlockUpdate:
         gives it, the gradient's inf/NaN elements, the CRC32C of the new params alone). `param_copy` (as many 16-bit elements) also
         receives the new params, in the same pass. A gradient with non-finite elements still
         steps (into outputs the caller then discards)."""
-        crc, nonfinite, param_crc = self._run(_lib.cossd_adam_step_crc_copy, grad, start, scalars, param_copy,
-                                              aligned=True)
-        return crc, nonfinite, param_crc
+        return self._run(_lib.cossd_adam_step_crc_copy, grad, start, scalars, param_copy, aligned=True)
 
     def lent(self, grad: Any, start: int, scalars: AdamScalars,
              param_copy: Any = None) -> tuple[int, int, int, int]:

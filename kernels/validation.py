@@ -89,7 +89,8 @@ def _enum_arg(name: str, value: Any, kind: type[enum.IntEnum]) -> int:
 def _as_array(name: str, obj: Any, dtypes: tuple[np.dtype, ...], writable: bool, aligned: bool = True) -> np.ndarray:
     """View obj as a C-contiguous ndarray of one of `dtypes` without copying, or raise.
     aligned=False: it may start at any byte, for a buffer the C side only copies with memcpy
-    (a lent gradient, which a network receive buffer may hold at an odd offset)."""
+    or loads with unaligned vector loads (a lent gradient, which a network receive buffer may
+    hold at an odd offset)."""
     if isinstance(obj, np.ndarray):
         arr = obj
     else:

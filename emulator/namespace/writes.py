@@ -53,7 +53,7 @@ class _BlockOutcome:
     crc: int
     param_crc: int
     nonfinite: int
-    written: int  # media bytes the update wrote; 0 where it did not run
+    written: int  # media bytes the update wrote (a discarded non-finite block's too); 0 where it did not run
     elapsed_ns: int
 
 
@@ -363,7 +363,8 @@ class GradientWrites:
             with self.core.cond:
                 for outcome in finished:
                     tx.finish(outcome.block, outcome.crc, outcome.nonfinite,
-                              copied=outcome.written > 0 and outcome.block.param_copy is not None,
+                              copied=(outcome.written > 0 and not outcome.nonfinite
+                                      and outcome.block.param_copy is not None),
                               param_crc=outcome.param_crc)
                     self.core.counters.kernel_blocks += 1
                     self.core.counters.kernel_ns += outcome.elapsed_ns
@@ -443,13 +444,8 @@ class GradientWrites:
                 crc, nonfinite, param_crc, stepped = self._block_update(committed, tensor).lent(
                     grad, start, scalars, block.param_copy)
                 # A non-finite block was stepped too, in part (rounds) or whole (registers):
-                # media bytes written, though the block stays unfinished (written 0).
-                stepped_bytes = stepped * self._bytes_per_stepped_elem
-                if nonfinite:
-                    with self.core.lock:
-                        self.core.counters.media_bytes_written += stepped_bytes
-                else:
-                    written = stepped_bytes
+                # its media bytes count as written, though its outputs are discarded.
+                written = stepped * self._bytes_per_stepped_elem
             elif block.shared:
                 # Every element of a lent gradient is read from the host's memory exactly once:
                 # copied into this thread's buffer, which alone is counted (in the same pass)
@@ -504,7 +500,7 @@ class GradientWrites:
                 tx.error = exc
             log.exception("namespace %s: kernel failed on %s block %d", self.core.name, block.tensor.name, block.local_block)
             raise DeviceError(Status.INTERNAL_ERROR, f"kernel failed: {exc}") from exc
-        if written:  # the kernel ran: master and moments read, the new state written
+        if written and not nonfinite:  # the kernel ran: master and moments read, the new state written
             self.core.timing.add(media_read=(stop - start) * (4 + 2 * self.core.state_dtype.itemsize),
                                  media_write=written, elements=stop - start)
         return _BlockOutcome(block, crc, param_crc, nonfinite, written, elapsed)

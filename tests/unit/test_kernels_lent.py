@@ -63,7 +63,7 @@ with open("/proc/cpuinfo") as _cpuinfo:
 def lent_in_registers(path: str, gfmt: HalfFormat | GradFormat, n: int, aligned: bool) -> bool:
     """Whether BlockUpdate.lent takes its in-register way here: each element loaded once into
     the register both counted and stepped, the whole range stepped even where non-finite
-    (kernels/block_update.c, lent_in_registers)."""
+    (kernels/block_update.c: step_crc_in_registers where whole_vectors_only)."""
     return (path == "avx512" and _FOLD_IN_REGISTERS and gfmt in (HalfFormat.FP16, HalfFormat.BF16)
             and n % 16 == 0 and aligned)
 
