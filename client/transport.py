@@ -11,6 +11,9 @@ from .cmb import CmbMapping
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog, close_quietly
 
 ADMIN_FILE = ".admin"
+# What the first read of a completion asks for: the entry and the data of nearly every
+# command (an identify page, a log page, a commit's report).
+COMPLETION_READ_BYTES = 64 << 10
 
 
 class Transport(Protocol):
@@ -97,9 +100,20 @@ class LocalMount:
     def exchange(self, submission: bytes) -> Completion:
         def exchange() -> Completion:
             os.write(self.admin_fd, submission)
-            header = self._read_exact(COMPLETION.itemsize)
-            completion, data_len = decode_completion(header)
-            data = self._read_exact(data_len) if data_len else b""
+            # One read takes the entry and, mostly, all its data: a read never returns bytes
+            # of two completions, so asking for more than the entry is safe, and it spares a
+            # round trip through the daemon (about 0.2 ms) for every command that has data.
+            first = os.read(self.admin_fd, COMPLETION_READ_BYTES)
+            if not first:
+                raise OSError("control file returned no completion")
+            if len(first) < COMPLETION.itemsize:
+                first += self._read_exact(COMPLETION.itemsize - len(first))
+            completion, data_len = decode_completion(first[:COMPLETION.itemsize])
+            data = first[COMPLETION.itemsize:]
+            if len(data) > data_len:
+                raise OSError(f"control file returned {len(data) - data_len} bytes past a completion's data")
+            if len(data) < data_len:
+                data += self._read_exact(data_len - len(data))
             return Completion(completion.cid, completion.status, completion.result, data)
 
         return self.watchdog.call(exchange)

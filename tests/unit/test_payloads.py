@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from conftest import Mount
 from cossd.protocol.status import Status
-from cossd.protocol.entries import MAX_JSON_DEPTH, Opcode
+from cossd.protocol.entries import MAX_JSON_DEPTH, Opcode, decode_json_payload
+from cossd.protocol.status import DeviceError
 from cossd.client import AdminClient
 from test_control_fuzz import BASELINE, Entry, InProcess, in_process  # noqa: F401 (a fixture)
 
@@ -58,6 +59,25 @@ def raw_payloads(rng: random.Random) -> list[bytes]:
     return [nested(MAX_JSON_DEPTH + 1, rng), nested(200, rng), b"[" * 100_000, b'{"lr": 1, "lr": 2}',
             b'{"tag": "s1", "tag": "s1"}', b"9" * 5000, b'{"lr": 1e999}', b'{"lr": NaN}', b"-Infinity",
             b"\xff\xfe", b"", b"null", b"[]", b'"text"']
+
+
+def test_the_nesting_limit_holds_whether_the_brackets_are_few_or_many() -> None:
+    """decode_json_payload skips the nesting count for text with no more opening brackets
+    than the limit; the limit is exact either way, and brackets inside strings never count."""
+    rng = random.Random(7)
+    for depth in (MAX_JSON_DEPTH - 1, MAX_JSON_DEPTH):  # few brackets: no count needed
+        assert decode_json_payload(nested(depth, rng)) is not None
+    for depth in (MAX_JSON_DEPTH + 1, MAX_JSON_DEPTH + 2, 200):
+        with pytest.raises(DeviceError, match="nested deeper"):
+            decode_json_payload(nested(depth, rng))
+    # Many brackets, shallow: in strings (escaped quotes among them), or side by side.
+    in_strings = {"tag": "[" * 100 + '\\"' + "{" * 100, "list": ["[{" * 50]}
+    assert decode_json_payload(json.dumps(in_strings).encode()) == in_strings
+    assert decode_json_payload(json.dumps([[1]] * 100).encode()) == [[1]] * 100
+    # Past the limit by one level, with many brackets elsewhere in the text.
+    deep = nested(MAX_JSON_DEPTH + 1, rng).decode()
+    with pytest.raises(DeviceError, match="nested deeper"):
+        decode_json_payload(f'{{"pad": {json.dumps([[0]] * 50)}, "deep": {deep}}}'.encode())
 
 
 def payloads() -> st.SearchStrategy[bytes]:
