@@ -102,7 +102,7 @@ class LocalMount:
             os.write(self.admin_fd, submission)
             # One read takes the entry and, mostly, all its data: a read never returns bytes
             # of two completions, so asking for more than the entry is safe, and it spares a
-            # round trip through the daemon (about 0.2 ms) for every command that has data.
+            # round trip through the daemon (0.05-0.15 ms on a 2-core VM) a command with data.
             first = os.read(self.admin_fd, COMPLETION_READ_BYTES)
             if not first:
                 raise OSError("control file returned no completion")
