@@ -34,16 +34,24 @@ def free_ports(count: int) -> list[int]:
 
 
 class WeedServer:
-    """One `weed server` with its S3 gateway; stop() kills its process group."""
+    """One `weed server` with its S3 gateway; stop() kills its process group and removes the
+    Unix sockets it left in /tmp."""
 
-    def __init__(self, process: subprocess.Popen[bytes], endpoint: str, log: IO[bytes], root: Path) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], endpoint: str, log: IO[bytes], root: Path,
+                 ports: tuple[int, ...] = ()) -> None:
         self.process, self.endpoint, self.log, self.root = process, endpoint, log, root
+        self.ports = ports
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self.log.close()
+        # weed makes a Unix socket beside several of its ports, /tmp/seaweedfs-<role>-<port>.sock;
+        # killed, it cannot remove them, and each run would leave more behind.
+        for port in self.ports:
+            for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                path.unlink(missing_ok=True)
 
 
 def _start_once(root: Path, ip: str, popen: Callable[..., subprocess.Popen[bytes]],
@@ -59,7 +67,7 @@ def _start_once(root: Path, ip: str, popen: Callable[..., subprocess.Popen[bytes
                "-s3.port.iceberg=0", f"-s3.config={root / 's3.json'}"]
     log = open(root / "weed.log", "ab")
     process = popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = WeedServer(process, f"http://{ip}:{gateway}", log, root)
+    server = WeedServer(process, f"http://{ip}:{gateway}", log, root, (master, volume, filer, gateway, lance, *grpc))
     deadline = time.monotonic() + 60
 
     def answers() -> bool:
