@@ -21,7 +21,7 @@ from .. import netns
 from ..measure import say
 from ..served import write_token
 from .devices import DEVICE_COUNTS, gpt_shapes, run_job
-from .interrupt import signals_end_the_run
+from .interrupt import held, signals_end_the_run
 
 # Names carry this process's pid, so two runs never collide and a killed run's leftovers are
 # known by a pid that is gone. The host end of each veth lives in the root namespace, so its
@@ -171,8 +171,11 @@ def served_devices(workdir: Path, count: int, link_mbit: float | None) -> Iterat
             directory = workdir / f"net-{count}-{index}"
             directory.mkdir(parents=True)
             Device.format(directory / "backing", serial=f"BENCHNET{count}{index:04d}")
-            space = DeviceNamespace.create(index, link_mbit)
-            spaces.append(space)
+            # A signal between the namespace's making and its place in `spaces` would leave it
+            # behind: it waits until both are done (create() undoes a partial making itself).
+            with held():
+                space = DeviceNamespace.create(index, link_mbit)
+                spaces.append(space)
             space.serve(directory / "backing", token_file)
         yield spaces
     finally:

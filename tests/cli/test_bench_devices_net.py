@@ -68,6 +68,27 @@ def test_without_namespaces_the_section_says_why(tmp_path: Path, monkeypatch: py
     assert sorted(path.name for path in tmp_path.iterdir()) == []
 
 
+def test_a_signal_right_after_a_namespace_is_made_leaves_nothing(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM just as DeviceNamespace.create returns, before the bench has noted the new
+    namespace for its teardown: the interrupt waits until it is noted, so it is removed."""
+    if netns.unavailable():
+        pytest.skip(netns.unavailable())
+    from cossd.harness.bench.interrupt import RunInterrupted, signals_end_the_run
+    create = devices_net.DeviceNamespace.create.__func__  # type: ignore[attr-defined]
+
+    def create_then_signal(cls: type, index: int, link_mbit: float | None) -> devices_net.DeviceNamespace:
+        made = create(cls, index, link_mbit)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, in the main thread
+        return made
+
+    monkeypatch.setattr(devices_net.DeviceNamespace, "create", classmethod(create_then_signal))
+    with pytest.raises(RunInterrupted), signals_end_the_run():
+        with devices_net.served_devices(tmp_path, 1, None):
+            pytest.fail("the signal did not end the run")
+    assert _ours(os.getpid()) == ([], [])
+
+
 # The section at one device count (argv[2]) only, a job long enough (200 steps of an 18M-param
 # model) to be under way whenever the test looks.
 _RUN = """
