@@ -94,6 +94,10 @@ def test_namespace_and_step_verbs_in_json(mount: Mount, capsys: pytest.CaptureFi
     completion = json.loads(out)  # NAMESPACE_STATISTICS: its JSON comes back as hex data
     assert code == 0 and completion["status_name"] == "SUCCESS"
     assert json.loads(bytes.fromhex(completion["data"]))["name"] == "net"
+    # cdw14 reaches the device too: GET_LOG_PAGE (02h, SMART) refuses an index offset (its bit 23).
+    code, out, _ = run_cli(capsys, "admin-passthru", mp, "--opcode", "0x02", "--namespace-id", "0xffffffff",
+                           "--cdw10", str(0x02 | 3 << 16), "--cdw14", str(1 << 23), "-o", "json")
+    assert code == 1 and json.loads(out)["status_name"] == "INVALID_FIELD"
     code, out, _ = run_cli(capsys, "delete-ns", mp, "net", "-o", "json")
     assert code == 0 and json.loads(out) == {"deleted": "net"}
     code, out, _ = run_cli(capsys, "umount", mp, "-o", "json")

@@ -194,7 +194,7 @@ def register(verb: VerbFactory) -> None:
     sub.add_argument("--opcode", type=parse_int, required=True, help="opcode, e.g. 0x06 or 0xc0")
     sub.add_argument("--namespace-id", type=parse_int, default=0, help="nsid (default 0)")
     for n in range(10, 16):
-        sub.add_argument(f"--cdw{n}", type=parse_int, default=0, help=argparse.SUPPRESS if n > 13 else f"command dword {n}")
+        sub.add_argument(f"--cdw{n}", type=parse_int, default=0, help=f"command dword {n} (default 0)")
     sub.add_argument("--input-file", type=Path, help="payload to send after the entry (data_len is its size)")
     sub.add_argument("-r", "--raw-data", action="store_true", help="with -o normal, hex-dump the returned data")
 
