@@ -276,6 +276,7 @@ class RemoteTransport:
             starts.append(position)
             position += len(target)
         message = bytearray()
+        received = 0  # the READ's bytes so far: they come in order, each once (server/connection.py)
         while True:
             head = self.reader.read_head(self.digests)
             if head.type == PduType.CAPSULE_RESP:
@@ -284,6 +285,13 @@ class RemoteTransport:
                     raise wire.WireError(wire.FatalError.PDU_SEQUENCE_ERROR,
                                          f"completion of command {completion.cid} with {data_len} bytes; expected "
                                          f"{cid} with {len(message)}")
+                if into and completion.status == Status.SUCCESS and (received != position
+                                                         or completion.result != position & 0xFFFF_FFFF):
+                    # A READ that succeeded with bytes missing would leave part of the
+                    # caller's buffers as they were, and be counted as read: never silently.
+                    raise wire.WireError(wire.FatalError.DATA_OUT_OF_RANGE,
+                                         f"a READ of {position} bytes completed after {received} "
+                                         f"(result {completion.result})")
                 return dataclasses.replace(completion, data=bytes(message))
             if head.type == PduType.C2H_TERM_REQ:
                 raise ConnectionResetError(f"the server ended the connection (fatal error "
@@ -297,10 +305,12 @@ class RemoteTransport:
                 message += self.reader.read_data()
                 continue
             index = bisect.bisect_right(starts, datao) - 1
-            if index < 0 or datao + datal > starts[index] + len(into[index]):
-                raise wire.WireError(wire.FatalError.DATA_OUT_OF_RANGE, f"C2HData at {datao}+{datal}")
+            if datao != received or index < 0 or datao + datal > starts[index] + len(into[index]):
+                raise wire.WireError(wire.FatalError.DATA_OUT_OF_RANGE,
+                                     f"C2HData at {datao}+{datal}; expected the bytes from {received}")
             at = datao - starts[index]
             self.reader.read_data(into[index][at : at + datal])
+            received += datal
 
     # ------------------------------------------------------------------ Transport
 
