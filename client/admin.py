@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 from typing import Any
 
@@ -13,6 +14,29 @@ from .cmb import CmbMapping
 from .remote import Credentials, RemoteTransport, is_remote
 from .transport import LocalMount, Transport
 from .watchdog import DEFAULT_TIMEOUT_S
+
+
+# The submission entry's fields a caller fills, and their widths in bits (protocol/entries.py,
+# SUBMISSION): submit refuses a value that does not fit rather than let it be cut.
+SUBMISSION_FIELD_BITS = {"opcode": 8, "nsid": 32, **{f"cdw{n}": 32 for n in range(10, 16)}}
+
+
+def check_field(what: str, value: Any, bits: int) -> int:
+    """`value` as an unsigned field of `bits` bits, or a ValueError that names `what` and the
+    field's range: never cut to fit, which would send another command than the one asked for."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+    if not 0 <= number < 1 << bits:
+        raise ValueError(f"{what} {number} is out of range 0..{(1 << bits) - 1} ({bits} bits)")
+    return number
+
+
+def split_u64(what: str, value: int) -> tuple[int, int]:
+    """A 64-bit field (a step, a byte offset) as its two dwords, low first; out of range: ValueError."""
+    number = check_field(what, value, 64)
+    return number & 0xFFFF_FFFF, number >> 32
 
 
 class AdminClient:
@@ -52,8 +76,13 @@ class AdminClient:
     def submit(self, opcode: int, *, payload: bytes = b"", **fields: int) -> Completion:
         """Send one command and return its completion (whatever its status).
 
-        An OSError here is the errno channel: the submission itself was malformed.
+        An OSError here is the errno channel: the submission itself was malformed. A field
+        out of its width (SUBMISSION_FIELD_BITS) is a ValueError, and nothing is sent.
         """
+        check_field("opcode", opcode, 8)
+        for name, value in fields.items():
+            if name in SUBMISSION_FIELD_BITS:
+                check_field(name, value, SUBMISSION_FIELD_BITS[name])
         self._cid = (self._cid + 1) & 0xFFFF
         raw = encode_submission(opcode, cid=self._cid, payload=payload, **fields)
         return self.transport.exchange(raw)
@@ -92,10 +121,11 @@ class AdminClient:
                    grad_scales: dict[str, Any] | None = None) -> int:
         """BEGIN_STEP; grad_scales: each FP8 tensor's scale (or slice object), the payload
         {"grad_scales": {...}}; naming the open step, it adds them to it."""
+        step_low, step_high = split_u64("step", step)
         low, high = f64_to_dwords(grad_scale)
         payload = json.dumps({"grad_scales": grad_scales}).encode() if grad_scales else b""
         completion = self.call(
-            Opcode.BEGIN_STEP, nsid=nsid, cdw10=step & 0xFFFFFFFF, cdw11=step >> 32,
+            Opcode.BEGIN_STEP, nsid=nsid, cdw10=step_low, cdw11=step_high,
             cdw12=low, cdw13=high, payload=payload,
         )
         return int(json.loads(completion.data)["step"])
@@ -111,7 +141,8 @@ class AdminClient:
     def revert_step(self, nsid: int, step: int) -> dict[str, Any]:
         """REVERT_STEP: undo committed step `step` (its copy of step - 1 still intact);
         {"committed_step", "reverted"} (false where the namespace is at step - 1 already)."""
-        completion = self.call(Opcode.REVERT_STEP, nsid=nsid, cdw10=step & 0xFFFFFFFF, cdw11=step >> 32)
+        low, high = split_u64("step", step)
+        completion = self.call(Opcode.REVERT_STEP, nsid=nsid, cdw10=low, cdw11=high)
         return json.loads(completion.data)
 
     # ------------------------------------------------------------------ shared steps
@@ -127,8 +158,9 @@ class AdminClient:
             payload["groups"] = groups
         if grad_scales:
             payload["grad_scales"] = grad_scales
+        step_low, step_high = split_u64("step", step)
         low, high = f64_to_dwords(grad_scale)
-        completion = self.call(Opcode.BEGIN_STEP, nsid=nsid, cdw10=step & 0xFFFFFFFF, cdw11=step >> 32,
+        completion = self.call(Opcode.BEGIN_STEP, nsid=nsid, cdw10=step_low, cdw11=step_high,
                                cdw12=low, cdw13=high, payload=json.dumps(payload).encode())
         return json.loads(completion.data)
 
@@ -161,7 +193,8 @@ class AdminClient:
                      offset: int = 0) -> bytes:
         """The raw bytes of log page `log_id` (cdw10 bits 7:0): the whole page, or `length`
         bytes (a multiple of 4, as NUMD counts dwords) from byte `offset`, fewer where the
-        page ends first."""
+        page ends first. A log_id past 8 bits (or another field out of its width): ValueError."""
+        check_field("log page identifier", log_id, 8)
         if length is None:
             numd = 0xFFFF_FFFF  # as many dwords as NUMD can ask for: the whole page
         elif length <= 0 or length % 4 or length > 1 << 34:
@@ -170,7 +203,7 @@ class AdminClient:
             numd = length // 4 - 1
         if not 0 <= offset < 1 << 64:
             raise ValueError(f"a log page offset is 0 to 2**64-1, got {offset}")
-        return self.call(Opcode.GET_LOG_PAGE, nsid=nsid, cdw10=(log_id & 0xFF) | (numd & 0xFFFF) << 16,
+        return self.call(Opcode.GET_LOG_PAGE, nsid=nsid, cdw10=log_id | (numd & 0xFFFF) << 16,
                          cdw11=numd >> 16, cdw12=offset & 0xFFFF_FFFF, cdw13=offset >> 32).data
 
     def smart_log(self) -> dict[str, int]:

@@ -19,7 +19,7 @@ from ..protocol.computational import (ADAMW_PROGRAM_INDEX, CP_IDENTIFY_NAMESPACE
                                       encode_ranges)
 from ..protocol.entries import SUBMISSION, Completion, Opcode, encode_submission, status_error
 from ..protocol.status import DeviceError, Status
-from .admin import AdminClient
+from .admin import AdminClient, check_field, split_u64
 
 # One range: (mnsid, starting byte, length in bytes).
 Range = tuple[int, int, int]
@@ -35,7 +35,11 @@ class ExecuteResult:
 
 def submission(opcode: int, *, io: bool = False, cid: int = 0, nsid: int = 0, cdw2: int = 0, cdw3: int = 0,
                cdw4: int = 0, payload: bytes = b"", **dwords: int) -> bytes:
-    """A 64-byte entry and its payload, with CDW2-4 and the I/O queue flag where given."""
+    """A 64-byte entry and its payload, with CDW2-4 and the I/O queue flag where given. A field
+    out of its width is a ValueError (client/admin.py, check_field): nothing is cut to fit."""
+    check_field("opcode", opcode, 8)
+    for name, value in (("nsid", nsid), ("cdw2", cdw2), ("cdw3", cdw3), ("cdw4", cdw4), *dwords.items()):
+        check_field(name, value, 32)
     raw = bytearray(encode_submission(opcode, cid=cid, nsid=nsid, payload=payload, **dwords))
     entry = np.frombuffer(raw, dtype=SUBMISSION, count=1)
     entry["flags"] = IO_QUEUE_FLAG if io else 0
@@ -99,14 +103,18 @@ class ComputationalClient:
     # ------------------------------------------------------------------ admin
 
     def activate(self, nsid: int, index: int = ADAMW_PROGRAM_INDEX, active: bool = True) -> None:
+        """Program Activation Management (88h): `index` (16 bits, CDW10 15:0) activated or not."""
+        check_field("program index", index, 16)
         select = ActivationSelect.ACTIVATE if active else ActivationSelect.DEACTIVATE
         self.call(CpAdminOpcode.PROGRAM_ACTIVATION_MANAGEMENT, nsid=nsid, cdw10=index | select << 16)
 
     def create_range_set(self, nsid: int, ranges: list[Range]) -> int:
+        check_ranges(ranges)
         return self.call(CpAdminOpcode.MEMORY_RANGE_SET_MANAGEMENT, nsid=nsid, cdw10=RangeSetSelect.CREATE,
                          cdw11=len(ranges), payload=encode_ranges(ranges)).result
 
     def delete_range_set(self, nsid: int, rsid: int) -> None:
+        check_field("memory range set ID", rsid, 16)
         self.call(CpAdminOpcode.MEMORY_RANGE_SET_MANAGEMENT, nsid=nsid, cdw10=RangeSetSelect.DELETE | rsid << 16)
 
     # ------------------------------------------------------------------ Execute Program
@@ -117,36 +125,48 @@ class ComputationalClient:
         """Execute Program `index` over inline `ranges` or the range set `range_set`;
         `hyperparameters` (lr, beta1, beta2, eps, weight_decay, and optionally group) go
         after the descriptors."""
+        check_field("program index", index, 16)
+        check_field("memory range set ID", range_set, 16)
+        step_low, step_high = split_u64("step", step)
         inline = ranges or []
+        check_ranges(inline)
         data = encode_ranges(inline)
         if hyperparameters is not None:
             data += encode_hyperparameters(**hyperparameters)
         scale = struct.unpack("<Q", struct.pack("<d", grad_scale))[0] if grad_scale is not None else 0
         completion = self.call(ComputeOpcode.EXECUTE_PROGRAM, io=True, nsid=nsid, cdw2=index | range_set << 16,
-                               cdw3=len(inline), cdw4=len(data), payload=data, cdw10=step & 0xFFFFFFFF,
-                               cdw11=step >> 32, cdw12=scale & 0xFFFFFFFF, cdw13=scale >> 32)
+                               cdw3=len(inline), cdw4=len(data), payload=data, cdw10=step_low,
+                               cdw11=step_high, cdw12=scale & 0xFFFFFFFF, cdw13=scale >> 32)
         value = struct.unpack_from("<Q", completion.data)[0]
         return ExecuteResult(value, json.loads(completion.data[8:]))
 
     # ------------------------------------------------------------------ SLM I/O
 
+    # Offsets are 64 bits (CDW10-11), lengths 32 (CDW12): out of them, ValueError, nothing sent.
+
     def read(self, nsid: int, offset: int, length: int) -> bytes:
-        return self.call(MemoryOpcode.MEMORY_READ, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
-                         cdw11=offset >> 32, cdw12=length).data
+        low, high = split_u64("offset", offset)
+        return self.call(MemoryOpcode.MEMORY_READ, io=True, nsid=nsid, cdw10=low, cdw11=high,
+                         cdw12=check_field("length", length, 32)).data
 
     def write(self, nsid: int, offset: int, data: bytes) -> int:
-        return self.call(MemoryOpcode.MEMORY_WRITE, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
-                         cdw11=offset >> 32, cdw12=len(data), payload=bytes(data)).result
+        low, high = split_u64("offset", offset)
+        return self.call(MemoryOpcode.MEMORY_WRITE, io=True, nsid=nsid, cdw10=low, cdw11=high,
+                         cdw12=check_field("length", len(data), 32), payload=bytes(data)).result
 
     def fill(self, nsid: int, offset: int, length: int, pattern: int = 0) -> int:
-        return self.call(MemoryOpcode.MEMORY_FILL, io=True, nsid=nsid, cdw10=offset & 0xFFFFFFFF,
-                         cdw11=offset >> 32, cdw12=length, cdw13=pattern).result
+        low, high = split_u64("offset", offset)
+        return self.call(MemoryOpcode.MEMORY_FILL, io=True, nsid=nsid, cdw10=low, cdw11=high,
+                         cdw12=check_field("length", length, 32), cdw13=check_field("pattern", pattern, 32)).result
 
     def copy_from_memory(self, nsid: int, offset: int, sources: list[Range]) -> int:
         """Memory Copy (format 4h) from (memory nsid, first byte, bytes) ranges, in order, to
         byte `offset` of memory namespace `nsid`."""
         table = np.zeros(len(sources), dtype=MEMORY_SOURCE_RANGE)
         for row, (source, saddr, nbyte) in zip(table, sources):
+            check_field("source nsid", source, 32)
+            check_field("source address", saddr, 64)
+            check_field("source bytes", nbyte, 32)
             row["snsid"], row["saddr"], row["nbyte"] = source, saddr, nbyte
         return self._copy(nsid, offset, CopyFormat.MEMORY, table.tobytes(), len(sources),
                           sum(nbyte for _, _, nbyte in sources))
@@ -158,6 +178,8 @@ class ComputationalClient:
         for row, (source, slba, blocks) in zip(table, sources):
             if not 1 <= blocks <= 1 << 16:
                 raise ValueError(f"1..65536 blocks a source range (NLB is 16 bits, 0's based), got {blocks}")
+            check_field("source nsid", source, 32)
+            check_field("source LBA", slba, 64)
             row["snsid"], row["slba"], row["nlb"] = source, slba, blocks - 1
         return self._copy(nsid, offset, CopyFormat.NVM_LBAS, table.tobytes(), len(sources),
                           NVM_LBA_BYTES * sum(blocks for _, _, blocks in sources))
@@ -165,9 +187,19 @@ class ComputationalClient:
     def _copy(self, nsid: int, offset: int, form: int, payload: bytes, count: int, length: int) -> int:
         if not 1 <= count <= MAX_RANGES:
             raise ValueError(f"1..{MAX_RANGES} source ranges, got {count}")
-        return self.call(MemoryOpcode.MEMORY_COPY, io=True, nsid=nsid, cdw2=length & 0xFFFFFFFF, cdw3=length >> 32,
-                         cdw10=offset & 0xFFFFFFFF, cdw11=offset >> 32, cdw12=(count - 1) | form << 8,
-                         payload=payload).result
+        length_low, length_high = split_u64("copy length", length)
+        low, high = split_u64("offset", offset)
+        return self.call(MemoryOpcode.MEMORY_COPY, io=True, nsid=nsid, cdw2=length_low, cdw3=length_high,
+                         cdw10=low, cdw11=high, cdw12=(count - 1) | form << 8, payload=payload).result
+
+
+def check_ranges(ranges: list[Range]) -> None:
+    """Each (mnsid, starting byte, length) fits its descriptor's fields (MEMORY_RANGE: 32, 64
+    and 32 bits), else ValueError: a value cut to fit would name other bytes."""
+    for mnsid, sb, length in ranges:
+        check_field("range MNSID", mnsid, 32)
+        check_field("range starting byte", sb, 64)
+        check_field("range length", length, 32)
 
 
 # The namespaces a trainer's Execute Program path uses, made on first use: one compute

@@ -46,6 +46,47 @@ def parse_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r} (examples: 2, 0xc0)") from None
 
 
+# The widths of a command's fields: an integer option of a verb that fills one is refused at
+# parse time outside them (bounded_int), never cut to fit on the way to the device.
+U8_MAX = 0xFF
+U16_MAX = 0xFFFF
+U32_MAX = 0xFFFF_FFFF
+U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _bound(value: int, hexadecimal: bool) -> str:
+    return f"{value:#x}" if hexadecimal and value > 0 else str(value)
+
+
+def bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer as parse_int reads it, from `low` to `high` (None: no upper
+    bound), else argparse's usage error ("argument --index: 65536 is out of range 0..65535").
+    For a command field, its width and sign (U8_MAX ...): a value out of them would be cut, and
+    another command than the one asked for sent."""
+
+    def parse(text: str) -> int:
+        value = parse_int(text)
+        if value < low or (high is not None and value > high):
+            if high is None:
+                raise argparse.ArgumentTypeError(f"{text} is out of range (at least {low})")
+            hexadecimal = text.strip().lower().lstrip("+-").startswith("0x")
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range {_bound(low, hexadecimal)}..{_bound(high, hexadecimal)}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names it where a type fails otherwise
+    return parse
+
+
+# The usual ones: a field of 8, 16, 32 or 64 bits (unsigned), a count of at least 1.
+parse_u8 = bounded_int(0, U8_MAX)
+parse_u16 = bounded_int(0, U16_MAX)
+parse_u32 = bounded_int(0, U32_MAX)
+parse_u64 = bounded_int(0, U64_MAX)
+parse_positive = bounded_int(1)
+parse_nonnegative = bounded_int(0)
+
+
 def parse_log_len(text: str) -> int:
     """GET LOG PAGE's length: bytes, a positive multiple of 4 (NUMD counts dwords)."""
     length = parse_int(text)

@@ -174,6 +174,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except (OSError, RuntimeError, SettingError) as exc:  # SettingError: a COSSD_* knob set wrong
         print(f"{prog} {args.verb}: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, OverflowError) as exc:
+        # A value the client refused to send (a field out of its width: client/admin.py,
+        # check_field), or one a field could not hold: the one line, never a traceback.
+        print(f"{prog} {args.verb}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..arguments import DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_int
+from ..arguments import (DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_u8,
+                         parse_u32, parse_u64)
 from ..output import binary_output, emit, hexdump, open_client, write_binary
 
 
@@ -180,10 +181,10 @@ def register(verb: VerbFactory) -> None:
         add_device_argument(sub)
         sub.add_argument("name")
         if name == "revert-step":
-            sub.add_argument("--step", type=int, required=True,
+            sub.add_argument("--step", type=parse_u64, required=True,
                              help="the committed step to undo (the namespace goes back to STEP - 1)")
         if name == "begin-step":
-            sub.add_argument("--step", type=int, help="step number (default: the next one)")
+            sub.add_argument("--step", type=parse_u64, help="step number (default: the next one)")
             sub.add_argument("--grad-scale", type=float, default=1.0,
                              help="combined gradient scale: 1/loss_scale x clip coefficient "
                                   "(default: %(default)s)")
@@ -191,10 +192,11 @@ def register(verb: VerbFactory) -> None:
     sub = verb("admin-passthru", cmd_admin_passthru, "Send a raw admin command through .admin "
                "(like nvme admin-passthru); exits 1 unless it succeeds.", formats=("normal", "json", "binary"))
     add_device_argument(sub)
-    sub.add_argument("--opcode", type=parse_int, required=True, help="opcode, e.g. 0x06 or 0xc0")
-    sub.add_argument("--namespace-id", type=parse_int, default=0, help="nsid (default 0)")
+    sub.add_argument("--opcode", type=parse_u8, required=True, help="opcode, e.g. 0x06 or 0xc0 (0..0xff)")
+    sub.add_argument("--namespace-id", type=parse_u32, default=0, help="nsid (default 0; 0..0xffffffff)")
     for n in range(10, 16):
-        sub.add_argument(f"--cdw{n}", type=parse_int, default=0, help=f"command dword {n} (default 0)")
+        sub.add_argument(f"--cdw{n}", type=parse_u32, default=0,
+                         help=f"command dword {n} (default 0; 0..0xffffffff)")
     sub.add_argument("--input-file", type=Path, help="payload to send after the entry (data_len is its size)")
     sub.add_argument("-r", "--raw-data", action="store_true", help="with -o normal, hex-dump the returned data")
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..arguments import VerbFactory, add_device_argument, parse_size
+from ..arguments import VerbFactory, add_device_argument, parse_positive, parse_size
 from ..output import emit, human_bytes, open_client
 
 
@@ -203,10 +203,10 @@ def register(verb: VerbFactory) -> None:
         "each snapshot itself, one at a time; while the store is slower than versions come, they "
         "wait on the drive, and beyond --max-pending (or --spill-capacity) the older waiting ones are dropped "
         "(coalesced, counted); kept across restarts (docs/tiers.md)")
-    policy.add_argument("--every", type=int, metavar="K", help="a version every K committed steps")
-    policy.add_argument("--keep-local", type=int, metavar="N", help="the policy's snapshots kept on the drive (default 2)")
-    policy.add_argument("--keep-remote", type=int, metavar="M", help="its versions kept in the store (default 3)")
-    policy.add_argument("--max-pending", type=int, metavar="P",
+    policy.add_argument("--every", type=parse_positive, metavar="K", help="a version every K committed steps")
+    policy.add_argument("--keep-local", type=parse_positive, metavar="N", help="the policy's snapshots kept on the drive (default 2)")
+    policy.add_argument("--keep-remote", type=parse_positive, metavar="M", help="its versions kept in the store (default 3)")
+    policy.add_argument("--max-pending", type=parse_positive, metavar="P",
                         help="versions waiting for the store at most (default and most: --keep-local)")
     policy.add_argument("--spill-capacity", type=parse_size, metavar="BYTES",
                         help="the drive's bytes that versions waiting for the store may take (each a snapshot "

@@ -8,16 +8,19 @@ import sys
 from typing import Any
 
 from ...client.computational import ComputationalClient
-from ..arguments import VerbFactory, add_device_argument
+from ..arguments import U32_MAX, U64_MAX, VerbFactory, add_device_argument, parse_u16, parse_u32, parse_u64
 from ..output import emit, open_client
 
 
 def _range(text: str) -> tuple[int, int, int]:
-    """MNSID:SB:LENGTH, each in any base."""
+    """MNSID:SB:LENGTH, each in any base, each within its descriptor field (32, 64, 32 bits)."""
     try:
         mnsid, sb, length = (int(part, 0) for part in text.split(":"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"a range is MNSID:SB:LENGTH (integers), got {text!r}") from None
+    for what, value, high in (("MNSID", mnsid, U32_MAX), ("SB", sb, U64_MAX), ("LENGTH", length, U32_MAX)):
+        if not 0 <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text}: {what} {value} is out of range 0..{high}")
     return mnsid, sb, length
 
 
@@ -119,7 +122,7 @@ def register(verb: VerbFactory) -> None:
     sub = verb("cp-activate", cmd_activate, "Activate (or --deactivate) a program of a compute namespace (88h).")
     add_device_argument(sub)
     sub.add_argument("name", help="compute namespace")
-    sub.add_argument("--index", type=int, default=0, help="program index (default 0, adamw_step)")
+    sub.add_argument("--index", type=parse_u16, default=0, help="program index (default 0, adamw_step; 0..65535)")
     sub.add_argument("--deactivate", action="store_true", help="deactivate instead")
 
     sub = verb("cp-exec", cmd_exec, "Execute Program (I/O 01h) on a compute namespace: adamw_step over "
@@ -128,9 +131,10 @@ def register(verb: VerbFactory) -> None:
     add_device_argument(sub)
     sub.add_argument("name", help="compute namespace")
     sub.add_argument("--range", type=_range, action="append", metavar="MNSID:SB:LENGTH", help="an inline range")
-    sub.add_argument("--range-set", type=int, default=0, help="a memory range set's ID (89h)")
-    sub.add_argument("--index", type=int, default=0, help="program index (default 0)")
-    sub.add_argument("--step", type=int, default=0, help="CPARAM1: the step (0: the open or an implicit one)")
+    sub.add_argument("--range-set", type=parse_u16, default=0, help="a memory range set's ID (89h; 1..65535)")
+    sub.add_argument("--index", type=parse_u16, default=0, help="program index (default 0; 0..65535)")
+    sub.add_argument("--step", type=parse_u64, default=0,
+                     help="CPARAM1: the step (0: the open or an implicit one)")
     sub.add_argument("--grad-scale", type=float, default=None, help="CPARAM2: the gradient scale")
     sub.add_argument("--lr", type=float, default=None, help="send the hyperparameter block with this lr")
     for flag, default in (("--beta1", 0.9), ("--beta2", 0.999), ("--eps", 1e-8), ("--weight-decay", 0.01)):
@@ -141,11 +145,11 @@ def register(verb: VerbFactory) -> None:
                formats=("normal", "json", "binary"))
     add_device_argument(sub)
     sub.add_argument("name", help="memory namespace")
-    sub.add_argument("--offset", type=lambda text: int(text, 0), default=0, help="first byte (a multiple of 4)")
-    sub.add_argument("--length", type=lambda text: int(text, 0), required=True, help="bytes (a multiple of 4)")
+    sub.add_argument("--offset", type=parse_u64, default=0, help="first byte (a multiple of 4)")
+    sub.add_argument("--length", type=parse_u32, required=True, help="bytes (a multiple of 4)")
 
     sub = verb("slm-write", cmd_slm_write, "Memory Write (I/O 05h) of a file's bytes into a memory namespace.")
     add_device_argument(sub)
     sub.add_argument("name", help="memory namespace")
-    sub.add_argument("--offset", type=lambda text: int(text, 0), default=0, help="first byte (a multiple of 4)")
+    sub.add_argument("--offset", type=parse_u64, default=0, help="first byte (a multiple of 4)")
     sub.add_argument("--input-file", required=True, help="the bytes to write (a multiple of 4)")

@@ -17,7 +17,7 @@ from typing import Any
 
 from ... import settings
 from ...protocol.status import DeviceError, Status
-from ..arguments import VerbFactory, device_location, parse_port, parse_size, parse_threads
+from ..arguments import VerbFactory, bounded_int, device_location, parse_port, parse_size, parse_threads
 from ..output import emit
 
 
@@ -343,7 +343,7 @@ def _register_mount(verb: VerbFactory) -> None:
     sub.add_argument("--debug", action="store_true", help="log every FUSE request")
     sub.add_argument("--log-file", type=Path, help="daemon log (default: BACKING/daemon.log; for cossd://, "
                      "~/.cache/cossd/remote-mount-MOUNTPOINT.log)")
-    sub.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    sub.add_argument("--ready-fd", type=bounded_int(0, 0x7FFF_FFFF), help=argparse.SUPPRESS)  # a C int
     sub.add_argument("--metrics-port", type=parse_port, metavar="N",
                      help="serve Prometheus metrics on this TCP port (docs/metrics.md). Unauthenticated "
                           "unless --metrics-token-file is given: any local user (and anyone who can reach "

@@ -21,7 +21,7 @@ from ...protocol.features import (
 from ...protocol.entries import Completion, Opcode
 from ...protocol.hyperparameters import GROUP_FIELDS
 
-from ..arguments import VerbFactory, add_device_argument, parse_int
+from ..arguments import VerbFactory, add_device_argument, parse_int, parse_u8, parse_u32
 from ..output import emit, open_client
 
 if TYPE_CHECKING:
@@ -44,16 +44,24 @@ HYPERPARAMETER_FLAGS = GROUP_FIELDS
 
 def get_feature(client: AdminClient, fid: int, *, nsid: int = 0, select: int = Select.CURRENT,
                 cdw11: int = 0) -> Completion:
-    """Get Features (0Ah): the completion (value in `result`, JSON `data` for vendor features)."""
-    return client.call(Opcode.GET_FEATURES, nsid=nsid, cdw10=(fid & 0xFF) | (select & 0x7) << 8, cdw11=cdw11)
+    """Get Features (0Ah): the completion (value in `result`, JSON `data` for vendor features).
+    A field out of its width (FID 8 bits, SEL 3): ValueError, nothing sent."""
+    from ...client.admin import check_field
+
+    cdw10 = check_field("feature identifier", fid, 8) | check_field("select", select, 3) << 8
+    return client.call(Opcode.GET_FEATURES, nsid=nsid, cdw10=cdw10, cdw11=cdw11)
 
 
 def set_feature(client: AdminClient, fid: int, *, nsid: int = 0, value: int = 0,
                 data: dict[str, Any] | None = None, save: bool = False) -> Completion:
-    """Set Features (09h): `value` goes in cdw11, `data` as the JSON payload; `save` sets SV."""
+    """Set Features (09h): `value` goes in cdw11, `data` as the JSON payload; `save` sets SV.
+    A field out of its width (FID 8 bits, the value 32): ValueError, nothing sent."""
+    from ...client.admin import check_field
+
     payload = json.dumps(data).encode() if data is not None else b""
-    cdw10 = (fid & 0xFF) | (SAVE_BIT if save else 0)
-    return client.call(Opcode.SET_FEATURES, nsid=nsid, cdw10=cdw10, cdw11=value & 0xFFFFFFFF, payload=payload)
+    cdw10 = check_field("feature identifier", fid, 8) | (SAVE_BIT if save else 0)
+    return client.call(Opcode.SET_FEATURES, nsid=nsid, cdw10=cdw10, cdw11=check_field("value", value, 32),
+                       payload=payload)
 
 
 # ---------------------------------------------------------------------- decoding
@@ -193,19 +201,21 @@ def register(verb: VerbFactory) -> None:
     sub = verb("get-feature", cmd_get_feature, f"Get Features (0Ah), like nvme get-feature: {fids}.",
                formats=("normal", "json", "binary"))
     add_device_argument(sub)
-    sub.add_argument("-f", "--feature-id", type=parse_int, required=True, help="feature identifier, e.g. 4 or 0xc1")
+    sub.add_argument("-f", "--feature-id", type=parse_u8, required=True,
+                     help="feature identifier, e.g. 4 or 0xc1 (0..0xff)")
     sub.add_argument("-n", "--namespace", help="namespace name (needed by 0xc0)")
     sub.add_argument("-s", "--sel", type=_select, default=Select.CURRENT,
                      help="0 current (default), 1 default, 2 saved, 3 supported capabilities")
-    sub.add_argument("-c", "--cdw11", type=parse_int, default=0,
+    sub.add_argument("-c", "--cdw11", type=parse_u32, default=0,
                      help="command dword 11 (0x04: TMPSEL bits 19:16, THSEL bits 21:20; 0 = composite, over)")
     sub.add_argument("-H", "--human-readable", action="store_true", help="decode the value's fields")
 
     sub = verb("set-feature", cmd_set_feature, f"Set Features (09h), like nvme set-feature: {fids}.")
     add_device_argument(sub)
-    sub.add_argument("-f", "--feature-id", type=parse_int, required=True, help="feature identifier, e.g. 4 or 0xc1")
+    sub.add_argument("-f", "--feature-id", type=parse_u8, required=True,
+                     help="feature identifier, e.g. 4 or 0xc1 (0..0xff)")
     sub.add_argument("-n", "--namespace", help="namespace name (needed by 0xc0)")
-    sub.add_argument("-v", "--value", type=parse_int,
+    sub.add_argument("-v", "--value", type=parse_u32,
                      help="command dword 11 (0x04: the threshold in Kelvin, with TMPSEL/THSEL; "
                           "0xc0: the group, default every group)")
     sub.add_argument("--data", help="the JSON payload of a vendor feature, e.g. '{\"durability\": \"sync\"}'")

@@ -9,7 +9,7 @@ from ...protocol.entries import NSID_ALL, IoOpcode, Opcode
 from ...protocol.injection import InjectAction, Queue
 from ...protocol.logpages import LogId
 
-from ..arguments import VerbFactory, add_device_argument
+from ..arguments import U8_MAX, U32_MAX, VerbFactory, add_device_argument, bounded_int, parse_nonnegative
 from ..output import emit, open_client
 
 if TYPE_CHECKING:
@@ -47,6 +47,11 @@ def injection_log(client: AdminClient) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the verb
 
+# A status's value: (SCT << 8) | SC, SCT 3 bits and SC 8 (the completion's status field).
+STATUS_MAX = 0x7FF
+# --count: how many commands fail, 1 to the most the device arms (a 32-bit count).
+COUNT_TYPE = bounded_int(1, U32_MAX)
+
 
 def parse_target(text: str) -> tuple[str, int]:
     """(queue, opcode): 'write'/'read' (the tensor files), an opcode name or a number."""
@@ -56,19 +61,25 @@ def parse_target(text: str) -> tuple[str, int]:
     if key in Opcode.__members__:
         return Queue.ADMIN.value, int(Opcode[key])
     try:
-        return Queue.ADMIN.value, int(text, 0)
+        opcode = int(text, 0)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"not an opcode: {text!r} (a number like 0xc5, a name like commit-step, or write/read "
             "for the tensor files)") from None
+    if not 0 <= opcode <= U8_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is out of range 0..{U8_MAX:#x}")
+    return Queue.ADMIN.value, opcode
 
 
 def parse_status(text: str) -> str | int:
-    """A status name (write-fault) or its value ((SCT << 8) | SC, e.g. 0x280)."""
+    """A status name (write-fault) or its value ((SCT << 8) | SC, e.g. 0x280: SCT 3 bits, SC 8)."""
     try:
-        return int(text, 0)
+        value = int(text, 0)
     except ValueError:
         return text.strip().upper().replace("-", "_")
+    if not 0 <= value <= STATUS_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is out of range 0..{STATUS_MAX:#x}")
+    return value
 
 
 def _armed_line(entry: dict[str, Any]) -> str:
@@ -128,7 +139,7 @@ def register(verb: VerbFactory) -> None:
     mode.add_argument("--clear", action="store_true", help="disarm every injection")
     mode.add_argument("--list", action="store_true", help="armed, fired and corrupted (log page C3h)")
     sub.add_argument("--status", type=parse_status, help="arm: the status to fail with (write-fault, 0x280)")
-    sub.add_argument("--count", type=int, default=1, help="arm: how many commands fail (default 1)")
+    sub.add_argument("--count", type=COUNT_TYPE, default=1, help="arm: how many commands fail (default 1)")
     sub.add_argument("-n", "--namespace", help="arm: only commands of this namespace (default: any)")
     sub.add_argument("--tensor", help="corrupt: the tensor")
-    sub.add_argument("--block", type=int, default=0, help="corrupt: the block within the tensor (default 0)")
+    sub.add_argument("--block", type=parse_nonnegative, default=0, help="corrupt: the block within the tensor (default 0)")

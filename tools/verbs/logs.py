@@ -12,10 +12,10 @@ from ..arguments import (
     add_device_argument,
     add_nvme_options,
     nvme_device,
-    parse_int,
     parse_log_entries,
     parse_log_len,
     parse_log_offset,
+    parse_u8,
 )
 from ..output import binary_output, emit, hexdump, open_client, write_binary
 
@@ -267,8 +267,8 @@ def register(verb: VerbFactory) -> None:
     sub = verb("get-log", cmd_get_log, "Any log page, raw (hex dump, -o binary) or decoded (-o json).",
                formats=("normal", "json", "binary"))
     add_device_argument(sub)
-    sub.add_argument("-i", "--log-id", type=parse_int, required=True,
-                     help="log page identifier, e.g. 2 or 0xc0")
+    sub.add_argument("-i", "--log-id", type=parse_u8, required=True,
+                     help="log page identifier, e.g. 2 or 0xc0 (0..0xff)")
     sub.add_argument("-n", "--namespace", help="namespace name, for namespace-scoped pages (default: all)")
     sub.add_argument("-l", "--log-len", type=parse_log_len,
                      help="bytes to read, a multiple of 4 (NUMD); fewer come back where the page ends "

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..arguments import (DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_int,
-                        parse_size)
+from ..arguments import (DEVICE_HELP, VerbFactory, add_device_argument, add_nvme_options, nvme_device, parse_size,
+                        parse_u32)
 from ..output import binary_output, emit, open_client, write_binary
 
 
@@ -21,6 +21,8 @@ def parse_tensor_shape(text: str) -> tuple[str, int, list[int] | None]:
         raise argparse.ArgumentTypeError(
             f"tensor {name!r}: {size!r} is neither an element count nor a shape like 768x3072") from None
     if "x" not in size:
+        if dims[0] < 1:
+            raise argparse.ArgumentTypeError(f"tensor {name!r}: element count {size} is out of range (at least 1)")
         return name, dims[0], None
     if any(dim < 1 for dim in dims):
         raise argparse.ArgumentTypeError(f"tensor {name!r}: every dimension of {size!r} must be at least 1")
@@ -151,5 +153,5 @@ def register(verb: VerbFactory) -> None:
                formats=("normal", "json", "binary"))
     add_device_argument(sub, metavar="DEVICE", help=DEVICE_HELP)
     sub.add_argument("name", nargs="?", help="namespace name (or -n NSID, or DEVICE MOUNTPOINT/ns/NAME)")
-    sub.add_argument("-n", "--namespace-id", type=parse_int, metavar="NSID", help="namespace id")
+    sub.add_argument("-n", "--namespace-id", type=parse_u32, metavar="NSID", help="namespace id (0..0xffffffff)")
     add_nvme_options(sub)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...client import AdminClient
-from ..arguments import VerbFactory, add_device_argument, parse_int
+from ..arguments import VerbFactory, add_device_argument, parse_positive
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -181,14 +181,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-
-    value = parse_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
-
-
 def register(verb: VerbFactory) -> None:
     sub = verb("top", cmd_top, "Live view of each namespace's steps/s, gradient and param traffic, "
                "skipped steps, committed/durable step and kernel load, refreshed every --interval "
@@ -196,5 +188,5 @@ def register(verb: VerbFactory) -> None:
     add_device_argument(sub)
     sub.add_argument("-d", "--interval", type=_positive_float, default=1.0, metavar="SECONDS",
                      help="seconds between refreshes (default: 1)")
-    sub.add_argument("-n", "--iterations", type=_positive_int, metavar="N",
+    sub.add_argument("-n", "--iterations", type=parse_positive, metavar="N",
                      help="stop after N refreshes (default: until interrupted)")
