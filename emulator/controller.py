@@ -17,7 +17,7 @@ from .health import CRITICAL_TEMP_KELVIN, WARNING_TEMP_KELVIN
 from ..protocol.injection import Queue
 from .injection import Injector
 from .io import DeviceIO
-from ..protocol.logpages import CSUPP, LBCC, NIC, NOT_APPLICABLE, LogId
+from ..protocol.logpages import CSUPP, DATA_PATH_SQID, LBCC, NIC, NOT_APPLICABLE, LogId
 from ..protocol.entries import NSID_ALL, Command, Completion, IdentifyCns, Opcode, decode_submission
 from ..protocol.hyperparameters import GROUP_FIELDS, SET_HYPERPARAMETERS_KEYS
 from ..protocol.computational import IO_QUEUE_FLAG
@@ -44,6 +44,10 @@ COMMAND_EFFECTS: dict[int, int] = {
     Opcode.DELETE_NAMESPACE: NIC,  # a namespace disappears
     Opcode.COMMIT_STEP: LBCC,  # the state and params a namespace serves change
 }
+
+# The error log's sqid for a failed I/O command (IO_QUEUE_FLAG): I/O queue 1, as the data
+# path's injected failures (their cs is an I/O opcode too); admin commands are queue 0.
+IO_SQID = DATA_PATH_SQID
 
 # Byte of the submission that an error names in its error log entry (parameter error
 # location); any other failure has none (FFFFh). Keyed by (opcode or None for any, status).
@@ -169,6 +173,9 @@ class Controller:
         # I/O commands of the compute and memory namespaces (a submission with IO_QUEUE_FLAG):
         # opcode -> handler, which command modules add (emulator/computational/commands.py).
         self.io_handlers: dict[int, Callable[[Command], Completion]] = {}
+        # Their effects beyond CSUPP, for the I/O dwords of the effects page (LID 05h): opcode ->
+        # bits, which the same modules add.
+        self.io_effects: dict[int, int] = {}
         for module in COMMAND_MODULES:
             self._handlers.update(importlib.import_module(module).handlers(self))
 
@@ -177,11 +184,15 @@ class Controller:
         return self.execute(decode_submission(raw))
 
     def execute(self, command: Command) -> Completion:
+        io_command = bool(command.flags & IO_QUEUE_FLAG)
         handler = self._handlers.get(command.opcode)
-        if command.flags & IO_QUEUE_FLAG:  # an I/O command: its opcodes are not the admin ones
+        if io_command:  # an I/O command: its opcodes are not the admin ones
             handler = self.io_handlers.get(command.opcode)
-        # An armed injection answers in the command's place: the command does not run.
-        injected = self.injector.take(Queue.ADMIN, command.opcode, command.nsid, command.cid)
+        # An armed injection answers in the command's place: the command does not run. Queue
+        # "admin" names admin opcodes, so it never fires on an I/O command that shares one
+        # (02h: Get Log Page, Memory Read); these I/O commands take no injection.
+        injected = None if io_command else self.injector.take(Queue.ADMIN, command.opcode, command.nsid,
+                                                              command.cid)
         location: int | None = None  # the submission byte a refusal names, where the handler says
         if injected is not None:
             completion = Completion(command.cid, injected.status, data=injected.message.encode())
@@ -214,13 +225,18 @@ class Controller:
     def _log_error(self, command: Command, completion: Completion, location: int | None = None) -> None:
         """Every failed command gets an Error Information entry (LID 01h)."""
         status = completion.status
+        io_command = bool(command.flags & IO_QUEUE_FLAG)
         if location is None:
             location = NOT_APPLICABLE
             if isinstance(status, Status):
-                location = ERROR_LOCATION.get((command.opcode, status),
-                                              ERROR_LOCATION.get((None, status), NOT_APPLICABLE))
-        self.device.health.log_error(int(status), sqid=0, cmdid=command.cid, nsid=command.nsid,
-                                     opcode=command.opcode, parm_error_location=location)
+                # ERROR_LOCATION's opcodes are admin ones: an I/O command of the same opcode
+                # (02h Memory Read, not Get Log Page) takes only the locations of any opcode.
+                specific = None if io_command else ERROR_LOCATION.get((command.opcode, status))
+                location = specific if specific is not None else ERROR_LOCATION.get((None, status), NOT_APPLICABLE)
+        # An I/O command came through the I/O queue that IO_QUEUE_FLAG stands for, which the
+        # entry's sqid says, so that its opcode (cs) is not read as the admin one.
+        self.device.health.log_error(int(status), sqid=IO_SQID if io_command else 0, cmdid=command.cid,
+                                     nsid=command.nsid, opcode=command.opcode, parm_error_location=location)
 
     def _namespace(self, command: Command) -> kinds.AnyNamespace:
         return self.device.namespace_by_id(command.nsid)
@@ -277,7 +293,8 @@ class Controller:
             data = logpages.encode_smart(self.device.smart())
         elif lid == LogId.COMMANDS_SUPPORTED_AND_EFFECTS:
             data = logpages.encode_effects(
-                {opcode: CSUPP | COMMAND_EFFECTS.get(opcode, 0) for opcode in self._handlers})
+                {opcode: CSUPP | COMMAND_EFFECTS.get(opcode, 0) for opcode in self._handlers},
+                {opcode: CSUPP | self.io_effects.get(opcode, 0) for opcode in self.io_handlers})
         elif lid == LogId.OPTIMIZER_STATISTICS:
             if command.nsid in (0, NSID_ALL):
                 namespaces = sorted(self.device.namespaces.values(), key=lambda ns: ns.nsid)

@@ -17,6 +17,7 @@ from ...protocol.computational import (ADAMW_HYPERPARAMETERS, COPY_SOURCE_LAYOUT
                                        RANGE_GRANULARITY_SHIFT, SLM_ALIGN, SLM_IDENTIFY_NAMESPACE, SLM_MAX_TRANSFER,
                                        ActivationSelect, ComputeOpcode, CpAdminOpcode, MemoryOpcode, RangeSetSelect)
 from ...protocol.entries import Command, Completion, Opcode
+from ...protocol.logpages import LBCC
 from ...protocol.status import DeviceError, Status
 from . import memory_io
 from .namespaces import ComputeNamespace, MemoryNamespace
@@ -24,6 +25,12 @@ from .programs import PROGRAM_SLOTS, ComputeState, adamw_pieces, hyperparameter_
 from .ranges import decode, resolve
 
 Handler = Callable[[Command], Completion]
+# The I/O commands' effects beyond CSUPP on the effects page (LID 05h). One I/O dword serves
+# an opcode of both command sets: 01h is Execute Program (it changes the optimizer state and
+# params a namespace serves) and Memory Copy, and Fill (04h) and Write (05h) change memory
+# contents too; Memory Read (02h) changes nothing.
+IO_EFFECTS: dict[int, int] = {ComputeOpcode.EXECUTE_PROGRAM: LBCC, MemoryOpcode.MEMORY_COPY: LBCC,
+                              MemoryOpcode.MEMORY_FILL: LBCC, MemoryOpcode.MEMORY_WRITE: LBCC}
 IDENTIFY_BYTES = 4096
 
 
@@ -187,6 +194,7 @@ def handlers(controller: Any) -> dict[int, Handler]:
     if io_handlers is not None:
         for opcode in {*tuple(ComputeOpcode), *tuple(MemoryOpcode)}:
             io_handlers[int(opcode)] = commands.io
+        controller.io_effects.update(IO_EFFECTS)
     return {CpAdminOpcode.LOAD_PROGRAM: commands.load_program,
             CpAdminOpcode.PROGRAM_ACTIVATION_MANAGEMENT: commands.activation,
             CpAdminOpcode.MEMORY_RANGE_SET_MANAGEMENT: commands.range_set,

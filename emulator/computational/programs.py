@@ -160,28 +160,43 @@ def run_adamw(namespace: Namespace, pieces: list[Piece], step: int, grad_scale: 
               hypers: tuple[int | None, dict[str, float]] | None) -> dict[str, Any]:
     """Take the pieces as one CMB_WRITE would, in step `step` (0: the open step, or an
     implicit one, as CMB_WRITE) and commit it once its gradients are complete where this
-    Execute named the step. A refusal after the step was opened here aborts it and puts the
-    hyperparameters back, so a refused Execute changes nothing."""
-    for piece in pieces:  # the checks write_grads_lent starts with, before anything changes here
-        namespace._check_range(namespace._tensor(piece.tensor), "grad", piece.grad_offset, len(piece.grad))
-    open_step = namespace.step_open
-    if open_step is not None and step and step != open_step:
-        raise DeviceError(Status.STEP_NUMBER_MISMATCH, f"step {open_step} is open, not {step}")
-    if hypers is not None and open_step is not None:
+    Execute named the step. A gradient scale with step 0 and no step open opens an implicit
+    step carrying it, which commits when complete as any implicit step does.
+
+    Everything that can be refused for what the Execute asks is checked before anything
+    changes: opening a step seals a loading namespace, which no abort undoes. A failure after
+    the step was opened here (the media) aborts it and puts the hyperparameters back."""
+    lent = [(p.tensor, p.grad_offset, p.grad, p.params) for p in pieces]
+    namespace.check_grads_lent(lent)  # ranges, and no element twice (nor one the open step has)
+    open_tx = namespace._tx
+    open_step = None if open_tx is None else open_tx.step
+    if open_tx is not None and step and step != open_tx.step:
+        raise DeviceError(Status.STEP_NUMBER_MISMATCH, f"step {open_tx.step} is open, not {step}")
+    if hypers is not None and open_tx is not None:
         raise DeviceError(Status.INVALID_FIELD, "hyperparameters go with the Execute that opens a step; "
-                          f"step {open_step} is open")
+                          f"step {open_tx.step} is open")
+    if open_tx is not None and grad_scale is not None and grad_scale != open_tx.grad_scale:
+        # The open step's kernel scalars were fixed with its scale at its begin: taking these
+        # gradients at another scale would silently step them at the wrong one.
+        raise DeviceError(Status.INVALID_FIELD, f"step {open_tx.step} is open with grad scale "
+                          f"{open_tx.grad_scale!r}; an Execute that adds to it gives that scale or 0 "
+                          f"(CPARAM2), not {grad_scale!r}")
     old_hypers = namespace.config()["groups"] if hypers is not None else None
-    opened = False
+    opened: int | None = None
     try:
         if hypers is not None:
             namespace.set_hyperparameters(hypers[0], **hypers[1])
-        if open_step is None and (step or grad_scale is not None):
-            namespace.begin_step(step or None, grad_scale if grad_scale is not None else 1.0)
-            opened = True
-        result = namespace.write_grads_lent([(p.tensor, p.grad_offset, p.grad, p.params) for p in pieces])
+        if open_step is None and step:
+            opened = namespace.begin_step(step, grad_scale if grad_scale is not None else 1.0)
+        elif open_step is None and grad_scale is not None:
+            opened = namespace.begin_implicit_step(grad_scale)
+        result = namespace.write_grads_lent(lent)
     except DeviceError:
-        if opened:
-            namespace.abort_step()
+        if opened is not None and namespace.step_open == opened:
+            try:
+                namespace.abort_step()
+            except DeviceError:
+                pass  # ended meanwhile (its commit failed): the first error is the one to report
         if old_hypers is not None:
             for index, group in enumerate(old_hypers):
                 namespace.set_hyperparameters(index, **{name: group[name] for name in GROUP_FIELDS})

@@ -187,6 +187,12 @@ class Namespace:
         naming the open step, add scales to it (StepEngine.begin_step)."""
         return self.steps.begin_step(step, grad_scale, grad_scales)
 
+    def begin_implicit_step(self, grad_scale: float) -> int:
+        """Open an implicit step with a gradient scale: it commits once its gradients are
+        complete (StepEngine.begin_implicit_step). Part of the command whose gradients it
+        takes, as the implicit step a write opens: no host command of its own to model."""
+        return self.steps.begin_implicit_step(grad_scale)
+
     @modeled_command("commit_step")
     def commit_step(self) -> CommitResult:
         """Commit the open step once all its gradient blocks are in (or skip it)."""
@@ -275,6 +281,10 @@ class Namespace:
                           data: bytes | memoryview) -> tuple[int, StepTransaction | None] | None:
         """write_grad's part that never blocks (GradientWrites.write_grad_nowait)."""
         return self.writes.write_grad_nowait(tensor_name, offset, data)
+
+    def check_grads_lent(self, pieces: GradPieces) -> None:
+        """Refuse, changing nothing, what write_grads_lent would refuse before taking a byte."""
+        self.writes.check_grads_lent(pieces)
 
     def write_grads_lent(self, pieces: GradPieces) -> CommitResult | None:
         """Take gradient pieces from lent memory (GradientWrites.write_grads_lent)."""

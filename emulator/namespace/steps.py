@@ -66,6 +66,19 @@ class StepEngine:
             self.shared_record.fence = False
             return opened
 
+    def begin_implicit_step(self, grad_scale: float) -> int:
+        """Open an implicit step carrying `grad_scale`: Execute Program with CPARAM1 0 and a
+        CPARAM2. Like the one a gradient write opens (scale 1), it commits when the write that
+        completes its gradients ends; not while a multi-rank job fences implicit steps off."""
+        with self.core.lock:
+            if self.shared_record.fence:
+                raise DeviceError(
+                    Status.NO_STEP_OPEN,
+                    f"namespace {self.core.name!r} runs shared steps (a multi-rank job): gradients "
+                    "need their step begun first (BEGIN_STEP); no implicit step opens until a single "
+                    "client's BEGIN_STEP")
+            return self.begin_locked(None, grad_scale, explicit=False).step
+
     def begin_locked(self, step: int | None, grad_scale: float, explicit: bool,
                      grad_scales: dict[str, Any] | None = None) -> StepTransaction:
         # A step reads the committed master and moments: they must have passed their checksums.

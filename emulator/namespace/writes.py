@@ -185,25 +185,11 @@ class GradientWrites:
         except WouldBlock:
             return None
 
-    def write_grads_lent(self, pieces: GradPieces) -> CommitResult | None:
-        """Take gradient pieces (tensor, byte offset in its grad file, bytes, param copy) from
-        memory the caller lends until this returns, as a drive's DMA reads a host buffer:
-        each gradient element is read from it exactly once (a whole block by its kernel
-        worker, into that thread's buffer; a part of a block into the block's staging), so
-        the lender changing it meanwhile cannot make a step use values other than those it
-        was checked on. Returns once every block the pieces completed has run.
-
-        A piece's param copy (None, or as many bytes as its gradient, sharing memory with no
-        piece's gradient or other copy; 2 bytes for each gradient element) receives the step's new params for its elements: the
-        kernel stores them as it computes them, and when the step ends the rest is filled
-        from the committed copy, so once the step is committed, skipped or aborted the copy
-        holds the committed params. Until then it is the device's to write.
-
-        The pieces are checked, against each other and against what the open step already
-        has, before any is taken, so a batch refused for its ranges changes nothing. Returns
-        the commit's result where the pieces completed an implicit step (committed or
-        skipped before this returns), else None.
-        """
+    def check_grads_lent(self, pieces: GradPieces) -> None:
+        """Refuse, changing nothing, pieces that write_grads_lent would refuse before taking
+        any: a range outside its tensor, a param copy of the wrong size, bytes named twice in
+        the batch or already received by the open step. Execute Program checks them before it
+        opens a step (a begin seals a loading namespace, which no abort undoes)."""
         spans: dict[str, list[tuple[int, int]]] = {}
         grad_size = self.core.itemsize("grad")
         for tensor_name, offset, data, param_copy in pieces:
@@ -226,6 +212,28 @@ class GradientWrites:
                 for tensor_name, ranges in spans.items():
                     for start, end in ranges:
                         self.core.tx.check_free(self.core.tensor(tensor_name), start // grad_size, end // grad_size)
+
+    def write_grads_lent(self, pieces: GradPieces) -> CommitResult | None:
+        """Take gradient pieces (tensor, byte offset in its grad file, bytes, param copy) from
+        memory the caller lends until this returns, as a drive's DMA reads a host buffer:
+        each gradient element is read from it exactly once (a whole block by its kernel
+        worker, into that thread's buffer; a part of a block into the block's staging), so
+        the lender changing it meanwhile cannot make a step use values other than those it
+        was checked on. Returns once every block the pieces completed has run.
+
+        A piece's param copy (None, or as many bytes as its gradient, sharing memory with no
+        piece's gradient or other copy; 2 bytes for each gradient element) receives the step's new params for its elements: the
+        kernel stores them as it computes them, and when the step ends the rest is filled
+        from the committed copy, so once the step is committed, skipped or aborted the copy
+        holds the committed params. Until then it is the device's to write.
+
+        The pieces are checked, against each other and against what the open step already
+        has, before any is taken, so a batch refused for its ranges changes nothing. Returns
+        the commit's result where the pieces completed an implicit step (committed or
+        skipped before this returns), else None.
+        """
+        self.check_grads_lent(pieces)
+        grad_size = self.core.itemsize("grad")
         queued: list[concurrent.futures.Future[None]] = []
         implicit = None
         try:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import struct
 import threading
 from pathlib import Path
@@ -230,7 +231,7 @@ _REPLACE_HINT = "replaced only when asked: the payload's overwrite, `cossd expor
 
 
 def _refuse_existing(target: Path) -> None:
-    if target.exists():
+    if os.path.lexists(target):  # a dangling symlink too: a name taken is never replaced unasked
         raise DeviceError(Status.INVALID_FIELD, f"{target} exists ({_REPLACE_HINT})")
 
 
@@ -271,9 +272,65 @@ def _parse(payload: Any) -> dict[str, Any]:
         if not isinstance(payload.get(key, False), bool):
             raise DeviceError(Status.INVALID_FIELD, f"{key} must be true or false")
     path = payload.get("path")
-    if path is not None and (not isinstance(path, str) or not os.path.isabs(path)):
-        raise DeviceError(Status.INVALID_FIELD, f"path must be an absolute path, got {path!r}")
+    if path is not None:
+        if not isinstance(path, str) or not os.path.isabs(path):
+            raise DeviceError(Status.INVALID_FIELD, f"path must be an absolute path, got {path!r}")
+        # What no file name can hold is a bad field, not a failure of the device's (the
+        # system calls would raise ValueError or UnicodeEncodeError: INTERNAL_ERROR).
+        if "\0" in path:
+            raise DeviceError(Status.INVALID_FIELD, f"path {path!r} holds a NUL byte")
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DeviceError(Status.INVALID_FIELD, f"path {path!r} is not valid UTF-8 (a lone surrogate)") from None
     return payload
+
+
+def _within(place: str, folder: str) -> bool:
+    return os.path.commonpath([place, folder]) == folder
+
+
+def _check_target(backing: Path, target: Path, overwrite: bool) -> None:
+    """Refuse a path the export must not write: one in the device's own backing folder (its
+    superblocks, state copies and metadata: an export there, or a replace of one of its files,
+    destroys a namespace), however reached (symlinks resolved; a folder that is the backing
+    folder mounted again elsewhere found by its inode), a directory, and with overwrite anything
+    but a regular file. Exports without a path go to BACKING/exports, which the device names.
+    Any other OSError of the checks is the path's fault: INVALID_FIELD."""
+    try:
+        own = os.path.realpath(backing)
+        real_target, real_parent = os.path.realpath(target), os.path.realpath(target.parent)
+        inside = _within(real_target, own) or _within(real_parent, own)
+        if not inside:
+            backing_id = (os.stat(own).st_ino, os.stat(own).st_dev)
+            folder = real_parent
+            while True:  # a bind mount of the backing folder has another path but the same inode
+                try:
+                    info = os.stat(folder)
+                except FileNotFoundError:
+                    info = None  # not there (yet): opening the file below says so
+                if info is not None and (info.st_ino, info.st_dev) == backing_id:
+                    inside = True
+                    break
+                above = os.path.dirname(folder)
+                if above == folder:
+                    break
+                folder = above
+        if inside:
+            raise DeviceError(Status.INVALID_FIELD,
+                              f"{target} is inside the device's backing folder ({own}), whose files are "
+                              "the device's own; export elsewhere, or without a path (to BACKING/exports)")
+        try:
+            mode: int | None = os.lstat(target).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise DeviceError(Status.INVALID_FIELD, f"{target} is a directory")
+        if mode is not None and overwrite and not stat.S_ISREG(mode):
+            raise DeviceError(Status.INVALID_FIELD, f"{target} is not a regular file (overwrite replaces only "
+                                                    "a regular file, never a link, device, pipe or socket)")
+    except OSError as exc:
+        raise _path_error(exc, target) from None
 
 
 def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) -> Job:
@@ -294,8 +351,7 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) ->
     out_fd = source_fd = -1
     try:
         if target is not None:
-            if target.is_dir():
-                raise DeviceError(Status.INVALID_FIELD, f"{target} is a directory")
+            _check_target(device.path, target, overwrite)
             if not overwrite:
                 _refuse_existing(target)
             tmp, out_fd = _open_temp(target, job_id)

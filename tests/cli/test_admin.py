@@ -272,7 +272,9 @@ def test_every_log_id_answers_and_the_error_log_keeps_the_latest_64(mount: Mount
         # The vendor opcodes and the Computational Programs admin commands (85h, 88h, 89h).
         supported_opcodes = {int(op) for op in Opcode} | {int(op) for op in CpAdminOpcode}
         assert {op for op in range(256) if effects[op] & logpages.CSUPP} == supported_opcodes
-        assert not effects[256:].any()  # no I/O command set: data moves through the tensor files
+        # The I/O dwords: the compute and memory namespaces' I/O commands (Execute Program and
+        # Memory Copy 01h, Memory Read 02h, Fill 04h, Write 05h); a tensor file's I/O has none.
+        assert {op for op in range(256) if effects[256 + op] & logpages.CSUPP} == {0x01, 0x02, 0x04, 0x05}
         assert effects[Opcode.CREATE_NAMESPACE] & logpages.NIC and effects[Opcode.COMMIT_STEP] & logpages.LBCC
 
         # Identify advertises the pages: LPA (effects page), ELPE, and the temperature thresholds.
