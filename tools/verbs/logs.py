@@ -3,6 +3,7 @@ server's own), get-log (any page), and their printers."""
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 from typing import Any, Callable
 
@@ -121,18 +122,24 @@ def _status_name(status_field: int) -> str:
     return status.name if isinstance(status, Status) else f"{status:#05x}"
 
 
-def _opcode_name(opcode: int, sqid: int = 0) -> str:
+def _opcode_name(opcode: int, sqid: int = 0, kind: str | None = None) -> str:
+    """An entry's opcode by its queue (sqid 1: an I/O command) and, for an I/O command, by the
+    kind of namespace it went to: opcode 01h is a tensor file's WRITE, a compute namespace's
+    Execute Program or a memory namespace's Memory Copy."""
+    from ...protocol.computational import ComputeOpcode, MemoryOpcode
     from ...protocol.entries import IoOpcode, Opcode
     from ...protocol.logpages import DATA_PATH_SQID
 
+    io_opcodes: type[enum.IntEnum] = {"compute": ComputeOpcode, "memory": MemoryOpcode}.get(kind or "", IoOpcode)
     try:
-        # An injected data-path failure is logged with sqid 1 and an I/O opcode (D0h).
-        return IoOpcode(opcode).name if sqid == DATA_PATH_SQID else Opcode(opcode).name
+        # An I/O command's failure (an injected data-path one, an Execute Program, an SLM
+        # command) is logged with sqid 1 and its I/O opcode.
+        return io_opcodes(opcode).name if sqid == DATA_PATH_SQID else Opcode(opcode).name
     except ValueError:
         return "unknown"
 
 
-def _error_entries_text(device: object, entries: list[dict[str, int]]) -> str:
+def _error_entries_text(device: object, entries: list[dict[str, int]], kinds: dict[int, str] | None = None) -> str:
     rule = "................."
     lines = [f"Error Log Entries for device:{device} entries:{len(entries)}", rule]
     for index, entry in enumerate(entries):
@@ -148,7 +155,7 @@ def _error_entries_text(device: object, entries: list[dict[str, int]]) -> str:
             f"lba             : {entry['lba']:#x}",
             f"nsid            : {entry['nsid']:#x}",
             f"vs              : {entry['vs']}",
-            f"cs              : {entry['cs']:#x} (opcode {_opcode_name(entry['cs'], entry['sqid'])})",
+            f"cs              : {entry['cs']:#x} (opcode {_opcode_name(entry['cs'], entry['sqid'], (kinds or {}).get(entry['nsid']))})",
             rule,
         ]
     return "\n".join(lines)
@@ -161,6 +168,9 @@ def cmd_error_log(args: argparse.Namespace) -> int:
     nvme_device(args)
     with open_client(args) as client:
         page = client.get_log_page(LogId.ERROR)
+        # Each namespace's kind, which names an I/O command's opcode (text output only).
+        kinds = {} if args.output_format != "normal" else {
+            int(entry["nsid"]): str(entry.get("kind")) for entry in client.describe()["namespaces"]}
     # As many entries as nvme-cli asks for: -e, at most ELPE + 1 (all of the page).
     count = min(args.log_entries or ERROR_LOG_ENTRIES, ERROR_LOG_ENTRIES)
     page = page[: count * nvme_json.ERROR_ENTRY_BYTES]
@@ -170,7 +180,7 @@ def cmd_error_log(args: argparse.Namespace) -> int:
     if args.output_format == "json":  # every entry asked for, the empty ones too, as nvme-cli
         emit(args, nvme_json.error_log(page, count), str, sort_keys=False)
         return 0
-    print(_error_entries_text(args.mountpoint, decode_error_log(page)))  # people: the valid ones
+    print(_error_entries_text(args.mountpoint, decode_error_log(page), kinds))  # people: the valid ones
     return 0
 
 
