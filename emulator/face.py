@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # `X as X`: an explicit re-export, so ruff and mypy see what 
     from .accounting import LinkTiming as LinkTiming
     from .backing import SUPERBLOCK_FILE as SUPERBLOCK_FILE, BackingDirectory as BackingDirectory
     from .controller import Controller as Controller
+    from .descriptors import raise_descriptor_limit as raise_descriptor_limit
     from .device import Device as Device, DeviceConfig as DeviceConfig
     from .io import (
         DATA_ROLE as DATA_ROLE,
@@ -60,6 +61,7 @@ _EXPORTS = {
     "Staged": "..io",
     "Status": "...protocol.status",
     "committed_version": "..io",
+    "raise_descriptor_limit": "..descriptors",
 }
 
 __all__ = sorted(_EXPORTS)

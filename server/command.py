@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..emulator.face import SUPERBLOCK_FILE, BackingDirectory, Device, DeviceConfig, DeviceError, Status
+from ..emulator.face import (SUPERBLOCK_FILE, BackingDirectory, Device, DeviceConfig, DeviceError, Status,
+                             raise_descriptor_limit)
 from ..emulator.metrics.http import DEFAULT_METRICS_ADDR, MetricsEndpoint, MetricsPortError, load_token
 from ..kernels import guard
 from ..model.links import DEFAULT_LINK, LINKS, load_link
@@ -26,7 +27,7 @@ from .metrics import ServerCollector
 from .recv_memory import DEFAULT_RECV_MEMORY, DEFAULT_RECV_WAIT_S, MIN_RECV_MEMORY
 from .security import SecurityError, check_listen, load_token as load_client_token, server_tls_context
 from .server import (DEFAULT_HANDSHAKE_DEADLINE_S, DEFAULT_LEASE_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PREAUTH,
-                     Server)
+                     DEFAULT_SEND_TIMEOUT_S, Server)
 
 log = logging.getLogger("cossd.server.command")  # also when run as __main__
 
@@ -136,6 +137,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--handshake-deadline-s", type=_positive, default=DEFAULT_HANDSHAKE_DEADLINE_S, metavar="S",
                         help="a connection's TLS handshake, ICReq and CONNECT must be done within S seconds of its "
                              "accept, else it is closed, logged and counted (default: %(default)s)")
+    parser.add_argument("--send-timeout-s", type=_positive, default=DEFAULT_SEND_TIMEOUT_S, metavar="S",
+                        help="an authenticated client that reads nothing of an answer for S seconds (a stopped or "
+                             "wedged process) is disconnected, logged and counted, and what its command held (a "
+                             "READ's hold on the committed step, which the next commit waits for) is let go "
+                             "(default: %(default)s)")
     parser.add_argument("--recv-memory", type=parse_memory_size, default=DEFAULT_RECV_MEMORY, metavar="SIZE",
                         help="memory all connections' WRITE buffers may hold at once (K/M/G suffixes, at least "
                              "32M): gradient WRITEs from 4 MiB are received in pieces of at most 2 x 16 MiB, "
@@ -210,6 +216,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def run_foreground(args: argparse.Namespace) -> None:
     token, tls = _security(args)
+    soft, hard = raise_descriptor_limit()
+    log.info("descriptor limit %d (hard %d)", soft, hard)
     guard.install()  # a state copy cut short under its mapping faults into the guard
     # The metrics port is bound before the device opens, as a mount's: a busy port starts nothing.
     try:
@@ -232,7 +240,7 @@ def run_foreground(args: argparse.Namespace) -> None:
                             link=args.link, param_cache_size=args.param_cache_size,
                             max_connections=args.max_connections, recv_memory=args.recv_memory,
                             recv_wait_s=args.recv_wait_s, max_preauth=args.max_preauth_connections,
-                            handshake_deadline_s=args.handshake_deadline_s)
+                            handshake_deadline_s=args.handshake_deadline_s, send_timeout_s=args.send_timeout_s)
         except OSError as exc:
             raise SystemExit(f"cossd serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         if metrics is not None:
@@ -286,7 +294,8 @@ def _child_command(args: argparse.Namespace, ready_fd: int) -> list[str]:
                "--max-connections", str(args.max_connections), "--recv-memory", str(args.recv_memory),
                "--recv-wait-s", repr(args.recv_wait_s),
                "--max-preauth-connections", str(args.max_preauth_connections),
-               "--handshake-deadline-s", repr(args.handshake_deadline_s)]
+               "--handshake-deadline-s", repr(args.handshake_deadline_s),
+               "--send-timeout-s", repr(args.send_timeout_s)]
     if args.metrics_port is not None:
         command += ["--metrics-port", str(args.metrics_port), "--metrics-addr", args.metrics_addr]
     for option in ("token_file", "tls_cert", "tls_key", "client_ca", "metrics_token_file"):

@@ -3,6 +3,7 @@ authenticates it, then its capsules one at a time: admin submissions to the cont
 wire's file commands (open, read, write, text) to the device's I/O entry (emulator/io.py)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -11,7 +12,7 @@ import select
 import socket
 import ssl
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NoReturn, Protocol, cast
 
 import numpy as np
@@ -41,6 +42,10 @@ CAPSULE_INLINE_BYTES = 1 << 16
 # A connection that sends no command for this long gives its receive buffer back to the
 # server's budget (a trainer between steps keeps it; an idle client holds little).
 IDLE_RELEASE_S = 1.0
+# EXPORT (CFh) writes a file on the host the device runs on, at a path its payload may name:
+# a network client would write the server's host's files, so the server answers it itself.
+EXPORT_REFUSED = ("EXPORT writes a file on the server's host and is not served over the network; on that "
+                  "host, stop `cossd serve`, `cossd mount` the device and `cossd export` from the mount")
 
 
 class CapsuleRefused(Exception):
@@ -51,6 +56,11 @@ class CapsuleRefused(Exception):
         super().__init__(error.message)
         self.cid = cid
         self.error = error
+
+
+class SendTimedOut(Exception):
+    """A send to an authenticated peer made no progress within the server's send timeout: the
+    peer stopped reading. The connection ends (counted and logged once by the server)."""
 
 
 class Refused(Exception):
@@ -88,6 +98,7 @@ class Host(Protocol):
     link: LinkTiming
     param_cache: ParamCache
     recv_memory: RecvMemory
+    send_timeout_s: float
 
     def check_token(self, offered: memoryview) -> tuple[str, str] | None: ...
 
@@ -96,6 +107,8 @@ class Host(Protocol):
     def count_preauth(self, counter: str) -> None: ...
 
     def refused(self, peer: str, reason: str, why: str) -> None: ...
+
+    def send_timed_out(self, peer: str, why: str) -> None: ...
 
     def step_ended(self, nsid: int, how: str) -> None: ...
 
@@ -118,6 +131,7 @@ class Connection:
         self.peer = peer
         self.preauth = preauth
         self.placed = False  # holds an authenticated place (--max-connections) until it closes
+        self.authenticated = False  # its CONNECT was answered SUCCESS: sends are timed (_sending)
         # A large capsule's own buffer and the receive memory it holds, until it is answered.
         self._capsule_buffer: tuple[mmap.mmap, int] | None = None
         self.reader = wire.PduReader(sock.recv_into)
@@ -140,12 +154,16 @@ class Connection:
         try:
             self._handshake()
             self._connect()
-            authenticated = True
-            self.sock.settimeout(None)  # keepalive finds a vanished peer; a client may idle
+            authenticated = self.authenticated = True
+            # Receives wait as long as the client likes (keepalive finds a vanished peer; a
+            # client may idle); sends are bounded apart (_sending).
+            self.sock.settimeout(None)
             while True:
                 self._serve_one()
         except Refused:
             pass  # counted and logged by _refuse before the peer was told
+        except SendTimedOut as exc:
+            self.server.send_timed_out(self.peer, str(exc))
         except WireError as exc:
             if not authenticated and self.preauth.closed_for is not None:
                 self.server.refused(self.peer, "handshake", self.preauth.closed_for)
@@ -170,9 +188,30 @@ class Connection:
 
     def _terminate(self, fes: FatalError) -> None:
         try:
-            self.writer.send_raw(wire.term_req(PduType.C2H_TERM_REQ, fes))
-        except OSError:
+            with self._sending():
+                self.writer.send_raw(wire.term_req(PduType.C2H_TERM_REQ, fes))
+        except (OSError, SendTimedOut):
             pass
+
+    @contextlib.contextmanager
+    def _sending(self) -> Iterator[None]:
+        """Sends to an authenticated peer wait at most the server's send timeout for room in
+        the socket (each send call: a slow reader that takes bytes goes on, one that takes
+        none for that long does not); SendTimedOut past it. Before authentication the
+        handshake's timeout and deadline bound them already."""
+        if not self.authenticated:
+            yield
+            return
+        self.sock.settimeout(self.server.send_timeout_s)
+        try:
+            yield
+        except TimeoutError:
+            raise SendTimedOut(f"the peer read nothing of an answer for {self.server.send_timeout_s:g} s") from None
+        finally:
+            try:
+                self.sock.settimeout(None)
+            except OSError:
+                pass  # closed under it (the server stopping): the connection ends anyway
 
     def _handshake(self) -> None:
         head = self.reader.read_head(Digest.NONE)
@@ -204,19 +243,33 @@ class Connection:
         once the command is answered; where that memory cannot be had, the data is dropped
         and the command answered with the refusal (CapsuleRefused)."""
         submission, cid, size = self._capsule_head()
-        if size <= CAPSULE_INLINE_BYTES:
-            return submission, self.reader.read_data()
-        # Hold nothing else while waiting for it: two waiting connections never wait on each other.
-        self.writes.release()
-        memory = self.server.recv_memory
+        writing = (submission[0] == wire.FABRICS_OPCODE and submission[wire.FCTYPE_AT] == FabricsType.WRITE)
+        into: memoryview | None = None
+        if size > CAPSULE_INLINE_BYTES:
+            # Hold nothing else while waiting for it: two waiting connections never wait on each other.
+            self.writes.release()
+            memory = self.server.recv_memory
+            try:
+                memory.acquire(size, f"a command's {size} bytes of in-capsule data")
+                buffer = self._map(size)
+            except DeviceError as exc:
+                self.reader.skip_data(memoryview(bytearray(1 << 16)))
+                raise CapsuleRefused(cid, exc) from None
+            self._capsule_buffer = (buffer, size)
+            into = memoryview(buffer)
+        elif writing:
+            # A WRITE's table in a buffer of its own: where its digest fails, the table still
+            # says how much bulk follows, to drop (the reader's buffer is not ours to keep).
+            into = memoryview(bytearray(size))
         try:
-            memory.acquire(size, f"a command's {size} bytes of in-capsule data")
-            buffer = self._map(size)
+            return submission, self.reader.read_data(into)
         except DeviceError as exc:
-            self.reader.skip_data(memoryview(bytearray(1 << 16)))
+            # The data digest failed. read_data took the whole PDU, so the stream is in step:
+            # the command does not run, it is answered DATA_TRANSFER_ERROR and the connection
+            # goes on (a WRITE's bulk, sent after its capsule, leaves the stream first).
+            if writing and into is not None:
+                self.writes.drop_bulk(cid, into)
             raise CapsuleRefused(cid, exc) from None
-        self._capsule_buffer = (buffer, size)
-        return submission, self.reader.read_data(memoryview(buffer))
 
     def _map(self, size: int) -> mmap.mmap:
         """An anonymous mapping of `size` bytes whose `size` the caller took from the receive
@@ -249,7 +302,10 @@ class Connection:
             self._refuse(cid, Status.CONNECT_INVALID_HOST, "framing",
                          f"a capsule announcing {size} bytes of data before authentication; at most "
                          f"{PREAUTH_MAX_DATA} (a token)")
-        data = self.reader.read_data()
+        try:
+            data = self.reader.read_data()
+        except DeviceError as exc:  # the data digest failed: whatever token it holds is not read
+            self._refuse(cid, exc.status, "framing", f"CONNECT: {exc.message}")
         if submission[0] != wire.FABRICS_OPCODE or submission[wire.FCTYPE_AT] != FabricsType.CONNECT:
             self._refuse(cid, Status.CONNECT_INVALID_HOST, "before_connect", "a command before CONNECT",
                          "the first command must be a fabrics CONNECT")
@@ -281,9 +337,11 @@ class Connection:
 
     def _reply(self, completion: Completion) -> None:
         """A completion: its data in C2HData PDUs, then the CapsuleResp."""
-        if completion.data:
-            self.writer.send_data(PduType.C2H_DATA, completion.cid, wire.TTAG_COMPLETION_DATA, [completion.data])
-        self.writer.send(PduType.CAPSULE_RESP, _cqe(completion))
+        with self._sending():
+            if completion.data:
+                self.writer.send_data(PduType.C2H_DATA, completion.cid, wire.TTAG_COMPLETION_DATA,
+                                      [completion.data])
+            self.writer.send(PduType.CAPSULE_RESP, _cqe(completion))
 
     # ------------------------------------------------------------------ commands
 
@@ -333,6 +391,8 @@ class Connection:
         self.server.after_command()
 
     def _admin(self, submission: memoryview, cid: int, data: memoryview) -> Completion:
+        if opcode_of(submission) == Opcode.EXPORT:
+            return Completion(cid, Status.ACCESS_DENIED, data=EXPORT_REFUSED.encode())
         raw = bytes(submission) + bytes(data)
         nsid = struct.unpack_from("<I", submission, 4)[0]
         try:
@@ -409,14 +469,18 @@ class Connection:
     # ------------------------------------------------------------------ what a WRITE needs (server/writes.py)
 
     def write_one(self, opened: OpenFile, namespace: AnyNamespace, offset: int, view: memoryview) -> None:
-        """A range that is not gradients (state while loading, NVM data): the I/O entry's write."""
-        self.io.write(namespace, opened.tensor, opened.role, offset, view)
+        """A range that is not gradients (state while loading, NVM data): the I/O entry's write
+        (admit consulted the injections for the WRITE before its first range)."""
+        self.io.write(namespace, opened.tensor, opened.role, offset, view, checked=True)
+
+    def admit(self, namespace: AnyNamespace) -> None:
+        """A WRITE has data for `namespace`: the data path's injections, once (INJECT_ERROR fails
+        the WRITE here; the device's calls that follow pass checked=True)."""
+        self.io.admit(IoOpcode.WRITE, namespace)
 
     def adopt(self, namespace: AnyNamespace) -> None:
-        """Gradients for `namespace` arrive: the data path's injections first (INJECT_ERROR
-        fails the WRITE here; the device's calls that follow pass checked=True), then a lease
-        held on its step ends (the step goes on)."""
-        self.io.admit(IoOpcode.WRITE, namespace)
+        """Gradients for `namespace` are taken (admit was called first): a lease held on its
+        step ends, and the step goes on."""
         self.server.adopt(namespace.nsid)
 
     # ------------------------------------------------------------------ READ
@@ -457,17 +521,19 @@ class Connection:
         """Each range's bytes in C2HData PDUs of its own (none spans two ranges, so the host
         receives each straight into that range's buffer)."""
         offset = 0
-        for view in views:
-            length = len(view)
-            position = 0
-            while position < length:
-                size = min(wire.MAX_DATA_BYTES, length - position)
-                last = position + size == length and view is views[-1]
-                self.writer.send(PduType.C2H_DATA, wire.data_specific(cid, wire.TTAG_READ_DATA, offset + position, size),
-                                 [memoryview(view)[position : position + size]],
-                                 wire.PduFlags.LAST_PDU if last else 0)
-                position += size
-            offset += length
+        with self._sending():  # a peer that stops reading must not hold the READ's pin for ever
+            for view in views:
+                length = len(view)
+                position = 0
+                while position < length:
+                    size = min(wire.MAX_DATA_BYTES, length - position)
+                    last = position + size == length and view is views[-1]
+                    self.writer.send(PduType.C2H_DATA,
+                                     wire.data_specific(cid, wire.TTAG_READ_DATA, offset + position, size),
+                                     [memoryview(view)[position : position + size]],
+                                     wire.PduFlags.LAST_PDU if last else 0)
+                    position += size
+                offset += length
 
 
 # The link's command names (LinkTiming.by_command) of the wire's own commands.

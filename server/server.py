@@ -3,6 +3,7 @@ clients, a thread per connection; the leases on steps whose client went away, th
 flushes of the power-loss-protected mode, the health figures saved now and then."""
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import ssl
@@ -36,9 +37,28 @@ DEFAULT_MAX_PREAUTH = 256
 DEFAULT_HANDSHAKE_DEADLINE_S = 10.0
 # How often the accept loop looks for handshakes past their deadline (the deadline's grain).
 DEADLINE_SWEEP_S = 0.1
-# Refusal lines logged a second at most: a flood of connects is counted in full but does not
-# fill the disk; the next line logged says how many were left out.
+# Lines about what peers did (refusals, stalled readers, failed accepts) logged a second at
+# most: a flood is counted in full but does not fill the disk; the next line logged says how
+# many were left out.
 REFUSAL_LOG_PER_S = 20
+# An authenticated connection's send that makes no progress for this long (the peer stopped
+# reading: a stopped or wedged process, its kernel still acking with a zero window, so
+# keepalive never fires) ends the connection, and what it holds (a READ's pin on the
+# committed copy, which the next commit waits for) is let go.
+DEFAULT_SEND_TIMEOUT_S = 30.0
+# accept() errors that say the process or the system is out of something (descriptors,
+# buffers, memory): peers must not end the server this way, so it backs off this long (other
+# connections close meanwhile, the handshake deadline frees their descriptors) and goes on.
+ACCEPT_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF_S = 0.1
+# Failed accepts come in runs (one a back-off while the descriptors are out): one line a
+# second at most, saying how many failed since the last.
+ACCEPT_LOG_INTERVAL_S = 1.0
+# accept() errors that are a pending connection's own (Linux passes its network errors on
+# from accept(2), which says to retry): that connection is gone, the next one is served.
+ACCEPT_PEER_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.ENETDOWN, errno.ENOPROTOOPT,
+                              errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP,
+                              errno.ENETUNREACH, errno.EPERM})
 HEALTH_SAVE_INTERVAL_S = 60.0
 # TCP keepalive: a peer that vanished without a FIN (node down, link cut) is found within
 # idle + interval * count seconds, and its steps go to the lease.
@@ -80,7 +100,8 @@ class Server:
     refused at their CONNECT; `max_preauth`: connections not yet authenticated at once (the
     longest waiting is closed for a new one); `handshake_deadline_s`: the time from accept to
     an answered CONNECT; `recv_memory`: bytes all connections' receive buffers may hold at
-    once, waited for up to `recv_wait_s` (server/recv_memory.py).
+    once, waited for up to `recv_wait_s` (server/recv_memory.py); `send_timeout_s`: how long
+    a send to an authenticated peer may make no progress before its connection is closed.
     """
 
     def __init__(self, device: Device, host: str, port: int, *, token: bytes | None = None,
@@ -88,11 +109,14 @@ class Server:
                  link: str = DEFAULT_LINK, param_cache_size: int = 0,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, recv_memory: int = DEFAULT_RECV_MEMORY,
                  recv_wait_s: float = DEFAULT_RECV_WAIT_S, max_preauth: int = DEFAULT_MAX_PREAUTH,
-                 handshake_deadline_s: float = DEFAULT_HANDSHAKE_DEADLINE_S) -> None:
+                 handshake_deadline_s: float = DEFAULT_HANDSHAKE_DEADLINE_S,
+                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
         if max_preauth < 1:
             raise ValueError(f"max_preauth must be >= 1, got {max_preauth}")
         if not handshake_deadline_s > 0:
             raise ValueError(f"handshake_deadline_s must be > 0, got {handshake_deadline_s}")
+        if not send_timeout_s > 0:
+            raise ValueError(f"send_timeout_s must be > 0, got {send_timeout_s}")
         self.device = device
         self.controller = Controller(device)  # no CMB: a client across a network cannot map it
         # The server's own log page (C5h), served by this controller only: a mount has none.
@@ -100,6 +124,7 @@ class Server:
         self.max_connections = max_connections
         self.max_preauth = max_preauth
         self.handshake_deadline_s = handshake_deadline_s
+        self.send_timeout_s = send_timeout_s
         self.recv_memory = RecvMemory(recv_memory, recv_wait_s)
         self.started_ns = time.time_ns()
         self.io = self.controller.io  # the device's one I/O entry (emulator/io.py)
@@ -113,7 +138,8 @@ class Server:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.listener = socket.create_server((host, port), family=family, backlog=128)
         self.address: tuple[str, int] = self.listener.getsockname()[:2]
-        self.counters: dict[str, int] = {"connections": 0, "refused": 0, "leases_expired": 0}
+        self.counters: dict[str, int] = {"connections": 0, "refused": 0, "leases_expired": 0,
+                                         "send_timeouts": 0, "accept_errors": 0}
         self.refusals: dict[str, int] = dict.fromkeys(SERVER_REFUSALS, 0)
         self._places = 0  # authenticated connections until they close (the --max-connections count)
         # Unauthenticated connections, oldest first (insertion order), closed ones included
@@ -122,6 +148,7 @@ class Server:
         self._preauth_waiting = 0  # those not closed yet: what --max-preauth-connections bounds
         self.preauth_counters = {"peak": 0, "deadline": 0, "evicted": 0, "too_large": 0}
         self._log_window = (0.0, 0, 0)  # (second it began, lines logged in it, lines left out)
+        self._accept_log = (-ACCEPT_LOG_INTERVAL_S, 0)  # (when a failed accept was last logged, failed since)
         self._lock = threading.Condition()
         self._connections: dict[Connection, threading.Thread] = {}
         self._leases: dict[int, tuple[int, float]] = {}  # nsid -> (step, deadline)
@@ -144,16 +171,46 @@ class Server:
                 sock, peer = self.listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stopping.is_set():
                     break
-                raise
+                if exc.errno not in ACCEPT_EXHAUSTED and exc.errno not in ACCEPT_PEER_GONE:
+                    raise  # the listener itself is broken: nothing to serve with
+                self._accept_failed(exc, backoff=exc.errno in ACCEPT_EXHAUSTED)
+                continue
             name = f"{peer[0]}:{peer[1]}"
             record = self._admit(sock, name)
             thread = threading.Thread(target=self._serve, args=(sock, name, record),
                                       name=f"cossd-conn-{peer[1]}", daemon=True)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had: as a failed accept, this peer closed
+                with self._lock:
+                    self._leave_preauth(record)
+                sock.close()
+                self._accept_failed(exc, backoff=True)
         self._shutdown()
+
+    def _accept_failed(self, exc: BaseException, *, backoff: bool) -> None:
+        """A connection could not be taken in (descriptors, memory or threads ran out, or
+        the peer went first): counted, logged (rate-limited), and, where the process is out
+        of something, a pause before the next accept rather than a spin or an exit."""
+        with self._lock:
+            self.counters["accept_errors"] += 1
+            waiting, connections = self._preauth_waiting, len(self._connections)
+            now = time.monotonic()
+            logged_at, since = self._accept_log
+            due = now - logged_at >= ACCEPT_LOG_INTERVAL_S
+            self._accept_log = (now, 0) if due else (logged_at, since + 1)
+        if due:
+            why = f"{exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})" \
+                if isinstance(exc, OSError) and exc.errno else str(exc)
+            more = f" ({since} more since the last line)" if since else ""
+            log.warning("accepting a connection failed: %s, with %d connections authenticated and %d waiting to; "
+                        "accepts go on%s%s", why, connections, waiting,
+                        f" after a {ACCEPT_BACKOFF_S:g} s pause" if backoff else "", more)
+        if backoff:
+            self._stopping.wait(ACCEPT_BACKOFF_S)
 
     def _admit(self, sock: socket.socket, peer: str) -> PreAuth:
         """A new connection's place among the unauthenticated, with its deadline; where all
@@ -295,6 +352,18 @@ class Server:
         with self._lock:
             self.counters["refused"] += 1
             self.refusals[reason] += 1
+        self._limited_warning(f"refused {peer}: {why}")
+
+    def send_timed_out(self, peer: str, why: str) -> None:
+        """An authenticated peer stopped reading its answers: its connection is closed."""
+        with self._lock:
+            self.counters["send_timeouts"] += 1
+        self._limited_warning(f"{peer}: {why}; closing the connection (--send-timeout-s)")
+
+    def _limited_warning(self, line: str) -> None:
+        """Log `line` unless REFUSAL_LOG_PER_S lines were logged this second already (peers
+        decide how many such lines there are); the next one logged says how many were not."""
+        with self._lock:
             now = time.monotonic()
             began, logged, left_out = self._log_window
             if now - began >= 1.0:
@@ -303,9 +372,9 @@ class Server:
                 self._log_window = (began, logged, left_out + 1)
                 return
             self._log_window = (began, logged + 1, 0)
-        more = f" ({left_out} more refusals before this one not logged: at most {REFUSAL_LOG_PER_S} a second)" \
+        more = f" ({left_out} more lines before this one not logged: at most {REFUSAL_LOG_PER_S} a second)" \
             if left_out else ""
-        log.warning("refused %s: %s%s", peer, why, more)
+        log.warning("%s%s", line, more)
 
     def device_namespace(self, nsid: int) -> AnyNamespace | None:
         try:
@@ -405,6 +474,7 @@ class Server:
         with self._lock:
             counters = dict(self.counters) | {"open_connections": len(self._connections), "leases": len(self._leases),
                                               "max_connections": self.max_connections,
+                                              "send_timeout_s": self.send_timeout_s,
                                               "refusals": dict(self.refusals),
                                               "preauth": dict(self.preauth_counters) | {
                                                   "open": self._preauth_waiting, "max": self.max_preauth,

@@ -56,6 +56,8 @@ class Writer(Protocol):
 
     def write_one(self, opened: OpenFile, namespace: AnyNamespace, offset: int, view: memoryview) -> None: ...
 
+    def admit(self, namespace: AnyNamespace) -> None: ...
+
     def adopt(self, namespace: Namespace) -> None: ...
 
 
@@ -141,6 +143,13 @@ class Writes:
                 optimizers[opened.nsid] = optimizer
             else:
                 singles.append((opened, namespace, int(offset), view))
+        # All or nothing: every range is checked, and every namespace's injections consulted,
+        # before the first is taken, so a refused WRITE changes nothing (a client told it
+        # failed may send it again without feeding a step twice).
+        _check_singles(singles)
+        _check_grads(pieces, optimizers)
+        for namespace in {id(namespace): namespace for _, namespace in files}.values():
+            self.connection.admit(namespace)
         report: dict[str, Any] = {"bytes": total, "transfers": len(lengths)}
         status = Status.SUCCESS
         for opened, namespace, offset, view in singles:
@@ -148,12 +157,26 @@ class Writes:
         for nsid, batch in pieces.items():
             optimizer = optimizers[nsid]
             # The device's gradient path for memory lent until the call returns (as CMB_WRITE
-            # lends the CMB): the receive buffer itself, no copy by this front-end. adopt
-            # consulted the injections (DeviceIO.admit) before the lease handover.
+            # lends the CMB): the receive buffer itself, no copy by this front-end. The
+            # injections were consulted above; adopt hands a lease held on the step over.
             self.connection.adopt(optimizer)
             result = self.connection.io.write_grads(optimizer, batch, checked=True)
             status = self._after(optimizer, result, report, status)
         return Completion(cid, status, result=total & 0xFFFF_FFFF, data=json.dumps(report).encode())
+
+    def drop_bulk(self, cid: int, suspect_table: memoryview) -> None:
+        """A WRITE refused before it ran because its table failed its data digest: the bulk
+        the host sent after the capsule leaves the stream, as much as the table says (its
+        ranges are still whole entries; a damaged length makes the next PDU's checks end the
+        connection, as any framing error does). A table that does not decode is left alone:
+        the next capsule's read then finds H2CData and ends the connection."""
+        try:
+            table = wire.decode_transfers(suspect_table)
+        except DeviceError:
+            return
+        total = sum(int(length) for length in table["length"])
+        if 0 < total <= wire.MAX_BATCH_BYTES:
+            self._skip_bulk(cid, total)
 
     def _after(self, namespace: Namespace, result: CommitResult | None, report: dict[str, Any],
                status: Status) -> Status:
@@ -246,7 +269,8 @@ class Writes:
         count = 2 if 2 * slot_bytes <= self.memory.capacity else 1
         try:
             window = self._take(count * slot_bytes, f"a streamed WRITE of {total} bytes")
-            self.connection.adopt(namespace)  # the data-path injections are consulted here
+            self.connection.admit(namespace)  # the data-path injections, once for the WRITE
+            self.connection.adopt(namespace)
         except DeviceError:
             self._skip_bulk(cid, total)
             raise
@@ -346,3 +370,27 @@ class Writes:
             if cursor["range"] < len(ranges):
                 cursor["handed"] = ranges[cursor["range"]][2]
         return batch
+
+
+def _check_singles(singles: list[tuple[OpenFile, AnyNamespace, int, memoryview]]) -> None:
+    """Refuse, before any is written, a WRITE whose state or NVM data ranges a write would
+    refuse: past a file's end, misaligned, state after the first step."""
+    for opened, namespace, offset, view in singles:
+        optimizer = namespace.as_optimizer()
+        if optimizer is not None:
+            optimizer.check_write(cast(str, opened.tensor), opened.role, offset, len(view))
+            continue
+        nvm = namespace.as_nvm()
+        capacity = nvm.capacity_bytes if nvm is not None else 0
+        if offset < 0 or offset + len(view) > capacity:
+            raise DeviceError(Status.LBA_OUT_OF_RANGE, f"{opened.path}: write of {len(view)} bytes at {offset} "
+                                                       f"passes the end ({capacity} bytes)")
+
+
+def _check_grads(pieces: dict[int, list[Piece]], optimizers: dict[int, Namespace]) -> None:
+    """Refuse, before any namespace takes its gradients, a WRITE one of whose namespaces
+    would refuse its pieces: each namespace's own first checks (its ranges, bytes named twice,
+    bytes its open step already has), made for all of them here, since each namespace's call
+    is atomic but not the WRITE across several."""
+    for nsid, batch in pieces.items():
+        optimizers[nsid].check_grads_lent(batch)

@@ -10,7 +10,9 @@ import os
 import socket
 import socketserver
 import stat
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -21,6 +23,13 @@ from prometheus_client.registry import Collector
 log = logging.getLogger(__name__)
 
 DEFAULT_METRICS_ADDR = "127.0.0.1"
+# Connections served at once (a thread each); more are closed at their accept. A scraper
+# needs one, a few share an endpoint: peers that open connections and stall (before any
+# token is checked) then hold at most this many threads, not one each.
+MAX_METRICS_CONNECTIONS = 16
+# A failed or turned-away connection is one line of the log at most this often (the next
+# line says how many were left out): peers decide how many there are.
+FAILURE_LOG_INTERVAL_S = 1.0
 
 
 class MetricsPortError(RuntimeError):
@@ -81,9 +90,59 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
-    """One thread per scrape, so a slow client cannot hold the others up."""
+    """One thread per scrape, so a slow client cannot hold the others up; at most
+    MAX_METRICS_CONNECTIONS at once. A connection that fails (timed out, reset) is one
+    rate-limited line, not the standard library's traceback on stderr."""
 
     daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_METRICS_CONNECTIONS)
+        self._lock = threading.Lock()
+        self.failed = 0  # connections that ended in an error (timed out, reset, bad request)
+        self.turned_away = 0  # connections closed at accept: MAX_METRICS_CONNECTIONS were open
+        self._logged = (-FAILURE_LOG_INTERVAL_S, 0)  # (when a line was last logged, lines left out since)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            with self._lock:
+                self.turned_away += 1
+            self._note(f"metrics endpoint: {_peer(client_address)} closed at once: {MAX_METRICS_CONNECTIONS} "
+                       "connections are open, its most")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        with self._lock:
+            self.failed += 1
+        self._note(f"metrics endpoint: {_peer(client_address)}: {type(exc).__name__}: {exc}; connection closed")
+
+    def _note(self, line: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            logged_at, left_out = self._logged
+            if now - logged_at < FAILURE_LOG_INTERVAL_S:
+                self._logged = (logged_at, left_out + 1)
+                return
+            self._logged = (now, 0)
+        log.warning("%s%s", line, f" ({left_out} more such lines not logged)" if left_out else "")
+
+
+def _peer(address: Any) -> str:
+    return f"{address[0]}:{address[1]}" if isinstance(address, tuple) and len(address) >= 2 else str(address)
 
 
 def _serve_http(port: int, addr: str, app: WsgiApp) -> tuple[WSGIServer, threading.Thread]:
