@@ -47,6 +47,26 @@ IDLE_RELEASE_S = 1.0
 EXPORT_REFUSED = ("EXPORT writes a file on the server's host and is not served over the network; on that "
                   "host, stop `cossd serve`, `cossd mount` the device and `cossd export` from the mount")
 
+# ARCHIVE (D4h) and ARCHIVE_LIST (D5h) may name the object store's endpoint: from a network
+# client that would have the server's host connect, with its own credentials, wherever the
+# client says (an internal address included). Over the wire the server's own endpoint
+# (its environment's AWS_ENDPOINT_URL, or boto3's default) is the only one.
+ENDPOINT_REFUSED = ("endpoint_url is not taken over the network: the server's host uses its own object-store "
+                    "endpoint (AWS_ENDPOINT_URL in `cossd serve`'s environment); send the command without it")
+
+
+def names_an_endpoint(data: memoryview) -> bool:
+    """Whether an ARCHIVE or ARCHIVE_LIST payload names an endpoint (at its top level or in
+    its policy); a payload that is not a JSON object is the device's to refuse."""
+    try:
+        payload = json.loads(bytes(data))
+    except (ValueError, UnicodeDecodeError):
+        return False
+    if not isinstance(payload, dict):
+        return False
+    policy = payload.get("policy")
+    return "endpoint_url" in payload or (isinstance(policy, dict) and "endpoint_url" in policy)
+
 
 class CapsuleRefused(Exception):
     """A command whose in-capsule data could not be given receive memory: its data was
@@ -393,6 +413,8 @@ class Connection:
     def _admin(self, submission: memoryview, cid: int, data: memoryview) -> Completion:
         if opcode_of(submission) == Opcode.EXPORT:
             return Completion(cid, Status.ACCESS_DENIED, data=EXPORT_REFUSED.encode())
+        if opcode_of(submission) in (Opcode.ARCHIVE, Opcode.ARCHIVE_LIST) and names_an_endpoint(data):
+            return Completion(cid, Status.ACCESS_DENIED, data=ENDPOINT_REFUSED.encode())
         raw = bytes(submission) + bytes(data)
         nsid = struct.unpack_from("<I", submission, 4)[0]
         try:

@@ -331,3 +331,29 @@ def test_export_over_the_wire_is_refused(served: Served, token_file: Path, tmp_p
     assert jobs == {"jobs": []}
     assert victim.read_text() == "precious\n"
     assert not (served.backing / "exports").exists()
+
+
+def test_an_archive_endpoint_over_the_wire_is_refused(served: Served, token_file: Path) -> None:
+    """ARCHIVE and ARCHIVE_LIST naming an endpoint_url (at the top or in a policy) would have
+    the server's host connect, with its own credentials, wherever the client says: refused,
+    and nothing is connected to (a listener on that address sees no connection)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with AdminClient(served.url, 10, token_file=token_file) as admin:
+            nsid = admin.create_namespace({"name": "o", "tensors": [["w", 100]]})
+            for opcode, at, payload in (
+                    (Opcode.ARCHIVE, nsid, {"url": "s3://bucket/p", "endpoint_url": endpoint}),
+                    (Opcode.ARCHIVE, nsid, {"policy": {"url": "s3://bucket/p", "every": 1, "endpoint_url": endpoint}}),
+                    (Opcode.ARCHIVE_LIST, 0, {"url": "s3://bucket/p", "endpoint_url": endpoint})):
+                completion = admin.submit(opcode, nsid=at, payload=json.dumps(payload).encode())
+                assert completion.status == Status.ACCESS_DENIED, completion
+                assert b"endpoint_url is not taken over the network" in bytes(completion.data)
+            assert json.loads(admin.get_log_page(LogId.JOBS)) == {"jobs": []}
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
