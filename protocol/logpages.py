@@ -284,6 +284,9 @@ SERVER_LOG_FIELDS = (
     "cache_hit_bytes", "cache_fill_bytes", "cache_evictions", "cache_too_large", "cache_invalidated",
     # when the server started (ns since the epoch)
     "started_ns",
+    # peers that took no bytes for --send-timeout-s (dropped), and accepts that failed for want
+    # of descriptors, memory or a thread (the server backed off and went on)
+    "send_timeouts", "accept_errors",
 )
 SERVER_LOG_BYTES = 512
 SERVER_LOG = np.dtype([*((name, "<u8") for name in SERVER_LOG_FIELDS),

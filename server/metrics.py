@@ -59,6 +59,10 @@ SERVER_METRICS: tuple[tuple[str, str, str, float, str], ...] = (
      "Entries dropped because their step was no longer the committed one, or the namespace was deleted."),
     ("cossd_server_start_time_seconds", "gauge", "started_ns", 1e-9,
      "When the server started, in seconds since the epoch."),
+    ("cossd_server_send_timeouts", "counter", "send_timeouts", 1,
+     "Connections dropped because their peer took no bytes for --send-timeout-s."),
+    ("cossd_server_accept_errors", "counter", "accept_errors", 1,
+     "Accepts that failed for want of descriptors, memory or a thread (the server backed off)."),
 )
 # Labelled families: refusals by reason, receive-memory refusals by why.
 RECV_REFUSALS = (("too_large", "recv_refused_too_large"), ("timeout", "recv_refused_timeout"))

@@ -503,4 +503,5 @@ class Server:
             **{f"cache_{key}": cache[key] for key in ("hits", "misses", "fills", "hit_bytes", "fill_bytes",
                                                       "too_large", "invalidated")},
             "cache_evictions": cache["evicted"], "started_ns": self.started_ns,
+            "send_timeouts": state["send_timeouts"], "accept_errors": state["accept_errors"],
         }
