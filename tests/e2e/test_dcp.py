@@ -207,3 +207,64 @@ def test_the_flattened_form_torchtitan_uses_round_trips(device: Mount, tmp_path:
         assert optimizer.committed_step == 2 and bits_equal(optimizer.master_weights(), at_save)
     finally:
         optimizer.close()
+
+
+def _dcp_snapshots(device: Mount, namespace: str) -> list[str]:
+    with AdminClient(device.mountpoint) as admin:
+        listed = snapshot_calls.snapshots(admin, admin.nsid(namespace)).get(namespace, [])
+    return sorted(s["tag"] for s in listed if s["tag"].startswith("dcp-"))
+
+
+def test_dcp_keep_1_never_drops_the_snapshot_a_resume_loads(device: Mount, tmp_path: Path) -> None:
+    """optimizer.dcp_keep = 1 through the documented crash and resume, twice: the load template
+    (get_state_dict, which takes a snapshot too) does not push out the snapshot the checkpoint
+    names; the next save after the resume prunes the old save and the templates."""
+
+    def make() -> tuple[torch.nn.Module, AdamW]:
+        model = _model()
+        optimizer = AdamW(fsdp_job.groups_of(model), lr=1e-3, mount=device.mountpoint, namespace="keep1")
+        optimizer.dcp_keep = 1
+        return model, optimizer
+
+    def resume(model: torch.nn.Module, optimizer: AdamW, checkpoint: Path) -> None:
+        template = get_optimizer_state_dict(model, optimizer)
+        dcp.load({"optim": template}, checkpoint_id=str(checkpoint))
+        set_optimizer_state_dict(model, optimizer, template)
+
+    model, optimizer = make()
+    try:
+        _train(model, optimizer, range(1, 3))
+        dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp_path / "s2"))
+        at_save = [m.clone() for m in optimizer.master_weights()]
+        [saved] = _dcp_snapshots(device, "keep1")
+        _train(model, optimizer, range(3, 4))  # then the job dies
+    finally:
+        optimizer.close()
+    for _crash in (1, 2):  # resumed from the step-2 save, killed again after step 3
+        model, optimizer = make()
+        try:
+            assert optimizer.committed_step == 3
+            resume(model, optimizer, tmp_path / "s2")
+            assert optimizer.committed_step == 2 and bits_equal(optimizer.master_weights(), at_save)
+            assert saved in _dcp_snapshots(device, "keep1")
+            _train(model, optimizer, range(3, 4))
+        finally:
+            optimizer.close()
+    model, optimizer = make()
+    try:
+        resume(model, optimizer, tmp_path / "s2")
+        _train(model, optimizer, range(3, 6))
+        dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp_path / "s5"))
+        at_five = [m.clone() for m in optimizer.master_weights()]
+        # The earlier saves and templates: only the newest one of an earlier step stays.
+        left = _dcp_snapshots(device, "keep1")
+        assert len(left) == 2 and any(tag.startswith("dcp-5-") for tag in left), left
+        _train(model, optimizer, range(6, 8))
+    finally:
+        optimizer.close()
+    model, optimizer = make()
+    try:
+        resume(model, optimizer, tmp_path / "s5")
+        assert optimizer.committed_step == 5 and bits_equal(optimizer.master_weights(), at_five)
+    finally:
+        optimizer.close()

@@ -27,20 +27,39 @@ def _serial(files: Any) -> str:
     return str(files.command(files.admin.describe)["identity"]["serial"])
 
 
+def pruned(listed: list[dict[str, Any]], prefix: str, keep: int, tag: str, step: int,
+           templates: bool = True) -> list[str]:
+    """The snapshots of `prefix` that retention (`dcp_keep`) drops now that snapshot `tag` of
+    committed step `step` was taken (never `tag` itself), oldest first.
+
+    Without load templates (DeepSpeed's saves, `templates=False`): all but the newest `keep`.
+    With them (DCP): the snapshot a get_state_dict takes may be a load's template (the dict DCP
+    loads a checkpoint into, which the documented resume makes with get_state_dict too), not a
+    save, and the checkpoint about to be loaded names an earlier snapshot. So it does not
+    count: the newest `keep` snapshots of earlier steps stay, and every one of its own step (a
+    job killed right after a save resumes at the saved step; a template or a save of that step
+    there, told apart by nothing but the checkpoint); older ones go. A resume from any of the
+    last `keep` saves thus finds its snapshot, whatever templates were taken since, and at most
+    `keep` + 1 saves (plus the templates of the newest step) are kept."""
+    ours = sorted((s for s in listed if s["tag"].startswith(prefix) and s["tag"] != tag),
+                  key=lambda s: (s.get("step", 0), s.get("created", "")))
+    if not templates:
+        return [s["tag"] for s in ours[: max(0, len(ours) + 1 - keep)]]
+    earlier = [s for s in ours if s.get("step", 0) < step]
+    return [s["tag"] for s in earlier[: max(0, len(earlier) - keep)]]
+
+
 def take(members: list[Any], step: int, prefix: str, keep: int | None) -> dict[str, Any]:
     """Rank 0's part of a save: a snapshot of the committed step `step` under one tag on
     every device (members: each device's files), then each device's oldest snapshots of
-    `prefix` beyond `keep` dropped. Returns the reference (a few hundred bytes at most)."""
+    `prefix` beyond `keep` dropped (pruned(): a load's template does not count). Returns the reference (a few hundred bytes at most)."""
     tag = f"{prefix}{step}-{secrets.token_hex(4)}"
     for files in members:
         files.command(snapshot_calls.create_snapshot, files.admin, files.nsid, tag)
     if keep is not None:
         for files in members:
-            ours = sorted((s for s in _listed(files).values() if s["tag"].startswith(prefix)),
-                          key=lambda s: (s.get("step", 0), s.get("created", "")))
-            for old in ours[: max(0, len(ours) - keep)]:
-                if old["tag"] != tag:
-                    files.command(snapshot_calls.delete_snapshot, files.admin, files.nsid, old["tag"])
+            for old in pruned(list(_listed(files).values()), prefix, keep, tag, step):
+                files.command(snapshot_calls.delete_snapshot, files.admin, files.nsid, old)
     return {"cossd": 1, "namespace": members[0].name, "snapshot": tag, "step": step,
             "devices": [_serial(files) for files in members]}
 

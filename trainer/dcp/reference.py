@@ -152,7 +152,8 @@ def _snapshots(optimizer: _DeviceAdam) -> dict[str, dict[str, Any]]:
 def _take_snapshot(optimizer: _DeviceAdam, prefix: str = SNAPSHOT_PREFIX) -> dict[str, Any]:
     """Rank 0's part of a save: a snapshot of the committed step (or the one the last save
     took, where the namespace has not moved since), then the oldest snapshots of `prefix`
-    (the checkpoints of DCP, or of DeepSpeed: deepspeed/zero.py) beyond `dcp_keep` dropped.
+    (the checkpoints of DCP, or of DeepSpeed: deepspeed/zero.py) beyond `dcp_keep` dropped
+    (dcp_group.pruned: for DCP, a load template's snapshot does not count).
     Returns the reference."""
     files = optimizer.files
     identity = optimizer._identity()
@@ -168,11 +169,11 @@ def _take_snapshot(optimizer: _DeviceAdam, prefix: str = SNAPSHOT_PREFIX) -> dic
     optimizer._dcp_last = (optimizer._identity(), reference)
     keep = getattr(optimizer, "dcp_keep", None)
     if keep is not None:
-        ours = sorted((s for s in _snapshots(optimizer).values() if s["tag"].startswith(prefix)),
-                      key=lambda s: (s.get("step", 0), s.get("created", "")))
-        for old in ours[: max(0, len(ours) - keep)]:
-            if old["tag"] != tag:
-                files.command(snapshot_calls.delete_snapshot, files.admin, files.nsid, old["tag"])
+        # DCP's load template is a get_state_dict too: its snapshot must not push out the one
+        # the checkpoint being loaded names (dcp_group.pruned). DeepSpeed's loads take none.
+        listed = list(_snapshots(optimizer).values())
+        for old in dcp_group.pruned(listed, prefix, keep, tag, step, templates=prefix == SNAPSHOT_PREFIX):
+            files.command(snapshot_calls.delete_snapshot, files.admin, files.nsid, old)
     return reference
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from ...integrations.deepspeed import checkpoint_tag
 from ..dcp import reference as dcp
+from .. import grads as grad_rules
 from ..distributed import Ranks
 from ..plan import Entry
 from ..shard import Piece
@@ -58,6 +60,20 @@ class ZeroBinding:
         self.entries = [Entry(index, tensor_name(index), index, torch.empty(total, device="meta"))
                         for index, total in enumerate(totals)]
         self._next_group = 0
+        self._init_step_state()
+
+    def _init_step_state(self) -> None:
+        """What a step and DeepSpeed's reloads keep between the calls (each binding's __init__)."""
+        # The loss scale of the open step (a GradScaler's, where DeepSpeed's torch_autocast
+        # steps the optimizer through one; else 1) and whether its found_inf was set.
+        self._scale = 1.0
+        self._found_inf = False
+        self._scaled = False
+        # Set by load_state_dict, cleared by the next step: the device holds the checkpoint's
+        # masters, which a later refresh from the bit16 copies must not replace.
+        self._rolled_back = False
+        # Why this engine cannot step any more (a refused reload of the masters), else None.
+        self._refused: str | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -66,14 +82,27 @@ class ZeroBinding:
         sharded optimizer's opening); a new namespace gets every rank's masters before any
         rank goes on; a namespace that has trained (the quick restore) gives every rank its
         partitions' masters, and DeepSpeed's all-gather gives the model its params."""
-        masters = [(piece.name, piece.start, self.partitions[piece.index][: piece.numel].detach()
-                    .to("cpu", torch.float32)) for piece in self.pieces]
+        self._open_namespace(self._masters(), self._refresh_params)
 
-        def restore() -> None:
-            self._read_masters()
-            self.wrapper.update_lp_params()  # each rank's bit16 partition, then the all-gather
+    def _views(self) -> list[tuple[str, int, torch.Tensor]]:
+        """This rank's parts of the namespace's tensors: (tensor, first element, the view of
+        DeepSpeed's FP32 partition that holds them)."""
+        return [(piece.name, piece.start, self.partitions[piece.index].detach()[: piece.numel])
+                for piece in self.pieces]
 
-        self._open_namespace(masters, restore)
+    def _masters(self) -> list[tuple[str, int, torch.Tensor]]:
+        """This rank's masters as DeepSpeed's FP32 partitions hold them now."""
+        return [(name, start, view.to("cpu", torch.float32)) for name, start, view in self._views()]
+
+    def _bit16_dtype(self) -> torch.dtype:
+        """The dtype of DeepSpeed's bit16 copies of the partitions (the model's)."""
+        return self.wrapper.parallel_partitioned_bit16_groups[0][self.ranks.rank].dtype
+
+    def _refresh_params(self) -> None:
+        """The masters read back into this rank's FP32 partitions and the bit16 copies, and the
+        model's params gathered again from them (collective)."""
+        self._read_masters()
+        self.wrapper.update_lp_params()  # each rank's bit16 partition, then the all-gather
 
     def _open_namespace(self, masters: list[tuple[str, int, torch.Tensor]], restore: Any) -> None:
         """The opening of every stage: this rank's `masters` loaded where the namespace is
@@ -93,27 +122,103 @@ class ZeroBinding:
         opt.committed_step = int(setup["committed_step"])
         opt.steps_skipped = int(setup["steps_skipped"])
         if setup["loading"]:
-            outcome: dict[str, str] = {}
-            try:
-                if masters:
-                    opt.files.write_pieces(masters, role="master")
-            except BaseException as exc:
-                outcome["error"] = f"{type(exc).__name__}: {exc}"
             # No rank begins a step (which seals the loading) before every rank's masters are in.
-            failed = [(rank, theirs["error"]) for rank, theirs in enumerate(ranks.gather(outcome))
-                      if "error" in theirs]
-            if failed:
-                raise RuntimeError("; ".join(f"rank {rank} could not load its master weights: {why}"
-                                             for rank, why in failed))
+            self._gather_outcome(lambda: opt.files.write_pieces(masters, role="master") if masters else None,
+                                 "could not load its master weights")
         else:
             restore()
 
     def _read_masters(self) -> None:
-        """The committed masters into this rank's flat FP32 partitions, and their bit16 copies."""
-        reads = [(piece.name, "master", piece.start, self.partitions[piece.index][: piece.numel])
-                 for piece in self.pieces]
+        """The committed masters into this rank's flat FP32 partitions (padding left as is)."""
+        reads = [(name, "master", start, view) for name, start, view in self._views()]
         if reads:
             self.optimizer.files.read_pieces_into(reads)
+
+    # ------------------------------------------------------------------ DeepSpeed's reloads of the masters
+
+    def hook_reloads(self) -> None:
+        """Route DeepSpeed's refresh of its FP32 partitions from the bit16 copies (the model's
+        weights) to the device too. engine.load_checkpoint calls it where it loads the model
+        and not the optimizer's state (load_module_only=True, load_optimizer_states=False, a
+        ZeRO checkpoint it cannot read), directly or through refresh_fp32_params; without
+        this the device would step its old masters and the next step bring them back over
+        the loaded weights."""
+        wrapper = self.wrapper
+        original = type(wrapper)._restore_from_bit16_weights
+
+        def _restore_from_bit16_weights() -> None:
+            original(wrapper)
+            self.masters_from_bit16()
+
+        wrapper._restore_from_bit16_weights = _restore_from_bit16_weights
+
+    def masters_from_bit16(self) -> None:
+        """DeepSpeed has just set this rank's FP32 partitions from the bit16 copies (every rank
+        does, together). The device's masters follow them:
+
+        - after load_state_dict of a cossd checkpoint (a rollback, no step since), the device
+          holds the checkpoint's FP32 masters, which the bit16 copies only round: they are
+          read back, and nothing changes on the device;
+        - a namespace that has not stepped yet (still loading its initial weights, as right
+          after deepspeed.initialize on a new namespace) takes them as its masters, every
+          rank's before any rank goes on (the warm start);
+        - a namespace that has trained cannot take new masters (the device seals them at the
+          first step): where the copies are the device's masters rounded, nothing changes;
+          else refused on every rank, naming how to warm-start, and the engine refuses to
+          step or save from then on (its model holds weights the device does not)."""
+        opt = self.optimizer
+        self._refuse_if_broken()
+        if opt._step_open:
+            raise RuntimeError("DeepSpeed reloaded the master weights in the middle of a step")
+        if self._rolled_back:
+            self._read_masters()
+            return
+        loading = dcp._on_rank0(opt, lambda: bool(opt.files.statistics()["loading"]))
+        if loading:
+            self._gather_outcome(lambda: opt.files.write_pieces(self._masters(), role="master"),
+                                 "could not load its master weights")
+            return
+        same = {"same": self._same_as_device()}
+        if all(theirs["same"] for theirs in self.ranks.gather(same)):
+            self._read_masters()  # the device's FP32 masters, which the copies only round
+            return
+        name = opt.files.name
+        self._refused = (
+            f"DeepSpeed loaded new model weights (engine.load_checkpoint with load_module_only=True or "
+            f"load_optimizer_states=False, or a checkpoint without the optimizer's state) into an engine whose "
+            f"cossd namespace {name!r} has trained (committed step {opt.committed_step}): the device takes "
+            "master weights only before a namespace's first step, so it cannot train on from them, and this "
+            "engine refuses to step or save. To warm-start, call engine.load_checkpoint(..., "
+            "load_module_only=True) right after deepspeed.initialize on a new namespace (or one deleted with "
+            f"`cossd delete-ns {name}`), or load the weights into the model before deepspeed.initialize; to "
+            "resume this run, load a checkpoint with its optimizer state")
+        raise RuntimeError(self._refused)
+
+    def _same_as_device(self) -> bool:
+        """Whether this rank's FP32 partitions equal the device's masters rounded to the bit16
+        copies' dtype (what a refresh from those copies gives where nothing else was loaded)."""
+        views = self._views()
+        if not views:
+            return True
+        masters = [(name, "master", start, torch.empty(view.numel(), dtype=torch.float32))
+                   for name, start, view in views]
+        self.optimizer.files.read_pieces_into(masters)
+        dtype = self._bit16_dtype()
+        return all(torch.equal(master.to(dtype), view.to("cpu").to(dtype))
+                   for (_, _, _, master), (_, _, view) in zip(masters, views))
+
+    def _gather_outcome(self, work: Any, failing: str) -> None:
+        """`work()` on every rank; no rank goes on before every rank's is done, and any rank's
+        error is raised on every rank."""
+        outcome: dict[str, str] = {}
+        try:
+            work()
+        except BaseException as exc:
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+        failed = [(rank, theirs["error"]) for rank, theirs in enumerate(self.ranks.gather(outcome))
+                  if "error" in theirs]
+        if failed:
+            raise RuntimeError("; ".join(f"rank {rank} {failing}: {why}" for rank, why in failed))
 
     # ------------------------------------------------------------------ the step
 
@@ -132,6 +237,7 @@ class ZeroBinding:
         """The groups of this call: the first begins the shared step, each sends its
         gradients, the last waits for the commit and brings every group's masters back."""
         opt = self.optimizer
+        self._refuse_if_broken()
         indices = self._indices(list(opt.param_groups))
         if indices[0] == 0 and opt._step_open:
             opt._abort_shared("a new step began before the last one's final param group")
@@ -151,20 +257,61 @@ class ZeroBinding:
             pieces.append((piece.name, piece.start, grad.detach().reshape(-1)[: piece.numel].to("cpu", opt.grad_wire)))
         started = time.perf_counter()
         with self._aborting():
+            self._check_found_inf(pieces)
             if indices[0] == 0:
                 narrowed = opt.param_groups
                 opt.param_groups = self.groups  # every group's hyperparameters ride in the begin
                 try:
-                    # DeepSpeed unscaled and clipped the gradients already: scale 1.
-                    opt.last_timing = {"begin_s": opt._begin_shared(pieces, 1.0)}
+                    opt.last_timing = {"begin_s": opt._begin_shared(pieces, 1.0 / self._begin_scale())}
                 finally:
                     opt.param_groups = narrowed
-            elif pieces:
-                opt.files.write_pieces(pieces)
+            else:
+                self._note_scaler()
+                if pieces:
+                    opt.files.write_pieces(pieces)
         self._next_group = indices[-1] + 1
         if self._next_group < len(self.groups):
             return
         self._commit(started)
+
+    def _begin_scale(self) -> float:
+        """The loss scale of the step the first call begins. DeepSpeed unscales (its own loss
+        scaler) and clips before it calls step(): 1. Under its `torch_autocast` FP16 mode it
+        steps the optimizer through a torch.amp.GradScaler instead, which, since this
+        optimizer declares _step_supports_amp_scaling, leaves the gradients scaled and sets
+        `grad_scale` (and `found_inf`) on it for the call: the device divides by that scale.
+        The first call's scale is the one backward scaled every group's gradients with (DeepSpeed
+        calls the scaler's update() after each group, which may change it before a later call
+        of the same step), so it is the step's for every group."""
+        self._scale = grad_rules.loss_scale(self.optimizer)
+        self._scaled = getattr(self.optimizer, "grad_scale", None) is not None
+        self._found_inf = False
+        self._note_scaler()
+        if not (self._scale > 0 and self._scale < float("inf")):
+            raise RuntimeError(f"the GradScaler's grad_scale is {self._scale}: the gradients cannot be unscaled")
+        return self._scale
+
+    def _note_scaler(self) -> None:
+        """A call's found_inf (the GradScaler's verdict on its group's gradients)."""
+        self._found_inf |= grad_rules.scaler_found_inf(self.optimizer)
+        self._scaled |= getattr(self.optimizer, "grad_scale", None) is not None
+
+    def _check_found_inf(self, pieces: list[tuple[str, int, torch.Tensor]]) -> None:
+        """Where the GradScaler found non-finite gradients in this call's group the device must
+        skip the step, as torch's optimizer skips it: it does, for it finds them too (the
+        scaler looked at these very tensors, and no cast makes inf or NaN finite). Checked,
+        so that a step the scaler rejected can never commit: aborted on the device instead."""
+        if not grad_rules.scaler_found_inf(self.optimizer):
+            return
+        if any(not bool(torch.isfinite(values).all()) for _, _, values in pieces):
+            return
+        self.optimizer._abort_shared("the GradScaler found non-finite gradients the device would not see")
+        raise RuntimeError("the GradScaler found non-finite gradients in this param group, but none reach the "
+                           "device: the step was aborted on the device (it stays at the step before)")
+
+    def _refuse_if_broken(self) -> None:
+        if self._refused is not None:
+            raise RuntimeError(self._refused)
 
     @contextlib.contextmanager
     def _aborting(self) -> Iterator[None]:
@@ -190,7 +337,13 @@ class ZeroBinding:
         opt.last_step_skipped = bool(result["skipped"])
         if opt.last_step_skipped:
             opt.steps_skipped += 1
+            if self._scaled and not self._found_inf:
+                warnings.warn(
+                    f"step {opt.committed_step + 1}: the device skipped it for non-finite gradients that this "
+                    "rank's GradScaler did not see (another rank's, or an overflow converting to "
+                    f"{opt.grad_wire}: then use grad_dtype='fp32')", RuntimeWarning, stacklevel=4)
         else:
+            self._rolled_back = False
             reading = clock()
             self._read_masters()
             self._masters_to_params()
@@ -205,6 +358,7 @@ class ZeroBinding:
         committed step that rank 0 takes now (dcp.py's; `ds-<step>-<random>`, `dcp_keep`
         bounds how many are kept), with the checkpoint's tag."""
         opt = self.optimizer
+        self._refuse_if_broken()
         groups = []
         for index, group in enumerate(self.groups):
             packed = {key: value for key, value in group.items() if key != "params"}
@@ -243,6 +397,8 @@ class ZeroBinding:
         opt.restored = True
         opt._step_open = False
         self._next_group = 0
+        self._rolled_back = True
+        self._refused = None  # the device and the model hold the checkpoint's state again
         for group, theirs in zip(self.groups, saved):
             group.update({key: value for key, value in theirs.items() if key != "params"})
         # The snapshot's masters into this rank's partitions and their bit16 copies. (DeepSpeed

@@ -189,6 +189,7 @@ def bind(optimizer: Any, wrapper: Any) -> None:
             optimizer._ds_deferred = True  # nothing was opened for a step to use
             raise
         optimizer._deepspeed = binding
+        binding.hook_reloads()
         return
     world = world_size()
     if world > 1:
@@ -197,6 +198,59 @@ def bind(optimizer: Any, wrapper: Any) -> None:
             "under it in one process only; with several ranks use zero_optimization.stage 1, 2 or 3 "
             "(without data_types.grad_accum_dtype fp32 under BF16)")
     open_deferred(optimizer, f"DeepSpeed without ZeRO 1/2 (its {type(wrapper).__name__}) cannot step it")
+    hook_wrapper_reloads(optimizer, wrapper)
+
+
+# DeepSpeed's methods that set a wrapper's FP32 copies from the model's bit16 params, which
+# engine.load_checkpoint calls where it loads the model and not the optimizer's state: the
+# first where the wrapper has it (BF16_Optimizer's refresh_fp32_params calls it), else the second.
+_RELOADS = ("_restore_from_bit16_weights", "refresh_fp32_params")
+
+
+def hook_wrapper_reloads(optimizer: Any, wrapper: Any) -> None:
+    """At one rank without ZeRO's binding (an FP16/BF16 wrapper at stage 0, BF16_Optimizer):
+    DeepSpeed's refresh of the wrapper's FP32 copies (the tensors the device steps) from the
+    model, by engine.load_checkpoint(..., load_module_only=True), reaches the device too
+    (masters_from_copies). The FP32 engine has no wrapper: the optimizer steps the model's
+    params themselves, and follows a load into them on its own (optim.py)."""
+    if wrapper is optimizer:
+        return
+    name = next((name for name in _RELOADS if callable(getattr(type(wrapper), name, None))), None)
+    if name is None:
+        return
+    original = getattr(type(wrapper), name)
+
+    def reload() -> None:
+        original(wrapper)
+        masters_from_copies(optimizer)
+
+    setattr(wrapper, name, reload)
+
+
+def masters_from_copies(optimizer: Any) -> None:
+    """DeepSpeed has just set the FP32 copies that the optimizer steps from the model's weights
+    (a warm start). Where the optimizer has not followed them yet, its first step does, with
+    their values as the masters (rebind.py). Where it steps them already (the wrapper's zero-
+    gradient step at initialize committed step 1) and their values are not the device's
+    masters, the namespace is replaced with them as masters, keeping its step, moments and
+    param groups (load_state_dict of its own state with master=: atomic on the device), as
+    DeepSpeed replaces torch's AdamW's FP32 copies and keeps its state."""
+    if optimizer._bound:
+        raise RuntimeError(
+            "DeepSpeed loaded new model weights (engine.load_checkpoint with load_module_only=True) into an "
+            "engine whose cossd optimizer steps each param group on a namespace of its own; the device cannot "
+            "take them there. Load the weights into the model before deepspeed.initialize instead")
+    if optimizer._ds_deferred or optimizer._params_moved() or not optimizer.files.exists():
+        return
+    values = [entry.param.detach() for entry in optimizer.entries]
+    device = optimizer.master_weights()
+    if all(torch.equal(master.reshape(-1), value.reshape(-1).to("cpu", torch.float32))
+           for master, value in zip(device, values)):
+        return
+    masters: list[torch.Tensor] = [torch.empty(0)] * len(optimizer.entries)
+    for entry, value in zip(optimizer.entries, values):
+        masters[entry.index] = value.to("cpu", torch.float32).clone()
+    optimizer.load_state_dict(optimizer.state_dict(), master=masters)
 
 
 def _never_stepped(optimizer: Any) -> bool:

@@ -78,20 +78,17 @@ class Zero3Binding(ZeroBinding):
         self.entries = [Entry(index, tensor_name(index), index, torch.empty(total, device="meta"))
                         for index, total in enumerate(totals)]
         self._next_group = 0  # here: the next sub-group
+        self._init_step_state()
 
     # ------------------------------------------------------------------ masters and params
 
-    def _masters(self) -> list[tuple[str, int, torch.Tensor]]:
-        """This rank's slices of the masters, as DeepSpeed made them from the model."""
-        return [(piece.name, piece.start, self.flats[index].detach()[offset: offset + piece.numel]
-                 .to("cpu", torch.float32)) for index, mine in enumerate(self.slices) for offset, piece in mine]
+    def _views(self) -> list[tuple[str, int, torch.Tensor]]:
+        """This rank's slices of the namespace's tensors in its flat FP32 partitions (padding left out)."""
+        return [(piece.name, piece.start, self.flats[index].detach()[offset: offset + piece.numel])
+                for index, mine in enumerate(self.slices) for offset, piece in mine]
 
-    def _read_masters(self) -> None:
-        """The committed masters into this rank's flat FP32 partitions (padding left as is)."""
-        reads = [(piece.name, "master", piece.start, self.flats[index].detach()[offset: offset + piece.numel])
-                 for index, mine in enumerate(self.slices) for offset, piece in mine]
-        if reads:
-            self.optimizer.files.read_pieces_into(reads)
+    def _bit16_dtype(self) -> torch.dtype:
+        return self.wrapper.fp16_partitioned_groups_flat[0].dtype
 
     def _masters_to_params(self) -> None:
         """Each sub-group's FP32 partition into its bit16 slices (DeepSpeed's own copy after a step)."""
@@ -130,6 +127,7 @@ class Zero3Binding(ZeroBinding):
         """A sub-group's call: the first begins the shared step, each sends its slices, the
         last waits for the commit and brings every sub-group's masters back."""
         opt = self.optimizer
+        self._refuse_if_broken()
         index = self._sub_group()
         if index == 0 and opt._step_open:
             opt._abort_shared("a new step began before the last one's final sub-group")
@@ -148,12 +146,16 @@ class Zero3Binding(ZeroBinding):
                   for offset, piece in self.slices[index]]
         started = time.perf_counter()
         with self._aborting():
+            self._check_found_inf(pieces)
             if index == 0:
-                # DeepSpeed unscaled and clipped the gradients already: scale 1. Every group's
-                # hyperparameters ride in the begin (the dicts are the optimizer's own).
-                opt.last_timing = {"begin_s": opt._begin_shared(pieces, 1.0)}
-            elif pieces:
-                opt.files.write_pieces(pieces)
+                # DeepSpeed unscaled and clipped the gradients already (scale 1), or its
+                # torch_autocast GradScaler set grad_scale (ZeroBinding._begin_scale). Every
+                # group's hyperparameters ride in the begin (the dicts are the optimizer's own).
+                opt.last_timing = {"begin_s": opt._begin_shared(pieces, 1.0 / self._begin_scale())}
+            else:
+                self._note_scaler()
+                if pieces:
+                    opt.files.write_pieces(pieces)
         self._next_group = index + 1
         if self._next_group < len(self.flats):
             return
