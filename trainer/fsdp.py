@@ -48,6 +48,31 @@ def uses_fsdp(entries: list[Entry]) -> bool:
     return True
 
 
+def _flat_parameter_class() -> type | None:
+    try:
+        from torch.distributed.fsdp._flat_param import FlatParameter
+    except ImportError:  # a private module: a torch that moved it still marks its params (below)
+        return None
+    return FlatParameter
+
+
+def refuse_fsdp1(entries: list[Entry]) -> None:
+    """A ValueError naming the param where FSDP1 (FullyShardedDataParallel) holds it: a
+    FlatParameter (use_orig_params=False), each rank's flat shard of several params, or one
+    of the original params that FSDP1 made views of its shard (use_orig_params=True; FSDP1
+    marks both with `_fsdp_flattened`). Neither is a tensor the device's namespace can
+    describe alike on every rank: stepped as a plain replicated tensor, every rank would
+    train rank 0's shard."""
+    flat = _flat_parameter_class()
+    for entry in entries:
+        if (flat is not None and isinstance(entry.param, flat)) or getattr(entry.param, "_fsdp_flattened", False):
+            raise ValueError(
+                f"param {entry.name} is held by FSDP1 (FullyShardedDataParallel: a FlatParameter shard, or with "
+                "use_orig_params=True a view of one), which the cossd optimizer does not support: use FSDP2 "
+                "(torch.distributed.fsdp.fully_shard) and make the optimizer from the sharded model's parameters, "
+                "or DistributedDataParallel (docs/trainer.md, FSDP2)")
+
+
 def refuse_one_rank(entries: list[Entry]) -> None:
     """A ValueError naming the param where FSDP2 DTensors reach a path of the optimizer that
     moves whole plain tensors (the one-process reads and master loads): FSDP2 params take the

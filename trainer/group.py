@@ -100,6 +100,8 @@ class DeviceGroup:
     # The pieces of split tensors: (the child's 1-D param, the parent's entry, start, stop).
     _pieces: list[tuple[torch.Tensor, Entry, int, int]]
     _fanout: DeviceFanout  # runs each phase of a step on every device at once
+    # Notes each param's version after the params are read back (optim.py), declared here only.
+    _note_params: Callable[[], None]
 
     # ------------------------------------------------------------------ opening
 
@@ -497,10 +499,12 @@ class DeviceGroup:
         if ranks.world > 1 and any(getattr(child, "_param_gather", "device") == "allgather" for child in children):
             for child in children:
                 child._read_params()
+            self._note_params()
             return
         self._raise_first(self._fanout.run(lambda child: child._read_params(), children),
                           "reading the committed params back failed (the devices hold them: a restart reads "
                           "them)")
+        self._note_params()
 
     def _abort_group(self, why: str) -> None:
         """Abort the open step on every device (best effort: a step() that failed). Devices

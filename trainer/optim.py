@@ -19,7 +19,8 @@ from .captured_groups import release_captured_groups
 from .namespace.files import WIRE_DTYPES, NamespaceFiles
 from . import param_fp8
 from ..client.remote import is_remote
-from .plan import GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, description, group_hyper, infer_dtype, master_loads, plan
+from .plan import (GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, check_group_options, description,
+                   group_hyper, infer_dtype, master_loads, plan)
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
 from .grad_buckets import GradBuckets
@@ -140,6 +141,8 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self._mode = "adamw" if defaults.get("decoupled_weight_decay") else "adam"
         self._initialized = False
         super().__init__(params, defaults)
+        # A group's own options (given here; at step(), set since): what the kernel does not compute is refused.
+        check_group_options(self.param_groups, self._mode)
         # What a namespace for params that a wrapper (DeepSpeed) puts in place of these is
         # made with: see _rebind.
         self._torch_options = dict(torch_options)
@@ -156,6 +159,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self.scaler = scaler
         self.state_dtype = state_dtype
         self.entries = self._plan()
+        # FSDP1's FlatParameters (or its use_orig_params views): each rank holds a flat shard
+        # that no layout of the namespace describes; refused on every rank before any exchange.
+        fsdp.refuse_fsdp1(self.entries)
         self.dtype = dtype if dtype is not None else self._infer_dtype()
         if self.dtype not in WIRE_DTYPES:
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
@@ -173,6 +179,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self._sent_hypers: list[dict[str, float]] = []
         self._step_open = False
         self._streamed: set[int] = set()
+        self._streamed_grads: dict[int, tuple[torch.Tensor, int]] = {}
         self._stream_scale = 1.0
         self._entry_of = {id(entry.param): entry for entry in self.entries}
         self._buckets: GradBuckets[tuple[Entry, StreamedGrad]] | None = None
@@ -183,6 +190,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self._ds_deferred = False
         if mounts is not None:
             self._open_group(mounts, namespace, self._ranks, self._make_group_child)
+            self._note_params()
             self._initialized = True
             return
         assert isinstance(mount, (str, os.PathLike))  # mount_list answered None: one path or URL
@@ -283,6 +291,70 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         # The device rounds the masters to the wire dtype; the model starts from exactly that.
         self._read_params()
 
+    def _read_params(self) -> None:
+        """The committed params into the model (sharded.py, session.py), then each param's
+        version noted: a later change to a param that is not this optimizer's own write (a
+        model.load_state_dict) shows at step() (_follow_changed_params)."""
+        super()._read_params()
+        self._note_params()
+
+    # ------------------------------------------------------------------ params changed outside
+
+    def _note_params(self) -> None:
+        """Each param's version counter as cossd's last write left it (for FSDP2's DTensors
+        the wrapper's, which a load through it moves, and the local shard's, which a write
+        into the shard moves)."""
+        self._param_versions = [_version_of(entry.param) for entry in self.entries]
+
+    def _changed_params(self) -> list[Entry]:
+        """The entries whose param was written since cossd last wrote it (its version moved)."""
+        noted = self.__dict__.get("_param_versions")
+        if noted is None or len(noted) != len(self.entries):
+            return []
+        return [entry for entry, version in zip(self.entries, noted) if _version_of(entry.param) != version]
+
+    def _follow_changed_params(self) -> None:
+        """Params written outside the optimizer since the device last wrote them (weights
+        loaded into the model after the optimizer was made): the device holds their masters
+        and would write its own values over them at this step. Where the values differ from
+        the device's: before any step has committed (zero moments) they become the masters
+        (the namespace replaced as load_state_dict does, with no moments), as torch's AdamW
+        would train from them; after that, refused. Written values equal to the device's
+        (a DDP broadcast, a load of the same weights) change nothing. One process (FSDP2 on a
+        mesh of one and several devices included): a job of several ranks is not checked."""
+        changed = self._changed_params()
+        if not changed:
+            return
+        if self._step_open:
+            # A streamed step began from the device's masters: dropped, and its gradients
+            # are sent again at once by this step() (session.py, _send_grads).
+            self._abort("params changed outside the optimizer")
+        loaded = [_local_of(entry.param).detach().clone() for entry in changed]
+        # The device's values, read as every read-back does; compared, then the loaded ones put back.
+        self._read_group_params() if self._group is not None else self._read_params()
+        differing = [entry.name for entry, values in zip(changed, loaded)
+                     if not torch.equal(_local_of(entry.param).detach(), values)]
+        for entry, values in zip(changed, loaded):
+            _local_of(entry.param).detach().copy_(values)
+        if not differing:
+            self._note_params()
+            return
+        names = ", ".join(differing[:4]) + (", ..." if len(differing) > 4 else "")
+        if self.committed_step > 0:
+            raise RuntimeError(
+                f"cossd: {len(differing)} param(s) ({names}) were written outside the optimizer (model.load_state_dict, "
+                f"say) after namespace {self.files.name!r} reached step {self.committed_step}: the device keeps the "
+                "FP32 master weights and moments and would write its own values over them at this step. Nothing was "
+                "sent. To train from other weights, load them before making the optimizer (on a new namespace), or "
+                "load a checkpoint of the optimizer itself (optimizer.load_state_dict(state), whose cossd_master or "
+                "master= carry the weights; or the device's own checkpoint)")
+        groups = [{key: value for key, value in group.items() if key != "params"}
+                  | {"params": [entry.index for entry in self.entries if entry.group == index]}
+                  for index, group in enumerate(self.param_groups)]
+        # No step committed: the loaded values are the masters of a fresh step 0, as torch's AdamW starts.
+        self.load_state_dict({"state": {}, "param_groups": groups},
+                             master=[_local_of(entry.param) for entry in self.entries])
+
     def _check_config(self, config: dict[str, Any]) -> None:
         """Refuse a namespace that is not this model's (tensors, dtype, mode): nothing changes."""
         found = [(t["name"], t["numel"], t.get("group", 0)) for t in config["tensors"]]
@@ -382,6 +454,7 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_options_at_step()
         if self._deepspeed is not None:  # DeepSpeed ZeRO 1/2: one of its per-group calls
             self._deepspeed.step()
             return loss
@@ -407,6 +480,8 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         timing = {"begin_s": 0.0}
         started = clock()
         try:
+            if self._ranks is None or self._ranks.world == 1:
+                self._follow_changed_params()
             if self._group is not None:
                 result = self._step_group(loss_scale, timing)
             elif self._ranks is not None:
@@ -435,6 +510,21 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self.committed_step = int(result["committed_step"])
         self.last_timing = timing
         return loss
+
+    def _check_options_at_step(self) -> None:
+        """The groups' options as step() finds them (a group's amsgrad, maximize or weight
+        decay mode set after construction): refused as at construction, a streamed step
+        that began dropped."""
+        mode = self.__dict__.get("_mode")
+        if mode is None:
+            return
+        try:
+            check_group_options(self.param_groups, mode, " (found at step(): the groups' options are read at each "
+                                "step, so one set after the optimizer was made counts too)")
+        except ValueError:
+            if self.__dict__.get("_step_open"):
+                self._abort("a param group's options are not supported")
+            raise
 
     # ------------------------------------------------------------------ gradients
 
@@ -465,6 +555,18 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
         self.max_grad_norm = max_norm
+
+
+def _local_of(param: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a param's values here: an FSDP2 DTensor's local shard, else the param."""
+    return param.to_local() if fsdp.is_dtensor(param) else param
+
+
+def _version_of(param: torch.Tensor) -> int | tuple[int, int]:
+    """A param's version counter; an FSDP2 DTensor's and its local shard's."""
+    if fsdp.is_dtensor(param):
+        return (param._version, param.to_local()._version)
+    return param._version
 
 
 class AdamW(_DeviceAdam):

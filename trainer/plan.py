@@ -14,6 +14,11 @@ from .namespace.files import WIRE_DTYPES
 # only at their default value.
 UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 HYPER_FIELDS = GROUP_FIELDS
+# The per-param-group options of torch's Adam family that change the math and that the device
+# implements only at their default value (a group's options are read at each step: one given
+# in a group, or set on it after construction, must be refused, not ignored). foreach, fused,
+# capturable and differentiable choose how torch computes the same step: ignored in a group.
+UNSUPPORTED_IN_GROUPS = ("amsgrad", "maximize")
 # The moments' formats a namespace can keep (emulator/spec.py STATE_FORMATS): fp16 and int8
 # are block-scaled, and read and load as FP32 (docs/media-format.md).
 STATE_DTYPES = ("fp32", "bf16", "fp16", "int8")
@@ -46,6 +51,24 @@ def group_hyper(group: dict[str, Any]) -> dict[str, float]:
         "lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
         "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
     }
+
+
+def check_group_options(param_groups: list[dict[str, Any]], mode: str, when: str = "") -> None:
+    """A ValueError naming the group and the option where a param group asks for what the
+    device's kernel does not compute: amsgrad or maximize set, or a weight decay other than
+    the namespace's `mode` ("adamw": decoupled, "adam": L2), which the device applies to every
+    group alike. `when` adds where it was found (at step(): set after construction)."""
+    for index, group in enumerate(param_groups):
+        for option in UNSUPPORTED_IN_GROUPS:
+            if group.get(option):
+                raise ValueError(f"param group {index}: {option}={group[option]!r} is not supported by the cossd "
+                                 f"device (its kernel computes {option}=False){when}")
+        if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != (mode == "adamw"):
+            kind = "decoupled (AdamW)" if mode == "adamw" else "L2 (Adam)"
+            raise ValueError(f"param group {index}: decoupled_weight_decay={group['decoupled_weight_decay']!r}, but "
+                             f"this optimizer's namespace applies {kind} weight decay to every group; use AdamW "
+                             "(or Adam(decoupled_weight_decay=True)) for decoupled decay and Adam for L2, one "
+                             f"mode per optimizer{when}")
 
 
 def plan(param_groups: list[dict[str, Any]]) -> list[Entry]:

@@ -38,6 +38,9 @@ class DeviceSession:
     _sent_hypers: list[dict[str, float]]
     _step_open: bool
     _streamed: set[int]
+    # Streaming: each streamed gradient's tensor and its version counter when it was sent; a
+    # change since (clip_grad_norm_ after backward, say) is refused at step().
+    _streamed_grads: dict[int, tuple[torch.Tensor, int]]
     _stream_scale: float
     _entry_of: dict[int, Entry]
     _buckets: GradBuckets[tuple[Entry, StreamedGrad]] | None  # where streaming: the gradients' sender
@@ -111,6 +114,7 @@ class DeviceSession:
                     f"gradients were streamed at scale {self._stream_scale} but the step "
                     f"has scale {grad_scale}: pass the GradScaler as scaler="
                 )
+            self._check_streamed_step()
             # A streaming optimizer has its buckets from construction to close().
             assert self._buckets is not None
             for entry in self.entries:
@@ -144,6 +148,37 @@ class DeviceSession:
         self._write_grads(grads)
         return begin_s
 
+    def _check_streamed_step(self) -> None:
+        """Streaming: what the device took during backward must still be what step() finds.
+        A streamed gradient changed since it was sent (torch.nn.utils.clip_grad_norm_,
+        GradScaler.unscale_ or any in-place change between backward() and step(): its version
+        moved, or .grad is another tensor), or a group's hyperparameters changed since the
+        step began (an lr set after backward()), is refused: the device would step the old
+        values. The step() that raises drops the streamed step."""
+        changed = [entry.name for entry in self.entries if entry.index in self._streamed_grads
+                   and (entry.param.grad is not self._streamed_grads[entry.index][0]
+                        or entry.param.grad._version != self._streamed_grads[entry.index][1])]
+        if changed:
+            names = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
+            raise RuntimeError(
+                f"cossd: the gradients of {len(changed)} param(s) ({names}) changed after backward() had streamed "
+                "them to the device (streaming=True sends each gradient as backward makes it; a "
+                "torch.nn.utils.clip_grad_norm_ or any in-place change of the gradients before step() comes too "
+                "late). This step was not taken. To clip, pass max_grad_norm= to the optimizer (or call "
+                "optimizer.clip_grad_norm_) with streaming=False; to change gradients after backward, use "
+                "streaming=False")
+        for index, group in enumerate(self.param_groups):
+            began = self._sent_hypers[index]
+            moved = {key: (began.get(key), value) for key, value in group_hyper(group).items()
+                     if began.get(key) != value}
+            if moved:
+                what = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in moved.items())
+                raise RuntimeError(
+                    f"cossd: param group {index}'s hyperparameters changed ({what}) after backward() began "
+                    "streaming this step's gradients: the device took the group's hyperparameters when the step "
+                    "began. This step was not taken. Set them before backward() (a scheduler.step() after "
+                    "optimizer.step(), the usual order, does), or use streaming=False")
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         """Streaming: backward made this param's gradient; send it while backward goes on."""
         if not self.streaming:
@@ -160,6 +195,9 @@ class DeviceSession:
             self._begin(1.0 / scale)
         grad = self._streamed_grad(entry)
         self._streamed.add(entry.index)
+        sent = entry.param.grad
+        assert sent is not None  # autograd calls this hook once the gradient is accumulated
+        self._streamed_grads[entry.index] = (sent, sent._version)
         assert self._buckets is not None
         self._buckets.put((entry, grad))
 
@@ -225,6 +263,7 @@ class DeviceSession:
         result = self.files.command(self.files.admin.commit_step, self.files.nsid)
         self._step_open = False
         self._streamed.clear()
+        self._streamed_grads.clear()
         return result
 
     def _abort(self, why: str = "the step failed on this rank") -> None:
@@ -239,6 +278,7 @@ class DeviceSession:
         if self._buckets is not None:
             self._buckets.cancel()
         self._streamed.clear()
+        self._streamed_grads.clear()
         if self._step_open:
             self._step_open = False
             try:
