@@ -162,7 +162,17 @@ def atomic_write_json(path: Path, value: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
+    """A device JSON file, opened as every device file is: never through a symbolic link or
+    anything but a regular file (those at the top of the backing directory that the open's walk
+    does not cover, e.g. archive_lineage.json, are refused here instead)."""
+    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    try:
+        _require_regular(fd, path)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read()
+    finally:
+        os.close(fd)
+    return json.loads(data)
 
 
 def read_exact(fd: int, size: int, offset: int, what: str) -> bytes:

@@ -81,9 +81,10 @@ class Policy:
                                    archive.int_field(payload, "spill_capacity", 0, 1, 1 << 60)))
 
     def archive_payload(self, tag: str) -> dict[str, Any]:
-        # overwrite: a version cut short before a restart is replaced by the rerun.
+        # Never overwrite: the policy never deletes a complete version to upload one. A version
+        # cut short before a restart has no manifest, so the rerun resumes it all the same.
         payload = {"tag": tag, "url": self.url, "chunk_bytes": self.chunk_bytes,
-                   "memory_bytes": self.memory_bytes, "overwrite": True}
+                   "memory_bytes": self.memory_bytes, "overwrite": False}
         return payload | ({"endpoint_url": self.endpoint_url} if self.endpoint_url else {})
 
 
@@ -108,9 +109,10 @@ class PolicyState:
     upload: concurrent.futures.Future[None] | None = dataclasses.field(default=None, repr=False)
     retry_at: float = 0.0  # after a failure, nothing new is tried before this (monotonic s)
     resumed: bool = False  # what an earlier daemon left (snapshots, versions) was looked at
+    nsid: int = 0  # the namespace instance this state is of (one created again starts afresh)
 
     def describe(self) -> dict[str, Any]:
-        private = ("upload", "retry_at", "resumed")  # asdict would deep-copy the Future
+        private = ("upload", "retry_at", "resumed", "nsid")  # asdict would deep-copy the Future
         view = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in private}
         view["pending"] = list(self.pending)
         return view
@@ -178,7 +180,7 @@ class PolicyRunner:
             media.atomic_write_json(self.path, {name: dataclasses.asdict(p) for name, p in policies.items()})
             self.policies = policies
             self.load_error = None  # the file is whole again
-            state = self.states.setdefault(namespace.name, PolicyState())
+            state = self._state_of(namespace)
         if policy is not None:
             # What the drive and the store hold already, looked at now, while the store has
             # just answered (after a restart the policy's thread looks, at its first tick).
@@ -197,8 +199,17 @@ class PolicyRunner:
     def page(self) -> dict[str, Any]:
         with self._lock:
             names = sorted(set(self.policies) | set(self.states))
-            return {name: self.describe(name) | {"state": self.states.get(name, PolicyState()).describe()}
-                    for name in names}
+            return {name: self.describe(name) | {"state": self._current_state(name).describe()} for name in names}
+
+    def _current_state(self, name: str) -> PolicyState:
+        """The state the page shows for `name`: a fresh one where the name is another namespace's
+        now (deleted and created again) and the policy's thread has not looked at it yet, so no
+        reader sees the old instance's figures as the new one's."""
+        state = self.states.get(name)
+        namespace = self.device.namespaces.get(name)
+        if state is None or (namespace is not None and state.nsid != namespace.nsid):
+            return PolicyState(nsid=0 if namespace is None else namespace.nsid)
+        return state
 
     # ------------------------------------------------------------------ the thread
 
@@ -225,14 +236,14 @@ class PolicyRunner:
                 try:
                     self.tick(namespace, policy)
                 except DeviceError as exc:
-                    self._failed(namespace, self.states.setdefault(name, PolicyState()), exc.message)
+                    self._failed(namespace, self._state_of(namespace), exc.message)
                 except Exception:  # a bug must be seen, and must not stop the other namespaces
                     log.exception("namespace %s: automatic archive failed", name)
 
     def tick(self, namespace: Namespace, policy: Policy) -> None:
         """One look at one namespace: the upload that ended, a new version, coalescing, the
         next upload, and the drive's retention, in that order."""
-        state = self.states.setdefault(namespace.name, PolicyState())
+        state = self._state_of(namespace)
         self._finished_upload(namespace, policy, state)
         if time.monotonic() < state.retry_at:
             return  # a failure a moment ago: the store or the drive gets time first
@@ -263,10 +274,37 @@ class PolicyRunner:
                              name=f"cossd-archive-{namespace.name}", daemon=True).start()
         self._trim_local(namespace, policy, state, auto)
 
+    def _state_of(self, namespace: Namespace) -> PolicyState:
+        """The policy's state for `namespace`: afresh where the name is another namespace's now
+        (deleted and created again), whose steps and snapshots are not the old one's."""
+        state = self.states.get(namespace.name)
+        if state is None or state.nsid != namespace.nsid:
+            state = self.states[namespace.name] = PolicyState(nsid=namespace.nsid)
+        return state
+
     def _upload(self, namespace: Namespace, policy: Policy, state: PolicyState, tag: str,
                 outcome: concurrent.futures.Future[None]) -> None:
-        """One version: the archive job (as ARCHIVE starts it), then the store's retention."""
+        """One version: the archive job (as ARCHIVE starts it), then the store's retention. A
+        version complete in the store already is never replaced: of the same state (the one a
+        drive was restored from, snapshotted again), it counts as archived; of another
+        (SNAPSHOT_EXISTS), this step is not archived, and said so."""
         try:
+            location = archive.parse_url(policy.url).child(namespace.name, tag)
+            store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name), holder=archive.DAEMON)
+            there = archive.stored_version_of(store, location, namespace, namespace.snapshots.get(tag))
+            if there is True:
+                log.info("namespace %s: %s holds this state (step %d) complete already: counted as archived, "
+                         "not uploaded again", namespace.name, location.url, _auto_step(tag))
+                state.versions_archived += 1
+                state.last_archived_step = max(state.last_archived_step, _auto_step(tag))
+                outcome.set_result(None)
+                return
+            if there is False:
+                raise DeviceError(Status.SNAPSHOT_EXISTS, (
+                    f"{location.url} holds a complete version of another state (another namespace of this name, "
+                    f"or one restored or cloned from it, archived it); the policy never replaces a complete "
+                    f"version, so step {_auto_step(tag)} is not archived: give the policy another url, or "
+                    "delete that version"))
             job = archive.start(self.device, self.jobs, namespace, policy.archive_payload(tag),
                                 self.traffic_of(namespace.name), self.running)
             while job.state == "running":
@@ -277,7 +315,7 @@ class PolicyRunner:
                                   job.error or job.status)
             state.versions_archived += 1
             state.last_archived_step = max(state.last_archived_step, _auto_step(tag))
-            self._trim_remote(namespace, policy, state)
+            self._trim_remote(namespace, policy, state, tag)
             outcome.set_result(None)
         except BaseException as exc:  # reported by the policy's thread
             outcome.set_exception(exc)
@@ -287,7 +325,12 @@ class PolicyRunner:
         policy, and upload again those of them the store has no complete version of."""
         root = archive.parse_url(policy.url)
         store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name), holder=archive.DAEMON)
-        archived = {v["tag"] for v in archive.list_versions(store, root) if v["namespace"] == namespace.name}
+        lineage = archive.lineage_of(self.device, namespace)
+        # Complete versions of this namespace's own lineage only: a version of the same tag
+        # another namespace instance archived is not this snapshot (the upload finds out
+        # which state it holds, and never replaces it).
+        archived = {v["tag"] for v in archive.list_versions(store, root)
+                    if v["namespace"] == namespace.name and v["lineage"] == lineage}
         if auto:
             state.last_snapshot_step = max(state.last_snapshot_step, _auto_step(auto[-1]))
         done = [t for t in auto if t in archived]
@@ -313,7 +356,8 @@ class PolicyRunner:
         error = upload.exception()
         if error is None:
             return
-        if _auto_step(tag) > state.last_archived_step:
+        exists = isinstance(error, DeviceError) and error.status == Status.SNAPSHOT_EXISTS
+        if _auto_step(tag) > state.last_archived_step and not exists:
             state.pending.insert(0, tag)  # tried again, unless newer ones coalesce it
         self._failed(namespace, state, error.message if isinstance(error, DeviceError) else repr(error))
 
@@ -326,15 +370,22 @@ class PolicyRunner:
                 namespace.snapshots.delete(tag)
                 state.deleted_local += 1
 
-    def _trim_remote(self, namespace: Namespace, policy: Policy, state: PolicyState) -> None:
-        """The policy's versions in the store beyond the newest keep_remote go: the manifest
-        first, so a version being deleted never looks complete."""
+    def _trim_remote(self, namespace: Namespace, policy: Policy, state: PolicyState, archived: str) -> None:
+        """The policy's versions in the store of this namespace's lineage beyond the newest
+        keep_remote go, never `archived` (the one just uploaded): the manifest first, so a
+        version being deleted never looks complete. Versions another namespace instance
+        archived (before a delete and create under the same name, on the drive a restore came
+        from, a legacy manifest without a lineage) are never touched."""
         root = archive.parse_url(policy.url)
         store = archive.Store(policy.endpoint_url, traffic=self.traffic_of(namespace.name), holder=archive.DAEMON)
+        lineage = archive.lineage_of(self.device, namespace)
         mine = [v for v in archive.list_versions(store, root)
-                if v["namespace"] == namespace.name and v["tag"].startswith(AUTO_PREFIX)]
+                if v["namespace"] == namespace.name and v["tag"].startswith(AUTO_PREFIX) and v["lineage"] == lineage]
         mine.sort(key=lambda v: v["step"])
-        for version in mine[: max(0, len(mine) - policy.keep_remote)]:
+        kept = {v["tag"] for v in mine[-policy.keep_remote:]} | {archived}
+        for version in mine:
+            if version["tag"] in kept:
+                continue
             location = root.child(namespace.name, version["tag"])
             store.delete(location.bucket, location.key(archive.MANIFEST_OBJECT))
             for name in (archive.STATE_OBJECT, archive.SUPERBLOCK_OBJECT, archive.META_OBJECT):

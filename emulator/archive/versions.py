@@ -17,9 +17,13 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ... import kernels
 from ...protocol import manifest_seal
@@ -29,6 +33,7 @@ from .. import media
 from ..jobs import Job, JobTable
 from ..namespace import Namespace
 from ..namespace.snapshots import META_FILE, SUPERBLOCK_FILE, Snapshot, SnapshotStore
+from ..superblock import Superblock
 
 if TYPE_CHECKING:
     from ..device import Device
@@ -42,9 +47,94 @@ log = logging.getLogger("cossd.emulator.archive")
 
 # Held while a version is added to or taken from the running set.
 _RUNNING = threading.Lock()
+# In the backing directory: {nsid: lineage}, the lineage of each namespace of the device that
+# archived a version (lineage_of). Held while it is read and written.
+LINEAGE_FILE = "archive_lineage.json"
+_LINEAGE = threading.Lock()
 # A part back slower than this rate (its bytes over its latency) halves the window of parts in
 # flight; one back within it opens the window by one: 1 s for an 8 MiB part.
 PART_TARGET_BYTES_PER_S = 8 << 20
+
+
+# ---------------------------------------------------------------------- lineage
+
+
+def lineage_of(device: Device, namespace: Namespace) -> str:
+    """The lineage of `namespace`: which namespace instance wrote a version (each manifest
+    carries it). Minted at random the first time the instance archives, and kept in the backing
+    directory under its nsid, which the device never gives again. So a namespace deleted and
+    created again under the same name, a clone, and a namespace restored from the store (on a
+    new drive or not) each have a lineage of their own; the policy's store retention only ever
+    deletes versions of the namespace's own lineage. A file that cannot be read is replaced
+    (said in the log): its namespaces then get new lineages, so the policy deletes fewer
+    versions, never others'."""
+    path: Path = device.path / LINEAGE_FILE
+    key = str(namespace.nsid)
+    with _LINEAGE:
+        known: dict[str, Any] = {}
+        try:
+            read = media.read_json(path)
+            if not isinstance(read, dict):
+                raise ValueError("not a JSON object")
+            known = read
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            log.warning("%s cannot be read (%s): written again; the policy's versions archived before keep "
+                        "their place in the store (retention deletes only those of a namespace's lineage)",
+                        path, exc)
+        value = known.get(key)
+        if isinstance(value, str) and value:
+            return value
+        live = {str(other.nsid) for other in list(device.namespaces.values())} | {key}
+        lineage = f"{device.identity.get('serial', '')}-{namespace.nsid}-{secrets.token_hex(8)}"
+        try:
+            media.atomic_write_json(path, {k: v for k, v in known.items() if k in live} | {key: lineage})
+        except OSError as exc:
+            raise media.media_error(exc, f"writing {path}") from exc
+        return lineage
+
+
+def _same_layout(spec: dict[str, Any]) -> str:
+    """A namespace description without what a restore or a clone changes (name, first step)."""
+    return json.dumps({k: v for k, v in spec.items() if k not in ("name", "initial_step")}, sort_keys=True)
+
+
+def _same_state(a: Superblock, b: Superblock) -> bool:
+    """The same committed state: step, hyperparameters and every block's checksum (not the
+    record's sequence, copy or counters, which a restore or a clone starts afresh)."""
+    return (a.committed_step == b.committed_step and a.mode == b.mode
+            and all(getattr(a, f) == getattr(b, f) for f in ("lr", "beta1", "beta2", "eps", "weight_decay",
+                                                               "last_grad_scale"))
+            and np.array_equal(a.block_crcs, b.block_crcs) and np.array_equal(a.extra_groups, b.extra_groups))
+
+
+def stored_version_of(store: Store, version: Location, namespace: Namespace, snapshot: Snapshot) -> bool | None:
+    """Whether the store holds a complete version at `version`, and of what: None, none (no
+    manifest: nothing, or an upload cut short); True, one of the same state as `snapshot` (its
+    step, its namespace's layout, its superblock's hyperparameters and block checksums: e.g. the
+    version a drive was restored from, snapshotted again); False, another state. A manifest or
+    `sb` that cannot be read or fails its checks is SNAPSHOT_EXISTS: a version is there, and
+    nothing says it is this one."""
+    try:
+        manifest = read_manifest(store, version, accept_unchecked=True)
+    except DeviceError as exc:
+        if exc.status == Status.SNAPSHOT_NOT_FOUND:
+            return None
+        if exc.status != Status.UNRECOVERED_READ_ERROR:
+            raise
+        raise DeviceError(Status.SNAPSHOT_EXISTS, f"{version.url} holds a manifest that cannot be read "
+                                                  f"({exc.message}); it is not replaced") from None
+    if int(manifest["step"]) != snapshot.step or int(manifest["state_bytes"]) != namespace.snapshots.copy_bytes \
+            or _same_layout(manifest["spec"]) != _same_layout(namespace.spec.to_json()):
+        return False
+    raw = store.get(version.bucket, version.key(SUPERBLOCK_OBJECT))
+    expected = manifest["objects"][SUPERBLOCK_OBJECT]
+    stored = Superblock.decode(raw, namespace.total_blocks, len(namespace.spec.group_hypers))
+    if len(raw) != expected["bytes"] or kernels.crc32c(raw) != expected["crc32c"] or stored is None:
+        raise DeviceError(Status.SNAPSHOT_EXISTS, f"{version.url}/{SUPERBLOCK_OBJECT} fails its CRC32C (or does "
+                                                  "not decode); the version there is not replaced")
+    return _same_state(stored, snapshot.superblock)
 
 
 # ---------------------------------------------------------------------- upload
@@ -183,10 +273,10 @@ def upload_state(store: Store, fd: int, size: int, bucket: str, key: str, reques
 
 
 def manifest_for(namespace: Namespace, snapshot: Snapshot, request: Request, crcs: list[int],
-                 superblock: bytes, meta: bytes, serial: str) -> dict[str, Any]:
+                 superblock: bytes, meta: bytes, serial: str, lineage: str) -> dict[str, Any]:
     return {
         "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
-        "namespace": namespace.name, "nsid": namespace.nsid, "tag": snapshot.tag,
+        "namespace": namespace.name, "nsid": namespace.nsid, "lineage": lineage, "tag": snapshot.tag,
         "snapshot_id": snapshot.snapshot_id, "step": snapshot.step,
         "created": snapshot.created, "device_serial": serial,
         "archived": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -224,6 +314,7 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
     except OSError as exc:
         raise DeviceError(Status.UNRECOVERED_READ_ERROR,
                           f"snapshot {snapshot.tag!r} cannot be read: {exc}") from None
+    lineage = lineage_of(device, namespace)
     with _RUNNING:
         if version.url in running:
             raise DeviceError(Status.INVALID_FIELD, f"{version.url} is being archived by another job")
@@ -248,7 +339,7 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
                             version.key(STATE_OBJECT), request, job)
         store.put(version.bucket, version.key(SUPERBLOCK_OBJECT), superblock)
         store.put(version.bucket, version.key(META_OBJECT), meta)
-        manifest = manifest_for(namespace, snapshot, request, crcs, superblock, meta, serial)
+        manifest = manifest_for(namespace, snapshot, request, crcs, superblock, meta, serial, lineage)
         store.put(version.bucket, manifest_key, encode_manifest(manifest))
         nonlocal completed
         completed = True
@@ -303,6 +394,8 @@ def decode_manifest(raw: bytes, url: str, *, accept_unchecked: bool = False) -> 
         for key in ("namespace", "tag", "spec", "objects", "archived"):
             manifest[key]  # noqa: B018 (KeyError names a missing field)
         int(manifest["state_bytes"]), int(manifest["chunk_bytes"]), int(manifest["step"])
+        if not isinstance(manifest.get("lineage", ""), str):
+            raise ValueError(f"lineage {manifest['lineage']!r} is not a string")
         [int(crc) for crc in manifest["chunks_crc32c"]]
         for name in (SUPERBLOCK_OBJECT, META_OBJECT):
             int(manifest["objects"][name]["bytes"]), int(manifest["objects"][name]["crc32c"])
@@ -342,7 +435,9 @@ def list_versions(store: Store, root: Location,
         versions.append({"namespace": manifest["namespace"], "tag": manifest["tag"],
                          "step": manifest["step"], "bytes": manifest["state_bytes"],
                          "archived": manifest["archived"], "url": location.url,
-                         "endpoint": store.endpoint, "manifest_checked": manifest["manifest_checked"]})
+                         "endpoint": store.endpoint, "manifest_checked": manifest["manifest_checked"],
+                         # None: archived before manifests named their lineage.
+                         "lineage": manifest.get("lineage")})
     return sorted(versions, key=lambda v: (v["namespace"], v["step"], v["tag"]))
 
 

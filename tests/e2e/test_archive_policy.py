@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -15,14 +16,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from conftest import Mount, start_mount
+from conftest import Mount, start_mount, stop_mount
+from helpers import pwrite_all, tensor_dir
+from s3_server import client as s3_client
 from prometheus_client.parser import text_string_to_metric_families
 from cossd.client import AdminClient
 from cossd.client import archive as archive_calls
 from cossd.emulator import DeviceError, Status
-from cossd.emulator.archive import versions as archive
+from cossd.emulator.archive import restore as archive_restore, versions as archive
 from cossd.fs import daemon
-from test_archive import BUCKET, SMALL, make_namespace, run_verb, s3, state_through, train  # noqa: F401
+from test_archive import BUCKET, SMALL, gradient, make_namespace, run_verb, s3, state_through, train  # noqa: F401
 
 pytestmark = pytest.mark.mount
 
@@ -222,3 +225,109 @@ def test_an_unreadable_policy_file_is_said_not_silently_dropped(s3: str, backing
     finally:
         mounted.unmount()
 
+
+
+def _manifest_bytes(endpoint: str, key: str) -> bytes:
+    return bytes(s3_client(endpoint).get_object(Bucket=BUCKET, Key=key)["Body"].read())
+
+
+def test_a_drive_restored_from_the_store_never_replaces_the_version_it_came_from(
+        s3: str, mount: Mount, tmp_path: Path) -> None:
+    """Disaster recovery as tiers.md tells it: the newest version restored onto a new drive, the
+    same policy set again. Its first look snapshots the committed step as auto-2, the very
+    version it came from: counted as archived (the same state), never uploaded again, so its
+    manifest is never deleted (a kill -9 then would have left no complete version)."""
+    url = f"{URL}/restored"
+    policy = {"url": url, "every": 2, "keep_local": 1, "keep_remote": 1, "chunk_bytes": 5 << 20}
+    make_namespace(mount.mountpoint, "v", SMALL, steps=0)
+    with AdminClient(mount.mountpoint) as client:
+        archive_calls.set_archive_policy(client, client.nsid("v"), policy)
+    for step in (1, 2):
+        train(mount.mountpoint, "v", SMALL, step)
+    wait_for(mount.mountpoint, "v", lambda s: s["last_archived_step"] == 2 and s["uploading"] is None)
+    mount.unmount()  # drive A is lost
+    key = "auto/restored/v/auto-2/manifest.json"
+    before = _manifest_bytes(s3, key)
+    archive_restore.restore(f"{url}/v/auto-2", tmp_path / "B", capacity_bytes=8 << 30)
+    b = start_mount(tmp_path / "B", tmp_path / "mB")
+    missing: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        client = s3_client(s3)
+        while not stop.is_set():
+            try:
+                client.head_object(Bucket=BUCKET, Key=key)
+            except Exception:
+                missing.append(time.monotonic())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with AdminClient(b.mountpoint) as client:
+            archive_calls.set_archive_policy(client, client.nsid("v"), policy)
+        state = wait_for(b.mountpoint, "v", lambda s: s["last_archived_step"] == 2 and s["uploading"] is None
+                         and not s["pending"])
+        assert (state["snapshots_taken"], state["versions_archived"], state["upload_failures"],
+                state["deleted_remote"]) == (1, 1, 0, 0), state
+        stop.set()
+        watcher.join()
+        assert missing == [] and _manifest_bytes(s3, key) == before  # never deleted, never rewritten
+        # Training goes on: the next version is archived; the one B came from is A's, and stays.
+        for step in (3, 4):
+            train(b.mountpoint, "v", SMALL, step)
+        state = wait_for(b.mountpoint, "v", lambda s: s["last_archived_step"] == 4 and s["uploading"] is None)
+        assert state["deleted_remote"] == 0 and state["upload_failures"] == 0
+        assert versions(url, "v") == [("auto-2", 2), ("auto-4", 4)]
+        b.kill()
+    finally:
+        stop.set()
+        watcher.join()
+        stop_mount(b)
+    assert _manifest_bytes(s3, key) == before
+    assert archive_restore.restore(f"{url}/v/auto-2", tmp_path / "C", capacity_bytes=8 << 30)["step"] == 2
+
+
+def _train_other(mp: Path, name: str, step: int) -> None:
+    """Another run's gradients: the states differ from train()'s at every step."""
+    for tensor, numel in SMALL:
+        pwrite_all(tensor_dir(mp, name, tensor) / "grad", gradient(step + 1000, numel))
+
+
+def test_retention_deletes_only_the_namespaces_own_versions(s3: str, mount: Mount) -> None:
+    """A namespace deleted and created again under the same name (its policy, kept by name,
+    applies): the new one's versions are a lineage of their own. Retention keeps the one just
+    archived and deletes only the new lineage's older ones, never the previous run's; a tag the
+    previous run archived is never replaced (that step is not archived, and said so)."""
+    mp = mount.mountpoint
+    url = f"{URL}/lineage"
+    make_namespace(mp, "w", SMALL, steps=0)
+    with AdminClient(mp) as client:
+        archive_calls.set_archive_policy(client, client.nsid("w"), {
+            "url": url, "every": 1, "keep_local": 1, "keep_remote": 1, "chunk_bytes": 5 << 20})
+    for step in (1, 2, 3):
+        train(mp, "w", SMALL, step)
+    wait_for(mp, "w", lambda s: s["last_archived_step"] == 3 and s["uploading"] is None and not s["pending"])
+    assert versions(url, "w") == [("auto-3", 3)]
+    run1 = _manifest_bytes(s3, "auto/lineage/w/auto-3/manifest.json")
+    with AdminClient(mp) as client:
+        client.delete_namespace(client.nsid("w"))
+    make_namespace(mp, "w", SMALL, steps=0)  # the same daemon: its policy state starts afresh too
+    _train_other(mp, "w", 1)
+    state = wait_for(mp, "w", lambda s: s["versions_archived"] == 1 and s["uploading"] is None and not s["pending"])
+    assert state["deleted_remote"] == 0 and state["last_archived_step"] == 1
+    assert versions(url, "w") == [("auto-1", 1), ("auto-3", 3)]  # run 2's only version kept
+    _train_other(mp, "w", 2)
+    state = wait_for(mp, "w", lambda s: s["last_archived_step"] == 2 and s["uploading"] is None)
+    assert state["deleted_remote"] == 1  # run 2's auto-1, beyond keep_remote of its own lineage
+    assert versions(url, "w") == [("auto-2", 2), ("auto-3", 3)]
+    _train_other(mp, "w", 3)  # auto-3 is run 1's, complete, of another state: not replaced
+    state = wait_for(mp, "w", lambda s: s["upload_failures"] == 1 and not s["pending"] and s["uploading"] is None)
+    assert "another state" in state["last_error"] and state["last_archived_step"] == 2
+    assert _manifest_bytes(s3, "auto/lineage/w/auto-3/manifest.json") == run1
+    _train_other(mp, "w", 4)
+    state = wait_for(mp, "w", lambda s: s["last_archived_step"] == 4 and s["uploading"] is None)
+    assert state["deleted_remote"] == 2
+    assert versions(url, "w") == [("auto-3", 3), ("auto-4", 4)]
+    assert _manifest_bytes(s3, "auto/lineage/w/auto-3/manifest.json") == run1

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -607,6 +608,74 @@ def test_kill_9_mid_upload_leaves_no_complete_looking_version(far_store: tuple[A
         info, state = restored(again, 1)
         assert_identical(state, expected[1])
         again.close()
+
+
+
+def test_restore_finds_a_version_whose_upload_ends_while_it_reads(store: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recovery flow: a new checkpointer adopts the versions a crashed one left in the
+    spill dir and uploads them. If the newest one's upload ends (its spill files removed, the
+    version forgotten) while restore is about to read it from the spill dir, restore reads it
+    from the store: never an older version in silence, never "none". The race is made certain
+    by holding the uploads until restore has listed, and holding restore's spill read until
+    the upload has ended (a preemption, a slow disk)."""
+    from cossd.trainer.checkpoint import spill as tier_spill, store as tier_store
+
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    spill = tmp_path / "spill"
+    # A store too slow to take anything (1 byte/s): every version ends in the spill dir.
+    ck1 = checkpointer(url, memory_bytes=VERSION * 3 // 2, spill_dir=spill, spill_bytes=4 * VERSION,
+                       upload_bytes_per_s=1.0, max_stall_s=5.0)
+    model, optimizer = make_model()
+    expected = {}
+    for step in (1, 2):
+        train_step(model, optimizer, step)
+        ck1.save(model, optimizer, step)
+        expected[step] = snapshot(model, optimizer)
+        wait_for(lambda step=step: step in ck1.stats()["versions_in_spill"], f"version {step} spilled")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck1.close(drain=False)  # the crash: versions 1 and 2 left in the spill dir
+
+    listed = threading.Event()
+    begin = tier_store.ObjectStore.begin
+
+    def held_begin(self: Any, step: int) -> str:
+        assert listed.wait(WAIT_S), "restore never listed"
+        return begin(self, step)
+
+    read_sidecar = tier_spill.SpillDir.read_sidecar
+    holder: dict[str, Any] = {"armed": False, "gone": False}
+
+    def slow_read_sidecar(self: Any, step: int) -> dict[str, Any]:
+        record = read_sidecar(self, step)
+        if step == 2 and holder["armed"]:
+            holder["armed"] = False
+            listed.set()  # the uploads go on now, and end before this read does
+            ck = holder["ck"]
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline and 2 in ck._state.versions:
+                time.sleep(0.01)
+            holder["gone"] = 2 not in ck._state.versions
+        return record
+
+    monkeypatch.setattr(tier_store.ObjectStore, "begin", held_begin)
+    monkeypatch.setattr(tier_spill.SpillDir, "read_sidecar", slow_read_sidecar)
+    ck2 = checkpointer(url, memory_bytes=VERSION * 3 // 2, spill_dir=spill, spill_bytes=4 * VERSION)
+    holder["ck"] = ck2
+    try:
+        assert [(row["step"], row["tiers"]) for row in ck2.versions()] == [(1, ["spill"]), (2, ["spill"])]
+        holder["armed"] = True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            info, state = restored(ck2)
+        assert holder["gone"], "version 2 was not archived during the held read"
+        assert (info["step"], info["tier"], info["skipped"]) == (2, "store", []), (info, caught)
+        assert not [w for w in caught if "restore skips" in str(w.message)]
+        assert_identical(state, expected[2])
+    finally:
+        listed.set()
+        ck2.close()
 
 
 def child_main(url: str, spill: str, out: str) -> None:

@@ -34,6 +34,7 @@ def restore(state: TierState, store: ObjectStore, listed: list[dict[str, Any]], 
         steps = sorted((row["step"] for row in listed), reverse=True)
     failures: list[str] = []
     for step in steps:
+        failed_before = len(failures)
         # Each tier is looked at when its turn comes: a version may move down meanwhile.
         for tier in (MEMORY, SPILL, STORE):
             try:
@@ -48,6 +49,11 @@ def restore(state: TierState, store: ObjectStore, listed: list[dict[str, Any]], 
             model.load_state_dict(loaded["model"])
             optimizer.load_state_dict(loaded["optimizer"])
             return {"step": step, "tier": tier, "skipped": failures}
+        if len(failures) == failed_before:
+            # Listed complete, and in no tier now (not even the store, asked again): dropped
+            # meanwhile. Never passed over in silence for an older version.
+            failures.append(f"version {step}: complete when listed, and in no tier now (dropped meanwhile)")
+            warnings.warn(f"TieredCheckpointer: restore skips {failures[-1]}", RuntimeWarning, stacklevel=3)
     raise RestoreError("no complete version could be restored" +
                        (": " + "; ".join(failures) if failures else ": there is none"))
 
@@ -71,10 +77,15 @@ def _read(state: TierState, store: ObjectStore, step: int, tier: str, in_store: 
         try:
             data = state.spill.read_version(step, record, bytearray(record["payload_bytes"]))
         except FileNotFoundError:
-            return None  # uploaded and removed meanwhile: the store has it
+            return None  # uploaded and removed meanwhile: the store tier, next, asks the store again
     elif tier == STORE:
         if step not in in_store and not archived:
-            return None
+            # Not in the store when the versions were listed, and no local tier had it just
+            # now: its upload may have ended meanwhile (which removes the local copies and
+            # forgets the version), so the store is listed again rather than passed over.
+            if step not in store.complete_steps():
+                return None
+            in_store.add(step)
         _, data = store.read_version(step)
     if tier != MEMORY:
         # Copied out too: an optimizer keeps the tensors it is loaded with (same dtype and
