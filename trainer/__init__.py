@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Adam", "AdamW", "DeviceLostError", "StepAbortedError", "TieredCheckpointer"]
+__all__ = ["Adam", "AdamW", "DeviceLostError", "InconsistentStateError", "StepAbortedError", "TieredCheckpointer"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from .namespace.files import DeviceLostError
 
         return DeviceLostError
+    if name == "InconsistentStateError":
+        from .session import InconsistentStateError
+
+        return InconsistentStateError
     if name == "StepAbortedError":
         from .sharded import StepAbortedError
 

@@ -102,6 +102,8 @@ class DeviceGroup:
     _fanout: DeviceFanout  # runs each phase of a step on every device at once
     # Notes each param's version after the params are read back (optim.py), declared here only.
     _note_params: Callable[[], None]
+    _params_behind: bool  # the model's params may not be the committed step's (optim._ensure_consistent)
+    _step_begun: bool  # a BEGIN went to some device in this step() (optim.step)
 
     # ------------------------------------------------------------------ opening
 
@@ -417,6 +419,7 @@ class DeviceGroup:
         # step()). So the protocol's order across devices is the one sequential calls gave,
         # and the step takes about the slowest device's time, not the sum of theirs.
         fanout = self._fanout
+        self._step_begun = True  # from here a failed step() is checked (optim._ensure_consistent)
         began = fanout.run(lambda at: children[at]._begin_shared(pieces[at], coefficient / loss_scale),
                            range(len(children)))
         self._raise_first(began, f"step {step} was not committed: sending it failed")
@@ -495,15 +498,19 @@ class DeviceGroup:
         ranks): collectives must run in one order on every rank, so those go one by one."""
         children, ranks = self._group, self._group_ranks
         assert children is not None and ranks is not None
+        self._params_behind = True  # until every device's are in (a failure leaves it: re-read later)
         self._refresh_pieces()
         if ranks.world > 1 and any(getattr(child, "_param_gather", "device") == "allgather" for child in children):
             for child in children:
                 child._read_params()
+            self._params_behind = False
             self._note_params()
             return
         self._raise_first(self._fanout.run(lambda child: child._read_params(), children),
-                          "reading the committed params back failed (the devices hold them: a restart reads "
-                          "them)")
+                          f"reading the params of committed step {self.committed_step} back failed: the model's "
+                          "params may be partly the step before's (the devices hold the committed ones: the next "
+                          "step(), state_dict() or master_weights() reads them again, or a restart does)")
+        self._params_behind = False
         self._note_params()
 
     def _abort_group(self, why: str) -> None:

@@ -24,7 +24,7 @@ from .plan import (GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, 
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
 from .grad_buckets import GradBuckets
-from .session import DeviceSession, StreamedGrad
+from .session import DeviceSession, InconsistentStateError, StreamedGrad
 from .sharded import ShardedSession
 from .state_dict import StateDict
 
@@ -178,6 +178,12 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self.last_timing: dict[str, float] = {}
         self._sent_hypers: list[dict[str, float]] = []
         self._step_open = False
+        # After a failed step(): what may have left the devices, the step label or the model's
+        # params disagreeing (None: nothing), and whether the model's params may not be the
+        # committed step's (a read-back due or failed). See _ensure_consistent.
+        self._inconsistent: str | None = None
+        self._params_behind = False
+        self._step_begun = False
         self._streamed: set[int] = set()
         self._streamed_grads: dict[int, tuple[torch.Tensor, int]] = {}
         self._stream_scale = 1.0
@@ -295,7 +301,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         """The committed params into the model (sharded.py, session.py), then each param's
         version noted: a later change to a param that is not this optimizer's own write (a
         model.load_state_dict) shows at step() (_follow_changed_params)."""
+        self._params_behind = True  # until every param is read (a failure leaves it: re-read later)
         super()._read_params()
+        self._params_behind = False
         self._note_params()
 
     # ------------------------------------------------------------------ params changed outside
@@ -330,8 +338,16 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
             # are sent again at once by this step() (session.py, _send_grads).
             self._abort("params changed outside the optimizer")
         loaded = [_local_of(entry.param).detach().clone() for entry in changed]
+        behind = self._params_behind
         # The device's values, read as every read-back does; compared, then the loaded ones put back.
-        self._read_group_params() if self._group is not None else self._read_params()
+        try:
+            self._read_group_params() if self._group is not None else self._read_params()
+        except BaseException:
+            # The loaded values back (a re-read later must not write over them); nothing was sent.
+            for entry, values in zip(changed, loaded):
+                _local_of(entry.param).detach().copy_(values)
+            self._params_behind = behind
+            raise
         differing = [entry.name for entry, values in zip(changed, loaded)
                      if not torch.equal(_local_of(entry.param).detach(), values)]
         for entry, values in zip(changed, loaded):
@@ -472,6 +488,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if self._bound:
             self._step_bound()
             return loss
+        # An earlier step() that failed past its begin: go on only where every device is at the
+        # optimizer's step (the model's params read again where they may not be), else refuse.
+        self._ensure_consistent("step()")
         if not self._check_grads():
             return loss
         loss_scale = grad_rules.loss_scale(self)
@@ -479,6 +498,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         clock = time.perf_counter
         timing = {"begin_s": 0.0}
         started = clock()
+        # Set where a BEGIN goes to any device (a streamed step began during backward already):
+        # from there on a failure may have moved some device, so it is checked (_ensure_consistent).
+        self._step_begun = self._step_open
         try:
             if self._ranks is None or self._ranks.world == 1:
                 self._follow_changed_params()
@@ -494,6 +516,9 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
                 timing["commit_s"] = clock() - committing
         except BaseException as exc:
             self._abort(f"{type(exc).__name__}: {exc}"[:300])
+            if self._step_begun:
+                self._mark_inconsistent(f"step {self.committed_step + 1} failed after it was begun on the device(s) "
+                                        f"({type(exc).__name__}: {str(exc)[:200]})")
             raise
         self.last_step_skipped = bool(result["skipped"])
         if self.last_step_skipped:
@@ -504,12 +529,99 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
                     "that the GradScaler did not see (an overflow converting to "
                     f"{self.dtype}); use dtype=torch.bfloat16", RuntimeWarning, stacklevel=2)
         else:
+            # The step is committed (and durable) on every device: its number is recorded before the
+            # params are read back, so a failed read leaves no state labelled with the step before.
+            self.committed_step = int(result["committed_step"])
+            self._fresh_step = self.committed_step  # the step whose params the device just put out (FP8)
             reading = clock()
-            self._read_group_params() if self._group is not None else self._read_params()
+            try:
+                self._read_group_params() if self._group is not None else self._read_params()
+            except BaseException as exc:
+                self._mark_inconsistent(f"step {self.committed_step} was committed on every device and reading its "
+                                        f"params back into the model failed ({type(exc).__name__}: {str(exc)[:200]})")
+                exc.add_note(f"cossd: step {self.committed_step} is committed (optimizer.committed_step is "
+                             f"{self.committed_step}); the model's params may be partly the step before's. The next "
+                             "step(), state_dict() or master_weights() reads them again (or refuses, saying why); a "
+                             "restart reads them too")
+                raise
+            finally:
+                self.__dict__.pop("_fresh_step", None)
             timing["params_s"] = clock() - reading
         self.committed_step = int(result["committed_step"])
         self.last_timing = timing
         return loss
+
+    # ------------------------------------------------------------------ after a failed step
+
+    def _mark_inconsistent(self, what: str) -> None:
+        """A step() failed where the devices, the optimizer's step and the model's params may no
+        longer be one step's state: until _ensure_consistent finds them so again, what would
+        record or use them refuses."""
+        self.__dict__["_inconsistent"] = what
+
+    def _device_steps(self) -> list[int]:
+        """Each device's committed step, as the device says now (one small command each)."""
+        members = self._group if self._group is not None else [self]
+        return [int(member.files.statistics()["committed_step"]) for member in members]
+
+    def _reads_alone(self) -> bool:
+        """Whether this rank can read the params back by itself (no collective of the ranks)."""
+        ranks = self.__dict__.get("_group_ranks") if self._group is not None else self._ranks
+        if ranks is None or ranks.world == 1:
+            return True
+        members = self._group if self._group is not None else [self]
+        return all(getattr(member, "_param_gather", "device") != "allgather" for member in members)
+
+    def _inconsistency(self, doing: str, check_devices: bool = False) -> str | None:
+        """None where the devices, the optimizer's step and the model's params are one step's
+        state (after re-reading the params where every device is at the optimizer's step and
+        only they may be behind: a read-back that failed); else the refusal's text. With
+        `check_devices` a group's devices are asked even where no step() failed."""
+        what = self.__dict__.get("_inconsistent")
+        behind = bool(self.__dict__.get("_params_behind"))
+        if what is None and not behind and not (check_devices and self.__dict__.get("_group") is not None):
+            return None
+        name = self.files.name
+        found = ""
+        try:
+            steps = self._device_steps()
+        except Exception as exc:
+            steps = None
+            found = f"asking the devices for their committed step failed ({type(exc).__name__}: {str(exc)[:200]})"
+        if steps is not None and all(step == self.committed_step for step in steps):
+            if not behind:
+                self._inconsistent = None
+                return None
+            if self._reads_alone():
+                try:
+                    self._read_group_params() if self._group is not None else self._read_params()
+                except Exception as exc:
+                    found = (f"reading the params of step {self.committed_step} back failed again ({type(exc).__name__}: "
+                             f"{str(exc)[:200]})")
+                else:
+                    self._inconsistent = None
+                    return None
+            else:
+                found = "reading the params back is a collective of the ranks (param_gather='allgather')"
+        elif steps is not None:
+            mounts = self.files.mounts if self._group is not None else [self.files.mountpoint]
+            found = ("the devices' committed steps are " + ", ".join(f"{step} ({mount})" for step, mount in zip(steps, mounts))
+                     + f", the optimizer's {self.committed_step}")
+        if what is None:
+            what = "the model's params were not read back" if behind else "the devices moved outside this optimizer"
+            self._mark_inconsistent(what)
+        return (f"cossd: namespace {name!r}: {doing} refused: {what}; {found}. The devices, the optimizer's step and the "
+                "model's params are not one step's state, and what would be saved, loaded or trained from them now "
+                "would mix steps. Make a new optimizer on the same mount(s) (restart the job): opening the namespace "
+                "brings every device to one committed step (a device one step ahead is reverted) and reads its params; "
+                "then load a checkpoint if you want an earlier state (optimizer.load_state_dict of a full torch-format "
+                "state dict also replaces every device's state here)")
+
+    def _ensure_consistent(self, doing: str, check_devices: bool = False) -> None:
+        """_inconsistency's refusal raised (InconsistentStateError), where there is one."""
+        text = self._inconsistency(doing, check_devices)
+        if text is not None:
+            raise InconsistentStateError(text)
 
     def _check_options_at_step(self) -> None:
         """The groups' options as step() finds them (a group's amsgrad, maximize or weight

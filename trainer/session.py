@@ -18,6 +18,14 @@ from .plan import FP8_GRAD_DTYPES, Entry, group_hyper
 StreamedGrad = tuple[torch.Tensor, "torch.cuda.Event | None", "dict[str, Any] | None"]
 
 
+class InconsistentStateError(RuntimeError):
+    """A step() failed where the devices, the optimizer's step and the model's params may no
+    longer be one step's state (a group commit that some devices made and others did not, a
+    read-back of the committed params that failed): step(), state_dict(), master_weights() and
+    DCP's saves refuse with this until they are one step's again. A new optimizer on the same
+    mount(s) (a restart) brings every device to one committed step."""
+
+
 class DeviceSession:
     """One namespace's step transaction, as a part of the optimizer (a mixin: GradScaler,
     DeepSpeed and the tests set and read these attributes on the optimizer itself)."""
@@ -37,6 +45,7 @@ class DeviceSession:
     before_grad_write: Callable[[int], None] | None
     _sent_hypers: list[dict[str, float]]
     _step_open: bool
+    _step_begun: bool  # a BEGIN went to the device in this step() (optim.step)
     _streamed: set[int]
     # Streaming: each streamed gradient's tensor and its version counter when it was sent; a
     # change since (clip_grad_norm_ after backward, say) is refused at step().
@@ -208,8 +217,10 @@ class DeviceSession:
         wire = getattr(self, "param_wire_dtype", None)  # unset on a wrapper's optimizer made without __init__
         if wire is not None:
             # FP8 codes with their step and scale, decoded; from the CMB where the step that
-            # just ended put them there (its number is then committed_step + 1).
-            param_fp8.read_params(self.files, self.entries, wire, self.committed_step + 1)
+            # just ended put them there (step() names it in _fresh_step, recorded as committed
+            # before the read-back; elsewhere committed_step + 1, which no place names).
+            param_fp8.read_params(self.files, self.entries, wire,
+                                  self.__dict__.get("_fresh_step", self.committed_step + 1))
             return
         reads, staged = [], []
         # Through the memory buffer the params go straight to their device (a GPU's
@@ -252,6 +263,7 @@ class DeviceSession:
 
     def _begin(self, grad_scale: float, grad_scales: dict[str, Any] | None = None) -> None:
         self._sync_hyperparameters()
+        self._step_begun = True  # from here a failed step() is checked (optim._ensure_consistent)
         self.files.step_began()
         self.files.command(
             self.files.admin.begin_step, self.files.nsid, self.committed_step + 1, grad_scale, grad_scales

@@ -43,6 +43,7 @@ class ShardedSession:
     _ranks: Ranks | None
     _sent_hypers: list[dict[str, float]]
     _step_open: bool
+    _step_begun: bool  # a BEGIN went to the device in this step() (optim.step)
     last_step_skipped: bool
     load_hook: Callable[[str], None] | None
     # The optimizer's methods these call (optim.py), declared here only: a class-level
@@ -427,6 +428,7 @@ class ShardedSession:
         step = self.committed_step + 1
         groups = [group_hyper(group) for group in self.param_groups]
         began = time.perf_counter()
+        self._step_begun = True  # from here a failed step() is checked (optim._ensure_consistent)
         self.files.step_began()
         # The hyperparameters ride in the begin itself: the rank that opens the step sets
         # them for it, and each joining rank's must equal them, so a schedule reaches every

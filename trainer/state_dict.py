@@ -12,6 +12,7 @@ import torch
 from .dcp import reference as dcp
 from .namespace import swap as namespace_swap
 from .namespace.files import NamespaceFiles
+from .session import InconsistentStateError
 from .plan import Entry, group_hyper
 
 
@@ -44,6 +45,9 @@ class StateDict:
     _group_read_state: Callable[[Entry, str], torch.Tensor]
     _group_identity: Callable[[], dict[str, Any]]
     _load_group_state: Callable[[int, list[tuple[str, str, torch.Tensor]]], None]
+    # After a failed step() (optim.py): None, or why the state may mix steps (raised, or the text).
+    _ensure_consistent: Callable[..., None]
+    _inconsistency: Callable[..., str | None]
 
     # Which form state_dict() gives DCP's get_state_dict family: "reference" (a device
     # snapshot's name, dcp.py) or "full" (the moments and masters, as any other caller gets).
@@ -62,6 +66,11 @@ class StateDict:
 
     def master_weights(self) -> list[torch.Tensor]:
         """The FP32 master weights, read from the device, shaped like the params."""
+        # Refused where a failed step() may have left the devices at different steps.
+        self._ensure_consistent("master_weights()", check_devices=True)
+        return self._read_master_weights()
+
+    def _read_master_weights(self) -> list[torch.Tensor]:
         if getattr(self, "_group", None) is not None:
             return self._group_master_weights()
         return [
@@ -122,6 +131,10 @@ class StateDict:
         """
         if self.dcp_form not in ("reference", "full"):
             raise ValueError(f"dcp_form must be 'reference' or 'full', got {self.dcp_form!r}")
+        # A failed step() may have left the devices at different steps, or the label behind
+        # them: what this would record is refused then (no state mixing steps under one label).
+        self._ensure_consistent("state_dict()" if not dcp.called_by_dcp() else "a DCP save or load template "
+                                "(get_state_dict)", check_devices=True)
         if self.dcp_form == "reference" and dcp.called_by_dcp():
             return dcp.reference_state_dict(self)
         identity = self._identity()
@@ -138,7 +151,7 @@ class StateDict:
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = [e.index for e in self.entries if e.group == group_index]
             groups.append(packed)
-        masters = {index: values for index, values in enumerate(self.master_weights())}
+        masters = {index: values for index, values in enumerate(self._read_master_weights())}
         handed = [t for entry in state.values() for t in entry.values()] + list(masters.values())
         self._handed_out = {id(t): (weakref.ref(t), t._version, _digest(t)) for t in handed}
         return {"state": state, "param_groups": groups, "cossd_master": masters,
@@ -159,7 +172,12 @@ class StateDict:
         # or the masters would be checked against the model's, not its partitions.
         if not self._bound and self._params_moved():
             self._rebind()
+        # After a failed step() that left the devices apart (or the label behind them): only a
+        # full state replaces every device's (below); a DCP reference and the no-op are refused.
+        inconsistent = self._inconsistency("load_state_dict()")
         if dcp.is_reference(state_dict):
+            if inconsistent is not None:
+                raise InconsistentStateError(inconsistent + " (a DCP reference is loaded by a new optimizer)")
             dcp.load_reference(self, state_dict)
             return
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
@@ -175,7 +193,7 @@ class StateDict:
         order = [index for saved in saved_groups for index in saved["params"]]
         saved_state = state_dict["state"]
         step = _checked_step(order, saved_state, state_dict.get("cossd_master"))
-        noop = (master is None and state_dict.get("cossd_namespace") is not None
+        noop = (inconsistent is None and master is None and state_dict.get("cossd_namespace") is not None
                 and state_dict["cossd_namespace"] == self._identity()
                 and self._unchanged_since_handed_out(state_dict))
         if master is None and "cossd_master" in state_dict:
@@ -217,6 +235,7 @@ class StateDict:
                 for group, options in zip(self.param_groups, before):  # the old run goes on as it was
                     group.update(options)
                 raise
+            self.__dict__["_inconsistent"] = None  # every device holds the loaded state, the model its params
             return
         if getattr(self, "_ranks", None) is not None:
             try:  # rank 0 replaces the one namespace atomically, every rank reads its params (sharded.py)
@@ -225,6 +244,7 @@ class StateDict:
                 for group, options in zip(self.param_groups, before):  # the old run goes on as it was
                     group.update(options)
                 raise
+            self.__dict__["_inconsistent"] = None  # the device holds the loaded state, the model its params
             return
         self._abort()
         hook = self.load_hook or (lambda stage: None)
@@ -241,6 +261,7 @@ class StateDict:
         self.last_step_skipped = False
         # The device rounds the masters to the wire dtype; the model continues from that.
         self._read_params()
+        self.__dict__["_inconsistent"] = None  # the device holds the loaded state, the model its params
 
 
 def moment_file_dtype(state_dtype: str) -> torch.dtype:

@@ -53,6 +53,16 @@ def take(members: list[Any], step: int, prefix: str, keep: int | None) -> dict[s
     """Rank 0's part of a save: a snapshot of the committed step `step` under one tag on
     every device (members: each device's files), then each device's oldest snapshots of
     `prefix` beyond `keep` dropped (pruned(): a load's template does not count). Returns the reference (a few hundred bytes at most)."""
+    # One tag must name one step's state on every device: a group step that some devices
+    # committed and others did not (a save right after it failed) would make a snapshot mixing steps.
+    steps = [int(files.statistics()["committed_step"]) for files in members]
+    if any(found != step for found in steps):
+        raise RuntimeError(
+            f"namespace {members[0].name!r}: the devices are at committed steps "
+            f"{', '.join(f'{found} ({files.mountpoint})' for found, files in zip(steps, members))}, not all at step "
+            f"{step}: a snapshot of them would mix steps under one label, so none was taken. A group step failed "
+            "between the devices' commits; make a new optimizer on the same mounts (restart the job): it brings "
+            "every device to one committed step")
     tag = f"{prefix}{step}-{secrets.token_hex(4)}"
     for files in members:
         files.command(snapshot_calls.create_snapshot, files.admin, files.nsid, tag)
@@ -74,6 +84,7 @@ def check(members: list[Any], reference: dict[str, Any], checkpoint: str) -> Non
             f"{checkpoint}: its optimizer state is namespace {reference.get('namespace')!r} on the devices with "
             f"serials {reference.get('devices')}, not this optimizer's ({members[0].name!r} on {serials}); name "
             "the same devices in the same order")
+    steps = []
     for files, serial in zip(members, serials):
         snapshot = _listed(files).get(reference["snapshot"])
         if snapshot is None or snapshot.get("state") != "ready":
@@ -83,6 +94,16 @@ def check(members: list[Any], reference: dict[str, Any], checkpoint: str) -> Non
                 f"{files.name!r} (step {reference['step']}), {why} on the device {serial} ({files.mountpoint}): "
                 "this checkpoint cannot be resumed with its masters and moments. Resume from a later checkpoint, "
                 "or from the devices' committed step without loading the optimizer's state")
+        steps.append(snapshot.get("step"))
+    if any(found is not None and found != reference.get("step") for found in steps):  # None: not listed
+        # Taken while the devices were at different steps (a save after a group step that some
+        # devices committed and others did not): rolling back to it would leave them apart.
+        raise RuntimeError(
+            f"{checkpoint}: its optimizer state, snapshot {reference['snapshot']!r} of namespace "
+            f"{members[0].name!r}, holds step {', '.join(f'{found} on {serial}' for found, serial in zip(steps, serials))}"
+            f" where the checkpoint says step {reference.get('step')}: it mixes steps across the devices and cannot "
+            "be resumed. Nothing was changed; resume from another checkpoint, or from the devices' committed step "
+            "without loading the optimizer's state")
 
 
 def _roll_back_one(files: Any, tag: str) -> None:

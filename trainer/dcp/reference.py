@@ -321,9 +321,17 @@ def _load_group_reference(optimizer: _DeviceAdam, members: list[Any] | None, ref
         child.committed_step, child.steps_skipped = int(stats["committed_step"]), int(stats["steps_skipped"])
         config = child.files.config()
         child._sent_hypers = [{field: float(group[field]) for field in HYPER_FIELDS} for group in config["groups"]]
+    steps = [child.committed_step for child in children]
+    if len(set(steps)) > 1:  # check() refuses such snapshots; a device changed meanwhile, say
+        optimizer._mark_inconsistent(f"a DCP load left the devices at different steps ({steps})")
+        raise RuntimeError(
+            f"the DCP checkpoint's optimizer state left namespace {optimizer.files.name!r} at steps {steps} on its "
+            "devices, not one step: nothing here trains on, saves or loads from this (the optimizer refuses); "
+            "restart the job, which brings every device to one step or says why it cannot")
     optimizer.committed_step = children[0].committed_step
     optimizer.steps_skipped = sum(child.steps_skipped for child in children)
     optimizer.last_step_skipped = False
     optimizer.restored = True
     optimizer._handed_out = {}
     optimizer._read_group_params()
+    optimizer._inconsistent = None  # every device at the snapshot's step, the model its params

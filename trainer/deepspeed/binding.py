@@ -344,6 +344,9 @@ class ZeroBinding:
                     f"{opt.grad_wire}: then use grad_dtype='fp32')", RuntimeWarning, stacklevel=4)
         else:
             self._rolled_back = False
+            # Committed on the device: recorded before the masters are read back, so a failed read
+            # leaves no state labelled with the step before (its snapshot would be this step's).
+            opt.committed_step = int(result["committed_step"])
             reading = clock()
             self._read_masters()
             self._masters_to_params()
