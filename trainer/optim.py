@@ -24,19 +24,21 @@ from .plan import (GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, 
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
 from .grad_buckets import GradBuckets
-from .session import DeviceSession, InconsistentStateError, StreamedGrad
+from .session import DeviceSession, StreamedGrad
 from .sharded import ShardedSession
 from .state_dict import StateDict
+from .step_guards import StepGuards
 
 
-class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.Optimizer):
+class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession, torch.optim.Optimizer):
     """The Adam family with its state on a cossd namespace; see AdamW and Adam.
 
     Its jobs live in modules of their own, as mixins of this one object (torch, GradScaler,
     DeepSpeed and accelerate all set and read the optimizer's own attributes): the plan of
     entries (plan.py), the gradients' rules (grads.py), the device session (session.py),
     the sharded step of a multi-rank job (sharded.py), a namespace spread over several
-    devices (group.py), state_dict (state_dict.py) and following a wrapper's params (rebind.py). This class holds the construction, the
+    devices (group.py), state_dict (state_dict.py), following a wrapper's params (rebind.py) and
+    the guards against a state the device does not hold (step_guards.py). This class holds the construction, the
     attach-or-create of the namespace and step().
     """
 
@@ -306,71 +308,6 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self._params_behind = False
         self._note_params()
 
-    # ------------------------------------------------------------------ params changed outside
-
-    def _note_params(self) -> None:
-        """Each param's version counter as cossd's last write left it (for FSDP2's DTensors
-        the wrapper's, which a load through it moves, and the local shard's, which a write
-        into the shard moves)."""
-        self._param_versions = [_version_of(entry.param) for entry in self.entries]
-
-    def _changed_params(self) -> list[Entry]:
-        """The entries whose param was written since cossd last wrote it (its version moved)."""
-        noted = self.__dict__.get("_param_versions")
-        if noted is None or len(noted) != len(self.entries):
-            return []
-        return [entry for entry, version in zip(self.entries, noted) if _version_of(entry.param) != version]
-
-    def _follow_changed_params(self) -> None:
-        """Params written outside the optimizer since the device last wrote them (weights
-        loaded into the model after the optimizer was made): the device holds their masters
-        and would write its own values over them at this step. Where the values differ from
-        the device's: before any step has committed (zero moments) they become the masters
-        (the namespace replaced as load_state_dict does, with no moments), as torch's AdamW
-        would train from them; after that, refused. Written values equal to the device's
-        (a DDP broadcast, a load of the same weights) change nothing. One process (FSDP2 on a
-        mesh of one and several devices included): a job of several ranks is not checked."""
-        changed = self._changed_params()
-        if not changed:
-            return
-        if self._step_open:
-            # A streamed step began from the device's masters: dropped, and its gradients
-            # are sent again at once by this step() (session.py, _send_grads).
-            self._abort("params changed outside the optimizer")
-        loaded = [_local_of(entry.param).detach().clone() for entry in changed]
-        behind = self._params_behind
-        # The device's values, read as every read-back does; compared, then the loaded ones put back.
-        try:
-            self._read_group_params() if self._group is not None else self._read_params()
-        except BaseException:
-            # The loaded values back (a re-read later must not write over them); nothing was sent.
-            for entry, values in zip(changed, loaded):
-                _local_of(entry.param).detach().copy_(values)
-            self._params_behind = behind
-            raise
-        differing = [entry.name for entry, values in zip(changed, loaded)
-                     if not torch.equal(_local_of(entry.param).detach(), values)]
-        for entry, values in zip(changed, loaded):
-            _local_of(entry.param).detach().copy_(values)
-        if not differing:
-            self._note_params()
-            return
-        names = ", ".join(differing[:4]) + (", ..." if len(differing) > 4 else "")
-        if self.committed_step > 0:
-            raise RuntimeError(
-                f"cossd: {len(differing)} param(s) ({names}) were written outside the optimizer (model.load_state_dict, "
-                f"say) after namespace {self.files.name!r} reached step {self.committed_step}: the device keeps the "
-                "FP32 master weights and moments and would write its own values over them at this step. Nothing was "
-                "sent. To train from other weights, load them before making the optimizer (on a new namespace), or "
-                "load a checkpoint of the optimizer itself (optimizer.load_state_dict(state), whose cossd_master or "
-                "master= carry the weights; or the device's own checkpoint)")
-        groups = [{key: value for key, value in group.items() if key != "params"}
-                  | {"params": [entry.index for entry in self.entries if entry.group == index]}
-                  for index, group in enumerate(self.param_groups)]
-        # No step committed: the loaded values are the masters of a fresh step 0, as torch's AdamW starts.
-        self.load_state_dict({"state": {}, "param_groups": groups},
-                             master=[_local_of(entry.param) for entry in self.entries])
-
     def _check_config(self, config: dict[str, Any]) -> None:
         """Refuse a namespace that is not this model's (tensors, dtype, mode): nothing changes."""
         found = [(t["name"], t["numel"], t.get("group", 0)) for t in config["tensors"]]
@@ -551,78 +488,6 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         self.last_timing = timing
         return loss
 
-    # ------------------------------------------------------------------ after a failed step
-
-    def _mark_inconsistent(self, what: str) -> None:
-        """A step() failed where the devices, the optimizer's step and the model's params may no
-        longer be one step's state: until _ensure_consistent finds them so again, what would
-        record or use them refuses."""
-        self.__dict__["_inconsistent"] = what
-
-    def _device_steps(self) -> list[int]:
-        """Each device's committed step, as the device says now (one small command each)."""
-        members = self._group if self._group is not None else [self]
-        return [int(member.files.statistics()["committed_step"]) for member in members]
-
-    def _reads_alone(self) -> bool:
-        """Whether this rank can read the params back by itself (no collective of the ranks)."""
-        ranks = self.__dict__.get("_group_ranks") if self._group is not None else self._ranks
-        if ranks is None or ranks.world == 1:
-            return True
-        members = self._group if self._group is not None else [self]
-        return all(getattr(member, "_param_gather", "device") != "allgather" for member in members)
-
-    def _inconsistency(self, doing: str, check_devices: bool = False) -> str | None:
-        """None where the devices, the optimizer's step and the model's params are one step's
-        state (after re-reading the params where every device is at the optimizer's step and
-        only they may be behind: a read-back that failed); else the refusal's text. With
-        `check_devices` a group's devices are asked even where no step() failed."""
-        what = self.__dict__.get("_inconsistent")
-        behind = bool(self.__dict__.get("_params_behind"))
-        if what is None and not behind and not (check_devices and self.__dict__.get("_group") is not None):
-            return None
-        name = self.files.name
-        found = ""
-        try:
-            steps = self._device_steps()
-        except Exception as exc:
-            steps = None
-            found = f"asking the devices for their committed step failed ({type(exc).__name__}: {str(exc)[:200]})"
-        if steps is not None and all(step == self.committed_step for step in steps):
-            if not behind:
-                self._inconsistent = None
-                return None
-            if self._reads_alone():
-                try:
-                    self._read_group_params() if self._group is not None else self._read_params()
-                except Exception as exc:
-                    found = (f"reading the params of step {self.committed_step} back failed again ({type(exc).__name__}: "
-                             f"{str(exc)[:200]})")
-                else:
-                    self._inconsistent = None
-                    return None
-            else:
-                found = "reading the params back is a collective of the ranks (param_gather='allgather')"
-        elif steps is not None:
-            mounts = self.files.mounts if self._group is not None else [self.files.mountpoint]
-            found = ("the devices' committed steps are " + ", ".join(f"{step} ({mount})" for step, mount in zip(steps, mounts))
-                     + f", the optimizer's {self.committed_step}")
-        if what is None:
-            what = "the model's params were not read back" if behind else "the devices moved outside this optimizer"
-            self._mark_inconsistent(what)
-        return (f"cossd: namespace {name!r}: {doing} refused: {what}; {found}. The devices, the optimizer's step and the "
-                "model's params are not one step's state, and what would be saved, loaded or trained from them now "
-                "would mix steps. Make a new optimizer on the same mount(s) (restart the job): opening the namespace "
-                "brings every device to one committed step (a device one step ahead is reverted) and reads its params; "
-                "then load a checkpoint if you want an earlier state (optimizer.load_state_dict of a full torch-format "
-                "state dict also replaces every device's state here)")
-
-    def _ensure_consistent(self, doing: str, check_devices: bool = False) -> None:
-        """_inconsistency's refusal raised (InconsistentStateError), where there is one."""
-        text = self._inconsistency(doing, check_devices)
-        if text is not None:
-            raise InconsistentStateError(text)
-
     def _check_options_at_step(self) -> None:
         """The groups' options as step() finds them (a group's amsgrad, maximize or weight
         decay mode set after construction): refused as at construction, a streamed step
@@ -667,18 +532,6 @@ class _DeviceAdam(DeviceGroup, Rebind, StateDict, ShardedSession, DeviceSession,
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm}")
         self.max_grad_norm = max_norm
-
-
-def _local_of(param: torch.Tensor) -> torch.Tensor:
-    """The tensor holding a param's values here: an FSDP2 DTensor's local shard, else the param."""
-    return param.to_local() if fsdp.is_dtensor(param) else param
-
-
-def _version_of(param: torch.Tensor) -> int | tuple[int, int]:
-    """A param's version counter; an FSDP2 DTensor's and its local shard's."""
-    if fsdp.is_dtensor(param):
-        return (param._version, param.to_local()._version)
-    return param._version
 
 
 class AdamW(_DeviceAdam):
