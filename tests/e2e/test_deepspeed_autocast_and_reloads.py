@@ -132,6 +132,16 @@ def test_torch_autocast_fp16_steps_as_torch_adamw(cossd: Any, stage: int, clippi
     assert optimizer.steps_skipped == 0 and optimizer.committed_step == 4
 
 
+def test_fp8_params_out_under_a_wrapper_are_refused(cossd: Any) -> None:
+    """param_wire_dtype under a DeepSpeed wrapper (here ZeRO-1 with BF16): DeepSpeed makes the
+    model's params from the FP32 copies it reads back, so the option would be ignored:
+    refused when DeepSpeed binds the optimizer, naming the option."""
+    model = Tiny()
+    optimizer = cossd("fp8wrapped", param_wire_dtype="fp8_e4m3")(model.parameters())
+    with pytest.raises(ValueError, match="param_wire_dtype='fp8_e4m3' is not supported under DeepSpeed"):
+        deepspeed.initialize(model=model, optimizer=optimizer, config=config(1, "bf16"))
+
+
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, list[torch.Tensor]]]:
     """Per stage, a DeepSpeed checkpoint (tag "pre") of 5 steps of torch's AdamW from seed 0."""

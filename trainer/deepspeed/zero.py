@@ -174,6 +174,14 @@ def bind(optimizer: Any, wrapper: Any) -> None:
 
     zero = isinstance(wrapper, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3))
     wraps_it = getattr(wrapper, "optimizer", None) is optimizer  # apart: `is` would narrow `optimizer` to Optional
+    if wrapper is not optimizer and getattr(optimizer, "param_wire_dtype", None) is not None:
+        # A wrapper makes the model's 16-bit params from the FP32 copies it reads back
+        # (ZeRO's partitions, the FP16/BF16 wrapper's masters): the device's FP8 params would
+        # never reach the model, and the option would be silently ignored.
+        raise ValueError(f"param_wire_dtype={optimizer.param_wire_dtype!r} is not supported under DeepSpeed with "
+                         f"a wrapping optimizer ({type(wrapper).__name__}): DeepSpeed makes the model's params from "
+                         "the FP32 copies it reads back, so FP8 params would never reach the model. Leave "
+                         "param_wire_dtype unset (or train without DeepSpeed, or with its FP32 engine at stage 0)")
     if zero and wraps_it:
         if not optimizer._ds_deferred:
             _convert_for_zero(optimizer)
