@@ -220,6 +220,8 @@ class StateDict:
                                          "elements: a mean of squares is never below zero")
                     # fp16/int8 files take FP32 values, which the device encodes per block.
                     values = values.to(moment_file_dtype(self.state_dtype))
+                    # A finite FP32 moment past BF16's largest (about 3.39e38) rounds to inf.
+                    _refuse_non_finite(values, f"{role} for param {index} ({entry.name}), as {self.state_dtype}")
                     loads.append((entry.name, role, values))
         before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         for saved, group in zip(saved_groups, self.param_groups):

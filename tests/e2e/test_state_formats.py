@@ -134,6 +134,22 @@ def test_stock_state_loads_encoded_within_the_format_error(opened, mount: Mount,
                 assert error <= tolerance * absmax, f"{index} {role} block {start // BLOCK}: {error} of {absmax}"
 
 
+def test_a_moment_past_bf16s_range_is_refused_and_nothing_loads(opened, mount: Mount) -> None:
+    """A finite FP32 moment above BF16's largest value (about 3.39e38) would round to inf in a
+    bf16 namespace, and every later step of its element would be NaN: refused, naming it, and
+    the namespace keeps what it had."""
+    model = odd_model()
+    optimizer = opened(AdamW, model.parameters(), mount=mount.mountpoint, namespace="bfbig", state_dtype="bf16")
+    train(model, optimizer, range(1, 3))
+    state = optimizer.state_dict()
+    before = state["state"][0]["exp_avg_sq"].clone()
+    state["state"][0]["exp_avg_sq"] = before.clone()
+    state["state"][0]["exp_avg_sq"].reshape(-1)[0] = 3.4e38  # finite in FP32, inf in BF16
+    with pytest.raises(ValueError, match="exp_avg_sq for param 0 .*, as bf16 holds 1 non-finite"):
+        optimizer.load_state_dict(state)
+    assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg_sq"], before)
+
+
 def test_bf16_state_dict_still_reads_its_own_bits(opened, mount: Mount) -> None:
     """bf16 moments read as bf16 (exact in FP32): the fp16/int8 reads did not change them."""
     model = odd_model()
