@@ -45,6 +45,7 @@ from .ops import (
     stream_probe_out_of_place,
 )
 from .state_formats import (
+    StateCounts,
     adam_step_q,
     adam_step_q_crcs,
     decode_state,
@@ -82,6 +83,7 @@ __all__ = [
     "BlockUpdate",
     "adam_step_q",
     "adam_step_q_crcs",
+    "StateCounts",
     "encode_state",
     "decode_state",
     "state_map",
