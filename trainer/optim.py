@@ -24,7 +24,7 @@ from .plan import (GRAD_DTYPES, HYPER_FIELDS, STATE_DTYPES, UNSUPPORTED, Entry, 
 from .group import DeviceGroup, SoloRanks, mount_list
 from .rebind import Rebind
 from .grad_buckets import GradBuckets
-from .session import DeviceSession, StreamedGrad
+from .session import DeviceSession, InconsistentStateError, StreamedGrad
 from .sharded import ShardedSession
 from .state_dict import StateDict
 from .step_guards import StepGuards
@@ -427,7 +427,21 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
             return loss
         # An earlier step() that failed past its begin: go on only where every device is at the
         # optimizer's step (the model's params read again where they may not be), else refuse.
-        self._ensure_consistent("step()")
+        # Where the params were behind, this step's gradients came from a forward on them: the
+        # params are read again, and this step refused (its gradients are not the committed
+        # params' gradients), so the caller runs forward and backward again.
+        stale = bool(self.__dict__.get("_params_behind"))
+        try:
+            self._ensure_consistent("step()")
+            if stale:
+                raise InconsistentStateError(
+                    f"cossd: namespace {self.files.name!r}: step() refused: the model's params were not all step "
+                    f"{self.committed_step}'s when this step's gradients were computed (reading them back after that "
+                    "step failed); they are read again now. Run forward and backward again, then step()")
+        except BaseException:
+            if self._step_open:  # a streamed step began during backward, from those gradients: dropped
+                self._abort("the step was refused before it was committed")
+            raise
         if not self._check_grads():
             return loss
         loss_scale = grad_rules.loss_scale(self)
@@ -479,7 +493,7 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
                 exc.add_note(f"cossd: step {self.committed_step} is committed (optimizer.committed_step is "
                              f"{self.committed_step}); the model's params may be partly the step before's. The next "
                              "step(), state_dict() or master_weights() reads them again (or refuses, saying why); a "
-                             "restart reads them too")
+                             "step() whose gradients were computed before that is refused; a restart reads them too")
                 raise
             finally:
                 self.__dict__.pop("_fresh_step", None)

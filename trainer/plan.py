@@ -63,7 +63,10 @@ def check_group_options(param_groups: list[dict[str, Any]], mode: str, when: str
             if group.get(option):
                 raise ValueError(f"param group {index}: {option}={group[option]!r} is not supported by the cossd "
                                  f"device (its kernel computes {option}=False){when}")
-        if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != (mode == "adamw"):
+        # With no weight decay the two modes compute the same step (a stock Adam's state dict
+        # carries decoupled_weight_decay=False into an AdamW): only a decay that applies differs.
+        if ("decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != (mode == "adamw")
+                and float(group.get("weight_decay", 0.0)) != 0.0):
             kind = "decoupled (AdamW)" if mode == "adamw" else "L2 (Adam)"
             raise ValueError(f"param group {index}: decoupled_weight_decay={group['decoupled_weight_decay']!r}, but "
                              f"this optimizer's namespace applies {kind} weight decay to every group; use AdamW "

@@ -121,7 +121,8 @@ class DeviceSession:
             if grad_scale != self._stream_scale:
                 raise RuntimeError(
                     f"gradients were streamed at scale {self._stream_scale} but the step "
-                    f"has scale {grad_scale}: pass the GradScaler as scaler="
+                    f"has scale {grad_scale}: pass the GradScaler as scaler=, and with streaming=True do not "
+                    "call scaler.unscale_ (the gradients left scaled during backward; the device unscales them)"
                 )
             self._check_streamed_step()
             # A streaming optimizer has its buckets from construction to close().
@@ -159,9 +160,10 @@ class DeviceSession:
 
     def _check_streamed_step(self) -> None:
         """Streaming: what the device took during backward must still be what step() finds.
-        A streamed gradient changed since it was sent (torch.nn.utils.clip_grad_norm_,
-        GradScaler.unscale_ or any in-place change between backward() and step(): its version
-        moved, or .grad is another tensor), or a group's hyperparameters changed since the
+        A streamed gradient changed since it was sent (torch.nn.utils.clip_grad_norm_ or any
+        in-place change between backward() and step() that counts in its version, or .grad is
+        another tensor; GradScaler.unscale_'s kernel does not count, and is caught by the
+        scale check instead, grads.py), or a group's hyperparameters changed since the
         step began (an lr set after backward()), is refused: the device would step the old
         values. The step() that raises drops the streamed step."""
         changed = [entry.name for entry in self.entries if entry.index in self._streamed_grads

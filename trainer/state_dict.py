@@ -13,7 +13,7 @@ from .dcp import reference as dcp
 from .namespace import swap as namespace_swap
 from .namespace.files import NamespaceFiles
 from .session import InconsistentStateError
-from .plan import Entry, group_hyper
+from .plan import Entry, check_group_options, group_hyper
 
 
 class StateDict:
@@ -228,6 +228,16 @@ class StateDict:
             for key, value in saved.items():
                 if key not in ("params", "param_names"):
                     group[key] = value
+        try:  # options every later step() would refuse (amsgrad, another decay mode): refused now, nothing loaded
+            mode = self.__dict__.get("_mode")
+            if mode is not None:
+                check_group_options(self.param_groups, mode, " (in the state dict being loaded; nothing was loaded)")
+        except ValueError:
+            for group, options in zip(self.param_groups, before):
+                group.update(options)
+                for key in [k for k in group if k not in options and k != "params"]:
+                    del group[key]
+            raise
         if noop:
             return  # the groups' changed options go to the device with the next step
         if getattr(self, "_group", None) is not None:

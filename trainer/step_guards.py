@@ -151,7 +151,11 @@ class StepGuards:
             mounts = self.files.mounts if self._group is not None else [self.files.mountpoint]
             found = ("the devices' committed steps are " + ", ".join(f"{step} ({mount})" for step, mount in zip(steps, mounts))
                      + f", the optimizer's {self.committed_step}")
-        if what is None:
+        if what is None and steps is None and not behind:
+            # Nothing failed here before: the devices could not be asked (a network blip), so
+            # this call is refused, and the next one asks again (nothing is marked).
+            what = "the devices' committed steps could not be checked"
+        elif what is None:
             what = "the model's params were not read back" if behind else "the devices moved outside this optimizer"
             self._mark_inconsistent(what)
         return (f"cossd: namespace {name!r}: {doing} refused: {what}; {found}. The devices, the optimizer's step and the "

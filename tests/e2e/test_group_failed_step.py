@@ -253,7 +253,8 @@ def test_a_failed_read_back_records_the_committed_step_and_reads_again(devices: 
 
 def test_a_failed_read_back_retried_at_the_next_step(devices: list[Mount]) -> None:
     """The params' read fails after step 4 committed on both devices; the next step() reads
-    them again before it begins, and the run stays equal to torch."""
+    them again and refuses the gradients computed before (on partly old params); the next
+    forward and backward step on, and the run stays equal to torch."""
     namespace = "readretry"
     model = model_()
     optimizer = open_(devices, namespace, model)
@@ -266,6 +267,10 @@ def test_a_failed_read_back_retried_at_the_next_step(devices: list[Mount]) -> No
             with pytest.raises(OSError):
                 optimizer.step()
         assert optimizer.committed_step == 4
+        grads(model, 5)  # a forward and backward on the params as the failed read left them
+        with pytest.raises(InconsistentStateError, match="Run forward and backward again"):
+            optimizer.step()
+        assert device_steps(devices, namespace) == [4, 4]
         for step in (5, 6):
             grads(model, step)
             optimizer.step()
@@ -296,7 +301,10 @@ def test_a_read_back_that_keeps_failing_refuses(devices: list[Mount]) -> None:
                 optimizer.step()
         assert device_steps(devices, namespace) == [3, 3]
         grads(model, 4)
-        optimizer.step()  # the injection cleared: the params read again, then step 4
+        with pytest.raises(InconsistentStateError, match="Run forward and backward again"):
+            optimizer.step()  # the injection cleared: the params read again, these gradients refused
+        grads(model, 4)
+        optimizer.step()
         reference, _ = torch_run(range(1, 5))
         assert close_to(list(model.parameters()), list(reference.parameters()))
     finally:

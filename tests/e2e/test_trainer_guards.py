@@ -45,13 +45,41 @@ TOLERANCE = 1e-6
     (AdamW, {"maximize": True}, "param group 0: maximize=True"),
     (AdamW, {"amsgrad": True}, "param group 0: amsgrad=True"),
     (AdamW, {"decoupled_weight_decay": False}, "decoupled_weight_decay=False"),
-    (Adam, {"decoupled_weight_decay": True}, "decoupled_weight_decay=True"),
+    (Adam, {"decoupled_weight_decay": True, "weight_decay": 0.1}, "decoupled_weight_decay=True"),
 ], ids=["maximize", "amsgrad", "adamw-l2-group", "adam-decoupled-group"])
 def test_a_group_option_the_device_does_not_compute_is_refused(mount: Mount, cls: Any, group: dict[str, Any],
                                                                match: str) -> None:
     net = model()
     with pytest.raises(ValueError, match=match):
         cls([{"params": list(net.parameters()), **group}], mount=mount.mountpoint, namespace="grp")
+
+
+def test_a_state_dict_whose_group_options_steps_would_refuse_loads_nothing(mount: Mount) -> None:
+    """load_state_dict copies the saved groups' options: one that every later step() would
+    refuse (amsgrad) is refused at the load, and the run goes on as it was. A stock Adam's
+    state dict (decoupled_weight_decay=False, no weight decay) loads into an AdamW and steps
+    as torch's AdamW does from it: with no decay the two modes are one step."""
+    net, reference = model(), model()
+    stock = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    backward(reference)
+    stock.step()
+    saved = stock.state_dict()
+    optimizer = AdamW(net.parameters(), lr=1e-2, weight_decay=0.0, mount=mount.mountpoint, namespace="loadopts",
+                      grad_dtype="fp32")
+    try:
+        bad = {**saved, "param_groups": [{**saved["param_groups"][0], "amsgrad": True}]}
+        with pytest.raises(ValueError, match="amsgrad=True .*nothing was loaded"):
+            optimizer.load_state_dict(bad)
+        assert optimizer.param_groups[0]["amsgrad"] is False and optimizer.committed_step == 0
+        optimizer.load_state_dict(saved, master=[p.detach() for p in reference.parameters()])
+        for step_net, step_optimizer in ((net, optimizer), (reference, stock)):
+            step_optimizer.zero_grad(set_to_none=True)
+            backward(step_net)
+            step_optimizer.step()
+        assert optimizer.committed_step == 2
+        assert largest_difference(list(net.parameters()), list(reference.parameters())) < TOLERANCE
+    finally:
+        optimizer.close()
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["at-once", "streaming"])
