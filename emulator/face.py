@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # `X as X`: an explicit re-export, so ruff and mypy see what 
         committed_version as committed_version,
     )
     from .kinds import AnyNamespace as AnyNamespace
+    from .log_limit import LogLimiter as LogLimiter
     from .namespace import (
         LOADABLE_ROLES as LOADABLE_ROLES,
         ROLES as ROLES,
@@ -54,6 +55,7 @@ _EXPORTS = {
     "DeviceIO": "..io",
     "LOADABLE_ROLES": "..namespace",
     "LinkTiming": "..accounting",
+    "LogLimiter": "..log_limit",
     "Namespace": "..namespace",
     "ROLES": "..namespace",
     "SUPERBLOCK_FILE": "..backing",

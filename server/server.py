@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from ..emulator.face import AnyNamespace, Controller, Device, DeviceError, LinkTiming, Namespace
+from ..emulator.face import AnyNamespace, Controller, Device, DeviceError, LinkTiming, LogLimiter, Namespace
 from ..model.links import DEFAULT_LINK, LinkModel
 from ..protocol import logpages
 from ..protocol.logpages import SERVER_REFUSALS, LogId
@@ -147,8 +147,8 @@ class Server:
         self._preauth: dict[PreAuth, None] = {}
         self._preauth_waiting = 0  # those not closed yet: what --max-preauth-connections bounds
         self.preauth_counters = {"peak": 0, "deadline": 0, "evicted": 0, "too_large": 0}
-        self._log_window = (0.0, 0, 0)  # (second it began, lines logged in it, lines left out)
-        self._accept_log = (-ACCEPT_LOG_INTERVAL_S, 0)  # (when a failed accept was last logged, failed since)
+        self._peer_log = LogLimiter(log, per_window=REFUSAL_LOG_PER_S)
+        self._accept_log = LogLimiter(log, window_s=ACCEPT_LOG_INTERVAL_S)
         self._lock = threading.Condition()
         self._connections: dict[Connection, threading.Thread] = {}
         self._leases: dict[int, tuple[int, float]] = {}  # nsid -> (step, deadline)
@@ -198,17 +198,11 @@ class Server:
         with self._lock:
             self.counters["accept_errors"] += 1
             waiting, connections = self._preauth_waiting, len(self._connections)
-            now = time.monotonic()
-            logged_at, since = self._accept_log
-            due = now - logged_at >= ACCEPT_LOG_INTERVAL_S
-            self._accept_log = (now, 0) if due else (logged_at, since + 1)
-        if due:
-            why = f"{exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})" \
-                if isinstance(exc, OSError) and exc.errno else str(exc)
-            more = f" ({since} more since the last line)" if since else ""
-            log.warning("accepting a connection failed: %s, with %d connections authenticated and %d waiting to; "
-                        "accepts go on%s%s", why, connections, waiting,
-                        f" after a {ACCEPT_BACKOFF_S:g} s pause" if backoff else "", more)
+        why = f"{exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})" \
+            if isinstance(exc, OSError) and exc.errno else str(exc)
+        self._accept_log.warning(f"accepting a connection failed: {why}, with {connections} connections "
+                                 f"authenticated and {waiting} waiting to; accepts go on"
+                                 + (f" after a {ACCEPT_BACKOFF_S:g} s pause" if backoff else ""))
         if backoff:
             self._stopping.wait(ACCEPT_BACKOFF_S)
 
@@ -363,18 +357,7 @@ class Server:
     def _limited_warning(self, line: str) -> None:
         """Log `line` unless REFUSAL_LOG_PER_S lines were logged this second already (peers
         decide how many such lines there are); the next one logged says how many were not."""
-        with self._lock:
-            now = time.monotonic()
-            began, logged, left_out = self._log_window
-            if now - began >= 1.0:
-                began, logged = now, 0
-            if logged >= REFUSAL_LOG_PER_S:
-                self._log_window = (began, logged, left_out + 1)
-                return
-            self._log_window = (began, logged + 1, 0)
-        more = f" ({left_out} more lines before this one not logged: at most {REFUSAL_LOG_PER_S} a second)" \
-            if left_out else ""
-        log.warning("%s%s", line, more)
+        self._peer_log.warning(line)
 
     def device_namespace(self, nsid: int) -> AnyNamespace | None:
         try:

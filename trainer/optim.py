@@ -471,6 +471,10 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
                 self._mark_inconsistent(f"step {self.committed_step + 1} failed after it was begun on the device(s) "
                                         f"({type(exc).__name__}: {str(exc)[:200]})")
             raise
+        # The step is committed (and durable) on every device, or skipped there: its number is
+        # recorded before the params are read back, so a failed read leaves no state labelled
+        # with the step before.
+        self.committed_step = int(result["committed_step"])
         self.last_step_skipped = bool(result["skipped"])
         if self.last_step_skipped:
             self.steps_skipped += 1
@@ -480,9 +484,6 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
                     "that the GradScaler did not see (an overflow converting to "
                     f"{self.dtype}); use dtype=torch.bfloat16", RuntimeWarning, stacklevel=2)
         else:
-            # The step is committed (and durable) on every device: its number is recorded before the
-            # params are read back, so a failed read leaves no state labelled with the step before.
-            self.committed_step = int(result["committed_step"])
             self._fresh_step = self.committed_step  # the step whose params the device just put out (FP8)
             reading = clock()
             try:
@@ -498,7 +499,6 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
             finally:
                 self.__dict__.pop("_fresh_step", None)
             timing["params_s"] = clock() - reading
-        self.committed_step = int(result["committed_step"])
         self.last_timing = timing
         return loss
 

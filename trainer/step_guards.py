@@ -7,6 +7,7 @@ import torch
 
 from . import fsdp
 from .distributed import Ranks
+from .namespace.files import committed_steps
 from .plan import Entry
 from .session import InconsistentStateError
 
@@ -106,7 +107,7 @@ class StepGuards:
     def _device_steps(self) -> list[int]:
         """Each device's committed step, as the device says now (one small command each)."""
         members = self._group if self._group is not None else [self]
-        return [int(member.files.statistics()["committed_step"]) for member in members]
+        return committed_steps([member.files for member in members])
 
     def _reads_alone(self) -> bool:
         """Whether this rank can read the params back by itself (no collective of the ranks)."""

@@ -12,13 +12,14 @@ import socketserver
 import stat
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.registry import Collector
+
+from ..log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
         self._lock = threading.Lock()
         self.failed = 0  # connections that ended in an error (timed out, reset, bad request)
         self.turned_away = 0  # connections closed at accept: MAX_METRICS_CONNECTIONS were open
-        self._logged = (-FAILURE_LOG_INTERVAL_S, 0)  # (when a line was last logged, lines left out since)
+        self._failure_log = LogLimiter(log, window_s=FAILURE_LOG_INTERVAL_S)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -131,14 +132,7 @@ class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
         self._note(f"metrics endpoint: {_peer(client_address)}: {type(exc).__name__}: {exc}; connection closed")
 
     def _note(self, line: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            logged_at, left_out = self._logged
-            if now - logged_at < FAILURE_LOG_INTERVAL_S:
-                self._logged = (logged_at, left_out + 1)
-                return
-            self._logged = (now, 0)
-        log.warning("%s%s", line, f" ({left_out} more such lines not logged)" if left_out else "")
+        self._failure_log.warning(line)
 
 
 def _peer(address: Any) -> str:

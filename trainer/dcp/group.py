@@ -5,6 +5,7 @@ import secrets
 from typing import Any, Callable
 
 from ...client import snapshots as snapshot_calls
+from ..namespace.files import committed_steps
 
 # A group rollback to snapshot T first marks every device with a snapshot named MARK + T of
 # its current state, device 0 first; once every device holds the mark, the rollback is
@@ -55,7 +56,7 @@ def take(members: list[Any], step: int, prefix: str, keep: int | None) -> dict[s
     `prefix` beyond `keep` dropped (pruned(): a load's template does not count). Returns the reference (a few hundred bytes at most)."""
     # One tag must name one step's state on every device: a group step that some devices
     # committed and others did not (a save right after it failed) would make a snapshot mixing steps.
-    steps = [int(files.statistics()["committed_step"]) for files in members]
+    steps = committed_steps(members)
     if any(found != step for found in steps):
         raise RuntimeError(
             f"namespace {members[0].name!r}: the devices are at committed steps "

@@ -31,7 +31,8 @@ GRAD_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torc
 
 # DeviceLostError lives in the client (client/lost.py, the one translation); named here too,
 # where the trainer has always exported it from.
-__all__ = ["GRAD_ITEMSIZE", "GRAD_TORCH_DTYPES", "WIRE_DTYPES", "DeviceLostError", "NamespaceFiles", "pin_for_cuda", "unpin_for_cuda"]
+__all__ = ["GRAD_ITEMSIZE", "GRAD_TORCH_DTYPES", "WIRE_DTYPES", "DeviceLostError", "NamespaceFiles", "committed_steps",
+           "pin_for_cuda", "unpin_for_cuda"]
 
 
 def _clear_cuda_error() -> None:
@@ -440,3 +441,9 @@ class NamespaceFiles:
             return sum(array.numel() for array in arrays)
         ranges: list[Range] = [(tensor, role, 0, array) for (tensor, role, _), array in zip(items, arrays)]
         return self._complete(ranges, step.read(self.nsid, ranges))
+
+
+def committed_steps(members: Sequence[NamespaceFiles]) -> list[int]:
+    """Each device's committed step of one namespace, as the device says now (one small
+    command each): what every check that the devices are at one step asks."""
+    return [int(files.statistics()["committed_step"]) for files in members]
