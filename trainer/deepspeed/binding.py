@@ -26,6 +26,39 @@ def tensor_name(group: int) -> str:
     return f"zero.g{group}"
 
 
+def refuse_other_partitioning(wrapper: Any, groups: list[dict[str, Any]], dp_group: Any) -> None:
+    """NotImplementedError, before anything is made, where DeepSpeed's ZeRO 1/2 partitions a
+    param group over other ranks than the data-parallel ones. An MoE group (`moe: True`, as
+    DeepSpeed's split_params_into_different_moe_groups_for_optimizer makes) is partitioned
+    over its expert data-parallel group (stage_1_and_2.py's _configure_moe_settings), which is
+    the data-parallel group only at ep_size 1: there a rank's partition id and the group's
+    partition count are not its data-parallel rank and world, and each expert-parallel rank
+    holds other experts, where the binding lays data-parallel rank r's partition at
+    r * partition_size of one tensor per group (it would mislabel or misplace the experts, and
+    index bit16 partitions the group does not have). Every rank sees the same groups, so
+    every rank refuses alike, with no collective."""
+    dp_ranks = dist.get_process_group_ranks(dp_group if dp_group is not None else dist.group.WORLD)
+    for index, partitioned in enumerate(getattr(wrapper, "real_dp_process_group", None) or []):
+        if partitioned is dp_group or (partitioned is not None
+                                       and dist.get_process_group_ranks(partitioned) == dp_ranks):
+            continue
+        count = dist.get_world_size(group=partitioned)
+        group = groups[index] if index < len(groups) else {}
+        label = f"param group {index}" + (f" ({group['name']!r})" if group.get("name") is not None else "")
+        stage = 2 if getattr(wrapper, "partition_gradients", False) else 1
+        if group.get("moe"):
+            over, fix = ("its experts' expert data-parallel group, where each expert-parallel rank holds other "
+                         "experts", "Build the MoE layers with ep_size=1 (every rank holds every expert, and "
+                         "DeepSpeed partitions their group over the data-parallel ranks, which cossd runs), or "
+                         "train this model with another optimizer")
+        else:
+            over, fix = "a group other than the data-parallel one", "Train this model with another optimizer"
+        raise NotImplementedError(
+            f"DeepSpeed ZeRO stage {stage} partitions {label} over {count} rank{'s' if count != 1 else ''} "
+            f"({over}), not the {len(dp_ranks)} data-parallel ranks: a cossd namespace holds one partition of "
+            f"each param group per data-parallel rank, so it cannot place these partitions. {fix}")
+
+
 class ZeroBinding:
     """What a cossd optimizer does under DeepSpeedZeroOptimizer: opens the namespace of the
     flat groups (at deepspeed.initialize) and runs one shared step over DeepSpeed's
@@ -35,9 +68,10 @@ class ZeroBinding:
         self.optimizer, self.wrapper = optimizer, wrapper
         group = wrapper.dp_process_group
         world = dist.get_world_size(group=group)
-        self.ranks = Ranks(dist.get_rank(group=group), world, None if world == dist.get_world_size() else group)
         # The groups as the optimizer was made with (DeepSpeed narrows param_groups per call).
         self.groups: list[dict[str, Any]] = list(optimizer.param_groups)
+        refuse_other_partitioning(wrapper, self.groups, group)
+        self.ranks = Ranks(dist.get_rank(group=group), world, None if world == dist.get_world_size() else group)
         self.partitions: list[torch.Tensor] = list(wrapper.single_partition_of_fp32_groups)
         if len(self.partitions) != len(self.groups):
             raise RuntimeError(f"DeepSpeed made {len(self.partitions)} flat partitions for "
@@ -334,6 +368,9 @@ class ZeroBinding:
             result = opt._wait_for_commit(opt.committed_step + 1)
             opt._step_open = False
             opt.last_timing["commit_s"] = clock() - committing
+        # Committed (or skipped) on the device: recorded before the masters are read back, so a
+        # failed read leaves no state labelled with the step before (its snapshot would be this step's).
+        opt.committed_step = int(result["committed_step"])
         opt.last_step_skipped = bool(result["skipped"])
         if opt.last_step_skipped:
             opt.steps_skipped += 1
@@ -344,14 +381,10 @@ class ZeroBinding:
                     f"{opt.grad_wire}: then use grad_dtype='fp32')", RuntimeWarning, stacklevel=4)
         else:
             self._rolled_back = False
-            # Committed on the device: recorded before the masters are read back, so a failed read
-            # leaves no state labelled with the step before (its snapshot would be this step's).
-            opt.committed_step = int(result["committed_step"])
             reading = clock()
             self._read_masters()
             self._masters_to_params()
             opt.last_timing["params_s"] = clock() - reading
-        opt.committed_step = int(result["committed_step"])
 
     # ------------------------------------------------------------------ DeepSpeed's checkpoints
 
