@@ -4,6 +4,7 @@ before the namespace is registered; nothing is built when one fails."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -23,7 +24,7 @@ from .versions import chunk_ranges, read_manifest
 from ..snapshots.clone import write_fresh_records
 from .store import (DEFAULT_MEMORY_BYTES, MANIFEST_OBJECT, META_OBJECT, MIN_CHUNK_BYTES, STATE_OBJECT,
                             SUPERBLOCK_OBJECT, Location, Store, parse_url)
-from ..backing import SUPERBLOCK_FILE
+from ..backing import SUPERBLOCK_FILE, BackingDirectory
 
 log = logging.getLogger("cossd.emulator.archive")
 
@@ -94,44 +95,123 @@ def _checked_manifest(store: Store, version: Location, accept_unchecked: bool) -
     return manifest
 
 
+# In the staging directory while its device is moved up into the target: {name: [st_dev,
+# st_ino]} of each entry moved (superblock.json last). A rename keeps the inode, so a restore
+# cut short during the move knows, entry by entry, which of the target's entries it put there.
+MOVED_FILE = ".moved.json"
+
+
+def _lock_target(backing: Path) -> BackingDirectory:
+    """The target's lock (the one a mount or an open of a device there takes), held by a
+    restore that builds a fresh device for its whole run: a daemon serving a device there, or
+    another restore into it, is refused before anything is looked at or removed."""
+    try:
+        return BackingDirectory.lock(backing)
+    except DeviceError as exc:
+        if exc.status != Status.NAMESPACE_NOT_READY:
+            raise
+        raise DeviceError(Status.NAMESPACE_NOT_READY,
+                          f"{backing} is in use: a daemon serves the device there (unmount it first: a restore "
+                          "runs offline), or another restore into it is running; nothing was changed") from None
+
+
+def _moved_up(backing: Path) -> list[str]:
+    """The entries of `backing` that a restore's move (MOVED_FILE) put there, as they still are
+    (same name, same inode): superblock.json first where it is one of them. Nothing where
+    there is no record, or one that cannot be read: then none of them counts as the restore's."""
+    try:
+        record = media.read_json(backing / STAGING_DIR / MOVED_FILE)
+    except (OSError, ValueError):
+        return []
+    own = []
+    for name, inode in (record.items() if isinstance(record, dict) else ()):
+        if not isinstance(name, str) or name in ("", ".", "..", STAGING_DIR) or "/" in name:
+            continue
+        try:
+            found = os.lstat(backing / name)
+        except OSError:
+            continue
+        if isinstance(inode, list) and inode == [found.st_dev, found.st_ino]:
+            own.append(name)
+    return sorted(own, key=lambda name: name != SUPERBLOCK_FILE)
+
+
+def _remove_own(backing: Path, moved: list[str]) -> None:
+    """What a restore made in `backing` and nothing else: the entries its move put there
+    (superblock.json first, so `backing` is no device from the first removal on), then its
+    staging directory."""
+    for name in moved:
+        path = backing / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    staging = backing / STAGING_DIR
+    if staging.is_dir() and not staging.is_symlink():
+        shutil.rmtree(staging)
+    media.fsync_dir(backing)
+
+
+def _clear_leftover(backing: Path, *, device_there: bool) -> None:
+    """Remove what a restore cut short left in `backing` (its lock held): its staging directory,
+    and where no device is there, the entries its move had put up already (_moved_up). Anything
+    else in `backing` is not the restore's: refused (INVALID_FIELD, naming it), nothing
+    removed. A staging directory that a process has open as a device is refused likewise."""
+    staging = backing / STAGING_DIR
+    moved = [] if device_there else _moved_up(backing)
+    if not device_there:
+        foreign = sorted(entry.name for entry in backing.iterdir() if entry.name not in {STAGING_DIR, *moved})
+        if foreign:
+            shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+            raise DeviceError(Status.INVALID_FIELD, (
+                f"{backing} holds what a restore cut short left ({STAGING_DIR}"
+                + "".join(f", {name}" for name in moved) + f") and also what is not that restore's: {shown}; "
+                "nothing was removed. Move those elsewhere, or restore into another (absent or empty) directory"))
+    try:
+        held = BackingDirectory.lock(staging)
+    except DeviceError as exc:
+        raise DeviceError(exc.status, f"{staging}, left by a restore cut short, cannot be cleared: {exc.message}; "
+                                      "nothing was removed") from None
+    try:
+        log.warning("%s: a restore into it was cut short (%s is left%s): cleared, restoring again", backing,
+                    STAGING_DIR, "" if device_there else ", no device")
+        _remove_own(backing, moved)
+    finally:
+        held.close()
+
+
 def _prepare_target(backing: Path) -> bool:
     """True where `backing` gets a fresh device (absent or an empty directory), False where it
-    holds one. What a restore killed before it finished left is cleared here: a staging
-    directory without superblock.json beside it never became a device, so everything in
-    `backing` is that restore's and goes; beside a superblock.json it is the empty leftover of
-    the last rename, and only it goes."""
+    holds one; the caller holds its lock. What a restore killed before it finished left is
+    cleared here, and only that (_clear_leftover): beside a superblock.json, the staging
+    directory; without one, the staging directory and the entries its move had put up, where
+    nothing else is there."""
     staging = backing / STAGING_DIR
     has_staging = staging.is_dir() and not staging.is_symlink()
     if (backing / SUPERBLOCK_FILE).exists():
         if has_staging:
-            shutil.rmtree(staging)
+            _clear_leftover(backing, device_there=True)
         return False
-    if backing.exists() and not backing.is_dir():
-        raise DeviceError(Status.INVALID_FIELD, f"{backing} is neither a device nor an empty directory")
     if has_staging:
-        log.warning("%s: a restore into it was cut short (%s is left, no device): cleared, restoring again",
-                    backing, STAGING_DIR)
-        _empty(backing)
-    elif backing.exists() and any(backing.iterdir()):
+        _clear_leftover(backing, device_there=False)
+    elif any(backing.iterdir()):
         raise DeviceError(Status.INVALID_FIELD, f"{backing} is neither a device nor an empty directory")
     return True
 
 
-def _empty(directory: Path) -> None:
-    for entry in directory.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-
-
 def _move_up(staging: Path, backing: Path) -> None:
     """The device built in `staging` becomes `backing`'s: every entry renamed up, superblock.json
-    last (from then on `backing` is a device), then the staging directory removed."""
-    names = sorted(entry.name for entry in staging.iterdir() if entry.name != SUPERBLOCK_FILE)
-    for name in names + [SUPERBLOCK_FILE]:
+    last (from then on `backing` is a device), then the staging directory removed. Each entry's
+    inode is recorded first (MOVED_FILE), so a restore killed midway is cleared entry by entry."""
+    names = sorted(entry.name for entry in staging.iterdir()
+                   if entry.name not in (SUPERBLOCK_FILE, MOVED_FILE, f".{MOVED_FILE}.tmp"))
+    names.append(SUPERBLOCK_FILE)
+    inodes = {name: [(found := os.lstat(staging / name)).st_dev, found.st_ino] for name in names}
+    media.atomic_write_json(staging / MOVED_FILE, inodes)
+    for name in names:
         os.rename(staging / name, backing / name)
     media.fsync_dir(backing)
+    os.unlink(staging / MOVED_FILE)
     staging.rmdir()
     media.fsync_dir(backing)
 
@@ -204,32 +284,54 @@ def restore(url: str, backing: Path, *, name: str | None = None, endpoint_url: s
             shutil.rmtree(directory, ignore_errors=True)
             raise
 
-    formatted = _prepare_target(backing)
-    if capacity_bytes is not None and not formatted:
-        raise DeviceError(Status.INVALID_FIELD, f"{backing} holds a device already: --capacity is for a fresh one "
-                                                "(its capacity was set when it was formatted)")
-    created_dir = not backing.exists()
-    staging = backing / STAGING_DIR
-    started = time.monotonic()
+    if os.path.lexists(backing) and not backing.is_dir():
+        raise DeviceError(Status.INVALID_FIELD, f"{backing} is neither a device nor an empty directory")
+    created_dir = not os.path.lexists(backing)
     try:
-        if formatted:
-            Device.format(staging, capacity_bytes=capacity_bytes)
-        with Device.open(staging if formatted else backing, DeviceConfig(sync=sync)) as device:
-            namespace = device.adopt_namespace(spec.name, 2 * copy_bytes, build)
-            result = {"namespace": namespace.name, "nsid": namespace.nsid,
-                      "step": namespace.committed_step, "bytes": copy_bytes,
-                      "backing": str(backing), "formatted": formatted, "source": version.url,
-                      "capacity_bytes": device.capacity_bytes,
-                      "manifest_checked": manifest["manifest_checked"],
-                      "network_bytes_received": store.traffic.network_bytes_received}
-        if formatted:
-            _move_up(staging, backing)
-        result["seconds"] = round(time.monotonic() - started, 3)
+        backing.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise media.media_error(exc, f"creating {backing}") from exc
+    staging = backing / STAGING_DIR
+    try:
+        # Held from the look at the target to the end of the move (released before an
+        # existing device is opened, which takes the same lock itself).
+        held = _lock_target(backing)
     except BaseException:
-        if formatted:  # nothing built: the device this call made goes again
-            if created_dir:
-                shutil.rmtree(backing, ignore_errors=True)
-            else:
-                shutil.rmtree(staging, ignore_errors=True)
+        if created_dir:
+            backing.rmdir()
         raise
+    try:
+        formatted = _prepare_target(backing)
+        if capacity_bytes is not None and not formatted:
+            raise DeviceError(Status.INVALID_FIELD, f"{backing} holds a device already: --capacity is for a fresh "
+                                                    "one (its capacity was set when it was formatted)")
+        if not formatted:
+            held.close()
+        started = time.monotonic()
+        try:
+            if formatted:
+                Device.format(staging, capacity_bytes=capacity_bytes)
+            with Device.open(staging if formatted else backing, DeviceConfig(sync=sync)) as device:
+                namespace = device.adopt_namespace(spec.name, 2 * copy_bytes, build)
+                result = {"namespace": namespace.name, "nsid": namespace.nsid,
+                          "step": namespace.committed_step, "bytes": copy_bytes,
+                          "backing": str(backing), "formatted": formatted, "source": version.url,
+                          "capacity_bytes": device.capacity_bytes,
+                          "manifest_checked": manifest["manifest_checked"],
+                          "network_bytes_received": store.traffic.network_bytes_received}
+            if formatted:
+                _move_up(staging, backing)
+            result["seconds"] = round(time.monotonic() - started, 3)
+        except BaseException:
+            if formatted:  # nothing built: what this call made goes again, and only that
+                with contextlib.suppress(OSError, DeviceError):
+                    _remove_own(backing, _moved_up(backing))
+            raise
+    except BaseException:
+        if created_dir:
+            with contextlib.suppress(OSError):
+                backing.rmdir()  # only where empty: nothing but what this call made was there
+        raise
+    finally:
+        held.close()
     return result

@@ -32,7 +32,7 @@ from ...protocol.status import DeviceError, Status
 from .. import media
 from ..jobs import Job, JobTable
 from ..namespace import Namespace
-from ..namespace.snapshots import META_FILE, SUPERBLOCK_FILE, Snapshot, SnapshotStore
+from ..namespace.snapshots import META_FILE, STATE_FILE, SUPERBLOCK_FILE, Snapshot
 from ..superblock import Superblock
 
 if TYPE_CHECKING:
@@ -291,40 +291,96 @@ def manifest_for(namespace: Namespace, snapshot: Snapshot, request: Request, crc
     }
 
 
+def _read_at(dir_fd: int, name: str) -> bytes:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def pin_snapshot(namespace: Namespace, tag: object) -> tuple[Snapshot, int, bytes, bytes]:
+    """Snapshot `tag` as the namespace lists it, with a read-only descriptor of its state file
+    and the bytes of its superblock and meta.json: all three read through one descriptor of its
+    directory, which is checked to be that snapshot's (meta.json's random id; the superblock's
+    step and block checksums). A snapshot directory never changes once made, and its files stay
+    readable through their descriptors when it is deleted, so what the upload reads is one
+    snapshot, whole, and the manifest's labels (step, id, created) are its own. A tag deleted,
+    or deleted and taken again, between the lookup and the pin is SNAPSHOT_NOT_FOUND, with
+    nothing pinned: never the old snapshot's step on the new one's state, nor the old
+    superblock beside the new state."""
+    snapshot = namespace.snapshots.get(tag)
+    gone = DeviceError(Status.SNAPSHOT_NOT_FOUND,
+                       f"snapshot {snapshot.tag!r} of namespace {namespace.name!r} was deleted or replaced (by "
+                       "another of the same tag) while the archive started; nothing was uploaded: archive it again")
+    try:
+        dir_fd = os.open(snapshot.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise gone from None
+    except OSError as exc:
+        raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"snapshot {snapshot.tag!r} cannot be read: {exc}") from None
+    state_fd = -1
+    try:
+        try:
+            meta = _read_at(dir_fd, META_FILE)
+            superblock = _read_at(dir_fd, SUPERBLOCK_FILE)
+            state_fd = os.open(STATE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:  # removed meanwhile (a delete renames, then removes the files)
+            raise gone from None
+        except OSError as exc:
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                              f"snapshot {snapshot.tag!r} cannot be read: {exc}") from None
+        try:
+            same = int(json.loads(meta)["id"]) == snapshot.snapshot_id  # as SnapshotStore._read reads it
+        except (ValueError, TypeError, KeyError):
+            same = False
+        if not same:
+            raise gone
+        decoded = Superblock.decode(superblock, namespace.total_blocks, len(namespace.spec.group_hypers))
+        if decoded is None or not _same_state(decoded, snapshot.superblock):
+            raise DeviceError(Status.UNRECOVERED_READ_ERROR,
+                              f"snapshot {snapshot.tag!r}: its superblock on the media is not the one the "
+                              "device read when it listed the snapshot; nothing was uploaded")
+    except BaseException:
+        if state_fd >= 0:
+            os.close(state_fd)
+        raise
+    finally:
+        os.close(dir_fd)
+    return snapshot, state_fd, superblock, meta
+
+
 def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
           traffic: Traffic, running: set[str]) -> Job:
-    """Check the request and the store, pin the snapshot's state, then upload it as a job.
-    `traffic` is the namespace's network counters; `running` the versions being archived."""
+    """Check the request, pin the snapshot (pin_snapshot), check the store, then upload it as
+    a job. `traffic` is the namespace's network counters; `running` the versions being archived."""
     request = parse_request(payload)
-    snapshot = namespace.snapshots.get(request.tag)
-    version = request.root.child(namespace.name, snapshot.tag)
-    parts = len(chunk_ranges(namespace.snapshots.copy_bytes, request.chunk_bytes))
-    if parts > MAX_PARTS:
-        raise DeviceError(Status.INVALID_FIELD, f"{parts} chunks of {request.chunk_bytes} bytes exceed S3's "
-                                                f"{MAX_PARTS} parts: use a larger chunk_bytes")
-    store = Store(request.endpoint_url, request.in_flight, traffic, holder=DAEMON)  # counted as they move
-    store.check_bucket(version)
-    manifest_key = version.key(MANIFEST_OBJECT)
-    if store.exists(version.bucket, manifest_key) and not request.overwrite:
-        raise DeviceError(Status.SNAPSHOT_EXISTS, f"{version.url} is archived already "
-                                                  "(replaced only when asked: overwrite, `cossd archive --force`)")
+    # Pinned first, before the store is asked anything: from here on a delete, or a delete and
+    # a create of the same tag, changes nothing of what is uploaded (it stays readable through
+    # the descriptor) nor of how the manifest labels it.
+    snapshot, source_fd, superblock, meta = pin_snapshot(namespace, request.tag)
     try:
-        superblock = (snapshot.directory / SUPERBLOCK_FILE).read_bytes()
-        meta = (snapshot.directory / META_FILE).read_bytes()
-    except OSError as exc:
-        raise DeviceError(Status.UNRECOVERED_READ_ERROR,
-                          f"snapshot {snapshot.tag!r} cannot be read: {exc}") from None
-    lineage = lineage_of(device, namespace)
-    with _RUNNING:
-        if version.url in running:
-            raise DeviceError(Status.INVALID_FIELD, f"{version.url} is being archived by another job")
-        running.add(version.url)
-    try:
-        # A snapshot deleted meanwhile stays readable through its descriptor.
-        source_fd = SnapshotStore.open_state(snapshot)
-    except BaseException:
+        version = request.root.child(namespace.name, snapshot.tag)
+        parts = len(chunk_ranges(namespace.snapshots.copy_bytes, request.chunk_bytes))
+        if parts > MAX_PARTS:
+            raise DeviceError(Status.INVALID_FIELD, f"{parts} chunks of {request.chunk_bytes} bytes exceed S3's "
+                                                    f"{MAX_PARTS} parts: use a larger chunk_bytes")
+        store = Store(request.endpoint_url, request.in_flight, traffic, holder=DAEMON)  # counted as they move
+        store.check_bucket(version)
+        manifest_key = version.key(MANIFEST_OBJECT)
+        if store.exists(version.bucket, manifest_key) and not request.overwrite:
+            raise DeviceError(Status.SNAPSHOT_EXISTS, f"{version.url} is archived already "
+                                                      "(replaced only when asked: overwrite, `cossd archive --force`)")
+        lineage = lineage_of(device, namespace)
         with _RUNNING:
-            running.discard(version.url)
+            if version.url in running:
+                raise DeviceError(Status.INVALID_FIELD, f"{version.url} is being archived by another job")
+            running.add(version.url)
+    except BaseException:
+        os.close(source_fd)
         raise
     job = Job(jobs.next_id(), "archive", namespace.nsid, namespace.name, snapshot.tag,
               snapshot.step, version.url, namespace.snapshots.copy_bytes)
