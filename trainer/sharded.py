@@ -361,6 +361,14 @@ class ShardedSession:
             # DeviceSession's, next in optim._DeviceAdam's order (not a base of this mixin).
             super()._read_params()  # type: ignore[misc]
 
+    def _read_params_alone(self) -> None:
+        """_read_params with no collective of the ranks: FSDP2's rows of this rank, else every
+        param from the device (also where param_gather="allgather")."""
+        if self._fsdp:
+            fsdp.read_local_params(self.files, self.entries, self._read_rows or [], self.dtype, self._fsdp_views)
+        else:
+            super()._read_params()  # type: ignore[misc]  # DeviceSession's, next in the MRO
+
     def _read_and_gather(self) -> None:
         """This rank's shard of the committed params read from the device into a flat byte
         buffer, then one all-gather of every rank's buffer; each rank unpacks every shard

@@ -28,6 +28,7 @@ class StepGuards:
     _param_versions: list[int | tuple[int, int]]
     _read_params: Callable[[], None]
     _read_group_params: Callable[[], None]
+    _read_params_alone: Callable[[], None]
     _abort: Callable[..., None]
     load_state_dict: Callable[..., None]
 
@@ -54,7 +55,8 @@ class StepGuards:
         (the namespace replaced as load_state_dict does, with no moments), as torch's AdamW
         would train from them; after that, refused. Written values equal to the device's
         (a DDP broadcast, a load of the same weights) change nothing. One process (FSDP2 on a
-        mesh of one and several devices included): a job of several ranks is not checked."""
+        mesh of one and several devices included); a job of several ranks:
+        _refuse_changed_params_of_ranks."""
         changed = self._changed_params()
         if not changed:
             return
@@ -62,25 +64,12 @@ class StepGuards:
             # A streamed step began from the device's masters: dropped, and its gradients
             # are sent again at once by this step() (session.py, _send_grads).
             self._abort("params changed outside the optimizer")
-        loaded = [_local_of(entry.param).detach().clone() for entry in changed]
-        behind = self._params_behind
-        # The device's values, read as every read-back does; compared, then the loaded ones put back.
-        try:
-            self._read_group_params() if self._group is not None else self._read_params()
-        except BaseException:
-            # The loaded values back (a re-read later must not write over them); nothing was sent.
-            for entry, values in zip(changed, loaded):
-                _local_of(entry.param).detach().copy_(values)
-            self._params_behind = behind
-            raise
-        differing = [entry.name for entry, values in zip(changed, loaded)
-                     if not torch.equal(_local_of(entry.param).detach(), values)]
-        for entry, values in zip(changed, loaded):
-            _local_of(entry.param).detach().copy_(values)
+        differing = self._differing_from_device(changed, self._read_group_params if self._group is not None
+                                                else self._read_params)
         if not differing:
             self._note_params()
             return
-        names = ", ".join(differing[:4]) + (", ..." if len(differing) > 4 else "")
+        names = _listed(differing)
         if self.committed_step > 0:
             raise RuntimeError(
                 f"cossd: {len(differing)} param(s) ({names}) were written outside the optimizer (model.load_state_dict, "
@@ -95,6 +84,60 @@ class StepGuards:
         # No step committed: the loaded values are the masters of a fresh step 0, as torch's AdamW starts.
         self.load_state_dict({"state": {}, "param_groups": groups},
                              master=[_local_of(entry.param) for entry in self.entries])
+
+    def _refuse_changed_params_of_ranks(self) -> None:
+        """_follow_changed_params for a job of several ranks, on this rank's own params: where
+        they differ from the device's, this step is refused on this rank, before or after the
+        first commit (the ranks would have to agree to make them the masters, which takes a
+        collective no step has), and a step open for every rank is aborted, so the other ranks
+        hear why (or, where none was open yet, wait out their step_timeout_s). The device's
+        values are read by this rank alone; where that is a collective (several devices with
+        param_gather="allgather") nothing is checked (docs/trainer.md says so)."""
+        changed = self._changed_params()
+        if not changed:
+            return
+        ranks = self._ranks
+        assert ranks is not None
+        if self._group is not None:
+            if not self._reads_alone():
+                return
+            read: Callable[[], None] = self._read_group_params
+        else:
+            read = self._read_params_alone
+        differing = self._differing_from_device(changed, read)
+        if not differing:
+            self._note_params()
+            return
+        why = (f"rank {ranks.rank}: {len(differing)} param(s) ({_listed(differing)}) were written outside the "
+               "optimizer (model.load_state_dict, say) and differ from the device's")
+        self._abort(why)
+        raise RuntimeError(
+            f"cossd: {why} (namespace {self.files.name!r}, step {self.committed_step}): the device keeps the FP32 "
+            "master weights and moments and would write its own values over them at this step. Nothing was sent "
+            f"from this rank, and the other {ranks.world - 1} rank(s)' step is not committed. In a job of several "
+            "ranks, load the weights before making the optimizer (on a new namespace), or load a checkpoint of the "
+            "optimizer itself (optimizer.load_state_dict(state), whose cossd_master or master= carry the weights; "
+            "or the device's own checkpoint)")
+
+    def _differing_from_device(self, changed: list[Entry], read: Callable[[], None]) -> list[str]:
+        """The names of the `changed` entries whose values are not the device's: the device's
+        values read into the params (`read`, as a read-back does), compared, and the loaded
+        values put back whatever happens."""
+        loaded = [_local_of(entry.param).detach().clone() for entry in changed]
+        behind = self._params_behind
+        try:
+            read()
+        except BaseException:
+            # The loaded values back (a re-read later must not write over them); nothing was sent.
+            for entry, values in zip(changed, loaded):
+                _local_of(entry.param).detach().copy_(values)
+            self._params_behind = behind
+            raise
+        differing = [entry.name for entry, values in zip(changed, loaded)
+                     if not torch.equal(_local_of(entry.param).detach(), values)]
+        for entry, values in zip(changed, loaded):
+            _local_of(entry.param).detach().copy_(values)
+        return differing
 
     # ------------------------------------------------------------------ after a failed step
 
@@ -171,6 +214,10 @@ class StepGuards:
         text = self._inconsistency(doing, check_devices)
         if text is not None:
             raise InconsistentStateError(text)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
 def _local_of(param: torch.Tensor) -> torch.Tensor:

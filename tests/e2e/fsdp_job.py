@@ -166,6 +166,13 @@ def main() -> int:
         for step in range(first, config["last"] + 1):
             for group, base in zip(optimizer.param_groups, (BASE_LR, 2 * BASE_LR)):
                 group["lr"] = base * schedule(step)
+            load = config.get("load") or {}
+            if load.get("step") == step and rank in load.get("ranks", ()):
+                # Params written outside the optimizer (a load into the model after it was made):
+                # the same values, or others; into an FSDP2 DTensor, its local shard.
+                with torch.no_grad():
+                    for param in params:
+                        param.copy_(param.clone()) if load.get("same") else param.add_(0.01)
             x, y = batch(step, rank)
             loss = F.cross_entropy(net(x.to(compute)).float(), y)
             loss.backward()
@@ -188,6 +195,11 @@ def main() -> int:
         optimizer.close()
         return 3
     except RuntimeError as exc:
+        if "written outside the optimizer" in str(exc):
+            (out / f"error{rank}.txt").write_text(str(exc))
+            (out / f"committed{rank}.txt").write_text(str(optimizer.committed_step))
+            optimizer.close()
+            return 7
         if not kill:
             raise
         # A collective of the job's own with a rank that was killed (gloo: the peer closed

@@ -147,6 +147,12 @@ def main() -> int:
         for step in range(first, config["last"] + 1):
             for group, base in zip(optimizer.param_groups, bases):
                 group["lr"] = base * schedule(step)
+            load = config.get("load") or {}
+            if load.get("step") == step and rank in load.get("ranks", ()):
+                # Weights written into the model outside the optimizer (a model.load_state_dict
+                # after it was made): the same values, or others.
+                shift = 0.0 if load.get("same") else 0.01
+                model.load_state_dict({key: value.detach() + shift for key, value in model.state_dict().items()})
             if config.get("synthetic"):
                 for param, grad in zip(optimizer_params(optimizer), synthetic_grads(step, optimizer_params(optimizer))):
                     param.grad = grad
@@ -186,6 +192,13 @@ def main() -> int:
         except Exception:  # the mount is dead: nothing more to release on it
             pass
         return 5
+    except RuntimeError as exc:  # after DeviceLostError, a RuntimeError too
+        if "written outside the optimizer" not in str(exc):
+            raise
+        (out / f"error{rank}.txt").write_text(str(exc))
+        (out / f"refused{rank}.json").write_text(json.dumps({"committed_step": optimizer.committed_step}))
+        optimizer.close()
+        return 6
     result = {"committed_step": optimizer.committed_step, "steps_skipped": optimizer.steps_skipped,
               "first": first, "restored": optimizer.restored, "attempt": attempt,
               "warnings": [str(w.message) for w in caught]}

@@ -339,3 +339,78 @@ def test_param_gather_allgather_equals_reading_every_param(mount: Mount, tmp_pat
     assert bits_equal(held["allgather"], held["device"])
     param_bytes = sum(p.numel() * p.element_size() for p in held["device"])
     assert sent["device"] - sent["allgather"] == (world - 1) * steps * param_bytes
+
+
+# ------------------------------------------------------------------ params written outside the optimizer
+
+
+def _refused(out: Path, rank: int) -> str:
+    text = (out / f"error{rank}.txt").read_text()
+    assert f"rank {rank}:" in text and "written outside the optimizer" in text, text
+    assert "load the weights before making the optimizer" in text, text
+    return text
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_weights_loaded_after_the_optimizer_are_refused_on_every_rank(mount: Mount, tmp_path: Path,
+                                                                      step: int) -> None:
+    """DDP, 2 ranks: other weights loaded into the model (model.load_state_dict) after the
+    optimizer was made, before the first step or after two: each rank's step() refuses,
+    saying why and what to do, and nothing is committed (the device writing its own values
+    over them was the silent outcome before)."""
+    namespace, out = f"loaded-after-{step}", tmp_path / "job"
+    codes = run_job(mount, out, namespace, 2, 4, load={"step": step, "ranks": [0, 1]})
+    assert codes == [6, 6], (codes, (out / "logs.txt").read_text()[-3000:])
+    for rank in range(2):
+        _refused(out, rank)
+        assert json.loads((out / f"refused{rank}.json").read_text())["committed_step"] == step - 1
+    assert statistics(mount, namespace)["committed_step"] == step - 1
+
+
+def test_weights_loaded_on_one_rank_fail_the_step_on_every_rank(mount: Mount, tmp_path: Path) -> None:
+    """Only rank 1 loads other weights before step 2: it refuses; rank 0, whose gradients
+    are in, is told the step was not committed once its bound passes; the device keeps
+    step 1."""
+    namespace, out = "loaded-one-rank", tmp_path / "job"
+    codes = run_job(mount, out, namespace, 2, 3, load={"step": 2, "ranks": [1]}, step_timeout_s=5.0)
+    assert codes == [3, 6], (codes, (out / "logs.txt").read_text()[-3000:])
+    _refused(out, 1)
+    assert "step 2 of namespace 'loaded-one-rank' was not committed" in (out / "error0.txt").read_text()
+    assert statistics(mount, namespace)["committed_step"] == 1
+
+
+def test_the_same_weights_loaded_again_change_nothing(mount: Mount, tmp_path: Path) -> None:
+    """Every rank loads the weights it holds (a reload of the same checkpoint) before step 2:
+    the values are the device's, so the job trains on, bit for bit as one that did not."""
+    held = {}
+    for name, options in (("reload-same", {"load": {"step": 2, "ranks": [0, 1], "same": True}}), ("reload-none", {})):
+        out = tmp_path / name
+        ranks = finished(out, 2, run_job(mount, out, name, 2, 3, **options))
+        assert all(r["result"]["committed_step"] == 3 for r in ranks)
+        held[name] = ranks[0]["params"]
+    assert bits_equal(held["reload-same"], held["reload-none"])
+
+
+@pytest.mark.parametrize("mode,gather", [("fsdp", "device"), ("ddp", "allgather")])
+def test_params_written_outside_the_optimizer_are_refused_under_fsdp2_and_allgather(
+        mount: Mount, tmp_path: Path, mode: str, gather: str) -> None:
+    """FSDP2 over 2 ranks (each rank's local shard written) and DDP with
+    param_gather="allgather" (the device's values read by each rank alone, no collective):
+    other values refused on every rank, nothing committed; the same values train on."""
+    from test_fsdp2 import finished as finished_fsdp_job
+    from test_fsdp2 import run_job as run_fsdp_job
+
+    namespace, out = f"written-{mode}-{gather}", tmp_path / "other"
+    codes = run_fsdp_job(mount, out, namespace, 2, 3, mode=mode, param_gather=gather,
+                         load={"step": 2, "ranks": [0, 1]})
+    assert codes == [7, 7], (codes, (out / "logs.txt").read_text()[-3000:])
+    for rank in range(2):
+        _refused(out, rank)
+        assert (out / f"committed{rank}.txt").read_text() == "1"
+    assert statistics(mount, namespace)["committed_step"] == 1
+    out = tmp_path / "same"
+    ranks = finished_fsdp_job(out, 2, run_fsdp_job(mount, out, f"same-{mode}-{gather}", 2, 3, mode=mode,
+                                                   param_gather=gather,
+                                                   load={"step": 2, "ranks": [0, 1], "same": True}))
+    assert all(r["result"]["committed_step"] == 3 for r in ranks)
+
