@@ -203,6 +203,9 @@ class DataPath:
         self._ended = threading.Event()  # the device is gone (unmounted or aborted)
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._serving: set[int] = set()  # uniques of the requests being served here
+        # Per serving thread: whether the request it serves has had its reply (or was passed
+        # to pyfuse3, which replies). A failure after that must not answer it a second time.
+        self._answered = threading.local()
         # What the data path served, for tests and the daemon log.
         self._counts_lock = threading.Lock()
         self.requests_served = 0
@@ -310,12 +313,17 @@ class DataPath:
 
     def _serve_until_stopped(self, poller: select.epoll) -> None:
         while (request := self._receive(poller)) is not None:
+            self._answered.done = False
             try:
                 if not self._serve(request):
                     self._forward(request)
             except Exception:
-                # A bug here must not leave the caller waiting: answer EIO (should a reply have
-                # gone out already, the device refuses this one as for an unknown request).
+                if self._answered.done:
+                    # Exactly one reply per request: the caller has its answer (the kernel
+                    # would refuse a second as one for an unknown request).
+                    log.exception("data path: request failed after its reply (not answered again)")
+                    continue
+                # A bug here must not leave the caller waiting: answer EIO.
                 log.exception("data path: request failed")
                 self._reply_error(IN_HEADER.unpack_from(request)[2], errno.EIO)
 
@@ -478,8 +486,13 @@ class DataPath:
             self._on_event_loop(self.operations.schedule_flushes)
 
     def _schedule_flush(self, handle: "FileHandle") -> None:
-        """After a commit, make it durable in the background, as pyfuse3's path does."""
-        namespace = self.operations.tree.namespace(handle.node)
+        """After a commit, make it durable in the background, as pyfuse3's path does. The
+        write has been answered: a namespace deleted since (`cossd delete-ns` from another
+        process) has nothing left to flush (its close flushed it)."""
+        try:
+            namespace = self.operations.tree.namespace(handle.node)
+        except pyfuse3.FUSEError:
+            return
         if namespace.flush_pending:
             self._on_event_loop(self.operations.schedule_flush, namespace)
 
@@ -505,6 +518,7 @@ class DataPath:
             self._ours.send(request)
         except OSError:
             return  # pyfuse3 has ended (unmounting)
+        self._answered.done = True  # pyfuse3 replies
         with self._counts_lock:
             self.requests_forwarded += 1
 
@@ -543,6 +557,7 @@ class DataPath:
 
     def _reply(self, *parts: bytes | memoryview) -> bool:
         """Write a reply to the device; False where the device did not take it."""
+        self._answered.done = True  # tried: never a second reply to the request, taken or not
         try:
             os.writev(self._device, parts)
         except OSError as exc:

@@ -37,6 +37,10 @@ OperationsT = TypeVar("OperationsT", bound="Operations")
 # unmount saves them too; a crash loses at most this much counting.
 HEALTH_SAVE_INTERVAL_S = 60.0
 
+# The tensor files the host may write: gradients, and the loadable state before the first
+# step. Every other role (param, param_fp8) is read-only for the host: EACCES at open.
+HOST_WRITABLE_ROLES = ("grad",) + tuple(LOADABLE_ROLES)
+
 
 def _guarded(handler: Callable[Concatenate[OperationsT, P], Coroutine[Any, Any, T]]
              ) -> Callable[Concatenate[OperationsT, P], Coroutine[Any, Any, T]]:
@@ -275,7 +279,9 @@ class Operations(pyfuse3.Operations):
         # a grad is refused here (its reads are refused as they come: EACCES).
         if node.role == "grad" and not writes:
             raise fuse_error(errno.EACCES)
-        if writes and node.role == "param":
+        if writes and node.role not in HOST_WRITABLE_ROLES:
+            # The device's outputs (param, and param_fp8 where the namespace sends FP8
+            # params): refused here, not first at their writes.
             raise fuse_error(errno.EACCES)
         if writes and node.role in LOADABLE_ROLES and not namespace.loading:
             raise fuse_error(errno.EROFS)

@@ -185,8 +185,8 @@ class CmbCommands:
             if fp8_out and places:
                 namespace.fill_param_fp8_places(places)
         else:
-            for t in transfers:
-                namespace.check_write(t.tensor, t.role, t.offset, t.length)
+            for t, region in zip(transfers, regions):  # values too: no transfer taken before a bad one
+                namespace.check_write(t.tensor, t.role, t.offset, t.length, region.data)
             for t, region in zip(transfers, regions):
                 io.write(namespace, t.tensor, t.role, t.offset, region.data, checked=True)  # the view's bytes
         moved = sum(t.length for t in transfers)

@@ -171,6 +171,7 @@ class Namespace:
         finally:
             core.drop_views()
             self.writes.close()
+            core.held_loads.forget(core.name)
             for state in core.copies:
                 state.close()
             for slot in core.slots:
@@ -263,9 +264,11 @@ class Namespace:
         """Refuse, changing nothing, a read not wholly inside a readable file."""
         self.reads.check_read(tensor_name, role, offset, length)
 
-    def check_write(self, tensor_name: str, role: str, offset: int, length: int) -> None:
-        """Refuse, changing nothing, a write that write_state would refuse."""
-        self.reads.check_write(tensor_name, role, offset, length)
+    def check_write(self, tensor_name: str, role: str, offset: int, length: int,
+                    data: bytes | memoryview | None = None) -> None:
+        """Refuse, changing nothing, a write that write_state would refuse (with `data`, its
+        values too)."""
+        self.reads.check_write(tensor_name, role, offset, length, data)
 
     @modeled_command("write_state")
     def write_state(self, tensor_name: str, role: str, offset: int, data: bytes | memoryview) -> int:

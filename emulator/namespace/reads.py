@@ -9,6 +9,7 @@ import numpy as np
 from ...protocol.status import DeviceError, Status
 from ..layout import Copy
 from . import param_fp8
+from .held_loads import check_values
 from .common import LOADABLE_ROLES, MOMENT_ROLES, ROLES, WouldBlock, decoded_moment_bytes
 from .media import NamespaceMedia
 from .state import NamespaceCore
@@ -143,14 +144,20 @@ class Reads:
         finally:
             self.core.lock.release()
 
-    def check_write(self, tensor_name: str, role: str, offset: int, length: int) -> None:
+    def check_write(self, tensor_name: str, role: str, offset: int, length: int,
+                    data: bytes | memoryview | None = None) -> None:
         """Refuse, changing nothing, a write that write_state would refuse for its file,
-        range or timing (state is writable only before the first step)."""
+        range or timing (state is writable only before the first step), and with `data`
+        (its bytes) for its values (held_loads.check_values)."""
         tensor = self.core.tensor(tensor_name)
         if role not in LOADABLE_ROLES:
             raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
         self.core.check_range(tensor, role, offset, length)
         self.core.check_scaled_load(tensor, role, offset, length)
+        if data is not None and length:
+            scaled = self.core.scaled and role in MOMENT_ROLES
+            dtype = np.float32 if scaled else self.core.role_dtype(role)
+            check_values(tensor.name, role, offset // self.core.itemsize(role), np.frombuffer(data, dtype=dtype))
         if not self.core.loading:
             raise DeviceError(
                 Status.STATE_SEALED,

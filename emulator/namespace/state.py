@@ -11,13 +11,14 @@ import numpy as np
 
 from ...protocol.status import DeviceError, Status
 from ..accounting import NamespaceTiming
-from ..layout import SCALE_BLOCK, Copy, SuperblockFlags, TensorLayout, region_offset, scale_count
+from ..layout import Copy, SuperblockFlags, TensorLayout, region_offset, scale_count
 from ..media import SlotFile, StateFile
 from ..spec import GRAD_FORMATS, HALF_FORMATS, STATE_FORMATS, Hyperparameters, NamespaceSpec
 from ..state_counters import StateCounters
 from ..superblock import SkipCounts, Superblock
 from ..transaction import StepTransaction
 from ..workers import KernelWorkers
+from .held_loads import HeldLoads
 from .common import BLOCK_ROLES, MOMENT_ROLES, SCALE_ROLES, SCALED_BLOCK_ROLES, NamespaceCounters, hypers_of
 from ...protocol import param_fp8
 
@@ -115,6 +116,9 @@ class NamespaceCore:
         # restart the backing files' own times stand in (never older than the change).
         self.changed_ns = _backing_mtime_ns(directory)
         self.config_changed_ns = self.changed_ns
+        # Parts of block-scaled moments' scale blocks loaded so far, held until each block is
+        # whole (held_loads.py); the first step's begin refuses to seal while any is held.
+        self.held_loads = HeldLoads(directory=directory, numel_of=self._numel_of)
 
     # ------------------------------------------------------------------ the state's arrays
 
@@ -158,6 +162,10 @@ class NamespaceCore:
                                   "(create it with param_wire_dtype fp8_e4m3 or fp8_e5m2)")
             return param_fp8.out_bytes(tensor.numel)
         return tensor.numel * self.itemsize(role)
+
+    def _numel_of(self, name: str) -> int | None:
+        tensor = self.tensors.get(name)
+        return None if tensor is None else tensor.numel
 
     def tensor(self, name: str) -> TensorLayout:
         """The tensor named `name`; INVALID_NAMESPACE where there is none."""
@@ -208,14 +216,12 @@ class NamespaceCore:
             )
 
     def check_scaled_load(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
-        """A load of block-scaled moments (FP32 in, encoded per 256-element block) must cover
-        whole scale blocks, or end at the file's end: MISALIGNED_ACCESS otherwise."""
-        if not (self.scaled and role in MOMENT_ROLES) or length == 0:
+        """Refuse (MISALIGNED_ACCESS) a load of block-scaled moments that would leave more
+        scale blocks loaded only in part than held_loads holds. A range of whole elements
+        may cover parts of scale blocks: those parts are held until the rest of each block
+        is written (held_loads.HeldLoads), and the first step refuses to start before."""
+        if not (self.scaled and role in MOMENT_ROLES) or length <= 0:
             return
-        first, stop = offset // 4, (offset + length) // 4
-        if first % SCALE_BLOCK or (stop % SCALE_BLOCK and stop != tensor.numel):
-            raise DeviceError(
-                Status.MISALIGNED_ACCESS,
-                f"{tensor.name}/{role}: {self.spec.state_dtype} moments keep a scale per {SCALE_BLOCK} "
-                f"elements, so a load must cover whole {SCALE_BLOCK * 4}-byte blocks (or end at the "
-                f"file's end); got elements {first}..{stop}")
+        first = offset // 4
+        _, parts = self.held_loads.split(tensor.numel, first, first + length // 4)
+        self.held_loads.check_room(tensor.name, role, parts)

@@ -110,6 +110,8 @@ class StepEngine:
             raise DeviceError(Status.INVALID_FIELD, str(exc)) from None
         slices = grad_scales_rules.parse(self.core, expected, grad_scale, grad_scales)
         if self.core.loading:
+            # Not from moments written only in part (held_loads.py): refused, still loading.
+            self.core.held_loads.refuse_held(self.core.name)
             self._seal_locked()
         # The shadow copy still holds the previous step; it may be the only complete
         # copy on the media until the committed step is durable. Never overwrite it first.

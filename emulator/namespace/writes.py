@@ -13,9 +13,10 @@ import numpy as np
 from ... import kernels
 from ...kernels.state_formats import StateCounts
 from ...protocol.status import DeviceError, Status
-from ..layout import BLOCK_ELEMS, Copy, TensorLayout, region_offset
+from ..layout import BLOCK_ELEMS, SCALE_BLOCK, Copy, TensorLayout, region_offset
 from .common import BLOCK_ROLES, LOADABLE_ROLES, MOMENT_ROLES, CommitResult, WouldBlock, block_slice
 from ..transaction import ReadyBlock, StepTransaction, first_overlap
+from .held_loads import check_values
 from .media import NamespaceMedia
 from .outcomes import SharedStepRecord
 from .state import NamespaceCore
@@ -100,15 +101,28 @@ class GradientWrites:
         return {role: array[block_slice(role, 0, count)] for role, array in buffers.items()}
 
     def write_state(self, tensor_name: str, role: str, offset: int, data: bytes | memoryview) -> int:
-        """Load initial master weights or moments (only before the first step)."""
+        """Load initial master weights or moments (only before the first step). Refused,
+        changing nothing: values no step can start from (held_loads.check_values:
+        INVALID_FIELD), a range check_range refuses. A block-scaled moment's request that
+        covers only part of a scale block has that part held until the rest arrives
+        (held_loads.HeldLoads)."""
         tensor = self.core.tensor(tensor_name)
         if role not in LOADABLE_ROLES:
             raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
         length = len(data)
         self.core.check_range(tensor, role, offset, length)
-        self.core.check_scaled_load(tensor, role, offset, length)
         if length == 0:
             return 0
+        itemsize = self.core.itemsize(role)
+        first = offset // itemsize
+        scaled = self.core.scaled and role in MOMENT_ROLES
+        # What the request holds: FP32 (masters, fp32 moments, the FP32 loads of block-scaled
+        # ones) or BF16 bits; checked before the lock, nothing changed yet.
+        # A copy where the bytes could still change (a view of the CMB): what is checked is
+        # what is written.
+        source = np.frombuffer(data if _immutable(data) else bytes(data),
+                               dtype=np.float32 if scaled else self.core.role_dtype(role))
+        check_values(tensor.name, role, first, source)
         with self.core.lock:
             self.media.check()
             if not self.core.loading:
@@ -117,13 +131,10 @@ class GradientWrites:
                     f"{tensor.name}/{role} can only be written before the first step "
                     f"(namespace is at step {self.core.sb.committed_step})",
                 )
-            itemsize = self.core.itemsize(role)
-            first = offset // itemsize
-            if self.core.scaled and role in MOMENT_ROLES:
-                media_bytes = self._load_scaled_moment(tensor, role, first, data)
+            if scaled:
+                media_bytes = self._load_scaled_moment(tensor, role, first, source)
             else:
                 view = self.core.view(self.core.sb.committed_copy, tensor, role)
-                source = np.frombuffer(data, dtype=view.dtype)
                 view[first : first + len(source)] = source
                 media_bytes = length
             if role == "master":
@@ -134,20 +145,38 @@ class GradientWrites:
                 )
                 media_bytes += length // 2  # the param bytes derived from the master
             self.core.counters.state_bytes_loaded += length
-            self.core.changed_ns = time.time_ns()
+            if media_bytes:
+                self.core.changed_ns = time.time_ns()
             self.core.counters.write_commands += 1
             self.core.counters.media_bytes_written += media_bytes
             self.core.timing.add(host_in=length, media_write=media_bytes)
         return length
 
-    def _load_scaled_moment(self, tensor: TensorLayout, role: str, first: int, data: bytes | memoryview) -> int:
+    def _load_scaled_moment(self, tensor: TensorLayout, role: str, first: int, values: np.ndarray) -> int:
         """Encode FP32 moments written while loading into a block-scaled moment's codes and
-        scales, exactly as a step encodes (kernels.encode_state). A scale covers 256 elements,
-        so the write must cover whole scale blocks (or end at the tensor's end): MISALIGNED_ACCESS
-        otherwise, before anything is written. Returns the media bytes written."""
-        values = np.frombuffer(data, dtype=np.float32)
+        scales, exactly as a step encodes (kernels.encode_state). A scale covers 256 elements:
+        whole scale blocks are encoded at once, the parts of blocks at the request's ends are
+        held (core.held_loads) until the rest of their block arrives, then encoded. Under the
+        lock; returns the media bytes written."""
+        held = self.core.held_loads
         stop = first + len(values)
-        self.core.check_scaled_load(tensor, role, first * 4, len(data))
+        (lo, hi), parts = held.split(tensor.numel, first, stop)
+        held.check_room(tensor.name, role, parts)  # the one refusal: before anything changes
+        media_bytes = self._encode_moment(tensor, role, lo, values[lo - first : hi - first])
+        if hi > lo:  # a later whole block replaces what was held of it
+            held.drop(tensor.name, role, lo // SCALE_BLOCK, -(-hi // SCALE_BLOCK))
+        for block, start, end in parts:
+            whole = held.add(tensor.name, role, tensor.numel, block, start, values[start - first : end - first])
+            if whole is not None:
+                media_bytes += self._encode_moment(tensor, role, block * SCALE_BLOCK, whole)
+        return media_bytes
+
+    def _encode_moment(self, tensor: TensorLayout, role: str, first: int, values: np.ndarray) -> int:
+        """Encode whole scale blocks of FP32 moments from element `first` (a block's first, the
+        last block ending at the tensor's end) into the committed copy's codes and scales."""
+        if not len(values):
+            return 0
+        stop = first + len(values)
         copy = self.core.sb.committed_copy
         codes = self.core.view(copy, tensor, role)[first:stop]
         scales = self.core.view(copy, tensor, role + "_scale")[block_slice(role + "_scale", first, stop)]

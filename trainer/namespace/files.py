@@ -373,8 +373,9 @@ class NamespaceFiles:
                 self.check_grad(tensor, values)
         if any(role in ("exp_avg", "exp_avg_sq") for _, role, _ in items) \
                 and self.config().get("state_dtype") in ("fp16", "int8"):
-            # Block-scaled moments load only in whole 256-element blocks, and the CMB may cut
-            # a tensor anywhere: each moment goes whole through its file (a one-off load).
+            # Block-scaled moments are encoded per 256-element block: each goes whole through
+            # its file (a one-off load), one pwrite; the device holds a block that the kernel's
+            # requests (or a CMB batch) cut until its rest arrives (docs/media-format.md).
             moments = [item for item in items if item[1] in ("exp_avg", "exp_avg_sq")]
             rest = [item for item in items if item[1] not in ("exp_avg", "exp_avg_sq")]
             written = sum(self.write(tensor, role, values) for tensor, role, values in moments)

@@ -1,0 +1,181 @@
+"""Initial state loads on the device: block-scaled moments cut anywhere (whole elements) load as one write does, parts of scale blocks are held and never used, and values no step can start from are refused, changing nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cossd.emulator import Device, DeviceError, NamespaceSpec, Status, TensorSpec
+from cossd.emulator.layout import BLOCK_ELEMS
+from cossd.emulator.namespace.held_loads import HeldLoads
+
+SCALED = ("fp16", "int8")
+W = 3 * BLOCK_ELEMS + 300  # several kernel blocks and a short last scale block
+TENSORS = (TensorSpec("w", W), TensorSpec("b", 7))
+
+
+def make(device: Device, state_dtype: str, name: str = "q"):  # type: ignore[no-untyped-def]
+    return device.create_namespace(NamespaceSpec(name=name, tensors=TENSORS, state_dtype=state_dtype))
+
+
+def moments(seed: int, numel: int = W) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    decades = 10.0 ** rng.integers(-8, 0, numel)
+    return {"exp_avg": (rng.standard_normal(numel) * decades).astype(np.float32),
+            "exp_avg_sq": (np.abs(rng.standard_normal(numel)) * decades ** 2).astype(np.float32)}
+
+
+def load_all(ns, values: dict[str, np.ndarray], cuts: list[int], reverse: bool = False) -> None:  # type: ignore[no-untyped-def]
+    """Each moment written in requests cut at byte offsets `cuts` (whole elements)."""
+    for role, x in values.items():
+        raw = x.tobytes()
+        edges = [0, *cuts, len(raw)]
+        pieces = [(a, raw[a:b]) for a, b in zip(edges, edges[1:])]
+        for offset, piece in reversed(pieces) if reverse else pieces:
+            assert ns.write_state("w", role, offset, piece) == len(piece)
+
+
+def state_of(ns) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+    return {f"{t}/{r}": ns.read(t, r, 0, 1 << 40) for t in ("w", "b") for r in ("master", "exp_avg", "exp_avg_sq")}
+
+
+# The cuts the kernel makes of a 1 MiB-request mount's write() from a buffer 16 bytes into its
+# page (1 MiB - 16, then every 1 MiB), and stranger ones: mid-block, a block's last element
+# alone, two cuts inside one block.
+CUTS = [[BLOCK_ELEMS * 4 - 16, 2 * BLOCK_ELEMS * 4 - 16], [4, 1020, 1024, 1028, 5000], [2044, 2048, 2052]]
+
+
+@pytest.mark.parametrize("state_dtype", SCALED)
+@pytest.mark.parametrize("cuts", CUTS)
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_whole_block_load_cut_anywhere_equals_one_write(device: Device, state_dtype: str, cuts: list[int],
+                                                          reverse: bool) -> None:
+    whole, cut = make(device, state_dtype, "whole"), make(device, state_dtype, "cut")
+    values = moments(1)
+    load_all(whole, values, [])
+    load_all(cut, values, cuts, reverse)
+    assert state_of(cut) == state_of(whole)
+    assert len(cut.core.held_loads) == 0
+    assert cut.begin_step() == whole.begin_step() == 1
+
+
+@pytest.mark.parametrize("state_dtype", SCALED)
+def test_a_part_never_completed_is_never_used_and_the_first_step_is_refused(device: Device, state_dtype: str) -> None:
+    ns = make(device, state_dtype)
+    values = moments(2)
+    load_all(ns, values, [])  # every block whole
+    before, seq = state_of(ns), ns.seq
+    # The first 300 elements of new values, then of block 1 all but its last element.
+    ns.write_state("w", "exp_avg", 0, (values["exp_avg"][:300] * 3).tobytes())
+    ns.write_state("w", "exp_avg", 4 * 256, (values["exp_avg"][256:511] * 5).tobytes())
+    assert len(ns.core.held_loads) == 1  # block 0 was whole and encoded; of block 1 elements 256..510 held
+    after = state_of(ns)
+    decoded = np.frombuffer(after["w/exp_avg"], np.float32)
+    assert after["w/exp_avg_sq"] == before["w/exp_avg_sq"]
+    # Block 0 was written whole (new values); blocks 1 and beyond are as loaded before.
+    assert after["w/exp_avg"][4 * 256:] == before["w/exp_avg"][4 * 256:]
+    assert not np.array_equal(decoded[:256], np.frombuffer(before["w/exp_avg"], np.float32)[:256])
+    for _attempt in range(2):
+        with pytest.raises(DeviceError) as caught:
+            ns.begin_step()
+        assert caught.value.status == Status.MISALIGNED_ACCESS
+        assert "w/exp_avg elements 256..511" in str(caught.value) and "element 511" in str(caught.value)
+        assert ns.loading and ns.seq == seq and state_of(ns) == after and ns.step_open is None
+    # The missing element completes block 1: encoded from what was held (x5), then x5 values.
+    ns.write_state("w", "exp_avg", 4 * 511, (values["exp_avg"][511:512] * 5).tobytes())
+    assert len(ns.core.held_loads) == 0
+    reference = make(device, state_dtype, "ref")
+    x = values["exp_avg"].copy()
+    x[:256] *= 3
+    x[256:512] *= 5
+    load_all(reference, {"exp_avg": x, "exp_avg_sq": values["exp_avg_sq"]}, [])
+    assert state_of(ns)["w/exp_avg"] == state_of(reference)["w/exp_avg"]
+    assert ns.begin_step() == 1
+
+
+@pytest.mark.parametrize("state_dtype", SCALED)
+def test_a_whole_block_write_replaces_what_was_held(device: Device, state_dtype: str) -> None:
+    ns = make(device, state_dtype)
+    values = moments(3)
+    ns.write_state("w", "exp_avg_sq", 4 * 300, np.ones(100, np.float32).tobytes())  # part of block 1
+    assert len(ns.core.held_loads) == 1
+    load_all(ns, values, [])
+    assert len(ns.core.held_loads) == 0
+    reference = make(device, state_dtype, "ref")
+    load_all(reference, values, [])
+    assert state_of(ns) == state_of(reference)
+    assert ns.begin_step() == 1
+
+
+def test_holding_is_bounded_and_its_refusal_changes_nothing(device: Device) -> None:
+    ns = make(device, "int8")
+    ns.core.held_loads.max_blocks = 2
+    ns.write_state("w", "exp_avg", 4, bytes(8))
+    ns.write_state("w", "exp_avg", 4 * 257, bytes(8))
+    before = state_of(ns)
+    with pytest.raises(DeviceError) as caught:
+        ns.write_state("w", "exp_avg", 4 * 511, bytes(8))  # parts of blocks 1 (held) and 2 (new)
+    assert caught.value.status == Status.MISALIGNED_ACCESS and "at most 2" in str(caught.value)
+    with pytest.raises(DeviceError):
+        ns.check_write("w", "exp_avg", 4 * 511, 8)
+    assert state_of(ns) == before and len(ns.core.held_loads) == 2
+    ns.write_state("w", "exp_avg", 4 * 260, bytes(4))  # another part of a held block: taken
+
+
+def test_split() -> None:
+    held = HeldLoads()
+    assert held.split(1000, 0, 1000) == ((0, 1000), [])
+    assert held.split(1000, 10, 20) == ((10, 10), [(0, 10, 20)])
+    assert held.split(1000, 10, 600) == ((256, 512), [(0, 10, 256), (2, 512, 600)])
+    assert held.split(100, 10, 100) == ((10, 10), [(0, 10, 100)])
+    assert held.split(1000, 768, 1000) == ((768, 1000), [])
+
+
+# ------------------------------------------------------------------ values no step can start from
+
+BAD = [("master", np.nan), ("master", np.inf), ("exp_avg", -np.inf), ("exp_avg", np.nan),
+       ("exp_avg_sq", -1.0), ("exp_avg_sq", -1e-30), ("exp_avg_sq", np.nan), ("exp_avg_sq", np.inf)]
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "fp16", "int8"])
+@pytest.mark.parametrize("role,bad", BAD)
+def test_impossible_initial_state_is_refused_and_changes_nothing(device: Device, state_dtype: str, role: str,
+                                                                 bad: float) -> None:
+    ns = make(device, state_dtype)
+    good = moments(4)
+    good["master"] = np.random.default_rng(4).standard_normal(W).astype(np.float32)
+    for r, x in good.items():
+        ns.write_state("w", r, 0, (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+                       if state_dtype == "bf16" and r != "master" else x.tobytes())
+    before = state_of(ns) | {"param": ns.read("w", "param", 0, 1 << 40)}
+    values = good[role].copy()
+    values[700] = bad
+    raw = values.tobytes()
+    if state_dtype == "bf16" and role != "master":
+        raw = (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    with pytest.raises(DeviceError) as caught:
+        ns.write_state("w", role, 0, raw)
+    assert caught.value.status == Status.INVALID_FIELD
+    message = str(caught.value)
+    assert f"w/{role}" in message and "element 700" in message and "nothing was written" in message
+    assert (state_of(ns) | {"param": ns.read("w", "param", 0, 1 << 40)}) == before
+    assert len(ns.core.held_loads) == 0
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_negative_zero_exp_avg_sq_is_taken(device: Device, state_dtype: str) -> None:
+    ns = make(device, state_dtype)
+    zeros = np.full(W, -0.0, np.float32)
+    raw = (zeros.view(np.uint32) >> 16).astype(np.uint16).tobytes() if state_dtype == "bf16" else zeros.tobytes()
+    assert ns.write_state("w", "exp_avg_sq", 0, raw) == len(raw)
+
+
+def test_refused_values_never_reach_a_step(device: Device) -> None:
+    """The reviewer's case: exp_avg_sq -1 loaded, then finite gradients: step 1 was NaN."""
+    ns = make(device, "fp32")
+    ns.write_state("w", "master", 0, np.ones(W, np.float32).tobytes())
+    with pytest.raises(DeviceError):
+        ns.write_state("w", "exp_avg_sq", 0, np.full(W, -1.0, np.float32).tobytes())
+    ns.write_grad("w", 0, np.full(W, 0.01, np.float16).tobytes())
+    ns.write_grad("b", 0, np.full(7, 0.01, np.float16).tobytes())
+    assert ns.committed_step == 1 and ns.statistics()["steps_skipped"] == 0
+    assert np.isfinite(np.frombuffer(ns.read("w", "master", 0, 1 << 40), np.float32)).all()
