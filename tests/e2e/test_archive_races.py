@@ -26,7 +26,7 @@ from cossd.emulator.archive import restore as archive_restore, versions as archi
 from cossd.emulator.jobs import JobTable
 from cossd.emulator.namespace import NamespaceSpec
 from cossd.emulator.superblock import Superblock
-from s3_server import KEY, SECRET, WeedServer, start_weed
+from s3_server import WeedServer, weed_in_environment
 from served import ServedDevice, write_token
 from test_archive import make_namespace, train
 
@@ -36,31 +36,15 @@ BUCKET = "cossd-races"
 MIB = 1 << 20
 TINY = (("w", 300_000), ("b", 7))  # 4.2 MB of state: one chunk
 WAIT_S = 120.0
-_NAMES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
 @pytest.fixture(scope="module")
 def weed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WeedServer]:
     """SeaweedFS on loopback with the bucket made, named by AWS_* in this process's environment
     (so the daemons started meanwhile find it too); the server itself, to pause it."""
-    from s3_server import MISSING, WEED
-
-    if WEED is None:
-        pytest.skip(MISSING)
-    server = start_weed(tmp_path_factory.mktemp("seaweedfs"), BUCKET)
-    saved = {name: os.environ.get(name) for name in _NAMES}
-    try:
-        os.environ.update(AWS_ENDPOINT_URL=server.endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET)
+    with weed_in_environment(tmp_path_factory.mktemp("seaweedfs"), BUCKET) as server:
         archive.Store().check_bucket(archive.Location(BUCKET, ""))
         yield server
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        pause(server, False)
-        server.stop()
 
 
 def pause(server: WeedServer, stopped: bool) -> None:

@@ -50,6 +50,21 @@ def _replies(sock: socket.socket) -> list[bytes]:
             return replies
 
 
+def _serve_one(path: datapath.DataPath, request: bytes, caplog: pytest.LogCaptureFixture) -> list[bytes]:
+    """`request` served by the data path's loop as the kernel's only one; every reply it wrote."""
+    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    requests = iter([request])
+    path._device = ours.fileno()
+    path._receive = lambda poller: next(requests, None)  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.INFO, logger="cossd.fs"):
+            path._serve_until_stopped(None)  # type: ignore[arg-type]
+        return _replies(kernel)
+    finally:
+        ours.close()
+        kernel.close()
+
+
 def test_a_write_answered_before_its_namespace_is_deleted_gets_one_reply(
         operations: Operations, caplog: pytest.LogCaptureFixture) -> None:
     device = operations.device
@@ -64,17 +79,7 @@ def test_a_write_answered_before_its_namespace_is_deleted_gets_one_reply(
 
     operations.write_data = write_then_delete  # type: ignore[method-assign]
     path = datapath.DataPath(operations, session_fd=-1, threads=1)
-    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    requests = iter([_write_request(7, fh, bytes(2 * NUMEL))])
-    path._device = ours.fileno()
-    path._receive = lambda poller: next(requests, None)  # type: ignore[method-assign]
-    try:
-        with caplog.at_level(logging.INFO, logger="cossd.fs"):
-            path._serve_until_stopped(None)  # type: ignore[arg-type]
-        replies = _replies(kernel)
-    finally:
-        ours.close()
-        kernel.close()
+    replies = _serve_one(path, _write_request(7, fh, bytes(2 * NUMEL)), caplog)
     assert len(replies) == 1, [datapath.OUT_HEADER.unpack_from(r) for r in replies]
     length, error, unique, size, _ = datapath.WRITE_OUT.unpack(replies[0])
     assert (length, error, unique, size) == (datapath.WRITE_OUT.size, 0, 7, 2 * NUMEL)
@@ -94,17 +99,7 @@ def test_a_second_reply_never_follows_a_failure_after_the_first(
         raise RuntimeError("a bug after the reply")
 
     path._schedule_flush = broken  # type: ignore[method-assign]
-    ours, kernel = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    requests = iter([_write_request(8, fh, bytes(2 * NUMEL))])
-    path._device = ours.fileno()
-    path._receive = lambda poller: next(requests, None)  # type: ignore[method-assign]
-    try:
-        with caplog.at_level(logging.INFO, logger="cossd.fs"):
-            path._serve_until_stopped(None)  # type: ignore[arg-type]
-        replies = _replies(kernel)
-    finally:
-        ours.close()
-        kernel.close()
+    replies = _serve_one(path, _write_request(8, fh, bytes(2 * NUMEL)), caplog)
     assert [datapath.OUT_HEADER.unpack_from(r)[1:] for r in replies] == [(0, 8)]
     assert "request failed" in caplog.text  # the bug is still logged
 
