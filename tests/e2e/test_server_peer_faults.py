@@ -175,6 +175,25 @@ def test_a_refused_write_changes_nothing(served: Served, token_file: Path) -> No
         assert admin.statistics(a)["committed_step"] == 1 and admin.statistics(b)["committed_step"] == 1
 
 
+def test_a_write_of_impossible_state_changes_nothing(served: Served, token_file: Path) -> None:
+    """A WRITE of a loading namespace's state whose 2nd range holds a negative exp_avg_sq (no
+    step can start from it) is refused, and its 1st range (the masters) was not taken: the
+    values are checked with the ranges, before any is written."""
+    with AdminClient(served.url, 10, token_file=token_file) as admin:
+        transport = admin.transport
+        admin.create_namespace({"name": "s", "tensors": [["w", 1024]]})
+        master = transport.open_file("ns/s/tensors/w/master", True, False)
+        moment = transport.open_file("ns/s/tensors/w/exp_avg_sq", True, False)
+        ones = np.ones(1024, np.float32).tobytes()
+        negative = np.full(1024, -1.0, np.float32).tobytes()
+        with pytest.raises(OSError, match="INVALID_FIELD"):
+            transport.write_many([(master, memoryview(ones), 0), (moment, memoryview(negative), 0)])
+        reader = transport.open_file("ns/s/tensors/w/master", False, False)
+        back = bytearray(4096)
+        transport.read_at(reader, memoryview(back), 0)
+        assert bytes(back) != ones, "the refused WRITE's masters were written"
+
+
 # ---------------------------------------------------------------------- a client that stops reading
 
 
