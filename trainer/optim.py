@@ -455,8 +455,8 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
         try:
             if self._ranks is None or self._ranks.world == 1:
                 self._follow_changed_params()
-            else:
-                self._refuse_changed_params_of_ranks()
+            # Several ranks: _step_sharded and _step_group check after the step's collectives
+            # (the gradients' average, the norm), so a rank that refuses leaves none waiting there.
             if self._group is not None:
                 result = self._step_group(loss_scale, timing)
             elif self._ranks is not None:

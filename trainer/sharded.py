@@ -59,6 +59,7 @@ class ShardedSession:
     _seq: int  # the job's shared steps begun so far (the same count on every rank)
     _shard: list[Piece]
     step_timeout_s: float
+    _refuse_changed_params_of_ranks: Callable[[], None]  # step_guards.StepGuards
     _average: bool | None
     # How a ZeRO-1 rank gets the params back (distributed.param_gather_option); every rank's
     # shard, for the all-gather (None until the shards are planned: reads before then are
@@ -335,6 +336,9 @@ class ShardedSession:
         if self.max_grad_norm is not None:
             self.last_grad_norm = distributed.global_norm(self._squares(pieces), ranks) / loss_scale
             coefficient = grad_rules.clip_coefficient(self.last_grad_norm, self.max_grad_norm)
+        # After this step's collectives, before its begin: a rank whose params were written
+        # outside the optimizer refuses here, and the others' step is aborted at its bound.
+        self._refuse_changed_params_of_ranks()
         timing["begin_s"] = self._begin_shared(pieces, coefficient / loss_scale)
         committing = clock()
         timing["grads_s"] = committing - started - timing["begin_s"]

@@ -96,7 +96,7 @@ class StepGuards:
         changed = self._changed_params()
         if not changed:
             return
-        ranks = self._ranks
+        ranks = self.__dict__.get("_group_ranks") if self._group is not None else self._ranks
         assert ranks is not None
         if self._group is not None:
             if not self._reads_alone():

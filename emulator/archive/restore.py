@@ -297,8 +297,9 @@ def restore(url: str, backing: Path, *, name: str | None = None, endpoint_url: s
         # existing device is opened, which takes the same lock itself).
         held = _lock_target(backing)
     except BaseException:
-        if created_dir:
-            backing.rmdir()
+        if created_dir:  # only where still empty: another restore that made it too may hold it
+            with contextlib.suppress(OSError):
+                backing.rmdir()
         raise
     try:
         formatted = _prepare_target(backing)

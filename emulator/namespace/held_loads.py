@@ -24,9 +24,7 @@ negative exp_avg_sq (a mean of squares).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -34,7 +32,7 @@ import numpy as np
 
 from ...protocol.status import DeviceError, Status
 from ..layout import SCALE_BLOCK
-from ..media import media_error
+from ..media import atomic_write_json, fsync_dir, media_error, read_json
 
 log = logging.getLogger("cossd.emulator.namespace")
 
@@ -43,8 +41,8 @@ log = logging.getLogger("cossd.emulator.namespace")
 # so only requests far out of order, or a writer that never completes its blocks, come near.
 MAX_HELD_BLOCKS = 4096
 # In the namespace's folder while any block is held in part: [[tensor, role, block], ...].
-# Written without fsync, as the loaded state itself is until the first step seals it: it
-# survives what the page cache survives (a kill -9, an unmount).
+# Replaced atomically and synced, before a request's part is held and after a block is whole
+# again (best effort: a listing of more blocks only refuses more).
 HELD_FILE = "held_loads.json"
 
 
@@ -74,10 +72,10 @@ class HeldLoads:
         nothing written: their values were lost with it."""
         assert self._path is not None
         try:
-            listed = json.loads(self._path.read_bytes())
+            listed = read_json(self._path)
         except FileNotFoundError:
             return
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # written atomically and synced: damaged media
             raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{self._path} cannot be read: {exc}") from None
         for item in listed if isinstance(listed, list) else []:
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
@@ -95,26 +93,31 @@ class HeldLoads:
                         "before stopped; their values are lost: the first step is refused until they are "
                         "written again", self._path.parent, len(self._held))
 
-    def _save(self) -> None:
-        """HELD_FILE made to list the blocks held now (removed where none is), where the set
-        changed."""
-        keys = frozenset(self._held)
+    def _save(self, keys: frozenset[tuple[str, str, int]]) -> None:
+        """HELD_FILE made to list `keys` (removed where there are none), synced: raises the
+        media error where it could not be."""
         if self._path is None or keys == self._saved:
             return
         try:
             if keys:
-                tmp = self._path.with_name(f".{HELD_FILE}.tmp")
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                try:
-                    os.write(fd, json.dumps(sorted([list(key) for key in keys])).encode())
-                finally:
-                    os.close(fd)
-                os.replace(tmp, self._path)
+                atomic_write_json(self._path, sorted([list(key) for key in keys]))
             else:
                 self._path.unlink(missing_ok=True)
+                fsync_dir(self._path.parent)
+        except DeviceError:
+            raise
         except OSError as exc:
             raise media_error(exc, f"writing {HELD_FILE}") from exc
         self._saved = keys
+
+    def _forget_keys(self) -> None:
+        """HELD_FILE brought down to the blocks held now, where blocks left: best effort, since
+        a listing of more blocks than are held only refuses the first step after a restart
+        until those blocks are written again (never the other way round)."""
+        try:
+            self._save(frozenset(self._held))
+        except DeviceError as exc:
+            log.warning("%s: %s (it still names blocks that are whole now)", HELD_FILE, exc.message)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -133,6 +136,15 @@ class HeldLoads:
         if hi < stop:
             parts.append((hi // SCALE_BLOCK, hi, stop))
         return (lo, hi), parts
+
+    def reserve(self, tensor: str, role: str, parts: list[tuple[int, int, int]]) -> None:
+        """check_room, then HELD_FILE made to name the blocks these parts will hold, before any
+        of the request is taken: where that fails the request is refused, nothing changed, and
+        HELD_FILE always names at least the blocks held."""
+        self.check_room(tensor, role, parts)
+        new = {(tensor, role, block) for block, _, _ in parts} - set(self._held)
+        if new:
+            self._save(frozenset(self._held) | new)
 
     def check_room(self, tensor: str, role: str, parts: list[tuple[int, int, int]]) -> None:
         """Refuse (MISALIGNED_ACCESS, changing nothing) parts of blocks that would hold more
@@ -156,27 +168,28 @@ class HeldLoads:
         for key in [key for key in self._held
                     if key[0] == tensor and key[1] == role and first_block <= key[2] < stop_block]:
             del self._held[key]
-        self._save()
+        self._forget_keys()
 
     def add(self, tensor: str, role: str, numel: int, block: int, start: int,
             values: np.ndarray) -> np.ndarray | None:
-        """Hold FP32 `values` of elements [start, start + len(values)) of `block`; the whole
-        block's values once every element of it has been written (no longer held), else None."""
+        """Hold FP32 `values` of elements [start, start + len(values)) of `block` (reserve()
+        named it in HELD_FILE); the whole block's values once every element of it has been
+        written, else None. A whole block stays held until the caller has encoded it
+        (finished()), so a failure in between leaves it held, never lost."""
         key = (tensor, role, block)
         held = self._held.get(key)
         length = self._block_len(numel, block)
         if held is None:
-            held = _Held(np.zeros(length, np.float32), np.zeros(length, bool))
+            held = self._held[key] = _Held(np.zeros(length, np.float32), np.zeros(length, bool))
         base = block * SCALE_BLOCK
         held.values[start - base : start - base + len(values)] = values
         held.written[start - base : start - base + len(values)] = True
-        if held.written.all():
-            self._held.pop(key, None)
-            self._save()
-            return held.values
-        self._held[key] = held
-        self._save()
-        return None
+        return held.values if held.written.all() else None
+
+    def finished(self, tensor: str, role: str, block: int) -> None:
+        """Block `block`, whole, was encoded: no longer held."""
+        if self._held.pop((tensor, role, block), None) is not None:
+            self._forget_keys()
 
     def refuse_held(self, namespace: str) -> None:
         """Refuse (MISALIGNED_ACCESS, changing nothing) to end the loading while a scale block
@@ -187,6 +200,8 @@ class HeldLoads:
         written = self._held[(tensor, role, block)].written
         base = block * SCALE_BLOCK
         missing = np.flatnonzero(~written)
+        if not len(missing):  # written whole, its encoding failed (a media error): write it again
+            missing = np.arange(len(written))
         raise DeviceError(
             Status.MISALIGNED_ACCESS,
             f"namespace {namespace!r}: {len(self._held)} scale block(s) of {SCALE_BLOCK} elements of initial "

@@ -161,7 +161,7 @@ class GradientWrites:
         held = self.core.held_loads
         stop = first + len(values)
         (lo, hi), parts = held.split(tensor.numel, first, stop)
-        held.check_room(tensor.name, role, parts)  # the one refusal: before anything changes
+        held.reserve(tensor.name, role, parts)  # the one refusal: before anything changes
         media_bytes = self._encode_moment(tensor, role, lo, values[lo - first : hi - first])
         if hi > lo:  # a later whole block replaces what was held of it
             held.drop(tensor.name, role, lo // SCALE_BLOCK, -(-hi // SCALE_BLOCK))
@@ -169,6 +169,7 @@ class GradientWrites:
             whole = held.add(tensor.name, role, tensor.numel, block, start, values[start - first : end - first])
             if whole is not None:
                 media_bytes += self._encode_moment(tensor, role, block * SCALE_BLOCK, whole)
+                held.finished(tensor.name, role, block)
         return media_bytes
 
     def _encode_moment(self, tensor: TensorLayout, role: str, first: int, values: np.ndarray) -> int:

@@ -367,15 +367,18 @@ def test_weights_loaded_after_the_optimizer_are_refused_on_every_rank(mount: Mou
     assert statistics(mount, namespace)["committed_step"] == step - 1
 
 
-def test_weights_loaded_on_one_rank_fail_the_step_on_every_rank(mount: Mount, tmp_path: Path) -> None:
-    """Only rank 1 loads other weights before step 2: it refuses; rank 0, whose gradients
-    are in, is told the step was not committed once its bound passes; the device keeps
-    step 1."""
-    namespace, out = "loaded-one-rank", tmp_path / "job"
-    codes = run_job(mount, out, namespace, 2, 3, load={"step": 2, "ranks": [1]}, step_timeout_s=5.0)
+@pytest.mark.parametrize("options", [{}, {"clip": 1.0}, {"ddp": False}], ids=["ddp", "clipped", "averaged"])
+def test_weights_loaded_on_one_rank_fail_the_step_on_every_rank(mount: Mount, tmp_path: Path,
+                                                                options: dict[str, Any]) -> None:
+    """Only rank 1 loads other weights before step 2: it refuses after the step's collectives
+    (the norm's gather where it clips, the gradients' average where no DDP averaged them), so
+    rank 0 waits in none of them; rank 0, whose gradients are in, is told the step was not
+    committed once its bound passes; the device keeps step 1."""
+    out, namespace = tmp_path / "job", "loaded-one-" + "-".join(sorted(options) or ["ddp"])
+    codes = run_job(mount, out, namespace, 2, 3, load={"step": 2, "ranks": [1]}, step_timeout_s=5.0, **options)
     assert codes == [3, 6], (codes, (out / "logs.txt").read_text()[-3000:])
     _refused(out, 1)
-    assert "step 2 of namespace 'loaded-one-rank' was not committed" in (out / "error0.txt").read_text()
+    assert f"step 2 of namespace {namespace!r} was not committed" in (out / "error0.txt").read_text()
     assert statistics(mount, namespace)["committed_step"] == 1
 
 
