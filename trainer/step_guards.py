@@ -89,10 +89,11 @@ class StepGuards:
         """_follow_changed_params for a job of several ranks, on this rank's own params: where
         they differ from the device's, this step is refused on this rank, before or after the
         first commit (the ranks would have to agree to make them the masters, which takes a
-        collective no step has), and a step open for every rank is aborted, so the other ranks
-        hear why (or, where none was open yet, wait out their step_timeout_s). The device's
-        values are read by this rank alone; where that is a collective (several devices with
-        param_gather="allgather") nothing is checked (docs/trainer.md says so)."""
+        collective no step has). Called after the step's collectives and before its begin
+        (sharded.py, group.py), so no step is open yet: the other ranks' step is aborted at
+        their step_timeout_s. The device's values are read by this rank alone; where that is
+        a collective (several devices with param_gather="allgather") nothing is checked
+        (docs/trainer.md says so)."""
         changed = self._changed_params()
         if not changed:
             return
@@ -110,7 +111,6 @@ class StepGuards:
             return
         why = (f"rank {ranks.rank}: {len(differing)} param(s) ({_listed(differing)}) were written outside the "
                "optimizer (model.load_state_dict, say) and differ from the device's")
-        self._abort(why)
         raise RuntimeError(
             f"cossd: {why} (namespace {self.files.name!r}, step {self.committed_step}): the device keeps the FP32 "
             "master weights and moments and would write its own values over them at this step. Nothing was sent "
