@@ -20,7 +20,7 @@ from ..emulator.face import DATA_ROLE, LOADABLE_ROLES, AnyNamespace, Controller,
 from .admin_queue import AdminHandle
 from .handles import FileHandle, Stat
 from .nodes import FILE_KINDS, SNAPSHOT_KINDS, Kind, Node, fuse_error
-from .refusals import OversizeWriteLog
+from .refusals import RefusedWriteLog
 from .times import NodeTimes
 from .tree import Tree
 
@@ -84,7 +84,7 @@ class Operations(pyfuse3.Operations):
         self.limiter = trio.CapacityLimiter(worker_threads or max(2, os.cpu_count() or 2))
         self.nursery: trio.Nursery | None = None
         self.errors_by_errno: collections.Counter[int] = collections.Counter()
-        self.oversize_writes = OversizeWriteLog()  # why a writer got EFBIG, in the daemon's log
+        self.refused_writes = RefusedWriteLog()  # why a writer got its errno, in the daemon's log
         self._handles: dict[int, AdminHandle | FileHandle] = {}
         # The next file handle: next() of a count is atomic, so the data path's threads and
         # the event loop may open files at once.
@@ -112,7 +112,7 @@ class Operations(pyfuse3.Operations):
             return exc.errno
         if isinstance(exc, DeviceError):
             log.debug("%s: %s", what, exc)
-            self.oversize_writes.note(exc)
+            self.refused_writes.note(exc, what)
             self.errors_by_errno[exc.errno] += 1
             return exc.errno or errno.EIO
         log.error("unexpected error in %s%r", what, args, exc_info=exc)

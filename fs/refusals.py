@@ -1,10 +1,11 @@
-"""The daemon log's line for a write refused as past a file's end, which the writer sees only as EFBIG."""
+"""The daemon log's line for a write the device refused, which the writer sees only as an errno."""
 from __future__ import annotations
 
+import errno
 import logging
-import threading
-import time
+import os
 
+from ..emulator.face import LogLimiter
 from ..protocol.status import DeviceError, Status
 
 log = logging.getLogger(__name__)
@@ -14,27 +15,22 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 10.0
 
 
-class OversizeWriteLog:
-    """Logs why a write got "File too large" (LBA_OUT_OF_RANGE): the file, the write and the
-    file's size, and for a grad file the likely cause. Rate-limited; the lines left out are
-    counted in the next one."""
+class RefusedWriteLog:
+    """Logs why a write got its errno (EFBIG past a file's end, EINVAL for values no step can
+    start from or a cut element, EROFS, ...): the device's own reason, naming the file and the
+    write, and for a grad file past its end the likely cause. Rate-limited; the lines left out
+    are counted in the next one."""
 
     def __init__(self, interval_s: float = INTERVAL_S) -> None:
-        self.interval_s = interval_s
-        self._lock = threading.Lock()  # the data path's threads and the event loop both refuse writes
-        self._last = -interval_s
-        self._left_out = 0
+        self._limiter = LogLimiter(log, window_s=interval_s)
 
-    def note(self, exc: DeviceError) -> None:
-        if exc.status != Status.LBA_OUT_OF_RANGE or "write of" not in exc.message:
+    def note(self, exc: DeviceError, what: str = "write") -> None:
+        """`exc` refused request `what` (a FUSE operation's name): logged where it is a write."""
+        if what != "write":
             return
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last < self.interval_s:
-                self._left_out += 1
-                return
-            self._last, left_out, self._left_out = now, self._left_out, 0
+        code = exc.errno or errno.EIO
         hint = ("; a gradient in another dtype than the namespace's grad_dtype (FP32 into an "
-                "FP16/BF16 grad file is twice its size)") if "/grad:" in exc.message else ""
-        more = f" ({left_out} more such writes since the last line)" if left_out else ""
-        log.warning("write refused with EFBIG (File too large): %s%s%s", exc.message, hint, more)
+                "FP16/BF16 grad file is twice its size)") \
+            if exc.status == Status.LBA_OUT_OF_RANGE and "/grad:" in exc.message else ""
+        self._limiter.warning(f"write refused with {errno.errorcode.get(code, code)} ({os.strerror(code)}): "
+                              f"{exc.message}{hint}")

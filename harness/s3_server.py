@@ -57,7 +57,8 @@ class WeedServer:
 def _start_once(root: Path, ip: str, popen: Callable[..., subprocess.Popen[bytes]],
                 reach: Callable[[Callable[[], Any]], Any]) -> WeedServer | None:
     master, volume, filer, gateway, lance, *grpc = free_ports(9)
-    command = [WEED, "server", f"-ip={ip}", f"-ip.bind={ip}", f"-dir={root / 'data'}",
+    # -logtostderr: its log into weed.log below, not glog's files in /tmp (which pile up).
+    command = [WEED, "-logtostderr", "server", f"-ip={ip}", f"-ip.bind={ip}", f"-dir={root / 'data'}",
                f"-master.port={master}", f"-master.port.grpc={grpc[0]}", "-master.telemetry=false",
                f"-volume.port={volume}", f"-volume.port.grpc={grpc[1]}", "-volume.max=8",
                "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}",

@@ -375,11 +375,14 @@ class Writes:
 def _check_singles(singles: list[tuple[OpenFile, AnyNamespace, int, memoryview]]) -> None:
     """Refuse, before any is written, a WRITE whose state or NVM data ranges a write would
     refuse: past a file's end, misaligned, state after the first step, state values no step
-    can start from (the receive buffer's bytes, which nothing changes meanwhile)."""
+    can start from (the receive buffer's bytes, which nothing changes meanwhile), more scale
+    blocks held in part than a namespace holds, counting the WRITE's ranges together."""
+    pending: dict[int, set[tuple[str, str, int]]] = {}  # by namespace: the blocks its ranges leave in part
     for opened, namespace, offset, view in singles:
         optimizer = namespace.as_optimizer()
         if optimizer is not None:
-            optimizer.check_write(cast(str, opened.tensor), opened.role, offset, len(view), view)
+            optimizer.check_write(cast(str, opened.tensor), opened.role, offset, len(view), view,
+                                  pending.setdefault(id(namespace), set()))
             continue
         nvm = namespace.as_nvm()
         capacity = nvm.capacity_bytes if nvm is not None else 0

@@ -102,7 +102,7 @@ class DeviceGroup:
     _fanout: DeviceFanout  # runs each phase of a step on every device at once
     # Notes each param's version after the params are read back (optim.py), declared here only.
     _note_params: Callable[[], None]
-    _refuse_changed_params_of_ranks: Callable[[], None]
+    _check_changed_params_of_ranks: Callable[[], None]
     _params_behind: bool  # the model's params may not be the committed step's (optim._ensure_consistent)
     _step_begun: bool  # a BEGIN went to some device in this step() (optim.step)
 
@@ -421,9 +421,10 @@ class DeviceGroup:
         # and the step takes about the slowest device's time, not the sum of theirs.
         fanout = self._fanout
         if ranks.world > 1:
-            # After the step's collectives (the norms' gather), before any begin: a rank whose
-            # params were written outside the optimizer refuses here (step_guards.py).
-            self._refuse_changed_params_of_ranks()
+            # After the step's collectives (the norms' gather), before any begin: params written
+            # outside the optimizer are taken as the masters before the first commit or refused
+            # (step_guards.py).
+            self._check_changed_params_of_ranks()
         self._step_begun = True  # from here a failed step() is checked (optim._ensure_consistent)
         began = fanout.run(lambda at: children[at]._begin_shared(pieces[at], coefficient / loss_scale),
                            range(len(children)))

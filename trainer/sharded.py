@@ -59,7 +59,7 @@ class ShardedSession:
     _seq: int  # the job's shared steps begun so far (the same count on every rank)
     _shard: list[Piece]
     step_timeout_s: float
-    _refuse_changed_params_of_ranks: Callable[[], None]  # step_guards.StepGuards
+    _check_changed_params_of_ranks: Callable[[], None]  # step_guards.StepGuards
     _average: bool | None
     # How a ZeRO-1 rank gets the params back (distributed.param_gather_option); every rank's
     # shard, for the all-gather (None until the shards are planned: reads before then are
@@ -336,9 +336,11 @@ class ShardedSession:
         if self.max_grad_norm is not None:
             self.last_grad_norm = distributed.global_norm(self._squares(pieces), ranks) / loss_scale
             coefficient = grad_rules.clip_coefficient(self.last_grad_norm, self.max_grad_norm)
-        # After this step's collectives, before its begin: a rank whose params were written
-        # outside the optimizer refuses here, and the others' step is aborted at its bound.
-        self._refuse_changed_params_of_ranks()
+        # After this step's collectives, before its begin: params written outside the
+        # optimizer become the masters before the first commit, where every rank agrees (one
+        # exchange of every rank), else are refused here (after it, by this rank alone: the
+        # others' step is aborted at its bound).
+        self._check_changed_params_of_ranks()
         timing["begin_s"] = self._begin_shared(pieces, coefficient / loss_scale)
         committing = clock()
         timing["grads_s"] = committing - started - timing["begin_s"]
@@ -364,6 +366,20 @@ class ShardedSession:
         else:
             # DeviceSession's, next in optim._DeviceAdam's order (not a base of this mixin).
             super()._read_params()  # type: ignore[misc]
+
+    def _write_shard_masters(self) -> None:
+        """This rank's shard of the FP32 master weights, from the params as they are now, into
+        the namespace while it still loads (before the first BEGIN seals it): FSDP2's rows of
+        this rank (HSDP: replica 0's), else the pieces this rank sends gradients for. Every
+        element is some rank's (shard.plan_shards). The device rounds each master to the wire
+        dtype's param as it is written. (step_guards: weights loaded before the first step.)"""
+        if self._fsdp:
+            items = fsdp.local_masters(self.entries, self._shard, self._fsdp_views)
+        else:
+            items = [(piece.name, piece.start, self.entries[piece.index].param.detach().reshape(-1)
+                      [piece.start : piece.stop].to("cpu", torch.float32)) for piece in self._shard]
+        if items:
+            self.files.write_pieces(items, role="master")
 
     def _read_params_alone(self) -> None:
         """_read_params with no collective of the ranks: FSDP2's rows of this rank, else every

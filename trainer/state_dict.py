@@ -247,7 +247,7 @@ class StateDict:
                 for group, options in zip(self.param_groups, before):  # the old run goes on as it was
                     group.update(options)
                 raise
-            self.__dict__["_inconsistent"] = None  # every device holds the loaded state, the model its params
+            self.__dict__["_inconsistent"] = self.__dict__["_masters_half_loaded"] = None  # every device holds the loaded state, the model its params
             return
         if getattr(self, "_ranks", None) is not None:
             try:  # rank 0 replaces the one namespace atomically, every rank reads its params (sharded.py)
@@ -256,7 +256,7 @@ class StateDict:
                 for group, options in zip(self.param_groups, before):  # the old run goes on as it was
                     group.update(options)
                 raise
-            self.__dict__["_inconsistent"] = None  # the device holds the loaded state, the model its params
+            self.__dict__["_inconsistent"] = self.__dict__["_masters_half_loaded"] = None  # the device holds the loaded state, the model its params
             return
         self._abort()
         hook = self.load_hook or (lambda stage: None)
@@ -273,7 +273,7 @@ class StateDict:
         self.last_step_skipped = False
         # The device rounds the masters to the wire dtype; the model continues from that.
         self._read_params()
-        self.__dict__["_inconsistent"] = None  # the device holds the loaded state, the model its params
+        self.__dict__["_inconsistent"] = self.__dict__["_masters_half_loaded"] = None  # the device holds the loaded state, the model its params
 
 
 def moment_file_dtype(state_dtype: str) -> torch.dtype:

@@ -1,7 +1,8 @@
 """What keeps an optimizer's step from using or recording a state the device does not hold: params written into the model outside the optimizer, and the devices, the step and the params left apart by a step that failed part way."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import hashlib
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -30,6 +31,7 @@ class StepGuards:
     _read_group_params: Callable[[], None]
     _read_params_alone: Callable[[], None]
     _abort: Callable[..., None]
+    _refresh_pieces: Callable[..., None]  # group.py: split tensors' pieces pointed at the params
     load_state_dict: Callable[..., None]
 
     # ------------------------------------------------------------------ params changed outside
@@ -56,7 +58,7 @@ class StepGuards:
         would train from them; after that, refused. Written values equal to the device's
         (a DDP broadcast, a load of the same weights) change nothing. One process (FSDP2 on a
         mesh of one and several devices included); a job of several ranks:
-        _refuse_changed_params_of_ranks."""
+        _check_changed_params_of_ranks."""
         changed = self._changed_params()
         if not changed:
             return
@@ -85,15 +87,113 @@ class StepGuards:
         self.load_state_dict({"state": {}, "param_groups": groups},
                              master=[_local_of(entry.param) for entry in self.entries])
 
+    def _check_changed_params_of_ranks(self) -> None:
+        """_follow_changed_params for a job of several ranks. Called after the step's
+        collectives and before its begin (sharded.py, group.py), so no step is open yet.
+        Before the first commit every rank takes part (_agree_on_changed_params); after it,
+        each rank checks its own params (_refuse_changed_params_of_ranks)."""
+        if self.committed_step == 0:
+            self._agree_on_changed_params()
+        else:
+            self._refuse_changed_params_of_ranks()
+
+    def _agree_on_changed_params(self) -> None:
+        """Before the first commit, every rank (one exchange a step() until then): where some
+        rank's params were written outside the optimizer and differ from the device's (weights
+        loaded after the optimizer was made: torchtitan's seed checkpoint, Hugging Face
+        weights), they become the masters, as in one process, once every rank agrees: the
+        namespace still loads (no step began: each rank then writes its own shard's masters,
+        sharded.py), and the ranks that hold the same elements (every rank of a model held
+        whole, DDP or ZeRO-1; the replicas of HSDP) hold the same values. Else every rank's
+        step() refuses, saying why, and nothing is sent. Every rank then reads the params
+        back (the device rounds the masters to the wire dtype). A failure on one rank between
+        two exchanges goes to every rank in the next, so each raises it."""
+        ranks = self.__dict__.get("_group_ranks") if self._group is not None else self._ranks
+        assert ranks is not None
+        changed = self._changed_params()
+        if not any(ranks.gather(bool(changed))):
+            return
+        # Every rank reads the device's values here, so a read that is a collective
+        # (param_gather="allgather") runs on every rank alike.
+        read = self._read_group_params if self._group is not None else self._read_params
+        members: list[Any] = self._group if self._group is not None else [self]
+        view: dict[str, Any] = {}
+        try:
+            view["differing"] = self._differing_from_device(changed, read)
+            view["loading"] = all(bool(member.files.statistics()["loading"]) for member in members)
+        except Exception as exc:
+            view = {"error": f"{type(exc).__name__}: {exc}"}
+        views = self._exchange(ranks, view)
+        loaded = [rank for rank, theirs in enumerate(views) if theirs["differing"]]
+        if not loaded:
+            self._note_params()  # the values written are the device's (a DDP broadcast, say)
+            return
+        names = _listed(sorted({name for theirs in views for name in theirs["differing"]}))
+        what = (f"the params of rank(s) {', '.join(map(str, loaded))} ({names}) were written outside the optimizer "
+                f"(model.load_state_dict, say) before the first step of namespace {self.files.name!r}")
+        if not all(theirs["loading"] for theirs in views):
+            raise RuntimeError(
+                f"cossd: {what}, but a step began on the device already (a skipped step), so they cannot become the "
+                "masters in place. Nothing was sent from any rank. Load them with optimizer.load_state_dict(state, "
+                "master=params) on every rank, or load them before making the optimizer")
+        try:
+            held = {"rows": [_rows_key(entry.param) for entry in self.entries],
+                    "digest": _digest_of([_local_of(entry.param) for entry in self.entries])}
+        except Exception as exc:
+            held = {"error": f"{type(exc).__name__}: {exc}"}
+        holders: dict[str, list[tuple[int, str]]] = {}
+        for rank, theirs in enumerate(self._exchange(ranks, held)):
+            holders.setdefault(repr(theirs["rows"]), []).append((rank, theirs["digest"]))
+        apart = [[rank for rank, _ in same] for same in holders.values() if len({d for _, d in same}) > 1]
+        if apart:
+            raise RuntimeError(
+                f"cossd: {what}, and ranks that hold the same elements hold different values (ranks "
+                f"{'; '.join(', '.join(map(str, group)) for group in apart)}): a model held whole on every rank "
+                "(DDP, ZeRO-1), or each replica of an HSDP shard, trains from one set of master weights, so those "
+                "ranks must load the same weights. Nothing was sent from any rank, nothing changed on the device. "
+                "Load the same weights on every rank, or load them before making the optimizer")
+        failure: BaseException | None = None
+        try:
+            if self._group is not None:
+                self._refresh_pieces()  # the pieces of split tensors: views of the params as they are now
+            for member in members:
+                member._write_shard_masters()
+        except Exception as exc:
+            failure = exc
+        # A barrier that carries each rank's failure: no rank begins a step (which seals the
+        # loading) before every rank's masters are in. A failure leaves the namespace loading,
+        # part of its masters new, and the params as loaded: the next step() writes them
+        # again (or a restarted job's open loads its model's weights again); until then what
+        # would record the masters refuses (_inconsistency).
+        failures = [(rank, theirs["error"]) for rank, theirs in enumerate(ranks.gather(
+            {"error": f"{type(failure).__name__}: {failure}"} if failure is not None else {})) if "error" in theirs]
+        if failures:
+            text = f"cossd: {what}; writing them as the masters failed, nothing was sent: " + "; ".join(
+                f"rank {rank}: {why}" for rank, why in failures)
+            self.__dict__["_masters_half_loaded"] = text
+            raise RuntimeError(text) from failure
+        self.__dict__["_masters_half_loaded"] = None
+        read()  # the params the device holds now (rounded to the wire dtype), each version noted
+
+    @staticmethod
+    def _exchange(ranks: Ranks, view: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's `view`, in rank order; where some rank's holds "error", every rank
+        raises a RuntimeError naming each failed rank and its error (nothing was sent)."""
+        views = ranks.gather(view)
+        failed = [(rank, theirs["error"]) for rank, theirs in enumerate(views) if "error" in theirs]
+        if failed:
+            raise RuntimeError("cossd: checking the params written outside the optimizer before the first step "
+                               "failed, nothing was sent: "
+                               + "; ".join(f"rank {rank}: {why}" for rank, why in failed))
+        return views
+
     def _refuse_changed_params_of_ranks(self) -> None:
-        """_follow_changed_params for a job of several ranks, on this rank's own params: where
-        they differ from the device's, this step is refused on this rank, before or after the
-        first commit (the ranks would have to agree to make them the masters, which takes a
-        collective no step has). Called after the step's collectives and before its begin
-        (sharded.py, group.py), so no step is open yet: the other ranks' step is aborted at
-        their step_timeout_s. The device's values are read by this rank alone; where that is
-        a collective (several devices with param_gather="allgather") nothing is checked
-        (docs/trainer.md says so)."""
+        """_follow_changed_params for a job of several ranks after the first commit, on this
+        rank's own params: where they differ from the device's, this step is refused on this
+        rank (the device's moments belong to its masters). No step is open yet: the other
+        ranks' step is aborted at their step_timeout_s. The device's values are read by this
+        rank alone; where that is a collective (several devices with param_gather="allgather")
+        nothing is checked (docs/trainer.md says so)."""
         changed = self._changed_params()
         if not changed:
             return
@@ -122,8 +222,9 @@ class StepGuards:
     def _differing_from_device(self, changed: list[Entry], read: Callable[[], None]) -> list[str]:
         """The names of the `changed` entries whose values are not the device's: the device's
         values read into the params (`read`, as a read-back does), compared, and the loaded
-        values put back whatever happens."""
-        loaded = [_local_of(entry.param).detach().clone() for entry in changed]
+        values put back whatever happens. The loaded values wait in host memory: a GPU need
+        not hold a second copy of every changed param (a whole model's, after a load)."""
+        loaded = [_local_of(entry.param).detach().to("cpu", copy=True) for entry in changed]
         behind = self._params_behind
         try:
             read()
@@ -134,7 +235,7 @@ class StepGuards:
             self._params_behind = behind
             raise
         differing = [entry.name for entry, values in zip(changed, loaded)
-                     if not torch.equal(_local_of(entry.param).detach(), values)]
+                     if not torch.equal(_local_of(entry.param).detach().cpu(), values)]
         for entry, values in zip(changed, loaded):
             _local_of(entry.param).detach().copy_(values)
         return differing
@@ -165,6 +266,12 @@ class StepGuards:
         state (after re-reading the params where every device is at the optimizer's step and
         only they may be behind: a read-back that failed); else the refusal's text. With
         `check_devices` a group's devices are asked even where no step() failed."""
+        half = self.__dict__.get("_masters_half_loaded")
+        if half is not None and doing != "step()":
+            return (f"cossd: namespace {self.files.name!r}: {doing} refused: weights loaded before the first step "
+                    f"were being written as the masters, and that failed part way ({half}), so the device's masters "
+                    "are partly the loaded ones. The next step() writes them all again; or restart the job (its open "
+                    "loads the model's weights again)")
         what = self.__dict__.get("_inconsistent")
         behind = bool(self.__dict__.get("_params_behind"))
         if what is None and not behind and not (check_devices and self.__dict__.get("_group") is not None):
@@ -218,6 +325,24 @@ class StepGuards:
 
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _rows_key(param: torch.Tensor) -> tuple[int, ...]:
+    """Which elements of `param` this rank holds, as comparable across ranks: an FSDP2/HSDP
+    DTensor's coordinates on its mesh's sharded dimensions (HSDP's replicas of a shard share
+    them), () for a param held whole."""
+    if not fsdp.is_dtensor(param):
+        return ()
+    coordinate: Sequence[int] = param.device_mesh.get_coordinate() or ()
+    return tuple(at for at, placement in zip(coordinate, param.placements) if placement.is_shard())
+
+
+def _digest_of(tensors: list[torch.Tensor]) -> str:
+    """A digest of the tensors' bytes, to tell whether the ranks hold the same values."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        digest.update(tensor.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _local_of(param: torch.Tensor) -> torch.Tensor:

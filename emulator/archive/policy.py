@@ -388,8 +388,7 @@ class PolicyRunner:
                 continue
             location = root.child(namespace.name, version["tag"])
             store.delete(location.bucket, location.key(archive.MANIFEST_OBJECT))
-            for name in (archive.STATE_OBJECT, archive.SUPERBLOCK_OBJECT, archive.META_OBJECT):
-                store.delete(location.bucket, location.key(name))
+            archive.drop_unnamed(store, location, None)  # its objects, and any a replacement left
             state.deleted_remote += 1
             log.info("namespace %s: %s deleted from the store (keeping %d)", namespace.name,
                      location.url, policy.keep_remote)

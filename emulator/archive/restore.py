@@ -23,7 +23,7 @@ from ..superblock import Superblock
 from .versions import chunk_ranges, read_manifest
 from ..snapshots.clone import write_fresh_records
 from .store import (DEFAULT_MEMORY_BYTES, MANIFEST_OBJECT, META_OBJECT, MIN_CHUNK_BYTES, STATE_OBJECT,
-                            SUPERBLOCK_OBJECT, Location, Store, parse_url)
+                            SUPERBLOCK_OBJECT, Location, Store, object_key, parse_url)
 from ..backing import SUPERBLOCK_FILE, BackingDirectory
 
 log = logging.getLogger("cossd.emulator.archive")
@@ -34,7 +34,7 @@ STAGING_DIR = ".cossd-restore"
 
 
 def _checked_object(store: Store, version: Location, manifest: dict[str, Any], name: str) -> bytes:
-    data = store.get(version.bucket, version.key(name))
+    data = store.get(version.bucket, object_key(version, manifest, name))
     expected = manifest["objects"][name]
     if len(data) != expected["bytes"] or kernels.crc32c(data) != expected["crc32c"]:
         raise DeviceError(Status.UNRECOVERED_READ_ERROR,
@@ -52,11 +52,11 @@ def download_state(store: Store, version: Location, manifest: dict[str, Any], fd
     if len(crcs) != len(ranges):
         raise DeviceError(Status.UNRECOVERED_READ_ERROR,
                           f"{version.url}: the manifest lists {len(crcs)} chunks, its sizes give {len(ranges)}")
-    stored = store.size(version.bucket, version.key(STATE_OBJECT))
+    key = object_key(version, manifest, STATE_OBJECT)
+    stored = store.size(version.bucket, key)
     if stored != size:
         raise DeviceError(Status.UNRECOVERED_READ_ERROR,
                           f"{version.url}/{STATE_OBJECT} holds {stored} bytes, the manifest says {size}")
-    key = version.key(STATE_OBJECT)
 
     def fetch(index: int) -> None:
         start, stop = ranges[index]

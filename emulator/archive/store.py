@@ -10,6 +10,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from ...protocol.manifest_seal import SEAL_FIELD
 from ...protocol.status import DeviceError, Status
@@ -61,6 +62,19 @@ class Location:
     @property
     def url(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+
+# A replaced version's objects carry a generation (random hex) before their names: the new
+# objects go beside the old ones, the new manifest names them, and only then do the old go.
+GENERATION_CHARS = frozenset("0123456789abcdef")
+
+
+def object_key(version: Location, manifest: Any, name: str) -> str:
+    """The key of object `name` (STATE_OBJECT, ...) of the version whose manifest (or listing)
+    is `manifest`: `<generation>.<name>` where it names a generation (a version replaced by
+    an overwrite), else `name`."""
+    generation = manifest.get("generation") if manifest is not None else None
+    return version.key(f"{generation}.{name}" if generation else name)
 
 
 def parse_url(url: object) -> Location:
@@ -296,6 +310,17 @@ class Store:
             self.client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id,
                                                   MultipartUpload={"Parts": parts})
         self._count()
+
+    def abort_uploads(self, location: Location, keep: str | None = None) -> None:
+        """Abort every unfinished multipart upload under `location`'s folder (a replacement's
+        cut short: its generation is never resumed), but those of key `keep`."""
+        prefix = location.key() + "/" if location.prefix else ""
+        with self.errors(f"listing the uploads under {location.url}"):
+            uploads = self.client.list_multipart_uploads(Bucket=location.bucket, Prefix=prefix).get("Uploads", [])
+        self._count()
+        for upload in uploads:
+            if upload["Key"] != keep:
+                self.abort(location.bucket, upload["Key"], upload["UploadId"])
 
     def abort(self, bucket: str, key: str, upload_id: str) -> None:
         with contextlib.suppress(DeviceError), self.errors(f"aborting an upload of s3://{bucket}/{key}"):

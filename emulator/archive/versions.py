@@ -12,6 +12,7 @@ docs/tiers.md describes the layout and the procedure.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 from .store import (DAEMON, DEFAULT_CHUNK_BYTES, DEFAULT_MEMORY_BYTES, LIST_KEYS, MANIFEST_CHECKSUM,  # noqa: F401
                             MANIFEST_FORMAT, MANIFEST_OBJECT, MANIFEST_VERSION, UNCHECKED_MANIFEST_VERSION, MAX_CHUNK_BYTES, MAX_MEMORY_BYTES, MAX_PARTS,
                             META_OBJECT, MIN_CHUNK_BYTES, PAYLOAD_KEYS, STATE_OBJECT, SUPERBLOCK_OBJECT,
-                            Location, Store, Traffic, parse_endpoint, parse_url)
+                            GENERATION_CHARS, Location, Store, Traffic, object_key, parse_endpoint, parse_url)
 
 log = logging.getLogger("cossd.emulator.archive")
 
@@ -128,7 +129,7 @@ def stored_version_of(store: Store, version: Location, namespace: Namespace, sna
     if int(manifest["step"]) != snapshot.step or int(manifest["state_bytes"]) != namespace.snapshots.copy_bytes \
             or _same_layout(manifest["spec"]) != _same_layout(namespace.spec.to_json()):
         return False
-    raw = store.get(version.bucket, version.key(SUPERBLOCK_OBJECT))
+    raw = store.get(version.bucket, object_key(version, manifest, SUPERBLOCK_OBJECT))
     expected = manifest["objects"][SUPERBLOCK_OBJECT]
     stored = Superblock.decode(raw, namespace.total_blocks, len(namespace.spec.group_hypers))
     if len(raw) != expected["bytes"] or kernels.crc32c(raw) != expected["crc32c"] or stored is None:
@@ -273,8 +274,10 @@ def upload_state(store: Store, fd: int, size: int, bucket: str, key: str, reques
 
 
 def manifest_for(namespace: Namespace, snapshot: Snapshot, request: Request, crcs: list[int],
-                 superblock: bytes, meta: bytes, serial: str, lineage: str) -> dict[str, Any]:
-    return {
+                 superblock: bytes, meta: bytes, serial: str, lineage: str,
+                 generation: str | None = None) -> dict[str, Any]:
+    named = {"generation": generation} if generation else {}  # object_key: a replaced version's objects
+    return named | {
         "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
         "namespace": namespace.name, "nsid": namespace.nsid, "lineage": lineage, "tag": snapshot.tag,
         "snapshot_id": snapshot.snapshot_id, "step": snapshot.step,
@@ -371,9 +374,13 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
         store = Store(request.endpoint_url, request.in_flight, traffic, holder=DAEMON)  # counted as they move
         store.check_bucket(version)
         manifest_key = version.key(MANIFEST_OBJECT)
-        if store.exists(version.bucket, manifest_key) and not request.overwrite:
+        replacing = store.exists(version.bucket, manifest_key)
+        if replacing and not request.overwrite:
             raise DeviceError(Status.SNAPSHOT_EXISTS, f"{version.url} is archived already "
                                                       "(replaced only when asked: overwrite, `cossd archive --force`)")
+        # The version replaced stays whole until the new manifest takes its place: the new
+        # objects go under a generation of their own (object_key), its old ones go after.
+        generation = {"generation": secrets.token_hex(8)} if replacing else None
         lineage = lineage_of(device, namespace)
         with _RUNNING:
             if version.url in running:
@@ -388,27 +395,61 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
     completed = False
 
     def work(job: Job) -> None:
-        # Without the old manifest first, a version being replaced never looks complete.
-        if request.overwrite:
-            store.delete(version.bucket, manifest_key)
         crcs = upload_state(store, source_fd, job.bytes_total, version.bucket,
-                            version.key(STATE_OBJECT), request, job)
-        store.put(version.bucket, version.key(SUPERBLOCK_OBJECT), superblock)
-        store.put(version.bucket, version.key(META_OBJECT), meta)
-        manifest = manifest_for(namespace, snapshot, request, crcs, superblock, meta, serial, lineage)
-        store.put(version.bucket, manifest_key, encode_manifest(manifest))
+                            object_key(version, generation, STATE_OBJECT), request, job)
+        store.put(version.bucket, object_key(version, generation, SUPERBLOCK_OBJECT), superblock)
+        store.put(version.bucket, object_key(version, generation, META_OBJECT), meta)
+        manifest = manifest_for(namespace, snapshot, request, crcs, superblock, meta, serial, lineage,
+                                generation["generation"] if generation else None)
+        store.put(version.bucket, manifest_key, encode_manifest(manifest))  # the version is the new one
         nonlocal completed
         completed = True
+        if generation:
+            drop_unnamed(store, version, manifest)
         log.info("namespace %s: snapshot %s (step %d) archived to %s", namespace.name,
                  snapshot.tag, snapshot.step, version.url)
 
     def cleanup() -> None:
         os.close(source_fd)
+        # The new objects of a replacement that did not happen. Where its manifest's PUT failed
+        # as the client saw it, the store may hold it all the same: they go only where the
+        # manifest there is shown not to name them.
+        if generation and not completed and _names_generation(store, version, generation["generation"]) is False:
+            for name in (STATE_OBJECT, SUPERBLOCK_OBJECT, META_OBJECT):
+                try:
+                    store.delete(version.bucket, object_key(version, generation, name))
+                except DeviceError as exc:
+                    log.warning("%s: %s", version.url, exc.message)
+            with contextlib.suppress(DeviceError):
+                store.abort_uploads(version, keep=version.key(STATE_OBJECT))  # a plain upload may resume
         with _RUNNING:
             running.discard(version.url)
         store.bump("archives_completed" if completed else "archives_failed")
 
     return jobs.start(job, work, cleanup)
+
+
+def drop_unnamed(store: Store, version: Location, manifest: dict[str, Any] | None) -> None:
+    """Every object and unfinished upload of the version's folder that `manifest` does not
+    name (None: all of them): after a replacement, the replaced version's and those of a
+    replacement cut short before (a kill -9); for a version deleted, everything. Best effort:
+    a leftover only takes space."""
+    named = set() if manifest is None else {version.key(MANIFEST_OBJECT)} | {
+        object_key(version, manifest, name) for name in (STATE_OBJECT, SUPERBLOCK_OBJECT, META_OBJECT)}
+    try:
+        for key in [key for key in store.keys(version) if key not in named]:
+            store.delete(version.bucket, key)
+        store.abort_uploads(version)
+    except DeviceError as exc:
+        log.warning("%s: objects of a version it replaced were left in the store: %s", version.url, exc.message)
+
+
+def _names_generation(store: Store, version: Location, generation: str) -> bool | None:
+    """Whether the manifest at `version` names `generation` now (None: it cannot be told)."""
+    try:
+        return read_manifest(store, version, accept_unchecked=True).get("generation") == generation
+    except DeviceError as exc:
+        return False if exc.status == Status.SNAPSHOT_NOT_FOUND else None
 
 
 # ---------------------------------------------------------------------- the manifest
@@ -452,6 +493,9 @@ def decode_manifest(raw: bytes, url: str, *, accept_unchecked: bool = False) -> 
         int(manifest["state_bytes"]), int(manifest["chunk_bytes"]), int(manifest["step"])
         if not isinstance(manifest.get("lineage", ""), str):
             raise ValueError(f"lineage {manifest['lineage']!r} is not a string")
+        generation = manifest.get("generation", "0")
+        if not (isinstance(generation, str) and 0 < len(generation) <= 32 and set(generation) <= GENERATION_CHARS):
+            raise ValueError(f"generation {generation!r} is not a short hex string")
         [int(crc) for crc in manifest["chunks_crc32c"]]
         for name in (SUPERBLOCK_OBJECT, META_OBJECT):
             int(manifest["objects"][name]["bytes"]), int(manifest["objects"][name]["crc32c"])
@@ -493,7 +537,9 @@ def list_versions(store: Store, root: Location,
                          "archived": manifest["archived"], "url": location.url,
                          "endpoint": store.endpoint, "manifest_checked": manifest["manifest_checked"],
                          # None: archived before manifests named their lineage.
-                         "lineage": manifest.get("lineage")})
+                         "lineage": manifest.get("lineage"),
+                         # Where its objects are (object_key); None: their plain names.
+                         "generation": manifest.get("generation")})
     return sorted(versions, key=lambda v: (v["namespace"], v["step"], v["tag"]))
 
 

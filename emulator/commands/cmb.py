@@ -185,8 +185,9 @@ class CmbCommands:
             if fp8_out and places:
                 namespace.fill_param_fp8_places(places)
         else:
+            pending: set[tuple[str, str, int]] = set()  # the scale blocks the transfers leave in part
             for t, region in zip(transfers, regions):  # values too: no transfer taken before a bad one
-                namespace.check_write(t.tensor, t.role, t.offset, t.length, region.data)
+                namespace.check_write(t.tensor, t.role, t.offset, t.length, region.data, pending)
             for t, region in zip(transfers, regions):
                 io.write(namespace, t.tensor, t.role, t.offset, region.data, checked=True)  # the view's bytes
         moved = sum(t.length for t in transfers)

@@ -265,10 +265,12 @@ class Namespace:
         self.reads.check_read(tensor_name, role, offset, length)
 
     def check_write(self, tensor_name: str, role: str, offset: int, length: int,
-                    data: bytes | memoryview | None = None) -> None:
+                    data: bytes | memoryview | None = None,
+                    pending: set[tuple[str, str, int]] | None = None) -> None:
         """Refuse, changing nothing, a write that write_state would refuse (with `data`, its
-        values too)."""
-        self.reads.check_write(tensor_name, role, offset, length, data)
+        values too; with `pending`, one set per batch, the held scale blocks of the batch's
+        writes before it counted too)."""
+        self.reads.check_write(tensor_name, role, offset, length, data, pending)
 
     @modeled_command("write_state")
     def write_state(self, tensor_name: str, role: str, offset: int, data: bytes | memoryview) -> int:

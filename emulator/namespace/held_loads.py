@@ -146,15 +146,23 @@ class HeldLoads:
         if new:
             self._save(frozenset(self._held) | new)
 
-    def check_room(self, tensor: str, role: str, parts: list[tuple[int, int, int]]) -> None:
+    def check_room(self, tensor: str, role: str, parts: list[tuple[int, int, int]],
+                   pending: set[tuple[str, str, int]] | None = None) -> None:
         """Refuse (MISALIGNED_ACCESS, changing nothing) parts of blocks that would hold more
-        blocks than max_blocks."""
-        new = sum(1 for block, _, _ in parts if (tensor, role, block) not in self._held)
+        blocks than max_blocks. `pending`: the blocks that the requests before this one in
+        the same batch (a CMB_WRITE's transfers, a server WRITE's ranges) will hold, checked
+        before any of them is taken; this request's are added to it."""
+        keys = {(tensor, role, block) for block, _, _ in parts} - self._held.keys()
+        if pending is not None:
+            pending |= keys
+            keys = pending
+        new = len(keys)
         if new and len(self._held) + new > self.max_blocks:
             raise DeviceError(
                 Status.MISALIGNED_ACCESS,
                 f"{tensor}/{role}: {len(self._held)} scale blocks of {SCALE_BLOCK} elements are loaded only in part "
-                f"(at most {self.max_blocks} are held); complete them, or load in whole "
+                f"and this request{' with those before it in its batch' if pending is not None else ''} would hold "
+                f"{new} more (at most {self.max_blocks} are held); complete them, or load in whole "
                 f"{SCALE_BLOCK * 4}-byte blocks")
 
     @staticmethod

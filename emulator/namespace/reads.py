@@ -145,15 +145,17 @@ class Reads:
             self.core.lock.release()
 
     def check_write(self, tensor_name: str, role: str, offset: int, length: int,
-                    data: bytes | memoryview | None = None) -> None:
+                    data: bytes | memoryview | None = None,
+                    pending: set[tuple[str, str, int]] | None = None) -> None:
         """Refuse, changing nothing, a write that write_state would refuse for its file,
         range or timing (state is writable only before the first step), and with `data`
-        (its bytes) for its values (held_loads.check_values)."""
+        (its bytes) for its values (held_loads.check_values). `pending`: the scale blocks
+        the batch's writes checked before this one will hold in part (check_scaled_load)."""
         tensor = self.core.tensor(tensor_name)
         if role not in LOADABLE_ROLES:
             raise DeviceError(Status.ACCESS_DENIED, f"{role} is not writable")
         self.core.check_range(tensor, role, offset, length)
-        self.core.check_scaled_load(tensor, role, offset, length)
+        self.core.check_scaled_load(tensor, role, offset, length, pending)
         if data is not None and length:
             scaled = self.core.scaled and role in MOMENT_ROLES
             dtype = np.float32 if scaled else self.core.role_dtype(role)

@@ -215,7 +215,8 @@ class NamespaceCore:
                 f"({tensor.numel * itemsize} bytes)",
             )
 
-    def check_scaled_load(self, tensor: TensorLayout, role: str, offset: int, length: int) -> None:
+    def check_scaled_load(self, tensor: TensorLayout, role: str, offset: int, length: int,
+                          pending: set[tuple[str, str, int]] | None = None) -> None:
         """Refuse (MISALIGNED_ACCESS) a load of block-scaled moments that would leave more
         scale blocks loaded only in part than held_loads holds. A range of whole elements
         may cover parts of scale blocks: those parts are held until the rest of each block
@@ -224,4 +225,4 @@ class NamespaceCore:
             return
         first = offset // 4
         _, parts = self.held_loads.split(tensor.numel, first, first + length // 4)
-        self.held_loads.check_room(tensor.name, role, parts)
+        self.held_loads.check_room(tensor.name, role, parts, pending)

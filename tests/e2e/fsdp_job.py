@@ -123,6 +123,12 @@ def main() -> int:
         model.to(torch.bfloat16)
     if mode == "fsdp":
         shard(model, config)
+    if config.get("preload") is not None:
+        # Before the optimizer is made: the values a load of config["preload"] at step 1 gives
+        # (the test's reference for a load after the optimizer).
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(config["preload"])
     recorder = warnings.catch_warnings(record=True)
     caught = recorder.__enter__()
     warnings.simplefilter("always")

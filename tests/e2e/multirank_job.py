@@ -67,6 +67,11 @@ def main() -> int:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)  # the same initial weights on every rank (rank 0's go to the device)
     model = Net()
+    if config.get("preload") is not None:
+        # Before the optimizer is made: the values a load of config["preload"] into the BF16
+        # model at step 1 gives (the test's reference for a load after the optimizer).
+        model.load_state_dict({key: (value.detach().to(torch.bfloat16) + config["preload"]).float()
+                               for key, value in model.state_dict().items()})
     bases = [BASE_LR, 2 * BASE_LR]
     recorder = warnings.catch_warnings(record=True)  # every warning of the run, for the test
     caught = recorder.__enter__()

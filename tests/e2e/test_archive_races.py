@@ -65,11 +65,11 @@ def check_version(url: str, states: dict[int, bytes], tmp_path: Path) -> int | N
     except DeviceError as exc:
         assert exc.status == Status.SNAPSHOT_NOT_FOUND, exc.message
         return None
-    raw = store.get(location.bucket, location.key(archive.SUPERBLOCK_OBJECT))
+    raw = store.get(location.bucket, archive.object_key(location, manifest, archive.SUPERBLOCK_OBJECT))
     stored = Superblock.decode(raw, manifest["total_blocks"],
                                len(NamespaceSpec.from_json(manifest["spec"]).group_hypers))
     assert stored is not None
-    meta = json.loads(store.get(location.bucket, location.key(archive.META_OBJECT)))
+    meta = json.loads(store.get(location.bucket, archive.object_key(location, manifest, archive.META_OBJECT)))
     assert (meta["step"], meta["id"]) == (manifest["step"], manifest["snapshot_id"]), (meta, manifest)
     assert stored.committed_step == manifest["step"], \
         f"the manifest says step {manifest['step']}, its superblock holds step {stored.committed_step}"
@@ -156,6 +156,55 @@ def wait_job(job: Any) -> None:
     while job.state == "running":
         assert time.monotonic() < deadline, "the archive job did not end"
         time.sleep(0.02)
+
+
+def test_an_overwrite_keeps_the_version_it_replaces_until_it_is_complete(prepared: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cossd archive --force` of a tag archived already, after the tag was taken again at a
+    later step. Before, the old manifest was deleted first: a replacement that failed part way
+    left no version at all. Now the new objects go under a generation of their own and the
+    new manifest replaces the old one last: a replacement that fails (here its superblock's
+    upload) leaves the old version whole, restorable, and nothing of its own in the store; one
+    that succeeds leaves the new version and nothing of the old."""
+    url = f"s3://{BUCKET}/overwrite"
+    location = archive.parse_url(f"{url}/m/a1")
+    store = archive.Store()
+    states = {1: (prepared / "ns/m/snapshots/a1/state").read_bytes()}
+
+    def run(device: Device, overwrite: bool) -> Any:
+        job = archive.start(device, JobTable(), device.namespaces["m"].as_optimizer(),
+                            {"tag": "a1", "url": url, "chunk_bytes": 5 * MIB, "overwrite": overwrite},
+                            archive.Traffic(), set())
+        wait_job(job)
+        return job
+
+    with Device.open(prepared) as device:
+        assert run(device, False).state == "done"
+        first = sorted(store.keys(location))
+        namespace = device.namespaces["m"].as_optimizer()
+        namespace.snapshots.delete("a1")
+        namespace.snapshots.create("a1", device.reserve)  # step 2 now
+        states[2] = (prepared / "ns/m/snapshots/a1/state").read_bytes()
+        original_put = archive.Store.put
+
+        def put(self: archive.Store, bucket: str, key: str, data: bytes) -> None:
+            if key.endswith("." + archive.SUPERBLOCK_OBJECT):  # the new generation's
+                raise DeviceError(Status.DATA_TRANSFER_ERROR, "injected: the store refused the upload")
+            original_put(self, bucket, key, data)
+
+        monkeypatch.setattr(archive.Store, "put", put)
+        failed = run(device, True)
+        assert failed.state == "failed" and "injected" in str(failed.error), (failed.state, failed.error)
+        assert check_version(f"{url}/m/a1", states, tmp_path) == 1  # the old version, whole
+        assert sorted(store.keys(location)) == first  # nothing of the failed replacement left
+        monkeypatch.setattr(archive.Store, "put", original_put)
+        assert run(device, True).state == "done"
+    assert check_version(f"{url}/m/a1", states, tmp_path) == 2
+    manifest = archive.read_manifest(store, location)
+    assert sorted(store.keys(location)) == sorted(
+        [location.key(archive.MANIFEST_OBJECT)] + [archive.object_key(location, manifest, name) for name in
+                                                   (archive.STATE_OBJECT, archive.SUPERBLOCK_OBJECT, archive.META_OBJECT)])
+    assert manifest["generation"] and not set(first) & set(store.keys(location)) - {location.key(archive.MANIFEST_OBJECT)}
 
 
 @pytest.mark.parametrize("point", ["lookup", "check_bucket", "exists", "lineage"])

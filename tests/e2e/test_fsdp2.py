@@ -187,6 +187,53 @@ def test_hsdp_equals_one_device_bit_for_bit(mount: Mount, more_devices: list[Mou
     assert bits_equal(ranks[0]["masters"], masters)
 
 
+@pytest.mark.parametrize("mode,gather,devices", [("fsdp", "device", 1), ("ddp", "allgather", 1), ("fsdp", "device", 2)])
+def test_weights_loaded_before_the_first_step_become_the_masters_at_two_ranks(
+        mount: Mount, more_devices: list[Mount], tmp_path: Path, mode: str, gather: str, devices: int) -> None:
+    """2 ranks: params written outside the optimizer after it was made, before the first
+    step (torchtitan's seed checkpoint, Hugging Face weights loaded into an FSDP2 model),
+    become the masters once every rank agrees: each rank writes its own rows (FSDP2, on one
+    device and over two) or its shard (DDP with param_gather="allgather", whose read-back is
+    a collective), and the job ends bit for bit where one that loaded them before making the
+    optimizer ends (params and masters)."""
+    mounts = {"mounts": [str(device.mountpoint) for device in [mount, *more_devices][:devices]]} if devices > 1 else {}
+    held = {}
+    for name, options in (("adopted", {"load": {"step": 1, "ranks": [0, 1]}}), ("preloaded", {"preload": 0.01})):
+        out = tmp_path / name
+        ranks = finished(out, 2, run_job(mount, out, f"first-{mode}-{gather}-{devices}-{name}", 2, 3, mode=mode,
+                                         param_gather=gather, **mounts, **options))
+        assert all(r["result"]["committed_step"] == 3 for r in ranks)
+        held[name] = ranks
+    for adopted, preloaded in zip(held["adopted"], held["preloaded"]):
+        assert bits_equal(adopted["params"], preloaded["params"])
+    assert bits_equal(held["adopted"][0]["masters"], held["preloaded"][0]["masters"])
+
+
+@pytest.mark.parametrize("loaders", [[2, 3], pytest.param([0, 1, 2, 3], marks=pytest.mark.slow)])
+def test_weights_loaded_before_the_first_step_under_hsdp(mount: Mount, tmp_path: Path, loaders: list[int]) -> None:
+    """HSDP at 4 ranks (2 replicas x 2 shards): replica 0's ranks write the masters. Weights
+    loaded by every rank become them (bit for bit as loaded before making the optimizer);
+    loaded by replica 1's ranks only, the replicas of a shard disagree, so every rank's
+    step() refuses, and nothing is committed (replica 1's load was silently dropped)."""
+    name = "hsdp-first-" + "".join(map(str, loaders))
+    out = tmp_path / "job"
+    codes = run_job(mount, out, name, 4, 3, hsdp=[2, 2], load={"step": 1, "ranks": loaders})
+    if len(loaders) < 4:
+        assert codes == [7] * 4, (codes, (out / "logs.txt").read_text()[-3000:])
+        for rank in range(4):
+            text = (out / f"error{rank}.txt").read_text()
+            assert "ranks that hold the same elements hold different values (ranks 0, 2; 1, 3)" in text, text
+        with AdminClient(mount.mountpoint) as admin:
+            assert int(admin.statistics(admin.nsid(name))["committed_step"]) == 0
+        return
+    adopted = finished(out, 4, codes)
+    preloaded = finished(tmp_path / "pre", 4, run_job(mount, tmp_path / "pre", name + "-pre", 4, 3, hsdp=[2, 2],
+                                                      preload=0.01))
+    for a, b in zip(adopted, preloaded):
+        assert bits_equal(a["params"], b["params"])
+    assert bits_equal(adopted[0]["masters"], preloaded[0]["masters"])
+
+
 def test_fsdp2_resumes_at_another_world_size_and_in_one_process(mount: Mount, tmp_path: Path) -> None:
     """An FSDP2 job saved at 2 ranks resumes at 3 (each rank loading nothing, reading only
     its rows), then in one process without torch.distributed: the same namespace of global

@@ -338,7 +338,10 @@ def test_param_gather_allgather_equals_reading_every_param(mount: Mount, tmp_pat
         sent[gather] = statistics(mount, namespace)["bytes_read"]
     assert bits_equal(held["allgather"], held["device"])
     param_bytes = sum(p.numel() * p.element_size() for p in held["device"])
-    assert sent["device"] - sent["allgather"] == (world - 1) * steps * param_bytes
+    # One read more than the steps: DDP, wrapped after the optimizer was made, broadcasts the
+    # params (written outside the optimizer, with the device's values), so the first step's
+    # check reads the device's params on every rank (step_guards.py), the same way.
+    assert sent["device"] - sent["allgather"] == (world - 1) * (steps + 1) * param_bytes
 
 
 # ------------------------------------------------------------------ params written outside the optimizer
@@ -351,13 +354,56 @@ def _refused(out: Path, rank: int) -> str:
     return text
 
 
-@pytest.mark.parametrize("step", [1, 3])
-def test_weights_loaded_after_the_optimizer_are_refused_on_every_rank(mount: Mount, tmp_path: Path,
-                                                                      step: int) -> None:
+def test_weights_loaded_before_the_first_step_become_the_masters(mount: Mount, tmp_path: Path) -> None:
     """DDP, 2 ranks: other weights loaded into the model (model.load_state_dict) after the
-    optimizer was made, before the first step or after two: each rank's step() refuses,
-    saying why and what to do, and nothing is committed (the device writing its own values
-    over them was the silent outcome before)."""
+    optimizer was made, before the first step (a Hugging Face or seed checkpoint), become the
+    masters on every rank's agreement: the job ends bit for bit where one that loaded them
+    before making the optimizer ends (params and masters)."""
+    held = {}
+    for name, options in (("adopted", {"load": {"step": 1, "ranks": [0, 1]}}), ("preloaded", {"preload": 0.01})):
+        out = tmp_path / name
+        ranks = finished(out, 2, run_job(mount, out, f"first-{name}", 2, 3, **options))
+        assert all(r["result"]["committed_step"] == 3 for r in ranks)
+        assert bits_equal(ranks[1]["params"], ranks[0]["params"])
+        held[name] = ranks[0]
+    assert bits_equal(held["adopted"]["params"], held["preloaded"]["params"])
+    assert bits_equal(held["adopted"]["masters"], held["preloaded"]["masters"])
+
+
+def test_weights_loaded_on_one_rank_before_the_first_step_are_refused_on_every_rank(mount: Mount,
+                                                                                   tmp_path: Path) -> None:
+    """DDP, 2 ranks, only rank 1 loads other weights before the first step: the replicas
+    disagree, so every rank's step() refuses, saying so, and nothing is committed."""
+    out, namespace = tmp_path / "job", "first-one-rank"
+    codes = run_job(mount, out, namespace, 2, 3, load={"step": 1, "ranks": [1]})
+    assert codes == [6, 6], (codes, (out / "logs.txt").read_text()[-3000:])
+    for rank in range(2):
+        text = (out / f"error{rank}.txt").read_text()
+        assert "rank(s) 1 " in text and "hold different values (ranks 0, 1)" in text, text
+        assert "Load the same weights on every rank" in text, text
+        assert json.loads((out / f"refused{rank}.json").read_text())["committed_step"] == 0
+    assert statistics(mount, namespace)["committed_step"] == 0
+
+
+def test_weights_loaded_after_a_skipped_first_step_are_refused_on_every_rank(mount: Mount, tmp_path: Path) -> None:
+    """The first step skipped (an overflow: the device began it, so the namespace no longer
+    loads), then other weights loaded on every rank: they cannot become the masters in
+    place, so every rank's step() refuses, naming load_state_dict, and nothing is committed."""
+    out, namespace = tmp_path / "job", "first-skipped"
+    codes = run_job(mount, out, namespace, 2, 3, overflow={"rank": 0, "step": 1}, load={"step": 2, "ranks": [0, 1]})
+    assert codes == [6, 6], (codes, (out / "logs.txt").read_text()[-3000:])
+    for rank in range(2):
+        text = (out / f"error{rank}.txt").read_text()
+        assert "a step began on the device already" in text and "optimizer.load_state_dict" in text, text
+    found = statistics(mount, namespace)
+    assert (found["committed_step"], found["steps_skipped"]) == (0, 1)
+
+
+def test_weights_loaded_after_the_first_step_are_refused_on_every_rank(mount: Mount, tmp_path: Path) -> None:
+    """DDP, 2 ranks: other weights loaded into the model (model.load_state_dict) after two
+    steps: each rank's step() refuses, saying why and what to do, and nothing is committed
+    (the device writing its own values over them was the silent outcome before)."""
+    step = 3
     namespace, out = f"loaded-after-{step}", tmp_path / "job"
     codes = run_job(mount, out, namespace, 2, 4, load={"step": step, "ranks": [0, 1]})
     assert codes == [6, 6], (codes, (out / "logs.txt").read_text()[-3000:])

@@ -49,10 +49,11 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _command(device: Mount, assets: Path, dump: Path, namespace: str, world: int,
+def _command(device: Mount, assets: Path, dump: Path, namespace: str, world: int, options: tuple[str, ...] = (),
              **variables: str) -> tuple[list[str], dict[str, str]]:
     """torchtitan's trainer under torchrun, as a user starts it (through the CPU launcher),
-    and its environment with `variables` (TITAN_KILL_AFTER, TITAN_STALL_AFTER, ...)."""
+    with more of torchtitan's `options`, and its environment with `variables`
+    (TITAN_KILL_AFTER, TITAN_STALL_AFTER, ...)."""
     env = os.environ | {"PYTHONPATH": str(CONFIG.parent), "TITAN_ASSETS": str(assets),
                         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     for variable in ("TITAN_KILL_AFTER", "TITAN_STALL_AFTER", "TITAN_STALL_DIR", "TITAN_OPTIMIZER", "TITAN_STEPS",
@@ -62,16 +63,17 @@ def _command(device: Mount, assets: Path, dump: Path, namespace: str, world: int
     command = [str(TITAN_PY), "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--standalone",
                "-m", "cossd.integrations.torchtitan_cpu", "--module", "titan_config", "--config", "tiny_llama",
                "--optimizer.mount", str(device.mountpoint), "--optimizer.namespace", namespace,
-               "--dump_folder", str(dump)]
+               "--dump_folder", str(dump), *options]
     return command, env
 
 
 def torchrun(device: Mount, assets: Path, dump: Path, namespace: str, world: int,
-             kill_after: int | None = None, **variables: str) -> subprocess.CompletedProcess[str]:
+             kill_after: int | None = None, options: tuple[str, ...] = (),
+             **variables: str) -> subprocess.CompletedProcess[str]:
     """torchtitan's trainer under torchrun, run to its end (or its kill -9 after `kill_after` steps)."""
     if kill_after is not None:
         variables["TITAN_KILL_AFTER"] = str(kill_after)
-    command, env = _command(device, assets, dump, namespace, world, **variables)
+    command, env = _command(device, assets, dump, namespace, world, options, **variables)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     dump.mkdir(parents=True, exist_ok=True)
     with open(dump / "logs.txt", "a") as log:
@@ -226,6 +228,31 @@ def test_one_rank_trains(device: Mount, assets: Path, tmp_path: Path) -> None:
         (sorted(masters), sorted(params))
     assert all(bits_equal([masters[name].reshape(-1)], [params[name].reshape(-1)]) for name in masters)
 
+
+
+@pytest.mark.slow  # three torchrun jobs: about 2 minutes on 2 cores
+def test_two_ranks_start_from_a_model_only_checkpoint(device: Mount, assets: Path, tmp_path: Path) -> None:
+    """torchtitan's initial load (checkpoint.initial_load_path, model only: a seed or
+    fine-tuning start) at 2 ranks of FSDP2: it loads the weights into the model after the
+    optimizer is made, so cossd takes them as its masters at the first step, every rank
+    agreeing (it refused them before). The losses of every step are torch's AdamW's from the
+    same checkpoint, within 1e-3."""
+    seed = tmp_path / "seed"
+    done = torchrun(device, assets, seed, "titan-seed", 1, TITAN_STEPS="4")
+    assert done.returncode == 0, (seed / "logs.txt").read_text()[-6000:]
+    start = seed / "checkpoint" / "step-4"  # the last save: the model only
+    found = {}
+    for kind in ("cossd", "torch"):
+        dump = tmp_path / kind
+        done = torchrun(device, assets, dump, "titan-from-seed", 2, options=("--checkpoint.initial_load_path", str(start)),
+                        TITAN_STEPS="3", **({"TITAN_OPTIMIZER": "torch"} if kind == "torch" else {}))
+        assert done.returncode == 0, (dump / "logs.txt").read_text()[-6000:]
+        found[kind] = losses(dump)
+    assert sorted(found["cossd"], key=int) == ["1", "2", "3"], found
+    fresh = losses(seed)["2"]  # where a job that ignored the load would be after one step
+    for step, loss in found["torch"].items():
+        assert abs(found["cossd"][step] - loss) <= 1e-3 * abs(loss), (step, found)
+    assert abs(found["cossd"]["2"] - fresh) > 1e-2 * abs(fresh), (found, fresh)
 
 
 @pytest.mark.slow  # four torchrun jobs of 2 ranks: 2-4 minutes on 2 cores

@@ -13,7 +13,7 @@ import torch
 from conftest import Mount
 from cossd.trainer.namespace.files import NamespaceFiles
 from helpers import create_namespace, tensor_dir
-from cossd.fs.refusals import OversizeWriteLog
+from cossd.fs.refusals import RefusedWriteLog
 from cossd.protocol.status import DeviceError, Status
 
 pytestmark = pytest.mark.mount
@@ -74,19 +74,23 @@ def test_a_raw_oversized_write_is_efbig_and_the_log_says_why(mount: Mount) -> No
 
 
 def test_the_log_is_rate_limited_and_counts_what_it_left_out(caplog: pytest.LogCaptureFixture) -> None:
-    oversize = OversizeWriteLog(interval_s=0.0)  # every refusal logged
+    """Every refused write gets its line (EFBIG, EINVAL...), with the device's reason; other
+    requests' refusals none; at most one line a window, the next one counting those left out."""
+    every = RefusedWriteLog(interval_s=0.0)  # every refusal logged
     refusal = DeviceError(Status.LBA_OUT_OF_RANGE, "w/master: write of 8 bytes at 3996 passes the end (4000 bytes)")
+    cut = DeviceError(Status.MISALIGNED_ACCESS, "w/grad: writes must start and end on 2-byte element boundaries")
     with caplog.at_level("WARNING", logger="cossd.fs.refusals"):
-        oversize.note(refusal)
-        oversize.note(DeviceError(Status.LBA_OUT_OF_RANGE, "w/param: read of 8 bytes at 0 passes the end"))
-        oversize.note(DeviceError(Status.MISALIGNED_ACCESS, "w/grad: writes must start and end on 2-byte"))
+        every.note(refusal, "write")
+        every.note(DeviceError(Status.LBA_OUT_OF_RANGE, "w/param: read of 8 bytes at 0 passes the end"), "read")
+        every.note(cut, "write")
     assert [r.getMessage() for r in caplog.records] == [
-        "write refused with EFBIG (File too large): " + refusal.message]  # not a grad: no hint
+        "write refused with EFBIG (File too large): " + refusal.message,  # not a grad: no hint
+        "write refused with EINVAL (Invalid argument): " + cut.message]
     caplog.clear()
-    slow = OversizeWriteLog(interval_s=3600.0)
+    slow = RefusedWriteLog(interval_s=3600.0)
     with caplog.at_level("WARNING", logger="cossd.fs.refusals"):
         for _ in range(5):
             slow.note(refusal)
-        slow._last -= 3600.0  # the interval has passed
+        slow._limiter._began -= 3600.0  # the window has passed
         slow.note(refusal)
-    assert len(caplog.records) == 2 and "(4 more such writes since the last line)" in caplog.records[1].getMessage()
+    assert len(caplog.records) == 2 and "(4 more such lines not logged" in caplog.records[1].getMessage()

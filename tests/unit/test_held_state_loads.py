@@ -123,6 +123,42 @@ def test_holding_is_bounded_and_its_refusal_changes_nothing(device: Device) -> N
     ns.write_state("w", "exp_avg", 4 * 260, bytes(4))  # another part of a held block: taken
 
 
+def test_a_batch_over_the_bound_is_refused_before_any_of_it_is_taken(device: Device) -> None:
+    """A CMB_WRITE of two state transfers, each leaving a new block in part, with room for
+    one more: the two are counted together before either is taken (the second was refused
+    after the first was written). The same for a server WRITE's ranges."""
+    from cossd.emulator.controller import Controller
+    from cossd.client import AdminClient
+    from cossd.server.paths import OpenFile
+    from cossd.server.writes import _check_singles
+    from helpers import InProcessTransport
+
+    ns = make(device, "int8")
+    ns.core.held_loads.max_blocks = 2
+    ns.write_state("w", "exp_avg", 4, bytes(8))  # block 0 held in part
+    before = state_of(ns)
+    controller = Controller(device, 1 << 20)
+    try:
+        admin = AdminClient(InProcessTransport(controller))  # type: ignore[arg-type]
+        controller.cmb.array[:16] = np.ones(4, np.float32).view(np.uint8)
+        transfers = [{"tensor": "w", "role": "exp_avg", "offset": 4 * 257, "length": 8, "cmb_offset": 0},
+                     {"tensor": "w", "role": "exp_avg", "offset": 4 * 513, "length": 8, "cmb_offset": 8}]
+        with pytest.raises(DeviceError) as caught:
+            admin.cmb_write(admin.nsid("q"), transfers)
+        assert caught.value.status == Status.MISALIGNED_ACCESS and "at most 2" in str(caught.value)
+        assert state_of(ns) == before and len(ns.core.held_loads) == 1
+        admin.cmb_write(admin.nsid("q"), transfers[:1])  # one of them alone: taken
+        assert len(ns.core.held_loads) == 2
+    finally:
+        controller.close()
+    ns.core.held_loads.max_blocks = 3
+    opened = OpenFile(nsid=0, tensor="w", role="exp_avg", writing=True, size=W * 4, path="ns/q/tensors/w/exp_avg")
+    ones = memoryview(np.ones(2, np.float32).tobytes())
+    with pytest.raises(DeviceError, match="at most 3"):
+        _check_singles([(opened, ns, 4 * 769, ones), (opened, ns, 4 * 1025, ones)])  # type: ignore[list-item]
+    _check_singles([(opened, ns, 4 * 769, ones)])  # type: ignore[list-item]
+
+
 def test_split() -> None:
     held = HeldLoads()
     assert held.split(1000, 0, 1000) == ((0, 1000), [])

@@ -194,7 +194,7 @@ def register(verb: VerbFactory) -> None:
                                                            "(default 8M, at least 5M)")
     sub.add_argument("--archive-memory", type=parse_size,
                      help="the most chunk bytes the device holds at once (default 64M)")
-    sub.add_argument("--force", action="store_true", help="replace a version archived already")
+    sub.add_argument("--force", action="store_true", help="replace a version archived already (the old one stays whole until the new one is complete)")
     sub.add_argument("--wait", action="store_true", help="wait for the upload, with its progress")
     sub.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     policy = sub.add_argument_group(
