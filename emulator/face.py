@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from ..lazy import lazy_exports
 
 if TYPE_CHECKING:  # `X as X`: an explicit re-export, so ruff and mypy see what __all__ lists
+    from ..protocol.log_limit import LogLimiter as LogLimiter
     from ..protocol.status import DeviceError as DeviceError, Status as Status
     from .accounting import LinkTiming as LinkTiming
     from .backing import SUPERBLOCK_FILE as SUPERBLOCK_FILE, BackingDirectory as BackingDirectory
@@ -32,7 +33,6 @@ if TYPE_CHECKING:  # `X as X`: an explicit re-export, so ruff and mypy see what 
         committed_version as committed_version,
     )
     from .kinds import AnyNamespace as AnyNamespace
-    from .log_limit import LogLimiter as LogLimiter
     from .namespace import (
         LOADABLE_ROLES as LOADABLE_ROLES,
         ROLES as ROLES,
@@ -55,7 +55,7 @@ _EXPORTS = {
     "DeviceIO": "..io",
     "LOADABLE_ROLES": "..namespace",
     "LinkTiming": "..accounting",
-    "LogLimiter": "..log_limit",
+    "LogLimiter": "...protocol.log_limit",
     "Namespace": "..namespace",
     "ROLES": "..namespace",
     "SUPERBLOCK_FILE": "..backing",

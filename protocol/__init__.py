@@ -6,8 +6,10 @@ errno each becomes at the file edge and `DeviceError` (`status`), the log-page a
 identify layouts (`logpages`), and the fields of Get/Set Features (`features`) and of
 INJECT_ERROR (`injection`), the Computational Programs and Subsystem Local Memory layouts
 (`computational`), and the seal (canonical bytes and CRC32C) that the device's archive and the
-trainer's tiered checkpointer put on their manifests (`manifest_seal`). Imports no other layer of cossd (only the root package's
-lazy.py), so a client ships it without the device's code.
+trainer's tiered checkpointer put on their manifests (`manifest_seal`). Two helpers they
+share: the pacing of uploads to an object store (`pacing`) and a rate-limited log for lines
+whose number peers decide (`log_limit`). Imports no other layer of cossd (only the root
+package's lazy.py), so a client ships it without the device's code.
 """
 
 from __future__ import annotations

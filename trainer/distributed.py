@@ -5,7 +5,7 @@ import dataclasses
 import gc
 import math
 import secrets
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,46 @@ class Ranks:
         source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         dist.broadcast_object_list(box, src=source, group=self.group)
         return box[0]
+
+
+T = TypeVar("T")
+
+
+class RanksFailedError(RuntimeError):
+    """Work that every rank did together failed on some of them: raised on every rank,
+    naming each failed rank and its error (`failures`: (rank, "Type: message") pairs)."""
+
+    def __init__(self, doing: str, failures: list[tuple[int, str]]) -> None:
+        self.doing, self.failures = doing, failures
+        super().__init__(f"{doing}: " + "; ".join(f"rank {rank}: {why}" for rank, why in failures))
+
+    def __reduce__(self) -> tuple[type[RanksFailedError], tuple[str, list[tuple[int, str]]]]:
+        return (RanksFailedError, (self.doing, self.failures))  # picklable: two arguments, not one
+
+
+def together(ranks: Ranks, work: Callable[[], T], doing: str) -> list[T]:
+    """`work()` on this rank, then every rank's result, in rank order, on every rank. The
+    exchange is a barrier that carries each rank's failure: no rank goes on before every
+    rank's work is done, and where some rank's raised, every rank raises RanksFailedError
+    ("`doing`: rank 1: OSError: ..."), chained from its own error where it failed. A failing
+    rank still takes part, so no other is left waiting in a collective for it. A rank whose
+    work failed only because another's did (a RanksFailedError of an inner collective) is
+    left out of the list where some rank failed for a reason of its own."""
+    own: BaseException | None = None
+    try:
+        outcome: dict[str, Any] = {"value": work()}
+    except BaseException as exc:  # KeyboardInterrupt too: the other ranks must not wait for ever
+        own = exc
+        outcome = {"error": f"{type(exc).__name__}: {exc}", "knock_on": isinstance(exc, RanksFailedError)}
+    outcomes = ranks.gather(outcome)
+    if own is not None and not isinstance(own, Exception):
+        raise own  # an interrupt stays one here; the other ranks raise it as this rank's failure
+    failed = [(rank, theirs) for rank, theirs in enumerate(outcomes) if "error" in theirs]
+    own_reasons = [(rank, theirs) for rank, theirs in failed if not theirs["knock_on"]]
+    failures = [(rank, theirs["error"]) for rank, theirs in (own_reasons or failed)]
+    if failures:
+        raise RanksFailedError(doing, failures) from own
+    return [theirs["value"] for theirs in outcomes]
 
 
 def current(group: Any = None) -> Ranks | None:
@@ -102,13 +142,26 @@ def param_gather_option(value: str) -> str:
     return value
 
 
-def all_gather_bytes(mine: torch.Tensor, sizes: list[int], ranks: Ranks) -> list[torch.Tensor]:
+FLAG_BYTES = 8  # all_gather_bytes's failure flag and its padding, after each rank's bytes
+
+
+def all_gather_bytes(mine: torch.Tensor, sizes: list[int], ranks: Ranks,
+                     failed: bool = False) -> tuple[list[torch.Tensor], list[int]]:
     """Every rank's bytes (a flat uint8 tensor each, `sizes[r]` long for rank r), in rank
     order, on every rank: one all_gather_into_tensor over buffers padded to the largest
-    (a collective takes equal parts; shards cut at device blocks are rarely equal)."""
-    width = max(sizes)
+    (a collective takes equal parts; shards cut at device blocks are rarely equal), and the
+    ranks whose bytes are not there (`failed`: this rank's read failed, it sends a flag in
+    the same collective rather than leave the others waiting in it)."""
+    flag_at = max(sizes)
+    # The flag's byte, then padding: each rank's part starts 8-byte aligned, as its bytes
+    # are laid out (the caller views them as FP32 and 16-bit params).
+    width = flag_at + FLAG_BYTES
     send = torch.zeros(width, dtype=torch.uint8, device=mine.device)
-    send[: mine.numel()].copy_(mine)
+    if failed:
+        send[flag_at] = 1
+    else:
+        send[: mine.numel()].copy_(mine)
     received = torch.empty(width * ranks.world, dtype=torch.uint8, device=mine.device)
     dist.all_gather_into_tensor(received, send, group=ranks.group)
-    return [received[rank * width : rank * width + size] for rank, size in enumerate(sizes)]
+    missing = [rank for rank, flag in enumerate(received.view(ranks.world, width)[:, flag_at].tolist()) if flag]
+    return [received[rank * width : rank * width + size] for rank, size in enumerate(sizes)], missing

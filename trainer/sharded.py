@@ -179,20 +179,10 @@ class ShardedSession:
         self.committed_step = int(setup["committed_step"])
         self.steps_skipped = int(setup["steps_skipped"])
         if setup["loading"]:
-            outcome: dict[str, str] = {}
-            try:
-                if rows:
-                    # The device rounds each master to the wire dtype's param as it is written.
-                    self.files.write_pieces(fsdp.local_masters(self.entries, rows, self._fsdp_views), role="master")
-            except BaseException as exc:
-                outcome["error"] = f"{type(exc).__name__}: {exc}"
-            # A barrier that carries each rank's failure: a rank whose masters did not go in
-            # fails every rank here, before any step could seal a half-loaded namespace.
-            outcomes = ranks.gather(outcome)
-            failed = [(rank, theirs["error"]) for rank, theirs in enumerate(outcomes) if "error" in theirs]
-            if failed:
-                raise RuntimeError("; ".join(f"rank {rank} could not load its master weights: {why}"
-                                             for rank, why in failed))
+            # No rank goes on (to its first BEGIN, which seals the loading) before every rank's
+            # masters are in: a rank whose write failed fails every rank here.
+            distributed.together(ranks, self._write_shard_masters,
+                                 f"cossd: loading the master weights of namespace {self.files.name!r} failed")
         self._read_params()
 
     def _fail_together(self, exc: BaseException) -> None:
@@ -419,10 +409,22 @@ class ShardedSession:
         for piece, at in zip(mine, offsets):
             role, dtype = kinds[piece.index]
             reads.append((piece.name, role, piece.start, buffer[at : at + piece.numel * dtype.itemsize].view(dtype)))
-        if reads:
-            self.files.read_pieces_into(reads)
+        own: Exception | None = None
+        try:
+            if reads:
+                self.files.read_pieces_into(reads)
+        except Exception as exc:
+            own = exc  # still in the all-gather, flagged: no other rank is left waiting in it
         sizes = [total for _, total in layouts]
-        parts = distributed.all_gather_bytes(buffer.to(device), sizes, ranks)
+        parts, missing = distributed.all_gather_bytes(buffer.to(device), sizes, ranks, failed=own is not None)
+        if missing:
+            # Every rank saw the same flags, so every rank takes part in this one exchange of why.
+            reasons = ranks.gather(None if own is None else f"{type(own).__name__}: {own}")
+            if own is not None:
+                raise own  # its own type (DeviceLostError, an OSError), as a read of its own would
+            raise distributed.RanksFailedError(
+                "cossd: reading the params back (param_gather='allgather') failed on another rank",
+                [(rank, str(reasons[rank])) for rank in missing])
         flats: dict[int, torch.Tensor] = {}
         for shard, (shard_offsets, _), part in zip(shards, layouts, parts):
             for piece, at in zip(shard, shard_offsets):
@@ -439,7 +441,7 @@ class ShardedSession:
             param = self.entries[index].param.detach()
             if not param.is_contiguous():
                 param.copy_(flat.view(param.shape))
-        width = max(sizes)
+        width = max(sizes) + distributed.FLAG_BYTES
         self.last_param_bytes = {"device": size, "allgather_sent": width, "allgather_received": width * (ranks.world - 1)}
 
     @staticmethod

@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import fsdp
+from . import distributed, fsdp
 from .distributed import Ranks
 from .namespace.files import committed_steps
 from .plan import Entry
@@ -33,6 +33,12 @@ class StepGuards:
     _abort: Callable[..., None]
     _refresh_pieces: Callable[..., None]  # group.py: split tensors' pieces pointed at the params
     load_state_dict: Callable[..., None]
+
+    @property
+    def _step_ranks(self) -> Ranks | None:
+        """The ranks this optimizer's steps span: a group's (group.py), else its own (None:
+        one process)."""
+        return self.__dict__.get("_group_ranks") if self._group is not None else self._ranks
 
     # ------------------------------------------------------------------ params changed outside
 
@@ -106,43 +112,48 @@ class StepGuards:
         sharded.py), and the ranks that hold the same elements (every rank of a model held
         whole, DDP or ZeRO-1; the replicas of HSDP) hold the same values. Else every rank's
         step() refuses, saying why, and nothing is sent. Every rank then reads the params
-        back (the device rounds the masters to the wire dtype). A failure on one rank between
-        two exchanges goes to every rank in the next, so each raises it."""
-        ranks = self.__dict__.get("_group_ranks") if self._group is not None else self._ranks
+        back (the device rounds the masters to the wire dtype). Each exchange carries every
+        rank's failure (distributed.together), so a rank that fails between two leaves no
+        other waiting, and every rank raises it. Where an earlier write of the masters failed
+        part way, they are written again whatever the device's params now say."""
+        ranks = self._step_ranks
         assert ranks is not None
         changed = self._changed_params()
-        if not any(ranks.gather(bool(changed))):
+        half = self.__dict__.get("_masters_half_loaded") is not None
+        if not any(ranks.gather(bool(changed) or half)):
             return
         # Every rank reads the device's values here, so a read that is a collective
         # (param_gather="allgather") runs on every rank alike.
         read = self._read_group_params if self._group is not None else self._read_params
         members: list[Any] = self._group if self._group is not None else [self]
-        view: dict[str, Any] = {}
-        try:
-            view["differing"] = self._differing_from_device(changed, read)
-            view["loading"] = all(bool(member.files.statistics()["loading"]) for member in members)
-        except Exception as exc:
-            view = {"error": f"{type(exc).__name__}: {exc}"}
-        views = self._exchange(ranks, view)
+        checking = ("cossd: checking the params written outside the optimizer before the first step failed, "
+                    "nothing was sent")
+        def view() -> dict[str, Any]:
+            return {"differing": self._differing_from_device(changed, read), "half": half,
+                    "loading": all(bool(member.files.statistics()["loading"]) for member in members)}
+
+        views = distributed.together(ranks, view, checking)
         loaded = [rank for rank, theirs in enumerate(views) if theirs["differing"]]
-        if not loaded:
+        if not loaded and not any(theirs["half"] for theirs in views):
             self._note_params()  # the values written are the device's (a DDP broadcast, say)
             return
         names = _listed(sorted({name for theirs in views for name in theirs["differing"]}))
         what = (f"the params of rank(s) {', '.join(map(str, loaded))} ({names}) were written outside the optimizer "
-                f"(model.load_state_dict, say) before the first step of namespace {self.files.name!r}")
+                f"(model.load_state_dict, say) before the first step of namespace {self.files.name!r}" if loaded else
+                f"the weights loaded before the first step of namespace {self.files.name!r} (an earlier write of them "
+                "as the masters failed part way)")
         if not all(theirs["loading"] for theirs in views):
             raise RuntimeError(
                 f"cossd: {what}, but a step began on the device already (a skipped step), so they cannot become the "
                 "masters in place. Nothing was sent from any rank. Load them with optimizer.load_state_dict(state, "
                 "master=params) on every rank, or load them before making the optimizer")
-        try:
-            held = {"rows": [_rows_key(entry.param) for entry in self.entries],
+        def holding() -> dict[str, Any]:
+            return {"rows": [_rows_key(entry.param) for entry in self.entries],
                     "digest": _digest_of([_local_of(entry.param) for entry in self.entries])}
-        except Exception as exc:
-            held = {"error": f"{type(exc).__name__}: {exc}"}
+
+        held = distributed.together(ranks, holding, checking)
         holders: dict[str, list[tuple[int, str]]] = {}
-        for rank, theirs in enumerate(self._exchange(ranks, held)):
+        for rank, theirs in enumerate(held):
             holders.setdefault(repr(theirs["rows"]), []).append((rank, theirs["digest"]))
         apart = [[rank for rank, _ in same] for same in holders.values() if len({d for _, d in same}) > 1]
         if apart:
@@ -152,40 +163,26 @@ class StepGuards:
                 "(DDP, ZeRO-1), or each replica of an HSDP shard, trains from one set of master weights, so those "
                 "ranks must load the same weights. Nothing was sent from any rank, nothing changed on the device. "
                 "Load the same weights on every rank, or load them before making the optimizer")
-        failure: BaseException | None = None
-        try:
+
+        def write_masters() -> None:
             if self._group is not None:
                 self._refresh_pieces()  # the pieces of split tensors: views of the params as they are now
             for member in members:
                 member._write_shard_masters()
-        except Exception as exc:
-            failure = exc
-        # A barrier that carries each rank's failure: no rank begins a step (which seals the
-        # loading) before every rank's masters are in. A failure leaves the namespace loading,
-        # part of its masters new, and the params as loaded: the next step() writes them
-        # again (or a restarted job's open loads its model's weights again); until then what
-        # would record the masters refuses (_inconsistency).
-        failures = [(rank, theirs["error"]) for rank, theirs in enumerate(ranks.gather(
-            {"error": f"{type(failure).__name__}: {failure}"} if failure is not None else {})) if "error" in theirs]
-        if failures:
-            text = f"cossd: {what}; writing them as the masters failed, nothing was sent: " + "; ".join(
-                f"rank {rank}: {why}" for rank, why in failures)
-            self.__dict__["_masters_half_loaded"] = text
-            raise RuntimeError(text) from failure
+
+        # No rank begins a step (which seals the loading) before every rank's masters are in.
+        # A failure leaves the namespace loading, part of its masters new, and the params as
+        # loaded: the next step() writes them again (or a restarted job's open loads its
+        # model's weights again); until then what would record the masters refuses
+        # (_inconsistency).
+        try:
+            distributed.together(ranks, write_masters,
+                                 f"cossd: {what}; writing them as the masters failed, nothing was sent")
+        except BaseException as exc:  # an interrupt on this rank too: the others wrote theirs
+            self.__dict__["_masters_half_loaded"] = f"{type(exc).__name__}: {exc}"
+            raise
         self.__dict__["_masters_half_loaded"] = None
         read()  # the params the device holds now (rounded to the wire dtype), each version noted
-
-    @staticmethod
-    def _exchange(ranks: Ranks, view: dict[str, Any]) -> list[dict[str, Any]]:
-        """Every rank's `view`, in rank order; where some rank's holds "error", every rank
-        raises a RuntimeError naming each failed rank and its error (nothing was sent)."""
-        views = ranks.gather(view)
-        failed = [(rank, theirs["error"]) for rank, theirs in enumerate(views) if "error" in theirs]
-        if failed:
-            raise RuntimeError("cossd: checking the params written outside the optimizer before the first step "
-                               "failed, nothing was sent: "
-                               + "; ".join(f"rank {rank}: {why}" for rank, why in failed))
-        return views
 
     def _refuse_changed_params_of_ranks(self) -> None:
         """_follow_changed_params for a job of several ranks after the first commit, on this
@@ -197,7 +194,7 @@ class StepGuards:
         changed = self._changed_params()
         if not changed:
             return
-        ranks = self.__dict__.get("_group_ranks") if self._group is not None else self._ranks
+        ranks = self._step_ranks
         assert ranks is not None
         if self._group is not None:
             if not self._reads_alone():
@@ -255,7 +252,7 @@ class StepGuards:
 
     def _reads_alone(self) -> bool:
         """Whether this rank can read the params back by itself (no collective of the ranks)."""
-        ranks = self.__dict__.get("_group_ranks") if self._group is not None else self._ranks
+        ranks = self._step_ranks
         if ranks is None or ranks.world == 1:
             return True
         members = self._group if self._group is not None else [self]

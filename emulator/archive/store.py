@@ -25,6 +25,10 @@ MANIFEST_FORMAT = "cossd-archive"
 # 2: the manifest carries `manifest_crc32c`, its own checksum (format 1 had none).
 MANIFEST_VERSION = 2
 UNCHECKED_MANIFEST_VERSION = 1
+# 3: version 2 whose objects lie under a generation (a replaced version, `generation` field).
+# A cossd that reads only 1 and 2 then refuses it by its version, saying so, rather than
+# failing on objects it looks for under the plain names.
+GENERATION_MANIFEST_VERSION = 3
 MANIFEST_CHECKSUM = SEAL_FIELD  # "manifest_crc32c", the trainer's tiered manifests' field too
 MIB = 1 << 20
 # S3 refuses parts under 5 MiB (the last excepted) and more than 10 000 parts.

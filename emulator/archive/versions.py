@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ..device import Device
 
 from .store import (DAEMON, DEFAULT_CHUNK_BYTES, DEFAULT_MEMORY_BYTES, LIST_KEYS, MANIFEST_CHECKSUM,  # noqa: F401
-                            MANIFEST_FORMAT, MANIFEST_OBJECT, MANIFEST_VERSION, UNCHECKED_MANIFEST_VERSION, MAX_CHUNK_BYTES, MAX_MEMORY_BYTES, MAX_PARTS,
+                            GENERATION_MANIFEST_VERSION, MANIFEST_FORMAT, MANIFEST_OBJECT, MANIFEST_VERSION, UNCHECKED_MANIFEST_VERSION, MAX_CHUNK_BYTES, MAX_MEMORY_BYTES, MAX_PARTS,
                             META_OBJECT, MIN_CHUNK_BYTES, PAYLOAD_KEYS, STATE_OBJECT, SUPERBLOCK_OBJECT,
                             GENERATION_CHARS, Location, Store, Traffic, object_key, parse_endpoint, parse_url)
 
@@ -278,7 +278,7 @@ def manifest_for(namespace: Namespace, snapshot: Snapshot, request: Request, crc
                  generation: str | None = None) -> dict[str, Any]:
     named = {"generation": generation} if generation else {}  # object_key: a replaced version's objects
     return named | {
-        "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+        "format": MANIFEST_FORMAT, "version": GENERATION_MANIFEST_VERSION if generation else MANIFEST_VERSION,
         "namespace": namespace.name, "nsid": namespace.nsid, "lineage": lineage, "tag": snapshot.tag,
         "snapshot_id": snapshot.snapshot_id, "step": snapshot.step,
         "created": snapshot.created, "device_serial": serial,
@@ -401,7 +401,16 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
         store.put(version.bucket, object_key(version, generation, META_OBJECT), meta)
         manifest = manifest_for(namespace, snapshot, request, crcs, superblock, meta, serial, lineage,
                                 generation["generation"] if generation else None)
-        store.put(version.bucket, manifest_key, encode_manifest(manifest))  # the version is the new one
+        try:
+            store.put(version.bucket, manifest_key, encode_manifest(manifest))  # the version is the new one
+        except DeviceError as exc:
+            # A PUT the client saw fail may have landed all the same (the answer lost on the
+            # way back): where the store's manifest names this generation, the replacement
+            # happened, and the job says so rather than a failure the store contradicts.
+            if not generation or _names_generation(store, version, generation["generation"]) is not True:
+                raise
+            log.warning("%s: the new manifest's upload was reported failed (%s), yet the store holds it: the "
+                        "version is the new one", version.url, exc.message)
         nonlocal completed
         completed = True
         if generation:
@@ -411,10 +420,16 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
 
     def cleanup() -> None:
         os.close(source_fd)
-        # The new objects of a replacement that did not happen. Where its manifest's PUT failed
-        # as the client saw it, the store may hold it all the same: they go only where the
-        # manifest there is shown not to name them.
-        if generation and not completed and _names_generation(store, version, generation["generation"]) is False:
+        # The new objects of a replacement that did not happen. Where the store cannot be
+        # asked which generation its manifest names, they stay (as space only).
+        named = _names_generation(store, version, generation["generation"]) if generation and not completed else None
+        if named:
+            # The manifest's PUT landed though the device saw it fail, and could not tell at
+            # once (its read-back failed too): the version is the new one, the job failed.
+            log.warning("%s: the replacement's manifest is in the store although the job failed: the version "
+                        "is the new one (step %d)", version.url, snapshot.step)
+            drop_unnamed(store, version, generation)
+        elif named is False:
             for name in (STATE_OBJECT, SUPERBLOCK_OBJECT, META_OBJECT):
                 try:
                     store.delete(version.bucket, object_key(version, generation, name))
@@ -480,9 +495,9 @@ def decode_manifest(raw: bytes, url: str, *, accept_unchecked: bool = False) -> 
                     f"{where} is format {version}, which carries no checksum of its own: a flipped bit in it "
                     "(the namespace's spec, its sizes) would go unnoticed. Restore it only if you trust it: "
                     "`cossd restore --accept-unchecked-manifest` (its chunks and blocks are still verified)"))
-        elif version != MANIFEST_VERSION:
-            raise ValueError(f"version {version!r}: this cossd reads {UNCHECKED_MANIFEST_VERSION} and "
-                             f"{MANIFEST_VERSION}")
+        elif version not in (MANIFEST_VERSION, GENERATION_MANIFEST_VERSION):
+            raise ValueError(f"version {version!r}: this cossd reads {UNCHECKED_MANIFEST_VERSION}, "
+                             f"{MANIFEST_VERSION} and {GENERATION_MANIFEST_VERSION}")
         else:
             problem = manifest_seal.seal_problem(manifest, MANIFEST_CHECKSUM)
             if problem is not None:
@@ -493,6 +508,11 @@ def decode_manifest(raw: bytes, url: str, *, accept_unchecked: bool = False) -> 
         int(manifest["state_bytes"]), int(manifest["chunk_bytes"]), int(manifest["step"])
         if not isinstance(manifest.get("lineage", ""), str):
             raise ValueError(f"lineage {manifest['lineage']!r} is not a string")
+        # A version 2 may name a generation too: the build before version 3 wrote those.
+        if ("generation" not in manifest and version == GENERATION_MANIFEST_VERSION) or (
+                "generation" in manifest and version == UNCHECKED_MANIFEST_VERSION):
+            raise ValueError(f"version {version} {'without' if version == GENERATION_MANIFEST_VERSION else 'with'} "
+                             "a generation field")
         generation = manifest.get("generation", "0")
         if not (isinstance(generation, str) and 0 < len(generation) <= 32 and set(generation) <= GENERATION_CHARS):
             raise ValueError(f"generation {generation!r} is not a short hex string")
@@ -504,7 +524,7 @@ def decode_manifest(raw: bytes, url: str, *, accept_unchecked: bool = False) -> 
     except (ValueError, KeyError, TypeError) as exc:
         detail = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
         raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"{where} cannot be read: {detail}") from None
-    manifest["manifest_checked"] = version == MANIFEST_VERSION
+    manifest["manifest_checked"] = version != UNCHECKED_MANIFEST_VERSION
     return manifest
 
 

@@ -19,7 +19,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.registry import Collector
 
-from ..log_limit import LogLimiter
+from ...protocol.log_limit import LogLimiter
 
 log = logging.getLogger(__name__)
 

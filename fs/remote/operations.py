@@ -23,11 +23,13 @@ from ...protocol.status import Status
 
 from ..admin_queue import AdminHandle
 from ..nodes import fuse_error
+from ..refusals import RefusedWriteLog
 from .lanes import Lanes
 from .tree import (ADMIN_INODE, ADMIN_NAME, ROOT_INODE, InodeTable, Key, RemoteKind, admin_answer,
                           attributes, child_path, key_of, kind_of)
 
 log = logging.getLogger(__name__)
+REFUSED_WRITES = RefusedWriteLog()  # one for the daemon: its window spans every handle
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -52,7 +54,12 @@ def _guarded(handler: Callable[Concatenate[OperationsT, P], Coroutine[Any, Any, 
         except ConnectionError:  # closed, reset, refused: the server is gone (logged by the lanes)
             raise fuse_error(errno.ENOTCONN) from None
         except OSError as exc:
-            log.debug("%s: %s", handler.__name__, exc)
+            if handler.__name__ == "write":
+                # The server's reason, which the writer sees only as an errno: logged as a
+                # local mount logs its device's (rate-limited).
+                REFUSED_WRITES.note_errno(exc.errno or errno.EIO, str(exc.strerror or exc))
+            else:
+                log.debug("%s: %s", handler.__name__, exc)
             raise fuse_error(exc.errno or errno.EIO) from None
         except Exception:
             log.exception("unexpected error in %s%r", handler.__name__, args)

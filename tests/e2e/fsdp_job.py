@@ -191,6 +191,19 @@ def main() -> int:
             seen = [full(p.grad).detach().clone() for p in params]
             if rank == 0:
                 grads_seen[step] = seen
+            fail_read = config.get("fail_read") or {}
+            if fail_read.get("rank") == rank and fail_read.get("step") == step:
+                # This rank's next read of params from the device fails, once (a device error).
+                read_pieces_into = optimizer.files.read_pieces_into
+                failed_once: list[bool] = []
+
+                def failing_read(reads, *args, **kwargs):
+                    if not failed_once:
+                        failed_once.append(True)
+                        raise OSError(5, "injected: the params' read failed")
+                    return read_pieces_into(reads, *args, **kwargs)
+
+                optimizer.files.read_pieces_into = failing_read
             optimizer.step()
             norms.append(optimizer.last_grad_norm)
             optimizer.zero_grad(set_to_none=True)

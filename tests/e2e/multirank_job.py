@@ -146,6 +146,19 @@ def main() -> int:
             return write(items)
 
         optimizer.files.write_pieces = partial
+    if config.get("fail_masters_once") == rank:
+        # This rank's first write of master weights fails (a device error, a lost mount),
+        # as the weights loaded before the first step are written as the masters.
+        write_pieces = optimizer.files.write_pieces
+        failed_once: list[bool] = []
+
+        def failing_once(items, role="grad"):
+            if role == "master" and not failed_once:
+                failed_once.append(True)
+                raise OSError(5, "injected: the masters' write failed")
+            return write_pieces(items, role=role)
+
+        optimizer.files.write_pieces = failing_once
     grads_seen: dict[int, list[torch.Tensor]] = {}
     first = optimizer.committed_step + 1
     try:
@@ -181,7 +194,20 @@ def main() -> int:
                 grads_seen[step] = [p.grad.detach().clone() for p in optimizer_params(optimizer)]
             elif not config["ddp"]:
                 grads_seen[step] = [p.grad.detach().clone() for p in optimizer_params(optimizer)]
-            optimizer.step()
+            try:
+                optimizer.step()
+            except RuntimeError as exc:
+                if config.get("fail_masters_once") is None or "writing them as the masters failed" not in str(exc):
+                    raise
+                # What the optimizer says between the failed write and the next step(), then
+                # that step() again (the same gradients): it writes the masters again.
+                seen = {"error": str(exc), "committed_step": optimizer.committed_step}
+                try:
+                    optimizer.state_dict()
+                except Exception as refusal:
+                    seen["state_dict"] = f"{type(refusal).__name__}: {refusal}"
+                (out / f"retried{rank}.json").write_text(json.dumps(seen))
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     except StepAbortedError as exc:
         (out / f"error{rank}.txt").write_text(str(exc))

@@ -158,6 +158,23 @@ def wait_job(job: Any) -> None:
         time.sleep(0.02)
 
 
+def archive_a1(device: Device, url: str, overwrite: bool) -> Any:
+    """The daemon's ARCHIVE of namespace m's snapshot a1 to `url`, in this process: its job, ended."""
+    job = archive.start(device, JobTable(), device.namespaces["m"].as_optimizer(),
+                        {"tag": "a1", "url": url, "chunk_bytes": 5 * MIB, "overwrite": overwrite},
+                        archive.Traffic(), set())
+    wait_job(job)
+    return job
+
+
+def retake_a1(device: Device, prepared: Path) -> bytes:
+    """Snapshot a1 deleted and taken again (at step 2 now): its new state's bytes."""
+    namespace = device.namespaces["m"].as_optimizer()
+    namespace.snapshots.delete("a1")
+    namespace.snapshots.create("a1", device.reserve)
+    return (prepared / "ns/m/snapshots/a1/state").read_bytes()
+
+
 def test_an_overwrite_keeps_the_version_it_replaces_until_it_is_complete(prepared: Path, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """`cossd archive --force` of a tag archived already, after the tag was taken again at a
@@ -172,19 +189,12 @@ def test_an_overwrite_keeps_the_version_it_replaces_until_it_is_complete(prepare
     states = {1: (prepared / "ns/m/snapshots/a1/state").read_bytes()}
 
     def run(device: Device, overwrite: bool) -> Any:
-        job = archive.start(device, JobTable(), device.namespaces["m"].as_optimizer(),
-                            {"tag": "a1", "url": url, "chunk_bytes": 5 * MIB, "overwrite": overwrite},
-                            archive.Traffic(), set())
-        wait_job(job)
-        return job
+        return archive_a1(device, url, overwrite)
 
     with Device.open(prepared) as device:
         assert run(device, False).state == "done"
         first = sorted(store.keys(location))
-        namespace = device.namespaces["m"].as_optimizer()
-        namespace.snapshots.delete("a1")
-        namespace.snapshots.create("a1", device.reserve)  # step 2 now
-        states[2] = (prepared / "ns/m/snapshots/a1/state").read_bytes()
+        states[2] = retake_a1(device, prepared)
         original_put = archive.Store.put
 
         def put(self: archive.Store, bucket: str, key: str, data: bytes) -> None:
@@ -205,6 +215,38 @@ def test_an_overwrite_keeps_the_version_it_replaces_until_it_is_complete(prepare
         [location.key(archive.MANIFEST_OBJECT)] + [archive.object_key(location, manifest, name) for name in
                                                    (archive.STATE_OBJECT, archive.SUPERBLOCK_OBJECT, archive.META_OBJECT)])
     assert manifest["generation"] and not set(first) & set(store.keys(location)) - {location.key(archive.MANIFEST_OBJECT)}
+
+
+def test_an_overwrite_whose_manifest_upload_lands_though_reported_failed_is_done(
+        prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cossd archive --force` whose new manifest's PUT lands in the store while the client
+    sees it fail (the answer lost on the way back): the store's manifest names the new
+    generation, so the replacement happened. The job says done (not a failure the store
+    contradicts), the version restores as the new state, and the replaced objects are gone
+    (before, they would have been kept and the job called failed)."""
+    url = f"s3://{BUCKET}/lost-answer"
+    location = archive.parse_url(f"{url}/m/a1")
+    store = archive.Store()
+    states = {1: (prepared / "ns/m/snapshots/a1/state").read_bytes()}
+    with Device.open(prepared) as device:
+        assert archive_a1(device, url, True).state == "done"
+        states[2] = retake_a1(device, prepared)
+        original_put = archive.Store.put
+
+        def put(self: archive.Store, bucket: str, key: str, data: bytes) -> None:
+            original_put(self, bucket, key, data)
+            if key == location.key(archive.MANIFEST_OBJECT):
+                raise DeviceError(Status.DATA_TRANSFER_ERROR, "injected: the answer to the manifest's PUT was lost")
+
+        monkeypatch.setattr(archive.Store, "put", put)
+        job = archive_a1(device, url, True)
+        assert job.state == "done", (job.state, job.error)
+    assert check_version(f"{url}/m/a1", states, tmp_path) == 2
+    manifest = archive.read_manifest(store, location)
+    assert manifest["generation"] and manifest["version"] == 3  # a cossd that reads 1 and 2 refuses it
+    assert sorted(store.keys(location)) == sorted(
+        [location.key(archive.MANIFEST_OBJECT)] + [archive.object_key(location, manifest, name) for name in
+                                                   (archive.STATE_OBJECT, archive.SUPERBLOCK_OBJECT, archive.META_OBJECT)])
 
 
 @pytest.mark.parametrize("point", ["lookup", "check_bucket", "exists", "lineage"])

@@ -209,6 +209,27 @@ def test_weights_loaded_before_the_first_step_become_the_masters_at_two_ranks(
     assert bits_equal(held["adopted"][0]["masters"], held["preloaded"][0]["masters"])
 
 
+def test_a_read_failing_on_one_rank_inside_the_allgather_fails_every_rank_at_once(mount: Mount,
+                                                                                  tmp_path: Path) -> None:
+    """DDP with param_gather="allgather", weights loaded on both ranks before the first step:
+    the first step's check reads the device's params through the all-gather, and rank 1's
+    read of its shard fails. Rank 1 still takes part in the all-gather, flagged, so rank 0 is
+    not left waiting in it (before, until the backend's timeout): every rank's step() raises
+    at once, naming rank 1's error, and nothing is committed."""
+    out = tmp_path / "job"
+    codes = run_job(mount, out, "allgather-read-fails", 2, 3, mode="ddp", param_gather="allgather",
+                    load={"step": 1, "ranks": [0, 1]}, fail_read={"rank": 1, "step": 1})
+    assert codes == [7, 7], (codes, (out / "logs.txt").read_text()[-3000:])
+    for rank in range(2):
+        text = (out / f"error{rank}.txt").read_text()
+        assert "checking the params written outside the optimizer before the first step failed" in text, text
+        assert "rank 1: OSError" in text and "injected: the params' read failed" in text, text
+        assert (out / f"committed{rank}.txt").read_text() == "0"
+        assert "rank 0:" not in text, text  # rank 0 failed only because rank 1 did: not listed
+    with AdminClient(mount.mountpoint) as admin:
+        assert int(admin.statistics(admin.nsid("allgather-read-fails"))["committed_step"]) == 0
+
+
 @pytest.mark.parametrize("loaders", [[2, 3], pytest.param([0, 1, 2, 3], marks=pytest.mark.slow)])
 def test_weights_loaded_before_the_first_step_under_hsdp(mount: Mount, tmp_path: Path, loaders: list[int]) -> None:
     """HSDP at 4 ranks (2 replicas x 2 shards): replica 0's ranks write the masters. Weights
@@ -438,7 +459,7 @@ def test_fsdp2_a_rank_that_cannot_load_its_masters_fails_every_rank(mount: Mount
     assert codes == [4, 4], (codes, (out / "logs.txt").read_text()[-4000:])
     for rank in range(2):
         message = (out / f"error{rank}.txt").read_text()
-        assert "rank 1 could not load its master weights: OSError" in message and "injected" in message, message
+        assert "loading the master weights of namespace 'fsdp-loadfail' failed: rank 1: OSError" in message and "injected" in message, message
     stats = statistics(mount, "fsdp-loadfail")
     assert stats["loading"] and stats["committed_step"] == 0
     again = tmp_path / "again"

@@ -370,6 +370,29 @@ def test_weights_loaded_before_the_first_step_become_the_masters(mount: Mount, t
     assert bits_equal(held["adopted"]["masters"], held["preloaded"]["masters"])
 
 
+def test_a_failed_write_of_loaded_weights_as_the_masters_fails_every_rank_until_written_again(
+        mount: Mount, tmp_path: Path) -> None:
+    """DDP, 2 ranks load other weights before the first step; rank 1's write of its shard of
+    them as the masters fails (rank 0's went in: the device's masters are half the loaded
+    ones). Every rank's step() raises, naming rank 1's error, and nothing is committed;
+    state_dict() then refuses on every rank (it would record the half-loaded masters); the
+    next step() writes them all again, and the job ends bit for bit where one that loaded
+    the weights before making the optimizer ends."""
+    out = tmp_path / "job"
+    ranks = finished(out, 2, run_job(mount, out, "first-write-fails", 2, 3, load={"step": 1, "ranks": [0, 1]},
+                                     fail_masters_once=1))
+    for rank in range(2):
+        seen = json.loads((out / f"retried{rank}.json").read_text())
+        assert "writing them as the masters failed, nothing was sent: rank 1: OSError" in seen["error"], seen
+        assert "injected" in seen["error"] and seen["committed_step"] == 0, seen
+        assert seen["state_dict"].startswith("InconsistentStateError") and "failed part way" in seen["state_dict"], seen
+    assert all(r["result"]["committed_step"] == 3 for r in ranks)
+    reference = tmp_path / "preloaded"
+    preloaded = finished(reference, 2, run_job(mount, reference, "first-write-ref", 2, 3, preload=0.01))
+    assert bits_equal(ranks[0]["params"], preloaded[0]["params"])
+    assert bits_equal(ranks[0]["masters"], preloaded[0]["masters"])
+
+
 def test_weights_loaded_on_one_rank_before_the_first_step_are_refused_on_every_rank(mount: Mount,
                                                                                    tmp_path: Path) -> None:
     """DDP, 2 ranks, only rank 1 loads other weights before the first step: the replicas

@@ -177,6 +177,11 @@ def test_tree_attributes_and_errnos_as_a_local_mount(mount: Mount, remote_mount:
     expected = _errnos(local)
     assert _errnos(far) == expected
     assert expected["read a grad"] == errno.EACCES and expected["write a snapshot"] == errno.EROFS
+    # The remote daemon's log says why a write was refused, as a local mount's does (the
+    # first refused write of the window: the misaligned gradient).
+    refusals = [line for line in remote_mount.log_text().splitlines() if "write refused with" in line]
+    assert refusals and "write refused with EINVAL (Invalid argument): " in refusals[0], refusals
+    assert "2-byte element boundaries" in refusals[0], refusals
     # An NVM namespace's blocks, written and read back with dd-like I/O.
     block = os.urandom(8192)
     _pwrite(far / "ns/blk/data", block, 4096)

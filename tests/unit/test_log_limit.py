@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from cossd.emulator import log_limit
-from cossd.emulator.log_limit import LogLimiter
+from cossd.protocol import log_limit
+from cossd.protocol.log_limit import LogLimiter
 
 
 class Clock:

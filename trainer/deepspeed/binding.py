@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ...integrations.deepspeed import checkpoint_tag
 from ..dcp import reference as dcp
 from .. import grads as grad_rules
+from .. import distributed
 from ..distributed import Ranks
 from ..plan import Entry
 from ..shard import Piece
@@ -157,8 +158,8 @@ class ZeroBinding:
         opt.steps_skipped = int(setup["steps_skipped"])
         if setup["loading"]:
             # No rank begins a step (which seals the loading) before every rank's masters are in.
-            self._gather_outcome(lambda: opt.files.write_pieces(masters, role="master") if masters else None,
-                                 "could not load its master weights")
+            distributed.together(ranks, lambda: opt.files.write_pieces(masters, role="master") if masters else None,
+                                 f"cossd: loading the master weights of namespace {opt.files.name!r} failed")
         else:
             restore()
 
@@ -209,11 +210,12 @@ class ZeroBinding:
             return
         loading = dcp._on_rank0(opt, lambda: bool(opt.files.statistics()["loading"]))
         if loading:
-            self._gather_outcome(lambda: opt.files.write_pieces(self._masters(), role="master"),
-                                 "could not load its master weights")
+            distributed.together(self.ranks, lambda: opt.files.write_pieces(self._masters(), role="master"),
+                                 f"cossd: loading the master weights of namespace {opt.files.name!r} failed")
             return
-        same = {"same": self._same_as_device()}
-        if all(theirs["same"] for theirs in self.ranks.gather(same)):
+        same = distributed.together(self.ranks, self._same_as_device,
+                                    f"cossd: reading the master weights of namespace {opt.files.name!r} failed")
+        if all(same):
             self._read_masters()  # the device's FP32 masters, which the copies only round
             return
         name = opt.files.name
@@ -240,19 +242,6 @@ class ZeroBinding:
         dtype = self._bit16_dtype()
         return all(torch.equal(master.to(dtype), view.to("cpu").to(dtype))
                    for (_, _, _, master), (_, _, view) in zip(masters, views))
-
-    def _gather_outcome(self, work: Any, failing: str) -> None:
-        """`work()` on every rank; no rank goes on before every rank's is done, and any rank's
-        error is raised on every rank."""
-        outcome: dict[str, str] = {}
-        try:
-            work()
-        except BaseException as exc:
-            outcome["error"] = f"{type(exc).__name__}: {exc}"
-        failed = [(rank, theirs["error"]) for rank, theirs in enumerate(self.ranks.gather(outcome))
-                  if "error" in theirs]
-        if failed:
-            raise RuntimeError("; ".join(f"rank {rank} {failing}: {why}" for rank, why in failed))
 
     # ------------------------------------------------------------------ the step
 
