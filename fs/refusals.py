@@ -6,7 +6,7 @@ import logging
 import os
 
 from ..protocol.log_limit import LogLimiter
-from ..protocol.status import DeviceError, Status
+from ..protocol.status import DeviceError
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +28,13 @@ class RefusedWriteLog:
         """`exc` refused request `what` (a FUSE operation's name): logged where it is a write."""
         if what != "write":
             return
-        past_end = exc.status == Status.LBA_OUT_OF_RANGE
-        self.note_errno(exc.errno or errno.EIO, exc.message, past_end)
+        self.note_errno(exc.errno or errno.EIO, exc.message)
 
-    def note_errno(self, code: int, reason: str, past_end: bool | None = None) -> None:
-        """A refused write known by its errno and the device's reason: a remote mount's, whose
-        client hands it the server's refusal as an OSError. `past_end` None: told by the errno
-        (EFBIG is the refusal of a write past a file's end)."""
-        if past_end is None:
-            past_end = code == errno.EFBIG
+    def note_errno(self, code: int, reason: str) -> None:
+        """A refused write known by its errno and the device's reason (a remote mount's client
+        hands it the server's refusal as an OSError). EFBIG is the refusal of a write past a
+        file's end: LBA_OUT_OF_RANGE is the one status that maps to it (protocol/status.py)."""
         hint = ("; a gradient in another dtype than the namespace's grad_dtype (FP32 into an "
-                "FP16/BF16 grad file is twice its size)") if past_end and "/grad:" in reason else ""
+                "FP16/BF16 grad file is twice its size)") if code == errno.EFBIG and "/grad:" in reason else ""
         self._limiter.warning(f"write refused with {errno.errorcode.get(code, code)} ({os.strerror(code)}): "
                               f"{reason}{hint}")

@@ -145,23 +145,25 @@ def param_gather_option(value: str) -> str:
 FLAG_BYTES = 8  # all_gather_bytes's failure flag and its padding, after each rank's bytes
 
 
-def all_gather_bytes(mine: torch.Tensor, sizes: list[int], ranks: Ranks,
-                     failed: bool = False) -> tuple[list[torch.Tensor], list[int]]:
-    """Every rank's bytes (a flat uint8 tensor each, `sizes[r]` long for rank r), in rank
-    order, on every rank: one all_gather_into_tensor over buffers padded to the largest
-    (a collective takes equal parts; shards cut at device blocks are rarely equal), and the
-    ranks whose bytes are not there (`failed`: this rank's read failed, it sends a flag in
-    the same collective rather than leave the others waiting in it)."""
+def all_gather_bytes(mine: torch.Tensor | None, sizes: list[int], ranks: Ranks,
+                     device: torch.device) -> tuple[list[torch.Tensor], list[int]]:
+    """Every rank's bytes (a flat uint8 tensor each, `sizes[r]` long for rank r, on `device`;
+    `mine` may be on the host: it is copied into the collective's buffer there),
+    in rank order, on every rank: one all_gather_into_tensor over buffers padded to the
+    largest (a collective takes equal parts; shards cut at device blocks are rarely equal),
+    and the ranks whose bytes are not there. `mine` None: this rank has no bytes to send (its
+    read failed); it sends a flag in the same collective rather than leave the others
+    waiting in it."""
     flag_at = max(sizes)
     # The flag's byte, then padding: each rank's part starts 8-byte aligned, as its bytes
     # are laid out (the caller views them as FP32 and 16-bit params).
     width = flag_at + FLAG_BYTES
-    send = torch.zeros(width, dtype=torch.uint8, device=mine.device)
-    if failed:
+    send = torch.zeros(width, dtype=torch.uint8, device=device)
+    if mine is None:
         send[flag_at] = 1
     else:
         send[: mine.numel()].copy_(mine)
-    received = torch.empty(width * ranks.world, dtype=torch.uint8, device=mine.device)
+    received = torch.empty(width * ranks.world, dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(received, send, group=ranks.group)
     missing = [rank for rank, flag in enumerate(received.view(ranks.world, width)[:, flag_at].tolist()) if flag]
     return [received[rank * width : rank * width + size] for rank, size in enumerate(sizes)], missing

@@ -404,24 +404,27 @@ class ShardedSession:
         # Through the CMB the read lands wherever the params are (a GPU's, for NCCL); through
         # the files it lands on the host.
         device = self.entries[0].param.device
-        buffer = torch.empty(size, dtype=torch.uint8, device=device if self.files.cmb() is not None else "cpu")
-        reads = []
-        for piece, at in zip(mine, offsets):
-            role, dtype = kinds[piece.index]
-            reads.append((piece.name, role, piece.start, buffer[at : at + piece.numel * dtype.itemsize].view(dtype)))
-        own: Exception | None = None
+        own: BaseException | None = None
+        sent: torch.Tensor | None = None
         try:
+            buffer = torch.empty(size, dtype=torch.uint8, device=device if self.files.cmb() is not None else "cpu")
+            reads = []
+            for piece, at in zip(mine, offsets):
+                role, dtype = kinds[piece.index]
+                reads.append((piece.name, role, piece.start,
+                              buffer[at : at + piece.numel * dtype.itemsize].view(dtype)))
             if reads:
                 self.files.read_pieces_into(reads)
-        except Exception as exc:
+            sent = buffer  # on the host (files) it crosses to the GPU in the gather's own copy
+        except BaseException as exc:  # the read, the GPU's memory, an interrupt: none may leave the others waiting
             own = exc  # still in the all-gather, flagged: no other rank is left waiting in it
         sizes = [total for _, total in layouts]
-        parts, missing = distributed.all_gather_bytes(buffer.to(device), sizes, ranks, failed=own is not None)
+        parts, missing = distributed.all_gather_bytes(sent, sizes, ranks, device)
         if missing:
             # Every rank saw the same flags, so every rank takes part in this one exchange of why.
             reasons = ranks.gather(None if own is None else f"{type(own).__name__}: {own}")
             if own is not None:
-                raise own  # its own type (DeviceLostError, an OSError), as a read of its own would
+                raise own  # its own type (DeviceLostError, an OSError, an interrupt), as a read of its own would
             raise distributed.RanksFailedError(
                 "cossd: reading the params back (param_gather='allgather') failed on another rank",
                 [(rank, str(reasons[rank])) for rank in missing])

@@ -401,16 +401,18 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,
         store.put(version.bucket, object_key(version, generation, META_OBJECT), meta)
         manifest = manifest_for(namespace, snapshot, request, crcs, superblock, meta, serial, lineage,
                                 generation["generation"] if generation else None)
+        encoded = encode_manifest(manifest)
         try:
-            store.put(version.bucket, manifest_key, encode_manifest(manifest))  # the version is the new one
+            store.put(version.bucket, manifest_key, encoded)  # the version is the new one
         except DeviceError as exc:
             # A PUT the client saw fail may have landed all the same (the answer lost on the
-            # way back): where the store's manifest names this generation, the replacement
-            # happened, and the job says so rather than a failure the store contradicts.
-            if not generation or _names_generation(store, version, generation["generation"]) is not True:
+            # way back): where the store's manifest is this job's, byte for byte, the version
+            # is complete (a first archive) or replaced (its generation is this job's alone),
+            # and the job says so rather than a failure the store contradicts.
+            if not _holds_manifest(store, version, encoded):
                 raise
-            log.warning("%s: the new manifest's upload was reported failed (%s), yet the store holds it: the "
-                        "version is the new one", version.url, exc.message)
+            log.warning("%s: the manifest's upload was reported failed (%s), yet the store holds it: the "
+                        "version is this job's", version.url, exc.message)
         nonlocal completed
         completed = True
         if generation:
@@ -457,6 +459,15 @@ def drop_unnamed(store: Store, version: Location, manifest: dict[str, Any] | Non
         store.abort_uploads(version)
     except DeviceError as exc:
         log.warning("%s: objects of a version it replaced were left in the store: %s", version.url, exc.message)
+
+
+def _holds_manifest(store: Store, version: Location, encoded: bytes) -> bool:
+    """Whether the manifest at `version` is `encoded`, byte for byte (False where it cannot
+    be read: nothing says it landed)."""
+    try:
+        return store.get(version.bucket, version.key(MANIFEST_OBJECT)) == encoded
+    except DeviceError:
+        return False
 
 
 def _names_generation(store: Store, version: Location, generation: str) -> bool | None:

@@ -41,6 +41,8 @@ PEERS: dict[str, str] = {
     "cossd_streaming": "(a) cossd, through the CMB, gradients streamed as backward makes them",
     "cossd_streaming_ram": "(a) cossd, streamed, the device's media in RAM (tmpfs): no page-cache copies "
                            "or writeback on its cores",
+    "cossd_streaming_bf16": "(a) cossd, streamed, BF16 moments (the talk's 16-bit optimizer state): 10 bytes "
+                            "of media an element a step, not 14",
     "zero_infinity_disk": "(b) ZeRO-Infinity NVMe offload, ext4 on the backing disk",
     "zero_infinity_device": "(b) ZeRO-Infinity NVMe offload, ext4 on an NVM namespace of the device",
     "zero_offload": "(c) ZeRO-Offload (optimizer on the CPU)",
@@ -415,6 +417,8 @@ def summarize(peer: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
                                           for key in last["device_seconds_per_step"]}
         row["transport"] = last.get("transport")
         row["state_writes"] = last.get("state_writes")  # "mapped": the media in RAM (tmpfs)
+        row["state_dtype"] = last.get("state_dtype")
+        row["media_bytes_per_step"] = _median_or_none([run.get("media_bytes_per_step") for run in good])
     restore = last.get("restore")
     if peer == "resident":
         row["restore"] = {"ok": False, "why": "no checkpoint: nothing to restore"}

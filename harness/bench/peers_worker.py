@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 RESULT_PREFIX = "PEERS-RESULT "
-COSSD_PEERS = ("cossd", "cossd_streaming", "cossd_streaming_ram")  # the rows a cossd device serves
+COSSD_PEERS = ("cossd", "cossd_streaming", "cossd_streaming_ram", "cossd_streaming_bf16")  # a cossd device's rows
 # The cossd rows whose gradients leave in buckets while backward runs.
-STREAMING_PEERS = ("cossd_streaming", "cossd_streaming_ram")
+STREAMING_PEERS = ("cossd_streaming", "cossd_streaming_ram", "cossd_streaming_bf16")
+# The cossd rows whose namespace keeps its moments in fewer bytes (docs/trainer.md#state_dtype).
+STATE_DTYPE_OF = {"cossd_streaming_bf16": "bf16"}
 TOKENS_PER_STEP = (1, 128)  # batch, context: small, so the optimizer's part of a step shows
 LR = 1e-4
 SEED = 7
@@ -86,9 +88,14 @@ def device_times(job: dict[str, Any]) -> dict[str, Any] | None:
     from ...client import AdminClient
 
     with AdminClient(Path(job["mount"])) as admin:
-        stats = admin.statistics(admin.nsid(job["namespace"]))
+        nsid = admin.nsid(job["namespace"])
+        stats = admin.statistics(nsid)
+        # The media's own count (log page C0h): what a step writes, 14 B an element with FP32
+        # moments, 10 with BF16.
+        media = int(admin.optimizer_log(nsid)[job["namespace"]]["media_bytes_written"])
     times = {"kernel_ns": int(stats["kernel_ns"]), "flush_ns": int(stats["flush_ns"]),
-             "kernel_blocks": int(stats["kernel_blocks"]), "state_writes": stats.get("state_writes")}
+             "kernel_blocks": int(stats["kernel_blocks"]), "state_writes": stats.get("state_writes"),
+             "media_bytes": media}
     if job.get("device_pid"):
         times["cpu_ns"] = process_cpu_ns(int(job["device_pid"]))
     return times
@@ -252,7 +259,8 @@ class Resident(Peer):
 class Cossd(Peer):
     """BF16 params, cossd.trainer.AdamW through the drive's memory buffer (the default);
     every step committed on the drive, so there is no save. `streaming`: each tensor's
-    gradients go to the drive as backward makes them, so its kernel runs beside backward."""
+    gradients go to the drive as backward makes them, so its kernel runs beside backward.
+    The moments are FP32 unless the row names another format (STATE_DTYPE_OF)."""
 
     def __init__(self, job: dict[str, Any], streaming: bool = False) -> None:
         super().__init__(job)
@@ -260,7 +268,7 @@ class Cossd(Peer):
 
         self.module = self.model(self.torch.bfloat16)
         self.optimizer = AdamW(self.module.parameters(), mount=job["mount"], namespace=job["namespace"], lr=LR,
-                               streaming=streaming)
+                               streaming=streaming, state_dtype=STATE_DTYPE_OF.get(job["peer"], "fp32"))
         self.transport = "cmb" if self.optimizer.files.cmb() is not None else "files"
 
     def step(self, index: int) -> dict[str, float]:
@@ -391,6 +399,8 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
             result["device_seconds_per_step"]["cores"] = job["device_cores"]
         result["transport"] = getattr(peer, "transport", None)
         result["state_writes"] = times_after["state_writes"]
+        result["media_bytes_per_step"] = (times_after["media_bytes"] - times_before["media_bytes"]) / steps
+        result["state_dtype"] = STATE_DTYPE_OF.get(job["peer"], "fp32")
     before = counter.read()
     result["checkpoint"] = peer.save()
     after = counter.read()

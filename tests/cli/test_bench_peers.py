@@ -47,19 +47,26 @@ def _check_row(peer: str, row: dict) -> None:
 
 @pytest.mark.slow  # a device, an ext4 volume and four worker processes: over a minute on 2 cores
 def test_cossd_and_floor_rows(tmp_path: Path) -> None:
-    """cossd through the CMB (gradients at once, streamed, and streamed into a device whose
-    media is in RAM) and the resident floor, one pinned turn: the device counted each cossd
-    step's 4 B/param on its link, and the restore after the kill -9 read the params."""
+    """cossd through the CMB (gradients at once, streamed, streamed with BF16 moments, and
+    streamed into a device whose media is in RAM) and the resident floor, one pinned turn: the
+    device counted each cossd step's 4 B/param on its link and its 14 (10 with BF16 moments)
+    on its media, and the restore after the kill -9 read the params."""
     settings = PeersSettings(sizes=(TINY,), steps=2, warmup=1, turns=1, placements=("pinned",),
-                             peers=("cossd", "cossd_streaming", "cossd_streaming_ram", "resident"))
+                             peers=("cossd", "cossd_streaming", "cossd_streaming_ram", "cossd_streaming_bf16",
+                                    "resident"))
     report = bench_peers.peers_costs(tmp_path, settings)
     rows = report["sizes"][str(TINY)]["placements"]["pinned"]
     for peer, row in rows.items():
         assert row["ok"], row
         _check_row(peer, row)
-    for peer in ("cossd", "cossd_streaming", "cossd_streaming_ram"):
+    for peer in ("cossd", "cossd_streaming", "cossd_streaming_ram", "cossd_streaming_bf16"):
         cossd = rows[peer]
         params = cossd["parameters"]
+        # The device's media, per step: the FP32 master, both moments and the param (14 B an
+        # element with FP32 moments, 10 with BF16), and a superblock.
+        per_param = 10 if peer == "cossd_streaming_bf16" else 14
+        assert cossd["state_dtype"] == ("bf16" if peer == "cossd_streaming_bf16" else "fp32"), peer
+        assert per_param * params <= cossd["media_bytes_per_step"] < (per_param + 0.5) * params, peer
         assert cossd["transport"] == "cmb", peer
         # The RAM row's device keeps its state on tmpfs, mapped; the others on the disk's ext4.
         assert cossd["state_writes"] == ("mapped" if peer == "cossd_streaming_ram" else "pwrite"), peer

@@ -200,6 +200,8 @@ def main() -> int:
                 def failing_read(reads, *args, **kwargs):
                     if not failed_once:
                         failed_once.append(True)
+                        if fail_read.get("interrupt"):
+                            raise KeyboardInterrupt  # Ctrl-C on this rank, mid-read
                         raise OSError(5, "injected: the params' read failed")
                     return read_pieces_into(reads, *args, **kwargs)
 
@@ -213,6 +215,12 @@ def main() -> int:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
         optimizer.close()
         return 3
+    except KeyboardInterrupt:
+        # This rank's own interrupt (fail_read's "interrupt"): it stays one here, once the
+        # other ranks have been told of it.
+        (out / f"error{rank}.txt").write_text("KeyboardInterrupt")
+        optimizer.close()
+        return 8
     except RuntimeError as exc:
         if "written outside the optimizer" in str(exc):
             (out / f"error{rank}.txt").write_text(str(exc))

@@ -217,20 +217,22 @@ def test_an_overwrite_keeps_the_version_it_replaces_until_it_is_complete(prepare
     assert manifest["generation"] and not set(first) & set(store.keys(location)) - {location.key(archive.MANIFEST_OBJECT)}
 
 
-def test_an_overwrite_whose_manifest_upload_lands_though_reported_failed_is_done(
-        prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`cossd archive --force` whose new manifest's PUT lands in the store while the client
-    sees it fail (the answer lost on the way back): the store's manifest names the new
-    generation, so the replacement happened. The job says done (not a failure the store
-    contradicts), the version restores as the new state, and the replaced objects are gone
-    (before, they would have been kept and the job called failed)."""
-    url = f"s3://{BUCKET}/lost-answer"
+@pytest.mark.parametrize("replacing", [False, True], ids=["first", "overwrite"])
+def test_an_archive_whose_manifest_upload_lands_though_reported_failed_is_done(
+        prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replacing: bool) -> None:
+    """An archive whose manifest's PUT lands in the store while the client sees it fail (the
+    answer lost on the way back): the manifest read back is this job's, byte for byte, so the
+    version is complete. The job says done (not a failure the store contradicts) and the version
+    restores as the state archived. A first archive (before, it reported failed) and
+    `cossd archive --force`, whose replaced objects are gone (before, they were kept)."""
+    url = f"s3://{BUCKET}/lost-answer-{'overwrite' if replacing else 'first'}"
     location = archive.parse_url(f"{url}/m/a1")
     store = archive.Store()
     states = {1: (prepared / "ns/m/snapshots/a1/state").read_bytes()}
     with Device.open(prepared) as device:
-        assert archive_a1(device, url, True).state == "done"
-        states[2] = retake_a1(device, prepared)
+        if replacing:
+            assert archive_a1(device, url, True).state == "done"
+            states[2] = retake_a1(device, prepared)
         original_put = archive.Store.put
 
         def put(self: archive.Store, bucket: str, key: str, data: bytes) -> None:
@@ -239,11 +241,12 @@ def test_an_overwrite_whose_manifest_upload_lands_though_reported_failed_is_done
                 raise DeviceError(Status.DATA_TRANSFER_ERROR, "injected: the answer to the manifest's PUT was lost")
 
         monkeypatch.setattr(archive.Store, "put", put)
-        job = archive_a1(device, url, True)
+        job = archive_a1(device, url, replacing)
         assert job.state == "done", (job.state, job.error)
-    assert check_version(f"{url}/m/a1", states, tmp_path) == 2
+    assert check_version(f"{url}/m/a1", states, tmp_path) == (2 if replacing else 1)
     manifest = archive.read_manifest(store, location)
-    assert manifest["generation"] and manifest["version"] == 3  # a cossd that reads 1 and 2 refuses it
+    # A replaced version's manifest names its generation (version 3: a cossd reading 1 and 2 refuses it).
+    assert bool(manifest.get("generation")) == replacing and (manifest["version"] == 3) == replacing
     assert sorted(store.keys(location)) == sorted(
         [location.key(archive.MANIFEST_OBJECT)] + [archive.object_key(location, manifest, name) for name in
                                                    (archive.STATE_OBJECT, archive.SUPERBLOCK_OBJECT, archive.META_OBJECT)])

@@ -230,6 +230,24 @@ def test_a_read_failing_on_one_rank_inside_the_allgather_fails_every_rank_at_onc
         assert int(admin.statistics(admin.nsid("allgather-read-fails"))["committed_step"]) == 0
 
 
+def test_an_interrupt_on_one_rank_inside_the_allgather_read_fails_the_others_at_once(mount: Mount,
+                                                                                    tmp_path: Path) -> None:
+    """As above, but rank 1 is interrupted (Ctrl-C) in its read of its shard: it still takes
+    part in the all-gather and the exchange of why, then raises its KeyboardInterrupt; rank 0
+    raises at once, naming rank 1's interrupt (before, rank 1 left the collective unmatched
+    and rank 0 waited in it), and nothing is committed."""
+    out = tmp_path / "job"
+    codes = run_job(mount, out, "allgather-read-interrupted", 2, 3, mode="ddp", param_gather="allgather",
+                    load={"step": 1, "ranks": [0, 1]}, fail_read={"rank": 1, "step": 1, "interrupt": True})
+    assert codes == [7, 8], (codes, (out / "logs.txt").read_text()[-3000:])
+    text = (out / "error0.txt").read_text()
+    assert "checking the params written outside the optimizer before the first step failed" in text, text
+    assert "rank 1: KeyboardInterrupt" in text and "rank 0:" not in text, text
+    assert (out / "error1.txt").read_text() == "KeyboardInterrupt"
+    with AdminClient(mount.mountpoint) as admin:
+        assert int(admin.statistics(admin.nsid("allgather-read-interrupted"))["committed_step"]) == 0
+
+
 @pytest.mark.parametrize("loaders", [[2, 3], pytest.param([0, 1, 2, 3], marks=pytest.mark.slow)])
 def test_weights_loaded_before_the_first_step_under_hsdp(mount: Mount, tmp_path: Path, loaders: list[int]) -> None:
     """HSDP at 4 ranks (2 replicas x 2 shards): replica 0's ranks write the masters. Weights

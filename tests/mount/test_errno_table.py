@@ -665,3 +665,9 @@ def test_slow_writer_does_not_hold_up_other_namespaces(env: Env) -> None:
     pwrite_all(reference / "tensors/t/grad", grad_t.tobytes())
     for role in ("master", "exp_avg", "exp_avg_sq", "param"):
         assert (slow / "tensors/t" / role).read_bytes() == (reference / "tensors/t" / role).read_bytes()
+
+
+def test_efbig_is_the_refusal_of_a_write_past_a_files_end_only() -> None:
+    """The refused-write log (fs/refusals.py) tells a write past a file's end by its errno
+    alone, as a remote mount knows it: EFBIG must be LBA_OUT_OF_RANGE's and no other status's."""
+    assert [status for status, code in STATUS_ERRNO.items() if code == errno.EFBIG] == [Status.LBA_OUT_OF_RANGE]
