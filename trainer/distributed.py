@@ -49,29 +49,50 @@ class RanksFailedError(RuntimeError):
         return (RanksFailedError, (self.doing, self.failures))  # picklable: two arguments, not one
 
 
-def together(ranks: Ranks, work: Callable[[], T], doing: str) -> list[T]:
+def together(ranks: Ranks, work: Callable[[], T], doing: str, *, reraise_own: bool = False) -> list[T]:
     """`work()` on this rank, then every rank's result, in rank order, on every rank. The
     exchange is a barrier that carries each rank's failure: no rank goes on before every
     rank's work is done, and where some rank's raised, every rank raises RanksFailedError
     ("`doing`: rank 1: OSError: ..."), chained from its own error where it failed. A failing
     rank still takes part, so no other is left waiting in a collective for it. A rank whose
     work failed only because another's did (a RanksFailedError of an inner collective) is
-    left out of the list where some rank failed for a reason of its own."""
+    left out of the list where some rank failed for a reason of its own. `reraise_own`: a rank
+    whose work failed for a reason of its own raises that error itself (its type, for callers
+    that catch it), the others RanksFailedError. A rank that failed before reaching the
+    exchange takes part through fail_together."""
     own: BaseException | None = None
     try:
         outcome: dict[str, Any] = {"value": work()}
     except BaseException as exc:  # KeyboardInterrupt too: the other ranks must not wait for ever
         own = exc
-        outcome = {"error": f"{type(exc).__name__}: {exc}", "knock_on": isinstance(exc, RanksFailedError)}
+        outcome = _failed(exc)
     outcomes = ranks.gather(outcome)
     if own is not None and not isinstance(own, Exception):
         raise own  # an interrupt stays one here; the other ranks raise it as this rank's failure
+    if own is not None and reraise_own and not isinstance(own, RanksFailedError):
+        raise own
     failed = [(rank, theirs) for rank, theirs in enumerate(outcomes) if "error" in theirs]
     own_reasons = [(rank, theirs) for rank, theirs in failed if not theirs["knock_on"]]
     failures = [(rank, theirs["error"]) for rank, theirs in (own_reasons or failed)]
     if failures:
         raise RanksFailedError(doing, failures) from own
     return [theirs["value"] for theirs in outcomes]
+
+
+def fail_together(ranks: Ranks, exc: BaseException) -> None:
+    """This rank failed before an exchange the others run with `together` (its mount missing,
+    say): it takes part with its reason, so they raise it too instead of waiting for it. The
+    caller then raises `exc`."""
+    try:
+        ranks.gather(_failed(exc))
+    except Exception:  # the process group itself is broken: the original error stands
+        pass
+
+
+def _failed(exc: BaseException) -> dict[str, Any]:
+    """A rank's failed outcome in a `together` exchange: its error's text, and whether it
+    failed only because another rank did."""
+    return {"error": f"{type(exc).__name__}: {exc}", "knock_on": isinstance(exc, RanksFailedError)}
 
 
 def current(group: Any = None) -> Ranks | None:

@@ -208,7 +208,7 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
         except BaseException as exc:
             if self._ranks is not None:
                 # The other ranks are about to wait for this one: they fail with its reason.
-                self._fail_together(exc)
+                distributed.fail_together(self._ranks, exc)
             raise
         # Where deepspeed is imported, the namespace waits for deepspeed.initialize (or the first
         # step()) only where opening it now could not be right: it holds ZeRO's flat groups, or

@@ -88,10 +88,13 @@ class ShardedSession:
         ranks = self._ranks
         assert ranks is not None
         layout = [(entry.name, entry.numel, entry.group) for entry in self.entries]
-        try:
+        rows: list[Piece] = []
+
+        def local_layout() -> dict[str, Any]:
             # FSDP2's params (DTensors): the namespace holds the global tensors (their names and
             # sizes are the layout), each rank's part is its own rows; an unsupported placement
             # fails here, on this rank with its reason and on the others with this rank's.
+            nonlocal rows
             if self._fsdp_rows is not None:
                 on_fsdp, rows = True, self._fsdp_rows
             else:
@@ -104,15 +107,15 @@ class ShardedSession:
                 raise ValueError(f"grad_dtype={self.grad_dtype!r} is not supported where FSDP2 holds the params "
                                  "(its rows cut device blocks, and an FP8 scale covers whole blocks); use "
                                  "grad_dtype=None or 'fp32'")
-        except ValueError as exc:
-            self._fail_together(exc)
-            raise
-        layouts = ranks.gather({"layout": layout, "fsdp": on_fsdp})
-        failed = [(rank, theirs["error"]) for rank, theirs in enumerate(layouts) if "error" in theirs]
-        if failed:
-            raise RuntimeError("; ".join(f"rank {rank} could not open the optimizer: {why}" for rank, why in failed))
-        kinds = [theirs["fsdp"] for theirs in layouts]
-        layouts = [theirs["layout"] for theirs in layouts]
+            return {"layout": layout, "fsdp": on_fsdp}
+
+        # A rank that could not open its mount (AdamW's __init__) takes part here through
+        # distributed.fail_together; a rank's own failure stays its own (its type) on it.
+        opened = distributed.together(ranks, local_layout, "cossd: a rank could not open the optimizer",
+                                      reraise_own=True)
+        on_fsdp = bool(opened[ranks.rank]["fsdp"])
+        kinds = [theirs["fsdp"] for theirs in opened]
+        layouts = [theirs["layout"] for theirs in opened]
         differing = [rank for rank, theirs in enumerate(layouts) if theirs != layouts[0]]
         if differing:
             raise ValueError(f"ranks {differing} hold other params than rank 0 (names, sizes or "
@@ -184,17 +187,6 @@ class ShardedSession:
             distributed.together(ranks, self._write_shard_masters,
                                  f"cossd: loading the master weights of namespace {self.files.name!r} failed")
         self._read_params()
-
-    def _fail_together(self, exc: BaseException) -> None:
-        """This rank failed before the ranks' first exchange (its mount missing, say): it
-        takes part in the exchange with its reason, so the others raise it too instead of
-        waiting for it."""
-        ranks = self._ranks
-        assert ranks is not None
-        try:
-            ranks.gather({"error": f"{type(exc).__name__}: {exc}"})
-        except Exception:  # the process group itself is broken: the original error stands
-            pass
 
     def _open_on_rank0(self, on_fsdp: bool = False) -> dict[str, Any]:
         """Rank 0's part of opening: as one process opens a namespace, then a step an

@@ -30,6 +30,7 @@ from ...client import AdminClient
 from ...emulator import Device
 from ...fs import daemon
 
+from .matmul_probe import matmul_rates
 from .peers_model import model_check
 from .peers_worker import COSSD_PEERS, RESULT_PREFIX, gpt_shape
 from ..cgroups import disk_of
@@ -75,7 +76,30 @@ def deepspeed_missing() -> str | None:
         return "DeepSpeed is not installed (`make frameworks` installs deepspeed==0.19.8)"
     if not Path("/usr/include/libaio.h").exists():
         return "libaio-dev is missing (DeepSpeed's async_io op needs it; `make frameworks` installs it)"
+    stale = stale_build_locks()
+    if stale:
+        return (f"{', '.join(map(str, stale))}: a JIT build of DeepSpeed's ops holds this lock, unchanged for over "
+                f"{STALE_LOCK_S // 60} minutes; a build that was interrupted leaves it, and every later build waits "
+                "on it for ever. Delete it where no build is running")
     return None
+
+
+# A JIT build of DeepSpeed's ops takes a few minutes here; a lock untouched for longer was left by a
+# build that was killed (torch's FileBaton is a bare file: no owner to ask).
+STALE_LOCK_S = 900
+
+
+def stale_build_locks(now: float | None = None) -> list[Path]:
+    """torch's JIT build locks (`lock` in each extension's build folder, under
+    $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions/<python>_<build>/) older than STALE_LOCK_S."""
+    base = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    now = time.time() if now is None else now
+    found = []
+    for lock in sorted([*base.glob("*/lock"), *base.glob("*/*/lock")]):
+        with contextlib.suppress(OSError):  # gone meanwhile: its build finished
+            if now - lock.stat().st_mtime > STALE_LOCK_S:
+                found.append(lock)
+    return found
 
 
 def volume_bytes(sizes: tuple[int, ...]) -> int:
@@ -351,12 +375,16 @@ def peers_costs(workdir: Path, settings: PeersSettings | None = None) -> dict[st
     """Every peer at every size and placement, in alternating turns; rows and the model check."""
     settings = settings or PeersSettings()
     missing = deepspeed_missing()
+    compute = matmul_rates()
+    if compute["warning"]:
+        say(f"  peers: {compute['warning']}")
     run = PeersRun(workdir, settings)
     report: dict[str, Any] = {
         "settings": dataclasses.asdict(settings), "labels": {p: PEERS[p] for p in settings.peers},
         "disk": run.disk, "sizes": {}, "cores": sorted(os.sched_getaffinity(0)),
         "placements": {name: dict(zip(("trainer_cores", "device_cores"), placements(name)))
                        for name in settings.placements},
+        "compute": compute,
     }
     try:
         run.open_volume()

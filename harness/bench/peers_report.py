@@ -89,6 +89,9 @@ def markdown(section: dict[str, Any]) -> list[str]:
              f"{settings['turns']} alternating turns a row; pinned: trainer on cores "
              f"{section['placements'].get('pinned', {}).get('trainer_cores')}, device on "
              f"{section['placements'].get('pinned', {}).get('device_cores')}; disk {section['disk']}.", ""]
+    warning = (section.get("compute") or {}).get("warning")
+    if warning:
+        lines += [f"**{warning}.**", ""]
     lines += markdown_rows(section)
     check = section.get("model_check") or {}
     for key, one in check.get("checks", {}).items():

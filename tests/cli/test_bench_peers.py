@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from cossd.harness import bench
-from cossd.harness.bench import peers as bench_peers
+from cossd.harness.bench import matmul_probe, peers as bench_peers
 from cossd.harness.bench.peers import PeersSettings, run_worker, summarize
-from cossd.harness.bench.peers_report import markdown_rows
+from cossd.harness.bench.peers_report import markdown, markdown_rows
 from cossd.trainer.options import add_bench_arguments
 from helpers import run_cli
 
@@ -198,3 +198,39 @@ def test_peers_section_tiny(tmp_path: Path) -> None:
             assert check["inputs"]["device_rate_source"].startswith("the daemon's CPU time"), check
         else:
             assert rows["zero_offload"]["why"] == bench_peers.deepspeed_missing()
+
+
+def test_a_cpu_whose_bf16_matmul_is_slow_is_named_in_the_report() -> None:
+    """Where torch's BF16 matmul runs far below FP32 (a CPU without BF16 matrix instructions),
+    every row's step is its BF16 forward and backward: the section's report says so, above its
+    table, rather than print ratios that look like a result. The probe measures both rates."""
+    rates = matmul_probe.matmul_rates()
+    assert rates["fp32_gflops"] > 0 and rates["bf16_gflops"] > 0 and rates["cpu_capability"]
+    assert (rates["warning"] is None) == (rates["bf16_gflops"] * matmul_probe.SLOW_FACTOR > rates["fp32_gflops"])
+    slow = {"fp32_gflops": 60.0, "bf16_gflops": 1.0, "cpu_capability": "AVX2"}
+    warning = matmul_probe.slow_bf16_warning(slow)
+    assert warning is not None and "60x slower" in warning and "AVX2" in warning
+    assert matmul_probe.slow_bf16_warning({"fp32_gflops": 60.0, "bf16_gflops": 40.0}) is None
+    section = {"settings": {"steps": 1, "warmup": 0, "turns": 1}, "placements": {}, "disk": "vda",
+               "labels": {}, "sizes": {}, "compute": slow | {"warning": warning}}
+    assert f"**{warning}.**" in markdown(section)
+
+
+def test_a_build_lock_left_by_a_killed_jit_build_refuses_the_deepspeed_rows(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DeepSpeed JIT build killed part way leaves torch's lock file, and every later build
+    waits on it for ever (a peers run then hung until its worker's 30-minute timeout): an old
+    lock gives the DeepSpeed rows a reason naming it; a fresh one (a build running) does not."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "async_io").mkdir()
+    lock = tmp_path / "async_io" / "lock"
+    lock.touch()
+    assert bench_peers.stale_build_locks() == []
+    now = lock.stat().st_mtime + bench_peers.STALE_LOCK_S + 1
+    assert bench_peers.stale_build_locks(now) == [lock]
+    monkeypatch.setattr(bench_peers, "stale_build_locks", lambda: [lock])
+    why = bench_peers.deepspeed_missing()
+    if why is not None and str(lock) not in why:  # DeepSpeed or libaio missing here: that reason comes first
+        assert "DeepSpeed is not installed" in why or "libaio-dev" in why
+    else:
+        assert why is not None and str(lock) in why and "Delete it" in why

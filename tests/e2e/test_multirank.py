@@ -187,7 +187,7 @@ def test_a_rank_that_cannot_open_fails_every_rank(mount: Mount, tmp_path: Path) 
     codes = run_job(mount, out, "nomount", 2, 2, mount_of_rank={"1": str(tmp_path / "missing")})
     assert codes == [4, 4], (codes, (out / "logs.txt").read_text()[-4000:])
     assert "is not a mounted cossd device" in (out / "error1.txt").read_text()
-    assert "rank 1 could not open the optimizer: FileNotFoundError" in (out / "error0.txt").read_text()
+    assert "could not open the optimizer: rank 1: FileNotFoundError" in (out / "error0.txt").read_text()
     with AdminClient(mount.mountpoint) as admin:
         assert "nomount" not in [entry["name"] for entry in admin.describe()["namespaces"]]
 
