@@ -58,8 +58,7 @@ def together(ranks: Ranks, work: Callable[[], T], doing: str, *, reraise_own: bo
     work failed only because another's did (a RanksFailedError of an inner collective) is
     left out of the list where some rank failed for a reason of its own. `reraise_own`: a rank
     whose work failed for a reason of its own raises that error itself (its type, for callers
-    that catch it), the others RanksFailedError. A rank that failed before reaching the
-    exchange takes part through fail_together."""
+    that catch it), the others RanksFailedError."""
     own: BaseException | None = None
     try:
         outcome: dict[str, Any] = {"value": work()}
@@ -77,16 +76,6 @@ def together(ranks: Ranks, work: Callable[[], T], doing: str, *, reraise_own: bo
     if failures:
         raise RanksFailedError(doing, failures) from own
     return [theirs["value"] for theirs in outcomes]
-
-
-def fail_together(ranks: Ranks, exc: BaseException) -> None:
-    """This rank failed before an exchange the others run with `together` (its mount missing,
-    say): it takes part with its reason, so they raise it too instead of waiting for it. The
-    caller then raises `exc`."""
-    try:
-        ranks.gather(_failed(exc))
-    except Exception:  # the process group itself is broken: the original error stands
-        pass
 
 
 def _failed(exc: BaseException) -> dict[str, Any]:
@@ -166,25 +155,27 @@ def param_gather_option(value: str) -> str:
 FLAG_BYTES = 8  # all_gather_bytes's failure flag and its padding, after each rank's bytes
 
 
-def all_gather_bytes(mine: torch.Tensor | None, sizes: list[int], ranks: Ranks,
-                     device: torch.device) -> tuple[list[torch.Tensor], list[int]]:
-    """Every rank's bytes (a flat uint8 tensor each, `sizes[r]` long for rank r, on `device`;
-    `mine` may be on the host: it is copied into the collective's buffer there),
-    in rank order, on every rank: one all_gather_into_tensor over buffers padded to the
-    largest (a collective takes equal parts; shards cut at device blocks are rarely equal),
-    and the ranks whose bytes are not there. `mine` None: this rank has no bytes to send (its
-    read failed); it sends a flag in the same collective rather than leave the others
-    waiting in it."""
-    flag_at = max(sizes)
-    # The flag's byte, then padding: each rank's part starts 8-byte aligned, as its bytes
-    # are laid out (the caller views them as FP32 and 16-bit params).
-    width = flag_at + FLAG_BYTES
-    send = torch.zeros(width, dtype=torch.uint8, device=device)
-    if mine is None:
+def gather_buffers(sizes: list[int], ranks: Ranks, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """all_gather_bytes's buffers on `device`: this rank's part (zeros: its bytes go at the
+    front, its failure flag after the largest part) and every rank's, in rank order. A
+    collective takes equal parts; shards cut at device blocks are rarely equal, so each is
+    padded to the largest. The flag's 8 bytes keep every rank's part 8-byte aligned, as its
+    bytes are laid out (the caller views them as FP32 and 16-bit params)."""
+    width = max(sizes) + FLAG_BYTES
+    return (torch.zeros(width, dtype=torch.uint8, device=device),
+            torch.empty(width * ranks.world, dtype=torch.uint8, device=device))
+
+
+def all_gather_bytes(send: torch.Tensor, received: torch.Tensor, sizes: list[int], ranks: Ranks,
+                     failed: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+    """Every rank's bytes (`sizes[r]` of them for rank r, each at the front of its part of
+    gather_buffers' `send`), in rank order, on every rank, in one all_gather_into_tensor; and
+    the ranks whose bytes are not there. `failed`: this rank has no bytes to send (its read
+    failed); it sends a flag in the same collective rather than leave the others waiting in it."""
+    width = send.numel()
+    flag_at = width - FLAG_BYTES
+    if failed:
         send[flag_at] = 1
-    else:
-        send[: mine.numel()].copy_(mine)
-    received = torch.empty(width * ranks.world, dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(received, send, group=ranks.group)
     missing = [rank for rank, flag in enumerate(received.view(ranks.world, width)[:, flag_at].tolist()) if flag]
     return [received[rank * width : rank * width + size] for rank, size in enumerate(sizes)], missing

@@ -14,7 +14,7 @@ from . import fsdp
 from .dcp import group as dcp_group
 from .namespace import swap as namespace_swap
 from . import grads as grad_rules
-from .distributed import Ranks
+from .distributed import Ranks, together
 from .device_fanout import DeviceFanout, Outcome
 from .namespace.files import DeviceLostError, NamespaceFiles
 from .plan import Entry
@@ -120,12 +120,20 @@ class DeviceGroup:
         # FSDP2: this rank's rows of each global tensor (ValueError for what FSDP2 layouts
         # fsdp.local_pieces refuses, HSDP's 2-D mesh among them), the same on every rank.
         self._group_fsdp = fsdp.uses_fsdp(self.entries)
-        if self._group_fsdp and self.param_wire_dtype is not None:
-            # FSDP2's children read their rows' 16-bit params (fsdp.read_local_params), not param_fp8.
-            raise ValueError(f"param_wire_dtype={self.param_wire_dtype!r} (FP8 params out) is not supported "
-                             "with FSDP2 params over several devices")
-        rows = {piece.index: piece for piece in fsdp.local_pieces(self.entries, group_ranks)} \
-            if self._group_fsdp else {}
+        rows: dict[int, Piece] = {}
+
+        def local_rows() -> None:
+            nonlocal rows
+            if self._group_fsdp and self.param_wire_dtype is not None:
+                # FSDP2's children read their rows' 16-bit params (fsdp.read_local_params), not param_fp8.
+                raise ValueError(f"param_wire_dtype={self.param_wire_dtype!r} (FP8 params out) is not supported "
+                                 "with FSDP2 params over several devices")
+            if self._group_fsdp:
+                rows = {piece.index: piece for piece in fsdp.local_pieces(self.entries, group_ranks)}
+
+        # Through one exchange: a rank whose shards FSDP2 laid out otherwise fails every rank,
+        # rather than leave rank 0 waiting for the others in _look_at_devices.
+        together(group_ranks, local_rows, "cossd: a rank could not open the optimizer", reraise_own=True)
         layouts = self._look_at_devices(mounts, namespace)
         tensors = [(entry.name, entry.numel) for entry in self.entries]
         if all(layout is not None for layout in layouts):

@@ -202,24 +202,39 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
             self._initialized = True
             return
         assert isinstance(mount, (str, os.PathLike))  # mount_list answered None: one path or URL
-        try:
+        def open_files() -> bool:
+            """This rank's mount opened; whether its namespace waits for deepspeed.initialize.
+            Where deepspeed is imported, the namespace waits for deepspeed.initialize (or the
+            first step()) only where opening it now could not be right: it holds ZeRO's flat
+            groups, or it is new and the job has several ranks (one namespace for all);
+            meanwhile the reads ask the device (rebind.py). Else it opens now, as without
+            DeepSpeed: deepspeed/zero.py."""
             self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials,
                                         command_set=transport)
-        except BaseException as exc:
-            if self._ranks is not None:
-                # The other ranks are about to wait for this one: they fail with its reason.
-                distributed.fail_together(self._ranks, exc)
-            raise
-        # Where deepspeed is imported, the namespace waits for deepspeed.initialize (or the first
-        # step()) only where opening it now could not be right: it holds ZeRO's flat groups, or
-        # it is new and the job has several ranks (one namespace for all); meanwhile the reads
-        # ask the device (rebind.py). Else it opens now, as without DeepSpeed: deepspeed/zero.py.
-        if process_group is None and "deepspeed" in sys.modules:
+            if process_group is not None:
+                return False
             from .deepspeed import zero as deepspeed_zero
-            self._ds_deferred = deepspeed_zero.defers(self, streaming, mounts is not None)
-        elif process_group is None:  # deepspeed may be imported later: its initialize must still bind this
-            from .deepspeed import zero as deepspeed_zero
-            self._ds_deferred = deepspeed_zero.defers_before_import(self, streaming, mounts is not None)
+            if "deepspeed" in sys.modules:
+                return deepspeed_zero.defers(self, streaming, mounts is not None)
+            # deepspeed may be imported later: its initialize must still bind this
+            return deepspeed_zero.defers_before_import(self, streaming, mounts is not None)
+
+        if self._ranks is None:
+            self._ds_deferred = open_files()
+        else:
+            # One exchange before any rank goes on: a rank whose mount (or whose device read
+            # here) fails fails every rank with its reason, whichever way the others would go
+            # on: opening now (_open_sharded's exchanges), or waiting for deepspeed.initialize,
+            # whose collectives are DeepSpeed's own.
+            deferring = distributed.together(self._ranks, open_files, "cossd: a rank could not open the optimizer",
+                                             reraise_own=True)
+            if len(set(deferring)) > 1:
+                raise RuntimeError(
+                    f"cossd: ranks {[r for r, d in enumerate(deferring) if d]} would wait for deepspeed.initialize to "
+                    f"open namespace {namespace!r} and ranks {[r for r, d in enumerate(deferring) if not d]} would open "
+                    "it now (the namespace changed while they looked, or their environments differ: WORLD_SIZE, "
+                    "the import of deepspeed); nothing was opened. Construct the optimizer again on every rank")
+            self._ds_deferred = deferring[self._ranks.rank]
         if self._ds_deferred:
             self.cmb_pinned = False
             self._initialized = True

@@ -109,8 +109,7 @@ class ShardedSession:
                                  "grad_dtype=None or 'fp32'")
             return {"layout": layout, "fsdp": on_fsdp}
 
-        # A rank that could not open its mount (AdamW's __init__) takes part here through
-        # distributed.fail_together; a rank's own failure stays its own (its type) on it.
+        # A rank's own failure stays its own (its type) on it; the others name it.
         opened = distributed.together(ranks, local_layout, "cossd: a rank could not open the optimizer",
                                       reraise_own=True)
         on_fsdp = bool(opened[ranks.rank]["fsdp"])
@@ -393,25 +392,30 @@ class ShardedSession:
 
         layouts = [placed(shard) for shard in shards]
         mine, (offsets, size) = shards[ranks.rank], layouts[ranks.rank]
-        # Through the CMB the read lands wherever the params are (a GPU's, for NCCL); through
-        # the files it lands on the host.
         device = self.entries[0].param.device
+        sizes = [total for _, total in layouts]
+        # Out of memory for the gather's own buffers, a rank cannot take part at all: the
+        # others then wait in it until the backend's timeout (docs/trainer.md).
+        send, received = distributed.gather_buffers(sizes, ranks, device)
         own: BaseException | None = None
-        sent: torch.Tensor | None = None
         try:
-            buffer = torch.empty(size, dtype=torch.uint8, device=device if self.files.cmb() is not None else "cpu")
+            # Through the CMB the read lands wherever the params are (a GPU's, for NCCL), so
+            # straight into this rank's part of the gather; through the files it lands on the
+            # host, then crosses.
+            on_host = self.files.cmb() is None and send.device.type != "cpu"
+            target = torch.empty(size, dtype=torch.uint8) if on_host else send[:size]
             reads = []
             for piece, at in zip(mine, offsets):
                 role, dtype = kinds[piece.index]
                 reads.append((piece.name, role, piece.start,
-                              buffer[at : at + piece.numel * dtype.itemsize].view(dtype)))
+                              target[at : at + piece.numel * dtype.itemsize].view(dtype)))
             if reads:
                 self.files.read_pieces_into(reads)
-            sent = buffer  # on the host (files) it crosses to the GPU in the gather's own copy
-        except BaseException as exc:  # the read, the GPU's memory, an interrupt: none may leave the others waiting
+            if on_host:
+                send[:size].copy_(target)
+        except BaseException as exc:  # the read, the memory, an interrupt: none may leave the others waiting
             own = exc  # still in the all-gather, flagged: no other rank is left waiting in it
-        sizes = [total for _, total in layouts]
-        parts, missing = distributed.all_gather_bytes(sent, sizes, ranks, device)
+        parts, missing = distributed.all_gather_bytes(send, received, sizes, ranks, failed=own is not None)
         if missing:
             # Every rank saw the same flags, so every rank takes part in this one exchange of why.
             reasons = ranks.gather(None if own is None else f"{type(own).__name__}: {own}")

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ... import kernels
 from ...protocol import manifest_seal
 from ...protocol.pacing import AimdWindow, StoreMeter
@@ -33,7 +31,9 @@ from ...protocol.status import DeviceError, Status
 from .. import media
 from ..jobs import Job, JobTable
 from ..namespace import Namespace
-from ..namespace.snapshots import META_FILE, STATE_FILE, SUPERBLOCK_FILE, Snapshot
+from ..namespace import snapshot_pin
+from ..namespace.snapshot_pin import same_state
+from ..namespace.snapshots import Snapshot
 from ..superblock import Superblock
 
 if TYPE_CHECKING:
@@ -101,15 +101,6 @@ def _same_layout(spec: dict[str, Any]) -> str:
     return json.dumps({k: v for k, v in spec.items() if k not in ("name", "initial_step")}, sort_keys=True)
 
 
-def _same_state(a: Superblock, b: Superblock) -> bool:
-    """The same committed state: step, hyperparameters and every block's checksum (not the
-    record's sequence, copy or counters, which a restore or a clone starts afresh)."""
-    return (a.committed_step == b.committed_step and a.mode == b.mode
-            and all(getattr(a, f) == getattr(b, f) for f in ("lr", "beta1", "beta2", "eps", "weight_decay",
-                                                               "last_grad_scale"))
-            and np.array_equal(a.block_crcs, b.block_crcs) and np.array_equal(a.extra_groups, b.extra_groups))
-
-
 def stored_version_of(store: Store, version: Location, namespace: Namespace, snapshot: Snapshot) -> bool | None:
     """Whether the store holds a complete version at `version`, and of what: None, none (no
     manifest: nothing, or an upload cut short); True, one of the same state as `snapshot` (its
@@ -135,7 +126,7 @@ def stored_version_of(store: Store, version: Location, namespace: Namespace, sna
     if len(raw) != expected["bytes"] or kernels.crc32c(raw) != expected["crc32c"] or stored is None:
         raise DeviceError(Status.SNAPSHOT_EXISTS, f"{version.url}/{SUPERBLOCK_OBJECT} fails its CRC32C (or does "
                                                   "not decode); the version there is not replaced")
-    return _same_state(stored, snapshot.superblock)
+    return same_state(stored, snapshot.superblock)
 
 
 # ---------------------------------------------------------------------- upload
@@ -294,66 +285,10 @@ def manifest_for(namespace: Namespace, snapshot: Snapshot, request: Request, crc
     }
 
 
-def _read_at(dir_fd: int, name: str) -> bytes:
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def pin_snapshot(namespace: Namespace, tag: object) -> tuple[Snapshot, int, bytes, bytes]:
-    """Snapshot `tag` as the namespace lists it, with a read-only descriptor of its state file
-    and the bytes of its superblock and meta.json: all three read through one descriptor of its
-    directory, which is checked to be that snapshot's (meta.json's random id; the superblock's
-    step and block checksums). A snapshot directory never changes once made, and its files stay
-    readable through their descriptors when it is deleted, so what the upload reads is one
-    snapshot, whole, and the manifest's labels (step, id, created) are its own. A tag deleted,
-    or deleted and taken again, between the lookup and the pin is SNAPSHOT_NOT_FOUND, with
-    nothing pinned: never the old snapshot's step on the new one's state, nor the old
-    superblock beside the new state."""
-    snapshot = namespace.snapshots.get(tag)
-    gone = DeviceError(Status.SNAPSHOT_NOT_FOUND,
-                       f"snapshot {snapshot.tag!r} of namespace {namespace.name!r} was deleted or replaced (by "
-                       "another of the same tag) while the archive started; nothing was uploaded: archive it again")
-    try:
-        dir_fd = os.open(snapshot.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise gone from None
-    except OSError as exc:
-        raise DeviceError(Status.UNRECOVERED_READ_ERROR, f"snapshot {snapshot.tag!r} cannot be read: {exc}") from None
-    state_fd = -1
-    try:
-        try:
-            meta = _read_at(dir_fd, META_FILE)
-            superblock = _read_at(dir_fd, SUPERBLOCK_FILE)
-            state_fd = os.open(STATE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        except FileNotFoundError:  # removed meanwhile (a delete renames, then removes the files)
-            raise gone from None
-        except OSError as exc:
-            raise DeviceError(Status.UNRECOVERED_READ_ERROR,
-                              f"snapshot {snapshot.tag!r} cannot be read: {exc}") from None
-        try:
-            same = int(json.loads(meta)["id"]) == snapshot.snapshot_id  # as SnapshotStore._read reads it
-        except (ValueError, TypeError, KeyError):
-            same = False
-        if not same:
-            raise gone
-        decoded = Superblock.decode(superblock, namespace.total_blocks, len(namespace.spec.group_hypers))
-        if decoded is None or not _same_state(decoded, snapshot.superblock):
-            raise DeviceError(Status.UNRECOVERED_READ_ERROR,
-                              f"snapshot {snapshot.tag!r}: its superblock on the media is not the one the "
-                              "device read when it listed the snapshot; nothing was uploaded")
-    except BaseException:
-        if state_fd >= 0:
-            os.close(state_fd)
-        raise
-    finally:
-        os.close(dir_fd)
-    return snapshot, state_fd, superblock, meta
+    """Snapshot `tag` pinned for the upload (namespace/snapshot_pin.py): it, its state file's
+    descriptor, its superblock's and meta.json's bytes, all one snapshot's."""
+    return snapshot_pin.pin(namespace, tag, "archive", "nothing was uploaded")
 
 
 def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any,

@@ -28,6 +28,7 @@ from .. import media
 from ...protocol.status import DeviceError, Status
 from ..jobs import Job, JobTable
 from ..layout import TensorLayout, region_offset
+from ..namespace import snapshot_pin
 from ..namespace.snapshots import CHECKSUM_ROLES, STATE_FILE, Snapshot
 from ..superblock import Superblock
 
@@ -338,9 +339,9 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) ->
     job. Whatever fails before the job starts leaves nothing behind."""
     request = _parse(payload)
     tag = request.get("tag")
-    snapshot: Snapshot | None = namespace.snapshots.get(tag) if tag is not None else None
-    if snapshot is None:
+    if tag is None:
         namespace.snapshots.check_committed()
+    snapshot: Snapshot | None = None
     optimizer_state = request.get("optimizer_state", False)
     job_id = jobs.next_id()
     staging = device.path / EXPORTS_DIR / f".job-{job_id}"
@@ -350,6 +351,10 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) ->
     made_directory: Path | None = None  # a namespace's default directory, removed if left empty
     out_fd = source_fd = -1
     try:
+        if tag is not None:
+            # Pinned first: a delete, or a delete and a new snapshot of the same tag, from here
+            # on changes nothing of what is read (its descriptor) nor of how the file labels it.
+            snapshot, source_fd, _, _ = snapshot_pin.pin(namespace, tag, "export", "nothing was written")
         if target is not None:
             _check_target(device.path, target, overwrite)
             if not overwrite:
@@ -357,11 +362,10 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) ->
             tmp, out_fd = _open_temp(target, job_id)
         if snapshot is not None:
             superblock = snapshot.superblock
-            source = snapshot.state_path
         else:
             staging.mkdir(parents=True)
             superblock = namespace.snapshots.capture(staging)
-            source = staging / STATE_FILE
+            source_fd = os.open(staging / STATE_FILE, os.O_RDONLY)
         file_plan = plan(namespace, superblock, tag, optimizer_state)
         if target is None:
             target = default_path(device.path, namespace.name, superblock.committed_step, tag)
@@ -371,7 +375,6 @@ def start(device: Device, jobs: JobTable, namespace: Namespace, payload: Any) ->
                 target.parent.mkdir(parents=True, exist_ok=True)
                 tmp, out_fd = _open_temp(target, job_id)
             made_directory = target.parent
-        source_fd = os.open(source, os.O_RDONLY)  # a snapshot deleted meanwhile stays readable
     except BaseException:
         _close(out_fd, source_fd)
         _remove_temporary(tmp, made_directory)

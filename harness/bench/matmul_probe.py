@@ -2,7 +2,7 @@
 
 The peers section trains its GPT in BF16 (cossd's BF16 params, the resident rows' BF16
 autocast). A CPU without BF16 matrix instructions (AVX-512 BF16, AMX) runs torch's BF16 matmul
-tens to hundreds of times below FP32 (an AVX2 EPYC: 0.4 GFLOP/s against 67): every row's step
+tens of times below FP32 (an AVX2 EPYC: 1.1 GFLOP/s against 58.5 at this shape): every row's step
 is then mostly forward and backward, and the rows say little of the optimizer or the storage.
 The report says so rather than print ratios near 1.0 that look like a result.
 """

@@ -84,9 +84,10 @@ def deepspeed_missing() -> str | None:
     return None
 
 
-# A JIT build of DeepSpeed's ops takes a few minutes here; a lock untouched for longer was left by a
-# build that was killed (torch's FileBaton is a bare file: no owner to ask).
-STALE_LOCK_S = 900
+# A JIT build of DeepSpeed's ops takes a few minutes here (async_io about 5 on 2 busy cores); a
+# lock untouched for as long as a worker may run at all was left by a build that was killed
+# (torch's FileBaton is a bare file: no owner to ask).
+STALE_LOCK_S = 1800
 
 
 def stale_build_locks(now: float | None = None) -> list[Path]:

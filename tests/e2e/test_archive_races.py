@@ -2,7 +2,8 @@
 again under the same tag while its archive starts (by a second client of `cossd serve`, the store
 paused with SIGSTOP; and in the daemon's own code at each point of the start), and restores into
 a folder that a restore killed with kill -9 left (a user's file put there since, a half-done move
-of the device up), a second restore while the first still runs, a restore into a mounted device."""
+of the device up), a second restore while the first still runs, a restore into a mounted device;
+and an export whose snapshot is replaced as it starts."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors
 from conftest import start_mount, stop_mount
 from cossd.client import AdminClient
 from cossd.client import archive as archive_calls
@@ -24,6 +26,7 @@ from cossd.client import snapshots as snapshot_calls
 from cossd.emulator import Device, DeviceError, Status
 from cossd.emulator.archive import restore as archive_restore, versions as archive
 from cossd.emulator.jobs import JobTable
+from cossd.emulator.snapshots import export as snapshot_export
 from cossd.emulator.namespace import NamespaceSpec
 from cossd.emulator.superblock import Superblock
 from s3_server import WeedServer, weed_in_environment
@@ -175,6 +178,40 @@ def retake_a1(device: Device, prepared: Path) -> bytes:
     return (prepared / "ns/m/snapshots/a1/state").read_bytes()
 
 
+def test_an_export_of_a_snapshot_replaced_after_its_lookup_is_refused_whole(prepared: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """EXPORT pins its snapshot as ARCHIVE does: snapshot a1 deleted and taken again (at step 2)
+    right after the export looked it up. Before, the export read the new snapshot's state
+    against the old one's superblock and failed part way on a checksum; now its start is
+    refused, SNAPSHOT_NOT_FOUND, nothing written; exported again, the file is the new
+    snapshot's, labelled with its step."""
+    target = prepared.parent / "a1.safetensors"
+    with Device.open(prepared) as device:
+        namespace = device.namespaces["m"].as_optimizer()
+        original_get = namespace.snapshots.get
+        fired: list[bool] = []
+
+        def get(wanted: object) -> Any:
+            found = original_get(wanted)
+            if not fired:
+                fired.append(True)
+                namespace.snapshots.delete("a1")
+                namespace.snapshots.create("a1", device.reserve)
+            return found
+
+        monkeypatch.setattr(namespace.snapshots, "get", get)
+        with pytest.raises(DeviceError) as refused:
+            snapshot_export.start(device, JobTable(), namespace, {"tag": "a1", "path": str(target)})
+        assert refused.value.status == Status.SNAPSHOT_NOT_FOUND, refused.value.message
+        assert "while the export started; nothing was written: export it again" in refused.value.message
+        assert fired and not target.exists() and not list(target.parent.glob(f".{target.name}*"))
+        job = snapshot_export.start(device, JobTable(), namespace, {"tag": "a1", "path": str(target)})
+        wait_job(job)
+        assert job.state == "done", job.error
+    with safetensors.safe_open(str(target), "np") as exported:
+        assert exported.metadata()["cossd.step"] == "2" and exported.metadata()["cossd.snapshot"] == "a1"
+
+
 def test_an_overwrite_keeps_the_version_it_replaces_until_it_is_complete(prepared: Path, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """`cossd archive --force` of a tag archived already, after the tag was taken again at a
@@ -250,6 +287,31 @@ def test_an_archive_whose_manifest_upload_lands_though_reported_failed_is_done(
     assert sorted(store.keys(location)) == sorted(
         [location.key(archive.MANIFEST_OBJECT)] + [archive.object_key(location, manifest, name) for name in
                                                    (archive.STATE_OBJECT, archive.SUPERBLOCK_OBJECT, archive.META_OBJECT)])
+
+
+def test_a_first_archive_whose_manifest_upload_fails_before_landing_is_failed(
+        prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other side of the test above: the manifest's PUT fails and nothing lands. The
+    read-back finds no manifest, so the job reports the failure and the store holds no version;
+    archiving the tag again then completes it."""
+    url = f"s3://{BUCKET}/lost-put"
+    location = archive.parse_url(f"{url}/m/a1")
+    states = {1: (prepared / "ns/m/snapshots/a1/state").read_bytes()}
+    with Device.open(prepared) as device:
+        original_put = archive.Store.put
+
+        def put(self: archive.Store, bucket: str, key: str, data: bytes) -> None:
+            if key == location.key(archive.MANIFEST_OBJECT):
+                raise DeviceError(Status.DATA_TRANSFER_ERROR, "injected: the manifest's PUT failed")
+            original_put(self, bucket, key, data)
+
+        monkeypatch.setattr(archive.Store, "put", put)
+        job = archive_a1(device, url, False)
+        assert job.state == "failed" and "injected" in str(job.error), (job.state, job.error)
+        assert check_version(f"{url}/m/a1", states, tmp_path) is None
+        monkeypatch.setattr(archive.Store, "put", original_put)
+        assert archive_a1(device, url, False).state == "done"
+    assert check_version(f"{url}/m/a1", states, tmp_path) == 1
 
 
 @pytest.mark.parametrize("point", ["lookup", "check_bucket", "exists", "lineage"])
