@@ -82,7 +82,8 @@ def main() -> int:
         if config.get("torch"):  # the reference: torch's AdamW under the same DeepSpeed config
             optimizer = torch.optim.AdamW(groups(model), lr=LR)
         elif not config.get("optimizer_before_ranks"):
-            optimizer = AdamW(groups(model), lr=LR, mount=config["mount"], namespace=config["namespace"],
+            mount = config.get("mount_of_rank", {}).get(str(rank), config["mount"])
+            optimizer = AdamW(groups(model), lr=LR, mount=mount, namespace=config["namespace"],
                               step_timeout_s=config.get("step_timeout_s", 60.0), grad_dtype=config.get("grad_dtype"))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(config))
     except Exception as exc:

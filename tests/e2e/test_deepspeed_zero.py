@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the optional framework tier: `make frameworks`)")
 
+from cossd.client import AdminClient  # noqa: E402
 from helpers import free_port, remove_deepspeed_shm  # noqa: E402
 from ranks import bits_equal, finished, mounted_device, spawn_ranks  # noqa: E402
 
@@ -237,6 +238,21 @@ def test_unsupported_combinations_refused_at_initialize(device: Any, tmp_path: P
         assert not probe.exists()
     finally:
         probe.close()
+
+
+def test_a_rank_that_cannot_open_its_mount_fails_every_rank_where_deepspeed_defers(device: Any,
+                                                                                   tmp_path: Path) -> None:
+    """ZeRO-2 at 2 ranks on a new namespace: with deepspeed imported, rank 0's optimizer waits
+    for deepspeed.initialize to open it, while rank 1's mount is no mount at all. Both ranks
+    fail at construction with rank 1's reason (before, rank 1's failure went into an exchange
+    that rank 0, gone on to deepspeed.initialize, never joined), and nothing is created."""
+    out = tmp_path / "job"
+    codes = run(device, out, 2, namespace="ds-nomount", mount_of_rank={"1": str(tmp_path / "missing")})
+    assert codes == [4, 4], (codes, (out / "logs.txt").read_text()[-3000:])
+    assert "is not a mounted cossd device" in (out / "error1.txt").read_text()
+    assert "could not open the optimizer: rank 1: FileNotFoundError" in (out / "error0.txt").read_text()
+    with AdminClient(device.mountpoint) as admin:
+        assert "ds-nomount" not in [entry["name"] for entry in admin.describe()["namespaces"]]
 
 
 def test_zero2_optimizer_made_before_the_process_group(device: Any, tmp_path: Path) -> None:
