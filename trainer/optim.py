@@ -202,6 +202,8 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
             self._initialized = True
             return
         assert isinstance(mount, (str, os.PathLike))  # mount_list answered None: one path or URL
+        opened: list[NamespaceFiles] = []  # closed again where construction fails from here on
+
         def open_files() -> bool:
             """This rank's mount opened; whether its namespace waits for deepspeed.initialize.
             Where deepspeed is imported, the namespace waits for deepspeed.initialize (or the
@@ -211,6 +213,7 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
             DeepSpeed: deepspeed/zero.py."""
             self.files = NamespaceFiles(mount, namespace, timeout_s, use_cmb=use_cmb, credentials=credentials,
                                         command_set=transport)
+            opened.append(self.files)
             if process_group is not None:
                 return False
             from .deepspeed import zero as deepspeed_zero
@@ -219,22 +222,31 @@ class _DeviceAdam(StepGuards, DeviceGroup, Rebind, StateDict, ShardedSession, De
             # deepspeed may be imported later: its initialize must still bind this
             return deepspeed_zero.defers_before_import(self, streaming, mounts is not None)
 
-        if self._ranks is None:
-            self._ds_deferred = open_files()
-        else:
-            # One exchange before any rank goes on: a rank whose mount (or whose device read
-            # here) fails fails every rank with its reason, whichever way the others would go
-            # on: opening now (_open_sharded's exchanges), or waiting for deepspeed.initialize,
-            # whose collectives are DeepSpeed's own.
-            deferring = distributed.together(self._ranks, open_files, "cossd: a rank could not open the optimizer",
-                                             reraise_own=True)
-            if len(set(deferring)) > 1:
-                raise RuntimeError(
-                    f"cossd: ranks {[r for r, d in enumerate(deferring) if d]} would wait for deepspeed.initialize to "
-                    f"open namespace {namespace!r} and ranks {[r for r, d in enumerate(deferring) if not d]} would open "
-                    "it now (the namespace changed while they looked, or their environments differ: WORLD_SIZE, "
-                    "the import of deepspeed); nothing was opened. Construct the optimizer again on every rank")
-            self._ds_deferred = deferring[self._ranks.rank]
+        try:
+            if self._ranks is None:
+                self._ds_deferred = open_files()
+            else:
+                # One exchange before any rank goes on: a rank whose mount (or whose device read
+                # here) fails fails every rank with its reason, whichever way the others would go
+                # on: opening now (_open_sharded's exchanges), or waiting for deepspeed.initialize,
+                # whose collectives are DeepSpeed's own.
+                deferring = distributed.together(self._ranks, open_files,
+                                                 "cossd: a rank could not open the optimizer", reraise_own=True)
+                if len(set(deferring)) > 1:
+                    raise RuntimeError(
+                        f"cossd: ranks {[r for r, d in enumerate(deferring) if d]} would wait for deepspeed.initialize "
+                        f"to open namespace {namespace!r} and ranks {[r for r, d in enumerate(deferring) if not d]} "
+                        "would open it now (the namespace changed while they looked, or their environments differ: "
+                        "WORLD_SIZE, the import of deepspeed); nothing was opened. Construct the optimizer again on "
+                        "every rank")
+                self._ds_deferred = deferring[self._ranks.rank]
+        except BaseException:
+            for files in opened:  # a healthy rank's mount too, where another rank's failed
+                try:
+                    files.close()
+                except Exception:  # noqa: BLE001 - the construction's own error is the one to raise
+                    pass
+            raise
         if self._ds_deferred:
             self.cmb_pinned = False
             self._initialized = True

@@ -59,6 +59,19 @@ def synthetic_grads(step: int, params: list[torch.Tensor]) -> list[torch.Tensor]
     return [(torch.randn(p.shape, generator=generator) * 0.01).to(p.dtype) for p in params]
 
 
+def held_under(folder: str) -> list[str]:
+    """The paths under `folder` that this process has open (its /proc/self/fd links)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        if target == folder or target.startswith(folder.rstrip("/") + "/"):
+            held.append(target)
+    return held
+
+
 def main() -> int:
     config = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -81,6 +94,8 @@ def main() -> int:
         optimizer = make_optimizer(model, config, mount)
     except Exception as exc:
         (out / f"error{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        # What of the device this process still holds open (a failed construction leaves nothing).
+        (out / f"held{rank}.txt").write_text("\n".join(held_under(str(mount))))
         if world > 1:
             # Torn down before exit: a live gloo group at interpreter exit can abort the process
             # ("terminate called without an active exception") instead of exiting 4.

@@ -182,12 +182,14 @@ def test_resume_on_other_world_sizes(mount: Mount, tmp_path: Path) -> None:
 
 def test_a_rank_that_cannot_open_fails_every_rank(mount: Mount, tmp_path: Path) -> None:
     """One rank given a path that is no mount: every rank fails at construction with its
-    reason (none waits for it), and nothing is created on the device."""
+    reason (none waits for it), nothing is created on the device, and the rank whose mount
+    opened holds nothing of it open."""
     out = tmp_path / "job"
     codes = run_job(mount, out, "nomount", 2, 2, mount_of_rank={"1": str(tmp_path / "missing")})
     assert codes == [4, 4], (codes, (out / "logs.txt").read_text()[-4000:])
     assert "is not a mounted cossd device" in (out / "error1.txt").read_text()
     assert "could not open the optimizer: rank 1: FileNotFoundError" in (out / "error0.txt").read_text()
+    assert (out / "held0.txt").read_text() == ""  # rank 0 opened its mount, and closed it again
     with AdminClient(mount.mountpoint) as admin:
         assert "nomount" not in [entry["name"] for entry in admin.describe()["namespaces"]]
 
